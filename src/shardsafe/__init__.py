@@ -1,0 +1,41 @@
+"""shardsafe: correct, fast, crash-safe checkpoints for PyTorch, however the state is sharded.
+
+Public API (everything else is private and may change)::
+
+    shardsafe.save(path, state, layout="sharded" | "consolidated")
+    shardsafe.load(path, state, strict=True) -> dict of plain values
+    shardsafe.CheckpointManager(root, keep_last=k)
+    shardsafe.RNGState()
+    shardsafe.register_adapter(adapter) / shardsafe.Adapter
+    shardsafe.CheckpointError and its children
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .adapters import Adapter, RNGState, register_adapter
+from .checkpoint.api import load, read_manifest, save
+from .checkpoint.manager import CheckpointManager
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
+
+__all__ = [
+    "Adapter",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
+    "RNGState",
+    "__version__",
+    "load",
+    "read_manifest",
+    "register_adapter",
+    "save",
+]

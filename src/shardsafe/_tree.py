@@ -1,0 +1,141 @@
+"""Lossless, pickle-free encoding of state trees (what ``state_dict()`` returns) as JSON.
+
+Tensors are cut out of the tree and replaced by references (``{"__tensor__": key}``);
+they travel in safetensors files. Everything else must be plain data. JSON alone loses
+information a resume depends on (tuples become lists, ``inf`` is not JSON, dict keys
+become strings), so those cases are tagged and restored exactly. Anything else (a
+function, an arbitrary object) is refused with the path of the offending value, because
+the only way to store it would be pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointError
+
+JSON = Any
+TensorSink = Callable[[tuple[str, ...], torch.Tensor], str]
+"""Called with the path of a tensor inside the tree; stores it and returns its key."""
+
+_TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__")
+
+
+def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ()) -> JSON:
+    """Encode ``value`` as JSON, handing every tensor to ``sink``.
+
+    ``where`` names the value for error messages (e.g. ``state['scheduler']``).
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": sink(path, value)}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, bytes):
+        return {"__bytes__": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, where, sink, (*path, str(i))) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, where, sink, (*path, str(i))) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        return _encode_mapping(value, where, sink, path)
+    item = getattr(value, "item", None)
+    if callable(item) and type(value).__module__ == "numpy":
+        return encode(item(), where, sink, path)
+    raise CheckpointError(
+        f"cannot save {where}{_format_path(path)}: a value of type {type(value).__qualname__} is "
+        "neither a tensor nor JSON-able data, and shardsafe never pickles. Convert it to "
+        "numbers, strings, lists or dicts (or a tensor) in state_dict(), or leave it out."
+    )
+
+
+def _encode_mapping(
+    value: Mapping[Any, Any], where: str, sink: TensorSink, path: tuple[str, ...]
+) -> JSON:
+    plain = all(isinstance(k, str) and k not in _TAGS for k in value)
+    if plain:
+        return {k: encode(v, where, sink, (*path, k)) for k, v in value.items()}
+    pairs = []
+    for k, v in value.items():
+        if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
+            raise CheckpointError(
+                f"cannot save {where}{_format_path(path)}: dict key {k!r} of type "
+                f"{type(k).__qualname__} is not a string, number or tuple."
+            )
+        pairs.append([encode(k, where, sink, path), encode(v, where, sink, (*path, str(k)))])
+    return {"__dict__": pairs}
+
+
+def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Invert :func:`encode`, taking tensors from ``tensors`` by key."""
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        ((tag, payload),) = obj.items()
+        if tag == "__tensor__":
+            if payload not in tensors:
+                raise CheckpointCorruptError(
+                    f"the manifest refers to tensor {payload!r}, which no data file holds"
+                )
+            return tensors[payload]
+        if tag == "__tuple__":
+            return tuple(decode(v, tensors) for v in _expect(payload, list, tag))
+        if tag == "__float__":
+            return float(_expect(payload, str, tag))
+        if tag == "__bytes__":
+            return base64.b64decode(_expect(payload, str, tag))
+        if tag == "__dtype__":
+            dtype = getattr(torch, _expect(payload, str, tag), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointCorruptError(f"unknown dtype {payload!r} in the manifest")
+            return dtype
+        if tag == "__dict__":
+            return {
+                _hashable(decode(k, tensors)): decode(v, tensors)
+                for k, v in _expect(payload, list, tag)
+            }
+    return {k: decode(v, tensors) for k, v in obj.items()}
+
+
+def tensor_refs(obj: JSON) -> list[str]:
+    """Every tensor key referenced anywhere inside an encoded tree."""
+    found: list[str] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if len(item) == 1 and isinstance(item.get("__tensor__"), str):
+                found.append(item["__tensor__"])
+            else:
+                stack.extend(item.values())
+    return found
+
+
+def _expect(payload: Any, kind: type, tag: str) -> Any:
+    if not isinstance(payload, kind):
+        raise CheckpointCorruptError(f"malformed {tag} value in the manifest: {payload!r:.80}")
+    return payload
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        raise CheckpointCorruptError("malformed dict key in the manifest: a list")
+    return key
+
+
+def _format_path(path: tuple[str, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path)

@@ -1,0 +1,80 @@
+"""DTensor (FSDP2, tensor parallel) helpers: which box of the global tensor this rank holds.
+
+Kept apart so that the rest of shardsafe does not import DTensor machinery, which moved
+between torch releases (``torch.distributed._tensor`` before 2.5).
+
+DTensor support is imported lazily: importing it costs half a second, and a value can only
+be a DTensor if the user's program has imported it already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ..checkpoint.entries import Chunk
+from ..errors import CheckpointError
+
+_DTENSOR_MODULES = ("torch.distributed.tensor._api", "torch.distributed._tensor.api")
+
+
+def _dtensor_class() -> Any:
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return module.DTensor
+    return None
+
+
+def is_dtensor(value: object) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
+
+
+def local_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(global offsets, local shape)`` of this rank's shard."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch 2.4
+        from torch.distributed._tensor._utils import (  # type: ignore[no-redef,import-not-found,unused-ignore]
+            compute_local_shape_and_global_offset,
+        )
+    shape, offsets = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return tuple(offsets), tuple(shape)
+
+
+def local_chunk(key: str, value: Any) -> Chunk | None:
+    """The chunk this rank writes for a DTensor, or ``None`` if another replica writes it."""
+    placements = value.placements
+    if any(p.is_partial() for p in placements):
+        raise CheckpointError(
+            f"{key!r} is a DTensor with a Partial placement; reduce it "
+            "(e.g. .redistribute() to Shard/Replicate) before saving"
+        )
+    local = value.to_local().detach()
+    if all(p.is_replicate() for p in placements):
+        return Chunk(key, local, tuple(value.shape), (0,) * value.dim(), replicated=True)
+    coords = value.device_mesh.get_coordinate() or []
+    if any(p.is_replicate() and c != 0 for p, c in zip(placements, coords)):
+        return None  # a replica of a shard another rank (coordinate 0) writes
+    offsets, shape = local_box(value)
+    return Chunk(key, local.reshape(shape), tuple(value.shape), offsets, replicated=False)
+
+
+def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` shaped as ``template``: wrapped as a DTensor with its placements if needed."""
+    if not is_dtensor(template):
+        return local
+    t: Any = template
+    wrapped: torch.Tensor = _dtensor_class().from_local(
+        local.to(t.device_mesh.device_type),
+        t.device_mesh,
+        t.placements,
+        shape=t.shape,
+        stride=t.stride(),
+    )
+    return wrapped

@@ -1,0 +1,132 @@
+"""``nn.Module`` state: plain, DDP-wrapped, ``torch.compile``-d, or with DTensor parameters.
+
+Keys are the module's own state-dict names (``model/fc.weight``), without the ``module.``
+prefix DDP adds, so a checkpoint loads whether or not the model is wrapped.
+
+Who writes what: parameters are identical on every rank under DDP, so they are offered
+as replicated and written once in total, by whichever rank has the least to write.
+Buffers are offered by rank 0 only: DDP broadcasts rank 0's buffers at each forward, so
+rank 0's are the ones an exact resume needs (other ranks' BatchNorm statistics can
+differ). DTensor values (FSDP2, tensor parallel) contribute their local shard at its
+global offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _tree
+from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
+from ..errors import CheckpointError
+from . import dtensor
+from .base import Adapter, Context, whole_chunk
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module whose parameter names a user sees: inside DDP and ``torch.compile``."""
+    while True:
+        inner = getattr(module, "module", None)
+        if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
+            module = inner
+            continue
+        orig = getattr(module, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            module = orig
+            continue
+        return module
+
+
+def param_names(state: Mapping[str, Any]) -> dict[int, str]:
+    """``id(param)`` -> FQN for every module in a state dict.
+
+    Names are the module's own (``fc.weight``); with several modules in one state dict
+    they are qualified by the state key (``generator.fc.weight``) so they stay unique.
+    """
+    modules = [(k, unwrap(v)) for k, v in state.items() if isinstance(v, nn.Module)]
+    names: dict[int, str] = {}
+    for key, module in modules:
+        for fqn, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), fqn if len(modules) == 1 else f"{key}.{fqn}")
+    return names
+
+
+class ModuleAdapter(Adapter):
+    kind = "module"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, nn.Module)
+
+    def save(self, obj: nn.Module, ctx: Context) -> SaveItem:
+        module = unwrap(obj)
+        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        chunks: list[Chunk] = []
+        names: list[str] = []
+        extra: dict[str, Any] = {}
+        for name, value in module.state_dict().items():
+            if not isinstance(value, torch.Tensor):
+                extra[name] = _tree.encode(value, f"state[{ctx.name!r}][{name!r}]", _refuse_tensor)
+                continue
+            names.append(name)
+            key = ctx.key(name)
+            if dtensor.is_dtensor(value):
+                chunk = dtensor.local_chunk(key, value)
+                if chunk is not None:
+                    chunks.append(chunk)
+            elif name in params:
+                chunks.append(whole_chunk(key, value, replicated=True))
+            elif ctx.rank == 0:
+                chunks.append(whole_chunk(key, value, replicated=False))
+        return SaveItem(self.kind, {"tensors": names, "extra": extra}, chunks)
+
+    def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: Context) -> LoadPlan:
+        live = unwrap(obj).state_dict()
+        saved_names = set(_saved_names(saved))
+        plan = LoadPlan()
+        for name, value in live.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if name not in saved_names:
+                if ctx.strict:
+                    plan.missing.append(ctx.key(name))
+                continue
+            plan.requests.append(_request(ctx.key(name), value))
+        plan.unexpected = [ctx.key(n) for n in sorted(saved_names - set(live))]
+        return plan
+
+    def restore(
+        self, obj: nn.Module, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        module = unwrap(obj)
+        live = module.state_dict()
+        state: dict[str, Any] = {}
+        for name, value in live.items():
+            key = ctx.key(name)
+            if isinstance(value, torch.Tensor) and key in tensors:
+                state[name] = dtensor.like(value, tensors[key])
+        for name, raw in saved.meta.get("extra", {}).items():
+            if name in live:
+                state[name] = _tree.decode(raw, {})
+        module.load_state_dict(state, strict=False)
+
+
+def _saved_names(saved: SavedValue) -> list[str]:
+    names = saved.meta.get("tensors") if isinstance(saved.meta, dict) else None
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def _request(key: str, value: torch.Tensor) -> ReadRequest:
+    if dtensor.is_dtensor(value):
+        offsets, shape = dtensor.local_box(value)
+        return ReadRequest(key, offsets, shape, value.dtype, tuple(value.shape))
+    return ReadRequest(key, dtype=value.dtype, global_shape=tuple(value.shape))
+
+
+def _refuse_tensor(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+    raise CheckpointError(
+        "a module's extra state holds a tensor inside a non-tensor value; return tensors as "
+        "ordinary state-dict entries instead"
+    )

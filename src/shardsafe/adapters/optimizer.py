@@ -1,0 +1,195 @@
+"""Optimizer state keyed by parameter name, never by position.
+
+torch's ``optimizer.state_dict()`` numbers parameters by their position in the param
+groups, which changes as soon as a model is refactored or the optimizer is sharded
+differently. Here every state tensor is keyed ``<name>/<param fqn>/<state name>`` and
+param groups list parameter names, with their hyperparameters stored exactly (tuples
+stay tuples, floats are bit-exact). One format serves plain optimizers, ZeRO and OSS
+(see ``partitioned.py``) and FSDP2, so a checkpoint written by one loads into another.
+
+Restoring goes through the optimizer's own ``load_state_dict`` (with positions rebuilt
+from names), so torch's rules for dtype and device placement of state still apply, and
+parameters are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import _tree
+from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
+from ..errors import CheckpointCorruptError
+from . import dtensor
+from .base import Adapter, Context, whole_chunk
+
+GROUPS = "@groups"
+"""Key segment for tensors inside param-group hyperparameters (not a valid FQN)."""
+
+
+def export_state(
+    groups: list[dict[str, Any]], local: torch.optim.Optimizer, ctx: Context, *, replicated: bool
+) -> SaveItem:
+    """Encode ``local``'s state and the hyperparameters of the (global) ``groups``."""
+    chunks: list[Chunk] = []
+    where = f"state[{ctx.name!r}]"
+
+    def sink_under(*prefix: str) -> _tree.TensorSink:
+        def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+            key = ctx.key(*prefix, *path)
+            if dtensor.is_dtensor(tensor):
+                chunk = dtensor.local_chunk(key, tensor)
+                if chunk is not None:
+                    chunks.append(chunk)
+            else:
+                chunks.append(whole_chunk(key, tensor, replicated=replicated))
+            return key
+
+        return sink
+
+    local_params = [p for g in local.param_groups for p in g["params"]]
+    state: dict[str, Any] = {}
+    for index, param_state in local.state_dict()["state"].items():
+        fqn = ctx.param_fqn(local_params[index])
+        state[fqn] = {
+            name: _tree.encode(value, where, sink_under(fqn, name))
+            for name, value in param_state.items()
+        }
+    groups_meta = []
+    for i, group in enumerate(groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups_meta.append(
+            {
+                "params": [ctx.param_fqn(p) for p in group["params"]],
+                "hyper": _tree.encode(
+                    hyper, f"{where}.param_groups[{i}]", sink_under(GROUPS, str(i))
+                ),
+            }
+        )
+    shapes = {ctx.param_fqn(p): list(p.shape) for g in groups for p in g["params"]}
+    meta = {"param_groups": groups_meta, "param_shapes": shapes, "state": state}
+    return SaveItem("optimizer", meta, chunks)
+
+
+def plan_import(
+    groups: list[dict[str, Any]], local: torch.optim.Optimizer, saved: SavedValue, ctx: Context
+) -> LoadPlan:
+    """Requests for the state of ``local``'s parameters; mismatches against ``groups``."""
+    plan = LoadPlan()
+    meta = _meta(saved)
+    saved_groups = meta["param_groups"]
+    if len(saved_groups) != len(groups):
+        plan.mismatched.append(
+            f"{ctx.name}: the checkpoint has {len(saved_groups)} param group(s), the live "
+            f"optimizer {len(groups)}"
+        )
+        return plan
+    shapes = meta["param_shapes"]
+    for i, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+        live = {ctx.param_fqn(p): p for p in group["params"]}
+        stored = set(saved_group["params"])
+        if ctx.strict:
+            plan.missing += [f"{ctx.name}/{n} (param group {i})" for n in live if n not in stored]
+        plan.unexpected += [f"{ctx.name}/{n} (param group {i})" for n in sorted(stored - set(live))]
+        for fqn, p in live.items():
+            if fqn in shapes and tuple(shapes[fqn]) != tuple(p.shape):
+                plan.mismatched.append(
+                    f"{ctx.name}/{fqn}: parameter shape {shapes[fqn]} in the "
+                    f"checkpoint, {list(p.shape)} live"
+                )
+    for p in (p for g in local.param_groups for p in g["params"]):
+        fqn = ctx.param_fqn(p)
+        for ref in _tree.tensor_refs(meta["state"].get(fqn, {})):
+            plan.requests.append(_request_for(ref, p, ctx))
+    for saved_group in saved_groups:
+        plan.requests += [ReadRequest(ref) for ref in _tree.tensor_refs(saved_group["hyper"])]
+    return plan
+
+
+def _request_for(ref: str, param: torch.Tensor, ctx: Context) -> ReadRequest:
+    """Sharded state of a DTensor parameter is read for this rank's shard only."""
+    saved = ctx.saved_tensors.get(ref)
+    if saved is not None and dtensor.is_dtensor(param) and saved[1] == tuple(param.shape):
+        offsets, shape = dtensor.local_box(param)
+        return ReadRequest(ref, offsets, shape)
+    return ReadRequest(ref)
+
+
+def import_state(
+    groups: list[dict[str, Any]],
+    local: torch.optim.Optimizer,
+    saved: SavedValue,
+    tensors: Mapping[str, torch.Tensor],
+    ctx: Context,
+) -> None:
+    """Load the saved state of ``local``'s parameters through ``local.load_state_dict``."""
+    meta = _meta(saved)
+    local_params = [p for g in local.param_groups for p in g["params"]]
+    state: dict[int, Any] = {}
+    for index, p in enumerate(local_params):
+        raw = meta["state"].get(ctx.param_fqn(p))
+        if raw is not None:
+            state[index] = _tree.decode(raw, _shaped_like(p, raw, tensors))
+    hyper = [_tree.decode(g["hyper"], tensors) for g in meta["param_groups"]]
+    position = {id(p): i for i, p in enumerate(local_params)}
+    local_groups = [
+        {**hyper[i], "params": [position[id(p)] for p in g["params"]]}
+        for i, g in enumerate(local.param_groups)
+    ]
+    local.load_state_dict({"state": state, "param_groups": local_groups})
+
+
+def _shaped_like(
+    param: torch.Tensor, raw: Any, tensors: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
+    if not dtensor.is_dtensor(param):
+        return tensors
+    out = {}
+    for ref in _tree.tensor_refs(raw):
+        t = tensors[ref]
+        out[ref] = dtensor.like(param, t) if t.dim() == param.dim() and t.dim() else t
+    return out
+
+
+def _meta(saved: SavedValue) -> dict[str, Any]:
+    meta = saved.meta
+    if not (
+        isinstance(meta, dict)
+        and isinstance(meta.get("param_groups"), list)
+        and isinstance(meta.get("state"), dict)
+        and isinstance(meta.get("param_shapes"), dict)
+        and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and "hyper" in g
+            for g in meta["param_groups"]
+        )
+    ):
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} is not valid optimizer metadata"
+        )
+    return meta
+
+
+class OptimizerAdapter(Adapter):
+    """Any ``torch.optim.Optimizer`` whose state is complete on every rank (DDP, single)."""
+
+    kind = "optimizer"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, torch.optim.Optimizer)
+
+    def save(self, obj: torch.optim.Optimizer, ctx: Context) -> SaveItem:
+        return export_state(obj.param_groups, obj, ctx, replicated=True)
+
+    def plan_load(self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: Context) -> LoadPlan:
+        return plan_import(obj.param_groups, obj, saved, ctx)
+
+    def restore(
+        self,
+        obj: torch.optim.Optimizer,
+        saved: SavedValue,
+        tensors: Mapping[str, torch.Tensor],
+        ctx: Context,
+    ) -> None:
+        import_state(obj.param_groups, obj, saved, tensors, ctx)

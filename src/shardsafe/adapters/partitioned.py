@@ -1,0 +1,89 @@
+"""Optimizers that partition their state across ranks: ZeRO and fairscale's OSS.
+
+Both keep the global param groups (hyperparameters for every parameter) on every rank
+and a local optimizer (``.optim``) holding state only for the parameters this rank owns.
+shardsafe reads that local optimizer directly, so the user never calls
+``consolidate_state_dict()`` or ``state_dict()`` on the wrapper, and nothing is pickled:
+
+* save: each rank offers the state of the parameters it owns, keyed by name;
+* load: each rank asks only for the parameters it owns *now* (at any world size, since
+  ownership is by name), and loads them into its local optimizer. Hyperparameters go
+  to the global groups and are synced to the local optimizer, as the wrappers do.
+
+Supporting another partitioned optimizer with the same shape takes a subclass naming
+its type (see ``README.md``, "Adding an adapter").
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..checkpoint.entries import JSON, LoadPlan, SavedValue, SaveItem
+from .base import Adapter, Context
+from .optimizer import export_state, import_state, plan_import
+
+
+class PartitionedOptimizerAdapter(Adapter):
+    """Base for wrappers with global ``param_groups`` and a local optimizer in ``.optim``.
+
+    Set ``wrapper_type`` to the class, or ``wrapper_path`` to ``("module", "Class")`` to
+    match without importing the module (an object can only be an instance of a class
+    whose module its program has imported).
+    """
+
+    kind = "optimizer"
+    wrapper_type: type | None = None
+    wrapper_path: tuple[str, str] | None = None
+
+    def handles(self, obj: object) -> bool:
+        cls = self.wrapper_type
+        if cls is None and self.wrapper_path is not None:
+            module = sys.modules.get(self.wrapper_path[0])
+            cls = getattr(module, self.wrapper_path[1], None)
+        return cls is not None and isinstance(obj, cls)
+
+    def local(self, obj: Any) -> torch.optim.Optimizer:
+        """The optimizer that holds this rank's share of the state."""
+        return obj.optim  # type: ignore[no-any-return]
+
+    def sync_groups(self, source: list[dict[str, Any]], destination: list[dict[str, Any]]) -> None:
+        for src, dst in zip(source, destination):
+            for key, value in src.items():
+                if key != "params":
+                    dst[key] = value
+
+    def save(self, obj: Any, ctx: Context) -> SaveItem:
+        # A scheduler may have changed the global groups since the last step.
+        self.sync_groups(obj.param_groups, self.local(obj).param_groups)
+        return export_state(obj.param_groups, self.local(obj), ctx, replicated=False)
+
+    def merge(self, metas: list[JSON]) -> JSON:
+        merged = dict(metas[0])
+        merged["state"] = {fqn: s for meta in metas for fqn, s in meta["state"].items()}
+        return merged
+
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
+        return plan_import(obj.param_groups, self.local(obj), saved, ctx)
+
+    def restore(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        local = self.local(obj)
+        import_state(obj.param_groups, local, saved, tensors, ctx)
+        self.sync_groups(local.param_groups, obj.param_groups)
+
+
+class ZeroAdapter(PartitionedOptimizerAdapter):
+    """``torch.distributed.optim.ZeroRedundancyOptimizer``."""
+
+    wrapper_path = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
+
+
+class OSSAdapter(PartitionedOptimizerAdapter):
+    """``fairscale.optim.OSS``; fairscale is never imported by shardsafe itself."""
+
+    wrapper_path = ("fairscale.optim.oss", "OSS")

@@ -1,0 +1,117 @@
+"""Random number generator state, per rank: torch (CPU and CUDA), numpy and Python.
+
+Each rank draws different random numbers (dropout masks, data augmentation), so each
+rank's generators are saved separately and restored on the same rank. A rank that did
+not exist at save time (a larger world size on load) keeps its generators and a
+warning says so.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import _tree
+from ..checkpoint.entries import JSON, Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
+from ..errors import CheckpointCorruptError
+from .base import Adapter, Context, whole_chunk
+
+np: Any
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is optional
+    np = None
+
+
+class RNGState:
+    """Put one in the state dict to save and restore every RNG of every rank::
+
+    shardsafe.save(path, {"model": model, "rng": shardsafe.RNGState()})
+    """
+
+    def __repr__(self) -> str:
+        return "RNGState()"
+
+
+def capture() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    if np is not None:
+        algorithm, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = {
+            "algorithm": algorithm,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
+    return state
+
+
+def restore_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and np is not None:
+        s = state["numpy"]
+        np.random.set_state(
+            (
+                s["algorithm"],
+                s["keys"].numpy().astype(np.uint32),
+                s["pos"],
+                s["has_gauss"],
+                s["cached"],
+            )
+        )
+
+
+class RNGAdapter(Adapter):
+    kind = "rng"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, RNGState)
+
+    def save(self, obj: RNGState, ctx: Context) -> SaveItem:
+        chunks: list[Chunk] = []
+        prefix = f"rank-{ctx.rank:05d}"
+
+        def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+            key = ctx.key(prefix, *path)
+            chunks.append(whole_chunk(key, tensor, replicated=False))
+            return key
+
+        return SaveItem(self.kind, _tree.encode(capture(), f"state[{ctx.name!r}]", sink), chunks)
+
+    def merge(self, metas: list[JSON]) -> JSON:
+        return {"per_rank": metas}
+
+    def _mine(self, saved: SavedValue, ctx: Context) -> JSON | None:
+        per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None
+        if not isinstance(per_rank, list):
+            raise CheckpointCorruptError(f"the manifest entry for {saved.name!r} is not RNG state")
+        return per_rank[ctx.rank] if ctx.rank < len(per_rank) else None
+
+    def plan_load(self, obj: RNGState, saved: SavedValue, ctx: Context) -> LoadPlan:
+        mine = self._mine(saved, ctx)
+        refs = _tree.tensor_refs(mine) if mine is not None else []
+        return LoadPlan(requests=[ReadRequest(ref) for ref in refs])
+
+    def restore(
+        self, obj: RNGState, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        mine = self._mine(saved, ctx)
+        if mine is None:
+            warnings.warn(
+                f"state[{ctx.name!r}]: the checkpoint holds RNG state for "
+                f"{ctx.saved_world_size} rank(s); rank {ctx.rank} keeps its current RNG state",
+                stacklevel=2,
+            )
+            return
+        restore_state(_tree.decode(mine, tensors))

@@ -1,0 +1,94 @@
+"""Plain values (tensors and JSON-able data) and generic stateful objects (LR schedulers).
+
+Both are assumed identical on every rank, as they are in data-parallel training: rank 0's
+metadata is recorded and each tensor is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import _tree
+from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
+from . import dtensor
+from .base import Adapter, Context, whole_chunk
+
+_PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
+
+
+def encode_replicated(value: Any, ctx: Context, kind: str) -> SaveItem:
+    """Encode a tree whose tensors are the same on every rank (DTensors: their shards)."""
+    chunks: list[Chunk] = []
+
+    def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        key = ctx.key(*path)
+        if dtensor.is_dtensor(tensor):
+            chunk = dtensor.local_chunk(key, tensor)
+            if chunk is not None:
+                chunks.append(chunk)
+        else:
+            chunks.append(whole_chunk(key, tensor, replicated=True))
+        return key
+
+    meta = _tree.encode(value, f"state[{ctx.name!r}]", sink)
+    return SaveItem(kind, meta, chunks)
+
+
+def full_requests(saved: SavedValue) -> LoadPlan:
+    return LoadPlan(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(saved.meta)])
+
+
+class ValueAdapter(Adapter):
+    """Tensors and JSON-able values. Load returns them; a live tensor is also filled in place."""
+
+    kind = "value"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, _PLAIN)
+
+    def save(self, obj: Any, ctx: Context) -> SaveItem:
+        return encode_replicated(obj, ctx, self.kind)
+
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
+        plan = full_requests(saved)
+        if (
+            isinstance(obj, torch.Tensor)
+            and len(plan.requests) == 1
+            and saved.meta == {"__tensor__": ctx.name}
+        ):
+            plan.requests = [ReadRequest(ctx.name, dtype=obj.dtype, global_shape=tuple(obj.shape))]
+        return plan
+
+    def restore(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> Any:
+        value = _tree.decode(saved.meta, tensors)
+        if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(value)
+        return value
+
+
+class StatefulAdapter(Adapter):
+    """Anything with ``state_dict()``/``load_state_dict()``: LR schedulers, samplers, ..."""
+
+    kind = "stateful"
+
+    def handles(self, obj: object) -> bool:
+        return callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        )
+
+    def save(self, obj: Any, ctx: Context) -> SaveItem:
+        return encode_replicated(obj.state_dict(), ctx, self.kind)
+
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
+        return full_requests(saved)
+
+    def restore(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        obj.load_state_dict(_tree.decode(saved.meta, tensors))

@@ -1,0 +1,1 @@
+"""The checkpoint engine: format, planning, I/O and the save/load phases."""

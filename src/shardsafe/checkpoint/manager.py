@@ -1,0 +1,124 @@
+"""A directory of step checkpoints with a ``latest`` pointer and retention.
+
+Order of operations on save, chosen so that no crash loses the last good checkpoint:
+
+1. write ``root/step-<step>`` (data files, then ``manifest.json`` atomically);
+2. replace ``root/latest`` atomically (temp file, fsync, rename);
+3. only then delete older checkpoints beyond ``keep_last``, and leftovers of saves that
+   never committed. A checkpoint is deleted manifest first, so a crash half-way through
+   a deletion leaves a directory that is plainly not a checkpoint, never a broken one.
+
+``latest()`` trusts manifests, not the pointer: it returns the newest step directory
+that holds a ``manifest.json``. The pointer file is for humans and other tools.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any
+
+from ..distributed import world
+from ..errors import CheckpointError
+from .api import load
+from .manifest import MANIFEST_NAME
+from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S
+from .saving import save as _save
+from .storage import LocalStorage
+
+_STEP_DIR = re.compile(r"step-(\d{9,})")
+LATEST = "latest"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+class CheckpointManager:
+    """Saves ``root/step-<step>`` checkpoints, keeps the newest ``keep_last`` of them."""
+
+    def __init__(self, root: str | os.PathLike[str], keep_last: int | None = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
+        self.root = os.fspath(root)
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        layout: str = "sharded",
+        entry_timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ) -> str:
+        """Save ``state`` as step ``step`` on every rank; return the checkpoint's path."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        path = self.path_for(step)
+        if world()[0] == 0:
+            os.makedirs(self.root, exist_ok=True)
+        _save(
+            path,
+            state,
+            layout=layout,
+            entry_timeout=entry_timeout,
+            timeout=timeout,
+            buffer_bytes=buffer_bytes,
+            on_commit=lambda: self._publish(step),
+        )
+        return path
+
+    def _publish(self, step: int) -> None:
+        """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
+        LocalStorage(self.root).commit(LATEST, (step_dir_name(step) + "\n").encode())
+        keep = self.complete_steps()
+        if self.keep_last is not None:
+            keep = keep[-self.keep_last :]
+        for name in os.listdir(self.root):
+            match = _STEP_DIR.fullmatch(name)
+            if match and int(match.group(1)) not in keep and int(match.group(1)) != step:
+                _delete_checkpoint(os.path.join(self.root, name))
+
+    def complete_steps(self) -> list[int]:
+        """Steps of every committed checkpoint under ``root``, oldest first."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            match = _STEP_DIR.fullmatch(name)
+            if match and os.path.isfile(os.path.join(self.root, name, MANIFEST_NAME)):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> str | None:
+        """Path of the newest committed checkpoint, or ``None`` if there is none."""
+        steps = self.complete_steps()
+        return self.path_for(steps[-1]) if steps else None
+
+    def load_latest(self, state: Any, **load_kwargs: Any) -> dict[str, Any] | None:
+        """Load the newest checkpoint into ``state``; ``None`` if there is none yet."""
+        path = self.latest()
+        if path is None:
+            return None
+        return load(path, state, **load_kwargs)
+
+
+def _delete_checkpoint(path: str) -> None:
+    try:
+        manifest = os.path.join(path, MANIFEST_NAME)
+        if os.path.exists(manifest):
+            os.remove(manifest)
+            LocalStorage(path).sync_directory()
+        shutil.rmtree(path)
+    except OSError as e:
+        raise CheckpointError(
+            f"the new checkpoint is committed, but deleting the old checkpoint {path} failed: {e}"
+        ) from e

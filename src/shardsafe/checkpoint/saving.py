@@ -1,0 +1,224 @@
+"""``save``: the phases of writing a checkpoint and the agreement between them.
+
+enter (timed barrier) -> collect (adapters turn state into chunks; ranks exchange the
+shapes of what they hold) -> plan (identical on every rank) -> write (data files, each
+fsynced) -> commit (rank 0 writes ``manifest.json`` last, atomically).
+
+Every phase ends with an exchange (``shardsafe.distributed``), so an error on any rank
+stops all ranks at the same point with the same error, and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .._version import __version__
+from ..adapters import find_adapter
+from ..adapters.base import Adapter, Context
+from ..adapters.module import param_names
+from ..distributed import Coordinator
+from ..errors import CheckpointError
+from . import dtypes
+from .entries import Chunk, SavedValue, SaveItem
+from .manifest import LAYOUTS, MANIFEST_NAME, ChunkRecord, Manifest, TensorRecord
+from .planner import ChunkInfo, SavePlan, plan_save
+from .storage import LocalStorage
+from .writer import FileResult, WriteOptions, write_plan
+
+DEFAULT_BUFFER_BYTES = 64 << 20
+CRC_BLOCK_BYTES = 16 << 20
+DEFAULT_TIMEOUT_S = 1800.0
+
+State = Mapping[str, Any]
+
+
+def save(
+    path: str,
+    state: State,
+    *,
+    layout: str,
+    entry_timeout: float,
+    timeout: float,
+    buffer_bytes: int,
+    on_commit: Callable[[], None] | None = None,
+) -> None:
+    _check_save_args(path, state, layout, buffer_bytes)
+    storage = LocalStorage(path)
+    if storage.exists(MANIFEST_NAME):
+        raise CheckpointError(
+            f"{path} already holds a committed checkpoint; shardsafe never overwrites one. "
+            "Save to a new directory (CheckpointManager does this per step) or delete it first."
+        )
+    coord = Coordinator("save", path, timeout=timeout)
+    coord.enter(entry_timeout)
+    items, error = _collect(state, coord, storage)
+    offers = coord.exchange("collect", _offer(items) if error is None else None, error)
+    plan, adapters = _plan(items, offers, state, layout, coord.rank)
+    written, error = write_plan(
+        plan, coord.rank, _chunks(items), storage, WriteOptions(CRC_BLOCK_BYTES, buffer_bytes)
+    )
+    items.clear()  # drop references to staged state before waiting on others
+    try:
+        results = coord.exchange("write", written if error is None else None, error)
+    except CheckpointError:
+        for name in written:
+            storage.remove(name)
+        raise
+    error = None
+    if coord.rank == 0:
+        error = _commit(storage, plan, offers, adapters, results, on_commit)
+    coord.exchange("commit", None, error)
+
+
+def _check_save_args(path: str, state: State, layout: str, buffer_bytes: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if buffer_bytes < 1 << 20:
+        raise ValueError(f"buffer_bytes={buffer_bytes} is too small; use at least 1 MiB")
+    if not isinstance(state, Mapping) or not state:
+        raise ValueError(
+            "state must be a non-empty dict of name -> value, e.g. "
+            "{'model': model, 'optimizer': optimizer}"
+        )
+    for name in state:
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("@"):
+            raise ValueError(
+                f"state key {name!r} must be a non-empty string without '/' "
+                "that does not start with '@'"
+            )
+
+
+def _collect(
+    state: State, coord: Coordinator, storage: LocalStorage
+) -> tuple[dict[str, tuple[Adapter, SaveItem]], BaseException | None]:
+    items: dict[str, tuple[Adapter, SaveItem]] = {}
+    try:
+        if coord.rank == 0:
+            _clear_leftovers(storage)
+        names = param_names(state)
+        for name, obj in state.items():
+            adapter = find_adapter(obj, name)
+            ctx = Context(name, coord.rank, coord.world_size, names)
+            item = adapter.save(obj, ctx)
+            for chunk in item.chunks:
+                if not dtypes.is_supported(chunk.tensor.dtype):
+                    raise CheckpointError(
+                        f"tensor {chunk.key!r} has dtype {chunk.tensor.dtype}, "
+                        "which safetensors cannot store"
+                    )
+            items[name] = (adapter, item)
+    except Exception as e:
+        return items, e
+    return items, None
+
+
+def _clear_leftovers(storage: LocalStorage) -> None:
+    """Remove data files of an earlier save into this directory that never committed."""
+    storage.make_directory()
+    for name in storage.names():
+        if name.endswith(".safetensors") or name.startswith(f".{MANIFEST_NAME}.tmp"):
+            storage.remove(name)
+
+
+def _offer(items: dict[str, tuple[Adapter, SaveItem]]) -> dict[str, Any]:
+    return {
+        "values": {
+            name: {"kind": item.kind, "meta": item.meta} for name, (_, item) in items.items()
+        },
+        "chunks": [
+            ChunkInfo(
+                0,
+                i,
+                c.key,
+                c.tensor.dtype,
+                c.global_shape,
+                c.offsets,
+                tuple(c.tensor.shape),
+                c.replicated,
+            ).to_json()
+            for i, c in enumerate(_chunks(items))
+        ],
+    }
+
+
+def _chunks(items: dict[str, tuple[Adapter, SaveItem]]) -> list[Chunk]:
+    return [c for _, item in items.values() for c in item.chunks]
+
+
+def _plan(
+    items: dict[str, tuple[Adapter, SaveItem]],
+    offers: list[Any],
+    state: State,
+    layout: str,
+    rank: int,
+) -> tuple[SavePlan, dict[str, Adapter]]:
+    names = list(state)
+    for r, offer in enumerate(offers):
+        if sorted(offer["values"]) != sorted(names):
+            raise CheckpointError(
+                f"rank {r} saved state keys {sorted(offer['values'])}, rank "
+                f"{rank} {sorted(names)}; every rank must pass the same keys"
+            )
+    infos = [
+        [ChunkInfo.from_json(r, i, raw) for i, raw in enumerate(offer["chunks"])]
+        for r, offer in enumerate(offers)
+    ]
+    return plan_save(infos, layout, names), {n: a for n, (a, _) in items.items()}
+
+
+def _commit(
+    storage: LocalStorage,
+    plan: SavePlan,
+    offers: list[Any],
+    adapters: dict[str, Adapter],
+    results: list[dict[str, FileResult]],
+    on_commit: Callable[[], None] | None,
+) -> BaseException | None:
+    try:
+        manifest = _build_manifest(plan, offers, adapters, results)
+        storage.commit(MANIFEST_NAME, manifest.to_json())
+        if on_commit is not None:
+            on_commit()
+    except Exception as e:
+        return e
+    return None
+
+
+def _build_manifest(
+    plan: SavePlan,
+    offers: list[Any],
+    adapters: dict[str, Adapter],
+    results: list[dict[str, FileResult]],
+) -> Manifest:
+    files = {name: res["bytes"] for per_rank in results for name, res in per_rank.items()}
+    crcs = {
+        (name, tname): tuple(v)
+        for per_rank in results
+        for name, res in per_rank.items()
+        for tname, v in res["crc"].items()
+    }
+    chunks: dict[str, list[ChunkRecord]] = {key: [] for key in plan.tensors}
+    for fplan in plan.files:
+        for e in fplan.entries:
+            chunks[e.key].append(
+                ChunkRecord(fplan.name, e.name, e.offsets, e.shape, crcs[(fplan.name, e.name)])
+            )
+    tensors = {
+        key: TensorRecord(dtype, shape, tuple(chunks[key]))
+        for key, (dtype, shape) in plan.tensors.items()
+    }
+    values = {}
+    for name, adapter in adapters.items():
+        kind = offers[0]["values"][name]["kind"]
+        meta = adapter.merge([offer["values"][name]["meta"] for offer in offers])
+        values[name] = SavedValue(name, kind, meta)
+    info = {
+        "shardsafe_version": __version__,
+        "torch_version": torch.__version__,
+        "created_unix": time.time(),
+    }
+    return Manifest(plan.layout, plan.world_size, CRC_BLOCK_BYTES, values, tensors, files, info)

@@ -1,0 +1,192 @@
+"""Coordination of ranks during a save or load: a timed entry barrier and error agreement.
+
+Why the process group's own collectives are not used for this: a collective that one rank
+never enters hangs every other rank until the (30 minute) process-group timeout, and a
+rank that failed cannot tell the others *why*. shardsafe instead coordinates through the
+process group's key-value store (the TCPStore that ``init_process_group`` and ``torchrun``
+already created). Each phase of a save or load ends in :meth:`Coordinator.exchange`:
+every rank posts "ok" plus a small JSON payload, or its error; every rank polls until all
+have posted or one has failed. So
+
+* a rank that never calls ``save`` is reported by name after ``entry_timeout`` seconds;
+* an exception on any rank becomes the same :class:`CheckpointError`, naming that rank and
+  its message, on every rank, within a poll interval;
+* data-moving collectives (the consolidated gather) only start after every rank has
+  agreed that it holds its data, so they cannot be entered by only some ranks.
+
+Keys are namespaced by the operation, the absolute checkpoint path and a per-path call
+counter, so a save that one rank abandoned can never be confused with a later one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import ERROR_CLASSES, CheckpointError
+
+_CALLS: Counter[str] = Counter()
+_POLL_MIN_S = 0.001
+_POLL_MAX_S = 0.05
+
+
+@dataclass
+class RankFailure:
+    """What one rank reported when it failed a phase."""
+
+    rank: int
+    error_type: str
+    message: str
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Coordinator:
+    """Agreement between all ranks of the default process group for one save or load."""
+
+    def __init__(self, operation: str, path: str, *, timeout: float) -> None:
+        self.operation = operation
+        self.rank, self.world_size = world()
+        self.timeout = timeout
+        self._store: Any = None
+        self._own_keys: list[str] = []
+        if self.world_size > 1:
+            tag = f"{operation}:{os.path.abspath(path)}"
+            _CALLS[tag] += 1
+            prefix = f"shardsafe/{tag}/{_CALLS[tag]}"
+            self._store = dist.distributed_c10d.PrefixStore(
+                prefix, dist.distributed_c10d._get_default_store()
+            )
+
+    def enter(self, entry_timeout: float) -> None:
+        """Wait until every rank has called the same operation; name the ones that did not."""
+        self.exchange("entry", None, None, timeout=entry_timeout)
+
+    def exchange(
+        self,
+        phase: str,
+        payload: Any,
+        error: BaseException | None,
+        *,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Post this rank's outcome of ``phase``; return every rank's payload, or raise.
+
+        If any rank posted an error, every rank raises the same :class:`CheckpointError`
+        subclass naming the failing rank. If some rank does not post within ``timeout``
+        seconds, every waiting rank raises naming the missing ranks. A ``None`` payload
+        on every rank returns ``[None] * world_size`` without reading the store.
+        """
+        if self._store is None:
+            if error is not None:
+                raise _as_checkpoint_error(error) from error
+            return [payload]
+        store = self._store
+        if error is not None:
+            report = {"type": _error_type(error), "message": _error_message(error)}
+            store.set(f"{phase}/error/{self.rank}", json.dumps(report))
+            store.add(f"{phase}/failed", 1)
+        else:
+            store.set(f"{phase}/ok/{self.rank}", json.dumps(payload))
+        store.add(f"{phase}/posted", 1)
+        self._wait(phase, timeout if timeout is not None else self.timeout, error)
+        # Every rank has posted this phase, so every rank has read the earlier payloads.
+        self.release()
+        self._own_keys.append(f"{phase}/ok/{self.rank}")
+        if payload is None:
+            return [None] * self.world_size
+        return [json.loads(store.get(f"{phase}/ok/{r}")) for r in range(self.world_size)]
+
+    def _wait(self, phase: str, timeout: float, own_error: BaseException | None) -> None:
+        store = self._store
+        deadline = time.monotonic() + timeout
+        pause = _POLL_MIN_S
+        while True:
+            if store.add(f"{phase}/failed", 0) > 0:
+                failures = self._failures(phase)
+                raise _agreed_error(failures, self.operation, phase) from own_error
+            if store.add(f"{phase}/posted", 0) >= self.world_size:
+                return
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
+                raise CheckpointError(self._missing_message(phase, missing, timeout))
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def _posted(self, phase: str, rank: int) -> bool:
+        keys = [f"{phase}/ok/{rank}", f"{phase}/error/{rank}"]
+        return any(self._store.check([k]) for k in keys)
+
+    def _failures(self, phase: str) -> list[RankFailure]:
+        failures = []
+        for r in range(self.world_size):
+            key = f"{phase}/error/{r}"
+            if self._store.check([key]):
+                report = json.loads(self._store.get(key))
+                failures.append(RankFailure(r, report["type"], report["message"]))
+        return failures
+
+    def _missing_message(self, phase: str, missing: list[int], timeout: float) -> str:
+        ranks = ", ".join(map(str, missing))
+        if phase == "entry":
+            return (
+                f"shardsafe.{self.operation} must be called on all ranks, but rank(s) {ranks} "
+                f"never arrived within entry_timeout={timeout:g}s (this is rank {self.rank} of "
+                f"{self.world_size}). Call {self.operation} on every rank, outside any "
+                "`if rank == 0:` block, with the same path. Nothing was written."
+            )
+        return (
+            f"rank(s) {ranks} did not finish the '{phase}' phase of {self.operation} within "
+            f"{timeout:g}s (this is rank {self.rank}); they may have died or hung. "
+            "The previous checkpoint is untouched."
+        )
+
+    def release(self) -> None:
+        """Delete this rank's payload keys of phases every rank has moved past."""
+        if self._store is None:
+            return
+        for key in self._own_keys:
+            try:
+                self._store.delete_key(key)
+            except Exception:  # pragma: no cover - a store without delete support
+                return
+        self._own_keys.clear()
+
+
+def _error_type(error: BaseException) -> str:
+    return type(error).__name__ if isinstance(error, CheckpointError) else "CheckpointError"
+
+
+def _error_message(error: BaseException) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def _as_checkpoint_error(error: BaseException) -> CheckpointError:
+    if isinstance(error, CheckpointError):
+        return error
+    return CheckpointError(_error_message(error))
+
+
+def _agreed_error(failures: list[RankFailure], operation: str, phase: str) -> CheckpointError:
+    first = failures[0]
+    cls = ERROR_CLASSES.get(first.error_type, CheckpointError)
+    others = ""
+    if len(failures) > 1:
+        others = f" (rank(s) {', '.join(str(f.rank) for f in failures[1:])} failed too)"
+    return cls(f"{operation} failed on rank {first.rank}{others}: {first.message}")

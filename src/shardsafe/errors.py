@@ -1,0 +1,55 @@
+"""The exceptions shardsafe raises.
+
+Every failure a user can act on is a :class:`CheckpointError`, so one ``except`` clause
+catches them all; the children say what kind of action is needed::
+
+    CheckpointError                  base: anything a save or load could not do
+    ├── CheckpointCorruptError       bytes on disk are wrong: checksum, truncation,
+    │                                missing file, malformed or hostile manifest
+    ├── CheckpointMismatchError      the checkpoint is fine, but does not fit the live
+    │                                objects: keys, shapes or dtypes differ
+    ├── CheckpointVersionError       written by a newer shardsafe format than this one reads
+    └── CheckpointNotFoundError      no committed checkpoint at the path
+
+In a multi-rank run the error raised on every rank is the same class, and its message
+names the failing rank (see ``shardsafe.distributed``).
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or loaded; the message says why and how to fix it."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The files of a checkpoint are damaged, incomplete, or not what the manifest says."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint does not match the objects it is loaded into."""
+
+
+class CheckpointVersionError(CheckpointCorruptError):
+    """The manifest declares a format version this shardsafe does not know.
+
+    A child of :class:`CheckpointCorruptError` because, from this reader's point of view,
+    the manifest cannot be trusted; the message says to upgrade shardsafe.
+    """
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """There is no committed checkpoint (no ``manifest.json``) at the given path."""
+
+
+ERROR_CLASSES: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError,
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        CheckpointVersionError,
+        CheckpointNotFoundError,
+    )
+}
+"""By name, so an error raised on one rank can be re-raised as the same class elsewhere."""
