@@ -35,6 +35,7 @@ from .errors import ERROR_CLASSES, CheckpointError
 _CALLS: Counter[str] = Counter()
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.05
+_ACK_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -93,6 +94,20 @@ class Coordinator:
             if error is not None:
                 raise _as_checkpoint_error(error) from error
             return [payload]
+        try:
+            return self._exchange(phase, payload, error, timeout or self.timeout)
+        except CheckpointError:
+            raise
+        except (RuntimeError, OSError) as lost:  # the store itself is gone
+            raise CheckpointError(
+                f"lost contact with the process group's store during the '{phase}' phase of "
+                f"{self.operation} (this is rank {self.rank}): {lost}. Another rank, usually "
+                "rank 0 which hosts the store, has probably exited or crashed."
+            ) from (error or lost)
+
+    def _exchange(
+        self, phase: str, payload: Any, error: BaseException | None, timeout: float
+    ) -> list[Any]:
         store = self._store
         if error is not None:
             report = {"type": _error_type(error), "message": _error_message(error)}
@@ -101,13 +116,42 @@ class Coordinator:
         else:
             store.set(f"{phase}/ok/{self.rank}", json.dumps(payload))
         store.add(f"{phase}/posted", 1)
-        self._wait(phase, timeout if timeout is not None else self.timeout, error)
-        # Every rank has posted this phase, so every rank has read the earlier payloads.
-        self.release()
+        outcome: CheckpointError | None = None
+        payloads: list[Any] = [None] * self.world_size
+        try:
+            self._wait(phase, timeout, error)
+            # Every rank has posted this phase, so every rank has read the earlier payloads.
+            self.release()
+            if payload is not None:
+                payloads = [
+                    json.loads(store.get(f"{phase}/ok/{r}")) for r in range(self.world_size)
+                ]
+        except CheckpointError as e:
+            outcome = e
         self._own_keys.append(f"{phase}/ok/{self.rank}")
-        if payload is None:
-            return [None] * self.world_size
-        return [json.loads(store.get(f"{phase}/ok/{r}")) for r in range(self.world_size)]
+        self._acknowledge(phase)
+        if outcome is not None:
+            raise outcome from error
+        return payloads
+
+    def _acknowledge(self, phase: str) -> None:
+        """Rank 0 stays until every rank that posted has seen the outcome.
+
+        Rank 0 usually hosts the store: if it returned (and its program exited) while
+        another rank was still polling, that rank would crash on a dead socket instead
+        of finishing the checkpoint it just agreed on.
+        """
+        store = self._store
+        store.add(f"{phase}/seen", 1)
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + _ACK_TIMEOUT_S
+        pause = _POLL_MIN_S
+        while store.add(f"{phase}/seen", 0) < store.add(f"{phase}/posted", 0):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     def _wait(self, phase: str, timeout: float, own_error: BaseException | None) -> None:
         store = self._store

@@ -1,0 +1,212 @@
+"""Bridges to torch's own optimizer format, for code that expects it.
+
+* :func:`gather_optimizer_state_dict` returns, on one rank, exactly what
+  ``optimizer.state_dict()`` returns for a plain optimizer (integer-indexed state, param
+  groups with hyperparameters) — also for ZeRO and OSS, whose own route to it is
+  ``consolidate_state_dict()``, which pickles every rank's shard and broadcasts it to all
+  ranks. Here shards travel as raw tensors to the receiving rank only.
+* :func:`load_optimizer_state_dict` loads such an index-keyed dict into any optimizer
+  (plain, ZeRO, OSS) at any world size; each rank keeps only the state it owns.
+* :func:`import_torch_checkpoint` reads a file written the old way
+  (``consolidate_state_dict()`` + ``torch.save(zero.state_dict())``, or a Lightning
+  ``.ckpt``) and loads it. This is the only place shardsafe calls ``torch.load``, always
+  with ``weights_only=True``, so even here no arbitrary object is unpickled.
+
+Indices follow torch's convention: the position of a parameter in the optimizer's
+(global) param groups, flattened in order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _tree
+from .adapters import find_adapter
+from .adapters.base import Adapter, Context
+from .adapters.module import param_names
+from .checkpoint.entries import SavedValue
+from .distributed import Coordinator, world
+from .errors import CheckpointError, CheckpointMismatchError
+
+_NAME = "optimizer"
+
+
+def _adapter_and_context(optimizer: Any, model: nn.Module) -> tuple[Adapter, Context]:
+    rank, world_size = world()
+    adapter = find_adapter(optimizer, _NAME)
+    if adapter.kind != "optimizer":
+        raise TypeError(f"expected an optimizer, got {type(optimizer).__qualname__}")
+    ctx = Context(_NAME, rank, world_size, param_names({"model": model}))
+    return adapter, ctx
+
+
+def gather_optimizer_state_dict(
+    optimizer: Any, model: nn.Module, *, to: int = 0, timeout: float = 600.0
+) -> dict[str, Any] | None:
+    """torch's ``optimizer.state_dict()`` of the whole (possibly sharded) optimizer, on ``to``.
+
+    Call it on every rank. Returns the dict on rank ``to`` and ``None`` elsewhere. Other
+    ranks send their state as raw tensors (no pickling) to ``to`` alone.
+    """
+    adapter, ctx = _adapter_and_context(optimizer, model)
+    item = adapter.save(optimizer, ctx)
+    coord = Coordinator("gather_optimizer_state_dict", "<interop>", timeout=timeout)
+    offer = {
+        "meta": item.meta,
+        "keys": [c.key for c in item.chunks if not c.replicated],
+        "shapes": {c.key: [list(c.tensor.shape), str(c.tensor.dtype)] for c in item.chunks},
+    }
+    offers = coord.exchange("offer", offer, None)
+    meta = adapter.merge([o["meta"] for o in offers])
+    tensors = {c.key: c.tensor for c in item.chunks} if ctx.rank == to else {}
+    for src, o in enumerate(offers):
+        if src == to:
+            continue
+        for key in o["keys"]:
+            if ctx.rank == src:
+                dist.send(
+                    item.chunks[_index(item.chunks, key)].tensor.detach().contiguous().cpu(), dst=to
+                )
+            elif ctx.rank == to:
+                shape, dtype = o["shapes"][key]
+                buf = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                dist.recv(buf, src=src)
+                tensors[key] = buf
+    coord.exchange("done", None, None)
+    if ctx.rank != to:
+        return None
+    return _to_torch_format(meta, tensors)
+
+
+def _index(chunks: list[Any], key: str) -> int:
+    return next(i for i, c in enumerate(chunks) if c.key == key)
+
+
+def _to_torch_format(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    order = [fqn for group in meta["param_groups"] for fqn in group["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    state = {
+        index[fqn]: _tree.decode(raw, tensors)
+        for fqn, raw in sorted(meta["state"].items(), key=lambda kv: index[kv[0]])
+    }
+    groups = []
+    for group in meta["param_groups"]:
+        hyper = _tree.decode(group["hyper"], tensors)
+        groups.append({**hyper, "params": [index[fqn] for fqn in group["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_dict(
+    optimizer: Any, model: nn.Module, state_dict: Mapping[str, Any]
+) -> None:
+    """Load torch's index-keyed ``state_dict`` format into any optimizer, at any world size.
+
+    Parameters are matched by position in the live optimizer's param groups (torch's own
+    rule), then by name internally, so ZeRO/OSS ranks each keep only what they own. No
+    collective is needed; call it on every rank that holds a part of the optimizer.
+    """
+    adapter, ctx = _adapter_and_context(optimizer, model)
+    groups = list(optimizer.param_groups)
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+        raise CheckpointMismatchError(
+            f"the state dict has {len(saved_groups) if isinstance(saved_groups, list) else 'no'} "
+            f"param group(s); the optimizer has {len(groups)}"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    fqn_of: dict[int, str] = {}
+    meta_groups = []
+    for i, (group, saved) in enumerate(zip(groups, saved_groups)):
+        ids = list(saved["params"])
+        if len(ids) != len(group["params"]):
+            raise CheckpointMismatchError(
+                f"param group {i} holds {len(ids)} parameters in the state dict and "
+                f"{len(group['params'])} in the optimizer"
+            )
+        names = [ctx.param_fqn(p) for p in group["params"]]
+        fqn_of.update(zip(ids, names))
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        meta_groups.append(
+            {"params": names, "hyper": _encode(hyper, ctx, tensors, "@groups", str(i))}
+        )
+    state = {}
+    for index, param_state in state_dict.get("state", {}).items():
+        if index not in fqn_of:
+            raise CheckpointMismatchError(
+                f"the state dict has state for parameter index {index}, which no param group lists"
+            )
+        fqn = fqn_of[index]
+        state[fqn] = {name: _encode(v, ctx, tensors, fqn, name) for name, v in param_state.items()}
+    shapes = {ctx.param_fqn(p): list(p.shape) for g in groups for p in g["params"]}
+    saved_value = SavedValue(
+        _NAME, "optimizer", {"param_groups": meta_groups, "param_shapes": shapes, "state": state}
+    )
+    plan = adapter.plan_load(optimizer, saved_value, ctx)
+    if plan.mismatched:
+        raise CheckpointMismatchError("; ".join(plan.mismatched))
+    adapter.restore(optimizer, saved_value, tensors, ctx)
+
+
+def _encode(value: Any, ctx: Context, tensors: dict[str, torch.Tensor], *prefix: str) -> Any:
+    def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        key = ctx.key(*prefix, *path)
+        tensors[key] = tensor
+        return key
+
+    return _tree.encode(value, "the state dict", sink)
+
+
+def import_torch_checkpoint(
+    file: str | os.PathLike[str],
+    optimizer: Any,
+    model: nn.Module,
+    *,
+    optimizer_index: int = 0,
+    model_prefix: str | None = None,
+) -> None:
+    """Load a checkpoint written the old way into ``optimizer`` (and optionally ``model``).
+
+    ``file`` holds either ``torch.save(zero.state_dict())`` after
+    ``consolidate_state_dict()`` (or any optimizer's ``state_dict()``), or a Lightning
+    ``.ckpt`` (its ``optimizer_states[optimizer_index]``). With ``model_prefix`` (e.g.
+    ``"model."`` for a LightningModule that stores its network as ``self.model``), the
+    Lightning ``state_dict`` entries under that prefix are loaded into ``model`` too.
+    Read with ``torch.load(weights_only=True)``: plain data and tensors only.
+    """
+    try:
+        raw = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read {file} with torch.load(weights_only=True): {e}. shardsafe imports only "
+            "files made of tensors and plain data; re-save it without custom objects."
+        ) from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} does not hold a dict")
+    if "optimizer_states" in raw:
+        states = raw["optimizer_states"]
+        if not isinstance(states, list) or optimizer_index >= len(states):
+            raise CheckpointError(f"{file} has no optimizer_states[{optimizer_index}]")
+        optimizer_sd = states[optimizer_index]
+        if model_prefix is not None:
+            weights = {
+                k[len(model_prefix) :]: v
+                for k, v in raw.get("state_dict", {}).items()
+                if k.startswith(model_prefix)
+            }
+            model.load_state_dict(weights)
+    elif "state" in raw and "param_groups" in raw:
+        optimizer_sd = raw
+    else:
+        raise CheckpointError(
+            f"{file} is neither an optimizer state_dict nor a Lightning checkpoint"
+        )
+    load_optimizer_state_dict(optimizer, model, optimizer_sd)
+
+
+__all__ = ["gather_optimizer_state_dict", "import_torch_checkpoint", "load_optimizer_state_dict"]

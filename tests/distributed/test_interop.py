@@ -1,0 +1,84 @@
+"""Bridges to torch's optimizer format: a pickle-free gather, and importing files written the
+old way (consolidate_state_dict + torch.save, or a Lightning checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.interop import gather_optimizer_state_dict, import_torch_checkpoint
+from tests.distributed.zero_setup import (
+    assert_same_optimizer_state,
+    build,
+    torch_consolidated,
+    train,
+)
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def gather_run(rank: int, world: int, kind: str) -> Any:
+    model, wrapped, opt = build(kind, seed=0)
+    train(wrapped, opt, 0, 3, rank)
+    ours = gather_optimizer_state_dict(opt, model, to=0)
+    return ours, torch_consolidated(opt, rank)
+
+
+@pytest.mark.parametrize("kind", ["zero", "oss"])
+def test_gather_equals_torch_consolidation_on_one_rank_only(kind: str) -> None:
+    (ours, theirs), (other, _) = run_ranks(gather_run, 2, kind)
+    assert other is None
+    assert_same_optimizer_state(ours, theirs)
+
+
+def old_way_save(rank: int, world: int, directory: str) -> Any:
+    model, wrapped, opt = build("zero", seed=0)
+    train(wrapped, opt, 0, 3, rank)
+    reference = torch_consolidated(opt, rank)  # consolidates on rank 0
+    if rank == 0:
+        torch.save(opt.state_dict(), f"{directory}/zero.pt")
+        lightning = {
+            "epoch": 0,
+            "global_step": 3,
+            "pytorch-lightning_version": "2.4.0",
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "optimizer_states": [opt.state_dict()],
+            "lr_schedulers": [],
+        }
+        torch.save(lightning, f"{directory}/lightning.ckpt")
+        return reference, {k: v.clone() for k, v in model.state_dict().items()}
+    return None
+
+
+def old_way_import(rank: int, world: int, file: str, prefix: str | None) -> Any:
+    model, wrapped, opt = build("zero", seed=1)
+    import_torch_checkpoint(file, opt, model, model_prefix=prefix)
+    return torch_consolidated(opt, rank), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_import_of_torch_save_and_lightning_checkpoints(tmp_path: Path, world: int) -> None:
+    reference, weights = run_ranks(old_way_save, 2, str(tmp_path))[0]
+    state, _ = run_ranks(old_way_import, world, str(tmp_path / "zero.pt"), None)[0]
+    assert_same_optimizer_state(state, reference)
+    state, loaded = run_ranks(old_way_import, world, str(tmp_path / "lightning.ckpt"), "model.")[0]
+    assert_same_optimizer_state(state, reference)
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+class NotPlainData:
+    pass
+
+
+def test_import_refuses_files_that_need_unpickling_of_objects(tmp_path: Path) -> None:
+    file = tmp_path / "evil.pt"
+    torch.save({"state": {}, "param_groups": [], "payload": NotPlainData()}, file)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(shardsafe.CheckpointError, match="weights_only=True"):
+        import_torch_checkpoint(file, opt, model)

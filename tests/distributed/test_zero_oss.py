@@ -1,0 +1,250 @@
+"""ZeRO and OSS optimizers wrapped by the user under plain DDP: save in both layouts, load at
+any world size, into plain optimizers and back, compared bitwise with torch's own
+consolidation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from tests.distributed.zero_setup import (
+    _clone,
+    assert_same_optimizer_state,
+    build,
+    torch_consolidated,
+    train,
+)
+from tests.harness import RankFailed, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+KINDS = ["zero", "oss"]
+LAYOUTS = ["sharded", "consolidated"]
+
+
+def save_run(rank: int, world: int, kind: str, path: str, layout: str, steps: int = 3) -> Any:
+    _, wrapped, opt = build(kind, seed=0)
+    train(wrapped, opt, 0, steps, rank)
+    shardsafe.save(path, {"model": wrapped, "optimizer": opt}, layout=layout)
+    reference = torch_consolidated(opt, rank)  # after our save: proves save changed nothing
+    return reference, train(wrapped, opt, steps, 5, rank)
+
+
+def load_run(rank: int, world: int, kind: str, path: str, steps: int) -> Any:
+    _, wrapped, opt = build(kind, seed=1)  # different init: everything must come from disk
+    shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    state = torch_consolidated(opt, rank)
+    return state, train(wrapped, opt, 3, steps, rank) if steps else []
+
+
+def plain_single_process_load(rank: int, world: int, path: str) -> Any:
+    assert not torch.distributed.is_initialized()
+    model, _, opt = build("plain", seed=1, distributed=False)
+    shardsafe.load(path, {"model": model, "optimizer": opt})
+    return _clone(opt.state_dict())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_at_1_2_3_ranks_and_into_a_plain_optimizer(
+    tmp_path: Path, kind: str, layout: str
+) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(save_run, 2, kind, path, layout)
+    reference = saved[0][0]
+    assert reference["state"], "the setup must have optimizer state to compare"
+
+    resumed = run_ranks(load_run, 2, kind, path, 5)
+    assert_same_optimizer_state(resumed[0][0], reference)
+    assert [r[1] for r in resumed] == [s[1] for s in saved]  # next 5 losses, bitwise, per rank
+
+    for world in (1, 3):
+        state = run_ranks(load_run, world, kind, path, 0)[0][0]
+        assert_same_optimizer_state(state, reference)
+
+    plain = run_ranks(plain_single_process_load, 1, path, init_process_group=False)[0]
+    assert_same_optimizer_state(plain, reference)
+
+
+def test_sharded_layout_writes_each_rank_its_own_state_without_a_gather(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_ranks(save_run, 2, "zero", str(path), "sharded")
+    manifest = shardsafe.read_manifest(path)
+    files = {c.file for key, rec in manifest.tensors.items() if key.startswith("optimizer/")
+             for c in rec.chunks}
+    assert files == {"shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"}
+    assert all(len(rec.chunks) == 1 for rec in manifest.tensors.values())
+
+
+def test_consolidated_layout_is_one_model_file_and_one_optimizer_file(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_ranks(save_run, 2, "zero", str(path), "consolidated")
+    assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json", "model.safetensors", "optimizer.safetensors"]
+    from safetensors.torch import load_file
+
+    names = set(load_file(path / "optimizer.safetensors"))
+    assert "hidden.weight/exp_avg" in names and "inp.bias/exp_avg_sq" in names
+
+
+def save_4_then(rank: int, world: int, path: str) -> Any:
+    _, wrapped, opt = build("zero", seed=0)
+    train(wrapped, opt, 0, 3, rank)
+    for layout in LAYOUTS:
+        shardsafe.save(f"{path}/{layout}", {"model": wrapped, "optimizer": opt}, layout=layout)
+    return torch_consolidated(opt, rank)
+
+
+def test_four_rank_save_loads_at_three_ranks(tmp_path: Path) -> None:
+    reference = run_ranks(save_4_then, 4, str(tmp_path), timeout=150)[0]
+    for layout in LAYOUTS:
+        state = run_ranks(load_run, 3, "zero", str(tmp_path / layout), 0)[0][0]
+        assert_same_optimizer_state(state, reference)
+
+
+def test_plain_optimizer_checkpoint_loads_into_zero(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    reference = run_ranks(save_run, 2, "plain", path, "sharded")[0][0]
+    for world in (2, 3):
+        state = run_ranks(load_run, world, "zero", path, 0)[0][0]
+        assert_same_optimizer_state(state, reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_at_step_zero_round_trips(tmp_path: Path, kind: str) -> None:
+    path = str(tmp_path / "ckpt")
+    reference = run_ranks(save_run, 2, kind, path, "consolidated", 0)[0][0]
+    assert reference["state"] == {}
+    state = run_ranks(load_run, 2, kind, path, 0)[0][0]
+    assert_same_optimizer_state(state, reference)
+
+
+def sgd_run(rank: int, world: int, path: str, load: bool) -> Any:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from tests.distributed.zero_setup import Net, param_groups
+
+    torch.manual_seed(0)
+    model = Net()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = ZeroRedundancyOptimizer(param_groups(model), optimizer_class=torch.optim.SGD, lr=0.1)
+    if load:
+        opt.param_groups[0]["lr"] = 0.5  # must be overwritten by the checkpoint
+        shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    else:
+        train(wrapped, opt, 0, 2, rank)
+        shardsafe.save(path, {"model": wrapped, "optimizer": opt}, layout="sharded")
+    return torch_consolidated(opt, rank)
+
+
+def test_plain_sgd_without_state_round_trips(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    reference = run_ranks(sgd_run, 2, path, False)[0]
+    loaded = run_ranks(sgd_run, 2, path, True)[0]
+    assert_same_optimizer_state(loaded, reference)
+
+
+def untouched_run(rank: int, world: int, kind: str, path: str) -> Any:
+    model, wrapped, opt = build(kind, seed=0)
+    train(wrapped, opt, 0, 3, rank)  # the same run as save_run: params equal the checkpoint's
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_before = {id(p): s["step"].clone() for p, s in opt.optim.state.items()}
+    shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    after = {id(p): s["step"] for p, s in opt.optim.state.items()}
+    assert after.keys() == steps_before.keys()
+    assert all(torch.equal(after[k], steps_before[k]) for k in after)  # no dummy step
+    return True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_leaves_parameters_bitwise_unchanged(tmp_path: Path, kind: str) -> None:
+    path = str(tmp_path / "ckpt")
+    run_ranks(save_run, 2, kind, path, "sharded")
+    assert run_ranks(untouched_run, 2, kind, path) == [True, True]
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def read_run(rank: int, world: int, path: str, save: bool) -> Any:
+    model, wrapped, opt = build("zero", seed=0, width=256)
+    if save:
+        train(wrapped, opt, 0, 2, rank)
+        shardsafe.save(path, {"model": wrapped, "optimizer": opt}, layout="sharded")
+        return None
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    owned = [p for g in opt.optim.param_groups for p in g["params"] if p.requires_grad]
+    owned_state = sum(2 * p.numel() * 4 + 4 for p in owned if p is not model.unused)
+    before = _bytes_read()
+    shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    return _bytes_read() - before, model_bytes + owned_state, model_bytes
+
+
+def test_each_rank_reads_only_what_it_needs(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_ranks(read_run, 2, path, True)
+    total = sum(p.stat().st_size for p in Path(path).iterdir())
+    results = run_ranks(read_run, 2, path, False)
+    for read, needed, _ in results:
+        assert needed <= read <= needed + 64 * 1024, (read, needed)
+    # Replicated weights are read by every rank; each byte of optimizer state by one rank.
+    optimizer_bytes_read = sum(read - model for read, _, model in results)
+    assert optimizer_bytes_read <= total - results[0][2] + 64 * 1024
+
+
+class ShardedSGD(torch.optim.Optimizer):
+    """A user's own partitioned optimizer: global param_groups, a local one in `.optim`."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr, "momentum": 0.9})
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        flat = [p for g in self.param_groups for p in g["params"]]
+        mine = {id(p) for i, p in enumerate(flat) if i % world == rank}
+        local_groups = [{**g, "params": [p for p in g["params"] if id(p) in mine]}
+                        for g in self.param_groups]
+        self.optim = torch.optim.SGD(local_groups, lr=lr, momentum=0.9)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:  # what makes it look sharded
+        raise NotImplementedError
+
+
+def custom_adapter_run(rank: int, world: int, path: str, register: bool) -> Any:
+    from shardsafe.adapters import PartitionedOptimizerAdapter
+
+    if register:
+        class ShardedSGDAdapter(PartitionedOptimizerAdapter):
+            wrapper_type = ShardedSGD
+
+        shardsafe.register_adapter(ShardedSGDAdapter())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = ShardedSGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.optim.step()
+    shardsafe.save(path, {"model": model, "optimizer": opt})
+    fresh = ShardedSGD(model.parameters(), lr=0.5)
+    shardsafe.load(path, {"model": model, "optimizer": fresh})
+    return {k: v["momentum_buffer"] for k, v in fresh.optim.state_dict()["state"].items()}, \
+        fresh.param_groups[0]["lr"]
+
+
+def test_unknown_sharded_optimizer_gets_a_clear_error_on_every_rank(tmp_path: Path) -> None:
+    with pytest.raises(RankFailed) as info:
+        run_ranks(custom_adapter_run, 2, str(tmp_path / "a"), False, timeout=60)
+    assert "looks like a sharded optimizer" in info.value.text
+    assert "register_adapter" in info.value.text
+    assert not (tmp_path / "a" / "manifest.json").exists()
+
+
+def test_a_registered_adapter_makes_a_custom_sharded_optimizer_work(tmp_path: Path) -> None:
+    results = run_ranks(custom_adapter_run, 2, str(tmp_path / "b"), True)
+    for momentum, lr in results:
+        assert momentum and all(v.abs().sum() > 0 for v in momentum.values())
+        assert lr == 0.1
