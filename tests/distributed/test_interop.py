@@ -56,7 +56,7 @@ def old_way_save(rank: int, world: int, directory: str) -> Any:
 
 
 def old_way_import(rank: int, world: int, file: str, prefix: str | None) -> Any:
-    model, wrapped, opt = build("zero", seed=1)
+    model, _, opt = build("zero", seed=1)
     import_torch_checkpoint(file, opt, model, model_prefix=prefix)
     return torch_consolidated(opt, rank), {k: v.clone() for k, v in model.state_dict().items()}
 
