@@ -1,0 +1,107 @@
+"""The ``shardsafe`` command line: ``shardsafe COMMAND [options]``.
+
+Each command is a module in :mod:`shardsafe.commands` (see that package for the three
+names it must expose). This file only knows their names: it imports a command's module
+when that command runs, so a heavy command (``fit`` pulls in the trainer) costs nothing
+to the others. A command whose module is absent is simply not offered, which lets a
+command land in its own change.
+
+Exit status: 0 success, 1 failure (a checkpoint problem, a failed verification, an
+I/O error), 2 usage error. Expected failures print ``shardsafe: error: <message>`` on
+stderr, never a traceback; a traceback means a bug in shardsafe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+from ._version import __version__
+from .errors import CheckpointError
+
+COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify", "demo")
+"""Command module names, in the order ``--help`` lists them."""
+
+_PACKAGE = "shardsafe.commands"
+
+
+class Command(Protocol):
+    """What a command module provides (checked structurally; modules are not classes)."""
+
+    HELP: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def available() -> list[str]:
+    """The names in :data:`COMMANDS` whose module exists, without importing any of them."""
+    return [name for name in COMMANDS if importlib.util.find_spec(f"{_PACKAGE}.{name}")]
+
+
+def load(name: str) -> Command:
+    return cast(Command, importlib.import_module(f"{_PACKAGE}.{name}"))
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or (``only``) one whose other commands are bare names.
+
+    With ``only`` set, only that command's module is imported; the other commands are
+    still registered by name so that a typo's error message lists every choice.
+    """
+    parser = argparse.ArgumentParser(
+        prog="shardsafe",
+        description="shardsafe: correct, fast, crash-safe checkpoints for PyTorch.",
+        epilog="Run 'shardsafe COMMAND --help' for a command's options. Exit status: 0 success, "
+        "1 failure (the message says why), 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardsafe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in available():
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
+        try:
+            command = load(name)
+        except ImportError as e:  # a broken optional command must not break the others
+            sub.add_parser(name, help=f"(unavailable: {e})")
+            continue
+        cmd_parser = sub.add_parser(name, help=command.HELP, description=command.HELP)
+        command.add_arguments(cmd_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (the console script exits with it)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    chosen = args_list[0] if args_list and args_list[0] in available() else None
+    try:
+        args = build_parser(only=chosen).parse_args(args_list)
+    except SystemExit as e:  # argparse: --help, --version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return load(args.command).run(args)
+    except BrokenPipeError:  # `shardsafe inspect ... | head`: the reader left, not an error
+        _silence_stdout()
+        return 1
+    except (CheckpointError, OSError, ImportError) as e:
+        print(f"shardsafe: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardsafe: interrupted", file=sys.stderr)
+        return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

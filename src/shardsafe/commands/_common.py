@@ -1,0 +1,34 @@
+"""What the checkpoint commands share: reading a manifest with a helpful not-found message."""
+
+from __future__ import annotations
+
+import os
+
+from ..checkpoint.loading import read_manifest
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manifest import Manifest
+from ..errors import CheckpointNotFoundError
+
+
+def load_manifest(path: str) -> Manifest:
+    """The parsed manifest of ``path``; a missing one says where a real checkpoint is.
+
+    Users often pass the run's checkpoint *root* (the directory holding ``step-*`` and
+    ``latest``) instead of one checkpoint. That is still an error, because guessing which
+    checkpoint they meant could verify the wrong one, but the message names the newest
+    committed checkpoint so the fix is one copy-paste away.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointNotFoundError(
+            f"{path} is a file; pass the checkpoint directory (the one holding manifest.json)"
+        )
+    try:
+        return read_manifest(path)
+    except CheckpointNotFoundError as e:
+        latest = CheckpointManager(path).latest() if os.path.isdir(path) else None
+        if latest is None:
+            raise
+        raise CheckpointNotFoundError(
+            f"{e}. It looks like a checkpoint root; the newest committed checkpoint in it is "
+            f"{latest}"
+        ) from None

@@ -1,0 +1,276 @@
+"""``shardsafe inspect PATH``: what a checkpoint holds, read from its manifest alone.
+
+No data file is opened, so this is instant even for a checkpoint of hundreds of GB, and
+works on a checkpoint whose data files are damaged (``shardsafe verify`` checks those).
+
+``--json`` prints one JSON document with these fields (stable; new fields may be added,
+existing ones keep their name and meaning)::
+
+    path               absolute path of the checkpoint directory
+    format             "shardsafe"
+    format_version     int, the manifest's format version
+    layout             "sharded" | "consolidated"
+    world_size         int, number of ranks that saved it
+    created_unix       float seconds since the epoch, or null if not recorded
+    created            the same as ISO 8601 in UTC ("2025-01-31T12:00:00+00:00"), or null
+    shardsafe_version  str or null: the shardsafe that wrote it
+    torch_version      str or null: the torch that wrote it
+    checksum           {"algorithm": "crc32", "block_bytes": int}
+    values             list, sorted by name, of the saved state values:
+                         name, kind ("module", "optimizer", "rng", "value", ...),
+                         tensors (int), tensor_bytes (int),
+                         value (the saved JSON data; only for kind "value")
+    tensors            list, sorted by key (numbers in natural order), of:
+                         key, value (name of the state value it belongs to, or null),
+                         dtype ("float32", ...), shape (list of int), numel, bytes,
+                         chunks (number of saved pieces), files (data files holding it)
+    files              list, sorted by name, of the data files: name, bytes, tensors
+                         (number of tensor pieces stored in it)
+    totals             data_files, data_bytes (sum of data file sizes), manifest_bytes,
+                       bytes (data_bytes + manifest_bytes: the checkpoint on disk),
+                       tensors, tensor_bytes (sum of tensor sizes), values
+
+Byte counts of data files are those the manifest recorded at save time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+from ._format import human_bytes, natural_key, plural, printable, table
+
+HELP = "show what a checkpoint holds: layout, tensors, values, sizes"
+
+_MAX_FILES_SHOWN = 20
+_VALUE_PREVIEW = 60
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="PATH", help="a checkpoint directory (holds manifest.json)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document instead of tables"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = describe(args.path)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(render(doc)))
+    return 0
+
+
+# ---------------------------------------------------------------------------- document
+
+
+def describe(path: str) -> dict[str, Any]:
+    """The ``--json`` document for the checkpoint at ``path`` (see the module docstring)."""
+    from ..checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+    from ..checkpoint.storage import LocalStorage
+    from ._common import load_manifest
+
+    manifest = load_manifest(path)
+    raw = LocalStorage(path).read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    version = json.loads(raw)["version"]  # parsed (and validated) above, read again here
+    names = sorted(manifest.values, key=natural_key)
+    tensors = [_tensor(key, rec, names) for key, rec in manifest.tensors.items()]
+    tensors.sort(key=lambda t: natural_key(t["key"]))
+    pieces: dict[str, int] = dict.fromkeys(manifest.files, 0)
+    for rec in manifest.tensors.values():
+        for chunk in rec.chunks:
+            pieces[chunk.file] += 1
+    created = _number(manifest.info.get("created_unix"))
+    data_bytes = manifest.total_bytes
+    tensor_bytes = sum(t["bytes"] for t in tensors)
+    return {
+        "path": os.path.abspath(path),
+        "format": "shardsafe",
+        "format_version": version,
+        "layout": manifest.layout,
+        "world_size": manifest.world_size,
+        "created_unix": created,
+        "created": _iso(created),
+        "shardsafe_version": _text(manifest.info.get("shardsafe_version")),
+        "torch_version": _text(manifest.info.get("torch_version")),
+        "checksum": {"algorithm": "crc32", "block_bytes": manifest.block_bytes},
+        "values": [_value(manifest.values[n], tensors) for n in names],
+        "tensors": tensors,
+        "files": [
+            {"name": name, "bytes": manifest.files[name], "tensors": pieces[name]}
+            for name in sorted(manifest.files, key=natural_key)
+        ],
+        "totals": {
+            "data_files": len(manifest.files),
+            "data_bytes": data_bytes,
+            "manifest_bytes": len(raw),
+            "bytes": data_bytes + len(raw),
+            "tensors": len(tensors),
+            "tensor_bytes": tensor_bytes,
+            "values": len(names),
+        },
+    }
+
+
+def _owner(key: str, names: list[str]) -> str | None:
+    """The state value a tensor key belongs to: the longest name that prefixes it."""
+    owners = [n for n in names if key == n or key.startswith(n + "/")]
+    return max(owners, key=len) if owners else None
+
+
+def _tensor(key: str, rec: Any, names: list[str]) -> dict[str, Any]:
+    from ..checkpoint import dtypes
+
+    files: list[str] = []
+    for chunk in rec.chunks:
+        if chunk.file not in files:
+            files.append(chunk.file)
+    return {
+        "key": key,
+        "value": _owner(key, names),
+        "dtype": dtypes.dtype_name(rec.dtype),
+        "shape": list(rec.shape),
+        "numel": math.prod(rec.shape),
+        "bytes": rec.nbytes,
+        "chunks": len(rec.chunks),
+        "files": files,
+    }
+
+
+def _value(saved: Any, tensors: list[dict[str, Any]]) -> dict[str, Any]:
+    mine = [t for t in tensors if t["value"] == saved.name]
+    out: dict[str, Any] = {
+        "name": saved.name,
+        "kind": saved.kind,
+        "tensors": len(mine),
+        "tensor_bytes": sum(t["bytes"] for t in mine),
+    }
+    if saved.kind == "value":
+        out["value"] = saved.meta
+    return out
+
+
+def _number(value: object) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None  # type: ignore[arg-type]
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _iso(unix: float | None) -> str | None:
+    if unix is None:
+        return None
+    try:
+        return datetime.fromtimestamp(unix, tz=timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):  # a manifest from anywhere: absurd times
+        return None
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def render(doc: dict[str, Any]) -> list[str]:
+    """The human-readable tables, built from the same document ``--json`` prints."""
+    return [
+        *_header(doc),
+        "",
+        *_values_table(doc),
+        "",
+        *_tensors_table(doc),
+        "",
+        *_files_table(doc),
+        "",
+        _total_line(doc),
+    ]
+
+
+def _header(doc: dict[str, Any]) -> list[str]:
+    created = doc["created"].replace("T", " ").replace("+00:00", " UTC") if doc["created"] else "?"
+    writers = ", ".join(
+        f"{name} {doc[field]}"
+        for name, field in (("shardsafe", "shardsafe_version"), ("torch", "torch_version"))
+        if doc[field]
+    )
+    t = doc["totals"]
+    block = human_bytes(doc["checksum"]["block_bytes"])
+    rows = [
+        ["checkpoint", doc["path"]],
+        ["layout", doc["layout"]],
+        ["world size", f"{doc['world_size']} at save"],
+        ["format", f"{doc['format']} version {doc['format_version']}"],
+        ["created", f"{created} by {writers}" if writers else created],
+        ["checksums", f"{doc['checksum']['algorithm']} per {block} block"],
+        ["size", _size(doc["totals"])],
+        ["tensors", f"{t['tensors']}, {human_bytes(t['tensor_bytes'])} of data"],
+    ]
+    return table(rows)
+
+
+def _values_table(doc: dict[str, Any]) -> list[str]:
+    rows = [["VALUE", "KIND", "TENSORS", "SIZE", ""]]
+    for v in doc["values"]:
+        preview = _preview(v["value"]) if "value" in v else ""
+        rows.append(
+            [
+                printable(v["name"]),
+                printable(v["kind"]),
+                str(v["tensors"]),
+                human_bytes(v["tensor_bytes"]),
+                preview,
+            ]
+        )
+    return table(rows, right=(2, 3))
+
+
+def _preview(value: Any) -> str:
+    text = json.dumps(value, separators=(", ", ": "))  # ASCII only: escapes control chars
+    return text if len(text) <= _VALUE_PREVIEW else text[: _VALUE_PREVIEW - 3] + "..."
+
+
+def _tensors_table(doc: dict[str, Any]) -> list[str]:
+    chunked = any(t["chunks"] > 1 for t in doc["tensors"])
+    rows: list[list[str]] = [["TENSOR", "DTYPE", "SHAPE", "SIZE"] + (["CHUNKS"] if chunked else [])]
+    group: str | None = None
+    for t in doc["tensors"]:  # sorted by key, so each value's tensors are adjacent
+        if t["value"] != group and len(rows) > 1:
+            rows.append([])
+        group = t["value"]
+        shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+        row = [printable(t["key"]), t["dtype"], shape, human_bytes(t["bytes"])]
+        rows.append(row + ([str(t["chunks"])] if chunked else []))
+    return table(rows, right=(3, 4))
+
+
+def _files_table(doc: dict[str, Any]) -> list[str]:
+    files = doc["files"]
+    rows = [["FILE", "TENSORS", "SIZE"]]
+    rows += [
+        [f["name"], str(f["tensors"]), human_bytes(f["bytes"])] for f in files[:_MAX_FILES_SHOWN]
+    ]
+    lines = table(rows, right=(1, 2))
+    if len(files) > _MAX_FILES_SHOWN:
+        lines.append(f"... and {len(files) - _MAX_FILES_SHOWN} more (see --json)")
+    return lines
+
+
+def _size(totals: dict[str, Any]) -> str:
+    return (
+        f"{human_bytes(totals['bytes'])} on disk: {plural(totals['data_files'], 'data file')} "
+        f"({human_bytes(totals['data_bytes'])}) + manifest.json "
+        f"({human_bytes(totals['manifest_bytes'])})"
+    )
+
+
+def _total_line(doc: dict[str, Any]) -> str:
+    t = doc["totals"]
+    return (
+        f"total: {plural(t['tensors'], 'tensor')} in {plural(t['data_files'], 'data file')}, "
+        f"{t['bytes']} bytes ({human_bytes(t['bytes'])}) with manifest.json"
+    )
