@@ -1,0 +1,188 @@
+"""FSDP2 (``fully_shard``) model and optimizer state: each rank writes its own DTensor shards,
+and the checkpoint loads at any world size, without FSDP, and across strategies."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from tests.distributed.zero_setup import assert_same_optimizer_state
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+LAYOUTS = ["sharded", "consolidated"]
+
+
+def net(seed: int) -> nn.Module:
+    # Odd sizes: 10, 5 and 3 rows do not divide evenly over 3 or 4 ranks.
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def fsdp(seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = net(seed)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, rank: int
+) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        loss = model(batch(step, rank)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(
+    model: nn.Module, opt: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """torch's own gathered view: the reference every load is compared with."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    return copy.deepcopy(msd), copy.deepcopy(osd)
+
+
+def save_run(rank: int, world: int, path: str, layout: str) -> Any:
+    model = fsdp(0)
+    opt = adamw(model)
+    train(model, opt, 0, 3, rank)
+    shardsafe.save(path, {"model": model, "optimizer": opt}, layout=layout)
+    msd, osd = full_state(model, opt)
+    return msd, osd, train(model, opt, 3, 5, rank)
+
+
+def load_run(rank: int, world: int, path: str, steps: int) -> Any:
+    model = fsdp(1)
+    opt = adamw(model)
+    shardsafe.load(path, {"model": model, "optimizer": opt})
+    msd, osd = full_state(model, opt)
+    return msd, osd, train(model, opt, 3, steps, rank)
+
+
+def plain_run(rank: int, world: int, path: str) -> Any:
+    assert not torch.distributed.is_initialized()
+    model = net(1)
+    opt = adamw(model)
+    shardsafe.load(path, {"model": model, "optimizer": opt})
+    return {k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict())
+
+
+def assert_same_model(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def fqn_optimizer_state(osd: dict[str, Any]) -> dict[str, Any]:
+    """get_state_dict keys optimizer state by FQN; turn it into positions for comparison."""
+    names = [n for g in osd["param_groups"] for n in g["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[n]: s for n, s in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fsdp_round_trip_same_and_other_world_sizes_and_plain(tmp_path: Path, layout: str) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(save_run, 2, path, layout)
+    msd, osd, _ = saved[0]
+
+    resumed = run_ranks(load_run, 2, path, 5)
+    assert [r[2] for r in resumed] == [s[2] for s in saved]  # next losses bitwise, per rank
+    assert_same_model(resumed[0][0], msd)
+
+    for world in (3, 4):
+        got_msd, got_osd, _ = run_ranks(load_run, world, path, 0)[0]
+        assert_same_model(got_msd, msd)
+        assert_same_optimizer_state(fqn_optimizer_state(got_osd), fqn_optimizer_state(osd))
+
+    weights, plain_osd = run_ranks(plain_run, 1, path, init_process_group=False)[0]
+    assert_same_model(weights, msd)
+    assert_same_optimizer_state(plain_osd, fqn_optimizer_state(osd))
+
+
+def test_sharded_layout_records_each_ranks_shard_with_offsets(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_ranks(save_run, 2, str(path), "sharded")
+    record = shardsafe.read_manifest(path).tensors["model/0.weight"]
+    assert record.shape == (10, 6)
+    assert sorted((c.file, c.offsets, c.shape) for c in record.chunks) == [
+        ("shard-00000-of-00002.safetensors", (0, 0), (5, 6)),
+        ("shard-00001-of-00002.safetensors", (5, 0), (5, 6)),
+    ]
+
+
+def test_consolidated_fsdp_model_loads_with_plain_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = tmp_path / "ckpt"
+    msd = run_ranks(save_run, 2, str(path), "consolidated")[0][0]
+    model = net(5)
+    model.load_state_dict(load_file(path / "model.safetensors"))
+    assert_same_model(model.state_dict(), msd)
+
+
+def ddp_run(rank: int, world: int, path: str, save: bool) -> Any:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = net(0 if save else 1)
+    wrapped = DDP(model)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1
+    )
+    if save:
+        train(wrapped, opt, 0, 3, rank)
+        shardsafe.save(path, {"model": wrapped, "optimizer": opt})
+    else:
+        shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    opt.consolidate_state_dict(to=0)
+    state = copy.deepcopy(opt.state_dict()) if rank == 0 else None
+    return {k: v.clone() for k, v in model.state_dict().items()}, state
+
+
+def test_fsdp_save_loads_into_ddp_with_zero(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    msd, osd, _ = run_ranks(save_run, 2, path, "sharded")[0]
+    weights, state = run_ranks(ddp_run, 2, path, False)[0]
+    assert_same_model(weights, msd)
+    assert_same_optimizer_state(state, fqn_optimizer_state(osd))
+
+
+def test_zero_save_loads_into_fsdp(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    weights, state = run_ranks(ddp_run, 2, path, True)[0]
+    for world in (2, 3):
+        got_msd, got_osd, _ = run_ranks(load_run, world, path, 0)[0]
+        assert_same_model(got_msd, weights)
+        assert_same_optimizer_state(fqn_optimizer_state(got_osd), state)
