@@ -14,6 +14,11 @@ have posted or one has failed. So
 * data-moving collectives (the consolidated gather) only start after every rank has
   agreed that it holds its data, so they cannot be entered by only some ranks.
 
+Once every rank has entered, each runs a heartbeat thread (a store counter bumped every
+second). A rank that is SIGKILLed or dies of OOM mid-save stops beating; the others
+notice within ``dead_after`` seconds and raise naming it, instead of waiting out the
+phase timeout.
+
 Keys are namespaced by the operation, the absolute checkpoint path and a per-path call
 counter, so a save that one rank abandoned can never be confused with a later one.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import traceback
 from collections import Counter
@@ -36,6 +42,9 @@ _CALLS: Counter[str] = Counter()
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.05
 _ACK_TIMEOUT_S = 30.0
+_HEARTBEAT_S = 1.0
+DEAD_AFTER_S = 15.0
+"""A rank whose heartbeat has not moved for this long is declared dead."""
 
 
 @dataclass
@@ -57,12 +66,17 @@ def world() -> tuple[int, int]:
 class Coordinator:
     """Agreement between all ranks of the default process group for one save or load."""
 
-    def __init__(self, operation: str, path: str, *, timeout: float) -> None:
+    def __init__(
+        self, operation: str, path: str, *, timeout: float, dead_after: float = DEAD_AFTER_S
+    ) -> None:
         self.operation = operation
         self.rank, self.world_size = world()
         self.timeout = timeout
+        self.dead_after = dead_after
         self._store: Any = None
         self._own_keys: list[str] = []
+        self._beating: threading.Event | None = None
+        self._beats: dict[int, tuple[int, float]] = {}
         if self.world_size > 1:
             tag = f"{operation}:{os.path.abspath(path)}"
             _CALLS[tag] += 1
@@ -72,8 +86,30 @@ class Coordinator:
             )
 
     def enter(self, entry_timeout: float) -> None:
-        """Wait until every rank has called the same operation; name the ones that did not."""
+        """Wait until every rank has called the same operation; name the ones that did not.
+
+        From then on this rank beats a heartbeat until :meth:`close`.
+        """
         self.exchange("entry", None, None, timeout=entry_timeout)
+        if self._store is not None:
+            self._beating = threading.Event()
+            threading.Thread(
+                target=self._beat, args=(self._beating,), daemon=True, name="shardsafe-heartbeat"
+            ).start()
+
+    def close(self) -> None:
+        """Stop the heartbeat; call when the operation ends, however it ends."""
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
+
+    def _beat(self, stop: threading.Event) -> None:
+        key = f"beat/{self.rank}"
+        try:
+            while not stop.wait(_HEARTBEAT_S):
+                self._store.add(key, 1)
+        except Exception:  # the store is gone: the waiting side reports that
+            return
 
     def exchange(
         self,
@@ -157,17 +193,43 @@ class Coordinator:
         store = self._store
         deadline = time.monotonic() + timeout
         pause = _POLL_MIN_S
+        next_check = time.monotonic() + _HEARTBEAT_S
         while True:
             if store.add(f"{phase}/failed", 0) > 0:
                 failures = self._failures(phase)
                 raise _agreed_error(failures, self.operation, phase) from own_error
             if store.add(f"{phase}/posted", 0) >= self.world_size:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
                 raise CheckpointError(self._missing_message(phase, missing, timeout))
+            if self._beating is not None and now > next_check:
+                self._check_heartbeats(phase, now)
+                next_check = now + _HEARTBEAT_S
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def _check_heartbeats(self, phase: str, now: float) -> None:
+        """Raise if a rank that has not posted ``phase`` stopped beating long ago."""
+        dead = []
+        for r in range(self.world_size):
+            if r == self.rank or self._posted(phase, r):
+                continue
+            beats = int(self._store.add(f"beat/{r}", 0))
+            last, since = self._beats.get(r, (-1, now))
+            if beats != last:
+                self._beats[r] = (beats, now)
+            elif now - since > self.dead_after:
+                dead.append(r)
+        if dead:
+            ranks = ", ".join(map(str, dead))
+            raise CheckpointError(
+                f"rank(s) {ranks} stopped responding during the '{phase}' phase of "
+                f"{self.operation} (no heartbeat for {self.dead_after:g}s; this is rank "
+                f"{self.rank}): they have probably died (killed, out of memory). Nothing was "
+                "committed; the previous checkpoint is untouched."
+            )
 
     def _posted(self, phase: str, rank: int) -> bool:
         keys = [f"{phase}/ok/{rank}", f"{phase}/error/{rank}"]

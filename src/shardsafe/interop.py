@@ -55,14 +55,29 @@ def gather_optimizer_state_dict(
     ranks send their state as raw tensors (no pickling) to ``to`` alone.
     """
     adapter, ctx = _adapter_and_context(optimizer, model)
-    item = adapter.save(optimizer, ctx)
     coord = Coordinator("gather_optimizer_state_dict", "<interop>", timeout=timeout)
-    offer = {
-        "meta": item.meta,
-        "keys": [c.key for c in item.chunks if not c.replicated],
-        "shapes": {c.key: [list(c.tensor.shape), str(c.tensor.dtype)] for c in item.chunks},
-    }
-    offers = coord.exchange("offer", offer, None)
+    coord.enter(timeout)
+    try:
+        return _gather(coord, adapter, ctx, optimizer, to)
+    finally:
+        coord.close()
+
+
+def _gather(
+    coord: Coordinator, adapter: Adapter, ctx: Context, optimizer: Any, to: int
+) -> dict[str, Any] | None:
+    offer: dict[str, Any] | None = None
+    error: BaseException | None = None
+    try:
+        item = adapter.save(optimizer, ctx)
+        offer = {
+            "meta": item.meta,
+            "keys": [c.key for c in item.chunks if not c.replicated],
+            "shapes": {c.key: [list(c.tensor.shape), str(c.tensor.dtype)] for c in item.chunks},
+        }
+    except Exception as e:  # agreed on every rank instead of hanging the others
+        error = e
+    offers = coord.exchange("offer", offer, error)
     meta = adapter.merge([o["meta"] for o in offers])
     tensors = {c.key: c.tensor for c in item.chunks} if ctx.rank == to else {}
     for src, o in enumerate(offers):

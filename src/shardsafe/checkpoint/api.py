@@ -8,7 +8,7 @@ from typing import Any
 
 from . import loading, saving
 from .loading import read_manifest
-from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S
+from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, StorageFactory
 
 
 def save(
@@ -19,6 +19,7 @@ def save(
     entry_timeout: float = 60.0,
     timeout: float = DEFAULT_TIMEOUT_S,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    storage: StorageFactory | None = None,
 ) -> None:
     """Save ``state`` to the directory ``path``. Call it on every rank.
 
@@ -34,6 +35,9 @@ def save(
     A rank that does not call ``save`` within ``entry_timeout`` seconds is reported by
     name; a later phase waits at most ``timeout`` seconds for the slowest rank. The
     checkpoint exists once ``path/manifest.json`` does; on any error nothing is committed.
+
+    ``storage`` (advanced) makes the storage layer for a directory: a subclass of
+    ``shardsafe.checkpoint.storage.LocalStorage``, e.g. to inject faults in tests.
     """
     saving.save(
         os.fspath(path),
@@ -42,6 +46,7 @@ def save(
         entry_timeout=entry_timeout,
         timeout=timeout,
         buffer_bytes=buffer_bytes,
+        storage=storage,
     )
 
 

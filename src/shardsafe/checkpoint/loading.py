@@ -86,6 +86,15 @@ def load(
         raise ValueError("state must be a dict of name -> object to restore")
     coord = Coordinator("load", path, timeout=timeout)
     coord.enter(entry_timeout)
+    try:
+        return _phases(coord, path, state, strict)
+    finally:
+        coord.close()
+
+
+def _phases(
+    coord: Coordinator, path: str, state: Mapping[str, Any], strict: bool
+) -> dict[str, Any]:
     planned: list[_Planned] = []
     error: BaseException | None = None
     try:

@@ -22,8 +22,9 @@ from typing import Any
 from ..distributed import world
 from ..errors import CheckpointError
 from .api import load
+from .lock import RootLock
 from .manifest import MANIFEST_NAME
-from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S
+from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, StorageFactory
 from .saving import save as _save
 from .storage import LocalStorage
 
@@ -43,6 +44,11 @@ class CheckpointManager:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
         self.root = os.fspath(root)
         self.keep_last = keep_last
+        self._lock = RootLock(self.root)
+
+    def close(self) -> None:
+        """Give up this process's claim on the root (also done at exit)."""
+        self._lock.release()
 
     def path_for(self, step: int) -> str:
         return os.path.join(self.root, step_dir_name(step))
@@ -56,8 +62,13 @@ class CheckpointManager:
         entry_timeout: float = 60.0,
         timeout: float = DEFAULT_TIMEOUT_S,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        storage: StorageFactory | None = None,
     ) -> str:
-        """Save ``state`` as step ``step`` on every rank; return the checkpoint's path."""
+        """Save ``state`` as step ``step`` on every rank; return the checkpoint's path.
+
+        The first save takes ``root/.shardsafe.lock`` for this process (see ``lock.py``):
+        a second run saving into the same root gets a :class:`CheckpointError`.
+        """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
         path = self.path_for(step)
@@ -70,6 +81,8 @@ class CheckpointManager:
             entry_timeout=entry_timeout,
             timeout=timeout,
             buffer_bytes=buffer_bytes,
+            storage=storage,
+            before_write=self._lock.acquire,
             on_commit=lambda: self._publish(step),
         )
         return path
@@ -81,6 +94,8 @@ class CheckpointManager:
         if self.keep_last is not None:
             keep = keep[-self.keep_last :]
         for name in os.listdir(self.root):
+            if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
+                LocalStorage(self.root).remove(name)
             match = _STEP_DIR.fullmatch(name)
             if match and int(match.group(1)) not in keep and int(match.group(1)) != step:
                 _delete_checkpoint(os.path.join(self.root, name))

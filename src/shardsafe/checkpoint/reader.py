@@ -49,13 +49,19 @@ class CheckpointReader:
             if offsets is not None and shape is not None
             else ((0,) * len(rec.shape), rec.shape)
         )
+        pieces = [
+            (chunk, overlap)
+            for chunk in rec.chunks
+            if (overlap := geometry.intersect((chunk.offsets, chunk.shape), box)) is not None
+        ]
+        # Check each piece against its real file before allocating: a hostile manifest can
+        # claim any shape, but the chunks must tile it and each must exist on disk.
+        for chunk, _ in pieces:
+            self._entry(key, rec, chunk)
         out = torch.empty(box[1], dtype=rec.dtype)
         if out.numel() == 0:
             return out
-        for chunk in rec.chunks:
-            overlap = geometry.intersect((chunk.offsets, chunk.shape), box)
-            if overlap is None:
-                continue
+        for chunk, overlap in pieces:
             if overlap == box and chunk.offsets == box[0] and chunk.shape == box[1]:
                 self._read_whole(key, rec, chunk, out)
                 continue

@@ -193,7 +193,7 @@ def read_header(reader: LocalFileReader) -> dict[str, HeaderEntry]:
     raw = bytearray(length)
     reader.read_into(8, memoryview(raw))
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise CheckpointCorruptError(f"{name} has a damaged safetensors header") from None
     if not isinstance(header, dict):
@@ -205,6 +205,13 @@ def read_header(reader: LocalFileReader) -> dict[str, HeaderEntry]:
             continue
         entries[key] = _header_entry(name, key, rec, data_start, data_len)
     return entries
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate tensor names")
+    return dict(pairs)
 
 
 def _header_entry(file: str, key: str, rec: object, data_start: int, data_len: int) -> HeaderEntry:

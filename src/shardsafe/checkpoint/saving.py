@@ -34,6 +34,8 @@ CRC_BLOCK_BYTES = 16 << 20
 DEFAULT_TIMEOUT_S = 1800.0
 
 State = Mapping[str, Any]
+StorageFactory = Callable[[str], LocalStorage]
+"""Makes the storage layer for a checkpoint directory; subclass LocalStorage to replace it."""
 
 
 def save(
@@ -44,23 +46,45 @@ def save(
     entry_timeout: float,
     timeout: float,
     buffer_bytes: int,
+    storage: StorageFactory | None = None,
+    before_write: Callable[[], None] | None = None,
     on_commit: Callable[[], None] | None = None,
 ) -> None:
+    """Run the phases of a save. ``before_write`` and ``on_commit`` run on rank 0 only,
+    inside the collect and commit phases, so their failures are agreed like any other."""
     _check_save_args(path, state, layout, buffer_bytes)
-    storage = LocalStorage(path)
-    if storage.exists(MANIFEST_NAME):
+    store = (storage or LocalStorage)(path)
+    if store.exists(MANIFEST_NAME):
         raise CheckpointError(
             f"{path} already holds a committed checkpoint; shardsafe never overwrites one. "
             "Save to a new directory (CheckpointManager does this per step) or delete it first."
         )
     coord = Coordinator("save", path, timeout=timeout)
     coord.enter(entry_timeout)
-    items, error = _collect(state, coord, storage)
+    try:
+        _phases(coord, store, state, layout, buffer_bytes, before_write, on_commit)
+    finally:
+        coord.close()
+
+
+def _phases(
+    coord: Coordinator,
+    storage: LocalStorage,
+    state: State,
+    layout: str,
+    buffer_bytes: int,
+    before_write: Callable[[], None] | None,
+    on_commit: Callable[[], None] | None,
+) -> None:
+    items, error = _collect(state, coord, storage, before_write)
     offers = coord.exchange("collect", _offer(items) if error is None else None, error)
-    plan, adapters = _plan(items, offers, state, layout, coord.rank)
-    written, error = write_plan(
-        plan, coord.rank, _chunks(items), storage, WriteOptions(CRC_BLOCK_BYTES, buffer_bytes)
-    )
+    written: dict[str, FileResult] = {}
+    try:
+        plan, adapters = _plan(items, offers, state, layout, coord.rank)
+        options = WriteOptions(CRC_BLOCK_BYTES, buffer_bytes)
+        written, error = write_plan(plan, coord.rank, _chunks(items), storage, options)
+    except Exception as e:  # e.g. a peer died mid-transfer: report it, do not hang
+        error = e
     items.clear()  # drop references to staged state before waiting on others
     try:
         results = coord.exchange("write", written if error is None else None, error)
@@ -93,11 +117,16 @@ def _check_save_args(path: str, state: State, layout: str, buffer_bytes: int) ->
 
 
 def _collect(
-    state: State, coord: Coordinator, storage: LocalStorage
+    state: State,
+    coord: Coordinator,
+    storage: LocalStorage,
+    before_write: Callable[[], None] | None,
 ) -> tuple[dict[str, tuple[Adapter, SaveItem]], BaseException | None]:
     items: dict[str, tuple[Adapter, SaveItem]] = {}
     try:
         if coord.rank == 0:
+            if before_write is not None:
+                before_write()
             _clear_leftovers(storage)
         names = param_names(state)
         for name, obj in state.items():

@@ -1,0 +1,126 @@
+"""One writer per checkpoint root: ``root/.shardsafe.lock``.
+
+Two runs saving into the same root would interleave step directories, and each run's
+retention would delete the other's checkpoints. The first run to save creates the lock
+file (``O_EXCL``, so exactly one wins) holding its pid, host and process start time; the
+lock lasts as long as the process. A later run on the same host takes over a lock whose
+process is gone (killed, crashed); on another host it cannot tell, so it refuses and
+says which file to delete once the other run is known to be dead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from ..errors import CheckpointError
+
+LOCK_NAME = ".shardsafe.lock"
+_UNWRITTEN_GRACE_S = 10.0
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (guards against pid reuse), if readable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    started = owner.get("started")
+    return started is None or _start_time(pid) in (None, started)
+
+
+class RootLock:
+    """The lock on one root, held by this process once :meth:`acquire` succeeds."""
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, LOCK_NAME)
+        self.me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": _start_time(os.getpid()),
+            "token": uuid.uuid4().hex,
+            "since": time.time(),
+        }
+        self.held = False
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            self._take_over_or_refuse()
+        else:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.me, f)
+                f.flush()
+                os.fsync(f.fileno())
+        self.held = True
+        atexit.register(self.release)
+
+    def _take_over_or_refuse(self) -> None:
+        owner = self._owner()
+        if not owner and self._age() > _UNWRITTEN_GRACE_S:
+            owner = {"host": self.me["host"]}  # a writer died between create and write
+        same_host = owner.get("host") == self.me["host"]
+        if same_host and owner.get("pid") == self.me["pid"]:
+            return  # this process already owns the root (another manager object)
+        if same_host and not _alive(owner):
+            tmp = f"{self.path}.{self.me['token']}"
+            with open(tmp, "w") as f:
+                json.dump(self.me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            if self._owner().get("token") == self.me["token"]:
+                return
+            owner = self._owner()  # lost a race with another process taking over
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
+        where = "this host" if owner.get("host") == self.me["host"] else f"host {owner.get('host')}"
+        raise CheckpointError(
+            f"{os.path.dirname(self.path)} is being written by another run (pid "
+            f"{owner.get('pid')} on {where}, since {since}). Two runs saving into one root "
+            "would interleave checkpoints and delete each other's. Use another root or stop "
+            f"the other run; if it is already gone, delete {self.path}."
+        )
+
+    def _age(self) -> float:
+        try:
+            return time.time() - os.stat(self.path).st_mtime
+        except OSError:
+            return 0.0
+
+    def _owner(self) -> dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+            return owner if isinstance(owner, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        if self._owner().get("token") == self.me["token"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
