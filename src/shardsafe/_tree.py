@@ -50,8 +50,8 @@ def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ())
     if isinstance(value, Mapping):
         return _encode_mapping(value, where, sink, path)
     item = getattr(value, "item", None)
-    if callable(item) and type(value).__module__ == "numpy":
-        return encode(item(), where, sink, path)
+    if callable(item) and type(value).__module__ == "numpy" and getattr(value, "ndim", 1) == 0:
+        return encode(item(), where, sink, path)  # a numpy scalar; arrays are refused below
     raise CheckpointError(
         f"cannot save {where}{_format_path(path)}: a value of type {type(value).__qualname__} is "
         "neither a tensor nor JSON-able data, and shardsafe never pickles. Convert it to "
@@ -93,19 +93,22 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
         if tag == "__tuple__":
             return tuple(decode(v, tensors) for v in _expect(payload, list, tag))
         if tag == "__float__":
-            return float(_expect(payload, str, tag))
+            return _parse(float, _expect(payload, str, tag), tag)
         if tag == "__bytes__":
-            return base64.b64decode(_expect(payload, str, tag))
+            return _parse(_b64decode, _expect(payload, str, tag), tag)
         if tag == "__dtype__":
             dtype = getattr(torch, _expect(payload, str, tag), None)
             if not isinstance(dtype, torch.dtype):
                 raise CheckpointCorruptError(f"unknown dtype {payload!r} in the manifest")
             return dtype
         if tag == "__dict__":
-            return {
-                _hashable(decode(k, tensors)): decode(v, tensors)
-                for k, v in _expect(payload, list, tag)
-            }
+            pairs = _expect(payload, list, tag)
+            for pair in pairs:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise CheckpointCorruptError(
+                        f"malformed {tag} pair in the manifest: {pair!r:.80}"
+                    )
+            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in pairs}
     return {k: decode(v, tensors) for k, v in obj.items()}
 
 
@@ -131,9 +134,26 @@ def _expect(payload: Any, kind: type, tag: str) -> Any:
     return payload
 
 
+def _parse(parser: Callable[[str], Any], payload: str, tag: str) -> Any:
+    try:
+        return parser(payload)
+    except ValueError:
+        raise CheckpointCorruptError(
+            f"malformed {tag} value in the manifest: {payload!r:.80}"
+        ) from None
+
+
+def _b64decode(payload: str) -> bytes:
+    return base64.b64decode(payload, validate=True)
+
+
 def _hashable(key: Any) -> Any:
-    if isinstance(key, list):
-        raise CheckpointCorruptError("malformed dict key in the manifest: a list")
+    try:
+        hash(key)
+    except TypeError:
+        raise CheckpointCorruptError(
+            f"malformed dict key in the manifest: a {type(key).__name__}"
+        ) from None
     return key
 
 

@@ -74,8 +74,12 @@ def test_sharded_layout_writes_each_rank_its_own_state_without_a_gather(tmp_path
     path = tmp_path / "ckpt"
     run_ranks(save_run, 2, "zero", str(path), "sharded")
     manifest = shardsafe.read_manifest(path)
-    files = {c.file for key, rec in manifest.tensors.items() if key.startswith("optimizer/")
-             for c in rec.chunks}
+    files = {
+        c.file
+        for key, rec in manifest.tensors.items()
+        if key.startswith("optimizer/")
+        for c in rec.chunks
+    }
     assert files == {"shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"}
     assert all(len(rec.chunks) == 1 for rec in manifest.tensors.values())
 
@@ -84,7 +88,10 @@ def test_consolidated_layout_is_one_model_file_and_one_optimizer_file(tmp_path: 
     path = tmp_path / "ckpt"
     run_ranks(save_run, 2, "zero", str(path), "consolidated")
     assert sorted(p.name for p in path.iterdir()) == [
-        "manifest.json", "model.safetensors", "optimizer.safetensors"]
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+    ]
     from safetensors.torch import load_file
 
     names = set(load_file(path / "optimizer.safetensors"))
@@ -207,8 +214,9 @@ class ShardedSGD(torch.optim.Optimizer):
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         flat = [p for g in self.param_groups for p in g["params"]]
         mine = {id(p) for i, p in enumerate(flat) if i % world == rank}
-        local_groups = [{**g, "params": [p for p in g["params"] if id(p) in mine]}
-                        for g in self.param_groups]
+        local_groups = [
+            {**g, "params": [p for p in g["params"] if id(p) in mine]} for g in self.param_groups
+        ]
         self.optim = torch.optim.SGD(local_groups, lr=lr, momentum=0.9)
 
     def consolidate_state_dict(self, to: int = 0) -> None:  # what makes it look sharded
@@ -219,6 +227,7 @@ def custom_adapter_run(rank: int, world: int, path: str, register: bool) -> Any:
     from shardsafe.adapters import PartitionedOptimizerAdapter
 
     if register:
+
         class ShardedSGDAdapter(PartitionedOptimizerAdapter):
             wrapper_type = ShardedSGD
 
@@ -231,8 +240,9 @@ def custom_adapter_run(rank: int, world: int, path: str, register: bool) -> Any:
     shardsafe.save(path, {"model": model, "optimizer": opt})
     fresh = ShardedSGD(model.parameters(), lr=0.5)
     shardsafe.load(path, {"model": model, "optimizer": fresh})
-    return {k: v["momentum_buffer"] for k, v in fresh.optim.state_dict()["state"].items()}, \
-        fresh.param_groups[0]["lr"]
+    return {
+        k: v["momentum_buffer"] for k, v in fresh.optim.state_dict()["state"].items()
+    }, fresh.param_groups[0]["lr"]
 
 
 def test_unknown_sharded_optimizer_gets_a_clear_error_on_every_rank(tmp_path: Path) -> None:

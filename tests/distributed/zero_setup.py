@@ -32,8 +32,15 @@ class Net(nn.Module):
 
 
 def param_groups(model: Net) -> list[dict[str, Any]]:
-    fast = [model.inp.weight, model.inp.bias, model.out.weight, model.out.bias, model.unused,
-            model.head.weight, model.head.bias]
+    fast = [
+        model.inp.weight,
+        model.inp.bias,
+        model.out.weight,
+        model.out.bias,
+        model.unused,
+        model.head.weight,
+        model.head.bias,
+    ]
     slow = [model.hidden.weight, model.hidden.bias]
     return [{"params": fast}, {"params": slow, "lr": 3e-3}]
 
@@ -47,8 +54,9 @@ def build(kind: str, seed: int, distributed: bool = True, width: int = 32) -> tu
     if kind == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        opt: Any = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=1e-2,
-                                           weight_decay=0.1)
+        opt: Any = ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1
+        )
     elif kind == "oss":
         from fairscale.optim import OSS
 
@@ -86,15 +94,19 @@ def torch_consolidated(opt: Any, rank: int) -> dict[str, Any] | None:
 
 
 def _clone(sd: dict[str, Any]) -> dict[str, Any]:
-    state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-             for i, s in sd["state"].items()}
+    state = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in sd["state"].items()
+    }
     return {"state": state, "param_groups": [dict(g) for g in sd["param_groups"]]}
 
 
 def assert_same_optimizer_state(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Every state tensor bitwise equal, every hyperparameter equal (type included)."""
-    assert sorted(got["state"]) == sorted(want["state"]), (sorted(got["state"]),
-                                                            sorted(want["state"]))
+    assert sorted(got["state"]) == sorted(want["state"]), (
+        sorted(got["state"]),
+        sorted(want["state"]),
+    )
     for index, want_state in want["state"].items():
         got_state = got["state"][index]
         assert sorted(got_state) == sorted(want_state)

@@ -226,6 +226,10 @@ class _Parser:
         self.require(dtype is not None, f"tensor {key!r} has unknown dtype {rec.get('dtype')!r}")
         assert dtype is not None
         shape = self.ints(rec.get("shape"), f"the shape of {key!r}")
+        self.require(  # what torch.empty can make, even with a zero dim (bytes: see chunk())
+            math.prod(max(n, 1) for n in shape) < 1 << 63,
+            f"the shape of {key!r} is too large for any tensor",
+        )
         raw_chunks = rec.get("chunks")
         self.require(
             isinstance(raw_chunks, list) and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR,

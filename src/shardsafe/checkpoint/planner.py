@@ -198,6 +198,7 @@ def _plan_consolidated(
 ) -> list[FilePlan]:
     """One file per state value, written by rank 0, each tensor whole."""
     files: dict[str, FilePlan] = {}
+    file_of: dict[str, str] = {}
     for key in sorted(by_key):
         chunks = by_key[key]
         value = value_of(key)
@@ -205,8 +206,9 @@ def _plan_consolidated(
             sources: tuple[ChunkInfo, ...] = (min(chunks, key=lambda c: c.rank != WRITER_RANK),)
         else:
             sources = tuple(sorted(chunks, key=lambda c: c.offsets))
-        position = value_order.index(value) if value in value_order else len(value_order)
-        fname = consolidated_file_name(value, position)
+        if value not in file_of:
+            file_of[value] = _unused_file_name(value, value_order, set(file_of.values()))
+        fname = file_of[value]
         plan = files.setdefault(fname, FilePlan(fname, WRITER_RANK))
         name = key[len(value) + 1 :] if key != value else key
         first = chunks[0]
@@ -219,6 +221,16 @@ def _plan_consolidated(
         # Bytes from one rank back to back: fewer, larger messages.
         plan.entries.sort(key=lambda e: (min(s.rank for s in e.sources), e.name))
     return [files[name] for name in sorted(files)]
+
+
+def _unused_file_name(value: str, value_order: list[str], taken: set[str]) -> str:
+    """The value's file name; never one another value already uses (e.g. ``value-000``)."""
+    position = value_order.index(value) if value in value_order else len(value_order)
+    fname, n = consolidated_file_name(value, position), 0
+    while fname in taken:
+        n += 1
+        fname = f"value-{position:03d}-{n}.safetensors"
+    return fname
 
 
 # ---------------------------------------------------------------------------- transfers

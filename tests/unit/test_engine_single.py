@@ -1,0 +1,402 @@
+"""``shardsafe.save``/``load`` in one process (no process group): what a user checks on resume.
+
+* every tensor of model, AdamW and scheduler state comes back bitwise, param groups
+  (tuple betas included) and scheduler state equal, the RNGs continue where they were;
+* training resumed from the checkpoint produces the very same next losses (``==``) as a
+  run that was never interrupted;
+* partial loads, mismatch reports, values that cannot be saved without pickle, and
+  refusing to overwrite a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+
+LAYOUTS = ["sharded", "consolidated"]
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(6, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Dropout(0.25),
+        nn.Linear(16, 3),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> float:
+    """One step whose loss depends on every RNG: torch (data, dropout), numpy and python."""
+    model.train()
+    x, y = torch.randn(12, 6), torch.randn(12, 3)
+    weight = float(np.random.uniform(0.5, 1.5)) * random.uniform(0.5, 1.5)
+    loss = ((model(x) - y) ** 2).mean() * weight
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    return copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict()}
+    )
+
+
+def assert_tensor_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def assert_same_training_state(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    assert_tensor_dicts_equal(expected["model"], got["model"])
+    exp_opt, got_opt = expected["optimizer"], got["optimizer"]
+    assert len(exp_opt["state"]) == 6  # every parameter has AdamW state
+    assert sorted(exp_opt["state"]) == sorted(got_opt["state"])
+    for index, per_param in exp_opt["state"].items():
+        assert (
+            sorted(per_param)
+            == sorted(got_opt["state"][index])
+            == ["exp_avg", "exp_avg_sq", "step"]
+        )
+        assert_tensor_dicts_equal(per_param, {k: got_opt["state"][index][k] for k in per_param})
+    assert got_opt["param_groups"] == exp_opt["param_groups"]
+    for group in got_opt["param_groups"]:
+        assert type(group["betas"]) is tuple and group["betas"] == (0.8, 0.95)
+        assert group["weight_decay"] == 0.1
+    assert got["sched"] == expected["sched"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path: Path, layout: str) -> None:
+    # The uninterrupted run: 3 + 5 steps, never saved.
+    seed_all(0)
+    model, opt, sched = build(0)
+    reference = [train_step(model, opt, sched) for _ in range(8)][3:]
+
+    # The same run, checkpointed after 3 steps.
+    seed_all(0)
+    model, opt, sched = build(0)
+    for _ in range(3):
+        train_step(model, opt, sched)
+    path = tmp_path / "ckpt"
+    state = {"model": model, "optimizer": opt, "sched": sched, "rng": shardsafe.RNGState()}
+    shardsafe.save(path, state, layout=layout)
+    at_save = state_of(model, opt, sched)
+    # Saving has no side effect: continuing the saved run gives the reference losses too.
+    continued = [train_step(model, opt, sched) for _ in range(5)]
+    assert continued == reference
+
+    # A new process would start from other weights and other RNG states.
+    seed_all(123)
+    model2, opt2, sched2 = build(99)
+    train_step(model2, opt2, sched2)  # even with some state of its own
+    assert not torch.equal(model2[0].weight, at_save["model"]["0.weight"])
+    returned = shardsafe.load(
+        path, {"model": model2, "optimizer": opt2, "sched": sched2, "rng": shardsafe.RNGState()}
+    )
+    assert returned == {}
+    assert_same_training_state(at_save, state_of(model2, opt2, sched2))
+    resumed = [train_step(model2, opt2, sched2) for _ in range(5)]
+    assert resumed == reference  # floats compared with ==, bitwise
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rng_state_continues_the_same_random_streams(tmp_path: Path, layout: str) -> None:
+    seed_all(5)
+    np.random.randn(3)  # odd number of normals: numpy now holds a cached gaussian
+    random.gauss(0, 1)  # python too
+    torch.rand(7)
+    shardsafe.save(tmp_path / "rng", {"rng": shardsafe.RNGState()}, layout=layout)
+
+    def draws() -> tuple[Any, ...]:
+        return (
+            torch.rand(5),
+            torch.randn(3, dtype=torch.float64),
+            torch.randint(0, 1 << 30, (4,)),
+            np.random.randn(3),
+            np.random.rand(4),
+            [random.random() for _ in range(3)],
+            random.gauss(0, 1),
+            random.getrandbits(64),
+        )
+
+    expected = draws()
+    seed_all(77)
+    assert not torch.equal(draws()[0], expected[0])
+    shardsafe.load(tmp_path / "rng", {"rng": shardsafe.RNGState()})
+    got = draws()
+    for e, g in zip(expected, got):
+        if isinstance(e, torch.Tensor):
+            assert torch.equal(e, g)
+        elif isinstance(e, np.ndarray):
+            assert np.array_equal(e, g)
+        else:
+            assert e == g
+
+
+def test_rng_state_repr() -> None:
+    assert repr(shardsafe.RNGState()) == "RNGState()"
+
+
+def test_plain_values_come_back_and_live_tensors_are_filled(tmp_path: Path) -> None:
+    counter = torch.tensor([3, 1, 4], dtype=torch.int64)
+    values = {
+        "step": 1200,
+        "config": {"lr": 1e-3, "betas": (0.9, 0.99), "clip": float("inf"), 3: "int key"},
+        "ema_decay": torch.tensor(0.999, dtype=torch.float64),
+        "counter": counter,
+        "tags": ["a", ("b", None)],
+    }
+    shardsafe.save(tmp_path / "v", values)
+    live = torch.zeros(3, dtype=torch.int64)
+    out = shardsafe.load(tmp_path / "v", {"counter": live, "step": 0})
+    assert torch.equal(live, counter)
+    assert out["step"] == 1200
+    assert out["config"] == values["config"] and type(out["config"]["betas"]) is tuple
+    assert out["tags"] == ["a", ("b", None)]
+    assert out["ema_decay"].dtype == torch.float64 and torch.equal(
+        out["ema_decay"], values["ema_decay"]
+    )
+    assert set(out) == set(values)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tensors_of_every_kind_round_trip(tmp_path: Path, layout: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "bf16": torch.randn(3, 2, generator=g).bfloat16(),
+        "f16": torch.randn(4, generator=g).half(),
+        "f64": torch.tensor([float("nan"), -0.0, float("inf")], dtype=torch.float64),
+        "bool": torch.tensor([[True, False], [False, True]]),
+        "i8": torch.tensor([-128, 127], dtype=torch.int8),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "i64": torch.tensor([-(2**63), 2**63 - 1]),
+        "c64": torch.tensor([1 + 2j], dtype=torch.complex64),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+    }
+    shardsafe.save(tmp_path / "c", {"tensors": tensors}, layout=layout)
+    out = shardsafe.load(tmp_path / "c", {})["tensors"]
+    assert sorted(out) == sorted(tensors)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape, name
+        # Bitwise, NaN included: compare the raw bytes.
+        assert bytes(out[name].reshape(-1).view(torch.uint8)) == bytes(
+            t.contiguous().reshape(-1).view(torch.uint8)
+        ), name
+
+
+# ------------------------------------------------------------------ strict / mismatch
+
+
+class Net(nn.Module):
+    def __init__(self, extra: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+        for name, module in extra.items():
+            self.add_module(name, module)
+
+
+def trained(net: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1)
+    x = torch.randn(5, 4)
+    loss = net.head(net.encoder(x)).sum() + sum(p.sum() for p in net.parameters())
+    loss.backward()
+    opt.step()
+    return opt
+
+
+def params_copy(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_strict_load_lists_missing_and_unexpected_keys_with_counts(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    saved = Net({"old": nn.Linear(2, 2)})
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    live = Net({"new": nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])})
+    before = params_copy(live)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"model": live})
+    msg = str(info.value)
+    assert "missing from the checkpoint (8): model/new.0.weight; model/new.0.bias;" in msg
+    assert "... and 3 more" in msg
+    assert "unexpected in the checkpoint (2): model/old.bias; model/old.weight" in msg
+    assert "mismatch" not in msg.replace("CheckpointMismatchError", "")
+    assert "Pass strict=False" in msg
+    assert_tensor_dicts_equal(before, live.state_dict())  # nothing was restored
+
+
+def test_strict_false_loads_what_both_sides_have(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    saved = Net({"old": nn.Linear(2, 2)})
+    saved_opt = trained(saved)
+    shardsafe.save(tmp_path / "c", {"model": saved, "optimizer": saved_opt})
+    torch.manual_seed(1)
+    live = Net({"new": nn.Linear(2, 3)})
+    live_opt = torch.optim.AdamW(live.parameters(), lr=0.5, weight_decay=0.0)
+    new_before = params_copy(live.new)
+    shardsafe.load(tmp_path / "c", {"model": live, "optimizer": live_opt}, strict=False)
+    for name in ["encoder.weight", "encoder.bias", "head.weight", "head.bias"]:
+        assert torch.equal(live.state_dict()[name], saved.state_dict()[name]), name
+    assert_tensor_dicts_equal(new_before, live.new.state_dict())
+    # Optimizer state for the shared parameters, by name; none for the new ones.
+    by_param = {id(p): n for n, p in live.named_parameters()}
+    saved_by_name = {n: saved_opt.state[p] for n, p in saved.named_parameters()}
+    restored = {by_param[id(p)]: s for p, s in live_opt.state.items()}
+    assert sorted(restored) == ["encoder.bias", "encoder.weight", "head.bias", "head.weight"]
+    for name, s in restored.items():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s[k], saved_by_name[name][k]), (name, k)
+    assert live_opt.param_groups[0]["lr"] == 0.1 and live_opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_shape_and_dtype_mismatches_are_listed_even_when_not_strict(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    shardsafe.save(tmp_path / "c", {"model": Net({})})
+    live = Net({})
+    live.head = nn.Linear(8, 3)
+    live.encoder.double()
+    before = params_copy(live)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"model": live}, strict=False)
+    msg = str(info.value)
+    assert "shape/dtype mismatch (4):" in msg
+    assert "model/encoder.weight: checkpoint float32[8, 4], live float64[8, 4]" in msg
+    assert "model/head.weight: checkpoint float32[2, 8], live float32[3, 8]" in msg
+    assert "model/head.bias: checkpoint float32[2], live float32[3]" in msg
+    assert "missing" not in msg and "unexpected" not in msg
+    assert_tensor_dicts_equal(before, live.state_dict())
+
+
+def test_a_value_loaded_into_a_different_kind_is_a_mismatch(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"model": nn.Linear(2, 2)})
+    with pytest.raises(CheckpointMismatchError, match="state\\['model'\\] was saved as a 'module'"):
+        shardsafe.load(tmp_path / "c", {"model": torch.optim.SGD([nn.Parameter(torch.ones(1))])})
+
+
+def test_a_state_key_absent_from_the_checkpoint_is_missing_when_strict(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"model": nn.Linear(2, 2)})
+    with pytest.raises(
+        CheckpointMismatchError, match=r"missing from the checkpoint \(1\): state\['ema'\]"
+    ):
+        shardsafe.load(tmp_path / "c", {"model": nn.Linear(2, 2), "ema": nn.Linear(2, 2)})
+    shardsafe.load(tmp_path / "c", {"model": nn.Linear(2, 2), "ema": nn.Linear(2, 2)}, strict=False)
+
+
+# ------------------------------------------------------------------ refusals at save
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.epoch = 3
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "order": {"key_fn": lambda i: -i}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+
+
+def test_a_value_json_cannot_hold_is_refused_naming_its_key(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    with pytest.raises(CheckpointError) as info:
+        shardsafe.save(path, {"model": nn.Linear(2, 2), "sampler": Sampler()})
+    msg = str(info.value)
+    assert "state['sampler']['order']['key_fn']" in msg and "function" in msg
+    assert "never pickles" in msg
+    assert not (path / "manifest.json").exists()
+    assert not path.exists() or list(path.iterdir()) == []  # nothing was written
+    with pytest.raises(CheckpointNotFoundError):
+        shardsafe.load(path, {"model": nn.Linear(2, 2)})
+
+
+def test_an_arbitrary_object_inside_a_plain_value_is_refused_naming_its_key(tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match=r"state\['meta'\]\['created'\]: a value of type datetime"
+    ):
+        shardsafe.save(tmp_path / "c", {"meta": {"created": datetime.datetime.now()}})
+    with pytest.raises(
+        CheckpointError, match=r"state\['meta'\]\['perm'\]: a value of type ndarray"
+    ):
+        shardsafe.save(tmp_path / "d", {"meta": {"perm": np.arange(3)}})
+
+
+def test_an_unknown_top_level_object_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"state\['thing'\] is a object.*register_adapter"):
+        shardsafe.save(tmp_path / "c", {"thing": object()})
+
+
+def test_an_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    first = nn.Linear(3, 3)
+    shardsafe.save(path, {"model": first}, layout="consolidated")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(CheckpointError) as info:
+        shardsafe.save(path, {"model": nn.Linear(3, 3)}, layout="consolidated")
+    assert "already holds a committed checkpoint" in str(info.value)
+    assert "never overwrites" in str(info.value)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    live = nn.Linear(3, 3)
+    shardsafe.load(path, {"model": live})
+    assert torch.equal(live.weight, first.weight)
+
+
+def test_leftovers_of_an_uncommitted_save_are_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(b"half-written garbage")
+    (path / "shard-00003-of-00004.safetensors").write_bytes(b"from an older, larger run")
+    model = nn.Linear(3, 3)
+    shardsafe.save(path, {"model": model}, layout="consolidated")
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.safetensors"]
+    live = nn.Linear(3, 3)
+    shardsafe.load(path, {"model": live})
+    assert torch.equal(live.weight, model.weight)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "state", "fragment"),
+    [
+        ({"layout": "zip"}, {"x": 1}, "layout='zip' is not one of"),
+        ({}, {}, "state must be a non-empty dict"),
+        ({}, {"a/b": 1}, "state key 'a/b' must be a non-empty string without '/'"),
+        ({}, {"@x": 1}, "state key '@x'"),
+        ({"buffer_bytes": 1000}, {"x": 1}, "buffer_bytes=1000 is too small"),
+    ],
+)
+def test_bad_save_arguments_are_value_errors(
+    tmp_path: Path, kwargs: dict[str, Any], state: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        shardsafe.save(tmp_path / "c", state, **kwargs)
+    assert fragment in str(info.value)
+    assert not (tmp_path / "c").exists()

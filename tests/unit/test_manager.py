@@ -1,0 +1,101 @@
+"""``CheckpointManager``: step directories, the ``latest`` pointer and retention, as on disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe import CheckpointManager
+
+
+def test_keep_last_two_of_five_saves(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    manager = CheckpointManager(root, keep_last=2)
+    assert manager.latest() is None
+    model = nn.Linear(3, 2)
+    weights = {}
+    for step in (100, 200, 300, 400, 500):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        path = manager.save(step, {"model": model, "step": step})
+        assert path == str(root / f"step-{step:09d}")
+        weights[step] = model.weight.clone()
+        assert manager.latest() == path
+        assert (root / "latest").read_text() == f"step-{step:09d}\n"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "step-000000400",
+        "step-000000500",
+    ]
+    assert sorted(os.listdir(root / "step-000000500")) == [
+        "manifest.json",
+        "shard-00000-of-00001.safetensors",
+    ]
+    assert manager.complete_steps() == [400, 500]
+    assert manager.latest() == str(root / "step-000000500")
+
+    live = nn.Linear(3, 2)
+    out = manager.load_latest({"model": live})
+    assert out == {"step": 500}
+    assert torch.equal(live.weight, weights[500])
+    shardsafe.load(root / "step-000000400", {"model": live})
+    assert torch.equal(live.weight, weights[400])
+    manager.close()  # gives up the root's writer lock: nothing else is left behind
+    assert sorted(os.listdir(root)) == ["latest", "step-000000400", "step-000000500"]
+
+
+def test_a_step_directory_without_a_manifest_is_not_a_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager.save(10, {"model": nn.Linear(2, 2)}, layout="consolidated")
+    # An interrupted save of a later step: data written, manifest never committed.
+    half = tmp_path / "step-000000099"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(os.urandom(64))
+    (half / ".manifest.json.tmp-1234").write_bytes(b"{")
+    assert manager.latest() == str(tmp_path / "step-000000010")
+    assert manager.complete_steps() == [10]
+    live = nn.Linear(2, 2)
+    assert manager.load_latest({"model": live}) == {}
+    # The next commit cleans the leftover up; retention counts committed steps only.
+    manager.save(20, {"model": nn.Linear(2, 2)})
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000010", "step-000000020"]
+    assert (tmp_path / "latest").read_text() == "step-000000020\n"
+
+
+def test_without_keep_last_everything_is_kept(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    for step in range(4):
+        manager.save(step, {"x": step})
+    assert manager.complete_steps() == [0, 1, 2, 3]
+    assert manager.latest() == str(tmp_path / "step-000000003")
+
+
+def test_other_files_in_the_root_are_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step-1").mkdir()  # not a step directory name the manager writes
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2):
+        manager.save(step, {"x": step})
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "notes.txt", "step-000000002", "step-1"]
+
+
+def test_load_latest_with_nothing_saved_returns_none(tmp_path: Path) -> None:
+    assert CheckpointManager(tmp_path / "empty").load_latest({"x": 1}) is None
+
+
+@pytest.mark.parametrize("keep_last", [0, -1])
+def test_keep_last_must_be_positive(keep_last: int) -> None:
+    with pytest.raises(ValueError, match=f"keep_last={keep_last} must be at least 1"):
+        CheckpointManager("x", keep_last=keep_last)
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
+def test_step_must_be_a_non_negative_int(tmp_path: Path, step: object) -> None:
+    with pytest.raises(ValueError, match="must be a non-negative int"):
+        CheckpointManager(tmp_path).save(step, {"x": 1})  # type: ignore[arg-type]
