@@ -10,6 +10,8 @@ stops all ranks at the same point with the same error, and nothing is committed.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,10 +61,15 @@ def save(
             f"{path} already holds a committed checkpoint; shardsafe never overwrites one. "
             "Save to a new directory (CheckpointManager does this per step) or delete it first."
         )
+    existed = os.path.isdir(path)
     coord = Coordinator("save", path, timeout=timeout)
     coord.enter(entry_timeout)
     try:
         _phases(coord, store, state, layout, buffer_bytes, before_write, on_commit)
+    except CheckpointError:
+        if coord.rank == 0 and not existed and not store.exists(MANIFEST_NAME):
+            shutil.rmtree(path, ignore_errors=True)  # everything in it was this save's
+        raise
     finally:
         coord.close()
 
