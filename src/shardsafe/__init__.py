@@ -23,6 +23,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
+from .trainer import Trainer, TrainingModule
 
 __all__ = [
     "Adapter",
@@ -33,6 +34,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointVersionError",
     "RNGState",
+    "Trainer",
+    "TrainingModule",
     "__version__",
     "load",
     "read_manifest",

@@ -1,0 +1,136 @@
+"""``shardsafe fit``: train a ``TrainingModule``, or the built-in example, with checkpoints.
+
+    shardsafe fit --strategy ddp --devices 2 --max-steps 60 --checkpoint-every 20 \\
+        --run-dir runs/example
+    shardsafe fit --strategy ddp --devices 2 --max-steps 100 --checkpoint-every 20 \\
+        --run-dir runs/example --resume latest
+
+With ``--devices N`` (N > 1) this process only launches: it runs
+``python -m shardsafe fit`` with the same options as N workers, as torchrun would, and
+exits with their status. Under torchrun it is one of the workers itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+HELP = "train a TrainingModule (default: a built-in example) with crash-safe checkpoints"
+
+STRATEGY_NAMES = ("single", "ddp", "zero", "fsdp")
+"""The names in ``shardsafe.strategies.STRATEGIES``, listed here to keep ``--help`` fast."""
+EXAMPLE_OPTIMIZERS = ("adamw", "zero", "oss")
+
+_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("--module", "module"),
+    ("--strategy", "strategy"),
+    ("--devices", "devices"),
+    ("--max-steps", "max_steps"),
+    ("--checkpoint-every", "checkpoint_every"),
+    ("--run-dir", "run_dir"),
+    ("--layout", "layout"),
+    ("--resume", "resume"),
+    ("--seed", "seed"),
+    ("--keep-last", "keep_last"),
+    ("--example-optimizer", "example_optimizer"),
+)
+"""Every option, so a launcher can hand its workers exactly the options it was given."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--module",
+        metavar="PKG.MOD:CLASS",
+        help="the TrainingModule class to train, built with no arguments "
+        "(default: a small MLP regressing a fixed random teacher, on synthetic data)",
+    )
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, default="single")
+    parser.add_argument("--devices", type=int, default=1, help="processes to train on (default: 1)")
+    parser.add_argument("--max-steps", type=int, required=True, help="train up to this step")
+    parser.add_argument(
+        "--checkpoint-every", type=int, help="save every N steps and at the end (default: never)"
+    )
+    parser.add_argument("--run-dir", required=True, help="holds checkpoints/ and metrics.jsonl")
+    parser.add_argument("--layout", choices=("sharded", "consolidated"), default="sharded")
+    parser.add_argument(
+        "--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds weights, data and RNGs")
+    parser.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
+    parser.add_argument(
+        "--example-optimizer",
+        choices=EXAMPLE_OPTIMIZERS,
+        default="adamw",
+        help="the built-in example's optimizer: AdamW, or AdamW wrapped by the example "
+        "itself in ZeroRedundancyOptimizer (zero) or fairscale OSS (oss)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..trainer import Trainer
+    from ..trainer.launcher import current_environment, launch
+    from ..trainer.loop import find_checkpoint
+
+    try:
+        module_class = _module_class(args)
+        trainer = Trainer(
+            strategy=args.strategy,
+            devices=args.devices,
+            max_steps=args.max_steps,
+            checkpoint_every=args.checkpoint_every,
+            run_dir=args.run_dir,
+            layout=args.layout,
+            seed=args.seed,
+            keep_last=args.keep_last,
+        )
+        env = current_environment(args.devices)
+    except ValueError as e:
+        print(f"shardsafe fit: error: {e}", file=sys.stderr)
+        return 2
+    if env is None:
+        find_checkpoint(trainer.config, args.resume)  # refuse a bad --resume before launching
+        command = [sys.executable, "-m", "shardsafe", "fit", *worker_arguments(args)]
+        return launch(command, args.devices)
+
+    import torch
+
+    torch.manual_seed(args.seed)  # the same initial weights in every process and every run
+    if module_class is None:
+        from ..trainer.example import ExampleModule
+
+        module = ExampleModule(seed=args.seed, optimizer=args.example_optimizer)
+    else:
+        module = module_class()
+    trainer.fit(module, resume=args.resume)
+    return 0
+
+
+def worker_arguments(args: argparse.Namespace) -> list[str]:
+    """The command-line options that reproduce ``args``."""
+    argv: list[str] = []
+    for flag, dest in _OPTIONS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _module_class(args: argparse.Namespace) -> type | None:
+    """The ``--module`` class (imported, not built), or ``None`` for the built-in example."""
+    if args.module is None:
+        return None
+    if args.example_optimizer != "adamw":
+        raise ValueError("--example-optimizer applies only to the built-in example, not --module")
+    path, _, name = args.module.partition(":")
+    if not path or not name:
+        raise ValueError(f"--module {args.module!r} must look like package.module:ClassName")
+    from ..trainer import TrainingModule
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, for the console script too
+    found = getattr(importlib.import_module(path), name, None)
+    if not (isinstance(found, type) and issubclass(found, TrainingModule)):
+        raise ValueError(f"--module {args.module!r} does not name a TrainingModule subclass")
+    return found

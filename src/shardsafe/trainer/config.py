@@ -1,0 +1,74 @@
+"""``TrainerConfig``: every setting of a run, checked once, before any process starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..checkpoint.manifest import LAYOUTS
+from ..strategies import STRATEGIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Settings of :class:`shardsafe.Trainer`; invalid values raise ``ValueError`` here."""
+
+    max_steps: int
+    """Train until this global step (counted from 1), also across resumes."""
+    run_dir: str
+    """Holds ``checkpoints/`` and ``metrics.jsonl``."""
+    strategy: str = "single"
+    devices: int = 1
+    """Processes to train on. Under torchrun it must equal the world size torchrun set."""
+    checkpoint_every: int | None = None
+    """Save every this many steps and at the last step; ``None``: never save."""
+    layout: str = "sharded"
+    seed: int = 0
+    keep_last: int | None = None
+    """Keep this many newest checkpoints; ``None`` keeps all."""
+    batch_size: int | None = None
+    """Batch size per process, used only when ``fit`` is given a ``Dataset``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy={self.strategy!r} is not a strategy; use one of {sorted(STRATEGIES)}"
+            )
+        _positive("devices", self.devices)
+        _positive("max_steps", self.max_steps)
+        if self.strategy == "single" and self.devices != 1:
+            raise ValueError(
+                f"devices={self.devices} needs several processes, but strategy='single' runs "
+                "one; use strategy='ddp' (or 'zero', 'fsdp'), or devices=1"
+            )
+        if self.checkpoint_every is not None:
+            _positive("checkpoint_every", self.checkpoint_every, "or None to never save")
+        if self.keep_last is not None:
+            _positive("keep_last", self.keep_last, "or None to keep every checkpoint")
+        if self.batch_size is not None:
+            _positive("batch_size", self.batch_size)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not a layout; use one of {LAYOUTS}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+        if not self.run_dir:
+            raise ValueError("run_dir='' is empty; name a directory, e.g. run_dir='runs/exp1'")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.run_dir, "metrics.jsonl")
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.checkpoint_every
+        return every is not None and (step % every == 0 or step == self.max_steps)
+
+
+def _positive(field: str, value: object, alternative: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        fix = f"; pass an int >= 1 {alternative}".rstrip()
+        raise ValueError(f"{field}={value!r} must be a positive int{fix}")

@@ -1,0 +1,87 @@
+"""What a worker does when it fails: report once, exit at once.
+
+In a multi-process run, one rank's exception usually makes its peers fail too, a moment
+later, with a less useful error (a collective whose peer vanished). Printing every
+rank's traceback buries the cause, so the first rank to fail claims "first failure" in
+the process group's key-value store (an atomic ``compare_set``) and prints its
+traceback; a rank that fails later prints one line naming the rank that failed first.
+
+Then the worker exits with status 1 (a rank that failed second a second later, so that
+the launcher names the first) without unwinding further: its peers may be blocked
+in a collective it will never join, and the launcher (or torchrun's agent) stops them as
+soon as it sees a worker exit non-zero. Outside a launched run (one process, or a
+process group the caller made) exceptions propagate as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from ..strategies.base import Environment
+
+_KEY = "shardsafe/trainer/first-failure/{attempt}"
+_DEFER_S = 1.0
+
+
+@contextlib.contextmanager
+def reported_and_fatal(env: Environment) -> Iterator[None]:
+    """In a launched worker, turn an exception into one report and ``exit(1)``."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not env.launched:
+            raise
+        _exit(130)
+    except Exception as error:
+        if not env.launched:
+            raise
+        _report(env.rank, error)
+        _exit(1)
+
+
+def _report(rank: int, error: BaseException) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        first: int | None = rank  # failed before the group existed: nobody to defer to
+    else:
+        first = _claim_first_failure(rank)
+    if first == rank:
+        print(f"shardsafe: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        return
+    summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    cause = (
+        f"rank {first} failed first"
+        if first is not None
+        else "the process group's store is gone (rank 0 has probably exited)"
+    )
+    print(
+        f"shardsafe: rank {rank} stopped because {cause} ({type(error).__name__}: {summary})",
+        file=sys.stderr,
+        flush=True,
+    )
+    # Let the rank that failed first exit first, so the launcher names it.
+    time.sleep(_DEFER_S)
+
+
+def _claim_first_failure(rank: int) -> int | None:
+    """The rank that failed first (maybe this one); ``None`` if the store is unreachable."""
+    key = _KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        return int(store.compare_set(key, "", str(rank)))
+    except Exception:
+        return None
+
+
+def _exit(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,173 @@
+"""Starting a run's processes the way torchrun does, or joining the ones torchrun started.
+
+``Trainer(devices=N).fit(...)`` in a plain ``python train.py`` turns that process into a
+pure launcher: it runs the same command N times with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (and torchrun's other variables) set,
+waits, and exits with the workers' status. The workers then find exactly what torchrun
+workers find, so ``python train.py`` and ``torchrun --nproc-per-node N train.py`` run the
+same code and produce the same numbers.
+
+A launcher that only waits could leave a run hanging: a worker that crashed leaves its
+peers blocked in a collective until the process-group timeout (30 minutes). So the
+launcher watches every worker and, as soon as one exits with an error, stops the others
+(SIGTERM, then SIGKILL) and exits with that worker's status. Workers also die with the
+launcher (``PR_SET_PDEATHSIG`` on Linux), so killing the launcher never leaves orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+import torch.distributed as dist
+
+from ..strategies.base import Environment
+
+LAUNCHER_VARIABLE = "SHARDSAFE_LAUNCHER"
+"""Set in every worker this launcher starts (torchrun's workers have ``TORCHELASTIC_RUN_ID``)."""
+
+_GRACE_S = 5.0
+
+
+def current_environment(devices: int) -> Environment | None:
+    """This process's place in the run; ``None`` if it must launch ``devices`` workers."""
+    variables = os.environ
+    if "RANK" in variables and "WORLD_SIZE" in variables:
+        world_size = int(variables["WORLD_SIZE"])
+        if world_size != devices:
+            raise ValueError(
+                f"devices={devices}, but this process was started as one of {world_size} "
+                f"(WORLD_SIZE={world_size}, e.g. by torchrun --nproc-per-node {world_size}); "
+                "make devices match the launcher"
+            )
+        rank = int(variables["RANK"])
+        launched = LAUNCHER_VARIABLE in variables or "TORCHELASTIC_RUN_ID" in variables
+        local_rank = int(variables.get("LOCAL_RANK", rank))
+        return Environment(rank, world_size, local_rank, launched)
+    if dist.is_available() and dist.is_initialized():
+        return Environment(dist.get_rank(), dist.get_world_size(), dist.get_rank())
+    if devices == 1:
+        return Environment()
+    return None
+
+
+def script_command() -> list[str]:
+    """The command that started this process, to run again as each worker."""
+    if len(sys.orig_argv) < 2 or sys.flags.interactive or "ipykernel" in sys.modules:
+        raise RuntimeError(
+            "devices > 1 starts one process per device by running this program again, which "
+            "needs a script: put the code in train.py and run `python train.py`, or start it "
+            "with `torchrun --nproc-per-node N train.py`"
+        )
+    return [sys.executable, *sys.orig_argv[1:]]
+
+
+def launch(command: Sequence[str], nprocs: int) -> int:
+    """Run ``command`` as ``nprocs`` workers of one process group; return the exit status."""
+    port = _free_port()
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(nprocs):
+            workers.append(
+                subprocess.Popen(
+                    list(command),
+                    env=worker_environment(rank, nprocs, port),
+                    preexec_fn=_die_with_parent,
+                )
+            )
+        return _supervise(workers)
+    except KeyboardInterrupt:
+        return 130
+    except _Stop:
+        return 128 + signal.SIGTERM
+    finally:
+        _stop(workers)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def worker_environment(rank: int, nprocs: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for a worker on one machine (``--nproc-per-node``)."""
+    variables = dict(os.environ)
+    variables.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        ROLE_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    variables[LAUNCHER_VARIABLE] = "1"
+    if nprocs > 1:
+        variables.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: no CPU oversubscription
+    return variables
+
+
+def _supervise(workers: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for the workers; on the first that fails, return its status.
+
+    ``os.wait`` reports children in the order they exit, so the rank named is the one
+    that failed first, not a peer that died of it a moment later.
+    """
+    ranks = {w.pid: rank for rank, w in enumerate(workers)}
+    while any(w.returncode is None for w in workers):
+        pid, status = os.wait()
+        if pid not in ranks:
+            continue  # a child the program started itself
+        code = os.waitstatus_to_exitcode(status)
+        workers[ranks[pid]].returncode = code
+        if code != 0:
+            others = sum(w.returncode is None for w in workers)
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            stopping = f"; stopping the other {others} worker(s)" if others else ""
+            print(f"shardsafe: rank {ranks[pid]} {how}{stopping}", file=sys.stderr, flush=True)
+            return 128 - code if code < 0 else code
+    return 0
+
+
+def _stop(workers: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every running worker, then SIGKILL those still there after a grace period."""
+    for w in workers:
+        if w.poll() is None:
+            with contextlib.suppress(OSError):
+                w.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for w in workers:
+        try:
+            w.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
+
+
+class _Stop(Exception):
+    """The launcher received SIGTERM."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop
+
+
+def _die_with_parent() -> None:
+    """In the worker, before exec: get SIGKILL when the launcher dies (Linux only)."""
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

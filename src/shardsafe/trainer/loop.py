@@ -1,0 +1,172 @@
+"""The training loop, meant to be read straight down.
+
+One process, one rank: the strategy has already joined the process group. Order matters
+for an exact resume: RNGs are seeded, the user's data loader, model wrapping and
+optimizer are built (any of which may draw random numbers), and only then is a
+checkpoint loaded over all of it (weights, optimizer, scheduler, every RNG, the step and
+the data position). Nothing after that draws from a global RNG until the first step, so
+a resumed run continues exactly as the run that wrote the checkpoint did.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..adapters import RNGState
+from ..checkpoint.api import load
+from ..checkpoint.loading import read_manifest
+from ..checkpoint.manager import CheckpointManager
+from ..errors import CheckpointError, CheckpointMismatchError
+from ..strategies.base import Strategy
+from .config import TrainerConfig
+from .data import DataPosition, DataStream, loader_spec
+from .metrics import MetricsLog, ProgressBar, say
+from .module import TrainingModule, TrainingStep
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What ``Trainer.fit`` returns (on every rank)."""
+
+    step: int
+    """The global step the run ended at."""
+    loss: float
+    """The last step's loss, averaged over ranks (``nan`` if no step ran)."""
+    checkpoint: str | None
+    """The newest committed checkpoint, if any."""
+    seconds: float
+
+
+def train(
+    module: TrainingModule,
+    data: object,
+    strategy: Strategy,
+    config: TrainerConfig,
+    resume: str | None,
+) -> FitResult:
+    started = time.monotonic()
+    rank, world_size = strategy.env.rank, strategy.env.world_size
+    leader = rank == 0
+    checkpoint = find_checkpoint(config, resume)
+    if leader and resume == "latest" and checkpoint is None:
+        say(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
+
+    seed_everything(config.seed + rank)
+    source = data if data is not None else module.train_dataloader()
+    spec = loader_spec(source, config.batch_size)
+    module.train()
+    model = strategy.wrap_model(TrainingStep(module))
+    optimizer, scheduler = strategy.configure_optimizers(module)
+    state = {**strategy.checkpoint_state(module, optimizer, scheduler), "rng": RNGState()}
+    start, position = restore(checkpoint, state, leader)
+
+    stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
+    manager = CheckpointManager(config.checkpoint_dir, keep_last=config.keep_last)
+    metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
+    bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
+
+    step, loss = start, math.nan
+    try:
+        for step in range(start + 1, config.max_steps + 1):
+            batch, batch_idx = stream.next_batch()
+            step_loss = model(to_device(batch, strategy.device), batch_idx)
+            step_loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+
+            loss = strategy.mean_over_ranks(step_loss.detach())
+            if metrics is not None:
+                metrics.log(step, loss)
+            bar.update(loss)
+            if config.checkpoint_due(step):
+                progress = {"step": step, **stream.state()}
+                saved = {**state, "trainer": progress}
+                checkpoint = manager.save(step, saved, layout=config.layout)
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+
+    result = FitResult(step, loss, checkpoint, time.monotonic() - started)
+    if leader:
+        say(summary(result, start, config.max_steps))
+    return result
+
+
+def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
+    """The checkpoint a run starts from; refuses to start over an existing run by accident."""
+    manager = CheckpointManager(config.checkpoint_dir)
+    if resume is None:
+        steps = manager.complete_steps()
+        if steps:
+            raise CheckpointError(
+                f"{config.checkpoint_dir} already holds checkpoints (the newest is step "
+                f"{steps[-1]}); pass resume='latest' (--resume latest) to continue that run, "
+                "or choose another run_dir to start a new one"
+            )
+        return None
+    if resume == "latest":
+        return manager.latest()
+    read_manifest(resume)  # a clear error now, before any process has built a model
+    return resume
+
+
+def restore(
+    checkpoint: str | None, state: dict[str, Any], leader: bool
+) -> tuple[int, DataPosition]:
+    """Load ``checkpoint`` into ``state``; return the step and data position it holds."""
+    if checkpoint is None:
+        return 0, DataPosition()
+    values = load(checkpoint, state)
+    progress = values.get("trainer")
+    if not isinstance(progress, dict) or not all(
+        isinstance(progress.get(k), int) for k in ("step", "epoch", "position")
+    ):
+        raise CheckpointMismatchError(
+            f"{checkpoint} was not written by shardsafe.Trainer (it has no 'trainer' entry "
+            "with the step and data position), so training cannot resume from it"
+        )
+    if leader:
+        say(f"resuming from {checkpoint} (step {progress['step']})")
+    return progress["step"], DataPosition(progress["epoch"], progress["position"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators (each rank its own seed)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return
+    np.random.seed(seed)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device`` (a no-op on CPU)."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def summary(result: FitResult, start: int, max_steps: int) -> str:
+    if result.step == start:
+        return f"nothing to train: the run is at step {start} and max_steps={max_steps}"
+    return (
+        f"done: step {result.step} ({result.step - start} steps in {result.seconds:.1f} s), "
+        f"final loss {result.loss:.6g}, checkpoint {result.checkpoint or 'none'}"
+    )

@@ -1,0 +1,79 @@
+"""``Trainer``: runs a :class:`TrainingModule` with a strategy, checkpoints and resumes it."""
+
+from __future__ import annotations
+
+from ..strategies import STRATEGIES
+from .config import TrainerConfig
+from .failures import reported_and_fatal
+from .launcher import current_environment, launch, script_command
+from .loop import FitResult, find_checkpoint, train
+from .module import TrainingModule
+
+
+class Trainer:
+    """Train with checkpoints that survive crashes and resume exactly::
+
+        trainer = shardsafe.Trainer(strategy="ddp", devices=2, max_steps=1000,
+                                    checkpoint_every=100, run_dir="runs/exp1")
+        trainer.fit(MyModule(), resume="latest")
+
+    ``devices=N`` in a plain ``python train.py`` makes this process a launcher: it runs the
+    script again as N workers (as torchrun would) and exits with their status, so code
+    after ``fit`` runs only in the workers. Under torchrun, ``fit`` joins torchrun's
+    process group instead; the two give identical results.
+
+    Checkpoints go to ``run_dir/checkpoints`` (one per ``checkpoint_every`` steps and at
+    the end); rank 0 appends each step's loss, averaged over ranks, to
+    ``run_dir/metrics.jsonl``. See :class:`TrainerConfig` for every setting.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_steps: int,
+        run_dir: str,
+        strategy: str = "single",
+        devices: int = 1,
+        checkpoint_every: int | None = None,
+        layout: str = "sharded",
+        seed: int = 0,
+        keep_last: int | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        self.config = TrainerConfig(
+            max_steps=max_steps,
+            run_dir=run_dir,
+            strategy=strategy,
+            devices=devices,
+            checkpoint_every=checkpoint_every,
+            layout=layout,
+            seed=seed,
+            keep_last=keep_last,
+            batch_size=batch_size,
+        )
+
+    def fit(
+        self, module: TrainingModule, data: object = None, *, resume: str | None = None
+    ) -> FitResult:
+        """Train ``module`` to ``max_steps``; call it on every process (like ``save``).
+
+        ``data``: a ``DataLoader`` or map-style ``Dataset``, if the module has no
+        ``train_dataloader()``. ``resume``: ``None`` starts a new run (refused if
+        ``run_dir`` holds checkpoints), ``"latest"`` continues from the newest committed
+        checkpoint (or starts if there is none), a path continues from that checkpoint.
+        """
+        if not isinstance(module, TrainingModule):
+            raise TypeError(
+                f"fit() needs a shardsafe.TrainingModule, got {type(module).__name__}; "
+                "subclass TrainingModule and define training_step and configure_optimizers"
+            )
+        env = current_environment(self.config.devices)
+        if env is None:
+            find_checkpoint(self.config, resume)  # refuse a bad resume once, before launching
+            raise SystemExit(launch(script_command(), self.config.devices))
+        strategy = STRATEGIES[self.config.strategy](env)
+        with reported_and_fatal(env):
+            strategy.setup()
+            result = train(module, data, strategy, self.config, resume)
+            strategy.teardown()
+        return result

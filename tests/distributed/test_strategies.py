@@ -1,0 +1,98 @@
+"""The trainer's strategies on real gloo ranks: sharded optimizers a user builds under plain
+DDP, and resuming at a different world size.
+
+Each rank runs ``Trainer.fit`` in-process, in a process group the harness made (the
+trainer joins it, as it joins torchrun's).
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import CheckpointManager, Trainer
+from shardsafe.trainer.example import ExampleModule
+from shardsafe.trainer.metrics import read_metrics
+from tests.harness import run_ranks
+
+BATCH = 32  # ExampleModule's batch size per rank
+
+
+def fit(
+    rank: int,
+    world_size: int,
+    run_dir: str,
+    *,
+    strategy: str = "ddp",
+    optimizer: str = "adamw",
+    max_steps: int = 6,
+    resume: str | None = None,
+) -> float:
+    torch.manual_seed(0)
+    module = ExampleModule(optimizer=optimizer)
+    trainer = Trainer(
+        strategy=strategy,
+        devices=world_size,
+        max_steps=max_steps,
+        checkpoint_every=3,
+        run_dir=run_dir,
+    )
+    return trainer.fit(module, resume=resume).loss
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
+    assert len({r["step"] for r in records}) == len(records), "a step was logged twice"
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["zero", "oss"])
+def test_sharded_optimizer_built_by_the_module_under_ddp(tmp_path: Path, optimizer: str) -> None:
+    if optimizer == "oss":
+        pytest.importorskip("fairscale")
+    whole = tmp_path / "whole"
+    run_ranks(partial(fit, optimizer=optimizer), 2, str(whole))
+
+    # Every rank wrote its own shard of the optimizer state: together, every parameter.
+    manifest = shardsafe.read_manifest(whole / "checkpoints" / "step-000000003")
+    saved = manifest.values["optimizer"].meta["state"]
+    params = [name for name, _ in ExampleModule().named_parameters()]
+    assert sorted(saved) == sorted(params)
+    assert all(set(saved[p]) >= {"exp_avg", "exp_avg_sq", "step"} for p in params)
+
+    # A run that stopped after step 3 resumes to exactly the same losses.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        whole / "checkpoints" / "step-000000003", resumed / "checkpoints" / "step-000000003"
+    )
+    run_ranks(partial(fit, optimizer=optimizer, resume="latest"), 2, str(resumed))
+    after, before = losses(resumed), losses(whole)
+    assert sorted(after) == [4, 5, 6]
+    assert [after[s] for s in (4, 5, 6)] == [before[s] for s in (4, 5, 6)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("strategy", "before", "after"), [("ddp", 2, 1), ("zero", 1, 2)])
+def test_resume_at_another_world_size(
+    tmp_path: Path, strategy: str, before: int, after: int
+) -> None:
+    run_ranks(partial(fit, strategy=strategy, max_steps=9), before, str(tmp_path))
+    resume = partial(fit, strategy=strategy, max_steps=12, resume="latest")
+    run_ranks(resume, after, str(tmp_path))
+
+    loss = losses(tmp_path)
+    assert sorted(loss) == list(range(1, 13))
+    assert loss[10] < 0.8 * loss[1]  # training went on from the trained weights
+    latest = CheckpointManager(tmp_path / "checkpoints").latest()
+    assert latest is not None and latest.endswith("step-000000012")
+    progress = shardsafe.load(latest, {})["trainer"]
+    # The data position counts samples of the epoch's global order: 9 steps of `before`
+    # ranks, then 3 of `after` ranks, each rank taking BATCH samples a step.
+    assert progress == {"step": 12, "epoch": 0, "position": (9 * before + 3 * after) * BATCH}

@@ -1,0 +1,110 @@
+"""``shardsafe fit`` as the README shows it: train the example on 2 processes, then resume."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsafe import cli
+from shardsafe.commands import fit
+from shardsafe.strategies import STRATEGIES
+from tests.e2e.trainer_helpers import losses, run
+
+SHARDSAFE = Path(sys.executable).parent / "shardsafe"
+
+
+def readme_command(max_steps: int) -> list[str]:
+    """The README's main command: the built-in example on 2 processes, with checkpoints."""
+    return [
+        *("fit", "--strategy", "ddp", "--devices", "2", "--max-steps", str(max_steps)),
+        *("--checkpoint-every", "20", "--run-dir", "runs/example"),
+    ]
+
+
+@pytest.mark.timeout(150)
+def test_readme_main_command_then_resume(tmp_path: Path) -> None:
+    command = [SHARDSAFE] if SHARDSAFE.exists() else [sys.executable, "-m", "shardsafe"]
+    first = run(*command, *readme_command(60), cwd=tmp_path)
+    assert re.search(
+        r"done: step 60 .*final loss [0-9.e-]+, checkpoint "
+        r"runs/example/checkpoints/step-000000060",
+        first.stdout,
+    ), first.stdout
+
+    second = run(*command, *readme_command(100), "--resume", "latest", cwd=tmp_path)
+    assert "resuming from runs/example/checkpoints/step-000000060 (step 60)" in second.stdout
+    assert "done: step 100 (40 steps" in second.stdout
+    assert "checkpoint runs/example/checkpoints/step-000000100" in second.stdout
+
+    loss = losses(tmp_path / "runs" / "example")
+    assert sorted(loss) == list(range(1, 101))
+    first_ten = sum(loss[s] for s in range(1, 11)) / 10
+    last_ten = sum(loss[s] for s in range(91, 101)) / 10
+    assert last_ten < first_ten / 5, (first_ten, last_ten)  # the loss visibly falls
+
+
+def fit_example(run_dir: Path, max_steps: int, *more: str) -> int:
+    """``shardsafe fit`` on the built-in example, in this process, on one thread."""
+    options = ["--max-steps", str(max_steps), "--checkpoint-every", "4", "--seed", "3"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # compared bit for bit: see trainer_helpers.ONE_THREAD
+    try:
+        return cli.main(["fit", *options, "--run-dir", str(run_dir), *more])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(60)
+def test_extending_a_run_equals_one_longer_run(tmp_path: Path) -> None:
+    """The example's LR schedule ignores --max-steps, so resuming past it continues exactly."""
+    assert fit_example(tmp_path / "long", 12) == 0
+    assert fit_example(tmp_path / "short", 8) == 0
+    assert fit_example(tmp_path / "short", 12, "--resume", "latest") == 0
+    assert losses(tmp_path / "short") == losses(tmp_path / "long")
+
+
+@pytest.mark.timeout(60)
+def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["fit", "--max-steps", "2", "--run-dir", str(tmp_path)]
+    assert cli.main([*base, "--strategy", "single", "--devices", "2"]) == 2
+    assert "strategy='ddp'" in capsys.readouterr().err
+    assert cli.main([*base, "--checkpoint-every", "2"]) == 0
+    assert cli.main(base) == 1  # a second fresh run over the first one's checkpoints
+    err = capsys.readouterr().err
+    assert "already holds checkpoints" in err and "--resume latest" in err
+    assert "Traceback" not in err
+
+
+def test_cli_lists_every_strategy_and_passes_every_option_on() -> None:
+    assert set(fit.STRATEGY_NAMES) == set(STRATEGIES)
+    parser = cli.build_parser(only="fit")
+    argv = [
+        "fit",
+        "--strategy",
+        "zero",
+        "--devices",
+        "2",
+        "--max-steps",
+        "5",
+        "--run-dir",
+        "r",
+        "--checkpoint-every",
+        "2",
+        "--layout",
+        "consolidated",
+        "--resume",
+        "latest",
+        "--seed",
+        "7",
+        "--keep-last",
+        "3",
+        "--example-optimizer",
+        "oss",
+    ]
+    args = parser.parse_args(argv)
+    again = parser.parse_args(["fit", *fit.worker_arguments(args)])
+    assert vars(again) == vars(args)

@@ -1,0 +1,70 @@
+"""Kill a training run with SIGKILL mid-way, resume it, and get exactly the same losses.
+
+For every strategy: a run of 10 steps with a checkpoint at step 5 is killed (launcher and
+workers at once) after step 7 is logged, then resumed from "latest". Steps 6..10 must
+equal, bit for bit, those of a run that was never interrupted: weights, optimizer state,
+LR schedule, every rank's RNGs and the data position all came back.
+
+The uninterrupted reference runs on the test harness's ranks (for several ranks, in a
+process group the caller made, which the trainer joins): cheaper than more processes,
+and it also pins that joining a group gives the same numbers as launching one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsafe import CheckpointManager, Trainer
+from shardsafe.trainer.example import ExampleModule
+from tests.e2e.trainer_helpers import (
+    FAULTY,
+    ONE_THREAD,
+    kill_after_step,
+    logged_steps,
+    losses,
+    python,
+)
+from tests.harness import run_ranks
+
+DEVICES = {"single": 1, "ddp": 2, "zero": 2, "fsdp": 2}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", list(DEVICES))
+def test_killed_run_resumes_with_identical_losses(tmp_path: Path, strategy: str) -> None:
+    args = [
+        *("--strategy", strategy, "--devices", str(DEVICES[strategy])),
+        *("--max-steps", "10", "--checkpoint-every", "5"),
+    ]
+    devices = DEVICES[strategy]
+    env = ONE_THREAD if devices == 1 else None
+    run_ranks(
+        uninterrupted, devices, strategy, str(tmp_path / "whole"), init_process_group=devices > 1
+    )
+    whole = losses(tmp_path / "whole")
+    assert sorted(whole) == list(range(1, 11))
+
+    run_dir = tmp_path / "killed"
+    command = [sys.executable, FAULTY, *args, "--run-dir", run_dir, "--step-delay", "0.25"]
+    kill_after_step(command, run_dir, step=7, env=env)
+    assert CheckpointManager(run_dir / "checkpoints").complete_steps() == [5]
+    assert logged_steps(run_dir) in (7, 8)  # the kill lands during step 8 at the latest
+
+    resumed = python(FAULTY, *args, "--run-dir", run_dir, "--resume", "latest", env=env)
+    assert "resuming from" in resumed.stdout and "step-000000005" in resumed.stdout
+    after = losses(run_dir)  # also fails on a step logged twice
+    assert sorted(after) == list(range(1, 11))
+    assert [after[s] for s in range(6, 11)] == [whole[s] for s in range(6, 11)]
+
+
+def uninterrupted(rank: int, world_size: int, strategy: str, run_dir: str) -> None:
+    """What ``faulty_train.py`` does without faults, on a harness rank."""
+    torch.manual_seed(0)
+    trainer = Trainer(
+        strategy=strategy, devices=world_size, max_steps=10, checkpoint_every=5, run_dir=run_dir
+    )
+    trainer.fit(ExampleModule())

@@ -1,0 +1,207 @@
+"""The trainer's pure parts: config checks, the resumable data order, metrics, launching."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+
+import shardsafe
+from shardsafe import Trainer, TrainingModule
+from shardsafe.strategies import STRATEGIES, Strategy
+from shardsafe.trainer import TrainerConfig
+from shardsafe.trainer.data import (
+    DataPosition,
+    DataStream,
+    LoaderSpec,
+    ResumableBatchSampler,
+    loader_spec,
+)
+from shardsafe.trainer.launcher import current_environment, worker_environment
+from shardsafe.trainer.metrics import MetricsLog, read_metrics
+
+DATA = TensorDataset(torch.arange(20))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"strategy": "dp"}, "strategy='dp'"),
+        ({"devices": 0}, "devices=0"),
+        ({"strategy": "single", "devices": 2}, "strategy='ddp'"),
+        ({"checkpoint_every": 0}, "checkpoint_every=0"),
+        ({"keep_last": -1}, "keep_last=-1"),
+        ({"layout": "flat"}, "layout='flat'"),
+        ({"max_steps": 0}, "max_steps=0"),
+        ({"seed": -1}, "seed=-1"),
+    ],
+)
+def test_config_errors_name_the_field(options: dict[str, object], named: str) -> None:
+    settings: dict[str, object] = {"max_steps": 5, "run_dir": "r", **options}
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        TrainerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_config_is_keyword_only_and_checkpoints_at_the_end() -> None:
+    with pytest.raises(TypeError):
+        TrainerConfig(5, "r")  # type: ignore[misc]
+    config = TrainerConfig(max_steps=7, run_dir=Path("r"), checkpoint_every=3)
+    assert config.run_dir == "r"
+    assert [s for s in range(1, 8) if config.checkpoint_due(s)] == [3, 6, 7]
+    assert not TrainerConfig(max_steps=7, run_dir="r").checkpoint_due(7)
+
+
+def batches(spec: LoaderSpec, world: int, epoch: int, start: int) -> list[list[list[int]]]:
+    """Every rank's batches of ``epoch`` from ``start``, as lists of sample indices."""
+    return [
+        list(
+            ResumableBatchSampler(spec, rank=r, world_size=world, seed=5, epoch=epoch, start=start)
+        )
+        for r in range(world)
+    ]
+
+
+def test_consumed_samples_are_a_prefix_of_the_epoch_order_at_any_world_size() -> None:
+    spec = LoaderSpec(DATA, batch_size=2, shuffle=True)
+    order = ResumableBatchSampler(spec, rank=0, world_size=1, seed=5, epoch=0, start=0).order()
+    two = batches(spec, world=2, epoch=0, start=0)
+    assert len(two[0]) == 5  # 20 samples, 4 per step
+    for step in range(5):  # step k of 2 ranks consumes order[4k : 4k+4]
+        taken = sorted(two[0][step] + two[1][step])
+        assert taken == sorted(order[4 * step : 4 * step + 4].tolist())
+    # Resumed after 2 steps on 1 rank: the rest of the same order, split the new way.
+    one = batches(spec, world=1, epoch=0, start=8)
+    assert [i for b in one[0] for i in b] == order[8:].tolist()
+    assert batches(spec, world=2, epoch=1, start=0) != two  # a new order each epoch
+
+
+def test_an_epoch_remainder_smaller_than_a_step_is_dropped() -> None:
+    spec = LoaderSpec(DATA, batch_size=3, shuffle=False)
+    (only,) = batches(spec, world=1, epoch=0, start=0)
+    assert only == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14], [15, 16, 17]]
+
+
+def test_stream_crosses_epochs_and_records_its_position() -> None:
+    spec = LoaderSpec(DATA, batch_size=4, shuffle=False)
+    stream = DataStream(spec, DataPosition(0, 12), rank=1, world_size=2, seed=0)
+    first, index = stream.next_batch()
+    assert (first[0].tolist(), index) == ([13, 15, 17, 19], 1)
+    assert stream.state() == {"epoch": 0, "position": 20}
+    second, index = stream.next_batch()  # epoch 0 is used up: epoch 1 starts
+    assert (second[0].tolist(), index) == ([1, 3, 5, 7], 0)
+    assert stream.state() == {"epoch": 1, "position": 8}
+    with pytest.raises(ValueError, match="fewer than one step"):
+        DataStream(LoaderSpec(DATA, 16, False), DataPosition(), rank=0, world_size=2, seed=0)
+
+
+def test_loader_spec_keeps_the_loader_settings_or_says_why_not() -> None:
+    spec = loader_spec(DataLoader(DATA, batch_size=4, shuffle=True, num_workers=0), None)
+    assert (spec.batch_size, spec.shuffle) == (4, True)
+    assert not loader_spec(DataLoader(DATA, batch_size=4), None).shuffle
+    assert loader_spec(DATA, 3).batch_size == 3
+    with pytest.raises(ValueError, match="batch_size"):
+        loader_spec(DATA, None)
+    weighted = WeightedRandomSampler([1.0] * 20, 20)
+    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        loader_spec(DataLoader(DATA, batch_size=4, sampler=weighted), None)
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield 1
+
+    with pytest.raises(ValueError, match="IterableDataset"):
+        loader_spec(DataLoader(Stream(), batch_size=1), None)
+
+
+def test_metrics_drop_the_steps_a_resumed_run_trains_again(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(str(path), after_step=0)
+    for step in range(1, 8):
+        log.log(step, step / 10)
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"step": 8, "lo')  # a line cut short by a kill
+    log = MetricsLog(str(path), after_step=5)
+    log.log(6, 0.25)
+    log.close()
+    assert [r["step"] for r in read_metrics(str(path))] == [1, 2, 3, 4, 5, 6]
+    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 6, "loss": 0.25}
+
+
+def test_strategies_are_siblings() -> None:
+    assert set(STRATEGIES) == {"single", "ddp", "zero", "fsdp"}
+    for name, cls in STRATEGIES.items():
+        assert cls.__bases__ == (Strategy,), name
+        assert cls.name == name
+
+
+def test_workers_get_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = worker_environment(1, 2, 29123)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")} == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_PORT": "29123",
+    }
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert current_environment(2) is None  # nobody started us: launch
+    assert current_environment(1) is not None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    joined = current_environment(2)
+    assert joined is not None and (joined.rank, joined.world_size, joined.launched) == (1, 2, True)
+    with pytest.raises(ValueError, match="devices=4"):
+        current_environment(4)
+
+
+class Tiny(TrainingModule):
+    """A linear model whose data comes from ``fit`` and whose optimizer comes alone."""
+
+    def __init__(self, returns: str = "optimizer") -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+        self.returns = returns
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        return loss.repeat(2) if self.returns == "vector loss" else loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer} if self.returns == "dict" else optimizer
+
+
+@pytest.mark.timeout(60)
+def test_fit_takes_a_dataset_and_a_lone_optimizer(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    trainer = Trainer(max_steps=6, run_dir=tmp_path, checkpoint_every=3, batch_size=8)
+    result = trainer.fit(Tiny(), data)
+    assert (result.step, result.checkpoint) == (6, str(tmp_path / "checkpoints/step-000000006"))
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == list(range(1, 7))
+    assert shardsafe.load(result.checkpoint, {})["trainer"] == {
+        "step": 6,
+        "epoch": 0,
+        "position": 48,
+    }
+    with pytest.raises(ValueError, match="batch_size"):
+        Trainer(max_steps=1, run_dir=tmp_path / "b").fit(Tiny(), data)
+
+
+@pytest.mark.parametrize(
+    ("returns", "message"), [("dict", "configure_optimizers"), ("vector loss", "scalar tensor")]
+)
+def test_fit_says_what_the_module_returned_wrong(
+    tmp_path: Path, returns: str, message: str
+) -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(8, 3), torch.zeros(8, 1)), batch_size=4)
+    with pytest.raises(TypeError, match=message):
+        Trainer(max_steps=1, run_dir=tmp_path).fit(Tiny(returns), loader)
