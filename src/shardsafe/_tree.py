@@ -85,7 +85,7 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
     if len(obj) == 1:
         ((tag, payload),) = obj.items()
         if tag == "__tensor__":
-            if payload not in tensors:
+            if _expect(payload, str, tag) not in tensors:
                 raise CheckpointCorruptError(
                     f"the manifest refers to tensor {payload!r}, which no data file holds"
                 )

@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,20 @@ _ACK_TIMEOUT_S = 30.0
 _HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 15.0
 """A rank whose heartbeat has not moved for this long is declared dead."""
+
+
+_AFTERMATH = {
+    ("save", ""): "Nothing was committed; the previous checkpoint is untouched.",
+    ("save", "commit"): (
+        "Every rank had written its data, so rank 0 may have committed the checkpoint "
+        "anyway: it exists if and only if its manifest.json does."
+    ),
+    ("load", ""): "Nothing was restored on this rank.",
+    ("load", "restore"): (
+        "This rank may already have restored some of its objects; load again before using them."
+    ),
+}
+"""What a rank dying in a phase means for the checkpoint, by (operation, phase)."""
 
 
 @dataclass
@@ -175,7 +190,9 @@ class Coordinator:
 
         Rank 0 usually hosts the store: if it returned (and its program exited) while
         another rank was still polling, that rank would crash on a dead socket instead
-        of finishing the checkpoint it just agreed on.
+        of finishing the checkpoint it just agreed on. A rank whose heartbeat has stopped
+        (or, after the entry phase, never started) for ``dead_after`` seconds is not
+        waited for: it has died, and the next phase reports it.
         """
         store = self._store
         store.add(f"{phase}/seen", 1)
@@ -183,9 +200,15 @@ class Coordinator:
             return
         deadline = time.monotonic() + _ACK_TIMEOUT_S
         pause = _POLL_MIN_S
+        next_check = time.monotonic() + _HEARTBEAT_S
         while store.add(f"{phase}/seen", 0) < store.add(f"{phase}/posted", 0):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return
+            if now > next_check:
+                if self._dead_ranks(now, lambda r: False):
+                    return  # a dead rank never acknowledges; the next phase reports it
+                next_check = now + _HEARTBEAT_S
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
@@ -212,9 +235,21 @@ class Coordinator:
 
     def _check_heartbeats(self, phase: str, now: float) -> None:
         """Raise if a rank that has not posted ``phase`` stopped beating long ago."""
+        dead = self._dead_ranks(now, lambda r: self._posted(phase, r))
+        if dead:
+            ranks = ", ".join(map(str, dead))
+            raise CheckpointError(
+                f"rank(s) {ranks} stopped responding during the '{phase}' phase of "
+                f"{self.operation} (no heartbeat for {self.dead_after:g}s; this is rank "
+                f"{self.rank}): they have probably died (killed, out of memory). "
+                + _AFTERMATH.get((self.operation, phase), _AFTERMATH[(self.operation, "")])
+            )
+
+    def _dead_ranks(self, now: float, skip: Callable[[int], bool]) -> list[int]:
+        """Other ranks (but those ``skip`` names) whose heartbeat stopped long ago."""
         dead = []
         for r in range(self.world_size):
-            if r == self.rank or self._posted(phase, r):
+            if r == self.rank or skip(r):
                 continue
             beats = int(self._store.add(f"beat/{r}", 0))
             last, since = self._beats.get(r, (-1, now))
@@ -222,14 +257,7 @@ class Coordinator:
                 self._beats[r] = (beats, now)
             elif now - since > self.dead_after:
                 dead.append(r)
-        if dead:
-            ranks = ", ".join(map(str, dead))
-            raise CheckpointError(
-                f"rank(s) {ranks} stopped responding during the '{phase}' phase of "
-                f"{self.operation} (no heartbeat for {self.dead_after:g}s; this is rank "
-                f"{self.rank}): they have probably died (killed, out of memory). Nothing was "
-                "committed; the previous checkpoint is untouched."
-            )
+        return dead
 
     def _posted(self, phase: str, rank: int) -> bool:
         keys = [f"{phase}/ok/{rank}", f"{phase}/error/{rank}"]

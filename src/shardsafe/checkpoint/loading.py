@@ -22,7 +22,7 @@ from ..adapters.base import Adapter, Context
 from ..adapters.module import param_names
 from ..adapters.values import ValueAdapter
 from ..distributed import Coordinator
-from ..errors import CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from . import dtypes
 from .entries import ReadRequest, SavedValue
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -106,9 +106,9 @@ def _phases(
     tensors: dict[str, torch.Tensor] = {}
     try:
         with CheckpointReader(LocalStorage(path), manifest) as reader:
-            for item in planned:
-                for req in item.requests:
-                    tensors[req.key] = reader.read(req.key, req.offsets, req.shape)
+            # Each request once: metadata may refer to one tensor any number of times.
+            for req in dict.fromkeys(req for item in planned for req in item.requests):
+                tensors[req.key] = reader.read(req.key, req.offsets, req.shape)
     except Exception as e:
         error = e
     coord.exchange("read", None, error)
@@ -142,6 +142,12 @@ def _plan(
             # Plain values come back to the caller even when not asked for.
             value_adapter = ValueAdapter()
             plan = value_adapter.plan_load(None, saved, context(name))
+            for req in plan.requests:
+                if req.key not in manifest.tensors:
+                    raise CheckpointCorruptError(
+                        f"the manifest's value {name!r} refers to tensor {req.key!r}, "
+                        "which the manifest does not list"
+                    )
             planned.append(_Planned(None, value_adapter, saved, context(name), plan.requests))
     for name, obj in state.items():
         found = manifest.values.get(name)

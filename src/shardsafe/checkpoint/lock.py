@@ -96,9 +96,12 @@ class RootLock:
             owner = self._owner()  # lost a race with another process taking over
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
         where = "this host" if owner.get("host") == self.me["host"] else f"host {owner.get('host')}"
+        who = f"pid {owner.get('pid')} on {where}, since {since}"
+        if not owner:  # created moments ago by a run that has not written its name yet
+            who = f"its lock file is empty or unreadable, {self._age():.0f}s old"
         raise CheckpointError(
-            f"{os.path.dirname(self.path)} is being written by another run (pid "
-            f"{owner.get('pid')} on {where}, since {since}). Two runs saving into one root "
+            f"{os.path.dirname(self.path)} is being written by another run ({who}). "
+            "Two runs saving into one root "
             "would interleave checkpoints and delete each other's. Use another root or stop "
             f"the other run; if it is already gone, delete {self.path}."
         )

@@ -4,8 +4,9 @@ The manifest is parsed as hostile input: a checkpoint may come from anywhere. Pa
 rejects (with :class:`CheckpointCorruptError`) anything that could make a reader touch a
 file outside the checkpoint directory, allocate more than the data files hold, or
 misinterpret bytes: path-like file names, negative or out-of-range shapes and offsets,
-chunks that overlap or leave holes, unknown dtypes, duplicate JSON keys, non-UTF-8 text,
-absurd nesting. Everything downstream may trust a :class:`Manifest`.
+chunks that overlap or leave holes, two chunks naming the same stored tensor (which would
+let a small file fill a huge tensor), unknown dtypes, duplicate JSON keys, non-UTF-8
+text, absurd nesting. Everything downstream may trust a :class:`Manifest`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 64
 MAX_CHUNKS_PER_TENSOR = 1 << 16
+MAX_DEPTH = 100
+"""Deepest JSON nesting accepted; decoding values recurses, and real state is shallow."""
 LAYOUTS = ("sharded", "consolidated")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.safetensors")
 
@@ -140,6 +143,7 @@ def parse(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
         key: p.tensor(key, rec, files, block_bytes)
         for key, rec in p.mapping(doc.get("tensors"), "tensors").items()
     }
+    p.unique_stored_tensors(tensors)
     values = {}
     for name, rec in p.mapping(doc.get("values"), "values").items():
         p.require(
@@ -161,12 +165,29 @@ def _load_json(raw: bytes, where: str) -> Any:
         raise CheckpointCorruptError(
             f"{where} is not valid UTF-8 ({e.reason} at byte {e.start}); the file is damaged"
         ) from None
+    too_deep = CheckpointCorruptError(f"{where} is nested too deeply to be a manifest")
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except RecursionError:
-        raise CheckpointCorruptError(f"{where} is nested too deeply to be a manifest") from None
+        raise too_deep from None
     except ValueError as e:
         raise CheckpointCorruptError(f"{where} is not valid JSON: {e}") from None
+    if _depth(doc) > MAX_DEPTH:
+        raise too_deep
+    return doc
+
+
+def _depth(doc: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -210,6 +231,17 @@ class _Parser:
             self.require(_is_int(size) and size >= 8, f"file {name!r} has no valid 'bytes'")
             files[name] = int(size)
         return files
+
+    def unique_stored_tensors(self, tensors: dict[str, TensorRecord]) -> None:
+        stored: set[tuple[str, str]] = set()
+        for key, rec in tensors.items():
+            for c in rec.chunks:
+                self.require(
+                    (c.file, c.name) not in stored,
+                    f"a chunk of {key!r} names the stored tensor {c.name!r} of {c.file}, "
+                    "which another chunk names too",
+                )
+                stored.add((c.file, c.name))
 
     def ints(self, value: Any, what: str) -> tuple[int, ...]:
         self.require(

@@ -76,6 +76,7 @@ class CheckpointReader:
         for key, rec in self.manifest.tensors.items():
             for chunk in rec.chunks:
                 try:
+                    self._entry(key, rec, chunk)  # the real file backs it: safe to allocate
                     out = torch.empty(chunk.shape, dtype=rec.dtype)
                     if out.numel():
                         self._read_whole(key, rec, chunk, out)

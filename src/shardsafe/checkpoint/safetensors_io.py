@@ -131,7 +131,11 @@ class StreamWriter:
         self._crc = BlockCrc(block_bytes)
         self._crcs: dict[str, tuple[int, ...]] = {}
         self._skip_empty()
-        sink.write(memoryview(build_header(entries)))
+        try:
+            sink.write(memoryview(build_header(entries)))
+        except BaseException:
+            sink.abort()
+            raise
 
     def write(self, data: memoryview) -> None:
         """Append the next bytes of the stream (may span several tensors)."""
@@ -162,6 +166,10 @@ class StreamWriter:
             self._crc = BlockCrc(self._block_bytes)
             self._index += 1
             self._left = self._sizes[self._index] if self._index < len(self._sizes) else 0
+
+    def abort(self) -> None:
+        """Close the file after a failure (the caller removes it)."""
+        self._sink.abort()
 
     def finish(self) -> tuple[int, dict[str, tuple[int, ...]]]:
         """fsync and close; return the file size and each tensor's block CRCs."""
@@ -204,7 +212,20 @@ def read_header(reader: LocalFileReader) -> dict[str, HeaderEntry]:
         if key == "__metadata__":
             continue
         entries[key] = _header_entry(name, key, rec, data_start, data_len)
+    _check_disjoint(name, entries)
     return entries
+
+
+def _check_disjoint(file: str, entries: dict[str, HeaderEntry]) -> None:
+    """Tensors may not share bytes (as in the safetensors spec): otherwise a small file
+    could back any number of tensors, and a reader allocate far more than it holds."""
+    end, last = 0, ""
+    for e in sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start):
+        if e.start < end:
+            raise CheckpointCorruptError(
+                f"{file}: tensor {e.name!r} in the safetensors header overlaps tensor {last!r}"
+            )
+        end, last = e.start + e.nbytes, e.name
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:

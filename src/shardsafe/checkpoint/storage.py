@@ -132,7 +132,10 @@ class LocalFileReader:
     def __init__(self, path: str, name: str) -> None:
         self.name = name
         try:
-            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            # O_NONBLOCK: opening a FIFO (a tar archive can hold one) would wait for a
+            # writer forever; regular files, the only kind read, ignore the flag.
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+            self._fd = os.open(path, flags)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"data file {name} is missing") from None
         except OSError as e:

@@ -23,6 +23,7 @@ from typing import TypedDict
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointError
 from .entries import Chunk
 from .planner import (
     WRITER_RANK,
@@ -90,6 +91,7 @@ def _write_local_files(
     files: list[FilePlan], sources: _ChunkBytes, storage: LocalStorage, options: WriteOptions
 ) -> tuple[dict[str, FileResult], BaseException | None]:
     results: dict[str, FileResult] = {}
+    writer: StreamWriter | None = None
     try:
         for fplan in files:
             writer = _open(fplan, storage, options)
@@ -98,7 +100,10 @@ def _write_local_files(
                 for piece in sources.pieces(src.index, 0, src.nbytes):
                     writer.write(piece)
             results[fplan.name] = _finish(writer)
+            writer = None
     except Exception as e:
+        if writer is not None:
+            writer.abort()
         return results, e
     return results, None
 
@@ -172,22 +177,28 @@ class _ConsolidatedTransfer:
         results: dict[str, FileResult] = {}
         for fplan, steps in zip(self.plan.files, self.steps):
             writer = self._open(fplan)
-            for step in steps:
-                if isinstance(step, LocalBytes):
-                    p = step.part
-                    if writer is not None:
-                        for piece in self.sources.pieces(p.index, p.start, p.end):
-                            writer = self._write(writer, piece)
-                elif isinstance(step, Received):
-                    data = self._receive(step.message)
-                    writer = self._write(writer, memory(data))
-                else:
-                    writer = self._assemble(writer, step)
+            try:
+                for step in steps:
+                    if isinstance(step, LocalBytes):
+                        p = step.part
+                        if writer is not None:
+                            for piece in self.sources.pieces(p.index, p.start, p.end):
+                                writer = self._write(writer, piece)
+                    elif isinstance(step, Received):
+                        data = self._receive(step.message)
+                        writer = self._write(writer, memory(data))
+                    else:
+                        writer = self._assemble(writer, step)
+            except BaseException:  # a failed receive: a peer died mid-transfer
+                if writer is not None:
+                    writer.abort()
+                raise
             if writer is not None:
                 try:
                     results[fplan.name] = _finish(writer)
                 except Exception as e:
                     self.error = e
+                    writer.abort()
         return results, self.error
 
     def _open(self, fplan: FilePlan) -> StreamWriter | None:
@@ -207,15 +218,23 @@ class _ConsolidatedTransfer:
             return writer
         except Exception as e:
             self.error = e
+            writer.abort()
             return None
 
     def _receive(self, index: int) -> torch.Tensor:
         """Wait for message ``index`` and start receiving the next one into the other slot."""
-        self._post(index)
-        work = self._pending.pop(index)
-        if work is not None:
-            work.wait()
-        self._post(index + 1)
+        try:
+            self._post(index)
+            work = self._pending.pop(index)
+            if work is not None:
+                work.wait()
+            self._post(index + 1)
+        except RuntimeError as e:  # the process group's error names no rank: name it
+            src = self.messages[index].src
+            raise CheckpointError(
+                f"lost the connection to rank {src} while receiving its data ({e}); rank "
+                f"{src} has probably died (killed, out of memory)"
+            ) from e
         data = self._slots[index % 2][: self.messages[index].nbytes]
         return data if data.device.type == "cpu" else data.cpu()
 

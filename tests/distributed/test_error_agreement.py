@@ -1,0 +1,336 @@
+"""An error on one rank during save or load: every rank raises, quickly, the same error.
+
+Two real gloo ranks. One rank fails in a chosen way (its ``state_dict()`` raises, its
+storage raises ``OSError``, its disk fills up, its live objects do not match, its
+``load_state_dict`` raises); the test checks that
+
+* every rank raises a ``CheckpointError`` naming the failing rank and its message, of the
+  same class and with the same text on every rank;
+* every rank raises within 10 s of the fault (measured with ``time.monotonic()``, which is
+  one clock for all processes of a host; the fault records when it fired);
+* nothing becomes visible: the step directory has no ``manifest.json``, the previous
+  checkpoint is still ``latest()`` and loads, and the next save of all ranks works.
+
+And the collective rule: ``save`` called by one rank only raises on that rank after
+``entry_timeout`` seconds, naming the ranks that never arrived, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import shardsafe
+from shardsafe import CheckpointError, CheckpointManager
+from shardsafe.checkpoint.loading import read_manifest
+from shardsafe.checkpoint.reader import CheckpointReader
+from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
+from tests.harness import run_ranks
+
+AGREEMENT_S = 10.0
+FAULT: dict[str, Any] = {}
+"""This process's armed fault (each rank is its own process): kind, rank, when it fired."""
+
+
+def fired() -> None:
+    FAULT.setdefault("at", time.monotonic())
+
+
+class Flaky:
+    """A stateful object (say, a data loader) that raises on the armed rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.value = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        if FAULT.get("kind") == "state_dict" and FAULT["rank"] == self.rank:
+            fired()
+            raise RuntimeError(f"the data loader on rank {self.rank} lost its shard list")
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if FAULT.get("kind") == "load_state_dict" and FAULT["rank"] == self.rank:
+            fired()
+            raise RuntimeError(f"the data loader on rank {self.rank} cannot seek")
+        self.value = sd["value"]
+
+
+class _FaultySink(LocalFileSink):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+
+    def write(self, data: memoryview) -> None:
+        if dist.get_rank() != FAULT.get("rank"):
+            super().write(data)
+            return
+        if FAULT["kind"] == "eio":
+            fired()
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
+        # A filling disk: whatever still fits is written, then ENOSPC.
+        room = max(FAULT["disk_bytes"] - FAULT.setdefault("written", 0), 0)
+        view = data.cast("B") if data.format != "B" else data
+        if view.nbytes > room:
+            super().write(view[:room])
+            FAULT["written"] += room
+            fired()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        super().write(view)
+        FAULT["written"] += view.nbytes
+
+
+class FaultyStorage(LocalStorage):
+    """The storage seam of ``save``: data files written through failing sinks."""
+
+    def create(self, name: str) -> LocalFileSink:
+        return _FaultySink(self._path(name))
+
+
+def make_state(rank: int, seed: int = 0) -> dict[str, Any]:
+    """A replicated model and a ZeRO optimizer (each rank holds its own part of the
+    optimizer state: 4 MiB in all, so a consolidated save moves rank 1's part to rank 0
+    in several messages), plus the flaky object and a plain value."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(2)))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.01 * (seed + 1))
+    opt.step()
+    return {"model": model, "optimizer": opt, "loader": Flaky(rank), "step": seed}
+
+
+def weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state["model"].state_dict().items()}
+
+
+def outcome(call: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        call()
+    except CheckpointError as e:
+        error: tuple[str, str] | None = (type(e).__name__, str(e))
+    else:
+        error = None
+    return {"error": error, "start": start, "raised": time.monotonic(), "fault": FAULT.get("at")}
+
+
+# ------------------------------------------------------------------------------ save
+
+
+def save_with_fault(
+    rank: int, world_size: int, root: str, layout: str, fault: dict[str, Any]
+) -> dict[str, Any]:
+    manager = CheckpointManager(root, keep_last=3)
+    state = make_state(rank, seed=1)
+    manager.save(1, state, layout=layout)
+    saved = weights(state)
+    fds = len(os.listdir("/proc/self/fd"))
+    FAULT.update(fault)
+    result = outcome(
+        lambda: manager.save(2, state, layout=layout, storage=FaultyStorage, buffer_bytes=1 << 20)
+    )
+    FAULT.clear()
+    result["leaked_fds"] = len(os.listdir("/proc/self/fd")) - fds
+    dist.barrier()  # every rank has cleaned up after the failure
+    result["step2_exists"] = os.path.exists(manager.path_for(2))
+    # What every rank sees right after: the previous checkpoint is the latest and loads.
+    result["latest"] = manager.latest()
+    fresh = make_state(rank, seed=7)
+    shardsafe.load(manager.latest() or "", fresh)
+    result["reloaded"] = all(torch.equal(v, saved[k]) for k, v in weights(fresh).items())
+    # And the ranks are not left out of step: the next save of all ranks works.
+    manager.save(3, state, layout=layout)
+    manager.close()
+    return result
+
+
+def check_agreed(results: list[dict[str, Any]], failing: int, fragments: list[str]) -> float:
+    """Same error on every rank, naming ``failing`` and its message; return the latency."""
+    errors = [r["error"] for r in results]
+    assert all(e is not None for e in errors), errors
+    assert errors[0] == errors[1], errors
+    cls, msg = errors[0]
+    assert cls == "CheckpointError", (cls, msg)  # a plain exception becomes the base class
+    assert msg.startswith(f"save failed on rank {failing}: ") or msg.startswith(
+        f"load failed on rank {failing}: "
+    ), msg
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+    fault_at = results[failing]["fault"]
+    assert fault_at is not None, "the fault never fired"
+    latency = max(r["raised"] for r in results) - fault_at
+    assert 0 <= latency < AGREEMENT_S, f"ranks raised {latency:.1f}s after the fault"
+    print(f"agreement latency {latency * 1000:.0f} ms")
+    return latency
+
+
+def check_nothing_committed(root: Path, results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert not r["step2_exists"]  # the failed save removed what it had written
+        assert r["leaked_fds"] == 0, "a file of the failed save was left open"
+    for r in results:
+        assert r["latest"] == str(root / "step-000000001")
+        assert r["reloaded"]
+    # The next save committed; nothing of the failed attempt is left.
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest",
+        "step-000000001",
+        "step-000000003",
+    ]
+    assert (root / "latest").read_text() == "step-000000003\n"
+    with CheckpointReader(
+        LocalStorage(str(root / "step-000000001")), read_manifest(root / "step-000000001")
+    ) as reader:
+        assert reader.verify_all() == []
+
+
+FAULTS = {
+    "state_dict raises": (
+        {"kind": "state_dict", "rank": 1},
+        1,
+        ["RuntimeError: the data loader on rank 1 lost its shard list", "test_error_agreement.py"],
+    ),
+    "storage raises EIO": (
+        {"kind": "eio", "rank": 1},
+        1,
+        ["OSError: [Errno 5] Input/output error", "shard-00001-of-00002.safetensors"],
+    ),
+    "disk full": (
+        {"kind": "enospc", "rank": 1, "disk_bytes": 1 << 20},
+        1,
+        ["OSError: [Errno 28] No space left on device", "shard-00001-of-00002.safetensors"],
+    ),
+}
+MODEL_FILE_BYTES = 2 * (512 * 512 + 512) * 4  # + a small header
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+@pytest.mark.parametrize("case", sorted(FAULTS))
+def test_a_save_failing_on_one_rank_fails_on_every_rank(
+    tmp_path: Path, case: str, layout: str
+) -> None:
+    fault, failing, fragments = FAULTS[case]
+    if layout == "consolidated" and fault["kind"] != "state_dict":
+        # Only rank 0 writes in this layout. Its disk fills up as the optimizer file
+        # starts, before any of rank 1's part of the optimizer state has arrived: rank 0
+        # must keep receiving (and dropping) it, or rank 1 would hang in its sends.
+        fault, failing = dict(fault, rank=0, disk_bytes=MODEL_FILE_BYTES + 4096), 0
+        victim = "model" if fault["kind"] == "eio" else "optimizer"
+        fragments = [f.replace("shard-00001-of-00002", victim) for f in fragments]
+    results = run_ranks(save_with_fault, 2, str(tmp_path), layout, fault, timeout=80)
+    check_agreed(results, failing, fragments)
+    check_nothing_committed(tmp_path, results)
+
+
+# ------------------------------------------------------------------------------ load
+
+
+def load_with_fault(rank: int, world_size: int, path: str, where: str) -> dict[str, Any]:
+    state = make_state(rank, seed=1)
+    shardsafe.save(path, state, layout="sharded")
+    saved = weights(state)
+    if where == "plan":  # rank 1's model does not fit the checkpoint
+        width = 256 if rank == 1 else 512
+        state = {"model": nn.Sequential(nn.Linear(512, 512), nn.Linear(512, width))}
+    else:
+        state = make_state(rank, seed=7)
+    before = weights(state)
+    if where == "plan" and rank == 1:
+        FAULT["at"] = time.monotonic()  # the mismatch is found as the load starts
+    FAULT.update(kind="load_state_dict" if where == "restore" else "", rank=1)
+    result = outcome(lambda: shardsafe.load(path, state))
+    FAULT.clear()
+    now = weights(state)
+    result["untouched"] = all(torch.equal(now[k], before[k]) for k in now)
+    result["restored"] = saved.keys() == now.keys() and all(
+        torch.equal(now[k], saved[k]) for k in now
+    )
+    return result
+
+
+@pytest.mark.timeout(60)
+def test_a_load_that_does_not_fit_one_rank_fails_on_every_rank_and_restores_nothing(
+    tmp_path: Path,
+) -> None:
+    results = run_ranks(load_with_fault, 2, str(tmp_path / "ckpt"), "plan", timeout=50)
+    errors = [r["error"] for r in results]
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    cls, msg = errors[0]
+    assert cls == "CheckpointMismatchError", msg
+    assert msg.startswith("load failed on rank 1: the checkpoint does not match"), msg
+    assert "model/1.weight: checkpoint float32[512, 512], live float32[256, 512]" in msg
+    latency = max(r["raised"] for r in results) - results[1]["fault"]
+    assert latency < AGREEMENT_S
+    print(f"agreement latency {latency * 1000:.0f} ms")
+    assert all(r["untouched"] for r in results)  # rank 0 too: plans are agreed first
+
+
+@pytest.mark.timeout(60)
+def test_a_restore_failing_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    """The last phase of a load: every rank has read and verified its data, then puts it
+    into its objects. A failure there (here a user object's ``load_state_dict``) is agreed
+    like any other, but what other ranks (and earlier objects on the failing rank) have
+    already restored stays restored: the README says so, and this pins it."""
+    results = run_ranks(load_with_fault, 2, str(tmp_path / "ckpt"), "restore", timeout=50)
+    check_agreed(results, 1, ["RuntimeError: the data loader on rank 1 cannot seek"])
+    assert results[0]["restored"] and results[1]["restored"]  # the model came before it
+
+
+# ------------------------------------------------------------- the collective rule
+
+
+def save_on_one_rank(rank: int, world_size: int, root: str, caller: int, then: str) -> Any:
+    manager = CheckpointManager(root, keep_last=3)
+    state = make_state(rank)
+    manager.save(1, state)
+    result: dict[str, Any] = {}
+    if rank == caller:  # the classic mistake: `if rank == 0: save(...)`
+        result = outcome(lambda: manager.save(2, state, entry_timeout=3.0))
+    if then == "barrier":
+        dist.barrier()
+        manager.save(3, state)  # a correct save afterwards works
+    manager.close()
+    return result
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("caller", "then"), [(0, "barrier"), (0, "return"), (1, "barrier")])
+def test_save_on_one_rank_only_raises_after_entry_timeout(
+    tmp_path: Path, caller: int, then: str
+) -> None:
+    results = run_ranks(save_on_one_rank, 2, str(tmp_path), caller, then, timeout=50)
+    r = results[caller]
+    assert r["error"] is not None
+    cls, msg = r["error"]
+    other = 1 - caller
+    assert cls == "CheckpointError"
+    assert "shardsafe.save must be called on all ranks" in msg, msg
+    assert f"rank(s) {other} never arrived within entry_timeout=3s" in msg, msg
+    assert f"this is rank {caller} of 2" in msg
+    elapsed = r["raised"] - r["start"]
+    assert 3.0 <= elapsed < 6.0, elapsed
+    print(f"raised after {elapsed:.2f}s")
+    assert results[other] == {}
+    # Nothing was written for step 2; step 1 is intact.
+    assert not (tmp_path / "step-000000002").exists()
+    expected = ["latest", "step-000000001"] + (["step-000000003"] if then == "barrier" else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected
+    step1 = tmp_path / "step-000000001"
+    with CheckpointReader(LocalStorage(str(step1)), read_manifest(step1)) as reader:
+        assert reader.verify_all() == []
+
+
+def test_the_default_entry_timeout_is_60_seconds() -> None:
+    for fn in (shardsafe.save, shardsafe.load, CheckpointManager.save):
+        assert inspect.signature(fn).parameters["entry_timeout"].default == 60.0, fn

@@ -1,0 +1,310 @@
+"""SIGKILL during saves: whatever the moment, the newest complete checkpoint survives.
+
+A real run (``kill_target.py``: CheckpointManager, keep_last=3, 8 MiB of model and
+tensors, a save every step) is started in its own session and killed with a real
+SIGKILL at a seeded random moment inside a save: the target prints when each save starts
+and ends (``time.monotonic()``, one clock for every process of the host), and the kill
+lands at a random fraction of a typical save's duration after a save starts.
+Four more kills land exactly in windows too narrow to hit by timing (``--die-at``).
+With two ranks, one rank is killed and the survivor must exit by itself, non-zero,
+naming the dead rank, well before any collective timeout.
+
+After every kill:
+
+* ``latest()`` names a complete checkpoint, ``shardsafe verify`` finds no problem in it,
+  and it loads, holding exactly the state of its step (every tensor is ``base + step``);
+* saving into the same root works: the dead process's lock is taken over;
+* that save cleans up: the root holds exactly the lock, ``latest`` and the newest three
+  complete step directories, each exactly its manifest and data files (no temp files,
+  no half-written or half-deleted directories).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.checkpoint.loading import read_manifest
+from shardsafe.checkpoint.manager import step_dir_name
+from shardsafe.commands.verify import find_problems
+from tests.e2e import kill_target as target
+from tests.harness import free_port
+
+TARGET = Path(target.__file__)
+LOCK = ".shardsafe.lock"
+WHOLE_RUN_TRIALS = 12
+ONE_RANK_TRIALS = 8
+SURVIVOR_EXIT_S = 22.0
+"""Heartbeats declare a rank dead after 15 s, checked every second; plus exit."""
+LAYOUTS = ("sharded", "consolidated")
+
+
+def start(root: Path, *args: str, stdout: IO[Any] | int, stderr: IO[Any] | int) -> Any:
+    return subprocess.Popen(
+        [sys.executable, str(TARGET), str(root), *args],
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,  # its own process group: killpg reaches nothing else
+    )
+
+
+def kill_during_a_save(proc: Any, rng: random.Random) -> str:
+    """Read ``saving``/``saved`` lines; during save 3..6 SIGKILL the process group at a
+    random fraction (0..1.1) of a typical save's duration. Return where it really died
+    (under load the reader can lag the target): ``"in save N"`` or ``"after save N"``."""
+    victim_step = rng.randint(3, 6)
+    fraction = rng.uniform(0.0, 1.1)
+    durations: list[float] = []
+    started = 0.0
+    for line in iter(proc.stdout.readline, ""):
+        kind, *rest = line.split()
+        if kind == "saving":
+            started = float(rest[1])
+            if int(rest[0]) == victim_step:
+                at = started + fraction * statistics.median(durations)
+                time.sleep(max(0.0, at - time.monotonic()))
+                os.killpg(proc.pid, signal.SIGKILL)
+                last = [line, *proc.stdout.read().splitlines()][-1].split()
+                return f"{'in' if last[0] == 'saving' else 'after'} save {last[1]}"
+        elif kind == "saved":
+            durations.append(float(rest[1]) - started)
+    raise AssertionError(f"the target exited by itself (status {proc.wait()})")
+
+
+def where_it_died(root: Path) -> str:
+    """Which part of a save the kill interrupted, read from the disk: the save in
+    progress is the newest step directory."""
+    dirs = sorted(root.glob("step-*"))
+    newest = dirs[-1]
+    names = os.listdir(newest)
+    if "manifest.json" not in names:
+        if any(n.startswith(".manifest.json.tmp") for n in names):
+            return "manifest written, not yet renamed"
+        return "while writing data files"
+    if (root / "latest").read_text().strip() != newest.name:
+        return "committed, latest not yet moved"
+    if len(dirs) > target.KEEP_LAST:
+        return "latest moved, retention not done"
+    return "between saves"
+
+
+def check_after_kill(root: Path, dead: set[int], layout: str) -> int:
+    """Everything a user relies on after a crash; return the step of ``latest()``."""
+    manager = shardsafe.CheckpointManager(root, keep_last=target.KEEP_LAST)
+    latest = manager.latest()
+    assert latest is not None, "no complete checkpoint survived"
+    step = int(Path(latest).name.removeprefix("step-"))
+    assert find_problems(latest, read_manifest(latest)) == []  # `shardsafe verify`
+
+    state = target.build_state()
+    base = target.base_of(state)
+    returned = shardsafe.load(latest, {"model": state["model"], "extra": state["extra"]})
+    assert returned["step"] == step
+    for name, p in state["model"].state_dict().items():
+        assert torch.equal(p, base[name] + step), f"{name} is not the state of step {step}"
+    assert torch.equal(returned["extra"]["buf"], base["extra/buf"] + step)
+
+    # Saving again into the same root: the dead process's lock is taken over.
+    if (root / LOCK).exists():
+        assert json.loads((root / LOCK).read_text())["pid"] in dead
+    complete = manager.complete_steps()
+    target.set_step(state, base, step + 1)
+    manager.save(step + 1, state, layout=layout)
+    assert json.loads((root / LOCK).read_text())["pid"] == os.getpid()
+
+    # ... and cleans up everything the kill left behind.
+    kept = [step_dir_name(s) for s in [*complete, step + 1][-target.KEEP_LAST :]]
+    assert sorted(os.listdir(root)) == sorted([LOCK, "latest", *kept])
+    assert (root / "latest").read_text() == f"{kept[-1]}\n"
+    for name in kept:
+        files = read_manifest(root / name).files
+        assert sorted(os.listdir(root / name)) == sorted(["manifest.json", *files]), name
+    manager.close()
+    assert not (root / LOCK).exists()
+    return step
+
+
+# ----------------------------------------------------------------- the whole run
+
+
+@pytest.mark.timeout(150)
+def test_killing_the_whole_run_at_random_moments_of_saves(tmp_path: Path) -> None:
+    began = time.monotonic()
+    seen: dict[str, int] = {}
+    inside = 0
+    for seed in range(WHOLE_RUN_TRIALS):
+        rng = random.Random(seed)
+        layout = LAYOUTS[seed % 2]
+        root = tmp_path / f"trial-{seed}"
+        proc = start(root, "--layout", layout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            died = kill_during_a_save(proc, rng)
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            proc.kill()
+            proc.communicate()
+        where = where_it_died(root)
+        seen[where] = seen.get(where, 0) + 1
+        inside += died.startswith("in save")
+        latest = check_after_kill(root, {proc.pid}, layout)
+        print(f"trial {seed}: {layout:12} killed {died}: {where}; latest was step {latest}")
+    print(f"{WHOLE_RUN_TRIALS} trials in {time.monotonic() - began:.1f}s: {seen}")
+    assert inside >= WHOLE_RUN_TRIALS // 2, f"only {inside} kills landed inside a save"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point", target.DIE_AT)
+def test_a_kill_in_each_narrow_window(tmp_path: Path, point: str) -> None:
+    expected = {
+        "data-write": "while writing data files",
+        "manifest-rename": "manifest written, not yet renamed",
+        "latest-rename": "committed, latest not yet moved",
+        "retention": "latest moved, retention not done",
+    }[point]
+    proc = start(tmp_path, "--die-at", point, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == -signal.SIGKILL, err
+    assert f"saving {target.DIE_AFTER_STEP} " in out
+    assert where_it_died(tmp_path) == expected
+    leftovers = sorted(os.listdir(tmp_path))
+    latest = check_after_kill(tmp_path, {proc.pid}, "sharded")
+    committed = point in ("latest-rename", "retention")
+    assert latest == (target.DIE_AFTER_STEP if committed else target.DIE_AFTER_STEP - 1)
+    print(f"{point}: root held {leftovers}; latest() was step {latest}")
+
+
+# ------------------------------------------------------------- one rank of two
+
+
+@dataclass
+class TwoRankTrial:
+    seed: int
+    root: Path
+    layout: str
+    victim: int
+    procs: list[Any] = field(default_factory=list)
+    killed_at: float = 0.0
+    died: str = ""
+    survivor_rc: int | None = None
+    survivor_s: float = 0.0
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # reported by the test thread
+            self.error = e
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+    def _run(self) -> None:
+        port = str(free_port())
+        self.root.mkdir(parents=True)
+        for rank in range(2):
+            args = ["--rank", str(rank), "--world-size", "2", "--port", port]
+            with self._file(rank, "out") as out, self._file(rank, "err") as err:
+                stdout: Any = subprocess.PIPE if rank == self.victim else out
+                self.procs.append(
+                    start(self.root, "--layout", self.layout, *args, stdout=stdout, stderr=err)
+                )
+        victim = self.procs[self.victim]
+        rng = random.Random(1000 + self.seed)
+        self.died = kill_during_a_save(victim, rng)
+        self.killed_at = time.monotonic()
+        victim.wait()
+        survivor = self.procs[1 - self.victim]
+        try:
+            self.survivor_rc = survivor.wait(timeout=SURVIVOR_EXIT_S + 10)
+        except subprocess.TimeoutExpired:
+            self.survivor_rc = None
+        self.survivor_s = time.monotonic() - self.killed_at
+
+    def _file(self, rank: int, kind: str) -> IO[str]:
+        return open(self.root.parent / f"{self.root.name}-rank{rank}.{kind}", "w")
+
+    def survivor_output(self, kind: str) -> str:
+        return (self.root.parent / f"{self.root.name}-rank{1 - self.victim}.{kind}").read_text()
+
+
+def _expected_error(trial: TwoRankTrial, stderr: str, stdout: str) -> str:
+    """What the survivor died of; fails the test if it is not a clear report."""
+    dead = trial.victim
+    last = stdout.strip().splitlines()[-1]
+    named = [
+        f"rank(s) {dead} stopped responding during the '",
+        f"rank(s) {dead} never arrived within entry_timeout",
+        f"lost the connection to rank {dead} while receiving its data",
+    ]
+    if dead == 0:
+        named.append("usually rank 0 which hosts the store, has probably exited")
+    for line in stderr.splitlines():
+        if "shardsafe.errors.CheckpointError: " in line:
+            assert any(n in line for n in named), f"does not name rank {dead}: {line}"
+            return line.split("CheckpointError: ", 1)[1][:90]
+    # No CheckpointError: only acceptable if the survivor was not inside a save, and then
+    # the training step's own collective (gloo) reported the dead peer.
+    assert last.startswith(("saved ", "ready")), (
+        f"died inside a save without a CheckpointError:\n{stderr[-2000:]}"
+    )
+    assert "Connection reset by peer" in stderr or "Connection closed by peer" in stderr, stderr[
+        -2000:
+    ]
+    return "gloo error in the training step after a finished save"
+
+
+@pytest.mark.timeout(150)
+def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
+    began = time.monotonic()
+    trials = [
+        TwoRankTrial(
+            seed,
+            tmp_path / f"trial-{seed}",
+            LAYOUTS[seed % 2],
+            victim=0 if seed in (3, 6) else 1,
+        )
+        for seed in range(ONE_RANK_TRIALS)
+    ]
+    threads = [threading.Thread(target=t.run) for t in trials]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.5)  # stagger the starts a little on a small machine
+    for thread in threads:
+        thread.join(timeout=120)
+    inside = 0
+    for t in trials:
+        if t.error is not None:
+            raise t.error
+        inside += t.died.startswith("in save")
+        stderr, stdout = t.survivor_output("err"), t.survivor_output("out")
+        assert t.survivor_rc is not None, f"trial {t.seed}: the survivor hung"
+        assert t.survivor_rc != 0, f"trial {t.seed}: the survivor exited 0"
+        assert t.survivor_s < SURVIVOR_EXIT_S, f"trial {t.seed}: {t.survivor_s:.1f}s"
+        why = _expected_error(t, stderr, stdout)
+        where = where_it_died(t.root)
+        dead = {p.pid for p in t.procs}  # the survivor has exited too
+        latest = check_after_kill(t.root, dead, t.layout)
+        print(
+            f"trial {t.seed}: {t.layout:12} rank {t.victim} killed {t.died} "
+            f"(on disk: {where}); survivor exited {t.survivor_rc} after "
+            f"{t.survivor_s:.1f}s: {why}; latest was step {latest}"
+        )
+    print(f"{ONE_RANK_TRIALS} two-rank trials in {time.monotonic() - began:.1f}s")
+    assert inside >= ONE_RANK_TRIALS // 2, f"only {inside} kills landed inside a save"

@@ -1,0 +1,158 @@
+"""The root lock ``root/.shardsafe.lock``: one run writes a checkpoint root at a time.
+
+The lock records pid, host and the process's start time. These tests write lock files
+the way another run would have left them, with real processes behind the pids (a
+``sleep`` that is alive, or one that was killed), and check what the next save does:
+take over a lock whose process is gone, refuse one whose process lives or that another
+host holds (saying which file to delete), and leave the refused root untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import CheckpointError, CheckpointManager
+from shardsafe.checkpoint.lock import LOCK_NAME, _start_time
+
+STATE = {"w": torch.arange(12.0).reshape(3, 4)}
+HOST = socket.gethostname()
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def write_lock(root: Path, **owner: Any) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK_NAME
+    path.write_text(json.dumps({"token": "theirs", "since": time.time() - 3600, **owner}))
+    return path
+
+
+def owner_of(root: Path) -> dict[str, Any]:
+    return json.loads((root / LOCK_NAME).read_text())  # type: ignore[no-any-return]
+
+
+def refused(root: Path) -> str:
+    before = (root / LOCK_NAME).read_bytes()
+    manager = CheckpointManager(root, keep_last=2)
+    with pytest.raises(CheckpointError) as info:
+        manager.save(1, STATE)
+    assert (root / LOCK_NAME).read_bytes() == before  # the other run's lock is untouched
+    assert sorted(os.listdir(root)) == [LOCK_NAME]  # and nothing was written
+    return str(info.value)
+
+
+def takes_over(root: Path) -> None:
+    manager = CheckpointManager(root, keep_last=2)
+    manager.save(1, STATE)
+    assert owner_of(root)["pid"] == os.getpid()
+    assert owner_of(root)["host"] == HOST
+    assert manager.latest() == str(root / "step-000000001")
+    manager.close()
+    assert not (root / LOCK_NAME).exists()
+
+
+def test_a_lock_left_by_a_killed_process_on_this_host_is_taken_over(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    started = _start_time(sleeper.pid)
+    assert started is not None
+    sleeper.kill()
+    sleeper.wait()
+    write_lock(tmp_path, pid=sleeper.pid, host=HOST, started=started)
+    takes_over(tmp_path)
+
+
+def test_a_live_owner_on_this_host_is_refused(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    path = write_lock(tmp_path, pid=sleeper.pid, host=HOST, started=_start_time(sleeper.pid))
+    msg = refused(tmp_path)
+    assert f"{tmp_path} is being written by another run (pid {sleeper.pid} on this host" in msg
+    assert "Use another root or stop the other run" in msg
+    assert f"if it is already gone, delete {path}" in msg
+
+
+def test_a_reused_pid_is_not_taken_for_the_owner(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    """The pid is alive, but it is another process: its start time differs."""
+    real = _start_time(sleeper.pid)
+    write_lock(tmp_path, pid=sleeper.pid, host=HOST, started=str(int(real or "0") + 1))
+    takes_over(tmp_path)
+
+
+def test_a_lock_held_on_another_host_is_refused_naming_the_file_to_delete(
+    tmp_path: Path,
+) -> None:
+    """Another host's pid means nothing here, so the lock is never taken over: the user
+    is told which file to delete once they know that run is gone. Then saving works."""
+    path = write_lock(tmp_path, pid=os.getpid(), host="gpu-node-17", started="1")
+    msg = refused(tmp_path)
+    assert f"(pid {os.getpid()} on host gpu-node-17, since " in msg
+    assert f"delete {path}." in msg
+    path.unlink()  # what the message says to do
+    takes_over(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]"])
+def test_an_unreadable_lock_file_is_taken_over_once_it_is_old(tmp_path: Path, content: str) -> None:
+    """A run killed between creating the lock file and writing it leaves it empty."""
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / LOCK_NAME
+    path.write_text(content)
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    takes_over(tmp_path)
+
+
+def test_a_just_created_empty_lock_file_is_refused(tmp_path: Path) -> None:
+    """Its writer may be alive and about to fill it in: not yet taken over."""
+    (tmp_path / LOCK_NAME).write_text("")
+    msg = refused(tmp_path)
+    assert "being written by another run (its lock file is empty or unreadable, 0s old)" in msg
+    assert f"delete {tmp_path / LOCK_NAME}" in msg
+
+
+def test_the_lock_is_held_across_saves_and_released_by_close(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in range(3):
+        manager.save(step, STATE)
+        assert owner_of(tmp_path)["pid"] == os.getpid()
+    token = owner_of(tmp_path)["token"]
+    manager.save(3, STATE)
+    assert owner_of(tmp_path)["token"] == token  # the same claim, not re-created per save
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000002", "step-000000003"]
+
+
+def test_close_does_not_remove_a_lock_someone_else_took_over(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, STATE)
+    write_lock(tmp_path, pid=12345, host="gpu-node-17")  # e.g. after a manual delete
+    manager.close()
+    assert owner_of(tmp_path)["host"] == "gpu-node-17"
+
+
+def test_plain_save_takes_no_lock(tmp_path: Path) -> None:
+    """Only CheckpointManager owns a root; ``save`` writes one directory and no lock."""
+    shardsafe.save(tmp_path / "ckpt", STATE)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
