@@ -216,6 +216,9 @@ def _commit(
 ) -> BaseException | None:
     try:
         manifest = _build_manifest(plan, offers, adapters, results)
+        # The data files' directory entries must be durable before the manifest that
+        # names them is: a power loss must not leave a manifest without its files.
+        storage.sync_directory()
         storage.commit(MANIFEST_NAME, manifest.to_json())
         if on_commit is not None:
             on_commit()
