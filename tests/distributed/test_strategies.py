@@ -32,6 +32,7 @@ def fit(
     optimizer: str = "adamw",
     max_steps: int = 6,
     resume: str | None = None,
+    layout: str = "sharded",
 ) -> float:
     torch.manual_seed(0)
     module = ExampleModule(optimizer=optimizer)
@@ -41,6 +42,7 @@ def fit(
         max_steps=max_steps,
         checkpoint_every=3,
         run_dir=run_dir,
+        layout=layout,
     )
     return trainer.fit(module, resume=resume).loss
 
@@ -79,12 +81,20 @@ def test_sharded_optimizer_built_by_the_module_under_ddp(tmp_path: Path, optimiz
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("strategy", "before", "after"), [("ddp", 2, 1), ("zero", 1, 2)])
+@pytest.mark.parametrize(
+    ("strategy", "before", "after", "layout"),
+    [
+        ("ddp", 2, 1, "sharded"),
+        ("zero", 1, 2, "sharded"),
+        ("fsdp", 2, 1, "consolidated"),
+        ("fsdp", 1, 2, "sharded"),
+    ],
+)
 def test_resume_at_another_world_size(
-    tmp_path: Path, strategy: str, before: int, after: int
+    tmp_path: Path, strategy: str, before: int, after: int, layout: str
 ) -> None:
-    run_ranks(partial(fit, strategy=strategy, max_steps=9), before, str(tmp_path))
-    resume = partial(fit, strategy=strategy, max_steps=12, resume="latest")
+    run_ranks(partial(fit, strategy=strategy, max_steps=9, layout=layout), before, str(tmp_path))
+    resume = partial(fit, strategy=strategy, max_steps=12, resume="latest", layout=layout)
     run_ranks(resume, after, str(tmp_path))
 
     loss = losses(tmp_path)
@@ -92,6 +102,8 @@ def test_resume_at_another_world_size(
     assert loss[10] < 0.8 * loss[1]  # training went on from the trained weights
     latest = CheckpointManager(tmp_path / "checkpoints").latest()
     assert latest is not None and latest.endswith("step-000000012")
+    assert shardsafe.read_manifest(latest).layout == layout
+    assert (Path(latest) / "model.safetensors").exists() == (layout == "consolidated")
     progress = shardsafe.load(latest, {})["trainer"]
     # The data position counts samples of the epoch's global order: 9 steps of `before`
     # ranks, then 3 of `after` ranks, each rank taking BATCH samples a step.
