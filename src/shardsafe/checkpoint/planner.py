@@ -19,6 +19,8 @@ from ..errors import CheckpointError
 from . import dtypes, geometry
 
 WRITER_RANK = 0
+COALESCE_BELOW_BYTES = 1 << 20
+"""Chunks smaller than this share messages; larger ones are sent as their own slices."""
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,11 @@ def plan_transfers(
                     if src.nbytes:
                         steps.append(LocalBytes(Part(src.index, 0, src.nbytes)))
                     continue
+                # Large chunks travel as slices of themselves (no copy on the sender);
+                # only small ones are packed together to save per-message overhead.
+                alone = src.nbytes >= COALESCE_BELOW_BYTES
+                if alone:
+                    open_msg = None
                 start = 0
                 while start < src.nbytes:
                     if (
@@ -320,6 +327,8 @@ def plan_transfers(
                     take = min(src.nbytes - start, max_message_bytes - open_msg.nbytes)
                     open_msg.parts.append(Part(src.index, start, start + take))
                     start += take
+                if alone:
+                    open_msg = None
         steps_per_file.append(steps)
     return steps_per_file, messages
 

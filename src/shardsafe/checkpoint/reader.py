@@ -9,12 +9,11 @@ read straight into the result, with no intermediate copy.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
 from ..errors import CheckpointCorruptError
 from . import dtypes, geometry
+from .crc import crc32
 from .manifest import ChunkRecord, Manifest, TensorRecord
 from .safetensors_io import HeaderEntry, memory, read_header
 from .storage import LocalFileReader, LocalStorage
@@ -150,7 +149,7 @@ class CheckpointReader:
         block = self.manifest.block_bytes
         for i, start in enumerate(range(0, data.nbytes, block)):
             index = first_block + i
-            if zlib.crc32(data[start : start + block]) != chunk.crc32[index]:
+            if crc32(data[start : start + block], 0) != chunk.crc32[index]:
                 raise CheckpointCorruptError(
                     f"checksum mismatch in {chunk.file}, tensor {key!r} (chunk at offsets "
                     f"{list(chunk.offsets)}, block {index}): the data file is damaged"

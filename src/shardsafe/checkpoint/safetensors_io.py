@@ -17,7 +17,6 @@ import ctypes
 import json
 import math
 import struct
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from . import dtypes
+from .crc import crc32
 from .storage import FileSink, LocalFileReader
 
 MAX_HEADER_BYTES = 100 << 20
@@ -69,7 +69,7 @@ class BlockCrc:
     def update(self, data: memoryview) -> None:
         while data.nbytes:
             take = min(self.block_bytes - self._filled, data.nbytes)
-            self._crc = zlib.crc32(data[:take], self._crc)
+            self._crc = crc32(data[:take], self._crc)
             self._filled += take
             data = data[take:]
             if self._filled == self.block_bytes:
@@ -121,9 +121,11 @@ class StreamWriter:
         sink: FileSink,
         entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         block_bytes: int,
+        checksummed_elsewhere: frozenset[str] = frozenset(),
     ) -> None:
         self._sink = sink
         self._names = [name for name, _, _ in entries]
+        self._elsewhere = checksummed_elsewhere
         self._sizes = [math.prod(s) * dtypes.itemsize(d) for _, d, s in entries]
         self._block_bytes = block_bytes
         self._index = 0
@@ -150,6 +152,9 @@ class StreamWriter:
             self._skip_empty()
 
     def _write_piece(self, piece: memoryview) -> None:
+        if self._names[self._index] in self._elsewhere:
+            self._sink.write(piece)
+            return
         if piece.nbytes < _OVERLAP_MIN_BYTES:
             self._crc.update(piece)
             self._sink.write(piece)
@@ -162,7 +167,8 @@ class StreamWriter:
 
     def _skip_empty(self) -> None:
         while self._index < len(self._sizes) and self._left == 0:
-            self._crcs[self._names[self._index]] = self._crc.finish()
+            if self._names[self._index] not in self._elsewhere:
+                self._crcs[self._names[self._index]] = self._crc.finish()
             self._crc = BlockCrc(self._block_bytes)
             self._index += 1
             self._left = self._sizes[self._index] if self._index < len(self._sizes) else 0

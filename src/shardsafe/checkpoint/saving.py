@@ -233,7 +233,11 @@ def _build_manifest(
     adapters: dict[str, Adapter],
     results: list[dict[str, FileResult]],
 ) -> Manifest:
-    files = {name: res["bytes"] for per_rank in results for name, res in per_rank.items()}
+    # The writer reports each file's size; senders may report checksums of what they sent.
+    files: dict[str, int] = {}
+    for per_rank in results:
+        for name, res in per_rank.items():
+            files[name] = max(files.get(name, 0), res["bytes"])
     crcs = {
         (name, tname): tuple(v)
         for per_rank in results

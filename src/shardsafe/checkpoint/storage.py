@@ -11,10 +11,12 @@ backend.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import stat
-from typing import Protocol
+import sys
+from typing import Any, Protocol
 
 from ..errors import CheckpointCorruptError, CheckpointError
 
@@ -28,14 +30,49 @@ class FileSink(Protocol):
     def abort(self) -> None: ...
 
 
+WRITEBACK_BYTES = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc_sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to begin writing a range to disk, without waiting (Linux; else no-op).
+
+    Durability still comes from the fsync at the end; this only moves work earlier.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 class LocalFileSink:
-    """A new file written front to back with unbuffered writes, fsynced on finish."""
+    """A new file written front to back with unbuffered writes, fsynced on finish.
+
+    Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the new pages to disk
+    (``sync_file_range``, as databases do), so the disk works while later bytes are still
+    being produced and the final fsync has little left to flush.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
         self._fd: int | None = os.open(path, flags, 0o644)
         self.written = 0
+        self._kicked = 0
 
     def write(self, data: memoryview) -> None:
         assert self._fd is not None
@@ -44,6 +81,9 @@ class LocalFileSink:
             n = os.write(self._fd, view)
             self.written += n
             view = view[n:]
+        if self.written - self._kicked >= WRITEBACK_BYTES:
+            start_writeback(self._fd, self._kicked, self.written - self._kicked)
+            self._kicked = self.written
 
     def finish(self) -> int:
         assert self._fd is not None

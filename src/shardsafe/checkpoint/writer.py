@@ -36,7 +36,7 @@ from .planner import (
     SavePlan,
 )
 from .planner import plan_transfers as _plan_transfers
-from .safetensors_io import StreamWriter, byte_view, memory
+from .safetensors_io import BlockCrc, StreamWriter, byte_view, memory
 from .storage import LocalStorage
 
 
@@ -108,9 +108,22 @@ def _write_local_files(
     return results, None
 
 
-def _open(fplan: FilePlan, storage: LocalStorage, options: WriteOptions) -> StreamWriter:
+def _open(
+    fplan: FilePlan,
+    storage: LocalStorage,
+    options: WriteOptions,
+    checksummed_elsewhere: frozenset[str] = frozenset(),
+) -> StreamWriter:
     header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
-    return StreamWriter(storage.create(fplan.name), header, options.block_bytes)
+    return StreamWriter(
+        storage.create(fplan.name), header, options.block_bytes, checksummed_elsewhere
+    )
+
+
+def _sent_whole(fplan: FilePlan) -> list[FileEntry]:
+    """Entries whose bytes are one other rank's chunk: that rank checksums them itself,
+    in parallel with the writer, instead of the writer checksumming everything."""
+    return [e for e in fplan.entries if len(e.sources) == 1 and e.sources[0].rank != WRITER_RANK]
 
 
 def _finish(writer: StreamWriter) -> FileResult:
@@ -143,10 +156,29 @@ class _ConsolidatedTransfer:
     def run(self) -> tuple[dict[str, FileResult], BaseException | None]:
         if self.rank == WRITER_RANK:
             return self._receive_and_write()
+        # Checksums first: the writer is busy with its own bytes meanwhile.
+        results = self._checksum_own_entries()
         self._send()
-        return {}, self.error
+        return results, self.error
 
     # -- senders
+
+    def _checksum_own_entries(self) -> dict[str, FileResult]:
+        results: dict[str, FileResult] = {}
+        for fplan in self.plan.files:
+            for entry in _sent_whole(fplan):
+                src = entry.sources[0]
+                if src.rank != self.rank:
+                    continue
+                crc = BlockCrc(self.options.block_bytes)
+                try:
+                    for piece in self.sources.pieces(src.index, 0, src.nbytes):
+                        crc.update(piece)
+                except Exception as e:  # reported at the agreement; the sends still happen
+                    self.error = self.error or e
+                result = results.setdefault(fplan.name, {"bytes": 0, "crc": {}})
+                result["crc"][entry.name] = list(crc.finish())
+        return results
 
     def _send(self) -> None:
         for message in self.messages:
@@ -204,8 +236,9 @@ class _ConsolidatedTransfer:
     def _open(self, fplan: FilePlan) -> StreamWriter | None:
         if self.error is not None:
             return None
+        elsewhere = frozenset(e.name for e in _sent_whole(fplan))
         try:
-            return _open(fplan, self.storage, self.options)
+            return _open(fplan, self.storage, self.options, elsewhere)
         except Exception as e:
             self.error = e
             return None
