@@ -1,13 +1,16 @@
 """Shared pieces of the benchmarks: launching ranks, timing, peak-RSS sampling, tables.
 
-Every benchmark runs all tools on the same state, in the same processes, one after the
-other, and reports medians over repetitions: the ratios are what matters, since the
-absolute numbers depend on the disk.
+Every save row runs in fresh processes (one launch per tool), on a state built from the
+same seed, so one tool's freed heap cannot hide the next one's allocations; a tool's
+loads run after its saves, in the same processes. Times are medians over repetitions,
+peak RSS the maximum over them: the ratios are what matters, since the absolute numbers
+depend on the disk.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import multiprocessing as mp
 import os
 import shutil
@@ -16,13 +19,29 @@ import statistics
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
+
+# What every rank imports anyway: the forkserver imports it once (DDP alone pulls in
+# torch._dynamo and sympy, ~2 s per process otherwise).
+PRELOAD = (
+    "__main__",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.optim",
+    "torch.nn.parallel",
+    "shardsafe",
+    "_common",
+    "_tools",
+)
+_context: Any = None
 
 
 def free_port() -> int:
@@ -54,9 +73,20 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _mp_context() -> Any:
+    """A forkserver that has imported torch once: a fresh set of ranks starts in <1 s."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(
+            [m for m in PRELOAD if m == "__main__" or importlib.util.find_spec(m)]
+        )
+    return _context
+
+
 def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results by rank."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; return results by rank."""
+    ctx = _mp_context()
     out = ctx.Queue()
     port = free_port()
     procs = [
@@ -114,13 +144,15 @@ class PeakRSS:
 class Measurement:
     seconds: list[float] = field(default_factory=list)
     rss_extra: list[list[int]] = field(default_factory=list)  # per repetition, per rank
+    file_bytes: int = 0  # what one save left on disk (0: not measured)
 
     @property
     def median(self) -> float:
         return statistics.median(self.seconds)
 
-    def median_rss(self, rank: int) -> int:
-        return int(statistics.median(r[rank] for r in self.rss_extra))
+    def peak_rss(self, rank: int) -> int:
+        """The largest extra RSS of ``rank`` over the repetitions (the first usually)."""
+        return max(r[rank] for r in self.rss_extra)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, int]:
@@ -137,12 +169,45 @@ def timed(fn: Callable[[], Any]) -> tuple[float, int]:
     return seconds, rss.extra
 
 
+def measure(
+    fn: Callable[[], Any], repeat: int, cleanup: Callable[[], Any] | None = None
+) -> Measurement:
+    """Time ``fn`` ``repeat`` times on every rank; ``cleanup`` runs on rank 0 after each."""
+    m = Measurement()
+    for _ in range(repeat):
+        seconds, extra = timed(fn)
+        extras: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(extras, extra)
+        m.seconds.append(seconds)
+        m.rss_extra.append(extras)
+        dist.barrier()
+        if cleanup is not None and dist.get_rank() == 0:
+            cleanup()
+        dist.barrier()
+    return m
+
+
 def fsync_write(path: str, data: memoryview) -> None:
     """The floor: one buffered write of all the bytes, then fsync."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_bytes(path: str) -> int:
+    """Size of a file, or of every file under a directory."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def clean(path: str) -> None:
@@ -155,11 +220,47 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def table(rows: list[list[str]]) -> str:
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table, padded so that it also reads well in a terminal."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    lines = [line(r) for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio with a limit: ``value >= limit`` when ``at_least``, else ``value <= limit``;
+    ``limit=None`` shows the ratio with no target."""
+
+    label: str
+    value: float
+    limit: float | None
+    at_least: bool = False
+
+    @property
+    def met(self) -> bool:
+        if self.limit is None:
+            return True
+        return self.value >= self.limit if self.at_least else self.value <= self.limit
+
+    @property
+    def rule(self) -> str:
+        if self.limit is None:
+            return "no target"
+        return f"target {'>=' if self.at_least else '<='} {self.limit:g}"
+
+    def line(self) -> str:
+        verdict = "" if self.limit is None else (" MET" if self.met else " MISSED")
+        return f"{self.label}: {self.value:.2f} ({self.rule}){verdict}"
+
+
+def verdicts(targets: Sequence[Target]) -> str:
+    return "\n".join(f"- {t.line()}" for t in targets)
 
 
 def machine() -> str:
@@ -170,4 +271,22 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     mem = psutil.virtual_memory().total / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, torch {torch.__version__}"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {gpu}, torch {torch.__version__}, "
+        f"gloo, all ranks on this host; {load}"
+    )
+
+
+def disk(path: str) -> str:
+    """The filesystem ``path`` is on, as ``device (fstype)``."""
+    path = os.path.realpath(path)
+    best = max(
+        (p for p in psutil.disk_partitions(all=True) if path.startswith(p.mountpoint)),
+        key=lambda p: len(p.mountpoint),
+        default=None,
+    )
+    free = psutil.disk_usage(path).free / 2**30
+    name = f"{best.device} ({best.fstype})" if best else "unknown device"
+    return f"{path} on {name}, {free:.0f} GiB free"

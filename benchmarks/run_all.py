@@ -1,0 +1,172 @@
+"""Every shardsafe benchmark in one invocation, on the same machine, with the targets.
+
+Sections: ZeRO save/load against torch's consolidation, Lightning and the floors;
+peak memory of a consolidated save; plain DDP and FSDP2 against
+torch.distributed.checkpoint; ZeRO save time against state size at 2 and 4 ranks; a
+summary table and every target, MET or MISSED. Prints markdown, then writes the same
+text to ``--results`` and the save-time plot to ``--plot``. A full run takes about
+15 minutes on 2 cores; ``--quick`` is a tiny smoke run (about a minute) that writes
+its results under ``--dir`` unless ``--results``/``--plot`` are given.
+
+Run:  python benchmarks/run_all.py [--quick] [--dir /tmp/shardsafe-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _dcp_compare as dcp_compare
+import scaling
+import zero_checkpoint as zero
+from _common import Target, clean, disk, machine, mib, table, verdicts
+from _report import Section
+from _timed_notes import NOTES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Config:
+    zero_layers: int = 16  # ~200 MB: the main ZeRO comparison, 2 ranks
+    rss_layers: int = 48  # ~600 MB: the memory target
+    dcp_layers: int = 16
+    scale_layers: tuple[int, ...] = (4, 16, 64)  # ~50, 200, 800 MB
+    worlds: tuple[int, ...] = (2, 4)
+    repeat: int = 5
+    scale_repeat: int = 3
+    big_repeat: int = 2  # for torch's path on states over 400 MiB
+
+
+QUICK = Config(2, 2, 2, (1, 2), (2, 4), 1, 1, 1)
+
+
+class Report:
+    """Prints each block as it is ready and keeps it for the results file."""
+
+    def __init__(self) -> None:
+        self.blocks: list[str] = []
+        self.targets: list[Target] = []
+        self.summary: list[list[str]] = []
+
+    def add(self, text: str) -> None:
+        print(text + "\n", flush=True)
+        self.blocks.append(text)
+
+    def section(self, title: str, run: Callable[[], Section]) -> Section:
+        start = time.perf_counter()
+        done = run()
+        self.targets += [t for t in done.targets if t.limit is not None]
+        took = f"_(section took {time.perf_counter() - start:.0f} s)_"
+        self.add(f"## {title}\n\n{done.text}\n\n{verdicts(done.targets)}\n\n{took}")
+        return done
+
+    def summarize(self, setup: str, done: Section, labels: dict[str, str]) -> None:
+        """One summary row per tool: save and load medians, rank 0's peak RSS in a save."""
+        for tool, ms in done.results.items():
+            if tool == "comm":
+                continue
+            save, load = ms["save"], ms.get("load")
+            self.summary.append(
+                [
+                    setup,
+                    labels[tool],
+                    f"{save.median:.2f}",
+                    f"{load.median:.2f}" if load else "-",
+                    mib(save.peak_rss(0)),
+                ]
+            )
+
+
+def summary_table(rows: list[list[str]]) -> str:
+    head = ["setup", "tool", "save s", "load s", "rank 0 peak extra RSS in save"]
+    return table([head, *rows])
+
+
+def size(info: dict[str, int], world: int) -> str:
+    return f"{mib(info['model_bytes'] + info['opt_bytes'])}, {world} ranks"
+
+
+def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
+    lightning = zero.have_lightning()
+    main = report.section(
+        f"ZeRO (user-wrapped ZeroRedundancyOptimizer + Adam) under DDP, {cfg.zero_layers} "
+        "layers, 2 ranks",
+        lambda: zero.section(cfg.zero_layers, 2, cfg.repeat, root, lightning),
+    )
+    report.summarize(f"ZeRO + Adam, {size(main.info, 2)}", main, zero.LABELS)
+    memory = report.section(
+        f"Peak memory of a consolidated ZeRO save, {cfg.rss_layers} layers",
+        lambda: zero.memory_section(cfg.rss_layers, root, lightning),
+    )
+    report.summarize(f"ZeRO + Adam, {size(memory.info, 2)}, 1 save", memory, zero.LABELS)
+    for wrap, name in (("ddp", "Plain DDP + Adam"), ("fsdp", "FSDP2 + AdamW")):
+        done = report.section(
+            f"{name}: shardsafe against torch.distributed.checkpoint, 2 ranks",
+            functools.partial(dcp_compare.section, wrap, cfg.dcp_layers, 2, cfg.repeat, root),
+        )
+        report.summarize(f"{name}, {size(done.info, 2)}", done, dcp_compare.LABELS)
+    known = {(cfg.zero_layers, 2): scaling.Point(cfg.zero_layers, 2, main.info, main.results)}
+    points: list[scaling.Point] = []
+
+    def scale() -> Section:
+        points.extend(
+            scaling.run(cfg.scale_layers, cfg.worlds, cfg.scale_repeat, cfg.big_repeat, root, known)
+        )
+        text = scaling.times_table(points) + "\n\n" + scaling.ratios_table(points)
+        return Section(text, [], {})
+
+    report.section("ZeRO save time against state size and ranks", scale)
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition")
+    parser.add_argument("--dir", default="/tmp/shardsafe-bench", help="scratch directory")
+    parser.add_argument("--repeat", type=int, help="repetitions up to 200 MB (default 5)")
+    parser.add_argument("--results", help="markdown results file (default benchmarks/results.md)")
+    parser.add_argument("--plot", help="PNG plot (default benchmarks/save_time_vs_size.png)")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else Config()
+    if args.repeat:
+        cfg = replace(cfg, repeat=args.repeat, scale_repeat=args.repeat)
+    out_dir = args.dir if args.quick else HERE
+    results = args.results or os.path.join(out_dir, "results.md")
+    plot = args.plot or os.path.join(out_dir, "save_time_vs_size.png")
+    root = os.path.join(args.dir, "scratch")
+    clean(root)
+    os.makedirs(root)
+    report = Report()
+    command = " ".join(["python benchmarks/run_all.py", *sys.argv[1:]])
+    report.add(
+        "# shardsafe benchmarks\n\n"
+        f"- machine: {machine()}\n- disk: {disk(root)}\n- command: `{command}`\n"
+        f"- started: {datetime.datetime.now().isoformat(timespec='seconds')}\n- settings: {cfg}"
+    )
+    start = time.perf_counter()
+    points = run_all(cfg, root, report)
+    from _plot import plot_save_times
+
+    plot_save_times(points, plot)
+    took = (time.perf_counter() - start) / 60
+    report.add(f"## Summary\n\n{summary_table(report.summary)}")
+    report.add(
+        f"## Targets\n\n{verdicts(report.targets)}\n\nplot: `{plot}`; total time {took:.1f} min"
+    )
+    report.add(NOTES)
+    with open(results, "w") as f:
+        f.write("\n\n".join(report.blocks) + "\n")
+    print(f"wrote {results} and {plot}")
+    clean(root)
+
+
+if __name__ == "__main__":
+    main()

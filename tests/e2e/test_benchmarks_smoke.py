@@ -1,0 +1,69 @@
+"""A smoke run of the benchmarks: ``run_all.py --quick`` at a tiny size, end to end.
+
+Benchmarks are not tests; this only checks that the one command still runs and prints
+its tables and verdicts. It needs the ``bench`` extra (pytorch-lightning, matplotlib),
+which the test extra does not install, so it is skipped without them.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytorch_lightning", reason="needs the bench extra (pytorch-lightning)")
+pytest.importorskip("matplotlib", reason="needs the bench extra (matplotlib)")
+
+RUN_ALL = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
+SECTIONS = (
+    "## ZeRO (user-wrapped",
+    "## Peak memory of a consolidated ZeRO save",
+    "## Plain DDP + Adam",
+    "## FSDP2 + AdamW",
+    "## ZeRO save time against state size",
+    "## Summary",
+    "## Targets",
+    "## What is timed",
+)
+HEADERS = (
+    "| op ",
+    "| tool ",
+    "| median s ",
+    "| x write floor ",
+    "rank 0 peak extra RSS",
+    "| state ",
+)
+ROWS = (
+    "torch: consolidate_state_dict + torch.save",
+    "Lightning: Trainer.save_checkpoint",
+    "shardsafe sharded",
+    "shardsafe consolidated",
+    "torch.distributed.checkpoint",
+    "floor: one write + fsync",
+    "floor: cross-rank bytes, one raw send",
+)
+VERDICT = re.compile(r"^- (.+): [\d.]+ \(target [<>]= [\d.]+\) (MET|MISSED)$", re.MULTILINE)
+
+
+@pytest.mark.timeout(240)
+def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(RUN_ALL), "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for text in SECTIONS + HEADERS + ROWS:
+        assert text in out, f"{text!r} missing from the output:\n{out}"
+    summary = out.split("## Targets", 1)[1]
+    found = {name for name, _ in VERDICT.findall(summary)}
+    assert len(found) == 6, summary  # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2
+    assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
+    results = (tmp_path / "results.md").read_text()
+    assert "## Targets" in results and "machine:" in results
+    assert (tmp_path / "save_time_vs_size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
