@@ -24,7 +24,7 @@ from typing import Protocol, cast
 from ._version import __version__
 from .errors import CheckpointError
 
-COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify", "demo")
+COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify")
 """Command module names, in the order ``--help`` lists them."""
 
 _PACKAGE = "shardsafe.commands"
