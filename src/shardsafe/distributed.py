@@ -158,7 +158,9 @@ class Coordinator:
                 raise _as_checkpoint_error(error) from error
             return [payload]
         try:
-            return self._exchange(phase, payload, error, timeout or self.timeout)
+            return self._exchange(
+                phase, payload, error, self.timeout if timeout is None else timeout
+            )
         except CheckpointError:
             raise
         except (RuntimeError, OSError) as lost:  # the store itself is gone
@@ -230,10 +232,13 @@ class Coordinator:
         pause = _POLL_MIN_S
         next_check = time.monotonic() + _HEARTBEAT_S
         while True:
+            # `posted` before `failed`: a failing rank bumps `failed` first, so once all
+            # have posted, any failure is already visible to the read that follows.
+            everyone = store.add(f"{phase}/posted", 0) >= self.world_size
             if store.add(f"{phase}/failed", 0) > 0:
                 failures = self._failures(phase)
                 raise _agreed_error(failures, self.operation, phase) from own_error
-            if store.add(f"{phase}/posted", 0) >= self.world_size:
+            if everyone:
                 return
             now = time.monotonic()
             if now > deadline:

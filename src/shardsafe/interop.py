@@ -31,6 +31,7 @@ from .adapters import find_adapter
 from .adapters.base import Adapter, Context
 from .adapters.module import param_names
 from .checkpoint.entries import SavedValue
+from .checkpoint.writer import comm_device
 from .distributed import Coordinator, world
 from .errors import CheckpointError, CheckpointMismatchError
 
@@ -70,6 +71,12 @@ def _gather(
     error: BaseException | None = None
     try:
         item = adapter.save(optimizer, ctx)
+        if any(c.global_shape != tuple(c.tensor.shape) for c in item.chunks):
+            raise CheckpointError(
+                "gather_optimizer_state_dict handles optimizers whose state is whole on some "
+                "rank (plain, ZeRO, OSS), not DTensor shards (FSDP2): use "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict there"
+            )
         offer = {
             "meta": item.meta,
             "keys": [c.key for c in item.chunks if not c.replicated],
@@ -80,19 +87,21 @@ def _gather(
     offers = coord.exchange("offer", offer, error)
     meta = adapter.merge([o["meta"] for o in offers])
     tensors = {c.key: c.tensor for c in item.chunks} if ctx.rank == to else {}
+    device = comm_device()  # NCCL moves CUDA tensors only
     for src, o in enumerate(offers):
         if src == to:
             continue
         for key in o["keys"]:
             if ctx.rank == src:
-                dist.send(
-                    item.chunks[_index(item.chunks, key)].tensor.detach().contiguous().cpu(), dst=to
-                )
+                chunk = item.chunks[_index(item.chunks, key)]
+                dist.send(chunk.tensor.detach().contiguous().to(device), dst=to)
             elif ctx.rank == to:
                 shape, dtype = o["shapes"][key]
-                buf = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                buf = torch.empty(
+                    shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device
+                )
                 dist.recv(buf, src=src)
-                tensors[key] = buf
+                tensors[key] = buf.cpu()
     coord.exchange("done", None, None)
     if ctx.rank != to:
         return None

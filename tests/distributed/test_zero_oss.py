@@ -258,3 +258,27 @@ def test_a_registered_adapter_makes_a_custom_sharded_optimizer_work(tmp_path: Pa
     for momentum, lr in results:
         assert momentum and all(v.abs().sum() > 0 for v in momentum.values())
         assert lr == 0.1
+
+
+def tensor_lr_run(rank: int, world: int, path: str) -> Any:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, lr=torch.tensor(0.01)
+    )
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    shardsafe.save(path, {"model": model, "optimizer": opt})
+    fresh = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, lr=torch.tensor(0.5)
+    )
+    shardsafe.load(path, {"model": model, "optimizer": fresh})
+    return float(fresh.param_groups[0]["lr"])
+
+
+def test_tensor_hyperparameters_under_zero_are_saved_once(tmp_path: Path) -> None:
+    # Group hyperparameters are global: a tensor lr must not look like a rank's shard.
+    want = float(torch.tensor(0.01))  # the float32 value, not 0.5
+    assert run_ranks(tensor_lr_run, 2, str(tmp_path / "ckpt")) == [want, want]

@@ -373,6 +373,7 @@ def test_an_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
 def test_leftovers_of_an_uncommitted_save_are_replaced(tmp_path: Path) -> None:
     path = tmp_path / "c"
     path.mkdir()
+    (path / ".shardsafe-incomplete").touch()  # what an interrupted save leaves behind
     (path / "model.safetensors").write_bytes(b"half-written garbage")
     (path / "shard-00003-of-00004.safetensors").write_bytes(b"from an older, larger run")
     model = nn.Linear(3, 3)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..checkpoint.entries import JSON, Chunk, LoadPlan, SavedValue, SaveItem
+from ..checkpoint.entries import JSON, LoadPlan, SavedValue, SaveItem
 from ..errors import CheckpointError
 
 
@@ -113,7 +113,3 @@ def find_adapter(obj: object, name: str) -> Adapter:
         "state_dict()/load_state_dict(). Register an adapter for it with "
         "shardsafe.register_adapter()."
     )
-
-
-def whole_chunk(key: str, tensor: torch.Tensor, *, replicated: bool) -> Chunk:
-    return Chunk.whole(key, tensor.detach(), replicated=replicated)

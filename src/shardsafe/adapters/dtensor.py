@@ -65,6 +65,15 @@ def local_chunk(key: str, value: Any) -> Chunk | None:
     return Chunk(key, local.reshape(shape), tuple(value.shape), offsets, replicated=False)
 
 
+def chunks_of(key: str, tensor: torch.Tensor, *, replicated: bool) -> list[Chunk]:
+    """What this rank offers for ``tensor``: its DTensor shard (if it writes one), else the
+    whole tensor, ``replicated`` if every rank holds the same copy."""
+    if is_dtensor(tensor):
+        chunk = local_chunk(key, tensor)
+        return [] if chunk is None else [chunk]
+    return [Chunk.whole(key, tensor.detach(), replicated=replicated)]
+
+
 def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` shaped as ``template``: wrapped as a DTensor with its placements if needed."""
     if not is_dtensor(template):

@@ -18,20 +18,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import _tree
 from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointError
 from . import dtensor
-from .base import Adapter, Context, whole_chunk
+from .base import Adapter, Context
 
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module whose parameter names a user sees: inside DDP and ``torch.compile``."""
     while True:
-        inner = getattr(module, "module", None)
-        if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
-            module = inner
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
             continue
         orig = getattr(module, "_orig_mod", None)
         if isinstance(orig, nn.Module):
@@ -41,16 +41,25 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def param_names(state: Mapping[str, Any]) -> dict[int, str]:
-    """``id(param)`` -> FQN for every module in a state dict.
+    """``id(param)`` -> FQN for every parameter of every module in a state dict.
 
-    Names are the module's own (``fc.weight``); with several modules in one state dict
-    they are qualified by the state key (``generator.fc.weight``) so they stay unique.
+    Names are the module's own (``fc.weight``), so adding a loss module or an EMA copy to
+    the state never renames an optimizer's keys. Only a name that two different modules
+    both use is qualified by the state key (``generator.fc.weight``) to keep it unique.
+    A parameter shared by several modules keeps the first name it is found under.
     """
-    modules = [(k, unwrap(v)) for k, v in state.items() if isinstance(v, nn.Module)]
+    found: list[tuple[str, str, nn.Parameter]] = [
+        (key, fqn, p)
+        for key, value in state.items()
+        if isinstance(value, nn.Module)
+        for fqn, p in unwrap(value).named_parameters(remove_duplicate=False)
+    ]
+    owners: dict[str, set[int]] = {}
+    for _, fqn, p in found:
+        owners.setdefault(fqn, set()).add(id(p))
     names: dict[int, str] = {}
-    for key, module in modules:
-        for fqn, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), fqn if len(modules) == 1 else f"{key}.{fqn}")
+    for key, fqn, p in found:
+        names.setdefault(id(p), fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}")
     return names
 
 
@@ -72,14 +81,10 @@ class ModuleAdapter(Adapter):
                 continue
             names.append(name)
             key = ctx.key(name)
-            if dtensor.is_dtensor(value):
-                chunk = dtensor.local_chunk(key, value)
-                if chunk is not None:
-                    chunks.append(chunk)
-            elif name in params:
-                chunks.append(whole_chunk(key, value, replicated=True))
-            elif ctx.rank == 0:
-                chunks.append(whole_chunk(key, value, replicated=False))
+            if dtensor.is_dtensor(value) or name in params:
+                chunks += dtensor.chunks_of(key, value, replicated=True)
+            elif ctx.rank == 0:  # buffers: rank 0's (see the module docstring)
+                chunks += dtensor.chunks_of(key, value, replicated=False)
         return SaveItem(self.kind, {"tensors": names, "extra": extra}, chunks)
 
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: Context) -> LoadPlan:

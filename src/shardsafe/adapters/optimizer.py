@@ -23,7 +23,7 @@ from .. import _tree
 from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointCorruptError
 from . import dtensor
-from .base import Adapter, Context, whole_chunk
+from .base import Adapter, Context
 
 GROUPS = "@groups"
 """Key segment for tensors inside param-group hyperparameters (not a valid FQN)."""
@@ -36,15 +36,10 @@ def export_state(
     chunks: list[Chunk] = []
     where = f"state[{ctx.name!r}]"
 
-    def sink_under(*prefix: str) -> _tree.TensorSink:
+    def sink_under(*prefix: str, same_on_every_rank: bool = replicated) -> _tree.TensorSink:
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
             key = ctx.key(*prefix, *path)
-            if dtensor.is_dtensor(tensor):
-                chunk = dtensor.local_chunk(key, tensor)
-                if chunk is not None:
-                    chunks.append(chunk)
-            else:
-                chunks.append(whole_chunk(key, tensor, replicated=replicated))
+            chunks.extend(dtensor.chunks_of(key, tensor, replicated=same_on_every_rank))
             return key
 
         return sink
@@ -63,8 +58,11 @@ def export_state(
         groups_meta.append(
             {
                 "params": [ctx.param_fqn(p) for p in group["params"]],
+                # Hyperparameters are global (every rank has every group), even under ZeRO.
                 "hyper": _tree.encode(
-                    hyper, f"{where}.param_groups[{i}]", sink_under(GROUPS, str(i))
+                    hyper,
+                    f"{where}.param_groups[{i}]",
+                    sink_under(GROUPS, str(i), same_on_every_rank=True),
                 ),
             }
         )
@@ -87,6 +85,17 @@ def plan_import(
         )
         return plan
     shapes = meta["param_shapes"]
+    live_names = {ctx.param_fqn(p) for g in groups for p in g["params"]}
+    saved_names = {n for g in saved_groups for n in g["params"]}
+    if saved_names and not saved_names & live_names:
+        # Even with strict=False this is no partial load: nothing at all would be restored.
+        plan.mismatched.append(
+            f"{ctx.name}: none of the {len(saved_names)} parameter names in the checkpoint "
+            f"(e.g. {min(saved_names)!r}) matches the live optimizer's (e.g. "
+            f"{min(live_names) if live_names else 'none'!r}); pass the model under the same "
+            "structure and state key as when saving"
+        )
+        return plan
     for i, (group, saved_group) in enumerate(zip(groups, saved_groups)):
         live = {ctx.param_fqn(p): p for p in group["params"]}
         stored = set(saved_group["params"])
@@ -144,12 +153,22 @@ def import_state(
 def _shaped_like(
     param: torch.Tensor, raw: Any, tensors: Mapping[str, torch.Tensor]
 ) -> Mapping[str, torch.Tensor]:
+    """State of a DTensor parameter, as DTensors sharded like it.
+
+    A state tensor shaped like the parameter arrives either as this rank's shard (read
+    for its box) or whole (from ``interop``); a whole one is cut to the shard first.
+    Anything else (``step``, factored state) stays a plain tensor.
+    """
     if not dtensor.is_dtensor(param):
         return tensors
+    offsets, local = dtensor.local_box(param)
+    whole = tuple(param.shape)
     out = {}
     for ref in _tree.tensor_refs(raw):
         t = tensors[ref]
-        out[ref] = dtensor.like(param, t) if t.dim() == param.dim() and t.dim() else t
+        if tuple(t.shape) == whole and whole != local:
+            t = t[tuple(slice(o, o + n) for o, n in zip(offsets, local))]
+        out[ref] = dtensor.like(param, t) if tuple(t.shape) == local and t.dim() else t
     return out
 
 

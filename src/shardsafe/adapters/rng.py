@@ -18,7 +18,7 @@ import torch
 from .. import _tree
 from ..checkpoint.entries import JSON, Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointCorruptError
-from .base import Adapter, Context, whole_chunk
+from .base import Adapter, Context
 
 np: Any
 try:
@@ -84,7 +84,7 @@ class RNGAdapter(Adapter):
 
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
             key = ctx.key(prefix, *path)
-            chunks.append(whole_chunk(key, tensor, replicated=False))
+            chunks.append(Chunk.whole(key, tensor.detach(), replicated=False))
             return key
 
         return SaveItem(self.kind, _tree.encode(capture(), f"state[{ctx.name!r}]", sink), chunks)

@@ -14,7 +14,7 @@ import torch
 from .. import _tree
 from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from . import dtensor
-from .base import Adapter, Context, whole_chunk
+from .base import Adapter, Context
 
 _PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
 
@@ -25,12 +25,7 @@ def encode_replicated(value: Any, ctx: Context, kind: str) -> SaveItem:
 
     def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         key = ctx.key(*path)
-        if dtensor.is_dtensor(tensor):
-            chunk = dtensor.local_chunk(key, tensor)
-            if chunk is not None:
-                chunks.append(chunk)
-        else:
-            chunks.append(whole_chunk(key, tensor, replicated=True))
+        chunks.extend(dtensor.chunks_of(key, tensor, replicated=True))
         return key
 
     meta = _tree.encode(value, f"state[{ctx.name!r}]", sink)

@@ -82,10 +82,28 @@ class CheckpointManager:
             timeout=timeout,
             buffer_bytes=buffer_bytes,
             storage=storage,
-            before_write=self._lock.acquire,
+            before_write=lambda: self._before_write(step),
             on_commit=lambda: self._publish(step),
         )
         return path
+
+    def _before_write(self, step: int) -> None:
+        """Runs on rank 0 before any data is written: own the root, and never go back in time.
+
+        A save older than the newest committed step means this run resumed from an older
+        checkpoint. Going on would let retention delete this run's own checkpoints while
+        keeping the newer ones of the abandoned run, and ``latest()`` would name those.
+        Deleting the newer ones silently could destroy the run the user wanted, so refuse.
+        """
+        self._lock.acquire()
+        newer = [s for s in self.complete_steps() if s > step]
+        if newer:
+            raise CheckpointError(
+                f"{self.root} already holds step {newer[-1]}, newer than step {step} being "
+                "saved: this run resumed from an older checkpoint. shardsafe will not delete "
+                "the newer checkpoints for you; move or delete "
+                f"{', '.join(step_dir_name(s) for s in newer)}, or save into another root."
+            )
 
     def _publish(self, step: int) -> None:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""

@@ -134,7 +134,7 @@ def _collect(
         if coord.rank == 0:
             if before_write is not None:
                 before_write()
-            _clear_leftovers(storage)
+            _prepare_directory(storage)
         names = param_names(state)
         for name, obj in state.items():
             adapter = find_adapter(obj, name)
@@ -152,12 +152,30 @@ def _collect(
     return items, None
 
 
-def _clear_leftovers(storage: LocalStorage) -> None:
-    """Remove data files of an earlier save into this directory that never committed."""
+INCOMPLETE_MARKER = ".shardsafe-incomplete"
+"""Present while shardsafe writes a directory, removed after the commit: it tells a later
+save that the files in an uncommitted directory are its own leftovers to clear."""
+
+
+def _prepare_directory(storage: LocalStorage) -> None:
+    """Make the directory, or clear an interrupted save's leftovers; refuse anything else.
+
+    Only a directory that is empty or carries this library's marker is written into, so a
+    save can never delete files it did not write (a Hugging Face ``model.safetensors``).
+    """
     storage.make_directory()
-    for name in storage.names():
-        if name.endswith(".safetensors") or name.startswith(f".{MANIFEST_NAME}.tmp"):
+    names = storage.names()
+    if names and INCOMPLETE_MARKER not in names:
+        raise CheckpointError(
+            f"{storage.directory} is not empty (it holds {names[0]!r}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) and is not left over "
+            "from an interrupted shardsafe save. shardsafe saves only into a new or empty "
+            "directory, so that it never deletes files it did not write; pick another path."
+        )
+    for name in names:
+        if name != INCOMPLETE_MARKER:
             storage.remove(name)
+    storage.touch(INCOMPLETE_MARKER)
 
 
 def _offer(items: dict[str, tuple[Adapter, SaveItem]]) -> dict[str, Any]:
@@ -220,6 +238,7 @@ def _commit(
         # names them is: a power loss must not leave a manifest without its files.
         storage.sync_directory()
         storage.commit(MANIFEST_NAME, manifest.to_json())
+        storage.remove(INCOMPLETE_MARKER)
         if on_commit is not None:
             on_commit()
     except Exception as e:

@@ -141,6 +141,10 @@ class LocalStorage:
     def remove(self, name: str) -> None:
         _remove_quietly(self._path(name))
 
+    def touch(self, name: str) -> None:
+        """Create an empty file (not fsynced: a marker, not data)."""
+        os.close(os.open(self._path(name), os.O_WRONLY | os.O_CREAT, 0o644))
+
     def names(self) -> list[str]:
         try:
             return sorted(os.listdir(self.directory))

@@ -131,7 +131,8 @@ def _finish(writer: StreamWriter) -> FileResult:
     return {"bytes": size, "crc": {name: list(v) for name, v in crcs.items()}}
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
+    """Where tensors must be to travel over the default group: CUDA for NCCL, else CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -150,7 +151,7 @@ class _ConsolidatedTransfer:
         self.storage, self.options = storage, options
         self.max_message = max(options.buffer_bytes // 2, 1)
         self.steps, self.messages = _plan_transfers(plan.files, self.max_message)
-        self.device = _comm_device()
+        self.device = comm_device()
         self.error: BaseException | None = None
 
     def run(self) -> tuple[dict[str, FileResult], BaseException | None]:
@@ -279,14 +280,28 @@ class _ConsolidatedTransfer:
         self._pending[index] = dist.irecv(buf, src=message.src) if message.nbytes else None
 
     def _assemble(self, writer: StreamWriter | None, step: Assemble) -> StreamWriter | None:
+        """A tensor split on more than dim 0 (tensor parallel): gathered whole, then written.
+
+        This holds the whole tensor in memory, the one case where the writer's memory is
+        not bounded by the buffer. Every message is received even after a failure here
+        (say the allocation), so no sender is left blocked in its send.
+        """
         entry: FileEntry = step.entry
-        full = torch.empty(entry.shape, dtype=entry.dtype)
+        full: torch.Tensor | None = None
+        try:
+            full = torch.empty(entry.shape, dtype=entry.dtype)
+        except Exception as e:
+            self.error = self.error or e
         for src, message_ids in step.pieces:
-            if message_ids:
-                flat = torch.cat([self._receive(i).clone() for i in message_ids])
-            else:
-                flat = self.sources.view(src.index).cpu()
-            piece = flat.view(src.dtype).reshape(src.shape)
-            box = tuple(slice(o, o + n) for o, n in zip(src.offsets, src.shape))
-            full[box] = piece
+            received = [self._receive(i).clone() for i in message_ids]
+            if full is None or self.error is not None:
+                continue
+            try:
+                flat = torch.cat(received) if message_ids else self.sources.view(src.index).cpu()
+                box = tuple(slice(o, o + n) for o, n in zip(src.offsets, src.shape))
+                full[box] = flat.view(src.dtype).reshape(src.shape)
+            except Exception as e:
+                self.error = self.error or e
+        if full is None:
+            return None
         return self._write(writer, memory(byte_view(full)))

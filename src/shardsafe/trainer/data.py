@@ -198,8 +198,11 @@ class DataStream:
             pin_memory=spec.pin_memory,
             worker_init_fn=spec.worker_init_fn,
             # Its own generator: starting an iterator then draws no number from the global
-            # RNG, whose state a resume restores exactly.
-            generator=torch.Generator().manual_seed(self.seed + epoch),
+            # RNG, whose state a resume restores exactly. It seeds the data workers, so it
+            # differs per rank (each rank's workers draw their own augmentations). With
+            # workers, a mid-epoch resume restarts their RNG streams: bitwise-exact resume
+            # needs num_workers=0 or a dataset whose randomness is a function of the index.
+            generator=torch.Generator().manual_seed(hash((self.seed, epoch, self.rank))),
         )
 
     def state(self) -> dict[str, int]:

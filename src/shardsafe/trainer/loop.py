@@ -68,6 +68,13 @@ def train(
 
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
     manager = CheckpointManager(config.checkpoint_dir, keep_last=config.keep_last)
+    newer = [s for s in manager.complete_steps() if s > start]
+    if newer and config.checkpoint_every:
+        raise CheckpointError(
+            f"{config.checkpoint_dir} holds step {newer[-1]}, newer than step {start} this run "
+            "resumes from: its next checkpoints would mix with the abandoned ones. Resume with "
+            "resume='latest', or move the newer checkpoints away, or use another run_dir."
+        )
     metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 
