@@ -4,8 +4,10 @@ Public API (everything else is private and may change)::
 
     shardsafe.save(path, state, layout="sharded" | "consolidated")
     shardsafe.load(path, state, strict=True) -> dict of plain values
+    shardsafe.read_manifest(path) -> what a checkpoint holds, without reading data
     shardsafe.CheckpointManager(root, keep_last=k)
     shardsafe.RNGState()
+    shardsafe.Trainer(strategy=..., devices=N, ...).fit(shardsafe.TrainingModule subclass)
     shardsafe.register_adapter(adapter) / shardsafe.Adapter
     shardsafe.CheckpointError and its children
 """

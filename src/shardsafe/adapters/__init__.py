@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checkpoint.entries import LoadPlan, SavedValue, SaveItem
+from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointError
 from .base import Adapter, Context, find_adapter, register_adapter
 from .module import ModuleAdapter
@@ -70,9 +70,14 @@ _register_builtins()
 
 __all__ = [
     "Adapter",
+    "Chunk",
     "Context",
+    "LoadPlan",
     "PartitionedOptimizerAdapter",
     "RNGState",
+    "ReadRequest",
+    "SaveItem",
+    "SavedValue",
     "find_adapter",
     "register_adapter",
 ]
