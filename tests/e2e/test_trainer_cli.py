@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,25 +18,37 @@ from tests.e2e.trainer_helpers import losses, run
 SHARDSAFE = Path(sys.executable).parent / "shardsafe"
 
 
-def readme_command(max_steps: int) -> list[str]:
-    """The README's main command: the built-in example on 2 processes, with checkpoints."""
-    return [
-        *("fit", "--strategy", "ddp", "--devices", "2", "--max-steps", str(max_steps)),
-        *("--checkpoint-every", "20", "--run-dir", "runs/example"),
-    ]
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``shardsafe fit ...`` steps of the README's main command, exactly as written."""
+    text = README.read_text()
+    block = text.split("**Run the main job**", 1)[1]
+    line = next(ln for ln in block.splitlines() if ln.startswith("python3 -m venv"))
+    steps = [shlex.split(step) for step in line.split(" && ")]
+    return [step[1:] for step in steps if step[:2] == ["shardsafe", "fit"]]
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    text = README.read_text().split("**Run the tests:**", 1)[1]
+    command = next(ln for ln in text.splitlines() if ln.startswith("python3 -m venv"))
+    ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == command
 
 
 @pytest.mark.timeout(150)
 def test_readme_main_command_then_resume(tmp_path: Path) -> None:
     command = [SHARDSAFE] if SHARDSAFE.exists() else [sys.executable, "-m", "shardsafe"]
-    first = run(*command, *readme_command(60), cwd=tmp_path)
+    train, resume = readme_commands()
+    first = run(*command, *train, cwd=tmp_path)
     assert re.search(
         r"done: step 60 .*final loss [0-9.e-]+, checkpoint "
         r"runs/example/checkpoints/step-000000060",
         first.stdout,
     ), first.stdout
 
-    second = run(*command, *readme_command(100), "--resume", "latest", cwd=tmp_path)
+    second = run(*command, *resume, cwd=tmp_path)
     assert "resuming from runs/example/checkpoints/step-000000060 (step 60)" in second.stdout
     assert "done: step 100 (40 steps" in second.stdout
     assert "checkpoint runs/example/checkpoints/step-000000100" in second.stdout
