@@ -145,8 +145,12 @@ class Coordinator:
         error: BaseException | None,
         *,
         timeout: float | None = None,
+        only_rank0_reads: bool = False,
     ) -> list[Any]:
         """Post this rank's outcome of ``phase``; return every rank's payload, or raise.
+
+        With ``only_rank0_reads`` the payloads are returned on rank 0 alone (``None`` on
+        the others), so a phase whose results only rank 0 uses costs O(ranks), not O(ranks²).
 
         If any rank posted an error, every rank raises the same :class:`CheckpointError`
         subclass naming the failing rank. If some rank does not post within ``timeout``
@@ -159,7 +163,11 @@ class Coordinator:
             return [payload]
         try:
             return self._exchange(
-                phase, payload, error, self.timeout if timeout is None else timeout
+                phase,
+                payload,
+                error,
+                self.timeout if timeout is None else timeout,
+                only_rank0_reads and self.rank != 0,
             )
         except CheckpointError:
             raise
@@ -171,7 +179,12 @@ class Coordinator:
             ) from (error or lost)
 
     def _exchange(
-        self, phase: str, payload: Any, error: BaseException | None, timeout: float
+        self,
+        phase: str,
+        payload: Any,
+        error: BaseException | None,
+        timeout: float,
+        skip_reading: bool,
     ) -> list[Any]:
         store = self._store
         if error is not None:
@@ -187,7 +200,7 @@ class Coordinator:
             self._wait(phase, timeout, error)
             # Every rank has posted this phase, so every rank has read the earlier payloads.
             self.release()
-            if payload is not None:
+            if payload is not None and not skip_reading:
                 payloads = [
                     json.loads(store.get(f"{phase}/ok/{r}")) for r in range(self.world_size)
                 ]

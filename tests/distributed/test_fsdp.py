@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import shardsafe
+from tests.distributed import zero_setup
 from tests.distributed.zero_setup import assert_same_optimizer_state
 from tests.harness import run_ranks
 
@@ -47,14 +48,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
 def train(
     model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, rank: int
 ) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        loss = model(batch(step, rank)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return zero_setup.train(model, opt, start, steps, rank, batch_of=batch)
 
 
 def full_state(

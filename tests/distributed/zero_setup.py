@@ -8,6 +8,7 @@ of (step, rank), so an interrupted and an uninterrupted run see the same batches
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,10 +72,18 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(6, 8, generator=g)
 
 
-def train(wrapped: Any, opt: Any, start: int, steps: int, rank: int) -> list[float]:
+def train(
+    wrapped: Any,
+    opt: Any,
+    start: int,
+    steps: int,
+    rank: int,
+    batch_of: Callable[[int, int], torch.Tensor] = batch,
+) -> list[float]:
+    """Steps ``start..start+steps`` on batches that depend only on (step, rank); the losses."""
     losses = []
     for step in range(start, start + steps):
-        loss = wrapped(batch(step, rank)).pow(2).mean()
+        loss = wrapped(batch_of(step, rank)).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -56,4 +56,4 @@ def from_safetensors_code(code: object) -> torch.dtype | None:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)

@@ -94,7 +94,9 @@ def _phases(
         error = e
     items.clear()  # drop references to staged state before waiting on others
     try:
-        results = coord.exchange("write", written if error is None else None, error)
+        results = coord.exchange(
+            "write", written if error is None else None, error, only_rank0_reads=True
+        )
     except CheckpointError:
         for name in written:
             storage.remove(name)
