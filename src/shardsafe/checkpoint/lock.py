@@ -65,15 +65,17 @@ class RootLock:
     def acquire(self) -> None:
         if self.held:
             return
+        # Write our name to a private file, then hard-link it into place: link() fails if
+        # the lock exists, so exactly one run wins, and the lock never exists empty (a run
+        # arriving a moment later always learns who owns it).
+        tmp = self._write_private()
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(tmp, self.path)
         except FileExistsError:
+            os.remove(tmp)
             self._take_over_or_refuse()
         else:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
-                f.flush()
-                os.fsync(f.fileno())
+            os.remove(tmp)
         self.held = True
         atexit.register(self.release)
 
@@ -85,12 +87,7 @@ class RootLock:
         if same_host and owner.get("pid") == self.me["pid"]:
             return  # this process already owns the root (another manager object)
         if same_host and not _alive(owner):
-            tmp = f"{self.path}.{self.me['token']}"
-            with open(tmp, "w") as f:
-                json.dump(self.me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(self._write_private(), self.path)
             if self._owner().get("token") == self.me["token"]:
                 return
             owner = self._owner()  # lost a race with another process taking over
@@ -105,6 +102,14 @@ class RootLock:
             "would interleave checkpoints and delete each other's. Use another root or stop "
             f"the other run; if it is already gone, delete {self.path}."
         )
+
+    def _write_private(self) -> str:
+        tmp = f"{self.path}.{self.me['token']}"
+        with open(tmp, "w") as f:
+            json.dump(self.me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
 
     def _age(self) -> float:
         try:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from typing import Any
 
 from ..distributed import world
 from ..errors import CheckpointError
 from .api import load
-from .lock import RootLock
+from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
 from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, StorageFactory
 from .saving import save as _save
@@ -114,6 +115,8 @@ class CheckpointManager:
         for name in os.listdir(self.root):
             if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
                 LocalStorage(self.root).remove(name)
+            if name.startswith(f"{LOCK_NAME}.") and _older_than(self.root, name, 60.0):
+                LocalStorage(self.root).remove(name)  # a lock claim killed before its link
             match = _STEP_DIR.fullmatch(name)
             if match and int(match.group(1)) not in keep and int(match.group(1)) != step:
                 _delete_checkpoint(os.path.join(self.root, name))
@@ -142,6 +145,13 @@ class CheckpointManager:
         if path is None:
             return None
         return load(path, state, **load_kwargs)
+
+
+def _older_than(root: str, name: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(os.path.join(root, name)).st_mtime > seconds
+    except OSError:
+        return False
 
 
 def _delete_checkpoint(path: str) -> None:
