@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -206,14 +207,35 @@ class TwoRankTrial:
 
     def run(self) -> None:
         try:
-            self._run()
+            for attempt in range(3):
+                try:
+                    self._run()
+                    return
+                except AssertionError:
+                    # The port picked for the rendezvous can be taken (by another trial's
+                    # gloo connection) before rank 0 binds it: a harness race, not a
+                    # finding. Start the trial again on a new port.
+                    if attempt == 2 or not self._lost_the_port_race():
+                        raise
+                    self._stop()
+                    self.procs.clear()
+                    shutil.rmtree(self.root)
         except BaseException as e:  # reported by the test thread
             self.error = e
         finally:
-            for p in self.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            self._stop()
+
+    def _stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def _lost_the_port_race(self) -> bool:
+        return any(
+            "EADDRINUSE" in (self.root.parent / f"{self.root.name}-rank{r}.err").read_text()
+            for r in range(2)
+        )
 
     def _run(self) -> None:
         port = str(free_port())
