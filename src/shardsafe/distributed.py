@@ -104,10 +104,11 @@ class Coordinator:
         self._own_keys: list[str] = []
         self._beating: threading.Event | None = None
         self._beats: dict[int, tuple[int, float]] = {}
+        self._withdrawn = False
+        self._tag = f"{operation}:{os.path.abspath(path)}"
         if self.world_size > 1:
-            tag = f"{operation}:{os.path.abspath(path)}"
-            _CALLS[tag] += 1
-            prefix = f"shardsafe/{tag}/{_CALLS[tag]}"
+            _CALLS[self._tag] += 1
+            prefix = f"shardsafe/{self._tag}/{_CALLS[self._tag]}"
             self._store = dist.distributed_c10d.PrefixStore(
                 prefix, dist.distributed_c10d._get_default_store()
             )
@@ -118,7 +119,7 @@ class Coordinator:
         From then on this rank beats a heartbeat until :meth:`close`.
         """
         self.exchange("entry", None, None, timeout=entry_timeout)
-        if self._store is not None:
+        if self._store is not None and not self._withdrawn:
             self._beating = threading.Event()
             threading.Thread(
                 target=self._beat, args=(self._beating,), daemon=True, name="shardsafe-heartbeat"
@@ -207,7 +208,8 @@ class Coordinator:
         except CheckpointError as e:
             outcome = e
         self._own_keys.append(f"{phase}/ok/{self.rank}")
-        self._acknowledge(phase)
+        if not self._withdrawn:
+            self._acknowledge(phase)
         if outcome is not None:
             raise outcome from error
         return payloads
@@ -256,12 +258,33 @@ class Coordinator:
             now = time.monotonic()
             if now > deadline:
                 missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
+                if phase == "entry" and not self._withdraw():
+                    return  # the last rank arrived just as the wait ran out
                 raise CheckpointError(self._missing_message(phase, missing, timeout))
             if self._beating is not None and now > next_check:
                 self._check_heartbeats(phase, now)
                 next_check = now + _HEARTBEAT_S
             time.sleep(pause)
             pause = min(pause * 2, _poll_cap(self.world_size))
+
+    def _withdraw(self) -> bool:
+        """Take back this rank's arrival after the entry wait ran out; False if too late.
+
+        So that a retry of the same call on every rank (the user moved ``save`` out of
+        their ``if rank == 0:``) meets in the same namespace as the ranks that never came:
+        the arrival is uncounted and this path's call counter goes back. If, the instant
+        before, the count had reached the world size, everyone has arrived and the
+        arrival stands. A rank arriving just after the withdrawal waits out its own
+        ``entry_timeout`` and withdraws in turn.
+        """
+        before = int(self._store.add("entry/posted", -1)) + 1
+        if before >= self.world_size:
+            self._store.add("entry/posted", 1)
+            return False
+        self._store.delete_key(f"entry/ok/{self.rank}")
+        _CALLS[self._tag] -= 1
+        self._withdrawn = True
+        return True
 
     def _check_heartbeats(self, phase: str, now: float) -> None:
         """Raise if a rank that has not posted ``phase`` stopped beating long ago."""
