@@ -56,6 +56,8 @@ def gather_optimizer_state_dict(
     ranks send their state as raw tensors (no pickling) to ``to`` alone.
     """
     adapter, ctx = _adapter_and_context(optimizer, model)
+    if not 0 <= to < ctx.world_size:
+        raise ValueError(f"to={to} is not a rank of this job (world size {ctx.world_size})")
     coord = Coordinator("gather_optimizer_state_dict", "<interop>", timeout=timeout)
     coord.enter(timeout)
     try:

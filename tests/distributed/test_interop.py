@@ -82,3 +82,20 @@ def test_import_refuses_files_that_need_unpickling_of_objects(tmp_path: Path) ->
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(shardsafe.CheckpointError, match="weights_only=True"):
         import_torch_checkpoint(file, opt, model)
+
+
+def test_gather_in_a_single_process_is_the_optimizers_own_state_dict() -> None:
+    """No process group: the helper still works (rank 0 of 1) and returns exactly what
+    ``optimizer.state_dict()`` returns, so code written for a job runs in a notebook."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "lr": 0.01}, {"params": model[1].parameters()}],
+        lr=0.1,
+        weight_decay=0.05,
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert_same_optimizer_state(gather_optimizer_state_dict(opt, model), opt.state_dict())
+    with pytest.raises(ValueError, match=r"to=1 is not a rank of this job \(world size 1\)"):
+        gather_optimizer_state_dict(opt, model, to=1)

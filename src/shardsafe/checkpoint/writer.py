@@ -133,7 +133,7 @@ def _finish(writer: StreamWriter) -> FileResult:
 
 def comm_device() -> torch.device:
     """Where tensors must be to travel over the default group: CUDA for NCCL, else CPU."""
-    if dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
