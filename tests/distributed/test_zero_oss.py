@@ -4,6 +4,7 @@ consolidation."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,11 @@ def test_unknown_sharded_optimizer_gets_a_clear_error_on_every_rank(tmp_path: Pa
     assert "looks like a sharded optimizer" in info.value.text
     assert "register_adapter" in info.value.text
     assert not (tmp_path / "a" / "manifest.json").exists()
+    # The README section the message points to exists under that title.
+    section = re.search(r"\(README: '([^']+)'\)", info.value.text)
+    assert section is not None
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f"\n## {section.group(1)}\n" in readme, section.group(1)
 
 
 def test_a_registered_adapter_makes_a_custom_sharded_optimizer_work(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ class UnknownShardedOptimizer(Adapter):
             "it, and saving it as a plain optimizer would lose the other ranks' state. "
             "Register one: subclass shardsafe.adapters.PartitionedOptimizerAdapter with "
             "wrapper_type set to its class and call shardsafe.register_adapter() "
-            "(README: 'Adding an adapter')."
+            "(README: 'ZeRO, OSS and your own sharded optimizer')."
         )
 
     def save(self, obj: Any, ctx: Context) -> SaveItem:

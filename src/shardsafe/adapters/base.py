@@ -100,6 +100,13 @@ def register_adapter(adapter: Adapter) -> None:
     """Make ``adapter`` available to every save and load; it takes precedence over earlier ones."""
     if not isinstance(adapter, Adapter):
         raise TypeError(f"register_adapter() needs an Adapter instance, got {type(adapter)!r}")
+    kind = getattr(adapter, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(
+            f"adapter {type(adapter).__qualname__} has no 'kind': set a class attribute such "
+            "as kind = 'my-sharded-table'. It is recorded in the manifest, and a saved value "
+            "loads only through an adapter of the same kind."
+        )
     _REGISTRY.insert(0, adapter)
 
 
