@@ -85,6 +85,12 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     base = ["fit", "--max-steps", "2", "--run-dir", str(tmp_path)]
     assert cli.main([*base, "--strategy", "single", "--devices", "2"]) == 2
     assert "strategy='ddp'" in capsys.readouterr().err
+    for strategy in ("single", "fsdp"):
+        argv = [*base, "--strategy", strategy, "--example-optimizer", "zero"]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shardsafe fit: error: --example-optimizer zero makes the")
+        assert f"runs under --strategy ddp (not {strategy})" in err
     assert cli.main([*base, "--checkpoint-every", "2"]) == 0
     assert cli.main(base) == 1  # a second fresh run over the first one's checkpoints
     err = capsys.readouterr().err

@@ -194,6 +194,12 @@ def test_fit_takes_a_dataset_and_a_lone_optimizer(tmp_path: Path) -> None:
     }
     with pytest.raises(ValueError, match="batch_size"):
         Trainer(max_steps=1, run_dir=tmp_path / "b").fit(Tiny(), data)
+    # With several devices the mistake is reported by the calling process itself, before
+    # any worker is launched (a launch would end in SystemExit, not this ValueError).
+    ddp = Trainer(strategy="ddp", devices=2, max_steps=1, run_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match=r"no batch size; pass Trainer\(batch_size=\.\.\.\)"):
+        ddp.fit(Tiny(), data)
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -117,12 +118,32 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _check_example_optimizer(args: argparse.Namespace) -> None:
+    """A user-wrapped ZeRO/OSS optimizer is the plain-DDP case; say so before any launch.
+
+    Under ``single`` there is no process group to shard over, and ``fsdp`` gives ZeRO/OSS
+    DTensor parameters they cannot partition: each would fail later with torch's
+    traceback. (``zero`` leaves an optimizer that is already sharded as it is.)
+    """
+    choice = args.example_optimizer
+    if choice == "adamw":
+        return
+    if args.module is not None:
+        raise ValueError("--example-optimizer applies only to the built-in example, not --module")
+    if args.strategy not in ("ddp", "zero"):
+        raise ValueError(
+            f"--example-optimizer {choice} makes the example wrap its own optimizer, the "
+            f"user-wrapped case, which runs under --strategy ddp (not {args.strategy})"
+        )
+    if choice == "oss" and importlib.util.find_spec("fairscale") is None:
+        raise ValueError("--example-optimizer oss needs fairscale: pip install fairscale==0.4.13")
+
+
 def _module_class(args: argparse.Namespace) -> type | None:
     """The ``--module`` class (imported, not built), or ``None`` for the built-in example."""
+    _check_example_optimizer(args)
     if args.module is None:
         return None
-    if args.example_optimizer != "adamw":
-        raise ValueError("--example-optimizer applies only to the built-in example, not --module")
     path, _, name = args.module.partition(":")
     if not path or not name:
         raise ValueError(f"--module {args.module!r} must look like package.module:ClassName")

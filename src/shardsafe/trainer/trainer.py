@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..strategies import STRATEGIES
 from .config import TrainerConfig
+from .data import loader_spec
 from .failures import reported_and_fatal
 from .launcher import current_environment, launch, script_command
 from .loop import FitResult, find_checkpoint, train
@@ -67,6 +68,8 @@ class Trainer:
                 f"fit() needs a shardsafe.TrainingModule, got {type(module).__name__}; "
                 "subclass TrainingModule and define training_step and configure_optimizers"
             )
+        if data is not None:
+            loader_spec(data, self.config.batch_size)  # a bad one fails here, not in N workers
         env = current_environment(self.config.devices)
         if env is None:
             find_checkpoint(self.config, resume)  # refuse a bad resume once, before launching
