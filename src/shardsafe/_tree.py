@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import dtypes
 from .errors import CheckpointCorruptError, CheckpointError
 
 JSON = Any
@@ -26,11 +27,20 @@ TensorSink = Callable[[tuple[str, ...], torch.Tensor], str]
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__")
 
 
+MAX_DEPTH = 80
+"""Deepest nesting ``encode`` accepts: tags add levels, and a manifest holds at most 100."""
+
+
 def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ()) -> JSON:
     """Encode ``value`` as JSON, handing every tensor to ``sink``.
 
     ``where`` names the value for error messages (e.g. ``state['scheduler']``).
     """
+    if len(path) > MAX_DEPTH:
+        raise CheckpointError(
+            f"cannot save {where}: it is nested more than {MAX_DEPTH} levels deep, more than "
+            "a checkpoint holds (it may contain itself)"
+        )
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -40,7 +50,9 @@ def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ())
     if isinstance(value, torch.Tensor):
         return {"__tensor__": sink(path, value)}
     if isinstance(value, torch.dtype):
-        return {"__dtype__": str(value).removeprefix("torch.")}
+        if dtypes.any_from_name(dtypes.dtype_name(value)) is not value:
+            raise CheckpointError(f"cannot save {where}{_format_path(path)}: unknown dtype {value}")
+        return {"__dtype__": dtypes.dtype_name(value)}
     if isinstance(value, bytes):
         return {"__bytes__": base64.b64encode(value).decode("ascii")}
     if isinstance(value, tuple):
@@ -97,9 +109,9 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
         if tag == "__bytes__":
             return _parse(_b64decode, _expect(payload, str, tag), tag)
         if tag == "__dtype__":
-            dtype = getattr(torch, _expect(payload, str, tag), None)
-            if not isinstance(dtype, torch.dtype):
-                raise CheckpointCorruptError(f"unknown dtype {payload!r} in the manifest")
+            dtype = dtypes.any_from_name(_expect(payload, str, tag))
+            if dtype is None:
+                raise CheckpointCorruptError(f"unknown dtype {payload!r:.80} in the manifest")
             return dtype
         if tag == "__dict__":
             pairs = _expect(payload, list, tag)
@@ -110,6 +122,40 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
                     )
             return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in pairs}
     return {k: decode(v, tensors) for k, v in obj.items()}
+
+
+class _AnyTensor(Mapping[str, Any]):
+    """Stands in for the tensors when only the structure of a tree is checked."""
+
+    def __getitem__(self, key: str) -> Any:
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def check_structure(obj: JSON, where: str) -> None:
+    """Raise :class:`CheckpointCorruptError` unless ``obj`` decodes (tensors aside)."""
+    try:
+        decode(obj, _AnyTensor())
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{where} is malformed: {e}") from None
+
+
+def describe(obj: JSON) -> str:
+    """What an encoded value is, in a word, for mismatch messages."""
+    if isinstance(obj, dict) and len(obj) == 1:
+        tag: str = next(iter(obj))
+        if tag in _TAGS:
+            return tag.strip("_")
+    names = {dict: "dict", list: "list", str: "string", bool: "bool", int: "int"}
+    return names.get(type(obj), type(obj).__name__)
 
 
 def tensor_refs(obj: JSON) -> list[str]:

@@ -32,6 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointManager
+from shardsafe.checkpoint.files import create_new
 from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.reader import CheckpointReader
 from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
@@ -67,9 +68,6 @@ class Flaky:
 
 
 class _FaultySink(LocalFileSink):
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-
     def write(self, data: memoryview) -> None:
         if dist.get_rank() != FAULT.get("rank"):
             super().write(data)
@@ -93,7 +91,7 @@ class FaultyStorage(LocalStorage):
     """The storage seam of ``save``: data files written through failing sinks."""
 
     def create(self, name: str) -> LocalFileSink:
-        return _FaultySink(self._path(name))
+        return _FaultySink(create_new(self.fd, name), self.where(name))
 
 
 def make_state(rank: int, seed: int = 0) -> dict[str, Any]:

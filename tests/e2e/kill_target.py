@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shutil
 import signal
 import sys
 import time
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardsafe
+from shardsafe.checkpoint.files import create_new
 from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
 
 KEEP_LAST = 3
@@ -98,13 +98,13 @@ class _DyingStorage(LocalStorage):
 
     def create(self, name: str) -> LocalFileSink:
         if self.point == "data-write":
-            return _DyingSink(self._path(name))
-        return super().create(name)
+            return _DyingSink(create_new(self.fd, name), self.where(name))
+        return super().create(name)  # type: ignore[return-value]
 
     def commit(self, name: str, data: bytes) -> None:
         if self.point == "manifest-rename":
-            tmp = self._path(f".{name}.tmp-{os.getpid()}")
-            sink = LocalFileSink(tmp)
+            tmp = f".{name}.tmp-{os.getpid()}"
+            sink = LocalFileSink(create_new(self.fd, tmp), self.where(tmp))
             sink.write(memoryview(data))
             sink.finish()
             _die()
@@ -112,26 +112,26 @@ class _DyingStorage(LocalStorage):
 
 
 def _arm_outside_storage(point: str) -> None:
-    """The pointer and retention are written by the manager, not the storage seam: wrap the
-    two filesystem calls they make, in this process only."""
+    """The pointer and retention are written by the manager, not the storage seam of
+    ``save``: wrap the two calls they make, in this process only."""
     if point == "latest-rename":
         replace = os.replace
 
-        def dying_replace(src: Any, dst: Any) -> None:
+        def dying_replace(src: Any, dst: Any, **kwargs: Any) -> None:
             if os.path.basename(os.fspath(dst)) == "latest":
                 _die()
-            replace(src, dst)
+            replace(src, dst, **kwargs)
 
         os.replace = dying_replace  # type: ignore[assignment]
     elif point == "retention":
-        rmtree = shutil.rmtree
+        remove = LocalStorage.remove
 
-        def dying_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
-            if not os.path.exists(os.path.join(path, "manifest.json")):
+        def dying_remove(self: LocalStorage, name: str) -> None:
+            if name.endswith(".safetensors") and not self.exists("manifest.json"):
                 _die()  # the manifest is already gone, the data files are not
-            rmtree(path, *args, **kwargs)
+            remove(self, name)
 
-        shutil.rmtree = dying_rmtree  # type: ignore[assignment]
+        LocalStorage.remove = dying_remove  # type: ignore[method-assign]
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ import torch
 import shardsafe
 from shardsafe import cli
 from shardsafe.commands._format import human_bytes
+from tests import forge
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 SCRIPT = Path(sys.executable).parent / "shardsafe"
@@ -348,7 +349,7 @@ def test_a_newer_format_version_says_upgrade(damaged: Callable[[str], Path], com
     path = damaged("sharded")
     doc = manifest(path)
     doc["version"] = 99
-    (path / "manifest.json").write_text(json.dumps(doc))
+    forge.write_manifest(path, doc)
     proc = run_cli(command, path)
     assert proc.returncode == 1
     assert proc.stderr.startswith("shardsafe: error: ")
@@ -433,7 +434,7 @@ def test_inspect_escapes_control_characters_from_the_manifest(
     path = damaged("sharded")
     doc = manifest(path)
     doc["values"]["\x1b[2Jevil"] = doc["values"].pop("meta")
-    (path / "manifest.json").write_text(json.dumps(doc))
+    forge.write_manifest(path, doc)
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b[2Jevil" in out

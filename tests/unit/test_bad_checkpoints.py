@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,27 +27,15 @@ from shardsafe import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-
-_OPENED: list[str] | None = None
-
-
-def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)
+from tests import forge
+from tests.opens import outside, recorded_opens
 
 
 @pytest.fixture
 def opened() -> Iterator[list[str]]:
-    """Absolute paths of every file opened (tests clear it right before ``load``)."""
-    global _OPENED
-    _OPENED = []
-    try:
-        yield _OPENED
-    finally:
-        _OPENED = None
+    """Real paths of every file opened (tests clear it right before ``load``)."""
+    with recorded_opens() as record:
+        yield record
 
 
 def make_model() -> nn.Module:
@@ -110,9 +97,7 @@ def load_fails(ckpt: Path, opened: list[str]) -> CheckpointError:
         assert torch.equal(v, before[k]), k
     assert not state["optimizer"].state
     # ... and nothing outside the checkpoint directory was opened.
-    inside = os.path.abspath(ckpt) + os.sep
-    outside = [p for p in opened if not p.startswith(inside)]
-    assert outside == [], outside
+    assert outside(opened, ckpt) == []
     assert os.path.join(os.path.abspath(ckpt), "manifest.json") in opened or isinstance(
         info.value, CheckpointNotFoundError
     )
@@ -129,8 +114,7 @@ def test_a_good_copy_loads(
     shardsafe.load(ckpt, state)
     for k, v in state["model"].state_dict().items():
         assert torch.equal(v, saved["model"][k])
-    inside = os.path.abspath(ckpt) + os.sep
-    assert [p for p in opened if not p.startswith(inside)] == []
+    assert outside(opened, ckpt) == []
     assert any(p.endswith(".safetensors") for p in opened)  # the spy does see data files
 
 
@@ -175,6 +159,21 @@ def test_a_changed_safetensors_header(copy_of: Any, opened: list[str]) -> None:
     path.write_bytes(raw.replace(b'"F32"', b'"I32"', 1))  # same length, header still valid JSON
     err = load_fails(ckpt, opened)
     assert type(err) is CheckpointCorruptError
+    assert str(err) == (
+        "model.safetensors has a damaged safetensors header: its CRC32 does not match the one "
+        "in the manifest (the file was modified or corrupted after the save)"
+    )
+
+
+def test_a_forged_safetensors_header(copy_of: Any, opened: list[str]) -> None:
+    """The same edit by someone who also fixes the header's checksum in the manifest: the
+    header is still checked against the manifest, which records float32."""
+    ckpt = copy_of("consolidated")
+    path = data_file(ckpt, "consolidated")
+    path.write_bytes(path.read_bytes().replace(b'"F32"', b'"I32"', 1))
+    forge.resign_file(ckpt, path)
+    err = load_fails(ckpt, opened)
+    assert type(err) is CheckpointCorruptError
     assert "model.safetensors: tensor" in str(err)
     assert "int32" in str(err) and "in the safetensors header but float32" in str(err)
 
@@ -210,7 +209,7 @@ def test_a_newer_format_version(copy_of: Any, opened: list[str]) -> None:
     ckpt = copy_of("consolidated")
     doc = json.loads((ckpt / "manifest.json").read_text())
     doc["version"] = 2
-    (ckpt / "manifest.json").write_text(json.dumps(doc))
+    forge.write_manifest(ckpt, doc)
     err = load_fails(ckpt, opened)
     assert type(err) is CheckpointVersionError
     msg = str(err)
@@ -228,7 +227,7 @@ def _point_at(ckpt: Path, layout: str, target: str) -> None:
         for c in rec["chunks"]:
             if c["file"] == old:
                 c["file"] = target
-    (ckpt / "manifest.json").write_text(json.dumps(doc))
+    forge.write_manifest(ckpt, doc)
 
 
 @pytest.mark.parametrize("layout", ["sharded", "consolidated"])

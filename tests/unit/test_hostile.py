@@ -24,7 +24,6 @@ import os
 import resource
 import shutil
 import struct
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,18 +42,10 @@ from shardsafe.checkpoint.manifest import crc_block_count
 from shardsafe.checkpoint.reader import CheckpointReader
 from shardsafe.checkpoint.storage import LocalStorage
 from shardsafe.commands.verify import find_problems
+from tests import forge
+from tests.opens import outside, recorded_opens
 
 pytestmark = pytest.mark.timeout(60)
-
-_OPENED: list[str] | None = None
-
-
-def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)
 
 HEADROOM = 512 << 20
 RSS_GROWTH = 64 << 20
@@ -128,7 +119,8 @@ def manifest(ckpt: Path) -> dict[str, Any]:
 
 
 def write_manifest(ckpt: Path, doc: dict[str, Any]) -> None:
-    (ckpt / "manifest.json").write_text(json.dumps(doc))
+    """Write a forged manifest: with its checksum recomputed (see ``tests/forge.py``)."""
+    forge.write_manifest(ckpt, doc)
 
 
 def split(path: Path) -> tuple[dict[str, Any], bytes]:
@@ -138,12 +130,10 @@ def split(path: Path) -> tuple[dict[str, Any], bytes]:
 
 
 def rewrite(ckpt: Path, path: Path, header_bytes: bytes, data: bytes) -> None:
-    """Replace a data file's header and record its new size, so the size check passes and
-    the header parser is what must catch the problem."""
+    """Replace a data file's header and record its new size and header checksum, as a
+    forger would, so that the header parser is what must catch the problem."""
     path.write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + data)
-    doc = manifest(ckpt)
-    doc["files"][path.name]["bytes"] = path.stat().st_size
-    write_manifest(ckpt, doc)
+    forge.resign_file(ckpt, path)
 
 
 def fresh_state() -> dict[str, Any]:
@@ -154,19 +144,12 @@ def fresh_state() -> dict[str, Any]:
 def load_refused(ckpt: Path) -> CheckpointCorruptError:
     """Load a hostile checkpoint: a CheckpointCorruptError, bounded memory, nothing
     restored, nothing outside the directory opened."""
-    global _OPENED
     state = fresh_state()
     before = {k: v.clone() for k, v in state["model"].state_dict().items()}
-    opened: list[str] = []
-    with bounded_memory(), pytest.raises(CheckpointError) as info:
-        _OPENED = opened
-        try:
-            shardsafe.load(ckpt, state)
-        finally:
-            _OPENED = None
+    with bounded_memory(), recorded_opens() as opened, pytest.raises(CheckpointError) as info:
+        shardsafe.load(ckpt, state)
     assert type(info.value) is CheckpointCorruptError, f"{type(info.value).__name__}: {info.value}"
-    inside = os.path.abspath(ckpt) + os.sep
-    assert [p for p in opened if not p.startswith(inside)] == []
+    assert outside(opened, ckpt) == []
     for k, v in state["model"].state_dict().items():
         assert torch.equal(v, before[k]), k
     return info.value
@@ -213,7 +196,8 @@ def test_a_terabyte_tensor_backed_by_a_tiny_file_fails_before_allocating(
     write_manifest(ckpt, doc)
 
     err = load_refused(ckpt)
-    assert f"data file {path.name} is {path.stat().st_size} bytes but the manifest" in str(err)
+    # Refused while planning, before any data file is opened: no live tensor bounds it.
+    assert "would make rank 0 allocate 1024.00 GiB for tensors whose size only" in str(err)
     with bounded_memory():
         problems = find_problems(str(ckpt), read_manifest(ckpt))  # what `shardsafe verify` runs
         with CheckpointReader(LocalStorage(str(ckpt)), read_manifest(ckpt)) as reader:
@@ -437,8 +421,9 @@ def test_hostile_metadata_of_a_plain_value(copy_of: Any, meta: Any, fragment: st
     ckpt = copy_of("consolidated")
     doc = manifest(ckpt)
     doc["values"]["cfg"]["meta"] = meta
+    doc.pop(forge.CRC_KEY)
     text = json.dumps(doc).replace('"DEEP"', "[" * 600 + "]" * 600)
-    (ckpt / "manifest.json").write_text(text)
+    (ckpt / "manifest.json").write_bytes(forge.sign(text))
     err = load_refused(ckpt)
     assert fragment in str(err), str(err)
 
@@ -524,6 +509,7 @@ def test_mutated_headers_load_exactly_or_raise_corrupt(
     doc = json.loads(json.dumps(header_victim["doc"]))
     doc["files"][path.name]["bytes"] = max(len(raw), 8)
     write_manifest(ckpt, doc)
+    forge.resign_file(ckpt, path)
 
     state = fresh_state()
     try:

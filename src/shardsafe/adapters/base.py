@@ -62,6 +62,9 @@ class Adapter(ABC):
 
     kind: ClassVar[str]
     """Recorded in the manifest; a value loads only into an adapter of the same kind."""
+    returns_value: ClassVar[bool] = False
+    """True if ``load`` hands :meth:`restore`'s result back to its caller, and restores
+    values of this kind that the caller did not pass (plain data)."""
 
     @abstractmethod
     def handles(self, obj: object) -> bool:
@@ -82,6 +85,20 @@ class Adapter(ABC):
     @abstractmethod
     def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
         """The tensor regions this rank needs to restore ``obj``, plus any mismatches."""
+
+    def validate(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        """Check, without changing ``obj``, that :meth:`restore` will accept this data.
+
+        Runs on every value after every rank has read and verified its tensors, and
+        before anything is restored anywhere, so a checkpoint that would fail half-way
+        through restoring fails here instead, with nothing modified. Raise
+        :class:`CheckpointCorruptError` (malformed metadata) or
+        :class:`CheckpointMismatchError` (does not fit ``obj``). The default checks
+        nothing.
+        """
+        return None
 
     @abstractmethod
     def restore(

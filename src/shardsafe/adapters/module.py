@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import _tree
 from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 from . import dtensor
 from .base import Adapter, Context
 
@@ -90,6 +90,8 @@ class ModuleAdapter(Adapter):
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: Context) -> LoadPlan:
         live = unwrap(obj).state_dict()
         saved_names = set(_saved_names(saved))
+        for name, raw in _extra(saved).items():
+            _tree.check_structure(raw, f"the extra state {name!r} of {saved.name!r}")
         plan = LoadPlan()
         for name, value in live.items():
             if not isinstance(value, torch.Tensor):
@@ -112,15 +114,31 @@ class ModuleAdapter(Adapter):
             key = ctx.key(name)
             if isinstance(value, torch.Tensor) and key in tensors:
                 state[name] = dtensor.like(value, tensors[key])
-        for name, raw in saved.meta.get("extra", {}).items():
+        for name, raw in _extra(saved).items():
             if name in live:
                 state[name] = _tree.decode(raw, {})
         module.load_state_dict(state, strict=False)
 
 
 def _saved_names(saved: SavedValue) -> list[str]:
-    names = saved.meta.get("tensors") if isinstance(saved.meta, dict) else None
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+    meta = saved.meta
+    names = meta.get("tensors") if isinstance(meta, dict) else None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} is not valid module metadata: 'tensors' "
+            "is not a list of names"
+        )
+    return names
+
+
+def _extra(saved: SavedValue) -> dict[str, Any]:
+    extra = saved.meta.get("extra", {}) if isinstance(saved.meta, dict) else None
+    if not isinstance(extra, dict):
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} is not valid module metadata: 'extra' is "
+            "not an object"
+        )
+    return extra
 
 
 def _request(key: str, value: torch.Tensor) -> ReadRequest:

@@ -118,12 +118,44 @@ def plan_import(
 
 
 def _request_for(ref: str, param: torch.Tensor, ctx: Context) -> ReadRequest:
-    """Sharded state of a DTensor parameter is read for this rank's shard only."""
+    """State of a parameter: a scalar or shaped like it (whatever key the metadata names);
+    sharded state of a DTensor parameter is read for this rank's shard only."""
     saved = ctx.saved_tensors.get(ref)
-    if saved is not None and dtensor.is_dtensor(param) and saved[1] == tuple(param.shape):
+    whole = tuple(param.shape)
+    if saved is not None and dtensor.is_dtensor(param) and saved[1] == whole:
         offsets, shape = dtensor.local_box(param)
-        return ReadRequest(ref, offsets, shape)
-    return ReadRequest(ref)
+        return ReadRequest(ref, offsets, shape, within=whole)
+    return ReadRequest(ref, within=whole)
+
+
+def state_dict_for(
+    groups: list[dict[str, Any]],
+    local: torch.optim.Optimizer,
+    saved: SavedValue,
+    tensors: Mapping[str, torch.Tensor],
+    ctx: Context,
+) -> dict[str, Any]:
+    """The index-keyed ``state_dict`` for ``local`` built from a checkpoint's state."""
+    meta = _meta(saved)
+    local_params = [p for g in local.param_groups for p in g["params"]]
+    state: dict[int, Any] = {}
+    for index, p in enumerate(local_params):
+        raw = meta["state"].get(ctx.param_fqn(p))
+        if raw is not None:
+            state[index] = _tree.decode(raw, _shaped_like(p, raw, tensors))
+    hyper = [_tree.decode(g["hyper"], tensors) for g in meta["param_groups"]]
+    for i, h in enumerate(hyper):
+        if not isinstance(h, dict) or "params" in h:
+            raise CheckpointCorruptError(
+                f"the manifest entry for {saved.name!r}: param group {i} holds no valid "
+                "hyperparameters"
+            )
+    position = {id(p): i for i, p in enumerate(local_params)}
+    local_groups = [
+        {**hyper[i], "params": [position[id(p)] for p in g["params"]]}
+        for i, g in enumerate(local.param_groups)
+    ]
+    return {"state": state, "param_groups": local_groups}
 
 
 def import_state(
@@ -134,20 +166,7 @@ def import_state(
     ctx: Context,
 ) -> None:
     """Load the saved state of ``local``'s parameters through ``local.load_state_dict``."""
-    meta = _meta(saved)
-    local_params = [p for g in local.param_groups for p in g["params"]]
-    state: dict[int, Any] = {}
-    for index, p in enumerate(local_params):
-        raw = meta["state"].get(ctx.param_fqn(p))
-        if raw is not None:
-            state[index] = _tree.decode(raw, _shaped_like(p, raw, tensors))
-    hyper = [_tree.decode(g["hyper"], tensors) for g in meta["param_groups"]]
-    position = {id(p): i for i, p in enumerate(local_params)}
-    local_groups = [
-        {**hyper[i], "params": [position[id(p)] for p in g["params"]]}
-        for i, g in enumerate(local.param_groups)
-    ]
-    local.load_state_dict({"state": state, "param_groups": local_groups})
+    local.load_state_dict(state_dict_for(groups, local, saved, tensors, ctx))
 
 
 def _shaped_like(
@@ -173,21 +192,43 @@ def _shaped_like(
 
 
 def _meta(saved: SavedValue) -> dict[str, Any]:
+    """The optimizer metadata of a manifest entry, its structure checked."""
     meta = saved.meta
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} is not valid optimizer metadata: {problem}"
+        )
+    return meta  # type: ignore[no-any-return]
+
+
+def _meta_problem(meta: Any) -> str | None:
     if not (
         isinstance(meta, dict)
         and isinstance(meta.get("param_groups"), list)
         and isinstance(meta.get("state"), dict)
         and isinstance(meta.get("param_shapes"), dict)
-        and all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) and "hyper" in g
-            for g in meta["param_groups"]
-        )
     ):
-        raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} is not valid optimizer metadata"
-        )
-    return meta
+        return "'param_groups', 'state' or 'param_shapes' is missing"
+    for i, g in enumerate(meta["param_groups"]):
+        if not (
+            isinstance(g, dict)
+            and isinstance(g.get("params"), list)
+            and all(isinstance(n, str) for n in g["params"])
+            and "hyper" in g
+        ):
+            return f"param group {i} has no list of parameter names or no 'hyper'"
+        _tree.check_structure(g["hyper"], f"param group {i}'s hyperparameters")
+    for fqn, shape in meta["param_shapes"].items():
+        if not (
+            isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+        ):
+            return f"the shape of parameter {fqn!r} is not a list of non-negative ints"
+    for fqn, state in meta["state"].items():
+        if not isinstance(state, dict):
+            return f"the state of parameter {fqn!r} is not an object"
+        _tree.check_structure(state, f"the state of parameter {fqn!r}")
+    return None
 
 
 class OptimizerAdapter(Adapter):
@@ -203,6 +244,15 @@ class OptimizerAdapter(Adapter):
 
     def plan_load(self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: Context) -> LoadPlan:
         return plan_import(obj.param_groups, obj, saved, ctx)
+
+    def validate(
+        self,
+        obj: torch.optim.Optimizer,
+        saved: SavedValue,
+        tensors: Mapping[str, torch.Tensor],
+        ctx: Context,
+    ) -> None:
+        state_dict_for(obj.param_groups, obj, saved, tensors, ctx)
 
     def restore(
         self,

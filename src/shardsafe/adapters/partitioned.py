@@ -24,7 +24,7 @@ import torch
 
 from ..checkpoint.entries import JSON, LoadPlan, SavedValue, SaveItem
 from .base import Adapter, Context
-from .optimizer import export_state, import_state, plan_import
+from .optimizer import export_state, import_state, plan_import, state_dict_for
 
 
 class PartitionedOptimizerAdapter(Adapter):
@@ -68,6 +68,11 @@ class PartitionedOptimizerAdapter(Adapter):
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
         return plan_import(obj.param_groups, self.local(obj), saved, ctx)
+
+    def validate(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        state_dict_for(obj.param_groups, self.local(obj), saved, tensors, ctx)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context

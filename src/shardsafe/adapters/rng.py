@@ -53,6 +53,41 @@ def capture() -> dict[str, Any]:
     return state
 
 
+def check_state(state: Any) -> None:
+    """Raise (any exception) unless ``state`` is what :func:`capture` returns.
+
+    Each generator's state is set on a fresh private generator, so the real ones are
+    untouched: a bad state fails here, before anything is restored.
+    """
+    if not isinstance(state, dict) or not {"torch", "python"} <= state.keys():
+        raise ValueError("it lacks the 'torch' or 'python' generator")
+    torch_state = state["torch"]
+    if not (isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8):
+        raise ValueError("the torch generator state is not a uint8 tensor")
+    torch.Generator().set_state(torch_state)
+    version, internal, gauss = state["python"]
+    random.Random().setstate((version, tuple(internal), gauss))
+    cuda = state.get("cuda", [])
+    if not (
+        isinstance(cuda, list)
+        and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)
+    ):
+        raise ValueError("the CUDA generator states are not uint8 tensors")
+    if "numpy" in state and np is not None:
+        s = state["numpy"]
+        if not isinstance(s.get("keys"), torch.Tensor):
+            raise ValueError("numpy's generator keys are not a tensor")
+        np.random.RandomState().set_state(
+            (
+                s["algorithm"],
+                s["keys"].numpy().astype(np.uint32),
+                s["pos"],
+                s["has_gauss"],
+                s["cached"],
+            )
+        )
+
+
 def restore_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
@@ -100,8 +135,26 @@ class RNGAdapter(Adapter):
 
     def plan_load(self, obj: RNGState, saved: SavedValue, ctx: Context) -> LoadPlan:
         mine = self._mine(saved, ctx)
-        refs = _tree.tensor_refs(mine) if mine is not None else []
-        return LoadPlan(requests=[ReadRequest(ref) for ref in refs])
+        if mine is None:
+            return LoadPlan()
+        _tree.check_structure(mine, f"the RNG state of rank {ctx.rank} in {saved.name!r}")
+        return LoadPlan(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(mine)])
+
+    def validate(
+        self, obj: RNGState, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        mine = self._mine(saved, ctx)
+        if mine is None:
+            return
+        try:
+            check_state(_tree.decode(mine, tensors))
+        except CheckpointCorruptError:
+            raise
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"the RNG state of rank {ctx.rank} in the manifest entry for {saved.name!r} is "
+                f"not valid: {type(e).__name__}: {e}"
+            ) from None
 
     def restore(
         self, obj: RNGState, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import _tree
+from ..checkpoint import dtypes
 from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from . import dtensor
 from .base import Adapter, Context
@@ -33,6 +34,8 @@ def encode_replicated(value: Any, ctx: Context, kind: str) -> SaveItem:
 
 
 def full_requests(saved: SavedValue) -> LoadPlan:
+    """Every tensor the saved tree refers to, whole; the tree's structure checked first."""
+    _tree.check_structure(saved.meta, f"the manifest entry for {saved.name!r}")
     return LoadPlan(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(saved.meta)])
 
 
@@ -40,6 +43,7 @@ class ValueAdapter(Adapter):
     """Tensors and JSON-able values. Load returns them; a live tensor is also filled in place."""
 
     kind = "value"
+    returns_value = True
 
     def handles(self, obj: object) -> bool:
         return isinstance(obj, _PLAIN)
@@ -49,13 +53,26 @@ class ValueAdapter(Adapter):
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
         plan = full_requests(saved)
-        if (
-            isinstance(obj, torch.Tensor)
-            and len(plan.requests) == 1
-            and saved.meta == {"__tensor__": ctx.name}
-        ):
-            plan.requests = [ReadRequest(ctx.name, dtype=obj.dtype, global_shape=tuple(obj.shape))]
+        if not isinstance(obj, torch.Tensor):
+            return plan
+        meta = saved.meta
+        ref = meta.get("__tensor__") if isinstance(meta, dict) and len(meta) == 1 else None
+        if not isinstance(ref, str):
+            plan.requests = []
+            plan.mismatched.append(
+                f"state[{ctx.name!r}] is a live tensor {dtypes.dtype_name(obj.dtype)}"
+                f"{list(obj.shape)}, but the checkpoint holds a {_tree.describe(saved.meta)} "
+                "for it"
+            )
+            return plan
+        # Whatever key the metadata names, it must fit the live tensor it is copied into.
+        plan.requests = [ReadRequest(ref, dtype=obj.dtype, global_shape=tuple(obj.shape))]
         return plan
+
+    def validate(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        _tree.decode(saved.meta, tensors)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
@@ -82,6 +99,11 @@ class StatefulAdapter(Adapter):
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
         return full_requests(saved)
+
+    def validate(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+    ) -> None:
+        _tree.decode(saved.meta, tensors)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context

@@ -9,6 +9,7 @@ from typing import Any
 from . import loading, saving
 from .loading import read_manifest
 from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, StorageFactory
+from .storage import LocalStorage
 
 
 def save(
@@ -57,6 +58,7 @@ def load(
     strict: bool = True,
     entry_timeout: float = 60.0,
     timeout: float = DEFAULT_TIMEOUT_S,
+    untrusted_bytes_limit: int = loading.DEFAULT_UNTRUSTED_BYTES,
 ) -> dict[str, Any]:
     """Restore the stateful values of ``state`` in place from ``path``. Call it on every rank.
 
@@ -65,10 +67,20 @@ def load(
     ``strict=True``: keys the live objects have and the checkpoint lacks, or the reverse,
     are an error; ``strict=False`` loads what both have. Shapes and dtypes must match.
     Nothing is restored on any rank unless every rank has read and verified its data.
+
+    ``untrusted_bytes_limit`` bounds what a checkpoint can make this rank allocate for
+    tensors no live object sizes (returned plain tensors, a fresh optimizer's state):
+    at most this plus 8 times the live tensors being loaded.
     """
-    return loading.load(
-        os.fspath(path), state, strict=strict, entry_timeout=entry_timeout, timeout=timeout
-    )
+    with LocalStorage(os.fspath(path)) as storage:
+        return loading.load(
+            storage,
+            state,
+            strict=strict,
+            entry_timeout=entry_timeout,
+            timeout=timeout,
+            untrusted_bytes_limit=untrusted_bytes_limit,
+        )
 
 
 __all__ = ["load", "read_manifest", "save"]

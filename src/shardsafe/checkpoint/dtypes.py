@@ -1,4 +1,9 @@
-"""The dtypes a checkpoint can hold, by their manifest name and their safetensors code."""
+"""Dtypes by name: the ones a checkpoint's tensors can have (with their safetensors
+codes), and every torch dtype a state value may mention (an AMP ``dtype`` setting).
+
+Names are resolved from fixed tables built at import, never with ``getattr(torch,
+name)``: a name from a hostile manifest such as ``_inductor`` would import a package.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ for _name, _code in (
     ("float8_e4m3fn", "F8_E4M3"),
     ("float8_e5m2", "F8_E5M2"),
 ):
-    if hasattr(torch, _name):
-        _SAFETENSORS_CODES[getattr(torch, _name)] = _code
+    if isinstance(_dtype := torch.__dict__.get(_name), torch.dtype):
+        _SAFETENSORS_CODES[_dtype] = _code
 
 _BY_CODE: dict[str, torch.dtype] = {code: d for d, code in _SAFETENSORS_CODES.items()}
 
@@ -36,6 +41,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 _BY_NAME: dict[str, torch.dtype] = {dtype_name(d): d for d in _SAFETENSORS_CODES}
+
+
+_ALL_NAMES = (
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "qint8", "qint32", "quint8", "quint4x2", "quint2x4",
+    "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+)  # fmt: skip
+_ANY_BY_NAME: dict[str, torch.dtype] = {
+    name: dtype
+    for name in _ALL_NAMES
+    if isinstance(dtype := torch.__dict__.get(name), torch.dtype)
+}
+
+
+def any_from_name(name: object) -> torch.dtype | None:
+    """Any torch dtype by its manifest name (``"float32"``), or ``None``; never imports."""
+    return _ANY_BY_NAME.get(name) if isinstance(name, str) else None
 
 
 def is_supported(dtype: torch.dtype) -> bool:

@@ -48,8 +48,11 @@ class ReadRequest:
 
     ``offsets``/``shape`` select a box of the global tensor; ``None`` means all of it.
     ``dtype``/``global_shape``, when given, are checked against the checkpoint and a
-    difference is reported as a mismatch. An ``optional`` request that the checkpoint
-    cannot satisfy is skipped instead of being reported as missing.
+    difference is reported as a mismatch: give both for a tensor that goes into a live
+    one. ``within`` (the shape of a live tensor, e.g. a parameter for its optimizer
+    state) requires the saved tensor to be a scalar or broadcastable to it. An
+    ``optional`` request that the checkpoint cannot satisfy is skipped instead of being
+    reported as missing.
     """
 
     key: str
@@ -58,6 +61,12 @@ class ReadRequest:
     dtype: torch.dtype | None = None
     global_shape: tuple[int, ...] | None = None
     optional: bool = False
+    within: tuple[int, ...] | None = None
+
+    @property
+    def checked_against_live(self) -> bool:
+        """Its size is bounded by a live tensor (dtype and shape both checked)."""
+        return self.dtype is not None and self.global_shape is not None
 
 
 @dataclass

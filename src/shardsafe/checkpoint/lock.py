@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 from ..errors import CheckpointError
+from .storage import LocalStorage
 
 LOCK_NAME = ".shardsafe.lock"
 _UNWRITTEN_GRACE_S = 10.0
@@ -105,7 +106,8 @@ class RootLock:
 
     def _write_private(self) -> str:
         tmp = f"{self.path}.{self.me['token']}"
-        with open(tmp, "w") as f:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with open(os.open(tmp, flags, 0o644), "w") as f:
             json.dump(self.me, f)
             f.flush()
             os.fsync(f.fileno())
@@ -113,16 +115,18 @@ class RootLock:
 
     def _age(self) -> float:
         try:
-            return time.time() - os.stat(self.path).st_mtime
+            return time.time() - os.lstat(self.path).st_mtime
         except OSError:
             return 0.0
 
     def _owner(self) -> dict[str, Any]:
+        """Who the lock file names; ``{}`` if unreadable (a symlink or FIFO is not opened)."""
+        root, name = os.path.split(self.path)
         try:
-            with open(self.path) as f:
-                owner = json.load(f)
+            with LocalStorage(root) as storage:
+                owner = json.loads(storage.read_small(name, 1 << 16))
             return owner if isinstance(owner, dict) else {}
-        except (OSError, ValueError):
+        except (OSError, ValueError, CheckpointError):
             return {}
 
     def release(self) -> None:

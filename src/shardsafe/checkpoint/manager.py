@@ -5,36 +5,70 @@ Order of operations on save, chosen so that no crash loses the last good checkpo
 1. write ``root/step-<step>`` (data files, then ``manifest.json`` atomically);
 2. replace ``root/latest`` atomically (temp file, fsync, rename);
 3. only then delete older checkpoints beyond ``keep_last``, and leftovers of saves that
-   never committed. A checkpoint is deleted manifest first, so a crash half-way through
-   a deletion leaves a directory that is plainly not a checkpoint, never a broken one.
+   never committed. A checkpoint is first marked as being deleted, then loses its
+   manifest, so a crash half-way through a deletion leaves a directory that is plainly
+   not a checkpoint (and that the next save finishes deleting), never a broken one.
 
 ``latest()`` trusts manifests, not the pointer: it returns the newest step directory
-that holds a ``manifest.json``. The pointer file is for humans and other tools.
+whose checkpoint would load (manifest and data files checked, see :func:`problem_with`),
+and warns about each newer one it passes over. The pointer file is for humans and other
+tools.
+
+What the manager touches: only entries of ``root`` named exactly as it names step
+directories (``step-`` and at least nine ASCII digits), only if they are real
+directories (a symlink is never followed, written through or deleted), and inside them
+only regular files with names shardsafe writes. Anything else is left in place, with a
+warning when it stops a deletion.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
-import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ..distributed import world
-from ..errors import CheckpointError
-from .api import load
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from . import loading
 from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
-from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, StorageFactory
+from .reader import CheckpointReader
+from .saving import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_TIMEOUT_S,
+    INCOMPLETE_MARKER,
+    StorageFactory,
+)
 from .saving import save as _save
 from .storage import LocalStorage
 
-_STEP_DIR = re.compile(r"step-(\d{9,})")
+_STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
+_OURS = re.compile(
+    r"manifest\.json|\.shardsafe-incomplete|\.manifest\.json\.tmp-[0-9]+"
+    r"|[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.safetensors",
+    re.ASCII,
+)
+"""The names shardsafe writes inside a checkpoint directory."""
 LATEST = "latest"
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a directory name the manager writes, else ``None`` (``step-1``,
+    ``step-0000000001`` and non-ASCII digits are not its names)."""
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_dir_name(step) == name else None
 
 
 class CheckpointManager:
@@ -82,7 +116,7 @@ class CheckpointManager:
             entry_timeout=entry_timeout,
             timeout=timeout,
             buffer_bytes=buffer_bytes,
-            storage=storage,
+            storage=functools.partial(storage or LocalStorage, follow=False),
             before_write=lambda: self._before_write(step),
             on_commit=lambda: self._publish(step),
         )
@@ -108,60 +142,168 @@ class CheckpointManager:
 
     def _publish(self, step: int) -> None:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
-        LocalStorage(self.root).commit(LATEST, (step_dir_name(step) + "\n").encode())
-        keep = self.complete_steps()
-        if self.keep_last is not None:
-            keep = keep[-self.keep_last :]
-        for name in os.listdir(self.root):
-            if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
-                LocalStorage(self.root).remove(name)
-            if name.startswith(f"{LOCK_NAME}.") and _older_than(self.root, name, 60.0):
-                LocalStorage(self.root).remove(name)  # a lock claim killed before its link
-            match = _STEP_DIR.fullmatch(name)
-            if match and int(match.group(1)) not in keep and int(match.group(1)) != step:
-                _delete_checkpoint(os.path.join(self.root, name))
+        with LocalStorage(self.root) as root:
+            root.commit(LATEST, (step_dir_name(step) + "\n").encode())
+            keep = self.complete_steps()
+            if self.keep_last is not None:
+                keep = keep[-self.keep_last :]
+            for name in root.names():
+                if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
+                    root.remove(name)
+                if name.startswith(f"{LOCK_NAME}.") and _older_than(root, name, 60.0):
+                    root.remove(name)  # a lock claim killed before its link
+            for found, name in self._step_dirs():
+                if found not in keep and found != step:
+                    _delete_checkpoint(root, name)
+
+    def _step_dirs(self) -> Iterator[tuple[int, str]]:
+        """``(step, name)`` of every real step directory under ``root``, newest first."""
+        try:
+            root = LocalStorage(self.root)
+            names = root.names()
+        except (FileNotFoundError, NotADirectoryError, CheckpointError):
+            return
+        with root:
+            found = sorted(((s, n) for n in names if (s := step_of(n)) is not None), reverse=True)
+            for step, name in found:
+                kind = root.kind(name)
+                if kind == "directory":
+                    yield step, name
+                elif kind is not None:
+                    _warn(f"{root.where(name)} is {root.describe(name)}, not a directory")
 
     def complete_steps(self) -> list[int]:
-        """Steps of every committed checkpoint under ``root``, oldest first."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
+        """Steps of every committed checkpoint under ``root`` (a step directory holding a
+        regular ``manifest.json``), oldest first."""
         steps = []
-        for name in names:
-            match = _STEP_DIR.fullmatch(name)
-            if match and os.path.isfile(os.path.join(self.root, name, MANIFEST_NAME)):
-                steps.append(int(match.group(1)))
+        for step, name in self._step_dirs():
+            with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
+                if storage.kind(MANIFEST_NAME) == "file":
+                    steps.append(step)
         return sorted(steps)
 
     def latest(self) -> str | None:
-        """Path of the newest committed checkpoint, or ``None`` if there is none."""
-        steps = self.complete_steps()
-        return self.path_for(steps[-1]) if steps else None
+        """Path of the newest checkpoint that would load, or ``None`` if there is none.
+
+        Newer step directories that would not (a damaged or symlinked manifest, a missing
+        or resized data file) are passed over with a warning saying why.
+        """
+        for path in self._loadable():
+            return path
+        return None
+
+    def _loadable(self) -> Iterator[str]:
+        """Paths of the checkpoints that pass :func:`problem_with`, newest first."""
+        for _, name in self._step_dirs():
+            with self._open(name) as storage:
+                if storage.kind(MANIFEST_NAME) is None:
+                    continue  # an interrupted save, not a checkpoint
+                problem = problem_with(storage)
+            if problem is None:
+                yield storage.directory
+            else:
+                _warn(f"passing over {storage.directory}: {problem}")
 
     def load_latest(self, state: Any, **load_kwargs: Any) -> dict[str, Any] | None:
-        """Load the newest checkpoint into ``state``; ``None`` if there is none yet."""
-        path = self.latest()
-        if path is None:
-            return None
-        return load(path, state, **load_kwargs)
+        """Load the newest checkpoint into ``state``; ``None`` if there is none yet.
+
+        Returns what :func:`shardsafe.load` returns: the plain values the checkpoint holds
+        (for the Trainer's checkpoints, ``{"trainer": {"step": ..., ...}}``). If the newest
+        checkpoint turns out to be damaged while loading (nothing is restored then), the
+        next older one is loaded instead, with a warning; if every one is damaged, the
+        newest one's error is raised.
+        """
+        first: CheckpointCorruptError | None = None
+        for path in self._loadable():
+            name = os.path.basename(path)
+            try:
+                with self._open(name) as storage:
+                    return loading.load(storage, state, **_load_options(load_kwargs))
+            except CheckpointCorruptError as e:
+                _warn(f"could not load {path}, trying the previous checkpoint: {e}")
+                first = first or e
+        if first is not None:
+            raise first
+        return None
+
+    def _open(self, name: str) -> LocalStorage:
+        return LocalStorage(os.path.join(self.root, name), follow=False)
 
 
-def _older_than(root: str, name: str, seconds: float) -> bool:
+def _load_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    options = {
+        "strict": True,
+        "entry_timeout": 60.0,
+        "timeout": DEFAULT_TIMEOUT_S,
+        "untrusted_bytes_limit": loading.DEFAULT_UNTRUSTED_BYTES,
+    }
+    unknown = set(kwargs) - set(options)
+    if unknown:
+        raise TypeError(f"load_latest() got unexpected keyword argument(s) {sorted(unknown)}")
+    return {**options, **kwargs}
+
+
+def problem_with(storage: LocalStorage) -> str | None:
+    """Why the checkpoint in ``storage`` would not load, from cheap checks, or ``None``.
+
+    The manifest is read, checksummed and validated; every data file must be a regular
+    file of the recorded size whose header matches its checksum. Tensor bytes are not
+    read (``load`` checks those, and ``shardsafe verify`` checks all of them).
+    """
     try:
-        return time.time() - os.stat(os.path.join(root, name)).st_mtime > seconds
+        manifest = loading.read_manifest_from(storage)
+        with CheckpointReader(storage, manifest) as reader:
+            problems = reader.check_files()
+    except (CheckpointError, OSError) as e:
+        return str(e)
+    if problems:
+        name = min(problems)
+        return problems[name]
+    return None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"shardsafe: {message}", stacklevel=3)
+
+
+def _older_than(root: LocalStorage, name: str, seconds: float) -> bool:
+    try:
+        mtime = os.stat(name, dir_fd=root.fd, follow_symlinks=False).st_mtime
     except OSError:
         return False
+    return time.time() - mtime > seconds
 
 
-def _delete_checkpoint(path: str) -> None:
+def _delete_checkpoint(root: LocalStorage, name: str) -> None:
+    """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
+
+    A directory holding anything else is left untouched, with a warning. Otherwise it is
+    marked first (so that a crash mid-way leaves a directory the next save recognises as
+    its own leftover), then loses the manifest, then the data files, then itself.
+    """
     try:
-        manifest = os.path.join(path, MANIFEST_NAME)
-        if os.path.exists(manifest):
-            os.remove(manifest)
-            LocalStorage(path).sync_directory()
-        shutil.rmtree(path)
-    except OSError as e:
+        with LocalStorage(os.path.join(root.directory, name), follow=False) as step:
+            names = step.names()
+            foreign = [n for n in names if not (_OURS.fullmatch(n) and step.kind(n) == "file")]
+            if foreign:
+                _warn(
+                    f"left {step.directory} in place: it holds {foreign[:3]}, which shardsafe "
+                    "did not write; delete it yourself if it is no longer needed"
+                )
+                return
+            step.touch(INCOMPLETE_MARKER)
+            if MANIFEST_NAME in names:
+                step.remove(MANIFEST_NAME)
+                step.sync_directory()
+            for entry in names:
+                if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
+                    step.remove(entry)
+            step.remove(INCOMPLETE_MARKER)
+        os.rmdir(name, dir_fd=root.fd)
+    except CheckpointNotFoundError:
+        return
+    except (OSError, CheckpointError) as e:
         raise CheckpointError(
-            f"the new checkpoint is committed, but deleting the old checkpoint {path} failed: {e}"
+            f"the new checkpoint is committed, but deleting the old checkpoint "
+            f"{root.where(name)} failed: {e}"
         ) from e

@@ -149,12 +149,15 @@ def _check_key(key: str, chunks: list[ChunkInfo]) -> tuple[torch.dtype, tuple[in
             raise CheckpointError(
                 f"tensor {key!r} is replicated on some ranks and sharded on others"
             )
-    if not first.replicated and not geometry.tiles(
-        first.global_shape, [(c.offsets, c.shape) for c in chunks]
-    ):
+    problem = (
+        None
+        if first.replicated
+        else geometry.tiling_problem(first.global_shape, [(c.offsets, c.shape) for c in chunks])
+    )
+    if problem is not None:
         raise CheckpointError(
             f"the shards of {key!r} held by ranks {sorted({c.rank for c in chunks})} do not "
-            f"cover its shape {list(first.global_shape)} exactly once"
+            f"cover its shape {list(first.global_shape)} exactly once: they {problem}"
         )
     return first.dtype, first.global_shape
 

@@ -11,21 +11,28 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from . import dtypes, geometry
 from .crc import crc32
 from .manifest import ChunkRecord, Manifest, TensorRecord
-from .safetensors_io import HeaderEntry, memory, read_header
+from .safetensors_io import HeaderEntry, memory, parse_header, read_header_bytes
 from .storage import LocalFileReader, LocalStorage
 
 
 class CheckpointReader:
     """Opens data files lazily; validates each file against the manifest once."""
 
-    def __init__(self, storage: LocalStorage, manifest: Manifest) -> None:
+    def __init__(
+        self, storage: LocalStorage, manifest: Manifest, *, keep_header_bytes: bool = False
+    ) -> None:
         self.storage = storage
         self.manifest = manifest
+        self.header_bytes: dict[str, bytes] = {}
+        """With ``keep_header_bytes``: each opened file's raw header (for ``verify``)."""
+        self._keep_header_bytes = keep_header_bytes
         self._open: dict[str, tuple[LocalFileReader, dict[str, HeaderEntry]]] = {}
+        self._failed: dict[str, CheckpointCorruptError] = {}
+        """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
 
     def close(self) -> None:
         for reader, _ in self._open.values():
@@ -69,25 +76,51 @@ class CheckpointReader:
             out[dest] = self._read_box(key, rec, chunk, rel)
         return out
 
-    def verify_all(self) -> list[str]:
-        """Check every chunk of every tensor; return one line per problem found."""
+    def verify_all(self, skip_files: set[str] | None = None) -> list[str]:
+        """Check every chunk of every tensor (but those with chunks in ``skip_files``);
+        return one line per problem found.
+
+        Each chunk is read block by block into one reused buffer, so memory stays at one
+        checksum block whatever sizes the manifest claims.
+        """
         problems = []
+        buffer = memoryview(bytearray(self.manifest.block_bytes))
+        skip = skip_files or set()
         for key, rec in self.manifest.tensors.items():
+            if skip and any(chunk.file in skip for chunk in rec.chunks):
+                continue
             for chunk in rec.chunks:
                 try:
-                    self._entry(key, rec, chunk)  # the real file backs it: safe to allocate
-                    out = torch.empty(chunk.shape, dtype=rec.dtype)
-                    if out.numel():
-                        self._read_whole(key, rec, chunk, out)
+                    reader, entry = self._entry(key, rec, chunk)
+                    for index, start in enumerate(range(0, entry.nbytes, len(buffer))):
+                        view = buffer[: min(len(buffer), entry.nbytes - start)]
+                        reader.read_into(entry.start + start, view)
+                        self._verify(key, chunk, view, index)
                 except CheckpointCorruptError as e:
                     problems.append(str(e))
+        return problems
+
+    def check_files(self) -> dict[str, str]:
+        """Open every data file and check its size and header; ``{file: problem}``."""
+        problems = {}
+        for name in self.manifest.files:
+            try:
+                self._file(name)
+            except CheckpointError as e:
+                problems[name] = str(e)
         return problems
 
     # -- internals
 
     def _file(self, name: str) -> tuple[LocalFileReader, dict[str, HeaderEntry]]:
         if name not in self._open:
-            reader = self.storage.open_reader(name)
+            if name in self._failed:
+                raise self._failed[name]
+            try:
+                reader = self.storage.open_reader(name)
+            except CheckpointCorruptError as e:
+                self._failed[name] = e
+                raise
             try:
                 expected = self.manifest.files[name]
                 if reader.size != expected:
@@ -95,7 +128,14 @@ class CheckpointReader:
                         f"data file {name} is {reader.size} bytes but the manifest recorded "
                         f"{expected}: it was truncated or modified after the save"
                     )
-                headers = read_header(reader)
+                raw = read_header_bytes(reader)
+                if self._keep_header_bytes:
+                    self.header_bytes[name] = raw
+                headers = parse_header(name, raw, reader.size, self.manifest.header_crc32.get(name))
+            except CheckpointCorruptError as e:
+                reader.close()
+                self._failed[name] = e
+                raise
             except BaseException:
                 reader.close()
                 raise

@@ -8,7 +8,14 @@ little-endian bytes), so the writer emits it directly; the test suite checks tha
 header here too, because a reader must check a hostile header before trusting offsets.
 
 Checksums: each tensor's bytes are cut into blocks of ``block_bytes``, one CRC32 each, so
-a reader that needs a slice of a large tensor verifies only the blocks it reads.
+a reader that needs a slice of a large tensor verifies only the blocks it reads. The
+header (length prefix and JSON) has one CRC32 of its own, recorded in the manifest and
+checked before the header is parsed.
+
+The header rules are safetensors' own (its Rust ``Metadata::validate``): at most 10^8
+header bytes starting with ``{``, ``__metadata__`` a map of strings, and tensors packed
+back to back from the start of the data section to its end, without gaps or overlaps.
+So a file this reader accepts is one every safetensors tool can read.
 """
 
 from __future__ import annotations
@@ -22,12 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from . import dtypes
 from .crc import crc32
 from .storage import FileSink, LocalFileReader
 
-MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100_000_000
+"""safetensors' own limit (``MAX_HEADER_SIZE``)."""
 _OVERLAP_MIN_BYTES = 1 << 20
 _crc_pool: ThreadPoolExecutor | None = None
 
@@ -106,6 +114,11 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> byt
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"a data file would hold {len(entries)} tensors, whose names make a safetensors "
+            f"header of {len(raw)} bytes, over safetensors' limit of {MAX_HEADER_BYTES}"
+        )
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -134,7 +147,10 @@ class StreamWriter:
         self._crcs: dict[str, tuple[int, ...]] = {}
         self._skip_empty()
         try:
-            sink.write(memoryview(build_header(entries)))
+            header = build_header(entries)
+            self.header_crc32 = crc32(memoryview(header), 0)
+            """CRC32 of the length prefix and JSON header, recorded in the manifest."""
+            sink.write(memoryview(header))
         except BaseException:
             sink.abort()
             raise
@@ -191,8 +207,19 @@ def _pool() -> ThreadPoolExecutor:
     return _crc_pool
 
 
-def read_header(reader: LocalFileReader) -> dict[str, HeaderEntry]:
-    """Parse and validate a safetensors header; every offset is checked against the file."""
+def read_header(
+    reader: LocalFileReader, expected_crc32: int | None = None
+) -> dict[str, HeaderEntry]:
+    """Parse and validate a safetensors header; every offset is checked against the file.
+
+    With ``expected_crc32`` (from the manifest) the header's bytes are checked against it
+    before they are parsed.
+    """
+    return parse_header(reader.name, read_header_bytes(reader), reader.size, expected_crc32)
+
+
+def read_header_bytes(reader: LocalFileReader) -> bytes:
+    """The length prefix and JSON header of a file, within safetensors' limits."""
     name = reader.name
     if reader.size < 8:
         raise CheckpointCorruptError(f"{name} is truncated: {reader.size} bytes, no header")
@@ -204,34 +231,72 @@ def read_header(reader: LocalFileReader) -> dict[str, HeaderEntry]:
             f"{name} has a truncated or damaged safetensors header (declares {length} header "
             f"bytes in a {reader.size}-byte file)"
         )
-    raw = bytearray(length)
-    reader.read_into(8, memoryview(raw))
+    raw = bytearray(8 + length)
+    raw[:8] = prefix
+    reader.read_into(8, memoryview(raw)[8:])
+    return bytes(raw)
+
+
+def parse_header(
+    name: str, raw: bytes, file_size: int, expected_crc32: int | None = None
+) -> dict[str, HeaderEntry]:
+    """Validate header bytes (from :func:`read_header_bytes`) of a file of ``file_size``."""
+    if expected_crc32 is not None and crc32(memoryview(raw), 0) != expected_crc32:
+        raise CheckpointCorruptError(
+            f"{name} has a damaged safetensors header: its CRC32 does not match the one in "
+            "the manifest (the file was modified or corrupted after the save)"
+        )
+    header = _parse_header(name, memoryview(raw)[8:])
+    data_start = len(raw)
+    data_len = file_size - data_start
+    entries = {}
+    for key, rec in header.items():
+        if key == "__metadata__":
+            if not (isinstance(rec, dict) and all(isinstance(v, str) for v in rec.values())):
+                raise CheckpointCorruptError(
+                    f"{name}'s safetensors __metadata__ is not a map of strings"
+                )
+            continue
+        entries[key] = _header_entry(name, key, rec, data_start, data_len)
+    _check_packed(name, entries, data_start, data_len)
+    return entries
+
+
+def _parse_header(name: str, raw: memoryview) -> dict[str, object]:
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise CheckpointCorruptError(f"{name} has a damaged safetensors header") from None
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{name}'s safetensors header is not an object")
-    data_start, data_len = 8 + length, reader.size - 8 - length
-    entries = {}
-    for key, rec in header.items():
-        if key == "__metadata__":
-            continue
-        entries[key] = _header_entry(name, key, rec, data_start, data_len)
-    _check_disjoint(name, entries)
-    return entries
+    if bytes(raw[:1]) != b"{":  # safetensors refuses leading whitespace
+        raise CheckpointCorruptError(
+            f"{name} has a damaged safetensors header: it does not start with '{{'"
+        )
+    return header
 
 
-def _check_disjoint(file: str, entries: dict[str, HeaderEntry]) -> None:
-    """Tensors may not share bytes (as in the safetensors spec): otherwise a small file
-    could back any number of tensors, and a reader allocate far more than it holds."""
-    end, last = 0, ""
-    for e in sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start):
+def _check_packed(file: str, entries: dict[str, HeaderEntry], start: int, length: int) -> None:
+    """Tensors lie back to back and fill the data section, as the safetensors spec says:
+    no tensor may share bytes with another (or a small file could back any number of
+    tensors, and a reader allocate far more than it holds), and no byte is unaccounted."""
+    end, last = start, ""
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
         if e.start < end:
             raise CheckpointCorruptError(
                 f"{file}: tensor {e.name!r} in the safetensors header overlaps tensor {last!r}"
             )
+        if e.start > end:
+            raise CheckpointCorruptError(
+                f"{file}: the safetensors header leaves bytes {end - start}..{e.start - start} "
+                f"of the data section before tensor {e.name!r} unused"
+            )
         end, last = e.start + e.nbytes, e.name
+    if end != start + length:
+        raise CheckpointCorruptError(
+            f"{file}: the safetensors header accounts for {end - start} bytes of data, but the "
+            f"file's data section holds {length}"
+        )
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:

@@ -11,10 +11,9 @@ stops all ranks at the same point with the same error, and nothing is committed.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,10 +22,19 @@ from ..adapters import find_adapter
 from ..adapters.base import Adapter, Context
 from ..adapters.module import param_names
 from ..distributed import Coordinator
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 from . import dtypes
 from .entries import Chunk, SavedValue, SaveItem
-from .manifest import LAYOUTS, MANIFEST_NAME, ChunkRecord, Manifest, TensorRecord
+from .manifest import (
+    LAYOUTS,
+    MANIFEST_NAME,
+    MAX_NAME_CHARS,
+    MAX_NDIM,
+    ChunkRecord,
+    Manifest,
+    TensorRecord,
+    parse,
+)
 from .planner import ChunkInfo, SavePlan, plan_save
 from .storage import LocalStorage
 from .writer import FileResult, WriteOptions, write_plan
@@ -36,8 +44,11 @@ CRC_BLOCK_BYTES = 16 << 20
 DEFAULT_TIMEOUT_S = 1800.0
 
 State = Mapping[str, Any]
-StorageFactory = Callable[[str], LocalStorage]
-"""Makes the storage layer for a checkpoint directory; subclass LocalStorage to replace it."""
+class StorageFactory(Protocol):
+    """Makes the storage layer for a checkpoint directory: ``LocalStorage`` or a subclass
+    of it (``follow=False``: the directory itself must not be a symlink)."""
+
+    def __call__(self, directory: str, *, follow: bool = ...) -> LocalStorage: ...
 
 
 def save(
@@ -56,22 +67,40 @@ def save(
     inside the collect and commit phases, so their failures are agreed like any other."""
     _check_save_args(path, state, layout, buffer_bytes)
     store = (storage or LocalStorage)(path)
-    if store.exists(MANIFEST_NAME):
-        raise CheckpointError(
-            f"{path} already holds a committed checkpoint; shardsafe never overwrites one. "
-            "Save to a new directory (CheckpointManager does this per step) or delete it first."
-        )
-    existed = os.path.isdir(path)
-    coord = Coordinator("save", path, timeout=timeout)
-    coord.enter(entry_timeout)
     try:
-        _phases(coord, store, state, layout, buffer_bytes, before_write, on_commit)
-    except CheckpointError:
-        if coord.rank == 0 and not existed and not store.exists(MANIFEST_NAME):
-            shutil.rmtree(path, ignore_errors=True)  # everything in it was this save's
-        raise
+        existed = store.is_directory()
+        if existed and store.exists(MANIFEST_NAME):
+            raise CheckpointError(
+                f"{path} already holds a committed checkpoint; shardsafe never overwrites one. "
+                "Save to a new directory (CheckpointManager does this per step) or delete it "
+                "first."
+            )
+        store.close()  # reopened when written: rank 0 may create it in between
+        coord = Coordinator("save", path, timeout=timeout)
+        coord.enter(entry_timeout)
+        try:
+            _phases(coord, store, state, layout, buffer_bytes, before_write, on_commit)
+        except CheckpointError:
+            if coord.rank == 0 and not existed:
+                _remove_uncommitted(store)  # everything in it was this save's
+            raise
+        finally:
+            coord.close()
     finally:
-        coord.close()
+        store.close()
+
+
+def _remove_uncommitted(storage: LocalStorage) -> None:
+    """Delete a directory this failed save created, unless a manifest got committed."""
+    try:
+        if not storage.is_directory() or storage.exists(MANIFEST_NAME):
+            return
+        for name in storage.names():
+            storage.remove(name)
+        storage.close()
+        os.rmdir(storage.directory)
+    except (OSError, CheckpointError):
+        return  # best effort: a leftover is cleared by the next save into it
 
 
 def _phases(
@@ -143,15 +172,38 @@ def _collect(
             ctx = Context(name, coord.rank, coord.world_size, names)
             item = adapter.save(obj, ctx)
             for chunk in item.chunks:
-                if not dtypes.is_supported(chunk.tensor.dtype):
-                    raise CheckpointError(
-                        f"tensor {chunk.key!r} has dtype {chunk.tensor.dtype}, "
-                        "which safetensors cannot store"
-                    )
+                _check_chunk(chunk, name)
             items[name] = (adapter, item)
     except Exception as e:
         return items, e
     return items, None
+
+
+MAX_KEY_CHARS = MAX_NAME_CHARS - 1024
+"""Longest tensor key ``save`` takes: room is left for the offsets a chunk name adds."""
+
+
+def _check_chunk(chunk: Chunk, name: str) -> None:
+    """Refuse, before anything is written, a tensor that ``load`` would refuse."""
+    if not dtypes.is_supported(chunk.tensor.dtype):
+        raise CheckpointError(
+            f"tensor {chunk.key!r} has dtype {chunk.tensor.dtype}, which safetensors cannot store"
+        )
+    if len(chunk.key) > MAX_KEY_CHARS:
+        raise CheckpointError(
+            f"tensor key {chunk.key[:60]!r}... of state[{name!r}] is {len(chunk.key)} "
+            f"characters long; a checkpoint holds keys of at most {MAX_KEY_CHARS}"
+        )
+    if chunk.key != name and not chunk.key.startswith(name + "/"):
+        raise CheckpointError(
+            f"an adapter gave state[{name!r}] a tensor key {chunk.key!r} outside its own "
+            f"namespace; keys must be {name!r} or start with {name + '/'!r} (use ctx.key())"
+        )
+    if chunk.tensor.dim() > MAX_NDIM:
+        raise CheckpointError(
+            f"tensor {chunk.key!r} has {chunk.tensor.dim()} dimensions; a checkpoint holds at "
+            f"most {MAX_NDIM}"
+        )
 
 
 INCOMPLETE_MARKER = ".shardsafe-incomplete"
@@ -176,7 +228,7 @@ def _prepare_directory(storage: LocalStorage) -> None:
         )
     for name in names:
         if name != INCOMPLETE_MARKER:
-            storage.remove(name)
+            storage.remove(name)  # a subdirectory is refused: shardsafe never makes one
     storage.touch(INCOMPLETE_MARKER)
 
 
@@ -236,16 +288,30 @@ def _commit(
 ) -> BaseException | None:
     try:
         manifest = _build_manifest(plan, offers, adapters, results)
+        raw = _loadable(manifest)
         # The data files' directory entries must be durable before the manifest that
         # names them is: a power loss must not leave a manifest without its files.
         storage.sync_directory()
-        storage.commit(MANIFEST_NAME, manifest.to_json())
+        storage.commit(MANIFEST_NAME, raw)
         storage.remove(INCOMPLETE_MARKER)
         if on_commit is not None:
             on_commit()
     except Exception as e:
         return e
     return None
+
+
+def _loadable(manifest: Manifest) -> bytes:
+    """The manifest's bytes, once the parser ``load`` uses has accepted them: what save
+    writes, load, inspect and verify accept."""
+    raw = manifest.to_json()
+    try:
+        parse(raw)
+    except CheckpointCorruptError as e:
+        raise CheckpointError(
+            f"refusing to commit a checkpoint that shardsafe could not load back: {e}"
+        ) from None
+    return raw
 
 
 def _build_manifest(
@@ -256,9 +322,12 @@ def _build_manifest(
 ) -> Manifest:
     # The writer reports each file's size; senders may report checksums of what they sent.
     files: dict[str, int] = {}
+    header_crcs: dict[str, int] = {}
     for per_rank in results:
         for name, res in per_rank.items():
             files[name] = max(files.get(name, 0), res["bytes"])
+            if res["header_crc32"] >= 0:
+                header_crcs[name] = res["header_crc32"]
     crcs = {
         (name, tname): tuple(v)
         for per_rank in results
@@ -285,4 +354,6 @@ def _build_manifest(
         "torch_version": torch.__version__,
         "created_unix": time.time(),
     }
-    return Manifest(plan.layout, plan.world_size, CRC_BLOCK_BYTES, values, tensors, files, info)
+    return Manifest(
+        plan.layout, plan.world_size, CRC_BLOCK_BYTES, values, tensors, files, info, header_crcs
+    )

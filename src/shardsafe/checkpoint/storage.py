@@ -1,24 +1,41 @@
 """Bytes in and out of one checkpoint directory. Nothing here knows about tensors.
 
 The interface is deliberately tiny (after torchsnapshot): named files inside one
-directory, written sequentially and fsynced, read by byte range. Names are always plain
-file names (the manifest parser guarantees it), and reads refuse symlinks and anything
-that is not a regular file, so a hostile checkpoint cannot make shardsafe read outside
-its directory. Subclass :class:`LocalStorage` to inject faults in tests, or to add a
-backend.
+directory, written sequentially and fsynced, read by byte range. The directory is opened
+once and every operation is relative to that descriptor, so swapping the directory (or
+a name in it) for a symlink midway cannot redirect a read, a write or a deletion. Names
+are plain file names; reads refuse anything that is not a regular file without opening
+it (see ``files.py``); writes only create new names; deletions never follow a link and
+never recurse. Subclass :class:`LocalStorage` to inject faults in tests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import stat
-import sys
-from typing import Any, Protocol
+from typing import Protocol
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .files import (
+    LocalFileReader,
+    LocalFileSink,
+    check_name,
+    create_new,
+    describe_mode,
+    open_directory,
+    open_regular,
+    start_writeback,
+)
+
+__all__ = [
+    "FileSink",
+    "LocalFileReader",
+    "LocalFileSink",
+    "LocalStorage",
+    "start_writeback",
+]
 
 
 class FileSink(Protocol):
@@ -30,134 +47,178 @@ class FileSink(Protocol):
     def abort(self) -> None: ...
 
 
-WRITEBACK_BYTES = 8 << 20
-_SYNC_FILE_RANGE_WRITE = 2
+class LocalStorage:
+    """A checkpoint directory on a local (or shared, POSIX) filesystem.
 
-
-def _libc_sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _libc_sync_file_range()
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to begin writing a range to disk, without waiting (Linux; else no-op).
-
-    Durability still comes from the fsync at the end; this only moves work earlier.
-    """
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-class LocalFileSink:
-    """A new file written front to back with unbuffered writes, fsynced on finish.
-
-    Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the new pages to disk
-    (``sync_file_range``, as databases do), so the disk works while later bytes are still
-    being produced and the final fsync has little left to flush.
+    ``follow=False`` (what :class:`CheckpointManager` uses for its step directories)
+    refuses a symlink in place of the directory itself; the path above it is the user's
+    and is followed. The directory is opened on first use and stays open until
+    :meth:`close`.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-        self._fd: int | None = os.open(path, flags, 0o644)
-        self.written = 0
-        self._kicked = 0
+    def __init__(self, directory: str, *, follow: bool = True) -> None:
+        self.directory = os.fspath(directory)
+        self.follow = follow
+        self._fd: int | None = None
 
-    def write(self, data: memoryview) -> None:
-        assert self._fd is not None
-        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        while view.nbytes:
-            n = os.write(self._fd, view)
-            self.written += n
-            view = view[n:]
-        if self.written - self._kicked >= WRITEBACK_BYTES:
-            start_writeback(self._fd, self._kicked, self.written - self._kicked)
-            self._kicked = self.written
+    # -- the directory itself
 
-    def finish(self) -> int:
-        assert self._fd is not None
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        return self.written
+    @property
+    def fd(self) -> int:
+        """The open directory (opened now if it was not yet)."""
+        if self._fd is None:
+            self._fd = self._open()
+        return self._fd
 
-    def abort(self) -> None:
+    def _open(self) -> int:
+        if self.follow:
+            return open_directory(self.directory)
+        parent, base = os.path.split(self.directory.rstrip("/") or "/")
+        parent_fd = open_directory(parent or ".")
+        try:
+            return open_directory(check_name(base), dir_fd=parent_fd, follow=False)
+        finally:
+            os.close(parent_fd)
+
+    def is_directory(self) -> bool:
+        """True if the directory exists (a symlink to one counts only with ``follow``)."""
+        try:
+            self.fd  # noqa: B018 - opens it
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except CheckpointCorruptError:
+            return False
+        return True
+
+    def require_directory(self) -> None:
+        """Raise :class:`CheckpointNotFoundError` unless the directory exists."""
+        try:
+            self.fd  # noqa: B018 - opens it
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.directory} does not exist") from None
+        except CheckpointCorruptError as e:
+            raise CheckpointNotFoundError(str(e)) from None
+
+    def make_directory(self) -> None:
+        """Create the directory (and, when followed, its parents) if needed, and open it."""
+        if self._fd is not None:
+            return
+        if self.follow:
+            os.makedirs(self.directory, exist_ok=True)
+        else:
+            parent = os.path.dirname(self.directory.rstrip("/"))
+            os.makedirs(parent or ".", exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.directory)  # an existing symlink is refused when opened
+        self._fd = self._open()
+
+    def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
+    def __enter__(self) -> LocalStorage:
+        return self
 
-class LocalStorage:
-    """A checkpoint directory on a local (or shared, POSIX) filesystem."""
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    def __init__(self, directory: str) -> None:
-        self.directory = os.fspath(directory)
-
-    def _path(self, name: str) -> str:
-        if not name or os.sep in name or name in (".", "..") or (os.altsep and os.altsep in name):
-            raise CheckpointCorruptError(f"refusing file name {name!r}: not a plain file name")
+    def where(self, name: str) -> str:
+        """``name`` inside this directory, for messages."""
         return os.path.join(self.directory, name)
 
     # -- writing
 
-    def make_directory(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-
     def create(self, name: str) -> FileSink:
-        return LocalFileSink(self._path(name))
+        """A new file; a name that exists already (of any kind) is refused."""
+        try:
+            return LocalFileSink(create_new(self.fd, name), self.where(name))
+        except FileExistsError:
+            raise CheckpointError(
+                f"{self.where(name)} appeared while the checkpoint was being written; "
+                "shardsafe never writes over a file it did not create"
+            ) from None
 
     def commit(self, name: str, data: bytes) -> None:
         """Write ``data`` under ``name`` atomically: temp file, fsync, rename, fsync dir."""
-        tmp = self._path(f".{name}.tmp-{os.getpid()}")
-        sink = LocalFileSink(tmp)
+        tmp = f".{check_name(name)}.tmp-{os.getpid()}"
+        self.remove(tmp)  # a stale one from a dead process that had this pid
+        sink = LocalFileSink(create_new(self.fd, tmp), self.where(tmp))
         try:
             sink.write(memoryview(data))
             sink.finish()
-            os.replace(tmp, self._path(name))
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
             sink.abort()
-            _remove_quietly(tmp)
+            self.remove(tmp)
             raise
         self.sync_directory()
 
     def sync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        os.fsync(self.fd)
 
     def remove(self, name: str) -> None:
-        _remove_quietly(self._path(name))
+        """Unlink ``name`` if present (a link is removed itself, never what it points at)."""
+        try:
+            os.unlink(check_name(name), dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            raise CheckpointError(
+                f"{self.where(name)} is a directory, which shardsafe did not create; "
+                "it is left in place"
+            ) from None
+        except OSError as e:
+            if e.errno in (errno.EISDIR, errno.EPERM) and self.kind(name) == "directory":
+                raise CheckpointError(
+                    f"{self.where(name)} is a directory, which shardsafe did not create; "
+                    "it is left in place"
+                ) from None
+            raise
 
     def touch(self, name: str) -> None:
-        """Create an empty file (not fsynced: a marker, not data)."""
-        os.close(os.open(self._path(name), os.O_WRONLY | os.O_CREAT, 0o644))
+        """Create an empty marker file (not fsynced: a marker, not data)."""
+        try:
+            os.close(create_new(self.fd, name))
+        except FileExistsError:
+            if self.kind(name) != "file":
+                raise CheckpointCorruptError(
+                    f"{self.where(name)} exists and is not a regular file"
+                ) from None
 
     def names(self) -> list[str]:
         try:
-            return sorted(os.listdir(self.directory))
+            return sorted(os.listdir(self.fd))
         except FileNotFoundError:
             return []
 
     # -- reading
 
+    def kind(self, name: str) -> str | None:
+        """``"file"``, ``"directory"``, ``"symlink"``, ``"other"``, or ``None`` if absent."""
+        try:
+            mode = os.stat(check_name(name), dir_fd=self.fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return None
+        if stat.S_ISREG(mode):
+            return "file"
+        if stat.S_ISDIR(mode):
+            return "directory"
+        return "symlink" if stat.S_ISLNK(mode) else "other"
+
+    def describe(self, name: str) -> str:
+        """What ``name`` is, for messages (``a symbolic link``, ``a named pipe (FIFO)``)."""
+        try:
+            return describe_mode(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return "missing"
+
     def exists(self, name: str) -> bool:
-        return os.path.lexists(self._path(name))
+        return self.kind(name) is not None
 
     def open_reader(self, name: str) -> LocalFileReader:
-        return LocalFileReader(self._path(name), name)
+        fd, info = open_regular(self.fd, name, name)
+        return LocalFileReader(fd, info.st_size, name)
 
     def read_small(self, name: str, limit: int) -> bytes:
         with self.open_reader(name) as reader:
@@ -169,56 +230,6 @@ class LocalStorage:
             reader.read_into(0, memoryview(out))
             return bytes(out)
 
-
-class LocalFileReader:
-    """A regular file (never a symlink) opened for positional reads."""
-
-    def __init__(self, path: str, name: str) -> None:
-        self.name = name
-        try:
-            # O_NONBLOCK: opening a FIFO (a tar archive can hold one) would wait for a
-            # writer forever; regular files, the only kind read, ignore the flag.
-            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-            self._fd = os.open(path, flags)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"data file {name} is missing") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CheckpointCorruptError(
-                    f"{name} is a symbolic link; shardsafe only reads regular files inside "
-                    "the checkpoint directory"
-                ) from None
-            raise CheckpointError(f"cannot open {name}: {e}") from e
-        info = os.fstat(self._fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(self._fd)
-            raise CheckpointCorruptError(f"{name} is not a regular file")
-        self.size = info.st_size
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes at ``offset``; a short file is corruption."""
-        view, pos = out.cast("B") if out.format != "B" else out, offset
-        while view.nbytes:
-            n = os.preadv(self._fd, [view], pos)
-            if n == 0:
-                raise CheckpointCorruptError(
-                    f"{self.name} is truncated: expected bytes up to offset "
-                    f"{offset + out.nbytes}, but the file ends at {self.size}"
-                )
-            view, pos = view[n:], pos + n
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> LocalFileReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
+    def child(self, name: str) -> LocalStorage:
+        """The subdirectory ``name``, never followed if it is a link."""
+        return type(self)(os.path.join(self.directory, check_name(name)), follow=False)

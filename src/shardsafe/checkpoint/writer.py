@@ -41,10 +41,12 @@ from .storage import LocalStorage
 
 
 class FileResult(TypedDict):
-    """What a rank reports about one file it wrote."""
+    """What a rank reports about one file it wrote (or, ``bytes`` 0, checksummed)."""
 
     bytes: int
     crc: dict[str, list[int]]
+    header_crc32: int
+    """-1 from a rank that only checksummed tensors another rank wrote."""
 
 
 @dataclass
@@ -128,7 +130,11 @@ def _sent_whole(fplan: FilePlan) -> list[FileEntry]:
 
 def _finish(writer: StreamWriter) -> FileResult:
     size, crcs = writer.finish()
-    return {"bytes": size, "crc": {name: list(v) for name, v in crcs.items()}}
+    return {
+        "bytes": size,
+        "crc": {name: list(v) for name, v in crcs.items()},
+        "header_crc32": writer.header_crc32,
+    }
 
 
 def comm_device() -> torch.device:
@@ -177,7 +183,9 @@ class _ConsolidatedTransfer:
                         crc.update(piece)
                 except Exception as e:  # reported at the agreement; the sends still happen
                     self.error = self.error or e
-                result = results.setdefault(fplan.name, {"bytes": 0, "crc": {}})
+                result = results.setdefault(
+                    fplan.name, {"bytes": 0, "crc": {}, "header_crc32": -1}
+                )
                 result["crc"][entry.name] = list(crc.finish())
         return results
 

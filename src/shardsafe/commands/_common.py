@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 
-from ..checkpoint.loading import read_manifest
+from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.storage import LocalStorage
 from ..errors import CheckpointNotFoundError
 
 
-def load_manifest(path: str) -> Manifest:
+def load_manifest(path: str, storage: LocalStorage | None = None) -> Manifest:
     """The parsed manifest of ``path``; a missing one says where a real checkpoint is.
 
     Users often pass the run's checkpoint *root* (the directory holding ``step-*`` and
@@ -23,7 +24,10 @@ def load_manifest(path: str) -> Manifest:
             f"{path} is a file; pass the checkpoint directory (the one holding manifest.json)"
         )
     try:
-        return read_manifest(path)
+        if storage is None:
+            with LocalStorage(path) as opened:
+                return read_manifest_from(opened)
+        return read_manifest_from(storage)
     except CheckpointNotFoundError as e:
         latest = CheckpointManager(path).latest() if os.path.isdir(path) else None
         if latest is None:

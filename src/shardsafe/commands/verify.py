@@ -1,24 +1,28 @@
 """``shardsafe verify PATH``: prove that a checkpoint's bytes are exactly what was saved.
 
-Exit status 0: every data file is present, has the size the manifest recorded, has a
-valid safetensors header that matches the manifest, opens with the official
-``safetensors.safe_open`` (so any safetensors tool can load it) and every tensor's
+Exit status 0: the manifest's own checksum matches, every data file is present, is a
+regular file of the size the manifest recorded, has a safetensors header whose CRC32
+matches and which agrees with the manifest and with the official
+``safetensors.safe_open`` (so any safetensors tool can load it), and every tensor's
 CRC32 blocks match. Exit status 1: anything else, with one line per problem naming the
 file and, where the problem is inside a tensor, its key. All problems are reported, not
 just the first, so one run tells how much of a damaged checkpoint is still good.
 
-A directory without ``manifest.json`` is reported as not a checkpoint (exit status 1):
-the manifest is written last, so its absence usually means the save was interrupted.
+A checkpoint written before shardsafe checksummed its manifest and headers verifies with
+a note saying what could not be checked.
 
-Verification reads every data byte once (plus the headers a second time, through
-safetensors); memory use is bounded by the largest single tensor piece.
+Every file is opened once, without following links, and read through that descriptor.
+The cross-check with safetensors runs on a private copy of the header bytes that were
+read and checksummed (with a sparse data section of the file's size), never on the
+checkpoint's path, which could be swapped for a symlink or a FIFO in between. Memory is
+one checksum block, whatever sizes the manifest claims.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import tempfile
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -26,12 +30,17 @@ from ._format import human_bytes, natural_key, plural
 
 if TYPE_CHECKING:
     from ..checkpoint.manifest import Manifest
+    from ..checkpoint.reader import CheckpointReader
     from ..checkpoint.safetensors_io import HeaderEntry
     from ..checkpoint.storage import LocalStorage
 
 HELP = "check every data file and checksum of a checkpoint (exit status 1 if any is bad)"
 
 _KEYS_SHOWN = 5
+_UNCHECKED = {
+    "manifest": "the manifest's own content",
+    "headers": "the data files' safetensors headers",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint.storage import LocalStorage
     from ._common import load_manifest
 
-    manifest = load_manifest(args.path)
-    problems = find_problems(args.path, manifest)
+    with LocalStorage(args.path) as storage:
+        manifest = load_manifest(args.path, storage)
+        problems = find_problems(storage, manifest)
     files, tensors = (
         plural(len(manifest.files), "data file"),
         plural(len(manifest.tensors), "tensor"),
@@ -54,99 +65,94 @@ def run(args: argparse.Namespace) -> int:
         return 1
     size = manifest.total_bytes
     print(f"OK: {files}, {tensors}, {size} bytes ({human_bytes(size)}) verified in {args.path}")
+    unchecked = [text for part, text in _UNCHECKED.items() if part not in manifest.covers]
+    if unchecked:
+        print(
+            f"note: not checked: {' and '.join(unchecked)}, which this checkpoint carries no "
+            "checksum for (it was written by an older shardsafe)"
+        )
     return 0
 
 
-def find_problems(path: str, manifest: Manifest) -> list[str]:
+def find_problems(storage: LocalStorage | str, manifest: Manifest) -> list[str]:
     """One line per problem, files first (in name order), then tensors (in key order)."""
     from ..checkpoint.reader import CheckpointReader
     from ..checkpoint.storage import LocalStorage
 
-    storage = LocalStorage(path)
+    if isinstance(storage, str):
+        with LocalStorage(storage) as opened:
+            return find_problems(opened, manifest)
     keys = _keys_by_file(manifest)
     problems: list[str] = []
-    unreadable: set[str] = set()
-    for name in sorted(manifest.files, key=natural_key):
-        headers, problem = _check_file(storage, name, manifest.files[name])
-        if headers is None:
-            problems.append(f"{problem}; it holds {_some(keys[name])}")
-            unreadable.add(name)
-            continue
-        problems += _check_with_safetensors(os.path.join(path, name), name, headers)
-    # Tensors in an unreadable file were reported with it; check the rest chunk by chunk.
-    readable = {
-        key: rec
-        for key, rec in manifest.tensors.items()
-        if not any(chunk.file in unreadable for chunk in rec.chunks)
-    }
-    with CheckpointReader(storage, dataclasses.replace(manifest, tensors=readable)) as reader:
-        problems += _unique(reader.verify_all())
+    with CheckpointReader(storage, manifest, keep_header_bytes=True) as reader:
+        unreadable = reader.check_files()
+        for name in sorted(manifest.files, key=natural_key):
+            if name in unreadable:
+                problems.append(f"{unreadable[name]}; it holds {_some(keys[name])}")
+            if name in reader.header_bytes:
+                problems += _check_with_safetensors(reader, name)
+        # Tensors in an unreadable file were reported with it; check the rest.
+        problems += _unique(reader.verify_all(skip_files=set(unreadable)))
     return problems
 
 
 def _keys_by_file(manifest: Manifest) -> dict[str, list[str]]:
-    keys: dict[str, list[str]] = {name: [] for name in manifest.files}
+    keys: dict[str, dict[str, None]] = {name: {} for name in manifest.files}
     for key in sorted(manifest.tensors, key=natural_key):
         for chunk in manifest.tensors[key].chunks:
-            if key not in keys[chunk.file]:
-                keys[chunk.file].append(key)
-    return keys
+            keys[chunk.file][key] = None
+    return {name: list(found) for name, found in keys.items()}
 
 
-def _check_file(
-    storage: LocalStorage, name: str, size: int
-) -> tuple[dict[str, HeaderEntry] | None, str]:
-    """The file's parsed header, or ``None`` and why the file cannot be read at all."""
-    from ..checkpoint.safetensors_io import read_header
-    from ..errors import CheckpointError
+def _check_with_safetensors(reader: CheckpointReader, name: str) -> list[str]:
+    """Problems the official safetensors reader has with a file's header.
 
-    try:
-        with storage.open_reader(name) as reader:
-            if reader.size != size:
-                return None, (
-                    f"data file {name} is {reader.size} bytes but the manifest recorded {size}: "
-                    "it was truncated or modified after the save"
-                )
-            return read_header(reader), ""
-    except CheckpointError as e:
-        return None, str(e)
-
-
-def _check_with_safetensors(
-    file_path: str, name: str, headers: dict[str, HeaderEntry]
-) -> list[str]:
-    """Problems the official safetensors reader has with a file that shardsafe can read.
-
-    shardsafe parses headers itself (to check offsets before trusting them); this
-    guards against the two parsers disagreeing, which would make a file that passes
-    here fail in another tool. Differences between the header and the manifest are
-    left to the reader, which reports them with the tensor's key.
+    shardsafe parses headers itself (to check offsets before trusting them); this guards
+    against the two parsers disagreeing, which would make a file that passes here fail
+    in another tool. It reads a private copy of exactly the header bytes shardsafe read.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
+    from ..checkpoint.safetensors_io import parse_header
+
+    raw = reader.header_bytes[name]
+    size = reader.manifest.files[name]
+    try:
+        ours: dict[str, HeaderEntry] | None = parse_header(name, raw, size)
+    except Exception:  # reported by the reader already
+        ours = None
+    with tempfile.TemporaryDirectory(prefix="shardsafe-verify-") as private:
+        copy = os.path.join(private, "header.safetensors")
+        with open(copy, "wb") as f:
+            f.write(raw)
+            f.truncate(size)  # a sparse data section: nothing is allocated for it
+        try:
+            with safe_open(copy, framework="pt") as f:
+                slices = {t: f.get_slice(t) for t in f.keys()}  # noqa: SIM118 - not a dict
+                found = {t: (s.get_dtype(), s.get_shape()) for t, s in slices.items()}
+        except Exception as e:  # safetensors raises its own error types, mmap failures too
+            return [f"{name} cannot be opened by safetensors.safe_open: {e}"]
+    return [] if ours is None else _differences(name, ours, found)
+
+
+def _differences(
+    name: str, ours: dict[str, HeaderEntry], found: dict[str, tuple[str, list[int]]]
+) -> list[str]:
     from ..checkpoint import dtypes
 
     problems = []
-    try:
-        with safe_open(file_path, framework="pt") as f:
-            names = set(f.keys())
-            for tname in sorted(names & set(headers), key=natural_key):
-                part = f.get_slice(tname)
-                entry = headers[tname]
-                if part.get_dtype() != dtypes.safetensors_code(entry.dtype) or tuple(
-                    part.get_shape()
-                ) != tuple(entry.shape):
-                    problems.append(
-                        f"{name}: safetensors reads tensor {tname!r} as {part.get_dtype()}"
-                        f"{list(part.get_shape())}, shardsafe as "
-                        f"{dtypes.safetensors_code(entry.dtype)}{list(entry.shape)}"
-                    )
-    except (SafetensorError, OSError) as e:
-        return [f"{name} cannot be opened by safetensors.safe_open: {e}"]
-    if names != set(headers):
+    for tname in sorted(found.keys() & ours.keys(), key=natural_key):
+        code, shape = found[tname]
+        entry = ours[tname]
+        if code != dtypes.safetensors_code(entry.dtype) or tuple(shape) != entry.shape:
+            problems.append(
+                f"{name}: safetensors reads tensor {tname!r} as {code}{list(shape)}, "
+                f"shardsafe as {dtypes.safetensors_code(entry.dtype)}{list(entry.shape)}"
+            )
+    if found.keys() != ours.keys():
         problems.append(
             f"{name}: safetensors and shardsafe list different tensors "
-            f"({sorted(names ^ set(headers))})"
+            f"({sorted(found.keys() ^ ours.keys())[:_KEYS_SHOWN]})"
         )
     return problems
 
