@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dcp_compare as dcp_compare
+import manifest_scale
 import scaling
 import zero_checkpoint as zero
 from _common import Target, clean, disk, machine, mib, table, verdicts
@@ -43,9 +44,10 @@ class Config:
     repeat: int = 5
     scale_repeat: int = 3
     big_repeat: int = 2  # for torch's path on states over 400 MiB
+    manifest_sizes: tuple[tuple[int, int], ...] = ((100, 1000),)  # 100,000 chunk records
 
 
-QUICK = Config(2, 2, 2, (1, 2), (2, 4), 1, 1, 1)
+QUICK = Config(2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),))
 
 
 class Report:
@@ -124,6 +126,10 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
         return Section(text, [], {})
 
     report.section("ZeRO save time against state size and ranks", scale)
+    report.section(
+        "Parsing and validating a large manifest",
+        lambda: manifest_scale.section(cfg.manifest_sizes),
+    )
     return points
 
 

@@ -8,7 +8,9 @@ command land in its own change.
 
 Exit status: 0 success, 1 failure (a checkpoint problem, a failed verification, an
 I/O error), 2 usage error. Expected failures print ``shardsafe: error: <message>`` on
-stderr, never a traceback; a traceback means a bug in shardsafe.
+stderr, never a traceback; the commands that read checkpoints (``inspect``,
+``verify``) print even a bug in shardsafe as one such line, since their input may be
+hostile. Everything printed from a checkpoint is escaped for the terminal.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from collections.abc import Sequence
 from typing import Protocol, cast
 
 from ._version import __version__
+from .commands._format import terminal_safe
 from .errors import CheckpointError
 
 COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify")
 """Command module names, in the order ``--help`` lists them."""
+READS_CHECKPOINTS = frozenset({"inspect", "verify"})
+"""Commands that only read a checkpoint (hostile input): they never show a traceback."""
 
 _PACKAGE = "shardsafe.commands"
 
@@ -91,11 +96,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return 1
     except (CheckpointError, OSError, ImportError) as e:
-        print(f"shardsafe: error: {e}", file=sys.stderr)
+        print(f"shardsafe: error: {terminal_safe(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardsafe: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.command not in READS_CHECKPOINTS:
+            raise  # fit: the traceback may be the user's own code's
+        print(
+            f"shardsafe: error: {args.command} failed unexpectedly: {type(e).__name__}: "
+            f"{terminal_safe(str(e))} (a bug in shardsafe: please report it with the "
+            "checkpoint's manifest.json)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _silence_stdout() -> None:

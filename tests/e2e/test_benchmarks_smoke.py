@@ -24,6 +24,7 @@ SECTIONS = (
     "## Plain DDP + Adam",
     "## FSDP2 + AdamW",
     "## ZeRO save time against state size",
+    "## Parsing and validating a large manifest",
     "## Summary",
     "## Targets",
     "## What is timed",

@@ -220,9 +220,7 @@ def _meta_problem(meta: Any) -> str | None:
             return f"param group {i} has no list of parameter names or no 'hyper'"
         _tree.check_structure(g["hyper"], f"param group {i}'s hyperparameters")
     for fqn, shape in meta["param_shapes"].items():
-        if not (
-            isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-        ):
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
             return f"the shape of parameter {fqn!r} is not a list of non-negative ints"
     for fqn, state in meta["state"].items():
         if not isinstance(state, dict):

@@ -53,9 +53,7 @@ _ALL_NAMES = (
     "int1", "int2", "int3", "int4", "int5", "int6", "int7",
 )  # fmt: skip
 _ANY_BY_NAME: dict[str, torch.dtype] = {
-    name: dtype
-    for name in _ALL_NAMES
-    if isinstance(dtype := torch.__dict__.get(name), torch.dtype)
+    name: dtype for name in _ALL_NAMES if isinstance(dtype := torch.__dict__.get(name), torch.dtype)
 }
 
 

@@ -29,7 +29,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -266,11 +266,15 @@ def _load_json(raw: bytes, where: str) -> Any:
         raise CheckpointCorruptError(
             f"{where} is not valid UTF-8 ({e.reason} at byte {e.start}); the file is damaged"
         ) from None
-    return load_json(text, where)
+    return load_json(text, where, deep_keys=("values", "info"))
 
 
-def load_json(text: str, where: str) -> Any:
-    """Strict JSON: no duplicate keys, no NaN/Infinity (nor ``1e999``), bounded nesting."""
+def load_json(text: str, where: str, *, deep_keys: tuple[str, ...] | None = None) -> Any:
+    """Strict JSON: no duplicate keys, no NaN/Infinity (nor ``1e999``), bounded nesting.
+
+    ``deep_keys``: only these top-level entries can nest freely (the rest is checked
+    field by field by its parser, never recursed into), so only they are measured.
+    """
     too_deep = CheckpointCorruptError(f"{where} is nested too deeply to be a manifest")
     try:
         doc = json.loads(
@@ -283,7 +287,11 @@ def load_json(text: str, where: str) -> Any:
         raise too_deep from None
     except ValueError as e:
         raise CheckpointCorruptError(f"{where} is not valid JSON: {e}") from None
-    if depth(doc) > MAX_DEPTH:
+    if deep_keys is None or not isinstance(doc, dict):
+        deepest = depth(doc)
+    else:
+        deepest = 1 + max((depth(doc.get(k)) for k in deep_keys), default=0)
+    if deepest > MAX_DEPTH:
         raise too_deep
     return doc
 
@@ -317,16 +325,23 @@ def _finite_float(text: str) -> float:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {duplicate!r}")
     return out
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"non-standard constant {name}")
+
+
+def _non_negative_ints(value: Any) -> bool:
+    """A list of at most MAX_NDIM ints (not bools), none negative."""
+    if type(value) is not list or len(value) > MAX_NDIM:
+        return False
+    return not value or (all(type(v) is int for v in value) and min(value) >= 0)
 
 
 def _is_int(value: Any) -> bool:
@@ -380,19 +395,18 @@ class _Parser:
                 stored.add((c.file, c.name))
 
     def ints(self, value: Any, what: str) -> tuple[int, ...]:
-        self.require(
-            isinstance(value, list)
-            and len(value) <= MAX_NDIM
-            and all(_is_int(v) and v >= 0 for v in value),
-            f"{what} is not a list of non-negative ints",
-        )
+        if not _non_negative_ints(value):
+            self.fail(f"{what} is not a list of non-negative ints")
         return tuple(value)
+
+    def fail(self, problem: str) -> NoReturn:
+        raise CheckpointCorruptError(f"{self.where} is malformed: {problem}")
 
     def tensor(self, key: str, rec: Any, files: dict[str, int], block_bytes: int) -> TensorRecord:
         self.require(
-            isinstance(key, str) and 0 < len(key) <= MAX_NAME_CHARS and valid_value_name(
-                key.split("/", 1)[0]
-            ),
+            isinstance(key, str)
+            and 0 < len(key) <= MAX_NAME_CHARS
+            and valid_value_name(key.split("/", 1)[0]),
             f"tensor key {key[:80]!r} is not a valid key",
         )
         self.require(isinstance(rec, dict), f"tensor {key!r} is not an object")
@@ -409,7 +423,8 @@ class _Parser:
             isinstance(raw_chunks, list) and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR,
             f"tensor {key!r} has no valid 'chunks' list",
         )
-        chunks = tuple(self.chunk(key, c, shape, dtype, files, block_bytes) for c in raw_chunks)
+        itemsize = dtypes.itemsize(dtype)
+        chunks = tuple(self.chunk(key, c, shape, itemsize, files, block_bytes) for c in raw_chunks)
         problem = geometry.tiling_problem(shape, [(c.offsets, c.shape) for c in chunks])
         self.require(problem is None, f"the chunks of {key!r} {problem}")
         return TensorRecord(dtype, shape, chunks)
@@ -419,35 +434,41 @@ class _Parser:
         key: str,
         c: Any,
         shape: tuple[int, ...],
-        dtype: torch.dtype,
+        itemsize: int,
         files: dict[str, int],
         block_bytes: int,
     ) -> ChunkRecord:
-        self.require(isinstance(c, dict), f"a chunk of {key!r} is not an object")
+        """One chunk record. Runs once per chunk (a million in a large run), so each check
+        is a plain condition and a message is only formatted for a failure."""
+        if type(c) is not dict:
+            self.fail(f"a chunk of {key!r} is not an object")
         file, name = c.get("file"), c.get("name")
-        self.require(
-            isinstance(file, str) and file in files,
-            f"a chunk of {key!r} names file {file!r}, which 'files' does not list",
-        )
-        self.require(
-            isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS,
-            f"a chunk of {key!r} has no valid 'name'",
-        )
+        if type(file) is not str or file not in files:
+            self.fail(f"a chunk of {key!r} names file {file!r}, which 'files' does not list")
+        if type(name) is not str or not 0 < len(name) <= MAX_NAME_CHARS:
+            self.fail(f"a chunk of {key!r} has no valid 'name'")
         file = self.file_names[file]  # one string object for all its chunks
-        offsets = self.ints(c.get("offsets"), f"the offsets of a chunk of {key!r}")
-        cshape = self.ints(c.get("shape"), f"the shape of a chunk of {key!r}")
-        self.require(
+        offsets, cshape = c.get("offsets"), c.get("shape")
+        if not _non_negative_ints(offsets):
+            self.fail(f"the offsets of a chunk of {key!r} is not a list of non-negative ints")
+        if not _non_negative_ints(cshape):
+            self.fail(f"the shape of a chunk of {key!r} is not a list of non-negative ints")
+        if not (
             len(offsets) == len(shape) == len(cshape)
-            and all(o + n <= s for o, n, s in zip(offsets, cshape, shape)),
-            f"a chunk of {key!r} lies outside the tensor's shape {list(shape)}",
-        )
-        nbytes = math.prod(cshape) * dtypes.itemsize(dtype)
-        self.require(nbytes <= files[file], f"a chunk of {key!r} is larger than file {file!r}")
+            and all(o + n <= s for o, n, s in zip(offsets, cshape, shape))
+        ):
+            self.fail(f"a chunk of {key!r} lies outside the tensor's shape {list(shape)}")
+        nbytes = math.prod(cshape) * itemsize
+        if nbytes > files[file]:
+            self.fail(f"a chunk of {key!r} is larger than file {file!r}")
         crc = c.get("crc32")
-        self.require(
-            isinstance(crc, list)
+        if not (
+            type(crc) is list
             and len(crc) == crc_block_count(nbytes, block_bytes)
-            and all(_is_int(v) and 0 <= v < 1 << 32 for v in crc),
-            f"a chunk of {key!r} has no valid 'crc32' list",
-        )
+            and all(type(v) is int for v in crc)
+            and min(crc) >= 0
+            and max(crc) < 1 << 32
+        ):
+            self.fail(f"a chunk of {key!r} has no valid 'crc32' list")
+        offsets, cshape = tuple(offsets), tuple(cshape)
         return ChunkRecord(file, name, offsets, cshape, tuple(crc))

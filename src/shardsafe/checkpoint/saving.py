@@ -44,6 +44,8 @@ CRC_BLOCK_BYTES = 16 << 20
 DEFAULT_TIMEOUT_S = 1800.0
 
 State = Mapping[str, Any]
+
+
 class StorageFactory(Protocol):
     """Makes the storage layer for a checkpoint directory: ``LocalStorage`` or a subclass
     of it (``follow=False``: the directory itself must not be a symlink)."""

@@ -183,9 +183,7 @@ class _ConsolidatedTransfer:
                         crc.update(piece)
                 except Exception as e:  # reported at the agreement; the sends still happen
                     self.error = self.error or e
-                result = results.setdefault(
-                    fplan.name, {"bytes": 0, "crc": {}, "header_crc32": -1}
-                )
+                result = results.setdefault(fplan.name, {"bytes": 0, "crc": {}, "header_crc32": -1})
                 result["crc"][entry.name] = list(crc.finish())
         return results
 

@@ -42,7 +42,7 @@ import os
 from datetime import datetime, timezone
 from typing import Any
 
-from ._format import human_bytes, natural_key, plural, printable, table
+from ._format import human_bytes, natural_key, plural, printable, table, terminal_safe
 
 HELP = "show what a checkpoint holds: layout, tensors, values, sizes"
 
@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     doc = describe(args.path)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2, allow_nan=False))  # ASCII: control chars escaped
     else:
-        print("\n".join(render(doc)))
+        print("\n".join(terminal_safe(line) for line in render(doc)))
     return 0
 
 
@@ -71,16 +71,16 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(path: str) -> dict[str, Any]:
     """The ``--json`` document for the checkpoint at ``path`` (see the module docstring)."""
-    from ..checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
-    from ..checkpoint.storage import LocalStorage
     from ._common import load_manifest
 
-    manifest = load_manifest(path)
-    raw = LocalStorage(path).read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    version = json.loads(raw)["version"]  # parsed (and validated) above, read again here
+    manifest = load_manifest(path)  # read once; everything below comes from it
     names = sorted(manifest.values, key=natural_key)
-    tensors = [_tensor(key, rec, names) for key, rec in manifest.tensors.items()]
+    tensors = [_tensor(key, rec, manifest.values) for key, rec in manifest.tensors.items()]
     tensors.sort(key=lambda t: natural_key(t["key"]))
+    by_value: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for t in tensors:
+        if t["value"] is not None:
+            by_value[t["value"]].append(t)
     pieces: dict[str, int] = dict.fromkeys(manifest.files, 0)
     for rec in manifest.tensors.values():
         for chunk in rec.chunks:
@@ -91,7 +91,7 @@ def describe(path: str) -> dict[str, Any]:
     return {
         "path": os.path.abspath(path),
         "format": "shardsafe",
-        "format_version": version,
+        "format_version": manifest.version,
         "layout": manifest.layout,
         "world_size": manifest.world_size,
         "created_unix": created,
@@ -99,7 +99,7 @@ def describe(path: str) -> dict[str, Any]:
         "shardsafe_version": _text(manifest.info.get("shardsafe_version")),
         "torch_version": _text(manifest.info.get("torch_version")),
         "checksum": {"algorithm": "crc32", "block_bytes": manifest.block_bytes},
-        "values": [_value(manifest.values[n], tensors) for n in names],
+        "values": [_value(manifest.values[n], by_value[n]) for n in names],
         "tensors": tensors,
         "files": [
             {"name": name, "bytes": manifest.files[name], "tensors": pieces[name]}
@@ -108,8 +108,8 @@ def describe(path: str) -> dict[str, Any]:
         "totals": {
             "data_files": len(manifest.files),
             "data_bytes": data_bytes,
-            "manifest_bytes": len(raw),
-            "bytes": data_bytes + len(raw),
+            "manifest_bytes": manifest.manifest_bytes,
+            "bytes": data_bytes + manifest.manifest_bytes,
             "tensors": len(tensors),
             "tensor_bytes": tensor_bytes,
             "values": len(names),
@@ -117,13 +117,14 @@ def describe(path: str) -> dict[str, Any]:
     }
 
 
-def _owner(key: str, names: list[str]) -> str | None:
-    """The state value a tensor key belongs to: the longest name that prefixes it."""
-    owners = [n for n in names if key == n or key.startswith(n + "/")]
-    return max(owners, key=len) if owners else None
+def _owner(key: str, values: dict[str, Any]) -> str | None:
+    """The state value a tensor key belongs to: its first segment (value names hold no
+    ``/``), if the manifest has such a value."""
+    name = key.split("/", 1)[0]
+    return name if name in values else None
 
 
-def _tensor(key: str, rec: Any, names: list[str]) -> dict[str, Any]:
+def _tensor(key: str, rec: Any, values: dict[str, Any]) -> dict[str, Any]:
     from ..checkpoint import dtypes
 
     files: list[str] = []
@@ -132,7 +133,7 @@ def _tensor(key: str, rec: Any, names: list[str]) -> dict[str, Any]:
             files.append(chunk.file)
     return {
         "key": key,
-        "value": _owner(key, names),
+        "value": _owner(key, values),
         "dtype": dtypes.dtype_name(rec.dtype),
         "shape": list(rec.shape),
         "numel": math.prod(rec.shape),
@@ -142,8 +143,7 @@ def _tensor(key: str, rec: Any, names: list[str]) -> dict[str, Any]:
     }
 
 
-def _value(saved: Any, tensors: list[dict[str, Any]]) -> dict[str, Any]:
-    mine = [t for t in tensors if t["value"] == saved.name]
+def _value(saved: Any, mine: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": saved.name,
         "kind": saved.kind,
@@ -230,7 +230,7 @@ def _values_table(doc: dict[str, Any]) -> list[str]:
 
 
 def _preview(value: Any) -> str:
-    text = json.dumps(value, separators=(", ", ": "))  # ASCII only: escapes control chars
+    text = json.dumps(value, separators=(", ", ": "))  # ASCII: escapes control chars
     return text if len(text) <= _VALUE_PREVIEW else text[: _VALUE_PREVIEW - 3] + "..."
 
 

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ._format import human_bytes, natural_key, plural
+from ._format import human_bytes, natural_key, plural, terminal_safe
 
 if TYPE_CHECKING:
     from ..checkpoint.manifest import Manifest
@@ -60,11 +60,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if problems:
         for problem in problems:
-            print(f"  {problem}")
+            print(f"  {terminal_safe(problem)}")
         print(f"FAILED: {plural(len(problems), 'problem')} in {args.path} ({files}, {tensors})")
         return 1
     size = manifest.total_bytes
-    print(f"OK: {files}, {tensors}, {size} bytes ({human_bytes(size)}) verified in {args.path}")
+    print(
+        terminal_safe(
+            f"OK: {files}, {tensors}, {size} bytes ({human_bytes(size)}) verified in {args.path}"
+        )
+    )
     unchecked = [text for part, text in _UNCHECKED.items() if part not in manifest.covers]
     if unchecked:
         print(
