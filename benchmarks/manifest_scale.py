@@ -35,9 +35,9 @@ def build(path: str, ranks: int, params: int) -> int:
     """Write the manifest of the synthetic run into directory ``path``; its size."""
     import torch
 
-    from shardsafe.checkpoint.entries import SavedValue
     from shardsafe.checkpoint.manifest import ChunkRecord, Manifest, TensorRecord
-    from shardsafe.checkpoint.planner import shard_file_name
+    from shardsafe.checkpoint.save_plan import shard_file_name
+    from shardsafe.protocol import SavedValue
 
     files = {shard_file_name(r, ranks): 1 << 40 for r in range(ranks)}
     tensors = {}

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import dtypes
+from . import dtypes
 from .errors import CheckpointCorruptError, CheckpointError
 
 JSON = Any

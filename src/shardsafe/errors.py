@@ -5,10 +5,10 @@ catches them all; the children say what kind of action is needed::
 
     CheckpointError                  base: anything a save or load could not do
     ├── CheckpointCorruptError       bytes on disk are wrong: checksum, truncation,
-    │                                missing file, malformed or hostile manifest
+    │   │                            missing file, malformed or hostile manifest
+    │   └── CheckpointVersionError   written by a newer format than this shardsafe reads
     ├── CheckpointMismatchError      the checkpoint is fine, but does not fit the live
     │                                objects: keys, shapes or dtypes differ
-    ├── CheckpointVersionError       written by a newer shardsafe format than this one reads
     └── CheckpointNotFoundError      no committed checkpoint at the path
 
 In a multi-rank run the error raised on every rank is the same class, and its message

@@ -26,24 +26,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _tree
-from .adapters import find_adapter
-from .adapters.base import Adapter, Context
-from .adapters.module import param_names
-from .checkpoint.entries import SavedValue
-from .checkpoint.writer import comm_device
-from .distributed import Coordinator, world
+from . import _tree, dtypes
+from .adapters.registry import find_adapter
+from .distributed import Coordinator, Phase, comm_device, world
 from .errors import CheckpointError, CheckpointMismatchError
+from .protocol import Adapter, LoadContext, SavedValue, param_names
 
 _NAME = "optimizer"
 
 
-def _adapter_and_context(optimizer: Any, model: nn.Module) -> tuple[Adapter, Context]:
+def _adapter_and_context(optimizer: Any, model: nn.Module) -> tuple[Adapter, LoadContext]:
+    """The optimizer's adapter, and a context that serves both its save and load sides
+    (the state dict handled here is whole: every rank's view of it is the same)."""
     rank, world_size = world()
     adapter = find_adapter(optimizer, _NAME)
     if adapter.kind != "optimizer":
         raise TypeError(f"expected an optimizer, got {type(optimizer).__qualname__}")
-    ctx = Context(_NAME, rank, world_size, param_names({"model": model}))
+    ctx = LoadContext(
+        name=_NAME,
+        rank=rank,
+        world_size=world_size,
+        param_names=param_names({"model": model}),
+        saved_world_size=world_size,
+    )
     return adapter, ctx
 
 
@@ -67,7 +72,7 @@ def gather_optimizer_state_dict(
 
 
 def _gather(
-    coord: Coordinator, adapter: Adapter, ctx: Context, optimizer: Any, to: int
+    coord: Coordinator, adapter: Adapter, ctx: LoadContext, optimizer: Any, to: int
 ) -> dict[str, Any] | None:
     offer: dict[str, Any] | None = None
     error: BaseException | None = None
@@ -82,11 +87,14 @@ def _gather(
         offer = {
             "meta": item.meta,
             "keys": [c.key for c in item.chunks if not c.replicated],
-            "shapes": {c.key: [list(c.tensor.shape), str(c.tensor.dtype)] for c in item.chunks},
+            "shapes": {
+                c.key: [list(c.tensor.shape), dtypes.dtype_name(c.tensor.dtype)]
+                for c in item.chunks
+            },
         }
     except Exception as e:  # agreed on every rank instead of hanging the others
         error = e
-    offers = coord.exchange("offer", offer, error)
+    offers = coord.exchange(Phase.OFFER, offer, error)
     meta = adapter.merge([o["meta"] for o in offers])
     tensors = {c.key: c.tensor for c in item.chunks} if ctx.rank == to else {}
     device = comm_device()  # NCCL moves CUDA tensors only
@@ -99,12 +107,10 @@ def _gather(
                 dist.send(chunk.tensor.detach().contiguous().to(device), dst=to)
             elif ctx.rank == to:
                 shape, dtype = o["shapes"][key]
-                buf = torch.empty(
-                    shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device
-                )
+                buf = torch.empty(shape, dtype=dtypes.any_from_name(dtype), device=device)
                 dist.recv(buf, src=src)
                 tensors[key] = buf.cpu()
-    coord.exchange("done", None, None)
+    coord.exchange(Phase.DONE, None, None)
     if ctx.rank != to:
         return None
     return _to_torch_format(meta, tensors)
@@ -179,7 +185,7 @@ def load_optimizer_state_dict(
     adapter.restore(optimizer, saved_value, tensors, ctx)
 
 
-def _encode(value: Any, ctx: Context, tensors: dict[str, torch.Tensor], *prefix: str) -> Any:
+def _encode(value: Any, ctx: LoadContext, tensors: dict[str, torch.Tensor], *prefix: str) -> Any:
     def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         key = ctx.key(*prefix, *path)
         tensors[key] = tensor

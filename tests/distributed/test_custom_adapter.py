@@ -16,7 +16,15 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.adapters import Chunk, Context, LoadPlan, ReadRequest, SavedValue, SaveItem
+from shardsafe.adapters import (
+    Chunk,
+    LoadContext,
+    LoadRequests,
+    ReadRequest,
+    SaveContext,
+    SavedValue,
+    SaveItem,
+)
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,24 +53,26 @@ class RowShardedTableAdapter(shardsafe.Adapter):
     def handles(self, obj: object) -> bool:
         return isinstance(obj, RowShardedTable)
 
-    def save(self, obj: RowShardedTable, ctx: Context) -> SaveItem:
+    def save(self, obj: RowShardedTable, ctx: SaveContext) -> SaveItem:
         chunk = Chunk(ctx.key("rows"), obj.local, (obj.rows, DIM), (obj.start, 0))
         return SaveItem(self.kind, {"rows": obj.rows}, [chunk] if obj.local.numel() else [])
 
-    def plan_load(self, obj: RowShardedTable, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(self, obj: RowShardedTable, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         if saved.meta["rows"] != obj.rows:
-            return LoadPlan(mismatched=[f"{ctx.name}: {saved.meta['rows']} rows, live {obj.rows}"])
+            return LoadRequests(
+                mismatched=[f"{ctx.name}: {saved.meta['rows']} rows, live {obj.rows}"]
+            )
         if not obj.local.numel():
-            return LoadPlan()
+            return LoadRequests()
         region = ReadRequest(ctx.key("rows"), (obj.start, 0), tuple(obj.local.shape))
-        return LoadPlan(requests=[region])
+        return LoadRequests(requests=[region])
 
     def restore(
         self,
         obj: RowShardedTable,
         saved: SavedValue,
         tensors: Mapping[str, torch.Tensor],
-        ctx: Context,
+        ctx: LoadContext,
     ) -> None:
         if obj.local.numel():
             obj.local.copy_(tensors[ctx.key("rows")])

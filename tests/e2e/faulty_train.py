@@ -46,7 +46,7 @@ def fail_save_of(step: int, rank: int) -> None:
 
     def write_plan(plan: Any, rank_: int, chunks: Any, storage: Any, options: Any) -> Any:
         if storage.directory.rstrip("/").endswith(step_dir_name(step)):
-            return {}, OSError(f"injected write failure on rank {rank}")  # as a failed write
+            raise OSError(f"injected write failure on rank {rank}")  # as a failed write
         return original(plan, rank_, chunks, storage, options)
 
     saving.write_plan = write_plan

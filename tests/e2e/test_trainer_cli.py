@@ -44,8 +44,10 @@ def test_readme_main_command_then_resume(tmp_path: Path) -> None:
     first = run(*command, *train, cwd=tmp_path)
     assert re.search(
         r"done: step 60 .*final loss [0-9.e-]+, checkpoint "
-        r"runs/example/checkpoints/step-000000060",
+        r"runs/example/checkpoints/step-000000060 \(all in runs/example/checkpoints\), "
+        r"losses in runs/example/metrics.jsonl$",
         first.stdout,
+        re.M,
     ), first.stdout
 
     second = run(*command, *resume, cwd=tmp_path)

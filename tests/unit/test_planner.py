@@ -1,4 +1,5 @@
-"""``checkpoint.planner``: who writes what, and how bytes cross ranks. Pure: no process group."""
+"""``save_plan`` and ``transfers``: who writes what, and how bytes cross ranks. Pure: no
+process group."""
 
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardsafe.checkpoint.planner import (
-    Assemble,
-    ChunkInfo,
+from shardsafe.checkpoint.offer import ChunkOffer
+from shardsafe.checkpoint.save_plan import (
     FilePlan,
-    LocalBytes,
-    Received,
     SavePlan,
     consolidated_file_name,
     plan_save,
-    plan_transfers,
     shard_file_name,
 )
+from shardsafe.checkpoint.transfers import Assemble, LocalBytes, Received, plan_transfers
 from shardsafe.errors import CheckpointError
 
 F32 = torch.float32
@@ -33,12 +31,12 @@ def offers_of(
     replicated: dict[str, tuple[int, ...]],
     sharded: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] | None = None,
     dtype: torch.dtype = F32,
-) -> list[list[ChunkInfo]]:
+) -> list[list[ChunkOffer]]:
     """Every rank offers every replicated tensor, plus its own pieces of sharded ones.
 
     ``sharded[key]`` lists ``(rank, offsets, shape)``; the global shape is inferred.
     """
-    offers: list[list[ChunkInfo]] = [[] for _ in range(world_size)]
+    offers: list[list[ChunkOffer]] = [[] for _ in range(world_size)]
 
     def add(
         rank: int,
@@ -48,7 +46,9 @@ def offers_of(
         shape: tuple[int, ...],
         rep: bool,
     ) -> None:
-        offers[rank].append(ChunkInfo(rank, len(offers[rank]), key, dtype, gshape, off, shape, rep))
+        offers[rank].append(
+            ChunkOffer(rank, len(offers[rank]), key, dtype, gshape, off, shape, rep)
+        )
 
     for key, shape in replicated.items():
         for r in range(world_size):
@@ -167,7 +167,7 @@ def test_a_plan_is_the_same_whatever_order_ranks_list_their_chunks() -> None:
 def test_ranks_disagreeing_about_a_tensor_is_an_error_naming_it() -> None:
     offers = offers_of(2, {"model/w": (4, 4)})
     bad = offers[1][0]
-    offers[1][0] = ChunkInfo(1, 0, bad.key, torch.float16, (4, 4), (0, 0), (4, 4), True)
+    offers[1][0] = ChunkOffer(1, 0, bad.key, torch.float16, (4, 4), (0, 0), (4, 4), True)
     with pytest.raises(
         CheckpointError,
         match=r"ranks disagree about tensor 'model/w': rank 0 has float32\[4, 4\], "
@@ -187,7 +187,7 @@ def test_shards_that_do_not_cover_a_tensor_are_an_error() -> None:
 
 def test_replicated_on_some_ranks_and_sharded_on_others_is_an_error() -> None:
     offers = offers_of(2, {"w": (4,)})
-    offers[1][0] = ChunkInfo(1, 0, "w", F32, (4,), (0,), (4,), False)
+    offers[1][0] = ChunkOffer(1, 0, "w", F32, (4,), (0,), (4,), False)
     with pytest.raises(
         CheckpointError, match="'w' is replicated on some ranks and sharded on others"
     ):

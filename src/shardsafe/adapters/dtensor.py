@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.entries import Chunk
 from ..errors import CheckpointError
+from ..protocol import Chunk
 
 _DTENSOR_MODULES = ("torch.distributed.tensor._api", "torch.distributed._tensor.api")
 

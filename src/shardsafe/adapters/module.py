@@ -18,49 +18,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .. import _tree
-from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointCorruptError, CheckpointError
+from ..protocol import (
+    Adapter,
+    Chunk,
+    LoadContext,
+    LoadRequests,
+    ReadRequest,
+    SaveContext,
+    SavedValue,
+    SaveItem,
+    unwrap,
+)
 from . import dtensor
-from .base import Adapter, Context
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The module whose parameter names a user sees: inside DDP and ``torch.compile``."""
-    while True:
-        if isinstance(module, DistributedDataParallel):
-            module = module.module
-            continue
-        orig = getattr(module, "_orig_mod", None)
-        if isinstance(orig, nn.Module):
-            module = orig
-            continue
-        return module
-
-
-def param_names(state: Mapping[str, Any]) -> dict[int, str]:
-    """``id(param)`` -> FQN for every parameter of every module in a state dict.
-
-    Names are the module's own (``fc.weight``), so adding a loss module or an EMA copy to
-    the state never renames an optimizer's keys. Only a name that two different modules
-    both use is qualified by the state key (``generator.fc.weight``) to keep it unique.
-    A parameter shared by several modules keeps the first name it is found under.
-    """
-    found: list[tuple[str, str, nn.Parameter]] = [
-        (key, fqn, p)
-        for key, value in state.items()
-        if isinstance(value, nn.Module)
-        for fqn, p in unwrap(value).named_parameters(remove_duplicate=False)
-    ]
-    owners: dict[str, set[int]] = {}
-    for _, fqn, p in found:
-        owners.setdefault(fqn, set()).add(id(p))
-    names: dict[int, str] = {}
-    for key, fqn, p in found:
-        names.setdefault(id(p), fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}")
-    return names
 
 
 class ModuleAdapter(Adapter):
@@ -69,7 +41,7 @@ class ModuleAdapter(Adapter):
     def handles(self, obj: object) -> bool:
         return isinstance(obj, nn.Module)
 
-    def save(self, obj: nn.Module, ctx: Context) -> SaveItem:
+    def save(self, obj: nn.Module, ctx: SaveContext) -> SaveItem:
         module = unwrap(obj)
         params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         chunks: list[Chunk] = []
@@ -87,12 +59,12 @@ class ModuleAdapter(Adapter):
                 chunks += dtensor.chunks_of(key, value, replicated=False)
         return SaveItem(self.kind, {"tensors": names, "extra": extra}, chunks)
 
-    def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         live = unwrap(obj).state_dict()
         saved_names = set(_saved_names(saved))
         for name, raw in _extra(saved).items():
             _tree.check_structure(raw, f"the extra state {name!r} of {saved.name!r}")
-        plan = LoadPlan()
+        plan = LoadRequests()
         for name, value in live.items():
             if not isinstance(value, torch.Tensor):
                 continue
@@ -105,7 +77,11 @@ class ModuleAdapter(Adapter):
         return plan
 
     def restore(
-        self, obj: nn.Module, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self,
+        obj: nn.Module,
+        saved: SavedValue,
+        tensors: Mapping[str, torch.Tensor],
+        ctx: LoadContext,
     ) -> None:
         module = unwrap(obj)
         live = module.state_dict()

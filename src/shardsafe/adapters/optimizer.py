@@ -20,17 +20,29 @@ from typing import Any
 import torch
 
 from .. import _tree
-from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointCorruptError
+from ..protocol import (
+    Adapter,
+    Chunk,
+    LoadContext,
+    LoadRequests,
+    ReadRequest,
+    SaveContext,
+    SavedValue,
+    SaveItem,
+)
 from . import dtensor
-from .base import Adapter, Context
 
 GROUPS = "@groups"
 """Key segment for tensors inside param-group hyperparameters (not a valid FQN)."""
 
 
 def export_state(
-    groups: list[dict[str, Any]], local: torch.optim.Optimizer, ctx: Context, *, replicated: bool
+    groups: list[dict[str, Any]],
+    local: torch.optim.Optimizer,
+    ctx: SaveContext,
+    *,
+    replicated: bool,
 ) -> SaveItem:
     """Encode ``local``'s state and the hyperparameters of the (global) ``groups``."""
     chunks: list[Chunk] = []
@@ -72,10 +84,10 @@ def export_state(
 
 
 def plan_import(
-    groups: list[dict[str, Any]], local: torch.optim.Optimizer, saved: SavedValue, ctx: Context
-) -> LoadPlan:
+    groups: list[dict[str, Any]], local: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
+) -> LoadRequests:
     """Requests for the state of ``local``'s parameters; mismatches against ``groups``."""
-    plan = LoadPlan()
+    plan = LoadRequests()
     meta = _meta(saved)
     saved_groups = meta["param_groups"]
     if len(saved_groups) != len(groups):
@@ -117,7 +129,7 @@ def plan_import(
     return plan
 
 
-def _request_for(ref: str, param: torch.Tensor, ctx: Context) -> ReadRequest:
+def _request_for(ref: str, param: torch.Tensor, ctx: LoadContext) -> ReadRequest:
     """State of a parameter: a scalar or shaped like it (whatever key the metadata names);
     sharded state of a DTensor parameter is read for this rank's shard only."""
     saved = ctx.saved_tensors.get(ref)
@@ -133,7 +145,7 @@ def state_dict_for(
     local: torch.optim.Optimizer,
     saved: SavedValue,
     tensors: Mapping[str, torch.Tensor],
-    ctx: Context,
+    ctx: LoadContext,
 ) -> dict[str, Any]:
     """The index-keyed ``state_dict`` for ``local`` built from a checkpoint's state."""
     meta = _meta(saved)
@@ -163,7 +175,7 @@ def import_state(
     local: torch.optim.Optimizer,
     saved: SavedValue,
     tensors: Mapping[str, torch.Tensor],
-    ctx: Context,
+    ctx: LoadContext,
 ) -> None:
     """Load the saved state of ``local``'s parameters through ``local.load_state_dict``."""
     local.load_state_dict(state_dict_for(groups, local, saved, tensors, ctx))
@@ -237,10 +249,12 @@ class OptimizerAdapter(Adapter):
     def handles(self, obj: object) -> bool:
         return isinstance(obj, torch.optim.Optimizer)
 
-    def save(self, obj: torch.optim.Optimizer, ctx: Context) -> SaveItem:
+    def save(self, obj: torch.optim.Optimizer, ctx: SaveContext) -> SaveItem:
         return export_state(obj.param_groups, obj, ctx, replicated=True)
 
-    def plan_load(self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(
+        self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
+    ) -> LoadRequests:
         return plan_import(obj.param_groups, obj, saved, ctx)
 
     def validate(
@@ -248,7 +262,7 @@ class OptimizerAdapter(Adapter):
         obj: torch.optim.Optimizer,
         saved: SavedValue,
         tensors: Mapping[str, torch.Tensor],
-        ctx: Context,
+        ctx: LoadContext,
     ) -> None:
         state_dict_for(obj.param_groups, obj, saved, tensors, ctx)
 
@@ -257,6 +271,6 @@ class OptimizerAdapter(Adapter):
         obj: torch.optim.Optimizer,
         saved: SavedValue,
         tensors: Mapping[str, torch.Tensor],
-        ctx: Context,
+        ctx: LoadContext,
     ) -> None:
         import_state(obj.param_groups, obj, saved, tensors, ctx)

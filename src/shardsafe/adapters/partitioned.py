@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.entries import JSON, LoadPlan, SavedValue, SaveItem
-from .base import Adapter, Context
+from ..protocol import JSON, Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 from .optimizer import export_state, import_state, plan_import, state_dict_for
 
 
@@ -56,7 +55,7 @@ class PartitionedOptimizerAdapter(Adapter):
                 if key != "params":
                     dst[key] = value
 
-    def save(self, obj: Any, ctx: Context) -> SaveItem:
+    def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         # A scheduler may have changed the global groups since the last step.
         self.sync_groups(obj.param_groups, self.local(obj).param_groups)
         return export_state(obj.param_groups, self.local(obj), ctx, replicated=False)
@@ -66,16 +65,16 @@ class PartitionedOptimizerAdapter(Adapter):
         merged["state"] = {fqn: s for meta in metas for fqn, s in meta["state"].items()}
         return merged
 
-    def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         return plan_import(obj.param_groups, self.local(obj), saved, ctx)
 
     def validate(
-        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         state_dict_for(obj.param_groups, self.local(obj), saved, tensors, ctx)
 
     def restore(
-        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         local = self.local(obj)
         import_state(obj.param_groups, local, saved, tensors, ctx)

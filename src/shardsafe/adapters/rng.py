@@ -16,9 +16,18 @@ from typing import Any
 import torch
 
 from .. import _tree
-from ..checkpoint.entries import JSON, Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
 from ..errors import CheckpointCorruptError
-from .base import Adapter, Context
+from ..protocol import (
+    JSON,
+    Adapter,
+    Chunk,
+    LoadContext,
+    LoadRequests,
+    ReadRequest,
+    SaveContext,
+    SavedValue,
+    SaveItem,
+)
 
 np: Any
 try:
@@ -113,7 +122,7 @@ class RNGAdapter(Adapter):
     def handles(self, obj: object) -> bool:
         return isinstance(obj, RNGState)
 
-    def save(self, obj: RNGState, ctx: Context) -> SaveItem:
+    def save(self, obj: RNGState, ctx: SaveContext) -> SaveItem:
         chunks: list[Chunk] = []
         prefix = f"rank-{ctx.rank:05d}"
 
@@ -127,21 +136,25 @@ class RNGAdapter(Adapter):
     def merge(self, metas: list[JSON]) -> JSON:
         return {"per_rank": metas}
 
-    def _mine(self, saved: SavedValue, ctx: Context) -> JSON | None:
+    def _mine(self, saved: SavedValue, ctx: LoadContext) -> JSON | None:
         per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None
         if not isinstance(per_rank, list):
             raise CheckpointCorruptError(f"the manifest entry for {saved.name!r} is not RNG state")
         return per_rank[ctx.rank] if ctx.rank < len(per_rank) else None
 
-    def plan_load(self, obj: RNGState, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(self, obj: RNGState, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         mine = self._mine(saved, ctx)
         if mine is None:
-            return LoadPlan()
+            return LoadRequests()
         _tree.check_structure(mine, f"the RNG state of rank {ctx.rank} in {saved.name!r}")
-        return LoadPlan(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(mine)])
+        return LoadRequests(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(mine)])
 
     def validate(
-        self, obj: RNGState, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self,
+        obj: RNGState,
+        saved: SavedValue,
+        tensors: Mapping[str, torch.Tensor],
+        ctx: LoadContext,
     ) -> None:
         mine = self._mine(saved, ctx)
         if mine is None:
@@ -157,7 +170,11 @@ class RNGAdapter(Adapter):
             ) from None
 
     def restore(
-        self, obj: RNGState, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self,
+        obj: RNGState,
+        saved: SavedValue,
+        tensors: Mapping[str, torch.Tensor],
+        ctx: LoadContext,
     ) -> None:
         mine = self._mine(saved, ctx)
         if mine is None:

@@ -11,16 +11,23 @@ from typing import Any
 
 import torch
 
-from .. import _tree
-from ..checkpoint import dtypes
-from ..checkpoint.entries import Chunk, LoadPlan, ReadRequest, SavedValue, SaveItem
+from .. import _tree, dtypes
+from ..protocol import (
+    Adapter,
+    Chunk,
+    LoadContext,
+    LoadRequests,
+    ReadRequest,
+    SaveContext,
+    SavedValue,
+    SaveItem,
+)
 from . import dtensor
-from .base import Adapter, Context
 
 _PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
 
 
-def encode_replicated(value: Any, ctx: Context, kind: str) -> SaveItem:
+def encode_replicated(value: Any, ctx: SaveContext, kind: str) -> SaveItem:
     """Encode a tree whose tensors are the same on every rank (DTensors: their shards)."""
     chunks: list[Chunk] = []
 
@@ -33,14 +40,15 @@ def encode_replicated(value: Any, ctx: Context, kind: str) -> SaveItem:
     return SaveItem(kind, meta, chunks)
 
 
-def full_requests(saved: SavedValue) -> LoadPlan:
+def full_requests(saved: SavedValue) -> LoadRequests:
     """Every tensor the saved tree refers to, whole; the tree's structure checked first."""
     _tree.check_structure(saved.meta, f"the manifest entry for {saved.name!r}")
-    return LoadPlan(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(saved.meta)])
+    return LoadRequests(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(saved.meta)])
 
 
-class ValueAdapter(Adapter):
-    """Tensors and JSON-able values. Load returns them; a live tensor is also filled in place."""
+class PlainDataAdapter(Adapter):
+    """Tensors and JSON-able values (kind ``"value"``). Load returns them, even unasked; a
+    live tensor is also filled in place."""
 
     kind = "value"
     returns_value = True
@@ -48,10 +56,10 @@ class ValueAdapter(Adapter):
     def handles(self, obj: object) -> bool:
         return isinstance(obj, _PLAIN)
 
-    def save(self, obj: Any, ctx: Context) -> SaveItem:
+    def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         return encode_replicated(obj, ctx, self.kind)
 
-    def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         plan = full_requests(saved)
         if not isinstance(obj, torch.Tensor):
             return plan
@@ -70,12 +78,12 @@ class ValueAdapter(Adapter):
         return plan
 
     def validate(
-        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         _tree.decode(saved.meta, tensors)
 
     def restore(
-        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> Any:
         value = _tree.decode(saved.meta, tensors)
         if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
@@ -94,18 +102,18 @@ class StatefulAdapter(Adapter):
             getattr(obj, "load_state_dict", None)
         )
 
-    def save(self, obj: Any, ctx: Context) -> SaveItem:
+    def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         return encode_replicated(obj.state_dict(), ctx, self.kind)
 
-    def plan_load(self, obj: Any, saved: SavedValue, ctx: Context) -> LoadPlan:
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         return full_requests(saved)
 
     def validate(
-        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         _tree.decode(saved.meta, tensors)
 
     def restore(
-        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: Context
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         obj.load_state_dict(_tree.decode(saved.meta, tensors))

@@ -1,4 +1,8 @@
-"""The public entry points of the engine: ``save`` and ``load``."""
+"""The public entry points of the engine: ``save``, ``load`` and ``read_manifest``.
+
+Their keyword arguments are :class:`SaveOptions` and :class:`LoadOptions` fields, with the
+defaults taken from there (written once).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,23 @@ from typing import Any
 
 from . import loading, saving
 from .loading import read_manifest
-from .saving import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, StorageFactory
+from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
 from .storage import LocalStorage
+
+_S = SaveOptions()
+_L = LoadOptions()
 
 
 def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
     *,
-    layout: str = "sharded",
-    entry_timeout: float = 60.0,
-    timeout: float = DEFAULT_TIMEOUT_S,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    storage: StorageFactory | None = None,
+    layout: str = _S.layout,
+    entry_timeout: float = _S.entry_timeout,
+    timeout: float = _S.timeout,
+    buffer_bytes: int = _S.buffer_bytes,
+    storage: StorageFactory | None = _S.storage,
+    hooks: SaveHooks = _S.hooks,
 ) -> None:
     """Save ``state`` to the directory ``path``. Call it on every rank.
 
@@ -39,26 +47,28 @@ def save(
 
     ``storage`` (advanced) makes the storage layer for a directory: a subclass of
     ``shardsafe.checkpoint.storage.LocalStorage``, e.g. to inject faults in tests.
+    ``hooks`` (advanced, :class:`shardsafe.checkpoint.SaveHooks`) runs code on rank 0
+    inside the save, its failures agreed like any other (``CheckpointManager`` uses it).
     """
-    saving.save(
-        os.fspath(path),
-        state,
+    options = SaveOptions(
         layout=layout,
         entry_timeout=entry_timeout,
         timeout=timeout,
         buffer_bytes=buffer_bytes,
         storage=storage,
+        hooks=hooks,
     )
+    saving.save(os.fspath(path), state, options)
 
 
 def load(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
     *,
-    strict: bool = True,
-    entry_timeout: float = 60.0,
-    timeout: float = DEFAULT_TIMEOUT_S,
-    untrusted_bytes_limit: int = loading.DEFAULT_UNTRUSTED_BYTES,
+    strict: bool = _L.strict,
+    entry_timeout: float = _L.entry_timeout,
+    timeout: float = _L.timeout,
+    untrusted_bytes_limit: int = _L.untrusted_bytes_limit,
 ) -> dict[str, Any]:
     """Restore the stateful values of ``state`` in place from ``path``. Call it on every rank.
 
@@ -72,15 +82,14 @@ def load(
     tensors no live object sizes (returned plain tensors, a fresh optimizer's state):
     at most this plus 8 times the live tensors being loaded.
     """
+    options = LoadOptions(
+        strict=strict,
+        entry_timeout=entry_timeout,
+        timeout=timeout,
+        untrusted_bytes_limit=untrusted_bytes_limit,
+    )
     with LocalStorage(os.fspath(path)) as storage:
-        return loading.load(
-            storage,
-            state,
-            strict=strict,
-            entry_timeout=entry_timeout,
-            timeout=timeout,
-            untrusted_bytes_limit=untrusted_bytes_limit,
-        )
+        return loading.load(storage, state, options)
 
 
 __all__ = ["load", "read_manifest", "save"]

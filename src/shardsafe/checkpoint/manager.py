@@ -29,7 +29,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..distributed import world
@@ -37,15 +37,11 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from . import loading
 from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
+from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
 from .reader import CheckpointReader
-from .saving import (
-    DEFAULT_BUFFER_BYTES,
-    DEFAULT_TIMEOUT_S,
-    INCOMPLETE_MARKER,
-    StorageFactory,
-)
 from .saving import save as _save
 from .storage import LocalStorage
+from .target_directory import INCOMPLETE_MARKER
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 _OURS = re.compile(
@@ -55,6 +51,7 @@ _OURS = re.compile(
 )
 """The names shardsafe writes inside a checkpoint directory."""
 LATEST = "latest"
+_S = SaveOptions()
 
 
 def step_dir_name(step: int) -> str:
@@ -72,14 +69,34 @@ def step_of(name: str) -> int | None:
 
 
 class CheckpointManager:
-    """Saves ``root/step-<step>`` checkpoints, keeps the newest ``keep_last`` of them."""
+    """Saves ``root/step-<step>`` checkpoints, keeps the newest ``keep_last`` of them.
 
-    def __init__(self, root: str | os.PathLike[str], keep_last: int | None = None) -> None:
+    A root that already holds checkpoints is announced with a warning (on rank 0), since
+    saving an older step than they hold will be refused: call :meth:`load_latest` to
+    continue from them, or use another root. ``warn_if_not_empty=False`` silences it.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep_last: int | None = None,
+        *,
+        warn_if_not_empty: bool = True,
+    ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
         self.root = os.fspath(root)
         self.keep_last = keep_last
         self._lock = RootLock(self.root)
+        self._resumed_from: int | None = None
+        if warn_if_not_empty and world()[0] == 0:
+            steps = self.complete_steps()
+            if steps:
+                _warn(
+                    f"{self.root} already holds checkpoints up to step {steps[-1]}; call "
+                    "load_latest(state) to continue from them (saving a lower step here will "
+                    "be refused), or use another root to start afresh"
+                )
 
     def close(self) -> None:
         """Give up this process's claim on the root (also done at exit)."""
@@ -93,52 +110,79 @@ class CheckpointManager:
         step: int,
         state: Any,
         *,
-        layout: str = "sharded",
-        entry_timeout: float = 60.0,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        storage: StorageFactory | None = None,
+        layout: str = _S.layout,
+        entry_timeout: float = _S.entry_timeout,
+        timeout: float = _S.timeout,
+        buffer_bytes: int = _S.buffer_bytes,
+        storage: StorageFactory | None = _S.storage,
+        hooks: SaveHooks = _S.hooks,
     ) -> str:
         """Save ``state`` as step ``step`` on every rank; return the checkpoint's path.
 
-        The first save takes ``root/.shardsafe.lock`` for this process (see ``lock.py``):
-        a second run saving into the same root gets a :class:`CheckpointError`.
+        The options are those of :func:`shardsafe.save` (``SaveOptions``); ``hooks`` run
+        after the manager's own. The first save takes ``root/.shardsafe.lock`` for this
+        process (see ``lock.py``): a second run saving into the same root gets a
+        :class:`CheckpointError`.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
-        path = self.path_for(step)
-        if world()[0] == 0:
-            os.makedirs(self.root, exist_ok=True)
-        _save(
-            path,
-            state,
+        opts = SaveOptions(
             layout=layout,
             entry_timeout=entry_timeout,
             timeout=timeout,
             buffer_bytes=buffer_bytes,
-            storage=functools.partial(storage or LocalStorage, follow=False),
-            before_write=lambda: self._before_write(step),
-            on_commit=lambda: self._publish(step),
+            storage=storage,
+            hooks=hooks,
         )
+        return self.save_with(step, state, opts)
+
+    def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
+        """:meth:`save` with its options as one :class:`SaveOptions` (the Trainer's way)."""
+        path = self.path_for(step)
+        if world()[0] == 0:
+            os.makedirs(self.root, exist_ok=True)
+        mine = SaveHooks(
+            before_write=lambda: self._before_write(step, opts.hooks.before_write),
+            after_commit=lambda: self._after_commit(step, opts.hooks.after_commit),
+        )
+        storage = functools.partial(opts.storage or LocalStorage, follow=False)
+        _save(path, state, SaveOptions.of(opts, storage=storage, hooks=mine))
         return path
 
-    def _before_write(self, step: int) -> None:
-        """Runs on rank 0 before any data is written: own the root, and never go back in time.
-
-        A save older than the newest committed step means this run resumed from an older
-        checkpoint. Going on would let retention delete this run's own checkpoints while
-        keeping the newer ones of the abandoned run, and ``latest()`` would name those.
-        Deleting the newer ones silently could destroy the run the user wanted, so refuse.
-        """
+    def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
+        """Runs on rank 0 before any data is written: own the root, and never go back in time."""
         self._lock.acquire()
+        self.check_not_behind(step)
+        if then is not None:
+            then()
+
+    def _after_commit(self, step: int, then: Callable[[], None] | None) -> None:
+        self._publish(step)
+        if then is not None:
+            then()
+
+    def check_not_behind(self, step: int) -> None:
+        """Refuse to continue at ``step`` in a root that holds newer checkpoints.
+
+        Going on would let retention delete this run's own checkpoints while keeping the
+        newer ones of the other run, and ``latest()`` would name those. Deleting the
+        newer ones silently could destroy the run the user wanted, so the user decides.
+        """
         newer = [s for s in self.complete_steps() if s > step]
-        if newer:
-            raise CheckpointError(
-                f"{self.root} already holds step {newer[-1]}, newer than step {step} being "
-                "saved: this run resumed from an older checkpoint. shardsafe will not delete "
-                "the newer checkpoints for you; move or delete "
-                f"{', '.join(step_dir_name(s) for s in newer)}, or save into another root."
-            )
+        if not newer:
+            return
+        if self._resumed_from is not None:
+            how = f"this run resumed from step {self._resumed_from}, older than them"
+        else:
+            how = "this run did not resume from them"
+        raise CheckpointError(
+            f"{self.root} already holds step {newer[-1]}, newer than step {step} that this "
+            f"run is at: {how}. Either resume from the newest "
+            "(CheckpointManager.load_latest(state), or resume='latest' in the Trainer and "
+            "--resume latest in shardsafe fit), or save into another root; shardsafe will not "
+            f"delete {', '.join(step_dir_name(s) for s in newer[:5])}"
+            f"{' ...' if len(newer) > 5 else ''} for you."
+        )
 
     def _publish(self, step: int) -> None:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
@@ -204,43 +248,35 @@ class CheckpointManager:
             else:
                 _warn(f"passing over {storage.directory}: {problem}")
 
-    def load_latest(self, state: Any, **load_kwargs: Any) -> dict[str, Any] | None:
+    def load_latest(self, state: Any, **options: Any) -> dict[str, Any] | None:
         """Load the newest checkpoint into ``state``; ``None`` if there is none yet.
 
-        Returns what :func:`shardsafe.load` returns: the plain values the checkpoint holds
-        (for the Trainer's checkpoints, ``{"trainer": {"step": ..., ...}}``). If the newest
-        checkpoint turns out to be damaged while loading (nothing is restored then), the
-        next older one is loaded instead, with a warning; if every one is damaged, the
-        newest one's error is raised.
+        ``options`` are those of :func:`shardsafe.load` (``strict``, ``entry_timeout``,
+        ``timeout``, ``untrusted_bytes_limit``). Returns what :func:`shardsafe.load`
+        returns: the plain values the checkpoint holds (for the Trainer's checkpoints,
+        ``{"trainer": {"step": ..., ...}}``). If the newest checkpoint turns out to be
+        damaged while loading (nothing is restored then), the next older one is loaded
+        instead, with a warning; if every one is damaged, the newest one's error is raised.
         """
+        opts = LoadOptions.of(**options)
         first: CheckpointCorruptError | None = None
         for path in self._loadable():
             name = os.path.basename(path)
             try:
                 with self._open(name) as storage:
-                    return loading.load(storage, state, **_load_options(load_kwargs))
+                    values = loading.load(storage, state, opts)
             except CheckpointCorruptError as e:
                 _warn(f"could not load {path}, trying the previous checkpoint: {e}")
                 first = first or e
+                continue
+            self._resumed_from = step_of(name)
+            return values
         if first is not None:
             raise first
         return None
 
     def _open(self, name: str) -> LocalStorage:
         return LocalStorage(os.path.join(self.root, name), follow=False)
-
-
-def _load_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    options = {
-        "strict": True,
-        "entry_timeout": 60.0,
-        "timeout": DEFAULT_TIMEOUT_S,
-        "untrusted_bytes_limit": loading.DEFAULT_UNTRUSTED_BYTES,
-    }
-    unknown = set(kwargs) - set(options)
-    if unknown:
-        raise TypeError(f"load_latest() got unexpected keyword argument(s) {sorted(unknown)}")
-    return {**options, **kwargs}
 
 
 def problem_with(storage: LocalStorage) -> str | None:

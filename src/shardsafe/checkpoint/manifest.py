@@ -1,5 +1,8 @@
 """``manifest.json``: the one file whose presence makes a directory a checkpoint.
 
+This module writes it (:meth:`Manifest.to_json`, :meth:`Manifest.build`) and reads it
+(:func:`parse`, with ``strict_json`` and ``manifest_checks`` doing the checking).
+
 The manifest is parsed as hostile input: a checkpoint may come from anywhere. Parsing
 rejects (with :class:`CheckpointCorruptError`) anything that could make a reader touch a
 file outside the checkpoint directory, allocate more than the data files hold, or
@@ -25,64 +28,53 @@ sharding produces, and checks other arrangements pairwise only up to a small cou
 from __future__ import annotations
 
 import json
-import math
-import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
-import torch
-
+from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointVersionError
-from . import dtypes, geometry
+from ..protocol import SavedValue
 from .crc import crc32
-from .entries import SavedValue
+from .manifest_checks import Checker, covers_of, is_int, verify_trailer
+from .manifest_format import (
+    COVERS,
+    CRC_KEY,
+    FORMAT,
+    LAYOUTS,
+    MANIFEST_NAME,
+    MAX_CHUNKS_PER_TENSOR,
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_NAME_CHARS,
+    MAX_NDIM,
+    VERSION,
+    ChunkRecord,
+    TensorRecord,
+    crc_block_count,
+)
+from .save_plan import SavePlan
+from .strict_json import load_manifest_json
+from .writing import WrittenFile
 
-FORMAT = "shardsafe"
-VERSION = 1
-MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 1 << 30
-MAX_NDIM = 64
-MAX_CHUNKS_PER_TENSOR = 1 << 16
-MAX_DEPTH = 100
-"""Deepest JSON nesting accepted; decoding values recurses, and real state is shallow."""
-MAX_NAME_CHARS = 4096
-"""Longest tensor key and stored-tensor name accepted (``save`` refuses longer keys)."""
-MAX_FILE_BYTES = 1 << 62
-LAYOUTS = ("sharded", "consolidated")
-COVERS = ("data", "headers", "manifest")
-"""What the checksums of a manifest written by this shardsafe cover."""
-_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.safetensors", re.ASCII)
-_CRC_KEY = "manifest_crc32"
-_TRAILER = re.compile(rb',\n "manifest_crc32": "([0-9a-f]{8})"\n\}\n')
-_TRAILER_BYTES = len(b',\n "manifest_crc32": "00000000"\n}\n')
-
-
-def valid_value_name(name: object) -> bool:
-    """A state key ``save`` accepts: non-empty, no ``/``, not starting with ``@``."""
-    return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith("@")
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRecord:
-    """Where one piece of a tensor lives: a named tensor inside a data file."""
-
-    file: str
-    name: str
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    crc32: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRecord:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    chunks: tuple[ChunkRecord, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+__all__ = [
+    "COVERS",
+    "FORMAT",
+    "LAYOUTS",
+    "MANIFEST_NAME",
+    "MAX_CHUNKS_PER_TENSOR",
+    "MAX_DEPTH",
+    "MAX_FILE_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_NDIM",
+    "VERSION",
+    "ChunkRecord",
+    "Manifest",
+    "TensorRecord",
+    "crc_block_count",
+    "parse",
+]
 
 
 @dataclass(frozen=True)
@@ -118,7 +110,7 @@ class Manifest:
         }
         body = json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
         head = body[: -len(b"\n}")]
-        return head + f',\n "{_CRC_KEY}": "{crc32(memoryview(head), 0):08x}"\n}}\n'.encode()
+        return head + f',\n "{CRC_KEY}": "{crc32(memoryview(head), 0):08x}"\n}}\n'.encode()
 
     def _file_json(self, name: str) -> dict[str, int]:
         out = {"bytes": self.files[name]}
@@ -129,6 +121,42 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
+
+    @classmethod
+    def build(
+        cls,
+        plan: SavePlan,
+        values: dict[str, SavedValue],
+        written: list[dict[str, WrittenFile]],
+        info: dict[str, Any],
+        block_bytes: int,
+    ) -> Manifest:
+        """The manifest of a save: its plan, every entry's merged metadata, and what each
+        rank reports it wrote (file sizes and header CRCs from the writer; tensor CRCs from
+        whichever rank computed them, the writer or a sender)."""
+        files: dict[str, int] = {}
+        header_crcs: dict[str, int] = {}
+        crcs: dict[tuple[str, str], tuple[int, ...]] = {}
+        for per_rank in written:
+            for name, res in per_rank.items():
+                files[name] = max(files.get(name, 0), res["bytes"])
+                if res["header_crc32"] >= 0:
+                    header_crcs[name] = res["header_crc32"]
+                crcs.update(((name, t), tuple(v)) for t, v in res["crc"].items())
+        chunks: dict[str, list[ChunkRecord]] = {key: [] for key in plan.tensors}
+        for fplan in plan.files:
+            for e in fplan.entries:
+                record = ChunkRecord(
+                    fplan.name, e.name, e.offsets, e.shape, crcs[fplan.name, e.name]
+                )
+                chunks[e.key].append(record)
+        tensors = {
+            key: TensorRecord(dtype, shape, tuple(chunks[key]))
+            for key, (dtype, shape) in plan.tensors.items()
+        }
+        return cls(
+            plan.layout, plan.world_size, block_bytes, values, tensors, files, info, header_crcs
+        )
 
 
 def _tensor_to_json(rec: TensorRecord) -> dict[str, Any]:
@@ -148,65 +176,30 @@ def _tensor_to_json(rec: TensorRecord) -> dict[str, Any]:
     }
 
 
-def crc_block_count(nbytes: int, block_bytes: int) -> int:
-    """How many CRC32 values a chunk of ``nbytes`` carries (one per block, at least one)."""
-    return max(1, -(-nbytes // block_bytes))
-
-
-# ---------------------------------------------------------------------------- parsing
-
-
 def parse(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate manifest bytes; raise :class:`CheckpointCorruptError` on anything off."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(f"{where} is {len(raw)} bytes, larger than any real manifest")
-    has_trailer = _verify_trailer(raw, where)
-    doc = _load_json(raw, where)
-    p = _Parser(where)
-    p.require(isinstance(doc, dict), "the top level is not a JSON object")
-    p.require(doc.get("format") == FORMAT, f"'format' is {doc.get('format')!r}, not {FORMAT!r}")
-    version = doc.get("version")
-    p.require(_is_int(version) and version >= 1, f"'version' is {version!r}, not a positive int")
-    if version > VERSION:
-        raise CheckpointVersionError(
-            f"{where} declares format version {version}, but this shardsafe reads versions up "
-            f"to {VERSION}. Upgrade shardsafe (pip install -U shardsafe) to load it."
-        )
-    covers = _covers(doc, has_trailer, where)
+    has_trailer = verify_trailer(raw, where)
+    doc = load_manifest_json(raw, where)
+    check = Checker(where)
+    check.require(isinstance(doc, dict), "the top level is not a JSON object")
+    version = _version(doc, check, where)
+    covers = covers_of(doc, has_trailer, where)
     layout = doc.get("layout")
-    p.require(layout in LAYOUTS, f"'layout' is {layout!r}, not one of {LAYOUTS}")
+    check.require(layout in LAYOUTS, f"'layout' is {layout!r}, not one of {LAYOUTS}")
     world_size = doc.get("world_size")
-    p.require(_is_int(world_size) and world_size >= 1, "'world_size' is not a positive int")
-    checksum = doc.get("checksum")
-    p.require(
-        isinstance(checksum, dict) and checksum.get("algorithm") == "crc32",
-        "'checksum' does not declare crc32",
-    )
-    block_bytes = checksum.get("block_bytes")
-    p.require(
-        _is_int(block_bytes) and 8 <= block_bytes <= MAX_FILE_BYTES and block_bytes % 8 == 0,
-        "'checksum.block_bytes' is not a positive multiple of 8",
-    )
-    files, header_crcs = p.files(doc.get("files"), needs_header_crc="headers" in covers)
+    check.require(is_int(world_size) and world_size >= 1, "'world_size' is not a positive int")
+    block_bytes = check.block_bytes(doc.get("checksum"))
+    files, header_crcs = check.files(doc.get("files"), needs_header_crc="headers" in covers)
     tensors = {
-        key: p.tensor(key, rec, files, block_bytes)
-        for key, rec in p.mapping(doc.get("tensors"), "tensors").items()
+        key: check.tensor(key, rec, files, block_bytes)
+        for key, rec in check.mapping(doc.get("tensors"), "tensors").items()
     }
-    p.unique_stored_tensors(tensors)
-    values = {}
-    for name, rec in p.mapping(doc.get("values"), "values").items():
-        p.require(
-            valid_value_name(name),
-            f"value name {name!r} is not a state key save accepts (non-empty, no '/', "
-            "not starting with '@')",
-        )
-        p.require(
-            isinstance(rec, dict) and isinstance(rec.get("kind"), str) and "meta" in rec,
-            f"value {name!r} lacks 'kind' or 'meta'",
-        )
-        values[name] = SavedValue(name, rec["kind"], rec["meta"])
+    check.unique_stored_tensors(tensors)
+    values = check.values(doc.get("values"))
     info = doc.get("info", {})
-    p.require(isinstance(info, dict), "'info' is not an object")
+    check.require(isinstance(info, dict), "'info' is not an object")
     return Manifest(
         layout,
         world_size,
@@ -222,253 +215,13 @@ def parse(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
     )
 
 
-def _verify_trailer(raw: bytes, where: str) -> bool:
-    """Check the manifest's own CRC32 if it ends in one; True if it does."""
-    start = len(raw) - _TRAILER_BYTES
-    match = _TRAILER.fullmatch(raw, max(start, 0))
-    if match is None:
-        return False
-    if crc32(memoryview(raw)[:start], 0) != int(match.group(1), 16):
-        raise CheckpointCorruptError(
-            f"{where} is damaged: its content does not match its CRC32 ('{_CRC_KEY}'); the "
-            "file was modified or corrupted after the save"
+def _version(doc: dict[str, Any], check: Checker, where: str) -> int:
+    check.require(doc.get("format") == FORMAT, f"'format' is {doc.get('format')!r}, not {FORMAT!r}")
+    version: Any = doc.get("version")
+    check.require(is_int(version) and version >= 1, f"'version' is {version!r}, not a positive int")
+    if version > VERSION:
+        raise CheckpointVersionError(
+            f"{where} declares format version {version}, but this shardsafe reads versions up "
+            f"to {VERSION}. Upgrade shardsafe (pip install -U shardsafe) to load it."
         )
-    return True
-
-
-def _covers(doc: dict[str, Any], has_trailer: bool, where: str) -> frozenset[str]:
-    """What the manifest's checksums cover; its own CRC32 must be there if it says so."""
-    checksum = doc.get("checksum")
-    declared = checksum.get("covers", ["data"]) if isinstance(checksum, dict) else ["data"]
-    if not (
-        isinstance(declared, list)
-        and "data" in declared
-        and all(isinstance(c, str) and c in COVERS for c in declared)
-    ):
-        raise CheckpointCorruptError(f"{where} is malformed: 'checksum.covers' is {declared!r}")
-    covers = frozenset(declared)
-    if "manifest" in covers and not has_trailer:
-        raise CheckpointCorruptError(
-            f"{where} is damaged: its own checksum ('{_CRC_KEY}', the last line) is missing "
-            "or malformed"
-        )
-    if (_CRC_KEY in doc) != ("manifest" in covers):
-        raise CheckpointCorruptError(
-            f"{where} is malformed: '{_CRC_KEY}' and 'checksum.covers' disagree"
-        )
-    return covers
-
-
-def _load_json(raw: bytes, where: str) -> Any:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointCorruptError(
-            f"{where} is not valid UTF-8 ({e.reason} at byte {e.start}); the file is damaged"
-        ) from None
-    return load_json(text, where, deep_keys=("values", "info"))
-
-
-def load_json(text: str, where: str, *, deep_keys: tuple[str, ...] | None = None) -> Any:
-    """Strict JSON: no duplicate keys, no NaN/Infinity (nor ``1e999``), bounded nesting.
-
-    ``deep_keys``: only these top-level entries can nest freely (the rest is checked
-    field by field by its parser, never recursed into), so only they are measured.
-    """
-    too_deep = CheckpointCorruptError(f"{where} is nested too deeply to be a manifest")
-    try:
-        doc = json.loads(
-            text,
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_no_constant,
-            parse_float=_finite_float,
-        )
-    except RecursionError:
-        raise too_deep from None
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{where} is not valid JSON: {e}") from None
-    if deep_keys is None or not isinstance(doc, dict):
-        deepest = depth(doc)
-    else:
-        deepest = 1 + max((depth(doc.get(k)) for k in deep_keys), default=0)
-    if deepest > MAX_DEPTH:
-        raise too_deep
-    return doc
-
-
-def depth(doc: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion and in memory bounded by the depth."""
-    deepest = 0
-    stack: list[Iterator[Any]] = [iter((doc,))]
-    while stack:
-        node = next(stack[-1], _END)
-        if node is _END:
-            stack.pop()
-            continue
-        if isinstance(node, dict):
-            node = node.values()
-        elif not isinstance(node, list):
-            continue
-        stack.append(iter(node))
-        deepest = max(deepest, len(stack) - 1)
-    return deepest
-
-
-_END = object()
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:40]} is out of range")
-    return value
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {duplicate!r}")
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"non-standard constant {name}")
-
-
-def _non_negative_ints(value: Any) -> bool:
-    """A list of at most MAX_NDIM ints (not bools), none negative."""
-    if type(value) is not list or len(value) > MAX_NDIM:
-        return False
-    return not value or (all(type(v) is int for v in value) and min(value) >= 0)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _Parser:
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.file_names: dict[str, str] = {}
-
-    def require(self, ok: bool, problem: str) -> None:
-        if not ok:
-            raise CheckpointCorruptError(f"{self.where} is malformed: {problem}")
-
-    def mapping(self, value: Any, name: str) -> dict[str, Any]:
-        self.require(isinstance(value, dict), f"'{name}' is not an object")
-        return value  # type: ignore[no-any-return]
-
-    def files(self, value: Any, *, needs_header_crc: bool) -> tuple[dict[str, int], dict[str, int]]:
-        files, crcs = {}, {}
-        for name, rec in self.mapping(value, "files").items():
-            self.require(
-                _FILE_NAME.fullmatch(name) is not None and ".." not in name,
-                f"data file name {name!r} is not a plain '*.safetensors' name inside the "
-                "checkpoint directory (paths, '..' and absolute names are refused)",
-            )
-            size: Any = rec.get("bytes") if isinstance(rec, dict) else None
-            self.require(
-                _is_int(size) and 8 <= size <= MAX_FILE_BYTES, f"file {name!r} has no valid 'bytes'"
-            )
-            files[name] = int(size)
-            self.file_names[name] = name
-            crc: Any = rec.get("header_crc32")
-            if needs_header_crc or crc is not None:
-                self.require(
-                    _is_int(crc) and 0 <= crc < 1 << 32, f"file {name!r} has no valid header_crc32"
-                )
-                crcs[name] = crc
-        return files, crcs
-
-    def unique_stored_tensors(self, tensors: dict[str, TensorRecord]) -> None:
-        stored: set[tuple[str, str]] = set()
-        for key, rec in tensors.items():
-            for c in rec.chunks:
-                self.require(
-                    (c.file, c.name) not in stored,
-                    f"a chunk of {key!r} names the stored tensor {c.name!r} of {c.file}, "
-                    "which another chunk names too",
-                )
-                stored.add((c.file, c.name))
-
-    def ints(self, value: Any, what: str) -> tuple[int, ...]:
-        if not _non_negative_ints(value):
-            self.fail(f"{what} is not a list of non-negative ints")
-        return tuple(value)
-
-    def fail(self, problem: str) -> NoReturn:
-        raise CheckpointCorruptError(f"{self.where} is malformed: {problem}")
-
-    def tensor(self, key: str, rec: Any, files: dict[str, int], block_bytes: int) -> TensorRecord:
-        self.require(
-            isinstance(key, str)
-            and 0 < len(key) <= MAX_NAME_CHARS
-            and valid_value_name(key.split("/", 1)[0]),
-            f"tensor key {key[:80]!r} is not a valid key",
-        )
-        self.require(isinstance(rec, dict), f"tensor {key!r} is not an object")
-        dtype = dtypes.from_name(rec.get("dtype"))
-        self.require(dtype is not None, f"tensor {key!r} has unknown dtype {rec.get('dtype')!r}")
-        assert dtype is not None
-        shape = self.ints(rec.get("shape"), f"the shape of {key!r}")
-        self.require(  # what torch.empty can make, even with a zero dim (bytes: see chunk())
-            math.prod(max(n, 1) for n in shape) < 1 << 63,
-            f"the shape of {key!r} is too large for any tensor",
-        )
-        raw_chunks = rec.get("chunks")
-        self.require(
-            isinstance(raw_chunks, list) and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR,
-            f"tensor {key!r} has no valid 'chunks' list",
-        )
-        itemsize = dtypes.itemsize(dtype)
-        chunks = tuple(self.chunk(key, c, shape, itemsize, files, block_bytes) for c in raw_chunks)
-        problem = geometry.tiling_problem(shape, [(c.offsets, c.shape) for c in chunks])
-        self.require(problem is None, f"the chunks of {key!r} {problem}")
-        return TensorRecord(dtype, shape, chunks)
-
-    def chunk(
-        self,
-        key: str,
-        c: Any,
-        shape: tuple[int, ...],
-        itemsize: int,
-        files: dict[str, int],
-        block_bytes: int,
-    ) -> ChunkRecord:
-        """One chunk record. Runs once per chunk (a million in a large run), so each check
-        is a plain condition and a message is only formatted for a failure."""
-        if type(c) is not dict:
-            self.fail(f"a chunk of {key!r} is not an object")
-        file, name = c.get("file"), c.get("name")
-        if type(file) is not str or file not in files:
-            self.fail(f"a chunk of {key!r} names file {file!r}, which 'files' does not list")
-        if type(name) is not str or not 0 < len(name) <= MAX_NAME_CHARS:
-            self.fail(f"a chunk of {key!r} has no valid 'name'")
-        file = self.file_names[file]  # one string object for all its chunks
-        offsets, cshape = c.get("offsets"), c.get("shape")
-        if not _non_negative_ints(offsets):
-            self.fail(f"the offsets of a chunk of {key!r} is not a list of non-negative ints")
-        if not _non_negative_ints(cshape):
-            self.fail(f"the shape of a chunk of {key!r} is not a list of non-negative ints")
-        if not (
-            len(offsets) == len(shape) == len(cshape)
-            and all(o + n <= s for o, n, s in zip(offsets, cshape, shape))
-        ):
-            self.fail(f"a chunk of {key!r} lies outside the tensor's shape {list(shape)}")
-        nbytes = math.prod(cshape) * itemsize
-        if nbytes > files[file]:
-            self.fail(f"a chunk of {key!r} is larger than file {file!r}")
-        crc = c.get("crc32")
-        if not (
-            type(crc) is list
-            and len(crc) == crc_block_count(nbytes, block_bytes)
-            and all(type(v) is int for v in crc)
-            and min(crc) >= 0
-            and max(crc) < 1 << 32
-        ):
-            self.fail(f"a chunk of {key!r} has no valid 'crc32' list")
-        offsets, cshape = tuple(offsets), tuple(cshape)
-        return ChunkRecord(file, name, offsets, cshape, tuple(crc))
+    return int(version)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
-from . import dtypes, geometry
+from . import geometry
 from .crc import crc32
 from .manifest import ChunkRecord, Manifest, TensorRecord
 from .safetensors_io import HeaderEntry, memory, parse_header, read_header_bytes

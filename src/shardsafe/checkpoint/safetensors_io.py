@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
-from . import dtypes
 from .crc import crc32
 from .storage import FileSink, LocalFileReader
 

@@ -29,10 +29,23 @@ def load_manifest(path: str, storage: LocalStorage | None = None) -> Manifest:
                 return read_manifest_from(opened)
         return read_manifest_from(storage)
     except CheckpointNotFoundError as e:
-        latest = CheckpointManager(path).latest() if os.path.isdir(path) else None
-        if latest is None:
-            raise
-        raise CheckpointNotFoundError(
-            f"{e}. It looks like a checkpoint root; the newest committed checkpoint in it is "
-            f"{latest}"
-        ) from None
+        raise CheckpointNotFoundError(f"{e}{_where_checkpoints_are(path)}") from None
+
+
+def _where_checkpoints_are(path: str) -> str:
+    """A hint for a path that is a checkpoint root or a Trainer's run directory."""
+    if not os.path.isdir(path):
+        return ""
+    latest = CheckpointManager(path, warn_if_not_empty=False).latest()
+    if latest is not None:
+        return (
+            f". It looks like a checkpoint root; the newest committed checkpoint in it is {latest}"
+        )
+    run_root = os.path.join(path, "checkpoints")
+    if os.path.isdir(run_root):
+        latest = CheckpointManager(run_root, warn_if_not_empty=False).latest()
+        newest = f"; the newest is {latest}" if latest else ", but none is committed yet"
+        return (
+            f". It looks like a Trainer run directory: its checkpoints are under {run_root}{newest}"
+        )
+    return ""

@@ -125,7 +125,7 @@ def _owner(key: str, values: dict[str, Any]) -> str | None:
 
 
 def _tensor(key: str, rec: Any, values: dict[str, Any]) -> dict[str, Any]:
-    from ..checkpoint import dtypes
+    from .. import dtypes
 
     files: list[str] = []
     for chunk in rec.chunks:

@@ -142,7 +142,7 @@ def _check_with_safetensors(reader: CheckpointReader, name: str) -> list[str]:
 def _differences(
     name: str, ours: dict[str, HeaderEntry], found: dict[str, tuple[str, list[int]]]
 ) -> list[str]:
-    from ..checkpoint import dtypes
+    from .. import dtypes
 
     problems = []
     for tname in sorted(found.keys() & ours.keys(), key=natural_key):

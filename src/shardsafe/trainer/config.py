@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..checkpoint.manifest import LAYOUTS
+from ..checkpoint.manifest_format import LAYOUTS
+from ..checkpoint.options import SaveOptions
 from ..strategies import STRATEGIES
 
 
@@ -62,6 +63,11 @@ class TrainerConfig:
     @property
     def metrics_path(self) -> str:
         return os.path.join(self.run_dir, "metrics.jsonl")
+
+    @property
+    def save_options(self) -> SaveOptions:
+        """How every checkpoint of the run is saved (the options object ``save`` takes)."""
+        return SaveOptions(layout=self.layout)
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.checkpoint_every

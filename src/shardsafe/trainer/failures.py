@@ -53,7 +53,7 @@ def _report(rank: int, error: BaseException) -> None:
     else:
         first = _claim_first_failure(rank)
     if first == rank:
-        print(f"shardsafe: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        print(f"shardsafe: rank {rank} failed:\n{_where_and_what(error)}", file=sys.stderr)
         return
     summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
     cause = (
@@ -68,6 +68,22 @@ def _report(rank: int, error: BaseException) -> None:
     )
     # Let the rank that failed first exit first, so the launcher names it.
     time.sleep(_DEFER_S)
+
+
+def _where_and_what(error: BaseException) -> str:
+    """The traceback of where it went wrong, then what every rank was told.
+
+    An error agreed between ranks is raised from the exception that caused it: the
+    cause's traceback shows the failing line (often the user's own code); the frames of
+    the agreement itself would only bury it.
+    """
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = "".join(traceback.format_exception(root, chain=False))
+    if root is not error:
+        text += f"{type(error).__module__}.{type(error).__qualname__}: {error}\n"
+    return text
 
 
 def _claim_first_failure(rank: int) -> int | None:

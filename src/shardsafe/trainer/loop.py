@@ -41,6 +41,9 @@ class FitResult:
     checkpoint: str | None
     """The newest committed checkpoint, if any."""
     seconds: float
+    rank: int = 0
+    """This process's rank: ``fit`` returns in every worker, so print once with
+    ``if result.rank == 0:``."""
 
 
 def train(
@@ -56,7 +59,6 @@ def train(
     checkpoint = find_checkpoint(config, resume)
     if leader and resume == "latest" and checkpoint is None:
         say(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
-
     seed_everything(config.seed + rank)
     source = data if data is not None else module.train_dataloader()
     spec = loader_spec(source, config.batch_size)
@@ -67,14 +69,9 @@ def train(
     start, position = restore(checkpoint, state, leader)
 
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
-    manager = CheckpointManager(config.checkpoint_dir, keep_last=config.keep_last)
-    newer = [s for s in manager.complete_steps() if s > start]
-    if newer and config.checkpoint_every:
-        raise CheckpointError(
-            f"{config.checkpoint_dir} holds step {newer[-1]}, newer than step {start} this run "
-            "resumes from: its next checkpoints would mix with the abandoned ones. Resume with "
-            "resume='latest', or move the newer checkpoints away, or use another run_dir."
-        )
+    manager = CheckpointManager(config.checkpoint_dir, config.keep_last, warn_if_not_empty=False)
+    if config.checkpoint_every:
+        manager.check_not_behind(start)  # before the first step, not at the first save
     metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 
@@ -88,29 +85,27 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
-
             loss = strategy.mean_over_ranks(step_loss.detach())
             if metrics is not None:
                 metrics.log(step, loss)
             bar.update(loss)
             if config.checkpoint_due(step):
-                progress = {"step": step, **stream.state()}
-                saved = {**state, "trainer": progress}
-                checkpoint = manager.save(step, saved, layout=config.layout)
+                saved = {**state, "trainer": {"step": step, **stream.state()}}
+                checkpoint = manager.save_with(step, saved, config.save_options)
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
 
-    result = FitResult(step, loss, checkpoint, time.monotonic() - started)
+    result = FitResult(step, loss, checkpoint, time.monotonic() - started, rank)
     if leader:
-        say(summary(result, start, config.max_steps))
+        say(summary(result, start, config))
     return result
 
 
 def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
     """The checkpoint a run starts from; refuses to start over an existing run by accident."""
-    manager = CheckpointManager(config.checkpoint_dir)
+    manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
     if resume is None:
         steps = manager.complete_steps()
         if steps:
@@ -170,10 +165,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def summary(result: FitResult, start: int, max_steps: int) -> str:
+def summary(result: FitResult, start: int, config: TrainerConfig) -> str:
+    """The last line a run prints: where it ended, and where its checkpoints and losses are."""
     if result.step == start:
-        return f"nothing to train: the run is at step {start} and max_steps={max_steps}"
+        return f"nothing to train: the run is at step {start} and max_steps={config.max_steps}"
     return (
         f"done: step {result.step} ({result.step - start} steps in {result.seconds:.1f} s), "
-        f"final loss {result.loss:.6g}, checkpoint {result.checkpoint or 'none'}"
+        f"final loss {result.loss:.6g}, checkpoint {result.checkpoint or 'none'} (all in "
+        f"{config.checkpoint_dir}), losses in {config.metrics_path}"
     )

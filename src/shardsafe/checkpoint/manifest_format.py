@@ -1,0 +1,65 @@
+"""The manifest's format: its version, limits and the records of where tensor bytes live.
+
+Shared by the writer (``manifest.py``), the hostile-input checks (``manifest_checks.py``)
+and ``save``, which refuses up front what these limits would make ``load`` refuse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import dtypes
+
+FORMAT = "shardsafe"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CRC_BLOCK_BYTES = 16 << 20
+"""Tensor bytes carry one CRC32 per block of this size, so a partial read checks little."""
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_NDIM = 64
+MAX_CHUNKS_PER_TENSOR = 1 << 16
+MAX_DEPTH = 100
+"""Deepest JSON nesting accepted; decoding values recurses, and real state is shallow."""
+MAX_NAME_CHARS = 4096
+"""Longest tensor key and stored-tensor name accepted (``save`` refuses longer keys)."""
+MAX_FILE_BYTES = 1 << 62
+LAYOUTS = ("sharded", "consolidated")
+COVERS = ("data", "headers", "manifest")
+CRC_KEY = "manifest_crc32"
+"""The manifest's last key: the CRC32 of every byte before its line."""
+"""What the checksums of a manifest written by this shardsafe cover."""
+
+
+def valid_value_name(name: object) -> bool:
+    """A state key ``save`` accepts: non-empty, no ``/``, not starting with ``@``."""
+    return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith("@")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """Where one piece of a tensor lives: a named tensor inside a data file."""
+
+    file: str
+    name: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    crc32: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+def crc_block_count(nbytes: int, block_bytes: int) -> int:
+    """How many CRC32 values a chunk of ``nbytes`` carries (one per block, at least one)."""
+    return max(1, -(-nbytes // block_bytes))

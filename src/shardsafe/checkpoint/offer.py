@@ -1,0 +1,115 @@
+"""What a rank offers to save: each state entry's kind and metadata, and the shapes of
+the chunks it holds (not their bytes). Every rank posts its offer in the collect phase;
+the save plan is made from all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import dtypes
+from ..errors import CheckpointError
+from ..protocol import JSON, Chunk, SaveItem
+
+
+@dataclass(frozen=True)
+class ChunkOffer:
+    """The shape of a chunk one rank offers; ``index`` is its place in that rank's list."""
+
+    rank: int
+    index: int
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    replicated: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype": dtypes.dtype_name(self.dtype),
+            "global_shape": list(self.global_shape),
+            "offsets": list(self.offsets),
+            "shape": list(self.shape),
+            "replicated": self.replicated,
+        }
+
+    @staticmethod
+    def from_json(rank: int, index: int, raw: dict[str, Any]) -> ChunkOffer:
+        dtype = dtypes.from_name(raw["dtype"])
+        assert dtype is not None
+        return ChunkOffer(
+            rank,
+            index,
+            raw["key"],
+            dtype,
+            tuple(raw["global_shape"]),
+            tuple(raw["offsets"]),
+            tuple(raw["shape"]),
+            bool(raw["replicated"]),
+        )
+
+
+@dataclass(frozen=True)
+class OfferedEntry:
+    """One state entry as one rank saw it."""
+
+    kind: str
+    meta: JSON
+
+
+@dataclass
+class Offer:
+    """Everything one rank offers, in the form that travels between ranks (JSON)."""
+
+    rank: int
+    entries: dict[str, OfferedEntry]
+    chunks: list[ChunkOffer]
+
+    @staticmethod
+    def of(rank: int, items: dict[str, SaveItem]) -> Offer:
+        entries = {name: OfferedEntry(item.kind, item.meta) for name, item in items.items()}
+        chunks = [
+            ChunkOffer(
+                rank, i, c.key, c.tensor.dtype, c.global_shape, c.offsets, tuple(c.tensor.shape),
+                c.replicated,
+            )
+            for i, c in enumerate(chunks_of(items))
+        ]  # fmt: skip
+        return Offer(rank, entries, chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entries": {n: {"kind": e.kind, "meta": e.meta} for n, e in self.entries.items()},
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+
+    @staticmethod
+    def from_json(rank: int, raw: dict[str, Any]) -> Offer:
+        entries = {n: OfferedEntry(e["kind"], e["meta"]) for n, e in raw["entries"].items()}
+        chunks = [ChunkOffer.from_json(rank, i, c) for i, c in enumerate(raw["chunks"])]
+        return Offer(rank, entries, chunks)
+
+
+def chunks_of(items: dict[str, SaveItem]) -> list[Chunk]:
+    """This rank's chunks in offer order (a chunk offer's ``index`` is its place here)."""
+    return [c for item in items.values() for c in item.chunks]
+
+
+def check_same_entries(offers: list[Offer], names: list[str], rank: int) -> None:
+    """Every rank must save the same state keys; say which differ."""
+    for offer in offers:
+        if sorted(offer.entries) != sorted(names):
+            raise CheckpointError(
+                f"rank {offer.rank} saved state keys {sorted(offer.entries)}, rank "
+                f"{rank} {sorted(names)}; every rank must pass the same keys"
+            )

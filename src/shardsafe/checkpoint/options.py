@@ -1,0 +1,110 @@
+"""What ``save`` and ``load`` take, in one place each: keyword-only, validated dataclasses.
+
+``shardsafe.save``, ``CheckpointManager.save`` and the Trainer all build a
+:class:`SaveOptions`; its defaults are the only ones (the public functions' signatures
+name them from here). A wrong value fails here, naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .manifest_format import LAYOUTS
+from .storage import LocalStorage
+
+DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_UNTRUSTED_BYTES = 1 << 30
+
+
+class StorageFactory(Protocol):
+    """Makes the storage layer for a checkpoint directory: ``LocalStorage`` or a subclass
+    of it (``follow=False``: the directory itself must not be a symlink)."""
+
+    def __call__(self, directory: str, *, follow: bool = ...) -> LocalStorage: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveHooks:
+    """Code to run on rank 0 inside a save, so that its failure is agreed like any other.
+
+    ``before_write`` runs once every rank has arrived and before any data is written (the
+    manager takes its lock and checks the step there); ``after_commit`` runs right after
+    ``manifest.json`` is committed (the manager moves ``latest`` and applies retention).
+    An exception in either fails the save on every rank; after ``after_commit`` raises,
+    the checkpoint is committed all the same.
+    """
+
+    before_write: Callable[[], None] | None = None
+    after_commit: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How to save. See ``shardsafe.save`` for what each field does."""
+
+    layout: str = "sharded"
+    entry_timeout: float = 60.0
+    timeout: float = DEFAULT_TIMEOUT_S
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    storage: StorageFactory | None = None
+    hooks: SaveHooks = field(default_factory=SaveHooks)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not one of {LAYOUTS}")
+        if self.buffer_bytes < 1 << 20:
+            raise ValueError(f"buffer_bytes={self.buffer_bytes} is too small; use at least 1 MiB")
+        _positive("entry_timeout", self.entry_timeout)
+        _positive("timeout", self.timeout)
+
+    @classmethod
+    def of(cls, options: SaveOptions | None = None, **overrides: Any) -> SaveOptions:
+        """``options`` (or the defaults) with ``overrides`` applied; unknown names refused."""
+        base = options or cls()
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(
+                f"unknown save option(s) {sorted(unknown)}; the options are "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
+        fields = {name: getattr(base, name) for name in cls.__dataclass_fields__}
+        return cls(**{**fields, **overrides})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How to load. See ``shardsafe.load`` for what each field does."""
+
+    strict: bool = True
+    entry_timeout: float = 60.0
+    timeout: float = DEFAULT_TIMEOUT_S
+    untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict={self.strict!r} must be True or False")
+        _positive("entry_timeout", self.entry_timeout)
+        _positive("timeout", self.timeout)
+        if not isinstance(self.untrusted_bytes_limit, int) or self.untrusted_bytes_limit < 0:
+            raise ValueError(
+                f"untrusted_bytes_limit={self.untrusted_bytes_limit!r} must be a number of "
+                "bytes, 0 or more"
+            )
+
+    @classmethod
+    def of(cls, **overrides: Any) -> LoadOptions:
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(
+                f"unknown load option(s) {sorted(unknown)}; the options are "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
+        return cls(**overrides)
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")

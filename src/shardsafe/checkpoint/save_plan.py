@@ -1,0 +1,204 @@
+"""The save plan: who writes which data files, decided identically on every rank from
+what every rank offered (``offer.py``).
+
+Pure: no process group, no I/O. Input is each rank's chunk offers (the shapes of what
+it holds, not the data); output is the list of data files, the rank that writes each, the
+tensors in each file and where their bytes come from. How bytes that live on other ranks
+reach the writer of a consolidated file is ``transfers.py``'s job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import dtypes
+from ..errors import CheckpointError
+from . import geometry
+from .offer import ChunkOffer
+
+CONSOLIDATING_RANK = 0
+"""The rank that writes every file of a consolidated checkpoint."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One tensor in a data file: a chunk (sharded layout) or a whole tensor (consolidated)."""
+
+    name: str
+    key: str
+    dtype: torch.dtype
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    sources: tuple[ChunkOffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    @property
+    def streamable(self) -> bool:
+        """Its bytes are the sources' bytes concatenated (one source, or a dim-0 split)."""
+        return len(self.sources) == 1 or geometry.splits_on_dim0_only(
+            self.shape, [(s.offsets, s.shape) for s in self.sources]
+        )
+
+
+@dataclass
+class FilePlan:
+    name: str
+    writer: int
+    entries: list[FileEntry] = field(default_factory=list)
+
+
+@dataclass
+class SavePlan:
+    layout: str
+    world_size: int
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    files: list[FilePlan]
+
+    def files_of(self, rank: int) -> list[FilePlan]:
+        return [f for f in self.files if f.writer == rank]
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}")
+
+
+def consolidated_file_name(value_name: str, position: int) -> str:
+    """``model`` -> ``model.safetensors``; names unfit for a file get a numbered one."""
+    if _PLAIN_NAME.fullmatch(value_name) and ".." not in value_name:
+        return f"{value_name}.safetensors"
+    return f"value-{position:03d}.safetensors"
+
+
+def entry_of(key: str) -> str:
+    """The state entry a tensor key belongs to: ``optimizer/fc.weight/m`` -> ``optimizer``."""
+    return key.split("/", 1)[0]
+
+
+def plan_save(offers: list[list[ChunkOffer]], layout: str, value_order: list[str]) -> SavePlan:
+    """Decide the files of a checkpoint. ``offers[r]`` is what rank ``r`` holds."""
+    world_size = len(offers)
+    by_key: dict[str, list[ChunkOffer]] = {}
+    for chunks in offers:
+        for c in chunks:
+            by_key.setdefault(c.key, []).append(c)
+    tensors = {key: _check_key(key, chunks) for key, chunks in by_key.items()}
+    if layout == "sharded":
+        files = _plan_sharded(by_key, world_size)
+    else:
+        files = _plan_consolidated(by_key, value_order)
+    return SavePlan(layout, world_size, tensors, files)
+
+
+def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[int, ...]]:
+    first = chunks[0]
+    for c in chunks[1:]:
+        if (c.dtype, c.global_shape) != (first.dtype, first.global_shape):
+            raise CheckpointError(
+                f"ranks disagree about tensor {key!r}: rank {first.rank} has "
+                f"{dtypes.dtype_name(first.dtype)}{list(first.global_shape)}, rank {c.rank} has "
+                f"{dtypes.dtype_name(c.dtype)}{list(c.global_shape)}. Every rank must save the "
+                "same model structure."
+            )
+        if c.replicated != first.replicated:
+            raise CheckpointError(
+                f"tensor {key!r} is replicated on some ranks and sharded on others"
+            )
+    problem = (
+        None
+        if first.replicated
+        else geometry.tiling_problem(first.global_shape, [(c.offsets, c.shape) for c in chunks])
+    )
+    if problem is not None:
+        raise CheckpointError(
+            f"the shards of {key!r} held by ranks {sorted({c.rank for c in chunks})} do not "
+            f"cover its shape {list(first.global_shape)} exactly once: they {problem}"
+        )
+    return first.dtype, first.global_shape
+
+
+def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[FilePlan]:
+    """Every rank writes what only it holds; replicated tensors go to the least-loaded rank."""
+    load = [0] * world_size
+    assigned: list[list[ChunkOffer]] = [[] for _ in range(world_size)]
+    replicated = []
+    for key in sorted(by_key):
+        chunks = by_key[key]
+        if chunks[0].replicated:
+            replicated.append(chunks)
+            continue
+        for c in chunks:
+            assigned[c.rank].append(c)
+            load[c.rank] += c.nbytes
+    for chunks in sorted(replicated, key=lambda cs: (-cs[0].nbytes, cs[0].key)):
+        best = min(chunks, key=lambda c: (load[c.rank], c.rank))
+        assigned[best.rank].append(best)
+        load[best.rank] += best.nbytes
+    files = []
+    for rank, chunks in enumerate(assigned):
+        if not chunks:
+            continue
+        entries = [
+            FileEntry(_chunk_name(c, by_key), c.key, c.dtype, c.offsets, c.shape, (c,))
+            for c in sorted(chunks, key=lambda c: (c.key, c.offsets))
+        ]
+        files.append(FilePlan(shard_file_name(rank, world_size), rank, entries))
+    return files
+
+
+def _chunk_name(c: ChunkOffer, by_key: dict[str, list[ChunkOffer]]) -> str:
+    same_rank = [o for o in by_key[c.key] if o.rank == c.rank]
+    if len(same_rank) == 1 or c.replicated:
+        return c.key
+    return f"{c.key}@{','.join(map(str, c.offsets))}"
+
+
+def _plan_consolidated(
+    by_key: dict[str, list[ChunkOffer]], value_order: list[str]
+) -> list[FilePlan]:
+    """One file per state value, written by rank 0, each tensor whole."""
+    files: dict[str, FilePlan] = {}
+    file_of: dict[str, str] = {}
+    for key in sorted(by_key):
+        chunks = by_key[key]
+        value = entry_of(key)
+        if chunks[0].replicated:
+            sources: tuple[ChunkOffer, ...] = (
+                min(chunks, key=lambda c: c.rank != CONSOLIDATING_RANK),
+            )
+        else:
+            sources = tuple(sorted(chunks, key=lambda c: c.offsets))
+        if value not in file_of:
+            file_of[value] = _unused_file_name(value, value_order, set(file_of.values()))
+        fname = file_of[value]
+        plan = files.setdefault(fname, FilePlan(fname, CONSOLIDATING_RANK))
+        name = key[len(value) + 1 :] if key != value else key
+        first = chunks[0]
+        plan.entries.append(
+            FileEntry(
+                name, key, first.dtype, (0,) * len(first.global_shape), first.global_shape, sources
+            )
+        )
+    for plan in files.values():
+        # Bytes from one rank back to back: fewer, larger messages.
+        plan.entries.sort(key=lambda e: (min(s.rank for s in e.sources), e.name))
+    return [files[name] for name in sorted(files)]
+
+
+def _unused_file_name(value: str, value_order: list[str], taken: set[str]) -> str:
+    """The value's file name; never one another value already uses (e.g. ``value-000``)."""
+    position = value_order.index(value) if value in value_order else len(value_order)
+    fname, n = consolidated_file_name(value, position), 0
+    while fname in taken:
+        n += 1
+        fname = f"value-{position:03d}-{n}.safetensors"
+    return fname

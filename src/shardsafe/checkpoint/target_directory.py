@@ -1,0 +1,60 @@
+"""The directory a save writes into: new, empty, or its own interrupted save's leftovers.
+
+Only a directory that is empty or carries this library's marker is written into, so a
+save can never delete files it did not write (a Hugging Face ``model.safetensors``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CheckpointError
+from .manifest_format import MANIFEST_NAME
+from .storage import LocalStorage
+
+INCOMPLETE_MARKER = ".shardsafe-incomplete"
+"""Present while shardsafe writes a directory, removed after the commit: it tells a later
+save that the files in an uncommitted directory are its own leftovers to clear."""
+
+
+def refuse_committed(storage: LocalStorage) -> bool:
+    """Whether the directory exists already; refuse one that holds a committed checkpoint."""
+    existed = storage.is_directory()
+    if existed and storage.exists(MANIFEST_NAME):
+        raise CheckpointError(
+            f"{storage.directory} already holds a committed checkpoint; shardsafe never "
+            "overwrites one. Save to a new directory (CheckpointManager does this per step) "
+            "or delete it first."
+        )
+    storage.close()  # reopened when written: rank 0 may create it in between
+    return existed
+
+
+def prepare(storage: LocalStorage) -> None:
+    """Make the directory, or clear an interrupted save's leftovers; refuse anything else."""
+    storage.make_directory()
+    names = storage.names()
+    if names and INCOMPLETE_MARKER not in names:
+        raise CheckpointError(
+            f"{storage.directory} is not empty (it holds {names[0]!r}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) and is not left over "
+            "from an interrupted shardsafe save. shardsafe saves only into a new or empty "
+            "directory, so that it never deletes files it did not write; pick another path."
+        )
+    for name in names:
+        if name != INCOMPLETE_MARKER:
+            storage.remove(name)  # a subdirectory is refused: shardsafe never makes one
+    storage.touch(INCOMPLETE_MARKER)
+
+
+def remove_uncommitted(storage: LocalStorage) -> None:
+    """Delete a directory a failed save created, unless a manifest got committed."""
+    try:
+        if not storage.is_directory() or storage.exists(MANIFEST_NAME):
+            return
+        for name in storage.names():
+            storage.remove(name)
+        storage.close()
+        os.rmdir(storage.directory)
+    except (OSError, CheckpointError):
+        return  # best effort: a leftover is cleared by the next save into it

@@ -1,0 +1,113 @@
+"""Carrying out a save plan on one rank: streaming tensor bytes into data files.
+
+Sharded layout (or one rank): each rank writes its own files from memory, with no
+communication. Consolidated layout: the consolidating rank writes every file, receiving
+other ranks' bytes as raw messages (``consolidate_receiver.py``) that they send
+(``consolidate_sender.py``).
+
+Errors are raised, never returned: whatever a rank's writing raises becomes its error in
+the write phase, agreed on every rank. A rank whose writing fails removes the files it
+created; the other ranks remove theirs once the failure is agreed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+from ..protocol import Chunk
+from .chunk_bytes import ChunkBytes
+from .safetensors_io import StreamWriter
+from .save_plan import CONSOLIDATING_RANK, FileEntry, FilePlan, SavePlan
+from .storage import LocalStorage
+
+
+class WrittenFile(TypedDict):
+    """What a rank reports about one data file it wrote (or, ``bytes`` 0, checksummed)."""
+
+    bytes: int
+    crc: dict[str, list[int]]
+    header_crc32: int
+    """-1 from a rank that only checksummed tensors another rank wrote."""
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    block_bytes: int
+    buffer_bytes: int
+
+
+def write_plan(
+    plan: SavePlan, rank: int, chunks: list[Chunk], storage: LocalStorage, options: WriteOptions
+) -> dict[str, WrittenFile]:
+    """Write this rank's share of ``plan``; return what it wrote, by file name."""
+    sources = ChunkBytes(chunks, options.buffer_bytes)
+    if plan.layout == "sharded" or plan.world_size == 1:
+        return _write_own_files(plan.files_of(rank), sources, storage, options)
+    if rank == CONSOLIDATING_RANK:
+        from .consolidate_receiver import ConsolidatedReceiver
+
+        return ConsolidatedReceiver(plan, sources, storage, options).run()
+    from .consolidate_sender import ConsolidatedSender
+
+    return ConsolidatedSender(plan, rank, sources, options).run()
+
+
+def _write_own_files(
+    files: list[FilePlan], sources: ChunkBytes, storage: LocalStorage, options: WriteOptions
+) -> dict[str, WrittenFile]:
+    results: dict[str, WrittenFile] = {}
+    try:
+        for fplan in files:
+            writer = open_file(fplan, storage, options)
+            try:
+                for entry in fplan.entries:
+                    (src,) = entry.sources
+                    for piece in sources.pieces(src.index, 0, src.nbytes):
+                        writer.write(piece)
+                results[fplan.name] = finish(writer)
+            except BaseException:
+                writer.abort()
+                raise
+    except BaseException:
+        remove_quietly(storage, [f.name for f in files])
+        raise
+    return results
+
+
+def open_file(
+    fplan: FilePlan,
+    storage: LocalStorage,
+    options: WriteOptions,
+    checksummed_elsewhere: frozenset[str] = frozenset(),
+) -> StreamWriter:
+    header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
+    return StreamWriter(
+        storage.create(fplan.name), header, options.block_bytes, checksummed_elsewhere
+    )
+
+
+def finish(writer: StreamWriter) -> WrittenFile:
+    size, crcs = writer.finish()
+    return {
+        "bytes": size,
+        "crc": {name: list(v) for name, v in crcs.items()},
+        "header_crc32": writer.header_crc32,
+    }
+
+
+def sent_whole(fplan: FilePlan) -> list[FileEntry]:
+    """Entries whose bytes are one other rank's chunk: that rank checksums them itself,
+    in parallel with the writer, instead of the writer checksumming everything."""
+    return [
+        e for e in fplan.entries if len(e.sources) == 1 and e.sources[0].rank != CONSOLIDATING_RANK
+    ]
+
+
+def remove_quietly(storage: LocalStorage, names: list[str]) -> None:
+    """Remove files this rank created after its writing failed (best effort)."""
+    for name in names:
+        try:
+            storage.remove(name)
+        except Exception:
+            continue

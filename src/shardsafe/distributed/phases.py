@@ -1,0 +1,26 @@
+"""The names of the phases every rank goes through together, in one place."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Phase(str, Enum):
+    """A step that ends with every rank agreeing on its outcome.
+
+    save: ENTRY -> COLLECT -> WRITE -> COMMIT; load: ENTRY -> PLAN -> READ -> RESTORE;
+    ``shardsafe.interop``'s gather: ENTRY -> OFFER -> DONE.
+    """
+
+    ENTRY = "entry"
+    COLLECT = "collect"
+    WRITE = "write"
+    COMMIT = "commit"
+    PLAN = "plan"
+    READ = "read"
+    RESTORE = "restore"
+    OFFER = "offer"
+    DONE = "done"
+
+    def __str__(self) -> str:
+        return self.value

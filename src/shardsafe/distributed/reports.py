@@ -1,0 +1,72 @@
+"""How one rank's failure is told to every rank: posted reports and the agreed error."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+from ..errors import ERROR_CLASSES, CheckpointError
+
+
+@dataclass
+class RankFailure:
+    """What one rank reported when it failed a phase."""
+
+    rank: int
+    error_type: str
+    message: str
+
+
+def error_type(error: BaseException) -> str:
+    return type(error).__name__ if isinstance(error, CheckpointError) else "CheckpointError"
+
+
+def error_message(error: BaseException) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def as_checkpoint_error(error: BaseException) -> CheckpointError:
+    if isinstance(error, CheckpointError):
+        return error
+    return CheckpointError(error_message(error))
+
+
+def agreed_error(failures: list[RankFailure], operation: str) -> CheckpointError:
+    """The error every rank raises: the first failing rank's, of its class."""
+    first = failures[0]
+    cls = ERROR_CLASSES.get(first.error_type, CheckpointError)
+    others = ""
+    if len(failures) > 1:
+        others = f" (rank(s) {', '.join(str(f.rank) for f in failures[1:])} failed too)"
+    return cls(f"{operation} failed on rank {first.rank}{others}: {first.message}")
+
+
+def missing_message(
+    operation: str, phase: str, missing: list[int], timeout: float, rank: int, world_size: int
+) -> str:
+    ranks = ", ".join(map(str, missing))
+    if phase == "entry":
+        return (
+            f"shardsafe.{operation} must be called on all ranks, but rank(s) {ranks} "
+            f"never arrived within entry_timeout={timeout:g}s (this is rank {rank} of "
+            f"{world_size}). Call {operation} on every rank, outside any "
+            "`if rank == 0:` block, with the same path. Nothing was written."
+        )
+    return (
+        f"rank(s) {ranks} did not finish the '{phase}' phase of {operation} within "
+        f"{timeout:g}s (this is rank {rank}); they may have died or hung. "
+        "The previous checkpoint is untouched."
+    )
+
+
+def dead_message(operation: str, phase: str, dead: list[int], dead_after: float, rank: int) -> str:
+    ranks = ", ".join(map(str, dead))
+    return (
+        f"rank(s) {ranks} stopped responding during the '{phase}' phase of {operation} (no "
+        f"heartbeat for {dead_after:g}s; this is rank {rank}): they have probably died "
+        "(killed, out of memory)."
+    )

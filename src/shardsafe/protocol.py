@@ -1,0 +1,239 @@
+"""The adapter protocol: what every adapter implements and what the engine hands it.
+
+This module sits below both the engine (``shardsafe.checkpoint``) and the adapters
+(``shardsafe.adapters``): the engine knows adapters only through it and the registry,
+never a concrete one. Plain data, no I/O, no process group.
+
+An adapter knows one kind of object (a module, an optimizer, a ZeRO optimizer, ...). On
+save it turns the object into a :class:`SaveItem`: JSON metadata plus the tensor
+:class:`Chunk` s this rank holds, each placed in its global tensor. On load it says which
+regions it needs (:class:`LoadRequests`), checks the data it got (``validate``), and puts
+it back (``restore``). Contexts tell it where it stands: :class:`SaveContext` on save,
+:class:`LoadContext` (which adds what the checkpoint holds) on load.
+
+Parameter naming lives here too, because both sides need it: optimizer state is keyed by
+the fully qualified name of its parameter (:func:`param_names`), never by position.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .errors import CheckpointError
+
+JSON = Any
+"""What ``json`` can hold: metadata is plain data, never a pickle."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a (possibly sharded) tensor that this rank holds and can write.
+
+    ``offsets`` place the piece inside the global tensor of ``global_shape``. A
+    ``replicated`` chunk is an identical full copy held by every rank (DDP weights): the
+    planner picks one rank to write it, so it is stored once in total.
+    """
+
+    key: str
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    replicated: bool = False
+
+    @staticmethod
+    def whole(key: str, tensor: torch.Tensor, *, replicated: bool) -> Chunk:
+        """A chunk that is the entire tensor."""
+        shape = tuple(tensor.shape)
+        return Chunk(key, tensor, shape, (0,) * len(shape), replicated)
+
+
+@dataclass
+class SaveItem:
+    """What an adapter produces for one state entry on one rank."""
+
+    kind: str
+    meta: JSON
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """One state entry as the manifest records it: its name, kind and metadata."""
+
+    name: str
+    kind: str
+    meta: JSON
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """A region of a saved tensor that this rank wants.
+
+    ``offsets``/``shape`` select a box of the global tensor; ``None`` means all of it.
+    ``dtype``/``global_shape``, when given, are checked against the checkpoint and a
+    difference is reported as a mismatch: give both for a tensor that goes into a live
+    one. ``within`` (the shape of a live tensor, e.g. a parameter for its optimizer
+    state) requires the saved tensor to be a scalar or broadcastable to it. An
+    ``optional`` request that the checkpoint cannot satisfy is skipped instead of being
+    reported as missing.
+    """
+
+    key: str
+    offsets: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    global_shape: tuple[int, ...] | None = None
+    optional: bool = False
+    within: tuple[int, ...] | None = None
+
+    @property
+    def checked_against_live(self) -> bool:
+        """Its size is bounded by a live tensor (dtype and shape both checked)."""
+        return self.dtype is not None and self.global_shape is not None
+
+
+@dataclass
+class LoadRequests:
+    """One adapter's answer to "what do you need?": read requests, plus the problems it
+    found (keys missing from or unexpected in the checkpoint, mismatched shapes)."""
+
+    requests: list[ReadRequest] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveContext:
+    """What an adapter may know about the save it takes part in."""
+
+    name: str
+    """The key of this entry in the user's state dict: the prefix of all its tensor keys."""
+    rank: int
+    world_size: int
+    param_names: Mapping[int, str] = field(default_factory=dict)
+    """``id(parameter)`` -> fully qualified name, from the modules in the same state dict."""
+
+    def key(self, *parts: str) -> str:
+        """The tensor key for ``parts`` under this entry, e.g. ``optimizer/fc.weight/exp_avg``."""
+        return "/".join((self.name, *parts))
+
+    def param_fqn(self, param: torch.Tensor) -> str:
+        fqn = self.param_names.get(id(param))
+        if fqn is None:
+            raise CheckpointError(
+                f"state[{self.name!r}] holds a parameter of shape {list(param.shape)} that is "
+                "not in any module of the same state dict, so it has no name to be saved "
+                f"under. Pass the model alongside it, e.g. {{'model': model, {self.name!r}: "
+                f"{self.name}}}."
+            )
+        return fqn
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadContext(SaveContext):
+    """What an adapter may know about the load it takes part in: also what was saved."""
+
+    saved_world_size: int
+    """The world size the checkpoint was written with."""
+    strict: bool = True
+    saved_tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    """Every tensor key in the checkpoint with its dtype and global shape."""
+
+
+class Adapter(ABC):
+    """Saves and restores one kind of object. Subclass it and call ``register_adapter``."""
+
+    kind: ClassVar[str]
+    """Recorded in the manifest; an entry loads only into an adapter of the same kind."""
+    returns_value: ClassVar[bool] = False
+    """True if ``load`` hands :meth:`restore`'s result back to its caller, and restores
+    entries of this kind that the caller did not pass (plain data)."""
+
+    @abstractmethod
+    def handles(self, obj: object) -> bool:
+        """True if this adapter knows how to save and load ``obj``."""
+
+    @abstractmethod
+    def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
+        """This rank's metadata and chunks for ``obj``. Must not communicate."""
+
+    def merge(self, metas: list[JSON]) -> JSON:
+        """Combine the metadata every rank produced into what the manifest records.
+
+        The default keeps rank 0's, right for replicated state. Sharded state (each rank
+        knowing only its part) overrides this.
+        """
+        return metas[0]
+
+    @abstractmethod
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
+        """The tensor regions this rank needs to restore ``obj``, plus any mismatches."""
+
+    def validate(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
+    ) -> None:
+        """Check, without changing ``obj``, that :meth:`restore` will accept this data.
+
+        Runs on every entry after every rank has read and verified its tensors, and
+        before anything is restored anywhere, so a checkpoint that would fail half-way
+        through restoring fails here instead, with nothing modified. Raise
+        ``CheckpointCorruptError`` (malformed metadata) or ``CheckpointMismatchError``
+        (does not fit ``obj``). The default checks nothing.
+        """
+        return None
+
+    @abstractmethod
+    def restore(
+        self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
+    ) -> Any:
+        """Put the loaded tensors (CPU, keyed by tensor key) back into ``obj``.
+
+        Returns the value to hand back to the caller of ``load`` (see ``returns_value``).
+        """
+
+
+# ---------------------------------------------------------------------------- naming
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module whose parameter names a user sees: inside DDP and ``torch.compile``."""
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+            continue
+        orig = getattr(module, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            module = orig
+            continue
+        return module
+
+
+def param_names(state: Mapping[str, Any]) -> dict[int, str]:
+    """``id(param)`` -> FQN for every parameter of every module in a state dict.
+
+    Names are the module's own (``fc.weight``), so adding a loss module or an EMA copy to
+    the state never renames an optimizer's keys. Only a name that two different modules
+    both use is qualified by the state key (``generator.fc.weight``) to keep it unique.
+    A parameter shared by several modules keeps the first name it is found under.
+    """
+    found: list[tuple[str, str, nn.Parameter]] = [
+        (key, fqn, p)
+        for key, value in state.items()
+        if isinstance(value, nn.Module)
+        for fqn, p in unwrap(value).named_parameters(remove_duplicate=False)
+    ]
+    owners: dict[str, set[int]] = {}
+    for _, fqn, p in found:
+        owners.setdefault(fqn, set()).add(id(p))
+    names: dict[int, str] = {}
+    for key, fqn, p in found:
+        names.setdefault(id(p), fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}")
+    return names
