@@ -80,9 +80,10 @@ class ReadRequest:
     ``dtype``/``global_shape``, when given, are checked against the checkpoint and a
     difference is reported as a mismatch: give both for a tensor that goes into a live
     one. ``within`` (the shape of a live tensor, e.g. a parameter for its optimizer
-    state) requires the saved tensor to be a scalar or broadcastable to it. An
-    ``optional`` request that the checkpoint cannot satisfy is skipped instead of being
-    reported as missing.
+    state) requires the saved tensor to be a scalar or exactly that shape; with
+    ``factored`` also that shape with some dimensions 1 (row and column factors, as
+    Adafactor keeps). An ``optional`` request that the checkpoint cannot satisfy is
+    skipped instead of being reported as missing.
     """
 
     key: str
@@ -92,6 +93,7 @@ class ReadRequest:
     global_shape: tuple[int, ...] | None = None
     optional: bool = False
     within: tuple[int, ...] | None = None
+    factored: bool = False
 
     @property
     def checked_against_live(self) -> bool:

@@ -1347,9 +1347,8 @@ def test_optimizer_state_pointed_at_a_wrongly_shaped_tensor_is_refused_at_load(
         return
     with pytest.raises(CheckpointMismatchError) as info:
         shardsafe.load(adam_ckpt, {"model": model, "optimizer": opt})
-    assert f"{target}: checkpoint float32[8], but it belongs to a live tensor of shape [8, 4]" in (
-        str(info.value)
-    )
+    # The optimizer has stepped, so its live state is what the saved one must match.
+    assert f"{target}: checkpoint float32[8], live float32[8, 4]" in str(info.value)
     assert_bitwise(weights(model), model_before)
     assert_bitwise(optimizer_tensors(opt), opt_before)
 
@@ -1427,11 +1426,11 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "rng python word negative": (
         _python_words(lambda w: w.__setitem__(3, -1)),
-        "is not valid: OverflowError",
+        "Python's generator state is not 624 words of 32 bits",
     ),
     "rng python word 2**64": (
         _python_words(lambda w: w.__setitem__(3, 2**64)),
-        "is not valid: OverflowError",
+        "Python's generator state is not 624 words of 32 bits",
     ),
     "rng python position past the end": (
         _python_words(lambda w: w.__setitem__(624, 10**6)),
@@ -1441,11 +1440,11 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "rng python not a triple": (_set((*RNG0, "python"), 5), "is not valid: TypeError"),
     "rng numpy keys too few": (
         _set((*RNG0, "numpy", "keys"), {"__tensor__": "mask"}),
-        "is not valid: IndexError",
+        "numpy's generator keys are not a 1-d int64 tensor",
     ),
     "rng numpy keys not a tensor": (
         _set((*RNG0, "numpy", "keys"), [1, 2]),
-        "numpy's generator keys are not a tensor",
+        "numpy's generator keys are not a 1-d int64 tensor",
     ),
     "rng cuda not tensors": (
         _set((*RNG0, "cuda"), [1]),
@@ -1469,19 +1468,13 @@ def test_hostile_adapter_metadata_restores_nothing(copy_of: Any, layout: str, ca
     assert opt.state_dict()["state"] == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: adapters/rng.py check_state hands the Python state to random.Random()."
-    "setstate, which silently truncates words >= 2**32 (2**32 becomes 0), so an "
-    "out-of-range MT19937 word loads instead of being refused",
-)
 def test_an_rng_python_word_of_2_to_the_32_is_refused(copy_of: Any) -> None:
     ckpt = copy_of("sharded")
     doc = manifest_doc(ckpt)
     _python_words(lambda w: w.__setitem__(3, 2**32))(doc)
     forge.write_manifest(ckpt, doc)
     err = load_refused(ckpt, {"model": make_model(1), "rng": shardsafe.RNGState()})
-    assert "python" in str(err) or "range" in str(err)
+    assert "python's generator state is not 624 words of 32 bits" in str(err).lower()
 
 
 NUMPY_POSITION_SCRIPT = textwrap.dedent(
@@ -1502,13 +1495,6 @@ NUMPY_POSITION_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: adapters/rng.py check_state does not range-check numpy's 'pos'; numpy's "
-    "legacy RandomState.set_state accepts pos=10**6 without complaint, load restores it "
-    "globally, and the next np.random draw reads far past the 624-word key array "
-    "(a segmentation fault here)",
-)
 def test_an_out_of_range_numpy_position_is_refused(copy_of: Any) -> None:
     ckpt = copy_of("sharded")
     doc = manifest_doc(ckpt)
@@ -1962,12 +1948,6 @@ def test_refusals_of_fields_holding_escapes_are_escaped(
         _assert_terminal_safe(out, err)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: commands/verify.py run() prints the FAILED line with the raw args.path "
-    "(the OK line goes through terminal_safe, the FAILED line does not), so a checkpoint "
-    "directory whose name holds ESC sequences (extracted from an archive) drives the terminal",
-)
 def test_verify_escapes_the_path_in_its_failed_line(tmp_path: Path) -> None:
     ckpt = tmp_path / ("ckpt" + ESCAPES["title"])
     shardsafe.save(ckpt, {"t": torch.ones(4)})
@@ -2092,19 +2072,15 @@ def _inspect_seconds(tmp_path: Path, name: str, doc: dict[str, Any]) -> float:
     ckpt = tmp_path / name
     ckpt.mkdir()
     forge.write_manifest(ckpt, doc)
-    start = time.perf_counter()
-    rc, _, err = run_cli("inspect", "--json", str(ckpt))
-    assert (rc, err) == (0, "")
-    return time.perf_counter() - start
+    best = math.inf
+    for _ in range(3):  # the best of three: a busy machine slows one run, not the shape
+        start = time.perf_counter()
+        rc, _, err = run_cli("inspect", "--json", str(ckpt))
+        assert (rc, err) == (0, "")
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: commands/inspect.py _tensor() collects each tensor's files in a list "
-    "('if chunk.file not in files'), quadratic in the chunks of one tensor when they lie in "
-    "distinct files: 12,000 chunks in 12,000 files take ~7x longer than in one file "
-    "(65,536 such chunks, which parse accepts, take about a minute)",
-)
 def test_inspect_time_does_not_grow_with_the_square_of_a_tensors_files(tmp_path: Path) -> None:
     one_file = _inspect_seconds(tmp_path, "one", grid_doc(1, 12_000))
     many_files = _inspect_seconds(tmp_path, "many", grid_doc(1, 12_000, file_per_chunk=True))
@@ -2209,13 +2185,6 @@ def test_a_sparse_two_gigabyte_tensor_is_refused_before_allocating(tmp_path: Pat
     assert rc == 1 and err == "" and out.splitlines()[0] == "  " + expected[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: commands/verify.py _check_with_safetensors makes a sparse copy of the data "
-    "file's full size and safe_open mmaps all of it, so under an address-space limit "
-    "(ulimit -v / RLIMIT_AS) a valid large checkpoint fails verify with 'cannot be opened by "
-    "safetensors.safe_open: Cannot allocate memory', against 'memory is one checksum block'",
-)
 def test_verify_of_a_valid_large_file_passes_under_an_address_space_limit(
     tmp_path: Path,
 ) -> None:
@@ -2229,14 +2198,6 @@ def test_verify_of_a_valid_large_file_passes_under_an_address_space_limit(
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: checkpoint/reader.py CheckpointReader.verify_all allocates its buffer as "
-    "bytearray(manifest.block_bytes), a size only the manifest gives (parse accepts up to "
-    "2**62): a manifest forged to block_bytes=2**40 makes `shardsafe verify` die with "
-    "'verify failed unexpectedly: MemoryError' (2 GiB: a 2 GiB buffer for a 500-byte file), "
-    "though the checkpoint is valid and loads",
-)
 @pytest.mark.parametrize("block_bytes", [1 << 31, 1 << 40])
 def test_verify_memory_is_bounded_by_the_files_not_a_claimed_block_size(
     tmp_path: Path, block_bytes: int
@@ -2464,13 +2425,6 @@ def descriptor_limit(extra: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: checkpoint/reader.py CheckpointReader keeps every data file it opened open "
-    "until close() (self._open), so load and verify of a checkpoint with more data files "
-    "than free descriptors fail with EMFILE: with the common default 'ulimit -n 1024', a "
-    "consolidated save of ~1,000 tensor entries or a sharded save from ~1,000 ranks",
-)
 def test_more_data_files_than_free_descriptors_still_load_and_verify(tmp_path: Path) -> None:
     state = {f"t{i}": torch.full((4,), float(i)) for i in range(300)}
     ckpt = tmp_path / "many"

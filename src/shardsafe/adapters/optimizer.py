@@ -120,24 +120,37 @@ def plan_import(
                     f"{ctx.name}/{fqn}: parameter shape {shapes[fqn]} in the "
                     f"checkpoint, {list(p.shape)} live"
                 )
+    factored = _keeps_factored_state(local)
     for p in (p for g in local.param_groups for p in g["params"]):
-        fqn = ctx.param_fqn(p)
-        for ref in _tree.tensor_refs(meta["state"].get(fqn, {})):
-            plan.requests.append(_request_for(ref, p, ctx))
+        live_state = local.state.get(p, {})
+        for name, raw in meta["state"].get(ctx.param_fqn(p), {}).items():
+            live = live_state.get(name)
+            for ref in _tree.tensor_refs(raw):
+                plan.requests.append(_request_for(ref, p, live, factored, ctx))
     for saved_group in saved_groups:
         plan.requests += [ReadRequest(ref) for ref in _tree.tensor_refs(saved_group["hyper"])]
     return plan
 
 
-def _request_for(ref: str, param: torch.Tensor, ctx: LoadContext) -> ReadRequest:
-    """State of a parameter: a scalar or shaped like it (whatever key the metadata names);
-    sharded state of a DTensor parameter is read for this rank's shard only."""
+def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Adafactor keeps row and column factors (``[rows, 1]``, ``[1, cols]``) of its state."""
+    return type(optimizer).__name__ == "Adafactor"
+
+
+def _request_for(
+    ref: str, param: torch.Tensor, live: object, factored: bool, ctx: LoadContext
+) -> ReadRequest:
+    """State of a parameter, checked whatever key the metadata names: against the live
+    state if the optimizer has stepped, else it must be a scalar or shaped like the
+    parameter. Sharded state of a DTensor parameter is read for this rank's shard only."""
     saved = ctx.saved_tensors.get(ref)
     whole = tuple(param.shape)
+    box: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
     if saved is not None and dtensor.is_dtensor(param) and saved[1] == whole:
-        offsets, shape = dtensor.local_box(param)
-        return ReadRequest(ref, offsets, shape, within=whole)
-    return ReadRequest(ref, within=whole)
+        box = dtensor.local_box(param)
+    if isinstance(live, torch.Tensor):
+        return ReadRequest(ref, *box, dtype=live.dtype, global_shape=tuple(live.shape))
+    return ReadRequest(ref, *box, within=whole, factored=factored)
 
 
 def state_dict_for(

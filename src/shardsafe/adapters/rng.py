@@ -75,6 +75,7 @@ def check_state(state: Any) -> None:
         raise ValueError("the torch generator state is not a uint8 tensor")
     torch.Generator().set_state(torch_state)
     version, internal, gauss = state["python"]
+    _check_mt19937(internal[:-1], internal[-1], "Python's")
     random.Random().setstate((version, tuple(internal), gauss))
     cuda = state.get("cuda", [])
     if not (
@@ -84,8 +85,12 @@ def check_state(state: Any) -> None:
         raise ValueError("the CUDA generator states are not uint8 tensors")
     if "numpy" in state and np is not None:
         s = state["numpy"]
-        if not isinstance(s.get("keys"), torch.Tensor):
-            raise ValueError("numpy's generator keys are not a tensor")
+        keys = s.get("keys")
+        if not (isinstance(keys, torch.Tensor) and keys.dtype == torch.int64 and keys.dim() == 1):
+            raise ValueError("numpy's generator keys are not a 1-d int64 tensor")
+        _check_mt19937(keys.tolist(), s.get("pos"), "numpy's")
+        if s.get("algorithm") != "MT19937" or s.get("has_gauss") not in (0, 1):
+            raise ValueError("numpy's generator is not an MT19937 state")
         np.random.RandomState().set_state(
             (
                 s["algorithm"],
@@ -95,6 +100,25 @@ def check_state(state: Any) -> None:
                 s["cached"],
             )
         )
+
+
+def _check_mt19937(words: Any, position: Any, whose: str) -> None:
+    """A Mersenne Twister state: 624 words of 32 bits and a position in 0..624.
+
+    The generators' own setters do not all check (numpy's accepts any position and then
+    reads past its key array; Python's truncates words to 32 bits), so this does.
+    """
+    if not (
+        isinstance(words, (list, tuple))
+        and len(words) == _MT_WORDS
+        and all(type(w) is int and 0 <= w < 1 << 32 for w in words)
+    ):
+        raise ValueError(f"{whose} generator state is not {_MT_WORDS} words of 32 bits")
+    if not (type(position) is int and 0 <= position <= _MT_WORDS):
+        raise ValueError(f"{whose} generator position {position!r} is not in 0..{_MT_WORDS}")
+
+
+_MT_WORDS = 624
 
 
 def restore_state(state: dict[str, Any]) -> None:

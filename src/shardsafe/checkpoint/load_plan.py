@@ -195,7 +195,7 @@ def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:
     shape = req.global_shape if req.global_shape is not None else rec.shape
     if dtype != rec.dtype or shape != rec.shape:
         return f"{req.key}: checkpoint {saved}, live {dtypes.dtype_name(dtype)}{list(shape)}"
-    if req.within is not None and not _scalar_or_broadcastable(rec.shape, req.within):
+    if req.within is not None and not _fits(rec.shape, req.within, req.factored):
         return (
             f"{req.key}: checkpoint {saved}, but it belongs to a live tensor of shape "
             f"{list(req.within)}: it must be a scalar or shaped like it"
@@ -212,12 +212,13 @@ def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:
     return None
 
 
-def _scalar_or_broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """True for a 0-d shape, or one whose dims (aligned at the end) are 1 or ``target``'s."""
-    if not shape:
+def _fits(shape: tuple[int, ...], target: tuple[int, ...], factored: bool) -> bool:
+    """True for a 0-d shape or ``target`` itself; with ``factored`` also ``target`` with
+    some dimensions 1 (``[rows, 1]``, ``[1, cols]``)."""
+    if not shape or shape == target:
         return True
-    return len(shape) <= len(target) and all(
-        n in (1, m) for n, m in zip(reversed(shape), reversed(target))
+    return (
+        factored and len(shape) == len(target) and all(n in (1, m) for n, m in zip(shape, target))
     )
 
 

@@ -1,13 +1,23 @@
-"""Reading regions of saved tensors, verified against their checksums.
+"""Reading regions of saved tensors, verified against their checksums, in bounded memory.
 
 A rank asks for a box of a tensor (all of it, or its own shard at a new world size). The
-reader finds the saved chunks that overlap the box and reads, from each, only the byte
-span the overlap occupies, rounded out to whole checksum blocks; it verifies those
-blocks and copies the overlap into place. A chunk that exactly matches the request is
-read straight into the result, with no intermediate copy.
+reader finds the saved chunks that overlap the box and reads, from each, the byte span
+the overlap occupies, rounded out to whole checksum blocks, exactly once: the bytes
+stream through one reused buffer of at most :data:`PIECE_BYTES` (or one row of the chunk,
+if larger), every block's CRC32 is checked as it passes, and the rows the box needs are
+copied into place. A chunk that exactly matches the request is read straight into the
+result. So reading takes the result's memory plus one piece, whatever sizes (or checksum
+block size) a manifest claims.
+
+Files are opened lazily, each validated against the manifest (type, size, header CRC32,
+header) when opened. At most :data:`MAX_OPEN_FILES` stay open; a file closed to make
+room is validated again in full if it is needed again.
 """
 
 from __future__ import annotations
+
+import math
+from collections import OrderedDict
 
 import torch
 
@@ -19,9 +29,42 @@ from .manifest import ChunkRecord, Manifest, TensorRecord
 from .safetensors_io import HeaderEntry, memory, parse_header, read_header_bytes
 from .storage import LocalFileReader, LocalStorage
 
+PIECE_BYTES = 16 << 20
+MAX_OPEN_FILES = 64
+
+
+class _BlockChecker:
+    """The CRC32 of consecutive checksum blocks of one chunk, fed its bytes in order."""
+
+    def __init__(self, key: str, chunk: ChunkRecord, block: int, first_block: int) -> None:
+        self.key, self.chunk, self.block = key, chunk, block
+        self.index, self._crc, self._filled = first_block, 0, 0
+
+    def feed(self, data: memoryview) -> None:
+        while data.nbytes:
+            take = min(self.block - self._filled, data.nbytes)
+            self._crc = crc32(data[:take], self._crc)
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.block:
+                self._check()
+
+    def finish(self) -> None:
+        """The stream ended at the chunk's end: check the last, partial block."""
+        if self._filled:
+            self._check()
+
+    def _check(self) -> None:
+        if self._crc != self.chunk.crc32[self.index]:
+            raise CheckpointCorruptError(
+                f"checksum mismatch in {self.chunk.file}, tensor {self.key!r} (chunk at offsets "
+                f"{list(self.chunk.offsets)}, block {self.index}): the data file is damaged"
+            )
+        self.index, self._crc, self._filled = self.index + 1, 0, 0
+
 
 class CheckpointReader:
-    """Opens data files lazily; validates each file against the manifest once."""
+    """Reads verified regions of a checkpoint's tensors (see the module docstring)."""
 
     def __init__(
         self, storage: LocalStorage, manifest: Manifest, *, keep_header_bytes: bool = False
@@ -31,9 +74,11 @@ class CheckpointReader:
         self.header_bytes: dict[str, bytes] = {}
         """With ``keep_header_bytes``: each opened file's raw header (for ``verify``)."""
         self._keep_header_bytes = keep_header_bytes
-        self._open: dict[str, tuple[LocalFileReader, dict[str, HeaderEntry]]] = {}
+        self._open: OrderedDict[str, tuple[LocalFileReader, dict[str, HeaderEntry]]]
+        self._open = OrderedDict()
         self._failed: dict[str, CheckpointCorruptError] = {}
         """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
+        self._buffer: torch.Tensor | None = None
 
     def close(self) -> None:
         for reader, _ in self._open.values():
@@ -46,60 +91,130 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- reading tensors
+
     def read(
         self, key: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
     ) -> torch.Tensor:
         """The box ``offsets``/``shape`` (default: everything) of tensor ``key``, on CPU."""
         rec = self.manifest.tensors[key]
-        box = (
-            (offsets, shape)
-            if offsets is not None and shape is not None
-            else ((0,) * len(rec.shape), rec.shape)
-        )
-        pieces = [
+        box = _box(rec, offsets, shape)
+        pieces = self._pieces(key, rec, box)  # every file checked before allocating
+        out = torch.empty(box[1], dtype=rec.dtype)
+        if out.numel():
+            self._fill(key, rec, box, pieces, out)
+        return out
+
+    def _pieces(
+        self, key: str, rec: TensorRecord, box: geometry.Box
+    ) -> list[tuple[ChunkRecord, geometry.Box]]:
+        found = [
             (chunk, overlap)
             for chunk in rec.chunks
             if (overlap := geometry.intersect((chunk.offsets, chunk.shape), box)) is not None
         ]
-        # Check each piece against its real file before allocating: a hostile manifest can
-        # claim any shape, but the chunks must tile it and each must exist on disk.
-        for chunk, _ in pieces:
+        # A hostile manifest can claim any shape, but the chunks must tile it and each must
+        # exist on disk: check them before anything is allocated.
+        for chunk, _ in found:
             self._entry(key, rec, chunk)
-        out = torch.empty(box[1], dtype=rec.dtype)
-        if out.numel() == 0:
-            return out
+        return found
+
+    def _fill(
+        self,
+        key: str,
+        rec: TensorRecord,
+        box: geometry.Box,
+        pieces: list[tuple[ChunkRecord, geometry.Box]],
+        out: torch.Tensor,
+    ) -> None:
         for chunk, overlap in pieces:
             if overlap == box and chunk.offsets == box[0] and chunk.shape == box[1]:
                 self._read_whole(key, rec, chunk, out)
                 continue
             rel = (tuple(o - c for o, c in zip(overlap[0], chunk.offsets)), overlap[1])
             dest = tuple(slice(o - b, o - b + n) for o, b, n in zip(overlap[0], box[0], overlap[1]))
-            out[dest] = self._read_box(key, rec, chunk, rel)
-        return out
+            self._read_rows(key, rec, chunk, rel, out[dest])
+
+    def _read_whole(
+        self, key: str, rec: TensorRecord, chunk: ChunkRecord, out: torch.Tensor
+    ) -> None:
+        reader, entry = self._entry(key, rec, chunk)
+        view = memory(out)
+        reader.read_into(entry.start, view)
+        checker = _BlockChecker(key, chunk, self.manifest.block_bytes, 0)
+        for start in range(0, view.nbytes, PIECE_BYTES):
+            checker.feed(view[start : start + PIECE_BYTES])
+        checker.finish()
+
+    def _read_rows(
+        self, key: str, rec: TensorRecord, chunk: ChunkRecord, rel: geometry.Box, dest: torch.Tensor
+    ) -> None:
+        """Stream the blocks covering the rows (dim-0 slices) of ``chunk`` that ``rel`` needs,
+        check them, and copy ``rel`` of each row into ``dest``."""
+        reader, entry = self._entry(key, rec, chunk)
+        itemsize, block = dtypes.itemsize(rec.dtype), self.manifest.block_bytes
+        row_elems = math.prod(chunk.shape[1:]) if chunk.shape else 1
+        row_bytes = row_elems * itemsize
+        first_row, rows = (rel[0][0], rel[1][0]) if chunk.shape else (0, 1)
+        lo, hi = first_row * row_bytes, (first_row + rows) * row_bytes
+        begin = lo // block * block
+        end = min(-(-hi // block) * block, entry.nbytes)
+        checker = _BlockChecker(key, chunk, block, begin // block)
+        self._stream(reader, entry.start + begin, lo - begin, checker)  # before the rows
+        per_piece = max(1, PIECE_BYTES // max(row_bytes, 1))
+        inner = (slice(None), *(slice(o, o + n) for o, n in zip(rel[0][1:], rel[1][1:])))
+        for r in range(0, rows, per_piece):
+            n = min(per_piece, rows - r)
+            raw = self._piece(n * row_bytes)
+            view = memory(raw)
+            reader.read_into(entry.start + lo + r * row_bytes, view)
+            checker.feed(view)
+            if row_bytes:
+                block_rows = raw.view(rec.dtype).reshape((n, *chunk.shape[1:]))
+                dest[r : r + n] = block_rows[inner] if chunk.shape else raw
+        self._stream(reader, entry.start + hi, end - hi, checker)  # after the rows
+        if end == entry.nbytes:
+            checker.finish()
+
+    def _stream(
+        self, reader: LocalFileReader, offset: int, nbytes: int, checker: _BlockChecker
+    ) -> None:
+        """Feed ``nbytes`` at ``offset`` to ``checker``, one piece at a time."""
+        for start in range(0, nbytes, PIECE_BYTES):
+            view = memory(self._piece(min(PIECE_BYTES, nbytes - start)))
+            reader.read_into(offset + start, view)
+            checker.feed(view)
+
+    def _piece(self, nbytes: int) -> torch.Tensor:
+        """A reused buffer of ``nbytes`` (grown only for a row larger than a piece)."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
+    # -- verifying
 
     def verify_all(self, skip_files: set[str] | None = None) -> list[str]:
         """Check every chunk of every tensor (but those with chunks in ``skip_files``);
-        return one line per problem found.
-
-        Each chunk is read block by block into one reused buffer, so memory stays at one
-        checksum block whatever sizes the manifest claims.
-        """
-        problems = []
-        buffer = memoryview(bytearray(self.manifest.block_bytes))
+        return one line per problem found. Memory: one piece, whatever the sizes."""
         skip = skip_files or set()
+        by_file: dict[str, list[tuple[str, TensorRecord, ChunkRecord]]] = {}
         for key, rec in self.manifest.tensors.items():
             if skip and any(chunk.file in skip for chunk in rec.chunks):
                 continue
             for chunk in rec.chunks:
+                by_file.setdefault(chunk.file, []).append((key, rec, chunk))
+        problems: dict[str, list[str]] = {}
+        for chunks in by_file.values():  # file by file: each opened once
+            for key, rec, chunk in chunks:
                 try:
                     reader, entry = self._entry(key, rec, chunk)
-                    for index, start in enumerate(range(0, entry.nbytes, len(buffer))):
-                        view = buffer[: min(len(buffer), entry.nbytes - start)]
-                        reader.read_into(entry.start + start, view)
-                        self._verify(key, chunk, view, index)
+                    checker = _BlockChecker(key, chunk, self.manifest.block_bytes, 0)
+                    self._stream(reader, entry.start, entry.nbytes, checker)
+                    checker.finish()
                 except CheckpointCorruptError as e:
-                    problems.append(str(e))
-        return problems
+                    problems.setdefault(key, []).append(str(e))
+        # One line per problem, in the manifest's tensor order.
+        return [line for key in self.manifest.tensors for line in problems.get(key, [])]
 
     def check_files(self) -> dict[str, str]:
         """Open every data file and check its size and header; ``{file: problem}``."""
@@ -111,37 +226,43 @@ class CheckpointReader:
                 problems[name] = str(e)
         return problems
 
-    # -- internals
+    # -- files
 
     def _file(self, name: str) -> tuple[LocalFileReader, dict[str, HeaderEntry]]:
-        if name not in self._open:
-            if name in self._failed:
-                raise self._failed[name]
-            try:
-                reader = self.storage.open_reader(name)
-            except CheckpointCorruptError as e:
-                self._failed[name] = e
-                raise
-            try:
-                expected = self.manifest.files[name]
-                if reader.size != expected:
-                    raise CheckpointCorruptError(
-                        f"data file {name} is {reader.size} bytes but the manifest recorded "
-                        f"{expected}: it was truncated or modified after the save"
-                    )
-                raw = read_header_bytes(reader)
-                if self._keep_header_bytes:
-                    self.header_bytes[name] = raw
-                headers = parse_header(name, raw, reader.size, self.manifest.header_crc32.get(name))
-            except CheckpointCorruptError as e:
-                reader.close()
-                self._failed[name] = e
-                raise
-            except BaseException:
-                reader.close()
-                raise
-            self._open[name] = (reader, headers)
-        return self._open[name]
+        if name in self._open:
+            self._open.move_to_end(name)
+            return self._open[name]
+        if name in self._failed:
+            raise self._failed[name]
+        try:
+            opened = self._validated(name)
+        except CheckpointCorruptError as e:
+            self._failed[name] = e
+            raise
+        if len(self._open) >= MAX_OPEN_FILES:
+            _, (oldest, _) = self._open.popitem(last=False)
+            oldest.close()
+        self._open[name] = opened
+        return opened
+
+    def _validated(self, name: str) -> tuple[LocalFileReader, dict[str, HeaderEntry]]:
+        """Open ``name`` and check it against the manifest: size, header CRC32, header."""
+        reader = self.storage.open_reader(name)
+        try:
+            expected = self.manifest.files[name]
+            if reader.size != expected:
+                raise CheckpointCorruptError(
+                    f"data file {name} is {reader.size} bytes but the manifest recorded "
+                    f"{expected}: it was truncated or modified after the save"
+                )
+            raw = read_header_bytes(reader)
+            if self._keep_header_bytes:
+                self.header_bytes[name] = raw
+            headers = parse_header(name, raw, reader.size, self.manifest.header_crc32.get(name))
+        except BaseException:
+            reader.close()
+            raise
+        return reader, headers
 
     def _entry(
         self, key: str, rec: TensorRecord, chunk: ChunkRecord
@@ -160,38 +281,10 @@ class CheckpointReader:
             )
         return reader, entry
 
-    def _read_whole(
-        self, key: str, rec: TensorRecord, chunk: ChunkRecord, out: torch.Tensor
-    ) -> None:
-        reader, entry = self._entry(key, rec, chunk)
-        view = memory(out)
-        reader.read_into(entry.start, view)
-        self._verify(key, chunk, view, 0)
 
-    def _read_box(
-        self, key: str, rec: TensorRecord, chunk: ChunkRecord, rel: geometry.Box
-    ) -> torch.Tensor:
-        reader, entry = self._entry(key, rec, chunk)
-        size = dtypes.itemsize(rec.dtype)
-        block = self.manifest.block_bytes
-        first, stop = geometry.element_span(chunk.shape, rel)
-        begin = first * size // block * block
-        end = min(-(-stop * size // block) * block, entry.nbytes)
-        raw = torch.empty(end - begin, dtype=torch.uint8)
-        view = memory(raw)
-        reader.read_into(entry.start + begin, view)
-        self._verify(key, chunk, view, begin // block)
-        typed = raw.view(rec.dtype)
-        return typed.as_strided(
-            rel[1], geometry.contiguous_strides(chunk.shape), first - begin // size
-        )
-
-    def _verify(self, key: str, chunk: ChunkRecord, data: memoryview, first_block: int) -> None:
-        block = self.manifest.block_bytes
-        for i, start in enumerate(range(0, data.nbytes, block)):
-            index = first_block + i
-            if crc32(data[start : start + block], 0) != chunk.crc32[index]:
-                raise CheckpointCorruptError(
-                    f"checksum mismatch in {chunk.file}, tensor {key!r} (chunk at offsets "
-                    f"{list(chunk.offsets)}, block {index}): the data file is damaged"
-                )
+def _box(
+    rec: TensorRecord, offsets: tuple[int, ...] | None, shape: tuple[int, ...] | None
+) -> geometry.Box:
+    if offsets is not None and shape is not None:
+        return offsets, shape
+    return (0,) * len(rec.shape), rec.shape

@@ -127,10 +127,7 @@ def _owner(key: str, values: dict[str, Any]) -> str | None:
 def _tensor(key: str, rec: Any, values: dict[str, Any]) -> dict[str, Any]:
     from .. import dtypes
 
-    files: list[str] = []
-    for chunk in rec.chunks:
-        if chunk.file not in files:
-            files.append(chunk.file)
+    files = list(dict.fromkeys(chunk.file for chunk in rec.chunks))
     return {
         "key": key,
         "value": _owner(key, values),
