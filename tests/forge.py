@@ -22,8 +22,8 @@ CRC_KEY = "manifest_crc32"
 
 def manifest_bytes(doc: dict[str, Any]) -> bytes:
     """``doc`` as a manifest whose own checksum matches (any old one is replaced)."""
-    body = json.dumps({k: v for k, v in doc.items() if k != CRC_KEY}, indent=1).encode()
-    head = body[: -len(b"\n}")]
+    body = json.dumps({k: v for k, v in doc.items() if k != CRC_KEY}).encode()
+    head = body[: -len(b"}")]
     return head + b',\n "%s": "%08x"\n}\n' % (CRC_KEY.encode(), zlib.crc32(head))
 
 

@@ -167,30 +167,33 @@ class Checker:
         raise CheckpointCorruptError(f"{self.where} is malformed: {problem}")
 
     def tensor(self, key: str, rec: Any, files: dict[str, int], block_bytes: int) -> TensorRecord:
-        self.require(
-            isinstance(key, str)
+        """One tensor record (messages formatted only on failure: this runs per tensor)."""
+        if not (
+            type(key) is str
             and 0 < len(key) <= MAX_NAME_CHARS
-            and valid_value_name(key.split("/", 1)[0]),
-            f"tensor key {key[:80]!r} is not a valid key",
-        )
-        self.require(isinstance(rec, dict), f"tensor {key!r} is not an object")
+            and valid_value_name(key.split("/", 1)[0])
+        ):
+            self.fail(f"tensor key {key[:80]!r} is not a valid key")
+        if type(rec) is not dict:
+            self.fail(f"tensor {key!r} is not an object")
         dtype = dtypes.from_name(rec.get("dtype"))
-        self.require(dtype is not None, f"tensor {key!r} has unknown dtype {rec.get('dtype')!r}")
-        assert dtype is not None
-        shape = self.ints(rec.get("shape"), f"the shape of {key!r}")
-        self.require(  # what torch.empty can make, even with a zero dim (bytes: see chunk())
-            math.prod(max(n, 1) for n in shape) < 1 << 63,
-            f"the shape of {key!r} is too large for any tensor",
-        )
+        if dtype is None:
+            self.fail(f"tensor {key!r} has unknown dtype {rec.get('dtype')!r}")
+        raw_shape: Any = rec.get("shape")
+        if not _non_negative_ints(raw_shape):
+            self.fail(f"the shape of {key!r} is not a list of non-negative ints")
+        shape = tuple(raw_shape)
+        if math.prod(max(n, 1) for n in shape) >= 1 << 63:  # what torch.empty can make
+            self.fail(f"the shape of {key!r} is too large for any tensor")
         raw_chunks = rec.get("chunks")
-        self.require(
-            isinstance(raw_chunks, list) and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR,
-            f"tensor {key!r} has no valid 'chunks' list",
-        )
+        if not (type(raw_chunks) is list and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR):
+            self.fail(f"tensor {key!r} has no valid 'chunks' list")
         itemsize = dtypes.itemsize(dtype)
         chunks = tuple(self.chunk(key, c, shape, itemsize, files, block_bytes) for c in raw_chunks)
-        problem = geometry.tiling_problem(shape, [(c.offsets, c.shape) for c in chunks])
-        self.require(problem is None, f"the chunks of {key!r} {problem}")
+        if len(chunks) > 1 or chunks[0].offsets != (0,) * len(shape) or chunks[0].shape != shape:
+            problem = geometry.tiling_problem(shape, [(c.offsets, c.shape) for c in chunks])
+            if problem is not None:
+                self.fail(f"the chunks of {key!r} {problem}")
         return TensorRecord(dtype, shape, chunks)
 
     def chunk(
