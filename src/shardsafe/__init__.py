@@ -3,6 +3,7 @@
 Public API (everything else is private and may change)::
 
     shardsafe.save(path, state, layout="sharded" | "consolidated")
+    shardsafe.async_save(path, state) -> SaveHandle (staged now, written in the background)
     shardsafe.load(path, state, strict=True) -> dict of plain values
     shardsafe.read_manifest(path) -> what a checkpoint holds, without reading data
     shardsafe.CheckpointManager(root, keep_last=k)
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .adapters import Adapter, RNGState, register_adapter
-from .checkpoint.api import load, read_manifest, save
+from .checkpoint.api import SaveHandle, async_save, load, read_manifest, save
 from .checkpoint.manager import CheckpointManager
 from .errors import (
     CheckpointCorruptError,
@@ -36,9 +37,11 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointVersionError",
     "RNGState",
+    "SaveHandle",
     "Trainer",
     "TrainingModule",
     "__version__",
+    "async_save",
     "load",
     "read_manifest",
     "register_adapter",

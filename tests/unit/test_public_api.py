@@ -15,9 +15,11 @@ PUBLIC = [
     "CheckpointNotFoundError",
     "CheckpointVersionError",
     "RNGState",
+    "SaveHandle",
     "Trainer",
     "TrainingModule",
     "__version__",
+    "async_save",
     "load",
     "read_manifest",
     "register_adapter",
@@ -41,7 +43,7 @@ def test_error_tree() -> None:
 
 
 def test_save_and_load_options_are_keyword_only() -> None:
-    for fn in (shardsafe.save, shardsafe.load):
+    for fn in (shardsafe.save, shardsafe.async_save, shardsafe.load):
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params[:2]] == ["path", "state"]
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:]), fn

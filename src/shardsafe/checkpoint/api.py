@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import loading, saving
+from . import background, loading, saving
+from .background import SaveHandle
 from .loading import read_manifest
 from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
 from .storage import LocalStorage
@@ -58,7 +59,40 @@ def save(
         storage=storage,
         hooks=hooks,
     )
+    background.drain()  # one save in flight: an asynchronous one finishes first
     saving.save(os.fspath(path), state, options)
+
+
+def async_save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    layout: str = _S.layout,
+    entry_timeout: float = _S.entry_timeout,
+    timeout: float = _S.timeout,
+    buffer_bytes: int = _S.buffer_bytes,
+    storage: StorageFactory | None = _S.storage,
+    hooks: SaveHooks = _S.hooks,
+) -> SaveHandle:
+    """Like :func:`save`, but return once this rank's state is staged. Call it on every rank.
+
+    What is written is the state at the moment of the call, bitwise, however the caller
+    changes its tensors afterwards: every tensor is copied into staging buffers (reused by
+    later calls: one copy of this rank's state in host memory) before it returns. The
+    rest of the save (writing, checksums, the commit) runs in a background thread, with
+    every guarantee of :func:`save`. ``handle.wait()`` returns once the checkpoint is
+    committed, or raises the error every rank agreed on; if you never wait, the next
+    ``save``/``async_save`` (which waits for this one first) raises it.
+    """
+    options = SaveOptions(
+        layout=layout,
+        entry_timeout=entry_timeout,
+        timeout=timeout,
+        buffer_bytes=buffer_bytes,
+        storage=storage,
+        hooks=hooks,
+    )
+    return background.async_save(os.fspath(path), state, options)
 
 
 def load(
@@ -92,4 +126,4 @@ def load(
         return loading.load(storage, state, options)
 
 
-__all__ = ["load", "read_manifest", "save"]
+__all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save"]

@@ -12,6 +12,8 @@ and raises, so that the error is agreed at the end of the write phase.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -27,13 +29,18 @@ from .writing import WriteOptions, WrittenFile, finish, open_file, remove_quietl
 
 class ConsolidatedReceiver:
     def __init__(
-        self, plan: SavePlan, sources: ChunkBytes, storage: LocalStorage, options: WriteOptions
+        self,
+        plan: SavePlan,
+        sources: ChunkBytes,
+        storage: LocalStorage,
+        options: WriteOptions,
+        group: Any = None,
     ) -> None:
-        self.plan, self.sources = plan, sources
+        self.plan, self.sources, self.group = plan, sources, group
         self.storage, self.options = storage, options
         self.max_message = max(options.buffer_bytes // 2, 1)
         self.steps, self.messages = plan_transfers(plan.files, self.max_message)
-        self.device = comm_device()
+        self.device = comm_device() if group is None else torch.device("cpu")
         self.error: BaseException | None = None
         self._slots: list[torch.Tensor] = []
         self._pending: dict[int, dist.Work | None] = {}
@@ -127,7 +134,9 @@ class ConsolidatedReceiver:
             return
         message = self.messages[index]
         buf = self._slots[index % 2][: message.nbytes]
-        self._pending[index] = dist.irecv(buf, src=message.src) if message.nbytes else None
+        self._pending[index] = (
+            dist.irecv(buf, src=message.src, group=self.group) if message.nbytes else None
+        )
 
     def _assemble(self, writer: StreamWriter | None, step: Assemble) -> StreamWriter | None:
         """A tensor split on more than dim 0 (tensor parallel): gathered whole, then written.

@@ -12,6 +12,8 @@ the end of the write phase.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -25,18 +27,24 @@ from .writing import WriteOptions, WrittenFile, sent_whole
 
 class ConsolidatedSender:
     def __init__(
-        self, plan: SavePlan, rank: int, sources: ChunkBytes, options: WriteOptions
+        self,
+        plan: SavePlan,
+        rank: int,
+        sources: ChunkBytes,
+        options: WriteOptions,
+        group: Any = None,
     ) -> None:
         self.plan, self.rank, self.sources, self.options = plan, rank, sources, options
+        self.group = group
         _, self.messages = plan_transfers(plan.files, max(options.buffer_bytes // 2, 1))
-        self.device = comm_device()
+        self.device = comm_device() if group is None else torch.device("cpu")
         self.error: BaseException | None = None
 
     def run(self) -> dict[str, WrittenFile]:
         results = self._checksum_own_entries()
         for message in self.messages:
             if message.src == self.rank:
-                dist.send(self._payload(message), dst=CONSOLIDATING_RANK)
+                dist.send(self._payload(message), dst=CONSOLIDATING_RANK, group=self.group)
         if self.error is not None:
             raise self.error
         return results

@@ -34,12 +34,14 @@ from typing import Any
 
 from ..distributed import world
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from . import loading
+from . import background, loading
+from .background import SaveHandle
 from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
 from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
 from .reader import CheckpointReader
 from .saving import save as _save
+from .staging import Stager
 from .storage import LocalStorage
 from .target_directory import INCOMPLETE_MARKER
 
@@ -89,6 +91,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self._lock = RootLock(self.root)
         self._resumed_from: int | None = None
+        self._handle: SaveHandle | None = None
+        self._stager = Stager()
         if warn_if_not_empty and world()[0] == 0:
             steps = self.complete_steps()
             if steps:
@@ -99,8 +103,14 @@ class CheckpointManager:
                 )
 
     def close(self) -> None:
-        """Give up this process's claim on the root (also done at exit)."""
-        self._lock.release()
+        """Wait for a save in flight, then give up this process's claim on the root (also
+        done at exit). Raises the save's error if nobody has seen it."""
+        handle, self._handle = self._handle, None
+        try:
+            if handle is not None:
+                handle.close()
+        finally:
+            self._lock.release()
 
     def path_for(self, step: int) -> str:
         return os.path.join(self.root, step_dir_name(step))
@@ -124,8 +134,6 @@ class CheckpointManager:
         process (see ``lock.py``): a second run saving into the same root gets a
         :class:`CheckpointError`.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int")
         opts = SaveOptions(
             layout=layout,
             entry_timeout=entry_timeout,
@@ -138,6 +146,53 @@ class CheckpointManager:
 
     def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
         """:meth:`save` with its options as one :class:`SaveOptions` (the Trainer's way)."""
+        path, options = self._prepared(step, opts)
+        background.drain()  # one save in flight: an asynchronous one finishes first
+        _save(path, state, options)
+        return path
+
+    def async_save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        layout: str = _S.layout,
+        entry_timeout: float = _S.entry_timeout,
+        timeout: float = _S.timeout,
+        buffer_bytes: int = _S.buffer_bytes,
+        storage: StorageFactory | None = _S.storage,
+        hooks: SaveHooks = _S.hooks,
+    ) -> SaveHandle:
+        """:meth:`save` in the background (see :func:`shardsafe.async_save`): returns once
+        the state is staged; ``latest`` moves and retention runs after the commit."""
+        opts = SaveOptions(
+            layout=layout,
+            entry_timeout=entry_timeout,
+            timeout=timeout,
+            buffer_bytes=buffer_bytes,
+            storage=storage,
+            hooks=hooks,
+        )
+        return self.async_save_with(step, state, opts)
+
+    def async_save_with(
+        self, step: int, state: Any, opts: SaveOptions, *, overlap: bool = False
+    ) -> SaveHandle:
+        """:meth:`async_save` with one :class:`SaveOptions`; ``overlap`` as in
+        ``background.async_save`` (the Trainer overlaps copies with its next step)."""
+        path, options = self._prepared(step, opts)
+        self._handle = background.async_save(path, state, options, self._stager, overlap=overlap)
+        return self._handle
+
+    def wait(self) -> str | None:
+        """Wait for this manager's save in flight; return its path (``None`` if none), or
+        raise its error."""
+        handle, self._handle = self._handle, None
+        return None if handle is None else handle.wait()
+
+    def _prepared(self, step: int, opts: SaveOptions) -> tuple[str, SaveOptions]:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
         path = self.path_for(step)
         if world()[0] == 0:
             os.makedirs(self.root, exist_ok=True)
@@ -146,8 +201,7 @@ class CheckpointManager:
             after_commit=lambda: self._after_commit(step, opts.hooks.after_commit),
         )
         storage = functools.partial(opts.storage or LocalStorage, follow=False)
-        _save(path, state, SaveOptions.of(opts, storage=storage, hooks=mine))
-        return path
+        return path, SaveOptions.of(opts, storage=storage, hooks=mine)
 
     def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
         """Runs on rank 0 before any data is written: own the root, and never go back in time."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,38 +44,85 @@ AFTERMATH: dict[Phase | None, str] = {
 
 def save(path: str, state: Mapping[str, Any], options: SaveOptions) -> None:
     """Run the phases of a save on this rank (see the module docstring)."""
+    persist(begin(path, state, options))
+
+
+@dataclass
+class SaveRun:
+    """A save between its two halves: entered and collected (``begin``), not yet written
+    (``persist``). An asynchronous save runs ``persist`` on a background thread."""
+
+    path: str
+    coord: Coordinator
+    storage: LocalStorage
+    options: SaveOptions
+    existed: bool
+    items: Collected = field(default_factory=dict)
+    error: BaseException | None = None
+    """This rank's failure while collecting or staging, agreed on in the collect phase."""
+    group: Any = None
+    """The process group for the consolidated layout's transfers (``None``: the default)."""
+
+
+def begin(
+    path: str,
+    state: Mapping[str, Any],
+    options: SaveOptions,
+    *,
+    stage: Callable[[Collected], Collected] | None = None,
+) -> SaveRun:
+    """Meet every rank (the entry barrier) and turn this rank's state into save items.
+
+    A failure after the barrier is kept in the run, so that ``persist`` posts it in the
+    collect phase and every rank raises it: ``persist`` must follow on every rank.
+    """
     check_state(state)
     storage = (options.storage or LocalStorage)(path)
     try:
         existed = target_directory.refuse_committed(storage)
         coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
         coord.enter(options.entry_timeout)
-        try:
-            _phases(coord, storage, state, options)
-        except CheckpointError:
-            if coord.rank == 0 and not existed:
-                target_directory.remove_uncommitted(storage)  # everything in it was ours
-            raise
-        finally:
-            coord.close()
+    except BaseException:
+        storage.close()
+        raise
+    run = SaveRun(path, coord, storage, options, existed)
+    try:
+        run.items = collect(state, coord.rank, coord.world_size)
+        if stage is not None:
+            run.items = stage(run.items)
+    except Exception as e:
+        run.error, run.items = e, {}
+    return run
+
+
+def persist(run: SaveRun) -> None:
+    """The collect, write and commit phases of ``run`` (see the module docstring)."""
+    coord, storage = run.coord, run.storage
+    try:
+        _phases(run)
+    except CheckpointError:
+        if coord.rank == 0 and not run.existed:
+            target_directory.remove_uncommitted(storage)  # everything in it was ours
+        raise
     finally:
+        coord.close()
         storage.close()
 
 
-def _phases(
-    coord: Coordinator, storage: LocalStorage, state: Mapping[str, Any], options: SaveOptions
-) -> None:
+def _phases(run: SaveRun) -> None:
+    coord, storage, options, items = run.coord, run.storage, run.options, run.items
     with coord.phase(Phase.COLLECT) as collected:
+        if run.error is not None:
+            raise run.error
         if coord.rank == 0:
             if options.hooks.before_write is not None:
                 options.hooks.before_write()
             target_directory.prepare(storage)
-        items = collect(state, coord.rank, coord.world_size)
         offer = Offer.of(coord.rank, {name: item for name, (_, item) in items.items()})
         collected.payload = offer.to_json()
     offers = [Offer.from_json(r, raw) for r, raw in enumerate(collected.payloads)]
     adapters = {name: adapter for name, (adapter, _) in items.items()}
-    plan, written = _write(coord, storage, items, offers, options)
+    plan, written = _write(coord, storage, items, offers, options, run.group)
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
             entries = _merged(adapters, offers)
@@ -96,6 +144,7 @@ def _write(
     items: Collected,
     offers: list[Offer],
     options: SaveOptions,
+    group: Any,
 ) -> tuple[SavePlan, list[dict[str, WrittenFile]]]:
     """The write phase: this rank's files of the plan; rank 0 learns what every rank wrote."""
     written: dict[str, WrittenFile] = {}
@@ -106,7 +155,7 @@ def _write(
                 plan = plan_save([o.chunks for o in offers], options.layout, list(items))
                 chunks = chunks_of({name: item for name, (_, item) in items.items()})
                 write_options = WriteOptions(CRC_BLOCK_BYTES, options.buffer_bytes)
-                written = write_plan(plan, coord.rank, chunks, storage, write_options)
+                written = write_plan(plan, coord.rank, chunks, storage, write_options, group)
                 phase.payload = written
             finally:
                 items.clear()  # drop references to staged state before waiting on others

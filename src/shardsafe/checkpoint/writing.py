@@ -13,7 +13,7 @@ created; the other ranks remove theirs once the failure is agreed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from ..protocol import Chunk
 from .chunk_bytes import ChunkBytes
@@ -38,19 +38,29 @@ class WriteOptions:
 
 
 def write_plan(
-    plan: SavePlan, rank: int, chunks: list[Chunk], storage: LocalStorage, options: WriteOptions
+    plan: SavePlan,
+    rank: int,
+    chunks: list[Chunk],
+    storage: LocalStorage,
+    options: WriteOptions,
+    group: Any = None,
 ) -> dict[str, WrittenFile]:
-    """Write this rank's share of ``plan``; return what it wrote, by file name."""
+    """Write this rank's share of ``plan``; return what it wrote, by file name.
+
+    ``group``: the process group the consolidated layout's bytes travel over (``None``:
+    the default group; an asynchronous save passes its own, so that it never issues
+    operations on the group the training uses).
+    """
     sources = ChunkBytes(chunks, options.buffer_bytes)
     if plan.layout == "sharded" or plan.world_size == 1:
         return _write_own_files(plan.files_of(rank), sources, storage, options)
     if rank == CONSOLIDATING_RANK:
         from .consolidate_receiver import ConsolidatedReceiver
 
-        return ConsolidatedReceiver(plan, sources, storage, options).run()
+        return ConsolidatedReceiver(plan, sources, storage, options, group).run()
     from .consolidate_sender import ConsolidatedSender
 
-    return ConsolidatedSender(plan, rank, sources, options).run()
+    return ConsolidatedSender(plan, rank, sources, options, group).run()
 
 
 def _write_own_files(

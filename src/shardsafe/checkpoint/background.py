@@ -1,0 +1,176 @@
+"""Asynchronous save: the state is staged at the call, written and committed in the
+background, with every guarantee of a blocking save.
+
+The call (on every rank) runs the entry barrier and turns the state into save items,
+then copies their bytes into reusable staging buffers (``staging.py``) and returns a
+:class:`SaveHandle`. A background thread then runs the rest of a save exactly as
+``save`` does: the collect, write and commit phases, agreed through the process group's
+store (never a collective on the training's group; the consolidated layout's transfers
+use a process group of their own). So an error on any rank reaches every rank's handle,
+nothing is committed, and ``latest`` stays where it was.
+
+One save is in flight per process: the next ``save`` or ``async_save`` waits for it
+first, and raises its error if nobody has seen it yet. The thread is not a daemon, so at
+interpreter exit a save in flight is finished; killed, it leaves a directory without a
+manifest, never a half-visible checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .collecting import Collected
+from .options import SaveOptions
+from .saving import SaveRun, begin, persist
+from .staging import Staged, Stager
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: list[SaveHandle] = []
+_GROUPS: dict[int, Any] = {}
+DEFAULT_STAGER = Stager()
+"""The buffers ``shardsafe.async_save`` stages into (a manager has its own)."""
+
+
+class SaveHandle:
+    """A save running in the background. ``wait()`` for it; it is committed when it returns.
+
+    Every rank's handle ends the same way: committed, or raising the same
+    :class:`CheckpointError`.
+    """
+
+    def __init__(self, path: str, run: SaveRun, staged: Staged) -> None:
+        self.path = path
+        self._run: SaveRun | None = run
+        self._staged: Staged | None = staged
+        self._copies = staged
+        self._finished = threading.Event()
+        self._error: CheckpointError | None = None
+        self._seen = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="shardsafe-save", daemon=False)
+
+    def done(self) -> bool:
+        """True once the save has committed or failed (``wait`` says which)."""
+        self._check_open()
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the save is durable and committed; return its path, or raise the
+        agreed :class:`CheckpointError`. ``TimeoutError`` if it is still running after
+        ``timeout`` seconds (it keeps running)."""
+        self._check_open()
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the save to {self.path} is still running after {timeout:g} s")
+        self._seen = True
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def close(self) -> None:
+        """Wait for the save, then release the handle (raising its error if unseen)."""
+        if self._closed:
+            return
+        self._finished.wait()
+        self._closed = True
+        if self._error is not None and not self._seen:
+            self._seen = True
+            raise self._error
+
+    def wait_staged(self) -> None:
+        """Block until the state's copies have landed in host memory (immediate unless the
+        save was started with ``overlap``): after this the caller may change the tensors."""
+        self._copies.ready()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"this SaveHandle (for {self.path}) was closed; keep using it only before "
+                "close(), or check the checkpoint with shardsafe.read_manifest"
+            )
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            _lower_priority()
+            assert self._run is not None and self._staged is not None
+            self._staged.ready()
+            persist(self._run)
+        except CheckpointError as e:
+            self._error = e
+        except BaseException as e:
+            self._error = CheckpointError(f"the background save failed: {type(e).__name__}: {e}")
+        finally:
+            self._run = self._staged = None  # the staged copies belong to the next save
+            self._finished.set()
+
+
+def drain() -> None:
+    """Wait for the save in flight, if any; raise its error if nobody has seen it."""
+    with _LOCK:
+        pending = list(_IN_FLIGHT)
+        _IN_FLIGHT.clear()
+    for handle in pending:
+        handle._finished.wait()
+        if handle._error is not None and not handle._seen:
+            handle._seen = True
+            raise handle._error
+
+
+def async_save(
+    path: str,
+    state: Mapping[str, Any],
+    options: SaveOptions,
+    stager: Stager | None = None,
+    *,
+    overlap: bool = False,
+) -> SaveHandle:
+    """Stage ``state`` and save it in the background (see the module docstring).
+
+    ``overlap``: return before device-to-host copies have finished (the caller must call
+    ``handle.wait_staged()`` before changing the tensors; the Trainer does, before its next
+    optimizer step).
+    """
+    drain()
+    use = stager or DEFAULT_STAGER
+    staged: list[Staged] = []
+
+    def stage(items: Collected) -> Collected:
+        staged.append(use.stage(items))
+        return staged[-1].items
+
+    run = begin(path, state, options, stage=stage)
+    if options.layout == "consolidated" and run.coord.world_size > 1:
+        run.group = _transfer_group()
+    result = staged[0] if staged else Staged({}, [])
+    if not overlap:
+        result.ready()
+    handle = SaveHandle(path, run, result)
+    with _LOCK:
+        _IN_FLIGHT.append(handle)
+    handle._start()
+    return handle
+
+
+def _transfer_group() -> Any:
+    """A gloo group of every rank for the background's transfers, made once per default
+    group (``new_group`` is collective: every rank calls it here, after the barrier)."""
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+def _lower_priority() -> None:
+    """Let the training threads go first when the CPU is busy (Linux: per-thread nice)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)

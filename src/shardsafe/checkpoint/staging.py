@@ -1,0 +1,98 @@
+"""Staging: a snapshot of this rank's chunks, so an asynchronous save can write it later.
+
+After ``async_save`` returns, the caller steps the optimizer and changes parameters in
+place; the background write must see the state as it was at the call. Adapters hand out
+live tensors (ZeRO's local optimizer state, module parameters, DTensor local shards), so
+every chunk's bytes are copied into a staging buffer before the call returns.
+
+Buffers are allocated once and reused by every later save of the same tensors (same key,
+shape, dtype): the extra host memory is one copy of the rank's own state, allocated at
+the first save. CUDA tensors are copied into pinned host memory on a side stream,
+non-blocking; the copy is finished (``Staged.ready``) before the call returns unless the
+caller asks to overlap it (the Trainer, with the next forward and backward, which do not
+touch parameters).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..protocol import Chunk
+from .collecting import Collected
+
+
+@dataclass
+class Staged:
+    """The staged copy of one save's chunks, and how to know it is complete."""
+
+    items: Collected
+    events: list[Any]
+    """CUDA events recorded after each device's copies (empty on CPU)."""
+
+    def ready(self) -> None:
+        """Block until every copy has landed in host memory."""
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
+
+
+class Stager:
+    """Reusable staging buffers for the chunks of a series of saves (one in flight)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, items: Collected) -> Staged:
+        """Copy every chunk into its buffer; return the items with the copies in place."""
+        with self._lock:
+            devices: set[int] = set()
+            staged: Collected = {}
+            for name, (adapter, item) in items.items():
+                chunks = [self._stage(chunk, devices) for chunk in item.chunks]
+                staged[name] = (adapter, replace(item, chunks=chunks))
+            events = []
+            for device in sorted(devices):
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self._streams[device])
+                events.append(event)
+            return Staged(staged, events)
+
+    def _stage(self, chunk: Chunk, devices: set[int]) -> Chunk:
+        tensor = chunk.tensor.detach()
+        key = (chunk.key, chunk.offsets, tuple(tensor.shape), tensor.dtype, tensor.device.type)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            pinned = tensor.device.type == "cuda"
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            self._buffers[key] = buffer
+        if tensor.device.type == "cuda":
+            stream = self._stream(tensor.device.index or 0)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                buffer.copy_(tensor, non_blocking=True)
+                tensor.record_stream(stream)  # kept alive until the copy has run
+            devices.add(tensor.device.index or 0)
+        else:
+            buffer.copy_(tensor)
+        return replace(chunk, tensor=buffer)
+
+    def _stream(self, device: int) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return self._streams[device]
+
+    def release(self) -> None:
+        """Free the buffers (the next save allocates them again)."""
+        with self._lock:
+            self._buffers.clear()
