@@ -44,10 +44,10 @@ def fail_save_of(step: int, rank: int) -> None:
 
     original = saving.write_plan
 
-    def write_plan(plan: Any, rank_: int, chunks: Any, storage: Any, options: Any) -> Any:
+    def write_plan(plan: Any, rank_: int, chunks: Any, storage: Any, *rest: Any) -> Any:
         if storage.directory.rstrip("/").endswith(step_dir_name(step)):
             raise OSError(f"injected write failure on rank {rank}")  # as a failed write
-        return original(plan, rank_, chunks, storage, options)
+        return original(plan, rank_, chunks, storage, *rest)
 
     saving.write_plan = write_plan
 
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-step", type=int, default=0)
     parser.add_argument("--fail-in", choices=("step", "save"), default="step")
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
 
     if args.fail_in == "save" and int(os.environ.get("RANK", "-1")) == args.fail_rank:
@@ -78,6 +79,7 @@ def main() -> None:
         checkpoint_every=args.checkpoint_every,
         run_dir=args.run_dir,
         seed=args.seed,
+        async_save=args.async_save,
     )
     trainer.fit(FaultyExample(args), resume=args.resume)
 

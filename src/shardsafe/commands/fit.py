@@ -36,6 +36,7 @@ _OPTIONS: tuple[tuple[str, str], ...] = (
     ("--seed", "seed"),
     ("--keep-last", "keep_last"),
     ("--example-optimizer", "example_optimizer"),
+    ("--async-save", "async_save"),
 )
 """Every option, so a launcher can hand its workers exactly the options it was given."""
 
@@ -61,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds weights, data and RNGs")
     parser.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background: training goes on while they are written",
+    )
+    parser.add_argument(
         "--example-optimizer",
         choices=EXAMPLE_OPTIMIZERS,
         default="adamw",
@@ -85,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             layout=args.layout,
             seed=args.seed,
             keep_last=args.keep_last,
+            async_save=args.async_save,
         )
         env = current_environment(args.devices)
     except ValueError as e:
@@ -113,7 +120,9 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for flag, dest in _OPTIONS:
         value = getattr(args, dest)
-        if value is not None:
+        if value is True:
+            argv.append(flag)  # a switch
+        elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv
 

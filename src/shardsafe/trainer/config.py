@@ -29,6 +29,9 @@ class TrainerConfig:
     """Keep this many newest checkpoints; ``None`` keeps all."""
     batch_size: int | None = None
     """Batch size per process, used only when ``fit`` is given a ``Dataset``."""
+    async_save: bool = False
+    """Write checkpoints in the background (``shardsafe.async_save``): the step goes on
+    while they are written; ``fit`` waits for the last one before it returns."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
@@ -53,6 +56,8 @@ class TrainerConfig:
             raise ValueError(f"layout={self.layout!r} is not a layout; use one of {LAYOUTS}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save={self.async_save!r} must be True or False")
         if not self.run_dir:
             raise ValueError("run_dir='' is empty; name a directory, e.g. run_dir='runs/exp1'")
 

@@ -20,6 +20,7 @@ import torch
 
 from ..adapters import RNGState
 from ..checkpoint.api import load
+from ..checkpoint.background import SaveHandle
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager
 from ..errors import CheckpointError, CheckpointMismatchError
@@ -76,22 +77,18 @@ def train(
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 
     step, loss = start, math.nan
+    saving = _Saving(manager, config)
     try:
         for step in range(start + 1, config.max_steps + 1):
             batch, batch_idx = stream.next_batch()
-            step_loss = model(to_device(batch, strategy.device), batch_idx)
-            step_loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-            loss = strategy.mean_over_ranks(step_loss.detach())
+            loss = _step(model, batch, batch_idx, optimizer, scheduler, strategy, saving)
             if metrics is not None:
                 metrics.log(step, loss)
             bar.update(loss)
             if config.checkpoint_due(step):
                 saved = {**state, "trainer": {"step": step, **stream.state()}}
-                checkpoint = manager.save_with(step, saved, config.save_options)
+                checkpoint = saving.save(step, saved) or checkpoint
+        checkpoint = saving.finish() or checkpoint
     finally:
         bar.close()
         if metrics is not None:
@@ -101,6 +98,54 @@ def train(
     if leader:
         say(summary(result, start, config))
     return result
+
+
+def _step(
+    model: Any,
+    batch: Any,
+    batch_idx: int,
+    optimizer: Any,
+    scheduler: Any,
+    strategy: Strategy,
+    saving: _Saving,
+) -> float:
+    """One optimization step; the loss, averaged over ranks."""
+    step_loss = model(to_device(batch, strategy.device), batch_idx)
+    step_loss.backward()
+    saving.staged()  # an async save's copies overlap the forward and backward
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return strategy.mean_over_ranks(step_loss.detach())
+
+
+class _Saving:
+    """The run's checkpoints, blocking or in the background (``async_save``)."""
+
+    def __init__(self, manager: CheckpointManager, config: TrainerConfig) -> None:
+        self.manager, self.config = manager, config
+        self.pending: SaveHandle | None = None
+
+    def save(self, step: int, state: dict[str, Any]) -> str | None:
+        """Save ``step``; return the newest committed checkpoint, if this call knows one."""
+        if not self.config.async_save:
+            return self.manager.save_with(step, state, self.config.save_options)
+        done = self.manager.wait() if self.pending is not None else None  # one in flight
+        self.pending = self.manager.async_save_with(
+            step, state, self.config.save_options, overlap=True
+        )
+        return done
+
+    def staged(self) -> None:
+        """Before parameters change: an async save's copies must have landed."""
+        if self.pending is not None:
+            self.pending.wait_staged()
+
+    def finish(self) -> str | None:
+        """Wait for the last save; its path once committed (its error otherwise)."""
+        self.pending = None
+        return self.manager.wait()
 
 
 def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:

@@ -40,6 +40,7 @@ class Trainer:
         seed: int = 0,
         keep_last: int | None = None,
         batch_size: int | None = None,
+        async_save: bool = False,
     ) -> None:
         self.config = TrainerConfig(
             max_steps=max_steps,
@@ -51,6 +52,7 @@ class Trainer:
             seed=seed,
             keep_last=keep_last,
             batch_size=batch_size,
+            async_save=async_save,
         )
 
     def fit(
