@@ -14,7 +14,9 @@ rank 1 sends its part to rank 0 during every save).
 It prints ``saving <step> <t>`` before and ``saved <step> <t>`` after each save
 (``t`` from ``time.monotonic()``, flushed at once), so the test can aim its kill inside a
 save. ``--die-at`` makes the process SIGKILL itself at one exact point of a save instead
-(see ``DIE_AT``), to cover windows too narrow to hit by timing alone.
+(see ``DIE_AT``), to cover windows too narrow to hit by timing alone. ``--async`` saves
+with ``CheckpointManager.async_save`` and changes every tensor (to ``base + step + 1000``)
+while the background write runs: a checkpoint must still hold ``base + step``.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--die-at", choices=DIE_AT)
+    parser.add_argument("--async", dest="asynchronous", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -171,13 +174,20 @@ def main() -> int:
         if step == DIE_AFTER_STEP and args.die_at:
             _arm_outside_storage(args.die_at)
         print(f"saving {step} {time.monotonic():.6f}", flush=True)
-        manager.save(
-            step,
-            state,
-            layout=args.layout,
-            entry_timeout=10.0,
-            storage=storage if step == DIE_AFTER_STEP else None,
-        )
+        options: dict[str, Any] = {
+            "layout": args.layout,
+            "entry_timeout": 10.0,
+            "storage": storage if step == DIE_AFTER_STEP else None,
+        }
+        if args.asynchronous:
+            handle = manager.async_save(step, state, **options)
+            # Training goes on: the tensors change while the background write runs.
+            set_step(state, base, step + 1000)
+            if dist.is_initialized():
+                dist.all_reduce(torch.ones(1))
+            handle.wait()
+        else:
+            manager.save(step, state, **options)
         print(f"saved {step} {time.monotonic():.6f}", flush=True)
     return 0
 

@@ -49,6 +49,7 @@ TARGET = Path(target.__file__)
 LOCK = ".shardsafe.lock"
 WHOLE_RUN_TRIALS = 12
 ONE_RANK_TRIALS = 8
+ASYNC_TRIALS = 6
 SURVIVOR_EXIT_S = 22.0
 """Heartbeats declare a rank dead after 15 s, checked every second; plus exit."""
 LAYOUTS = ("sharded", "consolidated")
@@ -187,6 +188,32 @@ def test_a_kill_in_each_narrow_window(tmp_path: Path, point: str) -> None:
     committed = point in ("latest-rename", "retention")
     assert latest == (target.DIE_AFTER_STEP if committed else target.DIE_AFTER_STEP - 1)
     print(f"{point}: root held {leftovers}; latest() was step {latest}")
+
+
+@pytest.mark.timeout(120)
+def test_killing_async_saves_at_random_moments_of_their_background_writes(
+    tmp_path: Path,
+) -> None:
+    """The same, with ``async_save``: the tensors change while each background write
+    runs, and the kill lands at a random moment of it."""
+    inside = 0
+    for seed in range(ASYNC_TRIALS):
+        rng = random.Random(500 + seed)
+        layout = LAYOUTS[seed % 2]
+        root = tmp_path / f"trial-{seed}"
+        proc = start(
+            root, "--layout", layout, "--async", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            died = kill_during_a_save(proc, rng)
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            proc.kill()
+            proc.communicate()
+        inside += died.startswith("in save")
+        latest = check_after_kill(root, {proc.pid}, layout)
+        print(f"async trial {seed}: {layout:12} killed {died}; latest was step {latest}")
+    assert inside >= ASYNC_TRIALS // 2, f"only {inside} kills landed inside a save"
 
 
 # ------------------------------------------------------------- one rank of two

@@ -12,6 +12,7 @@ and it also pins that joining a group gives the same numbers as launching one.
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from shardsafe import CheckpointManager, Trainer
+from shardsafe.checkpoint.loading import read_manifest
+from shardsafe.commands.verify import find_problems
 from shardsafe.trainer.example import ExampleModule
 from tests.e2e.trainer_helpers import (
     FAULTY,
@@ -59,6 +62,32 @@ def test_killed_run_resumes_with_identical_losses(tmp_path: Path, strategy: str)
     after = losses(run_dir)  # also fails on a step logged twice
     assert sorted(after) == list(range(1, 11))
     assert [after[s] for s in range(6, 11)] == [whole[s] for s in range(6, 11)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_killed_async_run_resumes_with_identical_losses(tmp_path: Path, seed: int) -> None:
+    """``async_save=True``, killed by SIGKILL at a seeded moment between steps 5 and 9
+    (the checkpoint of step 5 may or may not have committed yet): resumed from "latest",
+    every step's loss is the uninterrupted run's, and "latest" verifies."""
+    args = [
+        *("--strategy", "zero", "--devices", "2", "--async-save"),
+        *("--max-steps", "10", "--checkpoint-every", "5"),
+    ]
+    run_ranks(uninterrupted, 2, "zero", str(tmp_path / "whole"), init_process_group=True)
+    whole = losses(tmp_path / "whole")
+    run_dir = tmp_path / "killed"
+    command = [sys.executable, FAULTY, *args, "--run-dir", run_dir, "--step-delay", "0.1"]
+    kill_after_step(command, run_dir, step=random.Random(seed).randint(5, 8))
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    if latest is not None:
+        assert find_problems(latest, read_manifest(latest)) == []
+    resumed = python(FAULTY, *args, "--run-dir", run_dir, "--resume", "latest")
+    after = losses(run_dir)
+    assert sorted(after) == list(range(1, 11)), resumed.stdout
+    assert after == whole
+    final = CheckpointManager(run_dir / "checkpoints").latest()
+    assert final == str(run_dir / "checkpoints" / "step-000000010")
 
 
 def uninterrupted(rank: int, world_size: int, strategy: str, run_dir: str) -> None:

@@ -82,3 +82,57 @@ def test_cpu_saved_checkpoint_loads_onto_the_gpu(tmp_path: Path) -> None:
     assert _same(model, fresh) and all(p.is_cuda for p in fresh.parameters())
     state = next(iter(fresh_opt.state.values()))
     assert state["exp_avg"].is_cuda
+
+
+# --------------------------------------------------------------------- async save
+
+
+def test_async_save_stages_into_pinned_host_memory(tmp_path: Path) -> None:
+    from shardsafe.checkpoint.background import async_save
+    from shardsafe.checkpoint.options import SaveOptions
+    from shardsafe.checkpoint.staging import Stager
+
+    model, opt = _trained("cuda")
+    stager = Stager()
+    async_save(
+        str(tmp_path / "a"), {"model": model, "optimizer": opt}, SaveOptions(), stager
+    ).wait()
+    buffers = list(stager._buffers.values())
+    assert buffers and all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
+    # Reused, not reallocated, by the next save of the same state.
+    ids = {id(b) for b in buffers}
+    async_save(
+        str(tmp_path / "b"), {"model": model, "optimizer": opt}, SaveOptions(), stager
+    ).wait()
+    assert {id(b) for b in stager._buffers.values()} == ids
+
+
+def test_gpu_memory_does_not_grow_during_an_async_save(tmp_path: Path) -> None:
+    model, opt = _trained("cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    shardsafe.async_save(tmp_path / "ckpt", {"model": model, "optimizer": opt}).wait()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_the_snapshot_is_right_while_the_next_step_runs_on_the_default_stream(
+    tmp_path: Path,
+) -> None:
+    """With ``overlap`` the copies run on a side stream while the next forward and backward
+    run; the optimizer step waits for them (``wait_staged``), as the Trainer does."""
+    from shardsafe.checkpoint.background import async_save
+    from shardsafe.checkpoint.options import SaveOptions
+
+    model, opt = _trained("cuda")
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    handle = async_save(str(tmp_path / "ckpt"), {"model": model}, SaveOptions(), overlap=True)
+    model(torch.randn(4096, 64, device="cuda")).pow(2).mean().backward()  # overlaps the copies
+    handle.wait_staged()
+    opt.step()  # changes the parameters: only after the copies landed
+    handle.wait()
+    fresh, _ = _trained("cuda", seed=1)
+    shardsafe.load(tmp_path / "ckpt", {"model": fresh})
+    assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
