@@ -1,0 +1,28 @@
+"""Uninterrupted reference runs, one per optimizer, shared by the tests that compare to them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.lightning.helpers import run
+
+OPTIMIZERS = ("zero", "oss", "plain")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``uninterrupted(optimizer)``: the root of a 15-step, 2-rank run that was never stopped
+    (checkpoints at steps 5, 10 and 15; the newest two kept). Each runs once per session."""
+    done: dict[str, Path] = {}
+
+    def get(optimizer: str) -> Path:
+        if optimizer not in done:
+            root = tmp_path_factory.mktemp(f"whole-{optimizer}")
+            run(root, "--optimizer", optimizer)
+            done[optimizer] = root
+        return done[optimizer]
+
+    return get
