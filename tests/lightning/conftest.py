@@ -15,13 +15,14 @@ OPTIMIZERS = ("zero", "oss", "plain")
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``uninterrupted(optimizer)``: the root of a 15-step, 2-rank run that was never stopped
-    (checkpoints at steps 5, 10 and 15; the newest two kept). Each runs once per session."""
+    (checkpoints at steps 5, 10 and 15, the newest two kept, plus ``last.ckpt``; after fit,
+    ``trainer.save_checkpoint("final.ckpt")`` twice). Each runs once per session."""
     done: dict[str, Path] = {}
 
     def get(optimizer: str) -> Path:
         if optimizer not in done:
             root = tmp_path_factory.mktemp(f"whole-{optimizer}")
-            run(root, "--optimizer", optimizer)
+            run(root, "--optimizer", optimizer, "--save-last", "--save-at-end", "final.ckpt")
             done[optimizer] = root
         return done[optimizer]
 

@@ -29,9 +29,10 @@ def remove(path: str) -> None:
             elif kind == "symlink":
                 root.remove(name)
             elif kind is not None:
+                what = "a file" if kind == "file" else root.describe(name)
                 warn(
-                    f"left {path} in place: it is {root.describe(name)}, not a checkpoint "
-                    "directory shardsafe wrote; delete it yourself if it is no longer needed"
+                    f"left {path} in place: it is {what}, not a checkpoint directory "
+                    "shardsafe wrote; delete it yourself if it is no longer needed"
                 )
     except (OSError, CheckpointError) as e:
         warn(f"could not remove the old checkpoint {path}: {e}")
