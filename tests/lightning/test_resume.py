@@ -65,8 +65,8 @@ def test_resuming_on_another_world_size_restores_the_optimizer_bitwise(
 ) -> None:
     saved = uninterrupted(optimizer) / "ckpts" / "epoch=1-step=10.ckpt"
     dump = tmp_path / "restored.pt"
-    args = ("--optimizer", optimizer, "--devices", str(devices), "--dump-restored", dump)
-    run(tmp_path, *args, "--resume", saved)
+    args = ("--optimizer", optimizer, "--dump-restored", dump)
+    run(tmp_path, *args, "--resume", saved, devices=devices)
 
     # What the checkpoint holds, read back in one process into a plain Adam.
     net = Net()
