@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from .. import interop
 from ..checkpoint import loading
-from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage import LocalStorage
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
@@ -53,19 +53,26 @@ def load_directory(
 ) -> tuple[dict[str, Any], Restored]:
     """Restore ``module`` (and ``optimizers``, when given: a fit) from a shardsafe checkpoint;
     return Lightning's checkpoint dict without them."""
-    with LocalStorage(path) as storage:
-        saved = loading.read_manifest_from(storage).values
-        saved_optimizers = [n for n in optimizer_names(len(saved)) if n in saved]
-        state: dict[str, Any] = {MODEL: module} if MODEL in saved else {}
+    saved_optimizers: list[str] = []
+    chosen: dict[str, Any] = {}
+
+    def choose(manifest: Manifest) -> dict[str, Any]:
+        saved = manifest.values
+        saved_optimizers.extend(n for n in optimizer_names(len(saved)) if n in saved)
+        if MODEL in saved:
+            chosen[MODEL] = module
         if optimizers is not None and saved_optimizers:
             _check_count(path, len(saved_optimizers), len(optimizers))
-            state.update(zip(optimizer_names(len(optimizers)), optimizers))
-        values = loading.load(storage, state, options)
+            chosen.update(zip(optimizer_names(len(optimizers)), optimizers))
+        return chosen
+
+    with LocalStorage(path) as storage:
+        values = loading.load_chosen(storage, choose, options)
     checkpoint = dict(values.get(LIGHTNING) or {})
     if saved_optimizers:  # Lightning checks that a full checkpoint has them
         checkpoint[OPTIMIZER_STATES] = [{} for _ in saved_optimizers]
-    restored_optimizers = optimizers is not None and bool(saved_optimizers)
-    return checkpoint, Restored(model=MODEL in state, optimizers=restored_optimizers)
+    restored_optimizers = len(chosen) > (MODEL in chosen)
+    return checkpoint, Restored(model=MODEL in chosen, optimizers=restored_optimizers)
 
 
 def _check_count(path: str, saved: int, live: int) -> None:
