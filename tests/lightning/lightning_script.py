@@ -3,11 +3,12 @@
     python tests/lightning/lightning_script.py --root DIR [--optimizer zero|oss|plain]
         [--devices N] [--max-steps N] [--resume PATH|last] [--step-delay S] [--layout L]
         [--log NAME] [--fail-rank R --fail-step S] [--bad-hparam] [--save-last]
-        [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp]
+        [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp] [--fsdp]
 
 ``Trainer(accelerator="cpu", devices=N, strategy=ShardsafeDDPStrategy(...))``: Lightning's
 launcher runs this script again for every other rank (``--lightning-ddp``: Lightning's
-own ``"ddp"`` strategy and ``.ckpt`` files instead). A small regression with Adam
+own ``"ddp"`` strategy and ``.ckpt`` files instead; ``--fsdp``: FSDP2 in ``configure_model``
+under ``ShardsafeModelParallelStrategy``). A small regression with Adam
 (plain, or wrapped by the user in ZeroRedundancyOptimizer or fairscale OSS) and a StepLR
 schedule; ``ModelCheckpoint(every_n_train_steps=5, save_top_k=2, monitor="step",
 mode="max")`` into ``DIR/ckpts``. 40 samples, 4 per rank and batch: an epoch is 5 steps
@@ -37,22 +38,35 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardsafe.interop import gather_optimizer_state_dict
-from shardsafe.lightning import ShardsafeDDPStrategy
+from shardsafe.lightning import ShardsafeDDPStrategy, ShardsafeModelParallelStrategy
 
 SAMPLES, BATCH = 40, 4
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, optimizer: str, lr: float = 0.05, activation: Any = None) -> None:
+    def __init__(
+        self, optimizer: str, lr: float = 0.05, activation: Any = None, fsdp: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
         self.step_delay = 0.0
+
+    def configure_model(self) -> None:
+        """With ``fsdp``: FSDP2 on every layer and the root, as ModelParallelStrategy wants."""
+        if self.hparams["fsdp"]:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         time.sleep(self.step_delay)
@@ -119,10 +133,23 @@ class DumpRestored(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
         optimizer = trainer.optimizers[0]
-        gathered = gather_optimizer_state_dict(optimizer, module)
-        if trainer.is_global_zero:
+        if module.hparams["fsdp"]:  # DTensor shards: gathered whole (on rank 0) by torch
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights, by_name = get_state_dict(module, [optimizer], options=options)
+            names = [n for n, _ in module.named_parameters()]
+            gathered = indexed(by_name, names) if trainer.is_global_zero else None
+        else:
+            gathered = gather_optimizer_state_dict(optimizer, module)
             weights = {k: v.clone() for k, v in module.state_dict().items()}
+        if trainer.is_global_zero:
             torch.save({"optimizer": gathered, "model": weights}, self.path)
+
+
+def indexed(by_name: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name, in torch's index-keyed format."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
 
 
 def main() -> None:
@@ -133,12 +160,13 @@ def main() -> None:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     # A class as a hyper-parameter: picklable (Lightning keeps it), but not JSON.
-    module = Regression(args.optimizer, activation=nn.ReLU if args.bad_hparam else None)
+    activation = nn.ReLU if args.bad_hparam else None
+    module = Regression(args.optimizer, activation=activation, fsdp=args.fsdp)
     module.step_delay = args.step_delay
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.lightning_ddp else ShardsafeDDPStrategy(layout=args.layout),
+        strategy=strategy(args),
         max_steps=args.max_steps,
         callbacks=callbacks(args, root),
         logger=False,
@@ -156,6 +184,16 @@ def main() -> None:
         outcome.write_text(json.dumps({"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"}))
         raise
     outcome.write_text(json.dumps({"pid": os.getpid(), "error": None}))
+
+
+def strategy(args: argparse.Namespace) -> Any:
+    if args.lightning_ddp:
+        return "ddp"
+    if args.fsdp:
+        return ShardsafeModelParallelStrategy(
+            layout=args.layout, data_parallel_size=args.devices, tensor_parallel_size=1
+        )
+    return ShardsafeDDPStrategy(layout=args.layout)
 
 
 def callbacks(args: argparse.Namespace, root: Path) -> list[Callback]:
@@ -194,6 +232,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--log", default="losses.jsonl")
     p.add_argument("--save-at-end")
     p.add_argument("--lightning-ddp", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
     return p.parse_args()
 
 
