@@ -58,9 +58,9 @@ def test_an_unsavable_hyper_parameter_is_reported_when_fit_starts(tmp_path: Path
         "CheckpointError: hyper-parameter 'activation' of Regression is the class "
         "torch.nn.modules.activation.ReLU, which a checkpoint cannot hold. Leave it out with "
         "self.save_hyperparameters(ignore=['activation']), or pass a value JSON can hold (a "
-        "number, string, list or dict) and build the object from it. (ShardsafeDDPStrategy "
-        "checks this when fit starts, so that no save fails mid-run: shardsafe checkpoints "
-        "hold tensors and JSON data, never pickles.)"
+        "number, string, list or dict) and build the object from it. (shardsafe's Lightning "
+        "strategy checks this when fit starts, so that no save fails mid-run: shardsafe "
+        "checkpoints hold tensors and JSON data, never pickles.)"
     )
     assert [r["error"] for r in outcomes(tmp_path, 2)] == [expected, expected]
     assert losses(tmp_path) == {}  # not a single step

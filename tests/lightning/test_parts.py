@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe.lightning import ShardsafeDDPStrategy, checks, cleanup, state
+from shardsafe.lightning import ShardsafeDDPStrategy, _namespace, checks, cleanup, state
 
 
 def lightning_dict(model_state: Any, optimizers: int = 1) -> dict[str, Any]:
@@ -106,6 +107,17 @@ def test_removal_deletes_only_what_shardsafe_wrote(tmp_path: Path) -> None:
         "notes.txt",
         "shard-00000-of-00001.safetensors",
     ]
+
+
+def test_a_lightning_outside_the_supported_range_is_refused() -> None:
+    too_new = types.ModuleType("pytorch_lightning")
+    too_new.__version__ = "3.0.0"  # type: ignore[attr-defined]
+    with pytest.raises(ImportError) as info:
+        _namespace._checked(too_new)
+    assert str(info.value) == (
+        "shardsafe.lightning supports Lightning >=2.2,<3; pytorch_lightning is 3.0.0. "
+        "Install a supported version: pip install 'shardsafe[lightning]'"
+    )
 
 
 def test_options_are_checked_when_the_strategy_is_made() -> None:

@@ -25,8 +25,8 @@ from .. import _tree
 from ..errors import CheckpointError
 
 _HINT = (
-    "(ShardsafeDDPStrategy checks this when fit starts, so that no save fails mid-run: "
-    "shardsafe checkpoints hold tensors and JSON data, never pickles.)"
+    "(shardsafe's Lightning strategy checks this when fit starts, so that no save fails "
+    "mid-run: shardsafe checkpoints hold tensors and JSON data, never pickles.)"
 )
 
 
