@@ -124,14 +124,14 @@ def _free_staging_name(parent: str, name: str) -> str:
         return _staging_names(name)[0]  # nothing there yet: rank 0 creates it while saving
     with root:
         for candidate in _staging_names(name):
-            if not _holds_manifest(root, candidate):
+            if not _taken(root, candidate):
                 return candidate
     raise CheckpointError(
         f"{parent} holds {_MAX_STAGING} committed leftovers .{name}{STAGING_SUFFIX}*; delete them"
     )
 
 
-def _holds_manifest(root: LocalStorage, name: str) -> bool:
+def _taken(root: LocalStorage, name: str) -> bool:
     """True if ``root/name`` is taken: a committed checkpoint, a link, or not a directory."""
     kind = root.kind(name)
     if kind is None:
