@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -49,22 +50,33 @@ def _quiet() -> None:
     warnings.simplefilter("ignore")
 
 
-def fitted_trainer(layers: int, world: int, root: str) -> pl.Trainer:
+def make_trainer(world: int, root: str, strategy: Any, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer joining the ranks the benchmark launched (LOCAL_RANK is set)."""
     _quiet()
-    trainer = pl.Trainer(
+    return pl.Trainer(
         accelerator="cpu",
         devices=world,
         num_nodes=1,
-        strategy="ddp",
-        max_steps=1,
+        strategy=strategy,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
+        **kwargs,
     )
-    data = DataLoader(TensorDataset(torch.randn(8 * world, 1024)), batch_size=8)
-    trainer.fit(ZeroMLP(layers), data)
+
+
+def data(world: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    torch.manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(8 * world, 1024)), batch_size=8)
+
+
+def fitted_trainer(layers: int, world: int, root: str, strategy: Any = "ddp") -> pl.Trainer:
+    """Fitted one step, so that Adam's state exists."""
+    trainer = make_trainer(world, root, strategy, max_steps=1)
+    trainer.fit(ZeroMLP(layers), data(world))
     return trainer
 
 

@@ -29,6 +29,12 @@ NOTES = """## What is timed
   `fit(ckpt_path=...)` restores: `strategy.load_checkpoint` (torch.load) +
   `load_model_state_dict` + `load_optimizer_state_dict` on every rank, into the
   trainer's own module and optimizer.
+- **Lightning with ShardsafeDDPStrategy** (`lightning_strategy.py`): the same
+  LightningModule and ZeRO optimizer, fitted one step, under `strategy="ddp"` or
+  `ShardsafeDDPStrategy(layout=...)`. Save: `trainer.save_checkpoint(path)` (plus the
+  fsync of Lightning's file on rank 0; shardsafe fsyncs its own). Resume: a fresh
+  Trainer and module, `fit(ckpt_path=path)` timed from the call to the start of the
+  first training step (the slowest rank), so everything a resume costs is in it.
 - **shardsafe**: `shardsafe.save(dir, {"model": ..., "optimizer": ...}, layout=...)`,
   everything included: CRC32s, fsync of each file, the manifest written last and
   renamed. Load: `shardsafe.load(dir, state)` into a fresh model and optimizer, CRCs

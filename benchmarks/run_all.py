@@ -1,7 +1,8 @@
 """Every shardsafe benchmark in one invocation, on the same machine, with the targets.
 
 Sections: ZeRO save/load against torch's consolidation, Lightning and the floors;
-peak memory of a consolidated save; plain DDP and FSDP2 against
+peak memory of a consolidated save; Lightning's save_checkpoint and resume with its own
+DDP strategy against ShardsafeDDPStrategy; plain DDP and FSDP2 against
 torch.distributed.checkpoint; ZeRO save time against state size at 2 and 4 ranks; a
 summary table and every target, MET or MISSED. Prints markdown, then writes the same
 text to ``--results`` and the save-time plot to ``--plot``. A full run takes about
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dcp_compare as dcp_compare
+import lightning_strategy
 import manifest_scale
 import scaling
 import zero_checkpoint as zero
@@ -109,6 +111,14 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
         lambda: zero.memory_section(cfg.rss_layers, root, lightning),
     )
     report.summarize(f"ZeRO + Adam, {size(memory.info, 2)}, 1 save", memory, zero.LABELS)
+    if lightning:
+        strategy = report.section(
+            "Lightning: Trainer.save_checkpoint and resume, its DDP strategy against "
+            f"ShardsafeDDPStrategy, ZeRO + Adam, {cfg.zero_layers} layers, 2 ranks",
+            lambda: lightning_strategy.section(cfg.zero_layers, 2, cfg.repeat, root),
+        )
+        setup = f"Lightning ZeRO + Adam, {cfg.zero_layers} layers (load: fit to 1st step)"
+        report.summarize(setup, strategy, lightning_strategy.LABELS)
     for wrap, name in (("ddp", "Plain DDP + Adam"), ("fsdp", "FSDP2 + AdamW")):
         done = report.section(
             f"{name}: shardsafe against torch.distributed.checkpoint, 2 ranks",

@@ -194,6 +194,24 @@ def _encode(value: Any, ctx: LoadContext, tensors: dict[str, torch.Tensor], *pre
     return _tree.encode(value, "the state dict", sink)
 
 
+def read_torch_file(file: str | os.PathLike[str]) -> dict[str, Any]:
+    """The dict in a ``torch.save`` file, read with ``torch.load(weights_only=True)`` on CPU.
+
+    The one place shardsafe calls ``torch.load``; ``weights_only=True`` unpickles tensors and
+    plain data only, so a file cannot run code as it is read.
+    """
+    try:
+        raw = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read {file} with torch.load(weights_only=True): {e}. shardsafe imports only "
+            "files made of tensors and plain data; re-save it without custom objects."
+        ) from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} does not hold a dict")
+    return raw
+
+
 def import_torch_checkpoint(
     file: str | os.PathLike[str],
     optimizer: Any,
@@ -211,15 +229,7 @@ def import_torch_checkpoint(
     Lightning ``state_dict`` entries under that prefix are loaded into ``model`` too.
     Read with ``torch.load(weights_only=True)``: plain data and tensors only.
     """
-    try:
-        raw = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(
-            f"cannot read {file} with torch.load(weights_only=True): {e}. shardsafe imports only "
-            "files made of tensors and plain data; re-save it without custom objects."
-        ) from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file} does not hold a dict")
+    raw = read_torch_file(file)
     if "optimizer_states" in raw:
         states = raw["optimizer_states"]
         if not isinstance(states, list) or optimizer_index >= len(states):

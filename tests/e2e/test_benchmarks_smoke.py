@@ -21,6 +21,7 @@ RUN_ALL = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
 SECTIONS = (
     "## ZeRO (user-wrapped",
     "## Peak memory of a consolidated ZeRO save",
+    "## Lightning: Trainer.save_checkpoint and resume",
     "## Plain DDP + Adam",
     "## FSDP2 + AdamW",
     "## ZeRO save time against state size",
@@ -40,6 +41,8 @@ HEADERS = (
 ROWS = (
     "torch: consolidate_state_dict + torch.save",
     "Lightning: Trainer.save_checkpoint",
+    "ShardsafeDDPStrategy sharded: Trainer.save_checkpoint",
+    "ShardsafeDDPStrategy consolidated: fit(ckpt_path=...) to the first step",
     "shardsafe sharded",
     "shardsafe consolidated",
     "torch.distributed.checkpoint",
@@ -63,7 +66,8 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
         assert text in out, f"{text!r} missing from the output:\n{out}"
     summary = out.split("## Targets", 1)[1]
     found = {name for name, _ in VERDICT.findall(summary)}
-    assert len(found) == 6, summary  # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2
+    # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2, 6 Lightning strategy (speed, memory, resume x 2)
+    assert len(found) == 12, summary
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
     results = (tmp_path / "results.md").read_text()
     assert "## Targets" in results and "machine:" in results

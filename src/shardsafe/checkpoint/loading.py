@@ -13,7 +13,7 @@ objects untouched.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,11 +57,26 @@ def load(storage: LocalStorage, state: Mapping[str, Any], options: LoadOptions) 
     """Run the phases of a load on this rank; return the plain values the checkpoint holds."""
     if not isinstance(state, Mapping):
         raise ValueError("state must be a dict of name -> object to restore")
+    return load_chosen(storage, lambda manifest: state, options)
+
+
+def load_chosen(
+    storage: LocalStorage,
+    choose: Callable[[Manifest], Mapping[str, Any]],
+    options: LoadOptions,
+) -> dict[str, Any]:
+    """:func:`load`, with the state to restore chosen from the manifest by ``choose``.
+
+    For callers whose objects depend on what the checkpoint holds (the Lightning strategy
+    passes optimizers only if they were saved): ``choose`` runs inside the plan phase, so
+    the manifest is read once and a refusal it raises is agreed on every rank.
+    """
     coord = Coordinator("load", storage.directory, timeout=options.timeout, aftermath=AFTERMATH)
     coord.enter(options.entry_timeout)
     try:
         with coord.phase(Phase.PLAN):
             manifest = read_manifest_from(storage)
+            state = choose(manifest)
             plan = plan_load(
                 manifest,
                 state,

@@ -33,25 +33,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..distributed import world
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
 from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
 from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
 from .reader import CheckpointReader
+from .removal import delete_checkpoint
 from .saving import save as _save
 from .staging import Stager
 from .storage import LocalStorage
-from .target_directory import INCOMPLETE_MARKER
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
-_OURS = re.compile(
-    r"manifest\.json|\.shardsafe-incomplete|\.manifest\.json\.tmp-[0-9]+"
-    r"|[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.safetensors",
-    re.ASCII,
-)
-"""The names shardsafe writes inside a checkpoint directory."""
 LATEST = "latest"
 _S = SaveOptions()
 
@@ -252,7 +246,7 @@ class CheckpointManager:
                     root.remove(name)  # a lock claim killed before its link
             for found, name in self._step_dirs():
                 if found not in keep and found != step:
-                    _delete_checkpoint(root, name)
+                    delete_checkpoint(root, name)
 
     def _step_dirs(self) -> Iterator[tuple[int, str]]:
         """``(step, name)`` of every real step directory under ``root``, newest first."""
@@ -362,38 +356,3 @@ def _older_than(root: LocalStorage, name: str, seconds: float) -> bool:
     except OSError:
         return False
     return time.time() - mtime > seconds
-
-
-def _delete_checkpoint(root: LocalStorage, name: str) -> None:
-    """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
-
-    A directory holding anything else is left untouched, with a warning. Otherwise it is
-    marked first (so that a crash mid-way leaves a directory the next save recognises as
-    its own leftover), then loses the manifest, then the data files, then itself.
-    """
-    try:
-        with LocalStorage(os.path.join(root.directory, name), follow=False) as step:
-            names = step.names()
-            foreign = [n for n in names if not (_OURS.fullmatch(n) and step.kind(n) == "file")]
-            if foreign:
-                _warn(
-                    f"left {step.directory} in place: it holds {foreign[:3]}, which shardsafe "
-                    "did not write; delete it yourself if it is no longer needed"
-                )
-                return
-            step.touch(INCOMPLETE_MARKER)
-            if MANIFEST_NAME in names:
-                step.remove(MANIFEST_NAME)
-                step.sync_directory()
-            for entry in names:
-                if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
-                    step.remove(entry)
-            step.remove(INCOMPLETE_MARKER)
-        os.rmdir(name, dir_fd=root.fd)
-    except CheckpointNotFoundError:
-        return
-    except (OSError, CheckpointError) as e:
-        raise CheckpointError(
-            f"the new checkpoint is committed, but deleting the old checkpoint "
-            f"{root.where(name)} failed: {e}"
-        ) from e

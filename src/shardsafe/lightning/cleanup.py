@@ -1,0 +1,38 @@
+"""Removing an old checkpoint when ``ModelCheckpoint`` asks (``save_top_k``, ``save_last``).
+
+Lightning's own removal is ``fs.rm(path, recursive=True)``: whatever is at the path goes.
+Here a checkpoint directory loses only what shardsafe wrote, by the same rules as
+``CheckpointManager``'s retention (:mod:`shardsafe.checkpoint.removal`); a symbolic link
+(what ``save_last="link"`` makes) is removed itself, never what it points at; anything
+else (a ``.ckpt`` file from before, a directory holding files of yours) is left in place
+with a warning. A failure to delete is a warning too: the new checkpoint is committed by
+then, and an old one left behind must not end the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..checkpoint.removal import delete_checkpoint, warn
+from ..checkpoint.storage import LocalStorage
+from ..errors import CheckpointError
+
+
+def remove(path: str) -> None:
+    """Remove the checkpoint ``path`` (rank 0 only), as described above."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        with LocalStorage(parent) as root:
+            kind = root.kind(name)
+            if kind == "directory":
+                delete_checkpoint(root, name)
+            elif kind == "symlink":
+                root.remove(name)
+            elif kind is not None:
+                what = "a file" if kind == "file" else root.describe(name)
+                warn(
+                    f"left {path} in place: it is {what}, not a checkpoint directory "
+                    "shardsafe wrote; delete it yourself if it is no longer needed"
+                )
+    except (OSError, CheckpointError) as e:
+        warn(f"could not remove the old checkpoint {path}: {e}")

@@ -1,0 +1,187 @@
+"""The Strategy hooks that make a Lightning strategy save and load through shardsafe.
+
+Why a strategy and not a ``CheckpointIO`` plugin: Lightning calls the checkpoint IO on
+rank 0 only, with a dict it has already gathered, and gathers a ``ZeroRedundancyOptimizer``
+or fairscale ``OSS`` by ``consolidate_state_dict()``, which pickles every rank's shard and
+broadcasts it to every rank. A strategy owns the hooks around that: it hands shardsafe
+the optimizer *objects* (whose adapters read each rank's shard, or FSDP2's DTensors,
+directly), saves on every rank, and restores at any world size.
+
+:class:`ShardsafeCheckpointing` overrides, on top of a Lightning strategy (``strategy.py``
+puts it on ``DDPStrategy`` and ``ModelParallelStrategy``):
+
+* ``optimizer_state``: an empty placeholder instead of gathering; the optimizers
+  themselves are saved (:mod:`.state`).
+* ``lightning_module_state_dict``: the module's own ``state_dict()`` (no gathering),
+  recorded, so that the save can tell whether a hook edited it.
+* ``save_checkpoint``: ``shardsafe.save`` on every rank, replacing a checkpoint of the
+  same name atomically (``last.ckpt``; :mod:`shardsafe.checkpoint.placement`).
+* ``setup``: checks that the checkpoints can be saved (:mod:`.checks`) and makes
+  Lightning's gathering agree its errors (:func:`.state.guard_dump`).
+* ``restore_checkpoint_after_setup``/``load_checkpoint``/``load_model_state_dict``/
+  ``load_optimizer_state_dict``: one shardsafe load once the optimizers exist, or an
+  ordinary ``.ckpt`` file (:mod:`.restore`).
+* ``remove_checkpoint``: deletes only what shardsafe wrote (:mod:`.cleanup`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch.optim import Optimizer
+
+from ..checkpoint.options import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, LoadOptions, SaveOptions
+from ..checkpoint.placement import save_replacing
+from ..errors import CheckpointError
+from . import checks, cleanup, restore, state
+from ._namespace import lightning
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import Strategy
+    from pytorch_lightning.trainer.states import TrainerFn
+else:
+    pl = lightning()
+    Strategy = pl.strategies.Strategy
+    TrainerFn = pl.trainer.states.TrainerFn
+
+
+class ShardsafeCheckpointing(Strategy):
+    """Saves and loads every checkpoint of the strategy it is mixed into through shardsafe.
+
+    ``layout``, ``entry_timeout``, ``checkpoint_timeout`` (the ``timeout`` of
+    ``shardsafe.save``/``load``; a strategy's own ``timeout`` is the process group's) and
+    ``buffer_bytes`` are shardsafe's save options; every other keyword goes to the
+    Lightning strategy.
+    """
+
+    reads_ckpt_files: ClassVar[bool] = True
+    """Whether ``fit(ckpt_path=...)`` also takes an ordinary Lightning ``.ckpt`` file."""
+
+    def __init__(
+        self,
+        *,
+        layout: str = "sharded",
+        entry_timeout: float = 60.0,
+        checkpoint_timeout: float = DEFAULT_TIMEOUT_S,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("checkpoint_io") is not None:
+            raise ValueError(
+                f"{type(self).__name__} writes checkpoints with shardsafe on every rank, so a "
+                "checkpoint_io plugin would never be called; leave checkpoint_io out"
+            )
+        self.save_options = SaveOptions(
+            layout=layout,
+            entry_timeout=entry_timeout,
+            timeout=checkpoint_timeout,
+            buffer_bytes=buffer_bytes,
+        )
+        self.load_options = LoadOptions(entry_timeout=entry_timeout, timeout=checkpoint_timeout)
+        super().__init__(**kwargs)
+        self._state_dict_record = state.StateDictRecord()
+        self._restored = restore.Restored()
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        state.guard_dump(trainer._checkpoint_connector)
+        if trainer.state.fn == TrainerFn.FITTING:
+            checks.check_savable(trainer)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """A placeholder: the optimizer object itself is saved, each rank its own shard."""
+        return {}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's ``state_dict()`` as it is on this rank (DTensor shards unchanged)."""
+        module = self.lightning_module
+        assert module is not None
+        return self._state_dict_record.record(module.state_dict())
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save ``checkpoint`` as the shardsafe checkpoint directory ``filepath``. Every rank."""
+        if storage_options is not None:
+            raise TypeError(
+                f"storage_options are for CheckpointIO plugins; {type(self).__name__} takes "
+                "its save options (layout, timeouts) as its own arguments"
+            )
+        path = local_path(filepath)
+        if isinstance(checkpoint, state.FailedDump):
+            to_save = state.failed_state(checkpoint.error)
+        else:
+            module = self.lightning_module
+            assert module is not None
+            to_save = state.save_state(checkpoint, module, self.optimizers, self._state_dict_record)
+        save_replacing(path, to_save, self.save_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete an old checkpoint (``ModelCheckpoint``'s ``save_top_k``), on rank 0."""
+        if self.is_global_zero:
+            cleanup.remove(local_path(filepath))
+
+    # -- loading -----------------------------------------------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """True: the optimizers must exist before one load restores them with the model."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        path = local_path(checkpoint_path)
+        module = self.lightning_module
+        assert module is not None
+        if not restore.is_shardsafe_checkpoint(path):
+            self._restored = restore.Restored()
+            if not self.reads_ckpt_files:
+                raise CheckpointError(
+                    f"{path} is not a shardsafe checkpoint; {type(self).__name__} resumes from "
+                    "the checkpoint directories it writes only"
+                )
+            return restore.load_file(path)
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        options = LoadOptions.of(
+            strict=bool(getattr(module, "strict_loading", True)),
+            entry_timeout=self.load_options.entry_timeout,
+            timeout=self.load_options.timeout,
+        )
+        optimizers = self.optimizers if fitting else None
+        checkpoint, self._restored = restore.load_directory(path, module, optimizers, options)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._restored.model:
+            return
+        module = self.lightning_module
+        assert module is not None
+        module.load_state_dict(checkpoint[state.STATE_DICT], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._restored.optimizers:
+            return
+        module = self.lightning_module
+        assert module is not None
+        restore.load_optimizers_from_file(checkpoint, self.optimizers, module)
+
+
+def local_path(path: Any) -> str:
+    """``path`` as a local filesystem path; a URL (``s3://...``) is refused."""
+    text = str(os.fspath(path))
+    if "://" in text:
+        raise CheckpointError(
+            f"{text} is a URL; shardsafe's Lightning strategies save to and load from local "
+            "(or shared POSIX) paths only"
+        )
+    return text

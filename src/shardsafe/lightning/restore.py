@@ -1,0 +1,114 @@
+"""Resuming a Lightning run: from a shardsafe checkpoint directory, or a ``.ckpt`` file.
+
+A shardsafe checkpoint is loaded in one ``shardsafe.load`` on every rank, once Lightning
+has built the optimizers (the strategy asks to be restored after setup): the module and
+optimizers in place, at whatever world size this run has, and the rest of Lightning's
+dict returned for Lightning's own restore (loops, callbacks, schedulers, precision,
+datamodule). The module and optimizers are then marked as restored, so Lightning's
+``load_model_state_dict``/``load_optimizer_state_dict`` skip them.
+
+A ``.ckpt`` file (an ordinary Lightning checkpoint) is read with
+``torch.load(weights_only=True)`` and restored the way Lightning does, except that
+optimizers go through :func:`shardsafe.interop.load_optimizer_state_dict`, which loads a
+consolidated ZeRO/OSS state into a ZeRO/OSS optimizer of any world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from .. import interop
+from ..checkpoint import loading
+from ..checkpoint.manifest import MANIFEST_NAME, Manifest
+from ..checkpoint.options import LoadOptions
+from ..checkpoint.storage import LocalStorage
+from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, optimizer_names
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Which live objects the last shardsafe load has already restored."""
+
+    model: bool = False
+    optimizers: bool = False
+
+
+def is_shardsafe_checkpoint(path: str) -> bool:
+    """A directory (or a link to one) holding a ``manifest.json``: what the strategy writes."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, MANIFEST_NAME))
+
+
+def load_directory(
+    path: str,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer] | None,
+    options: LoadOptions,
+) -> tuple[dict[str, Any], Restored]:
+    """Restore ``module`` (and ``optimizers``, when given: a fit) from a shardsafe checkpoint;
+    return Lightning's checkpoint dict without them."""
+    saved_optimizers: list[str] = []
+    chosen: dict[str, Any] = {}
+
+    def choose(manifest: Manifest) -> dict[str, Any]:
+        saved = manifest.values
+        saved_optimizers.extend(n for n in optimizer_names(len(saved)) if n in saved)
+        if MODEL in saved:
+            chosen[MODEL] = module
+        if optimizers is not None and saved_optimizers:
+            _check_count(path, len(saved_optimizers), len(optimizers))
+            chosen.update(zip(optimizer_names(len(optimizers)), optimizers))
+        return chosen
+
+    with LocalStorage(path) as storage:
+        values = loading.load_chosen(storage, choose, options)
+    checkpoint = dict(values.get(LIGHTNING) or {})
+    if saved_optimizers:  # Lightning checks that a full checkpoint has them
+        checkpoint[OPTIMIZER_STATES] = [{} for _ in saved_optimizers]
+    restored_optimizers = len(chosen) > (MODEL in chosen)
+    return checkpoint, Restored(model=MODEL in chosen, optimizers=restored_optimizers)
+
+
+def _check_count(path: str, saved: int, live: int) -> None:
+    if saved != live:
+        raise CheckpointMismatchError(
+            f"{path} holds the state of {saved} optimizer(s), but configure_optimizers() "
+            f"returned {live}; return the same optimizers as the run that saved it"
+        )
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """An ordinary Lightning ``.ckpt`` file, read without running any pickled code."""
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}: neither a shardsafe checkpoint directory nor a "
+            "Lightning .ckpt file"
+        )
+    if os.path.isdir(path):
+        raise CheckpointNotFoundError(
+            f"{path} is a directory without {MANIFEST_NAME}, so it is not a committed "
+            "shardsafe checkpoint (a save into it may have been interrupted)"
+        )
+    return interop.read_torch_file(path)
+
+
+def load_optimizers_from_file(
+    checkpoint: Mapping[str, Any], optimizers: Sequence[Optimizer], module: nn.Module
+) -> None:
+    """Lightning's ``optimizer_states`` (torch's index-keyed format) into live optimizers of
+    any kind and world size."""
+    states = checkpoint[OPTIMIZER_STATES]
+    if not isinstance(states, list) or len(states) != len(optimizers):
+        count = len(states) if isinstance(states, list) else "no"
+        raise CheckpointError(
+            f"the checkpoint holds {count} optimizer state(s), but configure_optimizers() "
+            f"returned {len(optimizers)} optimizer(s)"
+        )
+    for optimizer, state in zip(optimizers, states):
+        interop.load_optimizer_state_dict(optimizer, module, state)

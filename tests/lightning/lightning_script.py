@@ -1,0 +1,240 @@
+"""A Lightning training run as a user writes it, driven by the tests in this directory.
+
+    python tests/lightning/lightning_script.py --root DIR [--optimizer zero|oss|plain]
+        [--devices N] [--max-steps N] [--resume PATH|last] [--step-delay S] [--layout L]
+        [--log NAME] [--fail-rank R --fail-step S] [--bad-hparam] [--save-last]
+        [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp] [--fsdp]
+
+``Trainer(accelerator="cpu", devices=N, strategy=ShardsafeDDPStrategy(...))``: Lightning's
+launcher runs this script again for every other rank (``--lightning-ddp``: Lightning's
+own ``"ddp"`` strategy and ``.ckpt`` files instead; ``--fsdp``: FSDP2 in ``configure_model``
+under ``ShardsafeModelParallelStrategy``). A small regression with Adam
+(plain, or wrapped by the user in ZeroRedundancyOptimizer or fairscale OSS) and a StepLR
+schedule; ``ModelCheckpoint(every_n_train_steps=5, save_top_k=2, monitor="step",
+mode="max")`` into ``DIR/ckpts``. 40 samples, 4 per rank and batch: an epoch is 5 steps
+on 2 ranks, so every checkpoint falls on an epoch boundary.
+
+What it leaves for the tests: ``DIR/<NAME>`` (``--log``, default ``losses.jsonl``; rank 0:
+step and loss, one line per step, written as it goes), ``DIR/outcome-<rank>.json`` (how
+``fit`` ended on each rank, with its pid), and with ``--dump-restored`` the optimizer
+state and weights as they are right after a resume, gathered into torch's format on
+rank 0. ``--save-at-end NAME``
+calls ``trainer.save_checkpoint(DIR/NAME)`` twice after ``fit`` (the second replaces the
+first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils.data import DataLoader, TensorDataset
+
+from shardsafe.interop import gather_optimizer_state_dict
+from shardsafe.lightning import ShardsafeDDPStrategy, ShardsafeModelParallelStrategy
+
+SAMPLES, BATCH = 40, 4
+
+
+class Regression(pl.LightningModule):
+    def __init__(
+        self, optimizer: str, lr: float = 0.05, activation: Any = None, fsdp: bool = False
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.step_delay = 0.0
+
+    def configure_model(self) -> None:
+        """With ``fsdp``: FSDP2 on every layer and the root, as ModelParallelStrategy wants."""
+        if self.hparams["fsdp"]:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(self.step_delay)
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        kind, lr = self.hparams["optimizer"], self.hparams["lr"]
+        if kind == "zero":
+            opt: Any = ZeroRedundancyOptimizer(
+                self.parameters(), optimizer_class=torch.optim.Adam, lr=lr
+            )
+        elif kind == "oss":
+            from fairscale.optim import OSS
+
+            opt = OSS(self.parameters(), optim=torch.optim.Adam, lr=lr)
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=lr)
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SAMPLES, 16, generator=g)
+        y = x @ torch.randn(16, 1, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+class LossLog(Callback):
+    """Rank 0 appends each step's loss as it goes, so a test can kill the run mid-way."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, *_: Any) -> None:
+        if trainer.is_global_zero:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}))
+                f.write("\n")
+
+
+class FailingState(Callback):
+    """Its state_dict raises on one rank from a given step on: a bug in a user's callback."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+        self.trainer: pl.Trainer | None = None
+
+    def setup(self, trainer: pl.Trainer, module: Any, stage: str) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        if trainer and trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            raise RuntimeError(f"state_dict failed on purpose on rank {self.rank}")
+        return {"calls": 1}
+
+
+class DumpRestored(Callback):
+    """Right after a resume, before any step: the live optimizer state and weights."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+        optimizer = trainer.optimizers[0]
+        if module.hparams["fsdp"]:  # DTensor shards: gathered whole (on rank 0) by torch
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights, by_name = get_state_dict(module, [optimizer], options=options)
+            names = [n for n, _ in module.named_parameters()]
+            gathered = indexed(by_name, names) if trainer.is_global_zero else None
+        else:
+            gathered = gather_optimizer_state_dict(optimizer, module)
+            weights = {k: v.clone() for k, v in module.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save({"optimizer": gathered, "model": weights}, self.path)
+
+
+def indexed(by_name: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name, in torch's index-keyed format."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def main() -> None:
+    args = parse()
+    for name in ("pytorch_lightning", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    # A class as a hyper-parameter: picklable (Lightning keeps it), but not JSON.
+    activation = nn.ReLU if args.bad_hparam else None
+    module = Regression(args.optimizer, activation=activation, fsdp=args.fsdp)
+    module.step_delay = args.step_delay
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy(args),
+        max_steps=args.max_steps,
+        callbacks=callbacks(args, root),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    outcome = root / f"outcome-{int(os.environ.get('LOCAL_RANK', 0))}.json"
+    try:
+        trainer.fit(module, ckpt_path=args.resume)
+        if args.save_at_end:
+            for _ in range(2):
+                trainer.save_checkpoint(root / args.save_at_end)
+    except BaseException as e:
+        outcome.write_text(json.dumps({"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"}))
+        raise
+    outcome.write_text(json.dumps({"pid": os.getpid(), "error": None}))
+
+
+def strategy(args: argparse.Namespace) -> Any:
+    if args.lightning_ddp:
+        return "ddp"
+    if args.fsdp:
+        return ShardsafeModelParallelStrategy(
+            layout=args.layout, data_parallel_size=args.devices, tensor_parallel_size=1
+        )
+    return ShardsafeDDPStrategy(layout=args.layout)
+
+
+def callbacks(args: argparse.Namespace, root: Path) -> list[Callback]:
+    found: list[Callback] = [
+        ModelCheckpoint(
+            dirpath=root / "ckpts",
+            every_n_train_steps=5,
+            save_top_k=2,
+            monitor="step",
+            mode="max",
+            save_last=args.save_last,
+        ),
+        LossLog(root / args.log),
+    ]
+    if args.fail_rank is not None:
+        found.append(FailingState(args.fail_rank, args.fail_step))
+    if args.dump_restored:
+        found.append(DumpRestored(Path(args.dump_restored)))
+    return found
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--optimizer", choices=["zero", "oss", "plain"], default="zero")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=15)
+    p.add_argument("--resume")
+    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--layout", default="sharded")
+    p.add_argument("--fail-rank", type=int)
+    p.add_argument("--fail-step", type=int, default=10)
+    p.add_argument("--bad-hparam", action="store_true")
+    p.add_argument("--save-last", action="store_true")
+    p.add_argument("--dump-restored")
+    p.add_argument("--log", default="losses.jsonl")
+    p.add_argument("--save-at-end")
+    p.add_argument("--lightning-ddp", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""``ModelCheckpoint`` as users configure it, and ordinary Lightning ``.ckpt`` files.
+
+* ``save_top_k=2`` (monitoring ``step``) deletes the older checkpoint directories through
+  the strategy; ``save_last=True`` keeps a loadable ``last.ckpt`` directory, replaced at
+  every save; ``trainer.save_checkpoint(path)`` replaces ``path``; no staging leftovers.
+* ``fit(ckpt_path="last")`` finds and resumes from ``last.ckpt``.
+* A run of Lightning's own ``"ddp"`` strategy (a pickled ``.ckpt`` file, its ZeRO state
+  consolidated) resumes under ``ShardsafeDDPStrategy`` with the same losses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from tests.lightning.helpers import Net, losses, run
+
+STEP10, STEP15, LAST = "epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt", "last.ckpt"
+
+
+def global_step(path: Path) -> int:
+    step: int = shardsafe.load(path, {})["lightning"]["global_step"]
+    return step
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    net = Net()
+    shardsafe.load(path, {"model": net})
+    return net.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_top_k_and_last_leave_exactly_the_checkpoints_asked_for(
+    uninterrupted: Callable[[str], Path],
+) -> None:
+    root = uninterrupted("zero")
+    ckpts = root / "ckpts"
+    assert sorted(os.listdir(ckpts)) == [STEP10, STEP15, LAST]  # step 5's directory deleted
+    assert not (ckpts / LAST).is_symlink()
+    assert global_step(ckpts / LAST) == 15
+    last, step15 = weights(ckpts / LAST), weights(ckpts / STEP15)
+    assert all(torch.equal(last[k], step15[k]) for k in step15)
+    assert {"manifest.json", "shard-00000-of-00002.safetensors"} <= set(os.listdir(ckpts / LAST))
+    # trainer.save_checkpoint, twice on the same path: the second replaced the first.
+    assert global_step(root / "final.ckpt") == 15
+    assert sorted(n for n in os.listdir(root) if not n.startswith("outcome-")) == [
+        "ckpts",
+        "final.ckpt",
+        "losses.jsonl",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_fit_resumes_from_last(tmp_path: Path, uninterrupted: Callable[[str], Path]) -> None:
+    root = tmp_path / "moved"
+    shutil.copytree(uninterrupted("zero"), root, symlinks=True)
+    args = ("--save-last", "--layout", "consolidated", "--max-steps", "20")
+    run(root, *args, "--resume", "last", "--log", "resumed.jsonl")
+    assert sorted(losses(root, "resumed.jsonl")) == list(range(16, 21))
+    # The run was moved, and ModelCheckpoint restores its state (last_model_path, top k)
+    # only into the dirpath it was saved from (Lightning warns): so, exactly as with .ckpt
+    # files, it keeps the old checkpoints and versions the new last one.
+    ckpts = root / "ckpts"
+    assert sorted(os.listdir(ckpts)) == [
+        STEP10,
+        STEP15,
+        "epoch=3-step=20.ckpt",
+        "last-v1.ckpt",
+        LAST,
+    ]
+    assert global_step(ckpts / LAST) == 15
+    assert global_step(ckpts / "last-v1.ckpt") == 20
+    assert shardsafe.read_manifest(ckpts / "last-v1.ckpt").layout == "consolidated"
+    assert {"model.safetensors", "optimizer.safetensors"} <= set(os.listdir(ckpts / "last-v1.ckpt"))
+
+
+@pytest.mark.timeout(120)
+def test_an_ordinary_lightning_ckpt_file_resumes_with_the_same_losses(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    whole = losses(uninterrupted("zero"))
+    theirs = tmp_path / "lightning"
+    run(theirs, "--lightning-ddp")
+    assert losses(theirs) == whole  # the strategy trains exactly as Lightning's DDP does
+    ckpt = theirs / "ckpts" / STEP10
+    assert ckpt.is_file()
+
+    ours = tmp_path / "ours"
+    run(ours, "--resume", ckpt, "--log", "resumed.jsonl")
+    resumed = losses(ours, "resumed.jsonl")
+    assert sorted(resumed) == list(range(11, 16))
+    assert [resumed[s] for s in range(11, 16)] == [whole[s] for s in range(11, 16)]

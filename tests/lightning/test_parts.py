@@ -1,0 +1,127 @@
+"""The strategy's pieces in one process: what a save holds, the fit-start check, removal."""
+
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe.lightning import ShardsafeDDPStrategy, _namespace, checks, cleanup, state
+
+
+def lightning_dict(model_state: Any, optimizers: int = 1) -> dict[str, Any]:
+    """The shape of what Lightning's dump_checkpoint returns."""
+    return {
+        "epoch": 0,
+        "global_step": 5,
+        "state_dict": model_state,
+        "optimizer_states": [{}] * optimizers,
+        "lr_schedulers": [{"last_epoch": 5}],
+        "hyper_parameters": {"lr": 0.05},
+    }
+
+
+def test_the_module_and_every_optimizer_are_saved_as_objects() -> None:
+    module = nn.Linear(2, 1)
+    optimizers = [torch.optim.SGD(module.parameters(), lr=0.1) for _ in range(3)]
+    record = state.StateDictRecord()
+    checkpoint = lightning_dict(record.record(module.state_dict()), optimizers=3)
+    saved = state.save_state(checkpoint, module, optimizers, record)
+    assert list(saved) == ["model", "optimizer", "optimizer_1", "optimizer_2", "lightning"]
+    assert saved["model"] is module
+    assert [saved[n] for n in ("optimizer", "optimizer_1", "optimizer_2")] == optimizers
+    assert saved["lightning"] == {
+        "epoch": 0,
+        "global_step": 5,
+        "lr_schedulers": [{"last_epoch": 5}],
+        "hyper_parameters": {"lr": 0.05},
+    }
+
+
+def test_a_state_dict_edited_by_a_hook_is_saved_as_edited(tmp_path: Path) -> None:
+    module = nn.Linear(2, 1)
+    record = state.StateDictRecord()
+    model_state = record.record(module.state_dict())
+    del model_state["bias"]  # e.g. on_save_checkpoint dropping a frozen part
+    saved = state.save_state(lightning_dict(model_state), module, [], record)
+    assert "model" not in saved
+    assert saved["lightning"]["state_dict"] is model_state
+    shardsafe.save(tmp_path / "ckpt", saved)
+    loaded = shardsafe.load(tmp_path / "ckpt", {})["lightning"]["state_dict"]
+    assert list(loaded) == ["weight"] and torch.equal(loaded["weight"], module.weight)
+
+
+def test_a_weights_only_checkpoint_saves_no_optimizer() -> None:
+    module = nn.Linear(2, 1)
+    record = state.StateDictRecord()
+    checkpoint = {"epoch": 0, "state_dict": record.record(module.state_dict())}
+    saved = state.save_state(checkpoint, module, [torch.optim.SGD(module.parameters())], record)
+    assert list(saved) == ["model", "lightning"]
+
+
+class Holder:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+
+def test_the_fit_start_check_names_a_nested_value() -> None:
+    part = checks.Part(
+        "the state_dict() of callback Holder",
+        Holder({"a": [1, {"b": nn.ReLU()}]}).state_dict,
+        "Fix it.",
+    )
+    assert checks._problem(part) == (
+        "the state_dict() of callback Holder holds ['a'][1]['b'], a ReLU, which a checkpoint "
+        f"cannot hold. Fix it. {checks._HINT}"
+    )
+    fine = checks.Part("x", Holder({"a": (1, 2.5, float("inf"), torch.ones(2))}).state_dict, "")
+    assert checks._problem(fine) is None
+
+
+def test_removal_deletes_only_what_shardsafe_wrote(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "old.ckpt", {"w": torch.ones(2)})
+    shardsafe.save(tmp_path / "kept.ckpt", {"w": torch.ones(2)})
+    (tmp_path / "kept.ckpt" / "notes.txt").write_text("mine")
+    (tmp_path / "link.ckpt").symlink_to("kept.ckpt")
+    (tmp_path / "file.ckpt").write_bytes(b"torch.save bytes")
+    cleanup.remove(str(tmp_path / "old.ckpt"))
+    cleanup.remove(str(tmp_path / "link.ckpt"))
+    with pytest.warns(UserWarning, match=r"left .*kept.ckpt in place: it holds \['notes.txt'\]"):
+        cleanup.remove(str(tmp_path / "kept.ckpt"))
+    with pytest.warns(
+        UserWarning, match=r"left .*file.ckpt in place: it is a file, not a checkpoint directory"
+    ):
+        cleanup.remove(str(tmp_path / "file.ckpt"))
+    assert sorted(os.listdir(tmp_path)) == ["file.ckpt", "kept.ckpt"]
+    assert sorted(os.listdir(tmp_path / "kept.ckpt")) == [
+        "manifest.json",
+        "notes.txt",
+        "shard-00000-of-00001.safetensors",
+    ]
+
+
+def test_a_lightning_outside_the_supported_range_is_refused() -> None:
+    too_new = types.ModuleType("pytorch_lightning")
+    too_new.__version__ = "3.0.0"  # type: ignore[attr-defined]
+    with pytest.raises(ImportError) as info:
+        _namespace._checked(too_new)
+    assert str(info.value) == (
+        "shardsafe.lightning supports Lightning >=2.2,<3; pytorch_lightning is 3.0.0. "
+        "Install a supported version: pip install 'shardsafe[lightning]'"
+    )
+
+
+def test_options_are_checked_when_the_strategy_is_made() -> None:
+    with pytest.raises(ValueError, match=r"layout='bogus' is not one of"):
+        ShardsafeDDPStrategy(layout="bogus")
+    with pytest.raises(ValueError, match="a checkpoint_io plugin would never be called"):
+        ShardsafeDDPStrategy(checkpoint_io=object())

@@ -1,0 +1,87 @@
+"""Saving under a name that already holds a checkpoint (Lightning's ``last.ckpt``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.checkpoint import SaveOptions, placement
+from shardsafe.checkpoint.placement import save_replacing
+
+
+def save(path: Path, value: float) -> None:
+    save_replacing(str(path), {"w": torch.full((3,), value)}, SaveOptions())
+
+
+def loaded(path: Path) -> float:
+    return float(shardsafe.load(path, {})["w"][0])
+
+
+def test_a_new_name_appears_committed_and_nothing_else_is_left(tmp_path: Path) -> None:
+    save(tmp_path / "last.ckpt", 1.0)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    assert (tmp_path / "last.ckpt" / "manifest.json").is_file()
+    assert loaded(tmp_path / "last.ckpt") == 1.0
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_saving_again_replaces_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    if not exchange:
+        monkeypatch.setattr(placement, "_renameat2", lambda: None)
+    save(tmp_path / "last.ckpt", 1.0)
+    save(tmp_path / "last.ckpt", 2.0)
+    assert loaded(tmp_path / "last.ckpt") == 2.0
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_file_under_the_name_is_refused_and_kept(tmp_path: Path) -> None:
+    (tmp_path / "last.ckpt").write_bytes(b"a torch.save file")
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        save(tmp_path / "last.ckpt", 1.0)
+    assert str(info.value) == (
+        f"{tmp_path}/last.ckpt is a file (a checkpoint saved without shardsafe?), not a "
+        "checkpoint directory, so shardsafe will not replace it with the new checkpoint (it "
+        "only ever replaces a checkpoint it wrote). Move it away, or save under another name."
+    )
+    assert (tmp_path / "last.ckpt").read_bytes() == b"a torch.save file"
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_directory_with_foreign_files_is_refused_and_kept(tmp_path: Path) -> None:
+    save(tmp_path / "last.ckpt", 1.0)
+    (tmp_path / "last.ckpt" / "notes.txt").write_text("mine")
+    with pytest.raises(shardsafe.CheckpointError, match=r"holds \['notes.txt'\], which"):
+        save(tmp_path / "last.ckpt", 2.0)
+    assert loaded(tmp_path / "last.ckpt") == 1.0
+    assert (tmp_path / "last.ckpt" / "notes.txt").read_text() == "mine"
+
+
+def test_a_symlink_is_replaced_and_its_target_untouched(tmp_path: Path) -> None:
+    save(tmp_path / "epoch=0-step=5.ckpt", 1.0)
+    (tmp_path / "last.ckpt").symlink_to("epoch=0-step=5.ckpt")
+    save(tmp_path / "last.ckpt", 2.0)
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert loaded(tmp_path / "last.ckpt") == 2.0
+    assert loaded(tmp_path / "epoch=0-step=5.ckpt") == 1.0
+
+
+def test_a_committed_leftover_staging_directory_is_skipped_then_deleted(tmp_path: Path) -> None:
+    # What a crash between the commit and the rename leaves.
+    shardsafe.save(tmp_path / ".last.ckpt.shardsafe-partial", {"w": torch.zeros(3)})
+    assert placement.Placement.of(str(tmp_path / "last.ckpt")).staging == (
+        ".last.ckpt.shardsafe-partial-1"
+    )
+    save(tmp_path / "last.ckpt", 3.0)
+    assert loaded(tmp_path / "last.ckpt") == 3.0
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_parent_directory_is_created(tmp_path: Path) -> None:
+    save(tmp_path / "a" / "b" / "model.ckpt", 4.0)
+    assert loaded(tmp_path / "a" / "b" / "model.ckpt") == 4.0
