@@ -13,8 +13,8 @@ from typing import Any
 from . import background, loading, saving
 from .background import SaveHandle
 from .loading import read_manifest
+from .locations import open_storage
 from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
-from .storage import LocalStorage
 
 _S = SaveOptions()
 _L = LoadOptions()
@@ -30,6 +30,7 @@ def save(
     buffer_bytes: int = _S.buffer_bytes,
     storage: StorageFactory | None = _S.storage,
     hooks: SaveHooks = _S.hooks,
+    storage_options: Mapping[str, Any] | None = _S.storage_options,
 ) -> None:
     """Save ``state`` to the directory ``path``. Call it on every rank.
 
@@ -46,6 +47,10 @@ def save(
     name; a later phase waits at most ``timeout`` seconds for the slowest rank. The
     checkpoint exists once ``path/manifest.json`` does; on any error nothing is committed.
 
+    ``path`` may be an object-store URL (``s3://bucket/run/step-100``; needs
+    ``pip install "shardsafe[s3]"``), with fsspec's ``storage_options`` (else the
+    standard environment: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
+
     ``storage`` (advanced) makes the storage layer for a directory: a subclass of
     ``shardsafe.checkpoint.storage.LocalStorage``, e.g. to inject faults in tests.
     ``hooks`` (advanced, :class:`shardsafe.checkpoint.SaveHooks`) runs code on rank 0
@@ -58,6 +63,7 @@ def save(
         buffer_bytes=buffer_bytes,
         storage=storage,
         hooks=hooks,
+        storage_options=storage_options,
     )
     background.drain()  # one save in flight: an asynchronous one finishes first
     saving.save(os.fspath(path), state, options)
@@ -73,6 +79,7 @@ def async_save(
     buffer_bytes: int = _S.buffer_bytes,
     storage: StorageFactory | None = _S.storage,
     hooks: SaveHooks = _S.hooks,
+    storage_options: Mapping[str, Any] | None = _S.storage_options,
 ) -> SaveHandle:
     """Like :func:`save`, but return once this rank's state is staged. Call it on every rank.
 
@@ -91,6 +98,7 @@ def async_save(
         buffer_bytes=buffer_bytes,
         storage=storage,
         hooks=hooks,
+        storage_options=storage_options,
     )
     return background.async_save(os.fspath(path), state, options)
 
@@ -103,6 +111,7 @@ def load(
     entry_timeout: float = _L.entry_timeout,
     timeout: float = _L.timeout,
     untrusted_bytes_limit: int = _L.untrusted_bytes_limit,
+    storage_options: Mapping[str, Any] | None = _L.storage_options,
 ) -> dict[str, Any]:
     """Restore the stateful values of ``state`` in place from ``path``. Call it on every rank.
 
@@ -121,8 +130,9 @@ def load(
         entry_timeout=entry_timeout,
         timeout=timeout,
         untrusted_bytes_limit=untrusted_bytes_limit,
+        storage_options=storage_options,
     )
-    with LocalStorage(os.fspath(path)) as storage:
+    with open_storage(os.fspath(path), storage_options=storage_options) as storage:
         return loading.load(storage, state, options)
 
 

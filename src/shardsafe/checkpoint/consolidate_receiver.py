@@ -22,7 +22,7 @@ from ..errors import CheckpointError
 from .chunk_bytes import ChunkBytes
 from .safetensors_io import StreamWriter, byte_view, memory
 from .save_plan import FileEntry, FilePlan, SavePlan
-from .storage import LocalStorage
+from .storage import Storage
 from .transfers import Assemble, LocalBytes, Received, Step, plan_transfers
 from .writing import WriteOptions, WrittenFile, finish, open_file, remove_quietly, sent_whole
 
@@ -32,7 +32,7 @@ class ConsolidatedReceiver:
         self,
         plan: SavePlan,
         sources: ChunkBytes,
-        storage: LocalStorage,
+        storage: Storage,
         options: WriteOptions,
         group: Any = None,
     ) -> None:

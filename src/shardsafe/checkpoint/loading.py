@@ -21,10 +21,11 @@ import torch
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from .load_plan import LoadPlan, guarded, plan_load
+from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
 from .reader import CheckpointReader
-from .storage import LocalStorage
+from .storage import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",
@@ -35,13 +36,16 @@ AFTERMATH: dict[Phase | None, str] = {
 """What a rank dying in a phase of a load means for the objects being loaded."""
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Parse and validate ``path/manifest.json``; no data file is opened."""
-    with LocalStorage(os.fspath(path)) as storage:
+def read_manifest(
+    path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> Manifest:
+    """Parse and validate ``path/manifest.json`` (a directory or a URL); no data file is
+    opened."""
+    with open_storage(os.fspath(path), storage_options=storage_options) as storage:
         return read_manifest_from(storage)
 
 
-def read_manifest_from(storage: LocalStorage) -> Manifest:
+def read_manifest_from(storage: Storage) -> Manifest:
     """The validated manifest of an open checkpoint directory."""
     storage.require_directory()
     if not storage.exists(MANIFEST_NAME):
@@ -53,7 +57,7 @@ def read_manifest_from(storage: LocalStorage) -> Manifest:
     return parse(raw, storage.where(MANIFEST_NAME))
 
 
-def load(storage: LocalStorage, state: Mapping[str, Any], options: LoadOptions) -> dict[str, Any]:
+def load(storage: Storage, state: Mapping[str, Any], options: LoadOptions) -> dict[str, Any]:
     """Run the phases of a load on this rank; return the plain values the checkpoint holds."""
     if not isinstance(state, Mapping):
         raise ValueError("state must be a dict of name -> object to restore")
@@ -61,7 +65,7 @@ def load(storage: LocalStorage, state: Mapping[str, Any], options: LoadOptions) 
 
 
 def load_chosen(
-    storage: LocalStorage,
+    storage: Storage,
     choose: Callable[[Manifest], Mapping[str, Any]],
     options: LoadOptions,
 ) -> dict[str, Any]:
@@ -95,7 +99,7 @@ def load_chosen(
         coord.close()
 
 
-def _read(storage: LocalStorage, manifest: Manifest, plan: LoadPlan) -> dict[str, torch.Tensor]:
+def _read(storage: Storage, manifest: Manifest, plan: LoadPlan) -> dict[str, torch.Tensor]:
     with CheckpointReader(storage, manifest) as reader:
         return {req.key: reader.read(req.key, req.offsets, req.shape) for req in plan.requests}
 

@@ -7,12 +7,14 @@ name them from here). A wrong value fails here, naming the field and what it acc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .locations import open_storage
 from .manifest_format import LAYOUTS
-from .storage import LocalStorage
+from .storage import Storage
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 1800.0
@@ -20,10 +22,20 @@ DEFAULT_UNTRUSTED_BYTES = 1 << 30
 
 
 class StorageFactory(Protocol):
-    """Makes the storage layer for a checkpoint directory: ``LocalStorage`` or a subclass
-    of it (``follow=False``: the directory itself must not be a symlink)."""
+    """Makes the storage layer for a checkpoint directory: a ``Storage`` (``LocalStorage``
+    or a subclass of it, ``FsspecStorage``); ``follow=False``: the directory itself must
+    not be a symlink."""
 
-    def __call__(self, directory: str, *, follow: bool = ...) -> LocalStorage: ...
+    def __call__(self, directory: str, *, follow: bool = ...) -> Storage: ...
+
+
+def storage_factory(
+    storage: StorageFactory | None, storage_options: Mapping[str, Any] | None
+) -> StorageFactory:
+    """``storage`` if given, else the default: a local directory or, for a URL, fsspec."""
+    if storage is not None:
+        return storage
+    return functools.partial(open_storage, storage_options=storage_options)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +63,9 @@ class SaveOptions:
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     storage: StorageFactory | None = None
     hooks: SaveHooks = field(default_factory=SaveHooks)
+    storage_options: Mapping[str, Any] | None = None
+    """For an object-store URL: fsspec's options (credentials, ``endpoint_url``,
+    ``default_block_size``: the multipart part size)."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -59,6 +74,7 @@ class SaveOptions:
             raise ValueError(f"buffer_bytes={self.buffer_bytes} is too small; use at least 1 MiB")
         _positive("entry_timeout", self.entry_timeout)
         _positive("timeout", self.timeout)
+        _mapping_or_none(self.storage_options)
 
     @classmethod
     def of(cls, options: SaveOptions | None = None, **overrides: Any) -> SaveOptions:
@@ -82,12 +98,14 @@ class LoadOptions:
     entry_timeout: float = 60.0
     timeout: float = DEFAULT_TIMEOUT_S
     untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES
+    storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r} must be True or False")
         _positive("entry_timeout", self.entry_timeout)
         _positive("timeout", self.timeout)
+        _mapping_or_none(self.storage_options)
         if not isinstance(self.untrusted_bytes_limit, int) or self.untrusted_bytes_limit < 0:
             raise ValueError(
                 f"untrusted_bytes_limit={self.untrusted_bytes_limit!r} must be a number of "
@@ -108,3 +126,8 @@ class LoadOptions:
 def _positive(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+
+
+def _mapping_or_none(value: Any) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"storage_options={value!r} must be a dict of fsspec options or None")

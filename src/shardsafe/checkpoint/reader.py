@@ -27,7 +27,7 @@ from . import geometry
 from .crc import crc32
 from .manifest import ChunkRecord, Manifest, TensorRecord
 from .safetensors_io import HeaderEntry, memory, parse_header, read_header_bytes
-from .storage import LocalFileReader, LocalStorage
+from .storage import FileReader, Storage
 
 PIECE_BYTES = 16 << 20
 MAX_OPEN_FILES = 64
@@ -67,14 +67,14 @@ class CheckpointReader:
     """Reads verified regions of a checkpoint's tensors (see the module docstring)."""
 
     def __init__(
-        self, storage: LocalStorage, manifest: Manifest, *, keep_header_bytes: bool = False
+        self, storage: Storage, manifest: Manifest, *, keep_header_bytes: bool = False
     ) -> None:
         self.storage = storage
         self.manifest = manifest
         self.header_bytes: dict[str, bytes] = {}
         """With ``keep_header_bytes``: each opened file's raw header (for ``verify``)."""
         self._keep_header_bytes = keep_header_bytes
-        self._open: OrderedDict[str, tuple[LocalFileReader, dict[str, HeaderEntry]]]
+        self._open: OrderedDict[str, tuple[FileReader, dict[str, HeaderEntry]]]
         self._open = OrderedDict()
         self._failed: dict[str, CheckpointCorruptError] = {}
         """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
@@ -177,7 +177,7 @@ class CheckpointReader:
             checker.finish()
 
     def _stream(
-        self, reader: LocalFileReader, offset: int, nbytes: int, checker: _BlockChecker
+        self, reader: FileReader, offset: int, nbytes: int, checker: _BlockChecker
     ) -> None:
         """Feed ``nbytes`` at ``offset`` to ``checker``, one piece at a time."""
         for start in range(0, nbytes, PIECE_BYTES):
@@ -228,7 +228,7 @@ class CheckpointReader:
 
     # -- files
 
-    def _file(self, name: str) -> tuple[LocalFileReader, dict[str, HeaderEntry]]:
+    def _file(self, name: str) -> tuple[FileReader, dict[str, HeaderEntry]]:
         if name in self._open:
             self._open.move_to_end(name)
             return self._open[name]
@@ -245,7 +245,7 @@ class CheckpointReader:
         self._open[name] = opened
         return opened
 
-    def _validated(self, name: str) -> tuple[LocalFileReader, dict[str, HeaderEntry]]:
+    def _validated(self, name: str) -> tuple[FileReader, dict[str, HeaderEntry]]:
         """Open ``name`` and check it against the manifest: size, header CRC32, header."""
         reader = self.storage.open_reader(name)
         try:
@@ -266,7 +266,7 @@ class CheckpointReader:
 
     def _entry(
         self, key: str, rec: TensorRecord, chunk: ChunkRecord
-    ) -> tuple[LocalFileReader, HeaderEntry]:
+    ) -> tuple[FileReader, HeaderEntry]:
         reader, headers = self._file(chunk.file)
         entry = headers.get(chunk.name)
         if entry is None:

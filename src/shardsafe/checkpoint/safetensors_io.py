@@ -33,7 +33,7 @@ import torch
 from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
 from .crc import crc32
-from .storage import FileSink, LocalFileReader
+from .storage import FileReader, FileSink
 
 MAX_HEADER_BYTES = 100_000_000
 """safetensors' own limit (``MAX_HEADER_SIZE``)."""
@@ -209,7 +209,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def read_header(
-    reader: LocalFileReader, expected_crc32: int | None = None
+    reader: FileReader, expected_crc32: int | None = None
 ) -> dict[str, HeaderEntry]:
     """Parse and validate a safetensors header; every offset is checked against the file.
 
@@ -219,7 +219,7 @@ def read_header(
     return parse_header(reader.name, read_header_bytes(reader), reader.size, expected_crc32)
 
 
-def read_header_bytes(reader: LocalFileReader) -> bytes:
+def read_header_bytes(reader: FileReader) -> bytes:
     """The length prefix and JSON header of a file, within safetensors' limits."""
     name = reader.name
     if reader.size < 8:

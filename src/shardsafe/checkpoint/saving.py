@@ -27,9 +27,9 @@ from .collecting import Collected, check_state, collect
 from .manifest import MANIFEST_NAME, Manifest, parse
 from .manifest_format import CRC_BLOCK_BYTES
 from .offer import Offer, check_same_entries, chunks_of
-from .options import SaveOptions
+from .options import SaveOptions, storage_factory
 from .save_plan import SavePlan, plan_save
-from .storage import LocalStorage
+from .storage import Storage
 from .writing import WriteOptions, WrittenFile, remove_quietly, write_plan
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -54,7 +54,7 @@ class SaveRun:
 
     path: str
     coord: Coordinator
-    storage: LocalStorage
+    storage: Storage
     options: SaveOptions
     existed: bool
     items: Collected = field(default_factory=dict)
@@ -77,7 +77,7 @@ def begin(
     collect phase and every rank raises it: ``persist`` must follow on every rank.
     """
     check_state(state)
-    storage = (options.storage or LocalStorage)(path)
+    storage = storage_factory(options.storage, options.storage_options)(path)
     try:
         existed = target_directory.refuse_committed(storage)
         coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
@@ -140,7 +140,7 @@ def _merged(adapters: dict[str, Adapter], offers: list[Offer]) -> dict[str, Save
 
 def _write(
     coord: Coordinator,
-    storage: LocalStorage,
+    storage: Storage,
     items: Collected,
     offers: list[Offer],
     options: SaveOptions,
@@ -166,7 +166,7 @@ def _write(
 
 
 def _commit(
-    storage: LocalStorage,
+    storage: Storage,
     plan: SavePlan,
     entries: dict[str, SavedValue],
     written: list[dict[str, WrittenFile]],

@@ -15,7 +15,7 @@ import contextlib
 import errno
 import os
 import stat
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import (
@@ -34,6 +34,7 @@ __all__ = [
     "LocalFileReader",
     "LocalFileSink",
     "LocalStorage",
+    "Storage",
     "start_writeback",
 ]
 
@@ -45,6 +46,60 @@ class FileSink(Protocol):
         ...
 
     def abort(self) -> None: ...
+
+
+class FileReader(Protocol):
+    """One object opened for ranged reads; ``read_into`` fills a view from an offset."""
+
+    name: str
+    size: int
+
+    def read_into(self, offset: int, out: memoryview) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> FileReader: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What the engine needs from where a checkpoint lives: named byte objects in one
+    directory (or object-store prefix), never tensors.
+
+    :class:`LocalStorage` (POSIX) and ``object_storage.FsspecStorage`` (``s3://`` and the
+    other fsspec URLs) implement it. Every ``name`` is a plain file name checked by
+    ``files.check_name``: nothing can address an object outside the directory.
+
+    * writing: ``create`` (a new object, streamed; ``finish`` makes it visible),
+      ``commit`` (one object written atomically: the manifest, ``latest``), ``touch``,
+      ``remove``, ``sync_directory`` (make earlier creations durable before a commit);
+    * reading: ``open_reader`` (ranged reads), ``read_small``, ``names``, ``kind``,
+      ``exists``, ``describe``;
+    * the directory: ``is_directory``, ``require_directory``, ``make_directory``,
+      ``remove_directory`` (once empty), ``child``, ``where`` (for messages), ``close``.
+    """
+
+    directory: str
+
+    def is_directory(self) -> bool: ...
+    def require_directory(self) -> None: ...
+    def make_directory(self) -> None: ...
+    def remove_directory(self) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Storage: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def where(self, name: str) -> str: ...
+    def create(self, name: str) -> FileSink: ...
+    def commit(self, name: str, data: bytes) -> None: ...
+    def sync_directory(self) -> None: ...
+    def remove(self, name: str) -> None: ...
+    def touch(self, name: str) -> None: ...
+    def names(self) -> list[str]: ...
+    def kind(self, name: str) -> str | None: ...
+    def describe(self, name: str) -> str: ...
+    def exists(self, name: str) -> bool: ...
+    def open_reader(self, name: str) -> FileReader: ...
+    def read_small(self, name: str, limit: int) -> bytes: ...
+    def child(self, name: str) -> Storage: ...
 
 
 class LocalStorage:
@@ -116,6 +171,11 @@ class LocalStorage:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def remove_directory(self) -> None:
+        """Remove the (empty) directory itself; closes it first."""
+        self.close()
+        os.rmdir(self.directory)
 
     def __enter__(self) -> LocalStorage:
         return self

@@ -6,18 +6,16 @@ save can never delete files it did not write (a Hugging Face ``model.safetensors
 
 from __future__ import annotations
 
-import os
-
 from ..errors import CheckpointError
 from .manifest_format import MANIFEST_NAME
-from .storage import LocalStorage
+from .storage import Storage
 
 INCOMPLETE_MARKER = ".shardsafe-incomplete"
 """Present while shardsafe writes a directory, removed after the commit: it tells a later
 save that the files in an uncommitted directory are its own leftovers to clear."""
 
 
-def refuse_committed(storage: LocalStorage) -> bool:
+def refuse_committed(storage: Storage) -> bool:
     """Whether the directory exists already; refuse one that holds a committed checkpoint."""
     existed = storage.is_directory()
     if existed and storage.exists(MANIFEST_NAME):
@@ -30,7 +28,7 @@ def refuse_committed(storage: LocalStorage) -> bool:
     return existed
 
 
-def prepare(storage: LocalStorage) -> None:
+def prepare(storage: Storage) -> None:
     """Make the directory, or clear an interrupted save's leftovers; refuse anything else."""
     storage.make_directory()
     names = storage.names()
@@ -47,14 +45,13 @@ def prepare(storage: LocalStorage) -> None:
     storage.touch(INCOMPLETE_MARKER)
 
 
-def remove_uncommitted(storage: LocalStorage) -> None:
+def remove_uncommitted(storage: Storage) -> None:
     """Delete a directory a failed save created, unless a manifest got committed."""
     try:
         if not storage.is_directory() or storage.exists(MANIFEST_NAME):
             return
         for name in storage.names():
             storage.remove(name)
-        storage.close()
-        os.rmdir(storage.directory)
+        storage.remove_directory()
     except (OSError, CheckpointError):
         return  # best effort: a leftover is cleared by the next save into it

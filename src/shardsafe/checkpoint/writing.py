@@ -19,7 +19,7 @@ from ..protocol import Chunk
 from .chunk_bytes import ChunkBytes
 from .safetensors_io import StreamWriter
 from .save_plan import CONSOLIDATING_RANK, FileEntry, FilePlan, SavePlan
-from .storage import LocalStorage
+from .storage import Storage
 
 
 class WrittenFile(TypedDict):
@@ -41,7 +41,7 @@ def write_plan(
     plan: SavePlan,
     rank: int,
     chunks: list[Chunk],
-    storage: LocalStorage,
+    storage: Storage,
     options: WriteOptions,
     group: Any = None,
 ) -> dict[str, WrittenFile]:
@@ -64,7 +64,7 @@ def write_plan(
 
 
 def _write_own_files(
-    files: list[FilePlan], sources: ChunkBytes, storage: LocalStorage, options: WriteOptions
+    files: list[FilePlan], sources: ChunkBytes, storage: Storage, options: WriteOptions
 ) -> dict[str, WrittenFile]:
     results: dict[str, WrittenFile] = {}
     try:
@@ -87,7 +87,7 @@ def _write_own_files(
 
 def open_file(
     fplan: FilePlan,
-    storage: LocalStorage,
+    storage: Storage,
     options: WriteOptions,
     checksummed_elsewhere: frozenset[str] = frozenset(),
 ) -> StreamWriter:
@@ -114,7 +114,7 @@ def sent_whole(fplan: FilePlan) -> list[FileEntry]:
     ]
 
 
-def remove_quietly(storage: LocalStorage, names: list[str]) -> None:
+def remove_quietly(storage: Storage, names: list[str]) -> None:
     """Remove files this rank created after its writing failed (best effort)."""
     for name in names:
         try:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 
 from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.locations import is_url, open_storage
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.manifest import Manifest
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.storage import Storage
 from ..errors import CheckpointNotFoundError
 
 
-def load_manifest(path: str, storage: LocalStorage | None = None) -> Manifest:
+def load_manifest(path: str, storage: Storage | None = None) -> Manifest:
     """The parsed manifest of ``path``; a missing one says where a real checkpoint is.
 
     Users often pass the run's checkpoint *root* (the directory holding ``step-*`` and
@@ -19,13 +20,13 @@ def load_manifest(path: str, storage: LocalStorage | None = None) -> Manifest:
     checkpoint they meant could verify the wrong one, but the message names the newest
     committed checkpoint so the fix is one copy-paste away.
     """
-    if os.path.exists(path) and not os.path.isdir(path):
+    if not is_url(path) and os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointNotFoundError(
             f"{path} is a file; pass the checkpoint directory (the one holding manifest.json)"
         )
     try:
         if storage is None:
-            with LocalStorage(path) as opened:
+            with open_storage(path) as opened:
                 return read_manifest_from(opened)
         return read_manifest_from(storage)
     except CheckpointNotFoundError as e:
@@ -34,7 +35,7 @@ def load_manifest(path: str, storage: LocalStorage | None = None) -> Manifest:
 
 def _where_checkpoints_are(path: str) -> str:
     """A hint for a path that is a checkpoint root or a Trainer's run directory."""
-    if not os.path.isdir(path):
+    if is_url(path) or not os.path.isdir(path):
         return ""
     latest = CheckpointManager(path, warn_if_not_empty=False).latest()
     if latest is not None:

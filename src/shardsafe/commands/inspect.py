@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(path: str) -> dict[str, Any]:
     """The ``--json`` document for the checkpoint at ``path`` (see the module docstring)."""
+    from ..checkpoint.locations import is_url
     from ._common import load_manifest
 
     manifest = load_manifest(path)  # read once; everything below comes from it
@@ -89,7 +90,7 @@ def describe(path: str) -> dict[str, Any]:
     data_bytes = manifest.total_bytes
     tensor_bytes = sum(t["bytes"] for t in tensors)
     return {
-        "path": os.path.abspath(path),
+        "path": path if is_url(path) else os.path.abspath(path),
         "format": "shardsafe",
         "format_version": manifest.version,
         "layout": manifest.layout,

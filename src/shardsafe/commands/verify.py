@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..checkpoint.manifest import Manifest
     from ..checkpoint.reader import CheckpointReader
     from ..checkpoint.safetensors_io import HeaderEntry
-    from ..checkpoint.storage import LocalStorage
+    from ..checkpoint.storage import Storage
 
 HELP = "check every data file and checksum of a checkpoint (exit status 1 if any is bad)"
 
@@ -50,11 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint.storage import LocalStorage
+    from ..checkpoint.locations import open_storage
     from ._common import load_manifest
 
     notes: list[str] = []
-    with LocalStorage(args.path) as storage:
+    with open_storage(args.path) as storage:
         manifest = load_manifest(args.path, storage)
         problems = find_problems(storage, manifest, notes)
     files, tensors = (
@@ -88,18 +88,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def find_problems(
-    storage: LocalStorage | str, manifest: Manifest, notes: list[str] | None = None
+    storage: Storage | str, manifest: Manifest, notes: list[str] | None = None
 ) -> list[str]:
     """One line per problem, files first (in name order), then tensors (in key order).
 
     ``notes`` collects what could not be checked here without being a problem with the
     checkpoint (safetensors' own reader unable to map a large file under a memory limit).
     """
+    from ..checkpoint.locations import open_storage
     from ..checkpoint.reader import CheckpointReader
-    from ..checkpoint.storage import LocalStorage
 
     if isinstance(storage, str):
-        with LocalStorage(storage) as opened:
+        with open_storage(storage) as opened:
             return find_problems(opened, manifest, notes)
     notes = [] if notes is None else notes
     keys = _keys_by_file(manifest)

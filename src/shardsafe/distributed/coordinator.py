@@ -127,7 +127,9 @@ class Coordinator:
         self._own_keys: list[str] = []
         self._heartbeat: Heartbeat | None = None
         self._withdrawn = False
-        self._tag = f"{operation}:{os.path.abspath(path)}"
+        # The path as every rank spells it, not made absolute: ranks on different nodes
+        # may run in different working directories, and a URL is no local path.
+        self._tag = f"{operation}:{path if '://' in path else os.path.normpath(path)}"
         if group is not None:
             self._store = group[2]
         elif self.world_size > 1:
