@@ -12,3 +12,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+from tests.s3server import s3_bucket, s3_server  # noqa: E402, F401 - fixtures
