@@ -35,8 +35,8 @@ class S3Server:
         return name
 
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        pages = self.client().get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=prefix
+        pages = (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         )
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 

@@ -94,8 +94,6 @@ def test_fsdp2_round_trip_on_s3_at_1_and_3_ranks(
     test_fsdp.assert_same_model(got_msd, msd)
     want = test_fsdp.fqn_optimizer_state(osd)
     assert_same_optimizer_state(test_fsdp.fqn_optimizer_state(got_osd), want)
-    weights, plain = run_ranks(
-        with_env, 1, env, load_plain, url, init_process_group=False
-    )[0]
+    weights, plain = run_ranks(with_env, 1, env, load_plain, url, init_process_group=False)[0]
     test_fsdp.assert_same_model(weights, msd)
     assert_same_optimizer_state(plain, want)

@@ -64,12 +64,11 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
 class FsspecFileSink:
     """A new object streamed front to back; visible only once :meth:`finish` returns."""
 
-    def __init__(self, fs: Any, path: str, where: str, part_bytes: int | None) -> None:
+    def __init__(self, fs: Any, path: str, where: str, part_bytes: int) -> None:
         self.path = where
         self._fs, self._key = fs, path
-        kwargs = {} if part_bytes is None else {"block_size": part_bytes}
-        self._file: Any = fs.open(path, "wb", **kwargs)
-        self._part = part_bytes or DEFAULT_PART_BYTES
+        self._file: Any = fs.open(path, "wb", block_size=part_bytes)
+        self._part = part_bytes
         self.written = 0
 
     def write(self, data: memoryview) -> None:
@@ -97,6 +96,7 @@ class FsspecFileSink:
             discard = getattr(file, "discard", None)
             if discard is not None:
                 discard()  # s3fs: aborts the multipart upload
+            file.closed = True  # so that its finaliser does not try to complete it
         with contextlib.suppress(Exception):
             if self._fs.exists(self._key):  # a store that shows objects while written
                 self._fs.rm_file(self._key)
@@ -162,7 +162,7 @@ class FsspecStorage:
         else:
             path = fs._strip_protocol(self.directory)
         self.fs, self.path = fs, path.rstrip("/")
-        self._part = None if "default_block_size" in self.storage_options else DEFAULT_PART_BYTES
+        self._part = int(self.storage_options.get("default_block_size", DEFAULT_PART_BYTES))
 
     def _key(self, name: str) -> str:
         return f"{self.path}/{check_object_name(name)}"

@@ -1,0 +1,216 @@
+"""The object-store backend in one process, against a real S3 API server (moto on
+loopback): URLs are never local paths, inspect/verify on s3://, hostile names, aborted
+uploads, bounded memory while streaming."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import cli
+from shardsafe.checkpoint.locations import open_storage
+from shardsafe.checkpoint.object_storage import FsspecStorage, check_object_name
+from shardsafe.errors import CheckpointCorruptError, CheckpointError
+from tests import forge
+from tests.harness import run_ranks
+from tests.s3server import S3Server, with_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def small_state(seed: int = 0) -> dict[str, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt, "step": 7}
+
+
+def test_a_url_without_the_extra_is_a_clear_error_and_never_a_local_directory(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import sys; sys.modules['fsspec'] = None\n"
+        "import torch, shardsafe\n"
+        "try:\n"
+        "    shardsafe.save('s3://bucket/run/x', {'w': torch.ones(2)})\n"
+        "except shardsafe.CheckpointError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "ERROR s3://bucket/run/x is an object-store URL" in out.stdout, out.stderr
+    assert 'pip install "shardsafe[s3]"' in out.stdout
+    assert list(tmp_path.iterdir()) == []  # no "s3:" directory
+
+
+def test_an_unknown_scheme_is_refused_and_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="nosuchscheme"):
+        shardsafe.save("nosuchscheme://bucket/x", {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="nosuchscheme"):
+        shardsafe.load("nosuchscheme://bucket/x", {"w": torch.ones(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_storage_options_for_a_local_path_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="local path"):
+        shardsafe.save(tmp_path / "x", {"w": torch.ones(2)}, storage_options={"anon": True})
+
+
+def test_file_urls_are_local_directories(tmp_path: Path) -> None:
+    shardsafe.save(f"file://{tmp_path}/x", {"w": torch.arange(4.0)})
+    assert (tmp_path / "x" / "manifest.json").is_file()
+    w = torch.zeros(4)
+    shardsafe.load(f"file://{tmp_path}/x", {"w": w})
+    assert torch.equal(w, torch.arange(4.0))
+
+
+def test_memory_url_round_trip() -> None:
+    url = f"memory://shardsafe-test-{os.getpid()}/x"
+    shardsafe.save(url, small_state(0))
+    state = small_state(1)
+    assert shardsafe.load(url, state) == {"step": 7}
+    assert torch.equal(state["model"].weight, small_state(0)["model"].weight)  # type: ignore[attr-defined]
+
+
+def test_s3_round_trip_writes_only_under_the_prefix(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{s3_bucket}/run/step-7"
+    shardsafe.save(url, small_state(0))
+    assert list(tmp_path.iterdir()) == []
+    keys = s3_server.keys(s3_bucket)
+    assert keys == ["run/step-7/manifest.json", "run/step-7/shard-00000-of-00001.safetensors"]
+    state = small_state(1)
+    assert shardsafe.load(url, state) == {"step": 7}
+    with pytest.raises(CheckpointError, match="already holds a committed checkpoint"):
+        shardsafe.save(url, small_state(0))
+    assert shardsafe.read_manifest(url).world_size == 1
+
+
+def test_inspect_and_verify_on_s3_name_the_damaged_object_and_key(
+    s3_server: S3Server, s3_bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"s3://{s3_bucket}/ck"
+    shardsafe.save(url, {"model": torch.nn.Linear(64, 64)})
+    assert cli.main(["verify", url]) == 0
+    assert "OK:" in capsys.readouterr().out
+    assert cli.main(["inspect", url]) == 0
+    assert "model/weight" in capsys.readouterr().out
+
+    manifest = shardsafe.read_manifest(url)
+    (chunk,) = manifest.tensors["model/weight"].chunks
+    name = chunk.file
+    key = f"ck/{name}"
+    data = bytearray(s3_server.get(s3_bucket, key))
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header + 10] ^= 0x01  # a byte inside the first tensor's data
+    s3_server.put(s3_bucket, key, bytes(data))
+    assert cli.main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and name in out
+    bad = [line for line in out.splitlines() if "checksum mismatch" in line]
+    assert bad and name in bad[0] and "model/" in bad[0], out
+
+
+def test_a_hostile_manifest_cannot_name_an_object_outside_the_prefix(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/ck"
+    shardsafe.save(url, {"w": torch.arange(8.0)})
+    s3_server.put(
+        s3_bucket,
+        "secret.safetensors",
+        s3_server.get(s3_bucket, "ck/shard-00000-of-00001.safetensors"),
+    )
+    doc = json.loads(s3_server.get(s3_bucket, "ck/manifest.json"))
+    old = "shard-00000-of-00001.safetensors"
+    for evil in ("../secret.safetensors", "/secret.safetensors", "..%2fsecret.safetensors"):
+        text = json.dumps(doc).replace(old, evil)
+        s3_server.put(
+            s3_bucket,
+            "ck/manifest.json",
+            forge.sign(
+                json.dumps({k: v for k, v in json.loads(text).items() if k != forge.CRC_KEY})
+            ),
+        )
+        with pytest.raises(CheckpointCorruptError):
+            shardsafe.load(url, {"w": torch.zeros(8)})
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", "", "a?versionId=1", "a#b", "*", "a\\b"])
+def test_object_names_that_could_leave_the_prefix_are_refused(
+    s3_server: S3Server, s3_bucket: str, name: str
+) -> None:
+    with pytest.raises(CheckpointCorruptError):
+        check_object_name(name)
+    storage = FsspecStorage(f"s3://{s3_bucket}/ck")
+    with pytest.raises(CheckpointCorruptError):
+        storage.open_reader(name)
+    with pytest.raises(CheckpointCorruptError):
+        storage.create(name)
+
+
+def test_an_aborted_upload_leaves_no_object_and_no_pending_multipart(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    storage = open_storage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
+    sink = storage.create("shard-00000-of-00001.safetensors")
+    sink.write(memoryview(bytes(12 << 20)))  # two parts uploaded
+    sink.abort()
+    assert s3_server.keys(s3_bucket) == []
+    uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket)
+    assert not uploads.get("Uploads"), uploads
+
+
+def stream_big(rank: int, world: int, url: str, part: int) -> tuple[int, bool]:
+    big = torch.randn(16 << 20)  # 64 MiB: far more than a few parts
+    options = {"default_block_size": part}
+    tracemalloc.start()
+    try:
+        # botocore's service models (~15 MiB of dicts, loaded once) are not buffers.
+        shardsafe.save(url + "-warm", {"w": torch.ones(4)}, storage_options=options)
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        shardsafe.save(url, {"w": big}, storage_options=options)
+        _, peak = tracemalloc.get_traced_memory()
+        peak -= base
+    finally:
+        tracemalloc.stop()
+    out = torch.zeros_like(big)
+    shardsafe.load(url, {"w": out})
+    return peak, torch.equal(out, big)
+
+
+def test_streaming_a_large_tensor_holds_about_two_parts(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """Python-side buffers (the upload's, botocore's) measured in a process of its own, away
+    from the in-process S3 server's own memory; torch's tensor memory is not traced."""
+    part = 5 << 20
+    url = f"s3://{s3_bucket}/big"
+    peak, same = run_ranks(
+        with_env, 1, s3_server.env, stream_big, url, part, init_process_group=False
+    )[0]
+    assert same
+    assert peak < 4 * part, f"peak Python-side buffers {peak / 2**20:.1f} MiB"
