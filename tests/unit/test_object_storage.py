@@ -214,3 +214,46 @@ def test_streaming_a_large_tensor_holds_about_two_parts(
     )[0]
     assert same
     assert peak < 4 * part, f"peak Python-side buffers {peak / 2**20:.1f} MiB"
+
+
+def test_manager_on_s3_latest_retention_lock_and_cleanup(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    manager = shardsafe.CheckpointManager(root, keep_last=2)
+    assert manager.latest() is None and manager.load_latest(small_state(1)) is None
+    for step in (1, 2, 3):
+        state = small_state(step)
+        state["step"] = step
+        assert manager.save(step, state) == f"{root}/step-{step:09d}"
+    assert manager.latest() == f"{root}/step-000000003"
+    assert s3_server.get(s3_bucket, "run/latest") == b"step-000000003\n"
+    keys = s3_server.keys(s3_bucket)
+    assert not any(k.startswith("run/step-000000001/") for k in keys), keys
+    assert "run/.shardsafe.lock" in keys
+    assert manager._lock.conditional is True  # moto honours If-None-Match: *
+
+    other = shardsafe.CheckpointManager(root, keep_last=2, warn_if_not_empty=False)
+    other._lock.me["host"] = "elsewhere"  # a run on another host: refused
+    with pytest.raises(CheckpointError, match="being written by another run"):
+        other.save(4, small_state(4))
+    assert manager.latest() == f"{root}/step-000000003"
+
+    # An interrupted save: data objects, the marker and an unfinished multipart upload,
+    # no manifest. latest() passes over it; the next save's retention removes it.
+    s3_server.put(s3_bucket, "run/step-000000004/.shardsafe-incomplete", b"")
+    s3_server.put(s3_bucket, "run/step-000000004/shard-00000-of-00001.safetensors", b"x" * 9)
+    s3_server.client().create_multipart_upload(
+        Bucket=s3_bucket, Key="run/step-000000005/shard-00000-of-00001.safetensors"
+    )
+    s3_server.put(s3_bucket, "run/step-000000005/.shardsafe-incomplete", b"")
+    assert manager.latest() == f"{root}/step-000000003"
+    state = small_state(0)
+    assert manager.load_latest(state) == {"step": 3}
+    manager.save(5, small_state(5))
+    keys = s3_server.keys(s3_bucket)
+    assert not any(k.startswith("run/step-000000004/") for k in keys), keys
+    assert not s3_server.client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+    assert manager.latest() == f"{root}/step-000000005"
+    manager.close()
+    assert "run/.shardsafe.lock" not in s3_server.keys(s3_bucket)

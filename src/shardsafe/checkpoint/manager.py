@@ -36,14 +36,16 @@ from ..distributed import world
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
+from .locations import is_url, open_storage
 from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
-from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
+from .object_lock import ObjectRootLock
+from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory, storage_factory
 from .reader import CheckpointReader
 from .removal import delete_checkpoint
 from .saving import save as _save
 from .staging import Stager
-from .storage import LocalStorage
+from .storage import LocalStorage, Storage
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 LATEST = "latest"
@@ -78,12 +80,16 @@ class CheckpointManager:
         keep_last: int | None = None,
         *,
         warn_if_not_empty: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
-        self.root = os.fspath(root)
+        self.root = os.fspath(root).rstrip("/") if is_url(root) else os.fspath(root)
         self.keep_last = keep_last
-        self._lock = RootLock(self.root)
+        self.storage_options = storage_options
+        self._lock: RootLock | ObjectRootLock = (
+            ObjectRootLock(self._root_storage) if is_url(self.root) else RootLock(self.root)
+        )
         self._resumed_from: int | None = None
         self._handle: SaveHandle | None = None
         self._stager = Stager()
@@ -107,7 +113,14 @@ class CheckpointManager:
             self._lock.release()
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.root, step_dir_name(step))
+        return (
+            f"{self.root}/{step_dir_name(step)}"
+            if is_url(self.root)
+            else (os.path.join(self.root, step_dir_name(step)))
+        )
+
+    def _root_storage(self) -> Storage:
+        return open_storage(self.root, storage_options=self.storage_options)
 
     def save(
         self,
@@ -188,14 +201,15 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
         path = self.path_for(step)
-        if world()[0] == 0:
+        if world()[0] == 0 and not is_url(self.root):
             os.makedirs(self.root, exist_ok=True)
         mine = SaveHooks(
             before_write=lambda: self._before_write(step, opts.hooks.before_write),
             after_commit=lambda: self._after_commit(step, opts.hooks.after_commit),
         )
-        storage = functools.partial(opts.storage or LocalStorage, follow=False)
-        return path, SaveOptions.of(opts, storage=storage, hooks=mine)
+        options = opts.storage_options or self.storage_options
+        storage = functools.partial(storage_factory(opts.storage, options), follow=False)
+        return path, SaveOptions.of(opts, storage=storage, hooks=mine, storage_options=options)
 
     def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
         """Runs on rank 0 before any data is written: own the root, and never go back in time."""
@@ -234,7 +248,7 @@ class CheckpointManager:
 
     def _publish(self, step: int) -> None:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
-        with LocalStorage(self.root) as root:
+        with self._root_storage() as root:
             root.commit(LATEST, (step_dir_name(step) + "\n").encode())
             keep = self.complete_steps()
             if self.keep_last is not None:
@@ -242,7 +256,11 @@ class CheckpointManager:
             for name in root.names():
                 if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
                     root.remove(name)
-                if name.startswith(f"{LOCK_NAME}.") and _older_than(root, name, 60.0):
+                if (
+                    name.startswith(f"{LOCK_NAME}.")
+                    and isinstance(root, LocalStorage)
+                    and _older_than(root, name, 60.0)
+                ):
                     root.remove(name)  # a lock claim killed before its link
             for found, name in self._step_dirs():
                 if found not in keep and found != step:
@@ -251,7 +269,7 @@ class CheckpointManager:
     def _step_dirs(self) -> Iterator[tuple[int, str]]:
         """``(step, name)`` of every real step directory under ``root``, newest first."""
         try:
-            root = LocalStorage(self.root)
+            root = self._root_storage()
             names = root.names()
         except (FileNotFoundError, NotADirectoryError, CheckpointError):
             return
@@ -309,7 +327,7 @@ class CheckpointManager:
         opts = LoadOptions.of(**options)
         first: CheckpointCorruptError | None = None
         for path in self._loadable():
-            name = os.path.basename(path)
+            name = path.rstrip("/").rsplit("/", 1)[-1]
             try:
                 with self._open(name) as storage:
                     values = loading.load(storage, state, opts)
@@ -323,11 +341,16 @@ class CheckpointManager:
             raise first
         return None
 
-    def _open(self, name: str) -> LocalStorage:
-        return LocalStorage(os.path.join(self.root, name), follow=False)
+    def _open(self, name: str) -> Storage:
+        return open_storage(
+            self.path_for_name(name), follow=False, storage_options=self.storage_options
+        )
+
+    def path_for_name(self, name: str) -> str:
+        return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)
 
 
-def problem_with(storage: LocalStorage) -> str | None:
+def problem_with(storage: Storage) -> str | None:
     """Why the checkpoint in ``storage`` would not load, from cheap checks, or ``None``.
 
     The manifest is read, checksummed and validated; every data file must be a regular

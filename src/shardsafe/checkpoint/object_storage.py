@@ -238,6 +238,27 @@ class FsspecStorage:
             self._fresh()
         return True
 
+    def abort_pending_uploads(self) -> int:
+        """Abort multipart uploads left under this prefix by a killed save (S3 only): they
+        are invisible in listings but billed. Called before a save writes, when every
+        upload under the prefix is stale. Returns how many were aborted."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None or "/" not in self.path:
+            return 0
+        bucket, prefix = self.path.split("/", 1)
+        aborted = 0
+        with contextlib.suppress(Exception):
+            found = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+            for upload in found.get("Uploads", []):
+                call(
+                    "abort_multipart_upload",
+                    Bucket=bucket,
+                    Key=upload["Key"],
+                    UploadId=upload["UploadId"],
+                )
+                aborted += 1
+        return aborted
+
     def sync_directory(self) -> None:
         """Nothing to do: an object is durable once its upload completed."""
 

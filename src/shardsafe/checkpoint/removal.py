@@ -15,7 +15,7 @@ import warnings
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
-from .storage import LocalStorage
+from .storage import LocalStorage, Storage
 from .target_directory import INCOMPLETE_MARKER
 
 OURS = re.compile(
@@ -26,12 +26,12 @@ OURS = re.compile(
 """The names shardsafe writes inside a checkpoint directory."""
 
 
-def foreign_entries(step: LocalStorage) -> list[str]:
+def foreign_entries(step: Storage) -> list[str]:
     """The entries of ``step`` that shardsafe did not write (anything but its regular files)."""
     return [n for n in step.names() if not (OURS.fullmatch(n) and step.kind(n) == "file")]
 
 
-def delete_checkpoint(root: LocalStorage, name: str) -> None:
+def delete_checkpoint(root: Storage, name: str) -> None:
     """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
 
     A directory holding anything else is left untouched, with a warning. Otherwise it is
@@ -39,7 +39,7 @@ def delete_checkpoint(root: LocalStorage, name: str) -> None:
     its own leftover), then loses the manifest, then the data files, then itself.
     """
     try:
-        with LocalStorage(os.path.join(root.directory, name), follow=False) as step:
+        with root.child(name) as step:
             foreign = foreign_entries(step)
             if foreign:
                 warn(
@@ -56,7 +56,13 @@ def delete_checkpoint(root: LocalStorage, name: str) -> None:
                 if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
                     step.remove(entry)
             step.remove(INCOMPLETE_MARKER)
-        os.rmdir(name, dir_fd=root.fd)
+            if not isinstance(root, LocalStorage):
+                abort_pending = getattr(step, "abort_pending_uploads", None)
+                if abort_pending is not None:
+                    abort_pending()
+                step.remove_directory()
+        if isinstance(root, LocalStorage):
+            os.rmdir(name, dir_fd=root.fd)
     except CheckpointNotFoundError:
         return
     except (OSError, CheckpointError) as e:

@@ -31,6 +31,9 @@ def refuse_committed(storage: Storage) -> bool:
 def prepare(storage: Storage) -> None:
     """Make the directory, or clear an interrupted save's leftovers; refuse anything else."""
     storage.make_directory()
+    abort_pending = getattr(storage, "abort_pending_uploads", None)
+    if abort_pending is not None:
+        abort_pending()  # an object store's uploads from a killed save into this prefix
     names = storage.names()
     if names and INCOMPLETE_MARKER not in names:
         raise CheckpointError(

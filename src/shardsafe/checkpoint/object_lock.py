@@ -1,0 +1,107 @@
+"""One writer per checkpoint root on an object store: ``root/.shardsafe.lock``.
+
+The local lock (``lock.py``) relies on ``link()`` failing when the lock exists; object
+stores have no links and no rename. Where the store has a conditional create (S3's
+``PUT`` with ``If-None-Match: *``, which AWS S3 and moto honour; s3fs's
+``mode="create"``), the lock object is created with it, so exactly one run wins even if
+two start at the same moment. Where the store has none (``memory://``, some
+S3-compatible stores that ignore the header), the lock is check-then-write: a second run
+that starts after the first run's first save is refused, but two runs whose first saves
+race within one round trip may both proceed.
+
+What it protects: the root's retention and ``latest`` against a second run, from the first
+save on. What it cannot: liveness across hosts. A lock left by a killed run names its host
+and pid; a run on the same host takes over when that pid is gone; from another host it
+refuses and says which object to delete.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CheckpointError
+from .lock import LOCK_NAME, _alive, _start_time
+from .storage import Storage
+
+
+class ObjectRootLock:
+    """The lock on one object-store root, held by this process once :meth:`acquire` returns."""
+
+    def __init__(self, open_root: Callable[[], Storage]) -> None:
+        self._open_root = open_root
+        self.me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": _start_time(os.getpid()),
+            "token": uuid.uuid4().hex,
+            "since": time.time(),
+        }
+        self.held = False
+        self.conditional: bool | None = None
+        """Whether the store honoured a conditional create (known after ``acquire``)."""
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        with self._open_root() as root:
+            raw = json.dumps(self.me).encode()
+            if not self._create(root, raw):
+                self._take_over_or_refuse(root, raw)
+        self.held = True
+        atexit.register(self.release)
+
+    def _create(self, root: Storage, raw: bytes) -> bool:
+        exclusive = getattr(root, "create_exclusive", None)
+        if exclusive is not None:
+            try:
+                created = bool(exclusive(LOCK_NAME, raw))
+                self.conditional = True
+                return created
+            except NotImplementedError:
+                pass
+        self.conditional = False
+        if root.exists(LOCK_NAME):
+            return False
+        root.commit(LOCK_NAME, raw)
+        return self._owner(root).get("token") == self.me["token"]
+
+    def _take_over_or_refuse(self, root: Storage, raw: bytes) -> None:
+        owner = self._owner(root)
+        same_host = owner.get("host") == self.me["host"]
+        if same_host and owner.get("pid") == self.me["pid"]:
+            return  # this process already owns the root (another manager object)
+        if same_host and not _alive(owner):
+            root.commit(LOCK_NAME, raw)
+            if self._owner(root).get("token") == self.me["token"]:
+                return
+            owner = self._owner(root)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
+        raise CheckpointError(
+            f"{root.directory} is being written by another run (pid {owner.get('pid')} on "
+            f"host {owner.get('host')}, since {since}). Two runs saving into one root would "
+            "interleave checkpoints and delete each other's. Use another root or stop the "
+            f"other run; if it is already gone, delete {root.where(LOCK_NAME)}."
+        )
+
+    def _owner(self, root: Storage) -> dict[str, Any]:
+        try:
+            owner = json.loads(root.read_small(LOCK_NAME, 1 << 16))
+        except (OSError, ValueError, CheckpointError):
+            return {}
+        return owner if isinstance(owner, dict) else {}
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        with contextlib.suppress(Exception), self._open_root() as root:
+            if self._owner(root).get("token") == self.me["token"]:
+                root.remove(LOCK_NAME)
