@@ -4,6 +4,7 @@ checkpoint's prefix are written, and the manifest is among them only once commit
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -97,3 +98,44 @@ def test_fsdp2_round_trip_on_s3_at_1_and_3_ranks(
     weights, plain = run_ranks(with_env, 1, env, load_plain, url, init_process_group=False)[0]
     test_fsdp.assert_same_model(weights, msd)
     assert_same_optimizer_state(plain, want)
+
+
+def fit_run(rank: int, world: int, run_dir: str, cwd: str, steps: int, resume: str | None) -> Any:
+    import os
+
+    from shardsafe import Trainer
+    from shardsafe.trainer.example import ExampleModule
+
+    os.chdir(cwd)  # where a URL run's metrics.jsonl goes (objects cannot be appended to)
+    torch.manual_seed(0)
+    trainer = Trainer(
+        strategy="ddp",
+        devices=world,
+        max_steps=steps,
+        checkpoint_every=3,
+        run_dir=run_dir,
+        keep_last=2,
+    )
+    return trainer.fit(ExampleModule(), resume=resume).checkpoint
+
+
+def test_trainer_with_an_s3_run_dir_saves_and_resumes_with_identical_losses(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Any
+) -> None:
+    from tests.e2e.trainer_helpers import losses
+
+    env = s3_server.env
+    whole = tmp_path / "whole"
+    run_ranks(with_env, 2, env, fit_run, str(whole), str(tmp_path), 8, None)
+    url = f"s3://{s3_bucket}/runs/exp"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    first = run_ranks(with_env, 2, env, fit_run, url, str(cwd), 4, None)
+    assert first[0] == f"{url}/checkpoints/step-000000004"
+    final = run_ranks(with_env, 2, env, fit_run, url, str(cwd), 8, "latest")
+    assert final[0] == f"{url}/checkpoints/step-000000008"
+    steps = {k.split("/")[3] for k in s3_server.keys(s3_bucket, "runs/exp/checkpoints/step-")}
+    assert steps == {"step-000000006", "step-000000008"}  # keep_last=2
+    (log,) = (cwd / "metrics").iterdir()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in records} == losses(whole)

@@ -176,9 +176,7 @@ class CheckpointReader:
         if end == entry.nbytes:
             checker.finish()
 
-    def _stream(
-        self, reader: FileReader, offset: int, nbytes: int, checker: _BlockChecker
-    ) -> None:
+    def _stream(self, reader: FileReader, offset: int, nbytes: int, checker: _BlockChecker) -> None:
         """Feed ``nbytes`` at ``offset`` to ``checker``, one piece at a time."""
         for start in range(0, nbytes, PIECE_BYTES):
             view = memory(self._piece(min(PIECE_BYTES, nbytes - start)))

@@ -208,9 +208,7 @@ def _pool() -> ThreadPoolExecutor:
     return _crc_pool
 
 
-def read_header(
-    reader: FileReader, expected_crc32: int | None = None
-) -> dict[str, HeaderEntry]:
+def read_header(reader: FileReader, expected_crc32: int | None = None) -> dict[str, HeaderEntry]:
     """Parse and validate a safetensors header; every offset is checked against the file.
 
     With ``expected_crc32`` (from the manifest) the header's bytes are checked against it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..checkpoint.locations import is_url, scheme
 from ..checkpoint.manifest_format import LAYOUTS
 from ..checkpoint.options import SaveOptions
 from ..strategies import STRATEGIES
@@ -17,7 +18,9 @@ class TrainerConfig:
     max_steps: int
     """Train until this global step (counted from 1), also across resumes."""
     run_dir: str
-    """Holds ``checkpoints/`` and ``metrics.jsonl``."""
+    """Holds ``checkpoints/`` and ``metrics.jsonl``. An object-store URL
+    (``s3://bucket/run``) holds the checkpoints; the metrics, appended line by line,
+    stay local (see :attr:`metrics_path`)."""
     strategy: str = "single"
     devices: int = 1
     """Processes to train on. Under torchrun it must equal the world size torchrun set."""
@@ -63,10 +66,18 @@ class TrainerConfig:
 
     @property
     def checkpoint_dir(self) -> str:
+        if is_url(self.run_dir):
+            return f"{self.run_dir.rstrip('/')}/checkpoints"
         return os.path.join(self.run_dir, "checkpoints")
 
     @property
     def metrics_path(self) -> str:
+        """``run_dir/metrics.jsonl``; for a URL run_dir (objects cannot be appended to),
+        ``metrics/<scheme>-<bucket>_<path>.jsonl`` in the working directory of rank 0."""
+        if is_url(self.run_dir):
+            rest = self.run_dir.split("://", 1)[1].strip("/")
+            flat = "".join(c if c.isalnum() or c in "-_." else "_" for c in rest)
+            return os.path.join("metrics", f"{scheme(self.run_dir)}-{flat}.jsonl")
         return os.path.join(self.run_dir, "metrics.jsonl")
 
     @property
