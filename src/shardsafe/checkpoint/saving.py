@@ -114,15 +114,17 @@ def _phases(run: SaveRun) -> None:
     with coord.phase(Phase.COLLECT) as collected:
         if run.error is not None:
             raise run.error
+        token = None
         if coord.rank == 0:
             if options.hooks.before_write is not None:
                 options.hooks.before_write()
-            target_directory.prepare(storage)
+            token = target_directory.prepare(storage)
         offer = Offer.of(coord.rank, {name: item for name, (_, item) in items.items()})
-        collected.payload = offer.to_json()
-    offers = [Offer.from_json(r, raw) for r, raw in enumerate(collected.payloads)]
+        collected.payload = [offer.to_json(), token]
+    offers = [Offer.from_json(r, raw) for r, (raw, _) in enumerate(collected.payloads)]
+    token = collected.payloads[0][1]
     adapters = {name: adapter for name, (adapter, _) in items.items()}
-    plan, written = _write(coord, storage, items, offers, options, run.group)
+    plan, written = _write(coord, storage, items, offers, options, run.group, token)
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
             entries = _merged(adapters, offers)
@@ -145,12 +147,15 @@ def _write(
     offers: list[Offer],
     options: SaveOptions,
     group: Any,
+    token: str,
 ) -> tuple[SavePlan, list[dict[str, WrittenFile]]]:
     """The write phase: this rank's files of the plan; rank 0 learns what every rank wrote."""
     written: dict[str, WrittenFile] = {}
     try:
         with coord.phase(Phase.WRITE, only_rank0_reads=True) as phase:
             try:
+                if coord.rank != 0:
+                    target_directory.check_shared(storage, token, coord.rank)
                 check_same_entries(offers, list(items), coord.rank)
                 plan = plan_save([o.chunks for o in offers], options.layout, list(items))
                 chunks = chunks_of({name: item for name, (_, item) in items.items()})

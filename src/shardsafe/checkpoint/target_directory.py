@@ -2,11 +2,20 @@
 
 Only a directory that is empty or carries this library's marker is written into, so a
 save can never delete files it did not write (a Hugging Face ``model.safetensors``).
+
+The marker also proves that every rank writes into the *same* directory: rank 0 writes a
+token of this save into it, every other rank reads it back before writing anything. A
+local path that is not shared between nodes (each node has its own ``/scratch/ckpt``)
+fails there, on every rank, instead of committing a checkpoint whose data files are
+scattered over machines that rank 0 cannot see.
 """
 
 from __future__ import annotations
 
+import uuid
+
 from ..errors import CheckpointError
+from .locations import INSTALL_HINT, is_url
 from .manifest_format import MANIFEST_NAME
 from .storage import Storage
 
@@ -28,8 +37,11 @@ def refuse_committed(storage: Storage) -> bool:
     return existed
 
 
-def prepare(storage: Storage) -> None:
-    """Make the directory, or clear an interrupted save's leftovers; refuse anything else."""
+def prepare(storage: Storage) -> str:
+    """Make the directory, or clear an interrupted save's leftovers; refuse anything else.
+
+    Returns the token written into the marker, for :func:`check_shared` on other ranks.
+    """
     storage.make_directory()
     abort_pending = getattr(storage, "abort_pending_uploads", None)
     if abort_pending is not None:
@@ -45,7 +57,30 @@ def prepare(storage: Storage) -> None:
     for name in names:
         if name != INCOMPLETE_MARKER:
             storage.remove(name)  # a subdirectory is refused: shardsafe never makes one
-    storage.touch(INCOMPLETE_MARKER)
+    storage.touch(INCOMPLETE_MARKER)  # refuses a marker that is not a regular file
+    token = uuid.uuid4().hex
+    storage.commit(INCOMPLETE_MARKER, token.encode())
+    return token
+
+
+def check_shared(storage: Storage, token: str, rank: int) -> None:
+    """Refuse to write unless this rank sees rank 0's marker, with this save's token."""
+    try:
+        seen = storage.read_small(INCOMPLETE_MARKER, 1 << 10).decode(errors="replace")
+        why = None if seen == token else "it holds another save's marker"
+    except (OSError, CheckpointError) as e:
+        why = f"it is not there for this rank ({type(e).__name__}: {e})"
+    if why is None:
+        return
+    where = "store or credentials" if is_url(storage.directory) else "filesystem"
+    raise CheckpointError(
+        f"rank {rank} cannot see the checkpoint directory {storage.directory} that rank 0 "
+        f"is writing: {why}. The path is not shared between the nodes, so rank 0 cannot "
+        "see the other nodes' files and the checkpoint could never be complete in one "
+        f"place (a different {where} per node). Save to a shared filesystem that every "
+        "node mounts at the same path, or to an object-store URL "
+        f"(s3://bucket/prefix, with {INSTALL_HINT}). Nothing was committed."
+    )
 
 
 def remove_uncommitted(storage: Storage) -> None:
