@@ -102,12 +102,21 @@ class FsspecFileSink:
                 self._fs.rm_file(self._key)
 
 
+READ_AHEAD_BYTES = 4 << 20
+SMALL_READ_BYTES = 1 << 20
+"""Reads smaller than this are served from one cached, ranged GET of
+:data:`READ_AHEAD_BYTES`: a header and a run of small tensors (biases, scalars) cost one
+request, not one each. Larger reads are one GET of exactly their range."""
+
+
 class FsspecFileReader:
-    """One object read by byte range (a ranged GET per call); its size fixed at open."""
+    """One object read by byte range (ranged GETs); its size fixed at open. Small reads
+    go through a read-ahead block of :data:`READ_AHEAD_BYTES`, the only memory kept."""
 
     def __init__(self, fs: Any, path: str, size: int, name: str) -> None:
         self.name, self.size = name, size
         self._fs, self._path = fs, path
+        self._block_start, self._block = 0, b""
 
     def read_into(self, offset: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
@@ -119,19 +128,30 @@ class FsspecFileReader:
                 f"{self.name} is truncated: expected bytes up to offset {end}, but the "
                 f"object ends at {self.size}"
             )
+        if view.nbytes >= SMALL_READ_BYTES:
+            view[:] = self._get(offset, end)
+            return
+        start = self._block_start
+        if not (start <= offset and end <= start + len(self._block)):
+            start = offset
+            self._block = self._get(start, min(self.size, start + READ_AHEAD_BYTES))
+            self._block_start = start
+        view[:] = self._block[offset - start : end - start]
+
+    def _get(self, start: int, end: int) -> bytes:
         try:
-            data = self._fs.cat_file(self._path, start=offset, end=end)
+            data: bytes = self._fs.cat_file(self._path, start=start, end=end)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"data object {self.name} is missing") from None
-        if len(data) != view.nbytes:
+        if len(data) != end - start:
             raise CheckpointCorruptError(
                 f"{self.name} is truncated: expected bytes up to offset {end}, but the "
-                f"object ends at {offset + len(data)}"
+                f"object ends at {start + len(data)}"
             )
-        view[:] = data
+        return data
 
     def close(self) -> None:
-        pass
+        self._block = b""
 
     def __enter__(self) -> FsspecFileReader:
         return self
