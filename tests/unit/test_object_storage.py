@@ -257,3 +257,21 @@ def test_manager_on_s3_latest_retention_lock_and_cleanup(
     assert manager.latest() == f"{root}/step-000000005"
     manager.close()
     assert "run/.shardsafe.lock" not in s3_server.keys(s3_bucket)
+
+
+def test_async_save_to_s3_commits_the_state_of_the_call(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/async"
+    w = torch.arange(1 << 20, dtype=torch.float32)
+    handle = shardsafe.async_save(url, {"w": w})
+    w.zero_()  # after staging: what is written is the state at the call
+    handle.wait()
+    out = torch.empty(1 << 20)
+    shardsafe.load(url, {"w": out})
+    assert torch.equal(out, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_missing_s3_checkpoint_is_not_found(s3_server: S3Server, s3_bucket: str) -> None:
+    with pytest.raises(shardsafe.CheckpointNotFoundError):
+        shardsafe.load(f"s3://{s3_bucket}/nothing-here", {"w": torch.zeros(2)})

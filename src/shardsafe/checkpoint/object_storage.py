@@ -106,7 +106,9 @@ READ_AHEAD_BYTES = 4 << 20
 SMALL_READ_BYTES = 1 << 20
 """Reads smaller than this are served from one cached, ranged GET of
 :data:`READ_AHEAD_BYTES`: a header and a run of small tensors (biases, scalars) cost one
-request, not one each. Larger reads are one GET of exactly their range."""
+request, not one each. Larger reads are one GET of exactly their range, or, from twice
+:data:`PARALLEL_RANGE_BYTES` on, several GETs of that size in flight at once."""
+PARALLEL_RANGE_BYTES = 4 << 20
 
 
 class FsspecFileReader:
@@ -128,6 +130,9 @@ class FsspecFileReader:
                 f"{self.name} is truncated: expected bytes up to offset {end}, but the "
                 f"object ends at {self.size}"
             )
+        if view.nbytes >= 2 * PARALLEL_RANGE_BYTES:
+            self._get_parallel(offset, view)
+            return
         if view.nbytes >= SMALL_READ_BYTES:
             view[:] = self._get(offset, end)
             return
@@ -137,6 +142,24 @@ class FsspecFileReader:
             self._block = self._get(start, min(self.size, start + READ_AHEAD_BYTES))
             self._block_start = start
         view[:] = self._block[offset - start : end - start]
+
+    def _get_parallel(self, offset: int, view: memoryview) -> None:
+        """A large range as several ranged GETs in flight at once (fsspec's ``cat_ranges``,
+        concurrent in s3fs): no more memory than the range itself."""
+        starts = list(range(offset, offset + view.nbytes, PARALLEL_RANGE_BYTES))
+        ends = [min(s + PARALLEL_RANGE_BYTES, offset + view.nbytes) for s in starts]
+        parts = self._fs.cat_ranges([self._path] * len(starts), starts, ends)
+        for start, end, data in zip(starts, ends, parts):
+            if isinstance(data, FileNotFoundError):
+                raise CheckpointCorruptError(f"data object {self.name} is missing")
+            if isinstance(data, BaseException):
+                raise data
+            if len(data) != end - start:
+                raise CheckpointCorruptError(
+                    f"{self.name} is truncated: expected bytes up to offset {end}, but the "
+                    f"object ends at {start + len(data)}"
+                )
+            view[start - offset : end - offset] = data
 
     def _get(self, start: int, end: int) -> bytes:
         try:
