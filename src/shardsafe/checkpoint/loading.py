@@ -100,8 +100,16 @@ def load_chosen(
 
 
 def _read(storage: Storage, manifest: Manifest, plan: LoadPlan) -> dict[str, torch.Tensor]:
+    # In the order the data files hold them (a file's tensors are stored sorted by key),
+    # so that an object store's read-ahead serves consecutive tensors from one request.
+    order = sorted(plan.requests, key=lambda r: (_first_file(manifest, r.key), r.key))
     with CheckpointReader(storage, manifest) as reader:
-        return {req.key: reader.read(req.key, req.offsets, req.shape) for req in plan.requests}
+        return {req.key: reader.read(req.key, req.offsets, req.shape) for req in order}
+
+
+def _first_file(manifest: Manifest, key: str) -> str:
+    chunks = manifest.tensors[key].chunks
+    return chunks[0].file if chunks else ""
 
 
 def _restore(plan: LoadPlan, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -102,18 +102,19 @@ class FsspecFileSink:
                 self._fs.rm_file(self._key)
 
 
-READ_AHEAD_BYTES = 4 << 20
-SMALL_READ_BYTES = 1 << 20
-"""Reads smaller than this are served from one cached, ranged GET of
-:data:`READ_AHEAD_BYTES`: a header and a run of small tensors (biases, scalars) cost one
-request, not one each. Larger reads are one GET of exactly their range, or, from twice
-:data:`PARALLEL_RANGE_BYTES` on, several GETs of that size in flight at once."""
-PARALLEL_RANGE_BYTES = 4 << 20
+READ_AHEAD_BYTES = 16 << 20
+"""Reads smaller than this are served from one cached, ranged GET of this size (the
+reader's own piece size): consecutive tensors of a file, and its header, cost one request
+per 16 MiB rather than one each. Each open object keeps at most this one block.
+Requests, not bytes, are what object stores charge for in latency."""
+PARALLEL_RANGE_BYTES = 8 << 20
+"""A read of at least :data:`READ_AHEAD_BYTES` is fetched as ranged GETs of this size,
+several in flight at once."""
 
 
 class FsspecFileReader:
-    """One object read by byte range (ranged GETs); its size fixed at open. Small reads
-    go through a read-ahead block of :data:`READ_AHEAD_BYTES`, the only memory kept."""
+    """One object read by byte range (ranged GETs); its size fixed at open. Reads smaller
+    than :data:`READ_AHEAD_BYTES` go through one read-ahead block, the only memory kept."""
 
     def __init__(self, fs: Any, path: str, size: int, name: str) -> None:
         self.name, self.size = name, size
@@ -130,11 +131,8 @@ class FsspecFileReader:
                 f"{self.name} is truncated: expected bytes up to offset {end}, but the "
                 f"object ends at {self.size}"
             )
-        if view.nbytes >= 2 * PARALLEL_RANGE_BYTES:
+        if view.nbytes >= READ_AHEAD_BYTES:
             self._get_parallel(offset, view)
-            return
-        if view.nbytes >= SMALL_READ_BYTES:
-            view[:] = self._get(offset, end)
             return
         start = self._block_start
         if not (start <= offset and end <= start + len(self._block)):
