@@ -46,6 +46,7 @@ from .removal import delete_checkpoint
 from .saving import save as _save
 from .staging import Stager
 from .storage import LocalStorage, Storage
+from .target_directory import INCOMPLETE_MARKER
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 LATEST = "latest"
@@ -265,6 +266,16 @@ class CheckpointManager:
             for found, name in self._step_dirs():
                 if found not in keep and found != step:
                     delete_checkpoint(root, name)
+                elif found != step:
+                    self._drop_stale_marker(name)
+
+    def _drop_stale_marker(self, name: str) -> None:
+        """A save killed between its manifest's commit and the marker's removal leaves a
+        committed checkpoint that still carries the marker; remove it (harmless to loads,
+        but not what a committed checkpoint holds)."""
+        with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
+            if storage.kind(MANIFEST_NAME) == "file" and storage.kind(INCOMPLETE_MARKER) == "file":
+                storage.remove(INCOMPLETE_MARKER)
 
     def _step_dirs(self) -> Iterator[tuple[int, str]]:
         """``(step, name)`` of every real step directory under ``root``, newest first."""

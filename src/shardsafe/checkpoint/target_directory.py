@@ -58,8 +58,17 @@ def prepare(storage: Storage) -> str:
         if name != INCOMPLETE_MARKER:
             storage.remove(name)  # a subdirectory is refused: shardsafe never makes one
     storage.touch(INCOMPLETE_MARKER)  # refuses a marker that is not a regular file
+    # Rewritten, not renamed into place: the manifest's is the save's only rename. Killed
+    # in between, the directory is empty (everything else was removed above).
     token = uuid.uuid4().hex
-    storage.commit(INCOMPLETE_MARKER, token.encode())
+    storage.remove(INCOMPLETE_MARKER)
+    sink = storage.create(INCOMPLETE_MARKER)
+    try:
+        sink.write(memoryview(token.encode()))
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
     return token
 
 
