@@ -19,7 +19,7 @@ from .storage import LocalStorage, Storage
 from .target_directory import INCOMPLETE_MARKER
 
 OURS = re.compile(
-    r"manifest\.json|\.shardsafe-incomplete|\.manifest\.json\.tmp-[0-9]+"
+    r"manifest\.json|\.shardsafe-incomplete|\.manifest\.json\.tmp-[0-9]+|\.shardsafe-probe-[0-9a-f]{32}"
     r"|[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.safetensors",
     re.ASCII,
 )

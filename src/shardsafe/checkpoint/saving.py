@@ -128,6 +128,7 @@ def _phases(run: SaveRun) -> None:
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
             entries = _merged(adapters, offers)
+            storage.remove(target_directory.probe_name(token))
             _commit(storage, plan, entries, written, options.hooks.after_commit)
 
 

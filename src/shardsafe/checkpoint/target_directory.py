@@ -3,8 +3,9 @@
 Only a directory that is empty or carries this library's marker is written into, so a
 save can never delete files it did not write (a Hugging Face ``model.safetensors``).
 
-The marker also proves that every rank writes into the *same* directory: rank 0 writes a
-token of this save into it, every other rank reads it back before writing anything. A
+A probe proves that every rank writes into the *same* directory: rank 0 creates
+``.shardsafe-probe-<token of this save>``, every other rank looks for it before writing
+anything, and rank 0 removes it before the commit. A
 local path that is not shared between nodes (each node has its own ``/scratch/ckpt``)
 fails there, on every rank, instead of committing a checkpoint whose data files are
 scattered over machines that rank 0 cannot see.
@@ -22,6 +23,7 @@ from .storage import Storage
 INCOMPLETE_MARKER = ".shardsafe-incomplete"
 """Present while shardsafe writes a directory, removed after the commit: it tells a later
 save that the files in an uncommitted directory are its own leftovers to clear."""
+PROBE_PREFIX = ".shardsafe-probe-"
 
 
 def refuse_committed(storage: Storage) -> bool:
@@ -57,26 +59,21 @@ def prepare(storage: Storage) -> str:
     for name in names:
         if name != INCOMPLETE_MARKER:
             storage.remove(name)  # a subdirectory is refused: shardsafe never makes one
-    storage.touch(INCOMPLETE_MARKER)  # refuses a marker that is not a regular file
-    # Rewritten, not renamed into place: the manifest's is the save's only rename. Killed
-    # in between, the directory is empty (everything else was removed above).
+    storage.touch(INCOMPLETE_MARKER)
     token = uuid.uuid4().hex
-    storage.remove(INCOMPLETE_MARKER)
-    sink = storage.create(INCOMPLETE_MARKER)
-    try:
-        sink.write(memoryview(token.encode()))
-        sink.finish()
-    except BaseException:
-        sink.abort()
-        raise
+    storage.touch(probe_name(token))  # an empty marker: no data write, no rename
     return token
 
 
+def probe_name(token: str) -> str:
+    """The empty file by which rank 0 shows other ranks the directory of this save."""
+    return f"{PROBE_PREFIX}{token}"
+
+
 def check_shared(storage: Storage, token: str, rank: int) -> None:
-    """Refuse to write unless this rank sees rank 0's marker, with this save's token."""
+    """Refuse to write unless this rank sees rank 0's probe of this save."""
     try:
-        seen = storage.read_small(INCOMPLETE_MARKER, 1 << 10).decode(errors="replace")
-        why = None if seen == token else "it holds another save's marker"
+        why = None if storage.kind(probe_name(token)) == "file" else "this save's probe is missing"
     except (OSError, CheckpointError) as e:
         why = f"it is not there for this rank ({type(e).__name__}: {e})"
     if why is None:
