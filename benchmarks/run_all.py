@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dcp_compare as dcp_compare
+import async_checkpoint
 import lightning_strategy
 import manifest_scale
 import scaling
@@ -47,9 +48,10 @@ class Config:
     scale_repeat: int = 3
     big_repeat: int = 2  # for torch's path on states over 400 MiB
     manifest_sizes: tuple[tuple[int, int], ...] = ((100, 1000),)  # 100,000 chunk records
+    async_layers: int = 16
 
 
-QUICK = Config(2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),))
+QUICK = Config(2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),), 2)
 
 
 class Report:
@@ -125,6 +127,12 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
             functools.partial(dcp_compare.section, wrap, cfg.dcp_layers, 2, cfg.repeat, root),
         )
         report.summarize(f"{name}, {size(done.info, 2)}", done, dcp_compare.LABELS)
+    report.section(
+        "Asynchronous save: stall, training while writing, time to durable, 2 ranks",
+        lambda: async_checkpoint.section(
+            async_checkpoint.SETUPS, cfg.async_layers, 2, cfg.repeat, root
+        ),
+    )
     known = {(cfg.zero_layers, 2): scaling.Point(cfg.zero_layers, 2, main.info, main.results)}
     points: list[scaling.Point] = []
 
