@@ -25,6 +25,7 @@ SECTIONS = (
     "## Plain DDP + Adam",
     "## FSDP2 + AdamW",
     "## ZeRO save time against state size",
+    "## Coordination against ranks",
     "## Parsing and validating a large manifest",
     "## Summary",
     "## Targets",
@@ -37,6 +38,7 @@ HEADERS = (
     "| x write floor ",
     "rank 0 peak extra RSS",
     "| state ",
+    "| store requests / save ",
 )
 ROWS = (
     "torch: consolidate_state_dict + torch.save",
@@ -66,8 +68,10 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
         assert text in out, f"{text!r} missing from the output:\n{out}"
     summary = out.split("## Targets", 1)[1]
     found = {name for name, _ in VERDICT.findall(summary)}
-    # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2, 6 Lightning strategy (speed, memory, resume x 2)
-    assert len(found) == 12, summary
+    # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2, 6 Lightning strategy (speed, memory, resume x 2),
+    # 2 store requests per save (2 and 4 ranks; the time targets start at 32 ranks)
+    assert len(found) == 14, summary
+    assert any("store requests per save" in name for name in found)
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
     results = (tmp_path / "results.md").read_text()
     assert "## Targets" in results and "machine:" in results
