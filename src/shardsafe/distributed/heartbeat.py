@@ -77,17 +77,21 @@ class Heartbeat:
         on_dead: Callable[[list[int]], None] | None,
         skip: Callable[[int], bool],
     ) -> None:
-        every = BEAT_S if self.rank == 0 else WATCH_OTHERS_S
-        next_beat = next_watch = time.monotonic()
+        # Five beats per dead_after at least, so that a short dead_after (tests) never
+        # declares a live rank dead.
+        beat_every = max(min(BEATS_EVERY_S, self.dead_after / 5), 0.05)
+        tick = min(BEAT_S, beat_every)
+        watch_every = tick if self.rank == 0 else max(tick, min(WATCH_OTHERS_S, beat_every))
+        last_beat = last_watch = time.monotonic()
         try:
-            while not stop.wait(BEAT_S):
+            while not stop.wait(tick):
                 now = time.monotonic()
-                if now >= next_beat + BEATS_EVERY_S:
+                if now >= last_beat + beat_every - tick / 2:
                     self.beat()
-                    next_beat = now
-                if on_dead is None or now < next_watch + every:
+                    last_beat = now
+                if on_dead is None or now < last_watch + watch_every - tick / 2:
                     continue
-                next_watch = now
+                last_watch = now
                 dead = self.dead(now, skip)
                 if dead:
                     on_dead(dead)
