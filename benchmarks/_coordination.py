@@ -131,9 +131,10 @@ def run(worlds: Sequence[int], repeat: int, root: str) -> list[Point]:
 def targets(points: Sequence[Point]) -> list[Target]:
     out = []
     for p in points:
-        per_rank = p.requests["save"] / p.world
-        label = f"store requests per save per rank, {p.world} ranks"
-        out.append(Target(label, per_rank, REQUESTS_PER_RANK))
+        if p.requests["save"] >= 0:  # counted (not a shardsafe from before issue 17)
+            per_rank = p.requests["save"] / p.world
+            label = f"store requests per save per rank, {p.world} ranks"
+            out.append(Target(label, per_rank, REQUESTS_PER_RANK))
         for op in ("save", "load"):
             ratio = p.median(f"ss {op}") / p.median(f"dcp {op}")
             limit = TIME_RATIO if p.world >= TIME_TARGET_FROM else None
@@ -163,10 +164,8 @@ def points_table(points: Sequence[Point]) -> str:
                 f"{p.median('dcp save'):.3f}",
                 f"{p.median('ss load'):.3f}",
                 f"{p.median('dcp load'):.3f}",
-                str(p.requests["save"]),
-                f"{p.requests['save'] / p.world:.1f}",
-                str(p.requests["load"]),
-                f"{p.requests['load'] / p.world:.1f}",
+                *_request_cells(p, "save"),
+                *_request_cells(p, "load"),
             ]
         )
     return table(rows)
@@ -181,3 +180,8 @@ def section(worlds: Sequence[int], repeat: int, root: str) -> Section:
         "during one shardsafe save and one load.\n\n" + points_table(points)
     )
     return Section(text, targets(points), {})
+
+
+def _request_cells(p: Point, op: str) -> list[str]:
+    n = p.requests[op]
+    return [str(n), f"{n / p.world:.1f}"] if n >= 0 else ["not counted", "-"]
