@@ -26,6 +26,7 @@ SECTIONS = (
     "## FSDP2 + AdamW",
     "## Asynchronous save",
     "## ZeRO save time against state size",
+    "## Coordination against ranks",
     "## Parsing and validating a large manifest",
     "## Summary",
     "## Targets",
@@ -38,6 +39,7 @@ HEADERS = (
     "| x write floor ",
     "rank 0 peak extra RSS",
     "| state ",
+    "| store requests / save ",
 )
 ROWS = (
     "torch: consolidate_state_dict + torch.save",
@@ -70,8 +72,10 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
     summary = out.split("## Targets", 1)[1]
     found = {name for name, _ in VERDICT.findall(summary)}
     # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2, 6 Lightning strategy (speed, memory, resume x 2),
-    # 11 async (stall/copy, stall/DCP, training, durable for DDP and FSDP2; no DCP for ZeRO)
-    assert len(found) == 23, summary
+    # 11 async (stall/copy, stall/DCP, training, durable for DDP and FSDP2; no DCP for ZeRO),
+    # 2 store requests per save (2 and 4 ranks; the time targets start at 32 ranks)
+    assert len(found) == 25, summary
+    assert any("store requests per save" in name for name in found)
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
     results = (tmp_path / "results.md").read_text()
     assert "## Targets" in results and "machine:" in results
