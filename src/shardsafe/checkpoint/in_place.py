@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapters import dtensor
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import ReadRequest
 from .load_plan import LoadPlan, guarded
 from .manifest import Manifest
@@ -84,14 +84,16 @@ def fill(
     verify: str,
     rank: int,
 ) -> None:
-    """Read every box into its target; on a bad byte, raise saying what was restored."""
+    """Read every box into its target; on a bad byte (or an I/O error), raise saying what
+    was restored."""
     for done, (req, target) in enumerate(in_place):
         try:
             reader.read_into(req.key, req.offsets, req.shape, target)
-        except CheckpointCorruptError as e:
-            raise CheckpointCorruptError(
-                partly_restored(e, verify, rank, [r.key for r, _ in in_place], done)
-            ) from e
+        except (CheckpointCorruptError, OSError) as e:
+            keys = [r.key for r, _ in in_place]
+            corrupt = isinstance(e, CheckpointCorruptError)
+            cls = CheckpointCorruptError if corrupt else CheckpointError
+            raise cls(partly_restored(e, verify, rank, keys, done)) from e
 
 
 def partly_restored(

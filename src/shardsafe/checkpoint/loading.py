@@ -31,7 +31,7 @@ from . import in_place
 from .load_plan import LoadPlan, guarded, plan_load
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
-from .reader import CheckpointReader
+from .reader import CACHE_PIECE_BYTES, CheckpointReader
 from .storage import LocalStorage
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -94,7 +94,8 @@ def load_chosen(
                 untrusted_bytes_limit=options.untrusted_bytes_limit,
             )
             routes = in_place.route(plan, manifest)
-        with CheckpointReader(storage, manifest, piece_bytes=options.buffer_bytes // 2) as reader:
+        pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
+        with CheckpointReader(storage, manifest, piece_bytes=pieces) as reader:
             with coord.phase(Phase.READ):
                 tensors = _read(reader, routes, options.verify)
                 for item in plan.entries:
