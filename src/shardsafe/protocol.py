@@ -197,9 +197,11 @@ class Adapter(ABC):
     ) -> None:
         """Check, without changing ``obj``, that :meth:`restore` will accept this data.
 
-        Runs on every entry after every rank has read and verified its tensors, and
-        before anything is restored anywhere, so a checkpoint that would fail half-way
-        through restoring fails here instead, with nothing modified. Raise
+        Runs on every entry after every rank has read and verified its tensors (those
+        read in place, see :meth:`targets`, are then still the live ones: with
+        ``verify="inline"`` they are read only after this), and before anything is
+        restored anywhere, so a checkpoint that would fail half-way through restoring
+        fails here instead, with nothing modified. Raise
         ``CheckpointCorruptError`` (malformed metadata) or ``CheckpointMismatchError``
         (does not fit ``obj``). The default checks nothing.
         """
