@@ -157,3 +157,69 @@ def test_options_name_what_they_accept() -> None:
     with pytest.raises(ValueError, match="buffer_bytes=1024 is too small"):
         LoadOptions(buffer_bytes=1024)
     assert LoadOptions().verify == "first" and LoadOptions().buffer_bytes == 64 << 20
+
+
+class Holder:
+    """One tensor, and the target its adapter offers for it (which may not fit)."""
+
+    def __init__(self, value: torch.Tensor, offered: torch.Tensor) -> None:
+        self.value, self.offered = value, offered
+
+
+class HolderAdapter(Adapter):
+    kind = "test-holder"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, Holder)
+
+    def save(self, obj: Holder, ctx: SaveContext) -> SaveItem:
+        from shardsafe.adapters import Chunk
+
+        return SaveItem(self.kind, {}, [Chunk.whole(ctx.key("t"), obj.value, replicated=True)])
+
+    def plan_load(self, obj: Holder, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
+        from shardsafe.adapters import ReadRequest
+
+        value = obj.value
+        return LoadRequests(
+            [ReadRequest(ctx.key("t"), dtype=value.dtype, global_shape=value.shape)]
+        )
+
+    def targets(self, obj: Holder, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
+        return {ctx.key("t"): obj.offered}
+
+    def restore(self, obj: Holder, saved: SavedValue, tensors: Any, ctx: LoadContext) -> None:
+        obj.value = tensors[ctx.key("t")]
+
+
+@pytest.mark.parametrize(
+    "offered",
+    [
+        torch.zeros(4, 6),  # wrong shape
+        torch.zeros(6, 4, dtype=torch.float64),  # wrong dtype
+        torch.zeros(1, 4).expand(6, 4),  # elements share memory
+    ],
+    ids=["shape", "dtype", "overlapping"],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_target_that_does_not_fit_is_ignored(
+    tmp_path: Path, offered: torch.Tensor, mode: str
+) -> None:
+    shardsafe.register_adapter(HolderAdapter())
+    saved = torch.randn(6, 4)
+    shardsafe.save(tmp_path / "c", {"h": Holder(saved, saved)})
+    holder = Holder(torch.ones(6, 4), offered)
+    untouched = offered.clone()
+    shardsafe.load(tmp_path / "c", {"h": holder}, verify=mode)
+    assert torch.equal(holder.value, saved) and holder.value is not offered
+    assert torch.equal(offered, untouched)
+
+
+def test_a_fitting_target_is_read_into_and_handed_to_restore(tmp_path: Path) -> None:
+    shardsafe.register_adapter(HolderAdapter())
+    saved = torch.randn(6, 4)
+    shardsafe.save(tmp_path / "c", {"h": Holder(saved, saved)})
+    offered = torch.zeros(6, 4)
+    holder = Holder(torch.ones(6, 4), offered)
+    shardsafe.load(tmp_path / "c", {"h": holder})
+    assert holder.value is offered and torch.equal(offered, saved)
