@@ -84,7 +84,7 @@ class Report:
     def summarize(self, setup: str, done: Section, labels: dict[str, str]) -> None:
         """One summary row per tool: save and load medians, rank 0's peak RSS in a save."""
         for tool, ms in done.results.items():
-            if tool == "comm":
+            if tool == "comm" or "save" not in ms:  # or a row of loads only (verify=inline)
                 continue
             save, load = ms["save"], ms.get("load")
             self.summary.append(

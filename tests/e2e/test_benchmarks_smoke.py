@@ -71,10 +71,11 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
         assert text in out, f"{text!r} missing from the output:\n{out}"
     summary = out.split("## Targets", 1)[1]
     found = {name for name, _ in VERDICT.findall(summary)}
-    # 3 ZeRO speed, 1 ZeRO memory, 2 FSDP2, 6 Lightning strategy (speed, memory, resume x 2),
+    # 3 ZeRO speed, 1 ZeRO memory, 6 Lightning strategy (speed, memory, resume x 2); DDP
+    # and FSDP2: load in each verify mode against DCP, 4 load RSS (layout x mode); FSDP2 save;
     # 11 async (stall/copy, stall/DCP, training, durable for DDP and FSDP2; no DCP for ZeRO),
     # 2 store requests per save (2 and 4 ranks; the time targets start at 32 ranks)
-    assert len(found) == 25, summary
+    assert len(found) == 36, summary
     assert any("store requests per save" in name for name in found)
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
     results = (tmp_path / "results.md").read_text()

@@ -92,6 +92,14 @@ def chunks_of(key: str, tensor: torch.Tensor, *, replicated: bool) -> list[Chunk
     return [Chunk.whole(key, tensor.detach(), replicated=replicated)]
 
 
+def local_of(value: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's bytes of ``value``: its local shard for a DTensor."""
+    if is_dtensor(value):
+        local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
+        return local
+    return value
+
+
 def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` shaped as ``template``: wrapped as a DTensor with its placements if needed."""
     if not is_dtensor(template):
