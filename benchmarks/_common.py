@@ -155,11 +155,24 @@ class Measurement:
         return max(r[rank] for r in self.rss_extra)
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, int]:
-    """Seconds from a barrier before ``fn`` to a barrier after it, and this rank's extra RSS."""
+def trim_heap() -> None:
+    """Hand the heap that earlier calls freed back to the system (glibc ``malloc_trim``), so
+    that a call reusing it still shows in its RSS (loads run after saves, in-process)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: reused heap may hide
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def timed(fn: Callable[[], Any], trim: bool = False) -> tuple[float, int]:
+    """Seconds from a barrier before ``fn`` to a barrier after it, and this rank's extra RSS
+    (with ``trim``, measured from a trimmed heap: see :func:`trim_heap`)."""
     import gc
 
     gc.collect()
+    if trim:
+        trim_heap()
     dist.barrier()
     with PeakRSS() as rss:
         start = time.perf_counter()
@@ -170,12 +183,15 @@ def timed(fn: Callable[[], Any]) -> tuple[float, int]:
 
 
 def measure(
-    fn: Callable[[], Any], repeat: int, cleanup: Callable[[], Any] | None = None
+    fn: Callable[[], Any],
+    repeat: int,
+    cleanup: Callable[[], Any] | None = None,
+    trim: bool = False,
 ) -> Measurement:
     """Time ``fn`` ``repeat`` times on every rank; ``cleanup`` runs on rank 0 after each."""
     m = Measurement()
     for _ in range(repeat):
-        seconds, extra = timed(fn)
+        seconds, extra = timed(fn, trim)
         extras: list[int] = [0] * dist.get_world_size()
         dist.all_gather_object(extras, extra)
         m.seconds.append(seconds)

@@ -10,6 +10,11 @@ Rows; each tool runs in its own fresh processes on a state built from the same s
   dcp         get_state_dict -> dcp.save; load: get_state_dict -> dcp.load ->
               set_state_dict into a fresh model + optimizer that took a step
   shardsafe   save(layout="sharded"|"consolidated"); load into a fresh model + optimizer
+              that took a step, with verify="first" (the default: every byte checked,
+              then read again into place) and then verify="inline" (one read)
+
+Targets, in each verify mode: load time at most 0.8x DCP's; peak extra RSS per rank
+during a load at most the largest tensor plus the 64 MiB of read buffers (68 MiB here).
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ LABELS = {
     "sharded": "shardsafe sharded",
     "consolidated": "shardsafe consolidated",
 }
+LOAD_LABELS = {
+    "sharded": "shardsafe sharded, verify=first",
+    "consolidated": "shardsafe consolidated, verify=first",
+    "sharded inline": "shardsafe sharded, verify=inline",
+    "consolidated inline": "shardsafe consolidated, verify=inline",
+}
+INLINE = "inline"
+"""The verify mode measured after the default ("first") one."""
+BUFFER_BYTES = 64 << 20
+"""``LoadOptions.buffer_bytes``'s default: the load memory target allows it on top of the
+largest tensor."""
 GROUPS: tuple[tuple[str, ...], ...] = (("floor",), ("dcp",), ("sharded",), ("consolidated",))
 Pair = tuple[nn.Module, torch.optim.Optimizer]
 
@@ -70,7 +86,10 @@ class Case:
         model, opt = stepped(self.wrap, self.layers, 0)
         sd = model.state_dict()
         model_bytes = state_nbytes(sd)  # DTensors count in full
-        self.info.update(model_bytes=model_bytes, opt_bytes=2 * model_bytes + 4 * len(sd))
+        largest = max(v.numel() * v.element_size() for v in sd.values())
+        self.info.update(
+            model_bytes=model_bytes, opt_bytes=2 * model_bytes + 4 * len(sd), largest=largest
+        )
         return model, opt
 
     def fresh(self) -> Pair:
@@ -88,7 +107,8 @@ def make_tool(name: str, case: Case) -> Tool:
         return floor_tool(total, case.rank, case.root)
     if name == "dcp":
         return dcp_tool(model, opt, case.fresh, case.root)
-    return shardsafe_tool(name, {"model": model, "optimizer": opt}, case.fresh_state, case.root)
+    state = {"model": model, "optimizer": opt}
+    return shardsafe_tool(name, state, case.fresh_state, case.root, (INLINE,))
 
 
 def bench(
@@ -109,7 +129,12 @@ def bench(
 def run(
     wrap: str, layers: int, world: int, repeat: int, root: str, loads: bool = True
 ) -> tuple[Results, dict[str, Any]]:
-    return run_fresh(bench, world, GROUPS, wrap, layers, repeat, root, loads)
+    results, info = run_fresh(bench, world, GROUPS, wrap, layers, repeat, root, loads)
+    for layout in ("sharded", "consolidated"):  # the inline loads, as rows of their own
+        inline = results.get(layout, {}).pop(f"load {INLINE}", None)
+        if inline is not None:
+            results[f"{layout} {INLINE}"] = {"load": inline}
+    return results, info
 
 
 def title(wrap: str, layers: int, world: int, info: dict[str, Any]) -> str:
@@ -121,24 +146,41 @@ def title(wrap: str, layers: int, world: int, info: dict[str, Any]) -> str:
     )
 
 
-def ratios(wrap: str, r: Results) -> list[Target]:
-    """shardsafe sharded over DCP, save and load: a target (<= 0.8) for FSDP2, shown for DDP."""
+def ratios(wrap: str, r: Results, info: dict[str, Any]) -> list[Target]:
+    """shardsafe sharded over DCP: save (a target for FSDP2), and load in each verify mode
+    (<= 0.8); then each shardsafe load's peak extra RSS on its worst rank, in MiB, against
+    the largest tensor plus the read buffers."""
     name = {"ddp": "DDP", "fsdp": "FSDP2"}[wrap]
-    return [
-        Target(
-            f"{name} shardsafe sharded {op} / dcp {op}",
-            r["sharded"][op].median / r["dcp"][op].median,
-            0.8 if wrap == "fsdp" else None,
+    save = r["sharded"]["save"].median / r["dcp"]["save"].median
+    limit = 0.8 if wrap == "fsdp" else None
+    out = [Target(f"{name} shardsafe sharded save / dcp save", save, limit)]
+    dcp_load = r["dcp"]["load"].median
+    modes = (("sharded", "first"), (f"sharded {INLINE}", INLINE))
+    for tool, mode in modes:
+        if "load" in r.get(tool, {}):
+            ratio = r[tool]["load"].median / dcp_load
+            label = f"{name} shardsafe sharded load (verify={mode}) / dcp load"
+            out.append(Target(label, ratio, 0.8))
+    rss_limit = round((info["largest"] + BUFFER_BYTES) / 2**20, 2)
+    for tool in ("sharded", "consolidated", f"sharded {INLINE}", f"consolidated {INLINE}"):
+        if "load" not in r.get(tool, {}):
+            continue
+        m = r[tool]["load"]
+        worst = max(m.peak_rss(rank) for rank in range(len(m.rss_extra[0]))) / 2**20
+        label = (
+            f"{name} {LOAD_LABELS[tool]} load, peak extra RSS per rank in MiB "
+            "(largest tensor + 64 MiB)"
         )
-        for op in ("save", "load")
-    ]
+        out.append(Target(label, worst, rss_limit))
+    return out
 
 
 def section(wrap: str, layers: int, world: int, repeat: int, root: str) -> Section:
     """Run one comparison: its title + table, ratios and results."""
     r, info = run(wrap, layers, world, repeat, root)
-    text = f"{title(wrap, layers, world, info)}\n\n{results_table(r, LABELS, world)}"
-    return Section(text, ratios(wrap, r), r, info)
+    table = results_table(r, LABELS, world, load_labels=LOAD_LABELS)
+    text = f"{title(wrap, layers, world, info)}\n\n{table}"
+    return Section(text, ratios(wrap, r, info), r, info)
 
 
 def cli(wrap: str, doc: str | None) -> None:

@@ -35,6 +35,8 @@ class Tool:
     prepare_load: Callable[[], Any] | None = None
     finish: Callable[[], Any] | None = None
     path: str | None = None  # what a save writes, to report its size
+    variants: Mapping[str, Callable[[], Any]] | None = None
+    """Other ways to load the same files, measured as ``load <name>`` after ``load``."""
 
 
 def run_tool(tool: Tool, repeat: int, loads: bool) -> dict[str, Measurement]:
@@ -52,7 +54,11 @@ def run_tool(tool: Tool, repeat: int, loads: bool) -> dict[str, Measurement]:
         if tool.prepare_load is not None:
             tool.prepare_load()
         dist.barrier()
-        out["load"] = measure(tool.load, repeat)
+        # Loads run after saves in the same processes: measured from a trimmed heap, so
+        # memory the saves freed cannot hide what a load allocates.
+        out["load"] = measure(tool.load, repeat, trim=True)
+        for name, variant in (tool.variants or {}).items():
+            out[f"load {name}"] = measure(variant, repeat, trim=True)
         if tool.finish is not None and dist.get_rank() == 0:
             tool.finish()
         dist.barrier()
@@ -117,9 +123,14 @@ def write_floor(total_bytes: int, rank: int, root: str) -> Tool:
 
 
 def shardsafe_tool(
-    layout: str, state: Mapping[str, Any], fresh: Callable[[], Mapping[str, Any]], root: str
+    layout: str,
+    state: Mapping[str, Any],
+    fresh: Callable[[], Mapping[str, Any]],
+    root: str,
+    verify_variants: Sequence[str] = (),
 ) -> Tool:
-    """``shardsafe.save(path, state, layout=...)``; loads into a freshly built state."""
+    """``shardsafe.save(path, state, layout=...)``; loads into a freshly built state (with
+    the default ``verify``, then once per mode in ``verify_variants``)."""
     path = scratch_path(root, f"shardsafe-{layout}")
     target: dict[str, Mapping[str, Any]] = {}
 
@@ -134,7 +145,13 @@ def shardsafe_tool(
         prepare_load=prepare,
         finish=lambda: clean(path),
         path=path,
+        variants={mode: _load_with(path, target, mode) for mode in verify_variants} or None,
     )
+
+
+def _load_with(path: str, target: Mapping[str, Any], verify: str) -> Callable[[], Any]:
+    """``shardsafe.load(path, target["state"], verify=verify)``, once ``target`` is ready."""
+    return lambda: shardsafe.load(path, target["state"], verify=verify)
 
 
 def dcp_tool(

@@ -3,11 +3,12 @@
 Sections: ZeRO save/load against torch's consolidation, Lightning and the floors;
 peak memory of a consolidated save; Lightning's save_checkpoint and resume with its own
 DDP strategy against ShardsafeDDPStrategy; plain DDP and FSDP2 against
-torch.distributed.checkpoint; ZeRO save time against state size at 2 and 4 ranks; a
-summary table and every target, MET or MISSED. Prints markdown, then writes the same
-text to ``--results`` and the save-time plot to ``--plot``. A full run takes about
-15 minutes on 2 cores; ``--quick`` is a tiny smoke run (about a minute) that writes
-its results under ``--dir`` unless ``--results``/``--plot`` are given.
+torch.distributed.checkpoint; ZeRO save time against state size at 2 and 4 ranks;
+coordination (time and store requests) of a tiny state at 2 to 64 ranks; a summary
+table and every target, MET or MISSED. Prints markdown, then writes the same text to
+``--results`` and the save-time plot to ``--plot``. A full run takes about 15 minutes
+on 2 cores; ``--quick`` is a tiny smoke run (about a minute) that writes its results
+under ``--dir`` unless ``--results``/``--plot`` are given.
 
 Run:  python benchmarks/run_all.py [--quick] [--dir /tmp/shardsafe-bench]
 """
@@ -24,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _coordination as coordination
 import _dcp_compare as dcp_compare
+import async_checkpoint
 import lightning_strategy
 import manifest_scale
 import scaling
@@ -47,9 +50,15 @@ class Config:
     scale_repeat: int = 3
     big_repeat: int = 2  # for torch's path on states over 400 MiB
     manifest_sizes: tuple[tuple[int, int], ...] = ((100, 1000),)  # 100,000 chunk records
+    async_layers: int = 16
+    coordination_worlds: tuple[int, ...] = (2, 8, 16, 32, 64)  # tiny state: the agreement
+    coordination_repeat: int = 3
 
 
-QUICK = Config(2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),))
+QUICK = Config(
+    2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),),
+    async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1,
+)  # fmt: skip
 
 
 class Report:
@@ -75,7 +84,7 @@ class Report:
     def summarize(self, setup: str, done: Section, labels: dict[str, str]) -> None:
         """One summary row per tool: save and load medians, rank 0's peak RSS in a save."""
         for tool, ms in done.results.items():
-            if tool == "comm":
+            if tool == "comm" or "save" not in ms:  # or a row of loads only (verify=inline)
                 continue
             save, load = ms["save"], ms.get("load")
             self.summary.append(
@@ -125,6 +134,12 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
             functools.partial(dcp_compare.section, wrap, cfg.dcp_layers, 2, cfg.repeat, root),
         )
         report.summarize(f"{name}, {size(done.info, 2)}", done, dcp_compare.LABELS)
+    report.section(
+        "Asynchronous save: stall, training while writing, time to durable, 2 ranks",
+        lambda: async_checkpoint.section(
+            async_checkpoint.SETUPS, cfg.async_layers, 2, cfg.repeat, root
+        ),
+    )
     known = {(cfg.zero_layers, 2): scaling.Point(cfg.zero_layers, 2, main.info, main.results)}
     points: list[scaling.Point] = []
 
@@ -136,6 +151,10 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
         return Section(text, [], {})
 
     report.section("ZeRO save time against state size and ranks", scale)
+    report.section(
+        "Coordination against ranks: tiny DDP + Adam, shardsafe and DCP",
+        lambda: coordination.section(cfg.coordination_worlds, cfg.coordination_repeat, root),
+    )
     report.section(
         "Parsing and validating a large manifest",
         lambda: manifest_scale.section(cfg.manifest_sizes),

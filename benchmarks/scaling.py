@@ -1,12 +1,17 @@
-"""ZeRO save time against state size and rank count.
+"""Scaling: ZeRO save time against state size, and coordination against rank count.
 
 For each (layers, ranks) point: the write floor, the comm floor, torch's
 consolidate_state_dict + torch.save, and shardsafe sharded and consolidated, each tool
 in fresh processes (zero_checkpoint.py says what each row times). 4, 16 and 64 layers
 are about 50, 200 and 800 MB of model + Adam state.
 
+Then, for each of ``--coordination-ranks`` (2 8 16 32 64; none: skip), a tiny DDP +
+Adam state saved and loaded by shardsafe and by DCP in the same processes, with the
+store requests of a shardsafe save and load (``_coordination.py``).
+
 Run:  python benchmarks/scaling.py [--layers 4 16 64] [--ranks 2 4] [--repeat 3]
       [--big-repeat 1] [--plot save_time_vs_size.png]
+      [--coordination-ranks 2 8 16 32 64] [--coordination-repeat 3]
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _coordination as coordination
 import zero_checkpoint as zero
-from _common import Target, machine, mib, table
+from _common import Target, machine, mib, table, verdicts
 from _report import rss_cells
 from _tools import Results
 
@@ -108,9 +114,17 @@ def main() -> None:
     parser.add_argument("--big-repeat", type=int, default=1)
     parser.add_argument("--dir", default="/tmp/shardsafe-bench")
     parser.add_argument("--plot", default="", help="write the save-time plot here (PNG)")
+    parser.add_argument("--coordination-ranks", type=int, nargs="*", default=[2, 8, 16, 32, 64])
+    parser.add_argument("--coordination-repeat", type=int, default=3)
+    parser.add_argument("--skip-sizes", action="store_true", help="only the coordination part")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(f"machine: {machine()}\n")
+    if args.coordination_ranks:
+        done = coordination.section(args.coordination_ranks, args.coordination_repeat, args.dir)
+        print(f"{done.text}\n\n{verdicts(done.targets)}\n")
+    if args.skip_sizes:
+        return
     points = run(args.layers, args.ranks, args.repeat, args.big_repeat, args.dir)
     print(times_table(points) + "\n")
     print(ratios_table(points))

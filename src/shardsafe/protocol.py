@@ -179,14 +179,29 @@ class Adapter(ABC):
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         """The tensor regions this rank needs to restore ``obj``, plus any mismatches."""
 
+    def targets(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> Mapping[str, torch.Tensor]:
+        """Live tensors the loaded data of a tensor key belongs in, to be read straight into.
+
+        So a load needs no second copy of the state: the engine fills each target (CPU
+        or CUDA, any layout) with the box it requested for that key, CRC-checked, and
+        then hands the target itself to :meth:`validate` and :meth:`restore` under that
+        key. :meth:`validate` sees it before it is filled (its old values), so it may
+        check only its dtype and shape. A target must have the dtype of the saved
+        tensor and the shape of the box requested (for a DTensor: its local shard);
+        anything else is ignored and read into a new tensor. The default: none.
+        """
+        return {}
+
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         """Check, without changing ``obj``, that :meth:`restore` will accept this data.
 
-        Runs on every entry after every rank has read and verified its tensors, and
-        before anything is restored anywhere, so a checkpoint that would fail half-way
-        through restoring fails here instead, with nothing modified. Raise
+        Runs on every entry after every rank has read and verified its tensors (those
+        read in place, see :meth:`targets`, are then still the live ones: with
+        ``verify="inline"`` they are read only after this), and before anything is
+        restored anywhere, so a checkpoint that would fail half-way through restoring
+        fails here instead, with nothing modified. Raise
         ``CheckpointCorruptError`` (malformed metadata) or ``CheckpointMismatchError``
         (does not fit ``obj``). The default checks nothing.
         """

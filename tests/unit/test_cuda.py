@@ -1,5 +1,6 @@
 """What one GPU can show: CUDA state saved and loaded, staged to host without aliasing live
-tensors, no GPU memory growth during a save, and a CPU-saved checkpoint loaded onto the GPU.
+tensors, no GPU memory growth during a save or a load (read into the live tensors through
+one pinned host buffer), and a CPU-saved checkpoint loaded onto the GPU.
 
 Skipped without CUDA (see conftest.py); run them with ``pytest -m cuda`` on a GPU machine.
 """
@@ -82,6 +83,52 @@ def test_cpu_saved_checkpoint_loads_onto_the_gpu(tmp_path: Path) -> None:
     assert _same(model, fresh) and all(p.is_cuda for p in fresh.parameters())
     state = next(iter(fresh_opt.state.values()))
     assert state["exp_avg"].is_cuda
+
+
+@pytest.mark.parametrize("mode", ["first", "inline"])
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_gpu_memory_does_not_grow_during_a_load(tmp_path: Path, layout: str, mode: str) -> None:
+    model, opt = _trained("cuda")
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt}, layout=layout)
+    fresh, fresh_opt = _trained("cuda", seed=1)
+    live = [p.data_ptr() for p in fresh.parameters()]
+    live += [s["exp_avg"].data_ptr() for s in fresh_opt.state.values()]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    shardsafe.load(tmp_path / "ckpt", {"model": fresh, "optimizer": fresh_opt}, verify=mode)
+    torch.cuda.synchronize()
+    # Read into the live tensors through a pinned host buffer: no GPU allocation at all.
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+    assert torch.cuda.memory_allocated() == before
+    assert _same(model, fresh)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][name], fresh_opt.state[q][name])
+    after = [p.data_ptr() for p in fresh.parameters()]
+    after += [s["exp_avg"].data_ptr() for s in fresh_opt.state.values()]
+    assert after == live, "the live tensors must be filled, not replaced"
+
+
+def test_cuda_targets_are_filled_through_one_reused_pinned_buffer(tmp_path: Path) -> None:
+    from shardsafe.checkpoint.loading import read_manifest_from
+    from shardsafe.checkpoint.reader import CheckpointReader
+    from shardsafe.checkpoint.storage import LocalStorage
+
+    model, _ = _trained("cuda")
+    shardsafe.save(tmp_path / "ckpt", {"model": model})
+    with LocalStorage(str(tmp_path / "ckpt")) as storage:
+        manifest = read_manifest_from(storage)
+        with CheckpointReader(storage, manifest, piece_bytes=4096) as reader:
+            out = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+            seen = set()
+            for name, target in out.items():
+                reader.read_into(f"model/{name}", None, None, target)
+                assert reader._pinned is not None and reader._pinned.is_pinned()
+                assert reader._pinned.numel() <= 4096  # one piece, never a whole tensor
+                seen.add(id(reader._pinned))
+    assert len(seen) == 1
+    assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
 
 
 # --------------------------------------------------------------------- async save

@@ -76,6 +76,18 @@ class ModuleAdapter(Adapter):
         plan.unexpected = [ctx.key(n) for n in sorted(saved_names - set(live))]
         return plan
 
+    def targets(
+        self, obj: nn.Module, saved: SavedValue, ctx: LoadContext
+    ) -> dict[str, torch.Tensor]:
+        """Every live parameter and buffer (a DTensor's local shard): ``restore``'s
+        ``load_state_dict`` then copies each onto itself, which torch skips, so module
+        hooks still run and nothing is copied twice."""
+        return {
+            ctx.key(name): dtensor.local_of(value)
+            for name, value in unwrap(obj).state_dict().items()
+            if isinstance(value, torch.Tensor)
+        }
+
     def restore(
         self,
         obj: nn.Module,

@@ -153,6 +153,23 @@ def _request_for(
     return ReadRequest(ref, *box, within=whole, factored=factored)
 
 
+def live_targets(
+    local: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
+) -> dict[str, torch.Tensor]:
+    """The live state tensors (a DTensor's local shard) the saved state of ``local``'s
+    parameters is read into: ``load_state_dict`` then adopts them as they are."""
+    meta = _meta(saved)
+    found: dict[str, torch.Tensor] = {}
+    for p in (p for g in local.param_groups for p in g["params"]):
+        live_state = local.state.get(p, {})
+        for name, raw in meta["state"].get(ctx.param_fqn(p), {}).items():
+            live = live_state.get(name)
+            refs = _tree.tensor_refs(raw)
+            if isinstance(live, torch.Tensor) and len(refs) == 1 and raw == {"__tensor__": refs[0]}:
+                found[refs[0]] = dtensor.local_of(live)
+    return found
+
+
 def state_dict_for(
     groups: list[dict[str, Any]],
     local: torch.optim.Optimizer,
@@ -269,6 +286,11 @@ class OptimizerAdapter(Adapter):
         self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
     ) -> LoadRequests:
         return plan_import(obj.param_groups, obj, saved, ctx)
+
+    def targets(
+        self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
+    ) -> dict[str, torch.Tensor]:
+        return live_targets(obj, saved, ctx)
 
     def validate(
         self,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..protocol import JSON, Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
-from .optimizer import export_state, import_state, plan_import, state_dict_for
+from .optimizer import export_state, import_state, live_targets, plan_import, state_dict_for
 
 
 class PartitionedOptimizerAdapter(Adapter):
@@ -67,6 +67,9 @@ class PartitionedOptimizerAdapter(Adapter):
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         return plan_import(obj.param_groups, self.local(obj), saved, ctx)
+
+    def targets(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
+        return live_targets(self.local(obj), saved, ctx)
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext

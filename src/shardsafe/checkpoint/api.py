@@ -112,6 +112,8 @@ def load(
     timeout: float = _L.timeout,
     untrusted_bytes_limit: int = _L.untrusted_bytes_limit,
     storage_options: Mapping[str, Any] | None = _L.storage_options,
+    verify: str = _L.verify,
+    buffer_bytes: int = _L.buffer_bytes,
 ) -> dict[str, Any]:
     """Restore the stateful values of ``state`` in place from ``path``. Call it on every rank.
 
@@ -119,11 +121,20 @@ def load(
     with. Returns the plain values (JSON data, tensors) the checkpoint holds, as saved.
     ``strict=True``: keys the live objects have and the checkpoint lacks, or the reverse,
     are an error; ``strict=False`` loads what both have. Shapes and dtypes must match.
-    Nothing is restored on any rank unless every rank has read and verified its data.
+    With the default verify="first", nothing is restored on any rank unless every rank
+    has read and verified its data.
 
     ``untrusted_bytes_limit`` bounds what a checkpoint can make this rank allocate for
     tensors no live object sizes (returned plain tensors, a fresh optimizer's state):
     at most this plus 8 times the live tensors being loaded.
+
+    Bytes go straight into the live tensors they replace (parameters, buffers, the state
+    of an optimizer that has stepped; CUDA ones through a pinned buffer), so the extra
+    memory is one buffer of ``buffer_bytes`` plus the tensors no live one holds yet.
+    ``verify="first"`` (default) reads and checks every byte before restoring anything,
+    then reads it again into place, checked again; ``verify="inline"`` reads once,
+    checking each piece as it is copied in, so a corrupt byte is found with live
+    tensors partly restored (the error names them).
     """
     options = LoadOptions(
         strict=strict,
@@ -131,6 +142,8 @@ def load(
         timeout=timeout,
         untrusted_bytes_limit=untrusted_bytes_limit,
         storage_options=storage_options,
+        verify=verify,
+        buffer_bytes=buffer_bytes,
     )
     with open_storage(os.fspath(path), storage_options=storage_options) as storage:
         return loading.load(storage, state, options)

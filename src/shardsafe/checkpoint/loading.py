@@ -1,13 +1,20 @@
 """``load``: the phases of restoring a checkpoint and the agreement between them.
 
 enter (timed barrier) -> plan (read and validate the manifest; the load plan: which
-tensor regions each entry needs, every mismatch, bounded allocation) -> read (only those
-regions, checksums verified; then every adapter checks, without changing anything, that
-its data will restore) -> restore (adapters put state back).
+tensor regions each entry needs, every mismatch, bounded allocation; which live tensors
+the bytes go straight into) -> read (the regions no live tensor takes, into new tensors;
+with ``verify="first"`` also every byte of the others, checked and dropped; then every
+adapter checks, without changing anything, that its data will restore) -> restore (the
+live tensors filled in place, checksums checked again; adapters put state back).
 
-Nothing is restored until every rank has read, verified and checked everything it
-needs, so a corrupt file, hostile metadata or a mismatch on one rank leaves every rank's
-objects untouched.
+Memory: beyond the live objects, one reused buffer (``buffer_bytes``) and the tensors
+no live one takes (which the objects then adopt), never a copy of the state.
+
+With ``verify="first"`` (the default) nothing is restored until every rank has read,
+verified and checked everything it needs, so a corrupt file, hostile metadata or a
+mismatch on one rank leaves every rank's objects untouched. With ``verify="inline"``
+each byte is read once, and a corrupt one is found while live tensors are being filled:
+the error says which were (``in_place.partly_restored``).
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ import torch
 
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
+from ..protocol import ReadRequest
+from . import in_place
 from .load_plan import LoadPlan, guarded, plan_load
 from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
-from .reader import CheckpointReader
+from .reader import CACHE_PIECE_BYTES, CheckpointReader
 from .storage import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -33,7 +42,6 @@ AFTERMATH: dict[Phase | None, str] = {
         "This rank may already have restored some of its objects; load again before using them."
     ),
 }
-"""What a rank dying in a phase of a load means for the objects being loaded."""
 
 
 def read_manifest(
@@ -89,27 +97,45 @@ def load_chosen(
                 world_size=coord.world_size,
                 untrusted_bytes_limit=options.untrusted_bytes_limit,
             )
-        with coord.phase(Phase.READ):
-            tensors = _read(storage, manifest, plan)
-            for item in plan.entries:
-                guarded(item, "validate", item.adapter.validate, item.obj, item.saved, tensors)
-        with coord.phase(Phase.RESTORE):
-            return _restore(plan, tensors)
+            routes = _in_file_order(in_place.route(plan, manifest), manifest)
+        pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
+        with CheckpointReader(storage, manifest, piece_bytes=pieces) as reader:
+            with coord.phase(Phase.READ):
+                tensors = _read(reader, routes, options.verify)
+                for item in plan.entries:
+                    guarded(item, "validate", item.adapter.validate, item.obj, item.saved, tensors)
+            with coord.phase(Phase.RESTORE):
+                in_place.fill(reader, routes.in_place, verify=options.verify, rank=coord.rank)
+                return _restore(plan, tensors)
     finally:
         coord.close()
 
 
-def _read(storage: Storage, manifest: Manifest, plan: LoadPlan) -> dict[str, torch.Tensor]:
-    # In the order the data files hold them (a file's tensors are stored sorted by key),
-    # so that an object store's read-ahead serves consecutive tensors from one request.
-    order = sorted(plan.requests, key=lambda r: (_first_file(manifest, r.key), r.key))
-    with CheckpointReader(storage, manifest) as reader:
-        return {req.key: reader.read(req.key, req.offsets, req.shape) for req in order}
+def _read(
+    reader: CheckpointReader, routes: in_place.Routes, verify: str
+) -> dict[str, torch.Tensor]:
+    """New tensors for what no live tensor takes; the live targets (still holding their old
+    values) for the rest, after checking every byte of them if ``verify == "first"``."""
+    tensors = {req.key: reader.read(req.key, req.offsets, req.shape) for req in routes.fresh}
+    if verify == "first":
+        for req, _ in routes.in_place:
+            reader.check(req.key, req.offsets, req.shape)
+    tensors.update({req.key: target for req, target in routes.in_place})
+    return tensors
 
 
-def _first_file(manifest: Manifest, key: str) -> str:
-    chunks = manifest.tensors[key].chunks
-    return chunks[0].file if chunks else ""
+def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Routes:
+    """The requests in the order the data files hold them (a file's tensors are stored
+    sorted by key), so that an object store's read-ahead serves consecutive tensors from
+    one request."""
+
+    def where(req: ReadRequest) -> tuple[str, str]:
+        chunks = manifest.tensors[req.key].chunks
+        return (chunks[0].file if chunks else "", req.key)
+
+    fresh = sorted(routes.fresh, key=where)
+    placed = sorted(routes.in_place, key=lambda pair: where(pair[0]))
+    return in_place.Routes(fresh, placed)
 
 
 def _restore(plan: LoadPlan, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:

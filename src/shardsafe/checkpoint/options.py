@@ -19,6 +19,8 @@ from .storage import Storage
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 1800.0
 DEFAULT_UNTRUSTED_BYTES = 1 << 30
+VERIFY_MODES = ("first", "inline")
+"""How ``load`` checks checksums against restoring (see :class:`LoadOptions`)."""
 
 
 class StorageFactory(Protocol):
@@ -99,10 +101,26 @@ class LoadOptions:
     timeout: float = DEFAULT_TIMEOUT_S
     untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES
     storage_options: Mapping[str, Any] | None = None
+    verify: str = "first"
+    """``"first"``: every byte this rank needs is read and CRC-checked before anything is
+    restored, then read again straight into the live tensors, checked again (a second
+    read, usually from the page cache). ``"inline"``: one read, each piece checked as it
+    is copied into a live tensor; a corrupt byte is found with the objects partly
+    restored, and the error says which. Either way only one tensor's worth of bytes plus
+    ``buffer_bytes`` is held beyond the live objects."""
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    """The read buffers' budget (half pageable, half pinned for CUDA targets)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r} must be True or False")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(
+                f"verify={self.verify!r} is not one of {VERIFY_MODES}: 'first' restores "
+                "nothing until every byte is verified (two reads), 'inline' reads once"
+            )
+        if not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 1 << 20:
+            raise ValueError(f"buffer_bytes={self.buffer_bytes!r} is too small; use at least 1 MiB")
         _positive("entry_timeout", self.entry_timeout)
         _positive("timeout", self.timeout)
         _mapping_or_none(self.storage_options)

@@ -9,6 +9,11 @@ copied into place. A chunk that exactly matches the request is read straight int
 result. So reading takes the result's memory plus one piece, whatever sizes (or checksum
 block size) a manifest claims.
 
+The result may be a new tensor (:meth:`CheckpointReader.read`), a live tensor the bytes
+belong in (:meth:`~CheckpointReader.read_into`: a contiguous CPU tensor is read straight
+into, any other, CUDA included, through the reused buffer, pinned for CUDA), or nothing
+(:meth:`~CheckpointReader.check`: the bytes are only checked, then dropped).
+
 Files are opened lazily, each validated against the manifest (type, size, header CRC32,
 header) when opened. At most :data:`MAX_OPEN_FILES` stay open; a file closed to make
 room is validated again in full if it is needed again.
@@ -30,6 +35,9 @@ from .safetensors_io import HeaderEntry, memory, parse_header, read_header_bytes
 from .storage import FileReader, Storage
 
 PIECE_BYTES = 16 << 20
+CACHE_PIECE_BYTES = 4 << 20
+"""Bytes read, then checksummed, in one go when reading straight into a tensor: small
+enough to stay in the CPU cache between the copy from the page cache and the CRC."""
 MAX_OPEN_FILES = 64
 
 
@@ -67,9 +75,15 @@ class CheckpointReader:
     """Reads verified regions of a checkpoint's tensors (see the module docstring)."""
 
     def __init__(
-        self, storage: Storage, manifest: Manifest, *, keep_header_bytes: bool = False
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        *,
+        keep_header_bytes: bool = False,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         self.storage = storage
+        self.piece_bytes = max(piece_bytes, 1)
         self.manifest = manifest
         self.header_bytes: dict[str, bytes] = {}
         """With ``keep_header_bytes``: each opened file's raw header (for ``verify``)."""
@@ -79,6 +93,8 @@ class CheckpointReader:
         self._failed: dict[str, CheckpointCorruptError] = {}
         """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
         self._buffer: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None
+        """The staging buffer for CUDA destinations: page-locked, so copies go by DMA."""
 
     def close(self) -> None:
         for reader, _ in self._open.values():
@@ -105,6 +121,38 @@ class CheckpointReader:
             self._fill(key, rec, box, pieces, out)
         return out
 
+    def read_into(
+        self,
+        key: str,
+        offsets: tuple[int, ...] | None,
+        shape: tuple[int, ...] | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Fill ``out`` (any device and layout, the box's shape and dtype) with the box.
+
+        ``out`` is written as the bytes arrive, before the last checksum of the box has
+        been checked: a mismatch leaves it partly overwritten.
+        """
+        rec = self.manifest.tensors[key]
+        box = _box(rec, offsets, shape)
+        if out.dtype != rec.dtype or tuple(out.shape) != box[1]:
+            raise ValueError(f"read_into({key!r}): out is not the box's dtype and shape")
+        pieces = self._pieces(key, rec, box)
+        if out.numel():
+            with torch.no_grad():
+                self._fill(key, rec, box, pieces, out.detach())
+
+    def check(
+        self, key: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> None:
+        """Read and CRC-check every byte the box needs, keeping none (memory: one piece)."""
+        rec = self.manifest.tensors[key]
+        box = _box(rec, offsets, shape)
+        for chunk, overlap in self._pieces(key, rec, box):
+            rel = (tuple(o - c for o, c in zip(overlap[0], chunk.offsets)), overlap[1])
+            if math.prod(box[1]):
+                self._read_rows(key, rec, chunk, rel, None)
+
     def _pieces(
         self, key: str, rec: TensorRecord, box: geometry.Box
     ) -> list[tuple[ChunkRecord, geometry.Box]]:
@@ -127,8 +175,9 @@ class CheckpointReader:
         pieces: list[tuple[ChunkRecord, geometry.Box]],
         out: torch.Tensor,
     ) -> None:
+        direct = out.device.type == "cpu" and out.is_contiguous()
         for chunk, overlap in pieces:
-            if overlap == box and chunk.offsets == box[0] and chunk.shape == box[1]:
+            if direct and overlap == box and chunk.offsets == box[0] and chunk.shape == box[1]:
                 self._read_whole(key, rec, chunk, out)
                 continue
             rel = (tuple(o - c for o, c in zip(overlap[0], chunk.offsets)), overlap[1])
@@ -140,17 +189,25 @@ class CheckpointReader:
     ) -> None:
         reader, entry = self._entry(key, rec, chunk)
         view = memory(out)
-        reader.read_into(entry.start, view)
         checker = _BlockChecker(key, chunk, self.manifest.block_bytes, 0)
-        for start in range(0, view.nbytes, PIECE_BYTES):
-            checker.feed(view[start : start + PIECE_BYTES])
+        step = min(self.piece_bytes, CACHE_PIECE_BYTES)
+        for start in range(0, view.nbytes, step):
+            # Each piece is checked right after it is read, while it is still in cache.
+            piece = view[start : start + step]
+            reader.read_into(entry.start + start, piece)
+            checker.feed(piece)
         checker.finish()
 
     def _read_rows(
-        self, key: str, rec: TensorRecord, chunk: ChunkRecord, rel: geometry.Box, dest: torch.Tensor
+        self,
+        key: str,
+        rec: TensorRecord,
+        chunk: ChunkRecord,
+        rel: geometry.Box,
+        dest: torch.Tensor | None,
     ) -> None:
         """Stream the blocks covering the rows (dim-0 slices) of ``chunk`` that ``rel`` needs,
-        check them, and copy ``rel`` of each row into ``dest``."""
+        check them, and copy ``rel`` of each row into ``dest`` (unless it is ``None``)."""
         reader, entry = self._entry(key, rec, chunk)
         itemsize, block = dtypes.itemsize(rec.dtype), self.manifest.block_bytes
         row_elems = math.prod(chunk.shape[1:]) if chunk.shape else 1
@@ -161,33 +218,49 @@ class CheckpointReader:
         end = min(-(-hi // block) * block, entry.nbytes)
         checker = _BlockChecker(key, chunk, block, begin // block)
         self._stream(reader, entry.start + begin, lo - begin, checker)  # before the rows
-        per_piece = max(1, PIECE_BYTES // max(row_bytes, 1))
+        per_piece = max(1, self.piece_bytes // max(row_bytes, 1))
         inner = (slice(None), *(slice(o, o + n) for o, n in zip(rel[0][1:], rel[1][1:])))
+        pinned = dest is not None and dest.device.type == "cuda"
         for r in range(0, rows, per_piece):
             n = min(per_piece, rows - r)
-            raw = self._piece(n * row_bytes)
+            raw = self._piece(n * row_bytes, pinned=pinned)
             view = memory(raw)
             reader.read_into(entry.start + lo + r * row_bytes, view)
             checker.feed(view)
-            if row_bytes:
+            if dest is not None and row_bytes:
+                # A synchronous copy (also from the pinned buffer): the buffer is free
+                # to be refilled when it returns.
+                if not chunk.shape:  # a 0-d tensor: its one element
+                    dest.copy_(raw.view(rec.dtype).reshape(()))
+                    continue
                 block_rows = raw.view(rec.dtype).reshape((n, *chunk.shape[1:]))
-                dest[r : r + n] = block_rows[inner] if chunk.shape else raw
+                dest[r : r + n] = block_rows[inner]
         self._stream(reader, entry.start + hi, end - hi, checker)  # after the rows
         if end == entry.nbytes:
             checker.finish()
 
     def _stream(self, reader: FileReader, offset: int, nbytes: int, checker: _BlockChecker) -> None:
         """Feed ``nbytes`` at ``offset`` to ``checker``, one piece at a time."""
-        for start in range(0, nbytes, PIECE_BYTES):
-            view = memory(self._piece(min(PIECE_BYTES, nbytes - start)))
+        for start in range(0, nbytes, self.piece_bytes):
+            view = memory(self._piece(min(self.piece_bytes, nbytes - start)))
             reader.read_into(offset + start, view)
             checker.feed(view)
 
-    def _piece(self, nbytes: int) -> torch.Tensor:
+    def _piece(self, nbytes: int, *, pinned: bool = False) -> torch.Tensor:
         """A reused buffer of ``nbytes`` (grown only for a row larger than a piece)."""
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
-        return self._buffer[:nbytes]
+        held = self._pinned if pinned else self._buffer
+        if held is None or held.numel() < nbytes:
+            held = None  # free the smaller one before allocating its successor
+            if pinned:
+                self._pinned = None
+            else:
+                self._buffer = None
+            held = torch.empty(max(nbytes, 0), dtype=torch.uint8, pin_memory=pinned)
+            if pinned:
+                self._pinned = held
+            else:
+                self._buffer = held
+        return held[:nbytes]
 
     # -- verifying
 

@@ -1,8 +1,9 @@
 """``save``: the phases of writing a checkpoint and the agreement between them.
 
-enter (timed barrier) -> collect (adapters turn state into chunks; ranks exchange offers:
-the shapes of what they hold) -> write (the save plan, identical on every rank; data
-files, each fsynced) -> commit (rank 0 writes ``manifest.json`` last, atomically).
+enter (timed barrier) -> collect (adapters turn state into chunks; every rank posts its
+offer, the shapes of what it holds; rank 0 alone reads them all, plans, and sends each
+rank its part of the plan) -> write (that part: data files, each fsynced) -> commit
+(rank 0 writes ``manifest.json`` last, atomically).
 
 Every phase is a block that ends with an agreement (``shardsafe.distributed``), so an
 error on any rank stops all ranks at the same point with the same error, and nothing is
@@ -22,7 +23,7 @@ from .._version import __version__
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import Adapter, SavedValue
-from . import target_directory
+from . import plan_parts, target_directory
 from .collecting import Collected, check_state, collect
 from .manifest import MANIFEST_NAME, Manifest, parse
 from .manifest_format import CRC_BLOCK_BYTES
@@ -111,25 +112,39 @@ def persist(run: SaveRun) -> None:
 
 def _phases(run: SaveRun) -> None:
     coord, storage, options, items = run.coord, run.storage, run.options, run.items
-    with coord.phase(Phase.COLLECT) as collected:
+    names = list(items)
+    offers: list[Offer] = []
+
+    def plan(payloads: list[Any]) -> list[Any]:
+        """Rank 0's plan from every offer; each other rank gets its part (plan_parts)."""
+        offers.extend(Offer.from_json(r, raw) for r, raw in enumerate(payloads))
+        check_same_entries(offers, names, coord.rank)
+        whole = plan_save([o.chunks for o in offers], options.layout, names)
+        # The others' parts carry the name of rank 0's probe, which each checks it can see.
+        parts = [plan_parts.part_of(whole, r) | {"probe": token} for r in range(1, len(offers))]
+        return [whole, *parts]
+
+    with coord.phase(Phase.COLLECT, decide=plan) as collected:
         if run.error is not None:
             raise run.error
-        token = None
+        token = ""
         if coord.rank == 0:
             if options.hooks.before_write is not None:
                 options.hooks.before_write()
             token = target_directory.prepare(storage)
         offer = Offer.of(coord.rank, {name: item for name, (_, item) in items.items()})
-        collected.payload = [offer.to_json(), token]
-    offers = [Offer.from_json(r, raw) for r, (raw, _) in enumerate(collected.payloads)]
-    token = collected.payloads[0][1]
+        collected.payload = offer.to_json()
+    if coord.rank == 0:
+        save_plan = collected.part
+    else:
+        save_plan, token = plan_parts.from_part(collected.part), collected.part["probe"]
     adapters = {name: adapter for name, (adapter, _) in items.items()}
-    plan, written = _write(coord, storage, items, offers, options, run.group, token)
+    written = _write(coord, storage, items, save_plan, options, run.group, token)
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
             entries = _merged(adapters, offers)
             storage.remove(target_directory.probe_name(token))
-            _commit(storage, plan, entries, written, options.hooks.after_commit)
+            _commit(storage, save_plan, entries, written, options.hooks.after_commit)
 
 
 def _merged(adapters: dict[str, Adapter], offers: list[Offer]) -> dict[str, SavedValue]:
@@ -145,11 +160,11 @@ def _write(
     coord: Coordinator,
     storage: Storage,
     items: Collected,
-    offers: list[Offer],
+    plan: SavePlan,
     options: SaveOptions,
     group: Any,
     token: str,
-) -> tuple[SavePlan, list[dict[str, WrittenFile]]]:
+) -> list[dict[str, WrittenFile]]:
     """The write phase: this rank's files of the plan; rank 0 learns what every rank wrote."""
     written: dict[str, WrittenFile] = {}
     try:
@@ -157,8 +172,6 @@ def _write(
             try:
                 if coord.rank != 0:
                     target_directory.check_shared(storage, token, coord.rank)
-                check_same_entries(offers, list(items), coord.rank)
-                plan = plan_save([o.chunks for o in offers], options.layout, list(items))
                 chunks = chunks_of({name: item for name, (_, item) in items.items()})
                 write_options = WriteOptions(CRC_BLOCK_BYTES, options.buffer_bytes)
                 written = write_plan(plan, coord.rank, chunks, storage, write_options, group)
@@ -168,7 +181,7 @@ def _write(
     except CheckpointError:
         remove_quietly(storage, list(written))
         raise
-    return plan, phase.payloads
+    return phase.payloads
 
 
 def _commit(

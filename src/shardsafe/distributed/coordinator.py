@@ -15,9 +15,16 @@ waits until all have posted or one has failed. So
 
 * a rank that never calls ``save`` is reported by name after ``entry_timeout`` seconds;
 * an exception on any rank becomes the same :class:`CheckpointError`, naming that rank and
-  its message, on every rank, within a poll interval;
+  its message, on every rank, within milliseconds;
 * data-moving collectives (the consolidated gather) only start after every rank has
   agreed that it holds its data, so they cannot be entered by only some ranks.
+
+The store serves O(ranks) requests per phase, not O(ranks²) (issue 17): ranks do not
+poll. Each blocks (on a connection of its own, ``clients``) on the phase's ``wake`` key,
+which the last rank to post, a failing rank, or a watcher that saw a rank die bumps; the
+value says which. With ``only_rank0_reads`` only rank 0 reads the payloads; with
+``decide`` rank 0 alone turns them into one part per rank (the save plan) and each rank
+reads its own part. Only rank 0 watches every rank's heartbeat; the others watch rank 0.
 
 Once every rank has entered, each runs a :class:`Heartbeat`, so a rank that dies is named
 within ``dead_after`` seconds. What a dead rank means for the checkpoint is for the
@@ -33,15 +40,16 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from . import clients
 from .group import default_store, world
-from .heartbeat import BEAT_S, DEAD_AFTER_S, Heartbeat
+from .heartbeat import BEAT_S, DEAD_AFTER_S, WATCH_OTHERS_S, Heartbeat
 from .phases import Phase
 from .reports import (
     RankFailure,
@@ -52,22 +60,21 @@ from .reports import (
     error_type,
     missing_message,
 )
+from .store_requests import CountingStore
 
-_POLL_MIN_S = 0.001
-_POLL_MAX_S = 0.05
-_POLL_S_PER_RANK = 0.0001
 _ACK_TIMEOUT_S = 30.0
+_POLL_S = 0.005
+"""Between two looks at a store that cannot block on a key (the unit tests' dict stores)."""
 
+ALL_POSTED = 1
+FAILED = 1 << 20
+DEAD = 1 << 40
+"""What bumped a phase's ``wake`` counter: the last rank to post adds ``ALL_POSTED``, each
+failing rank ``FAILED`` (before it counts itself as posted, so a value showing every rank
+posted shows every failure too), a watcher that saw a rank die ``DEAD``."""
 
-def _poll_cap(world_size: int) -> float:
-    """The longest pause between two polls of the store while waiting for other ranks.
-
-    5 ms on small jobs, so that a rank which waited through a long phase (rank 0 writing
-    a consolidated checkpoint) sees its end within 5 ms rather than 50; 0.1 ms a rank on
-    large ones, at most 50 ms, so that rank 0's store gets at most ~10,000 polls a second
-    however many ranks wait.
-    """
-    return min(_POLL_MAX_S, max(0.005, world_size * _POLL_S_PER_RANK))
+Decide = Callable[[list[Any]], list[Any]]
+"""Rank 0's decision over every rank's payload: one JSON-able part per rank."""
 
 
 class CallCounter:
@@ -94,10 +101,12 @@ CALLS = CallCounter()
 
 @dataclass
 class PhaseOutcome:
-    """What a rank posts in a phase block, and (after it) what every rank posted."""
+    """What a rank posts in a phase block, and (after it) what every rank posted, or
+    with ``decide``, this rank's part of rank 0's decision."""
 
     payload: Any = None
     payloads: list[Any] = field(default_factory=list)
+    part: Any = None
 
 
 class Coordinator:
@@ -124,17 +133,31 @@ class Coordinator:
         self.dead_after = dead_after
         self.aftermath = dict(aftermath or {})
         self._store: Any = None
+        self._beat_store: Any = None
+        """The heartbeat's connection: never blocked by this operation's waits."""
         self._own_keys: list[str] = []
         self._heartbeat: Heartbeat | None = None
         self._withdrawn = False
+        self._entered = False
+        self._current = str(Phase.ENTRY)
+        self._last_posted: str | None = None
+        self._dead: list[int] = []
         # The path as every rank spells it, not made absolute: ranks on different nodes
         # may run in different working directories, and a URL is no local path.
         self._tag = f"{operation}:{path if '://' in path else os.path.normpath(path)}"
+        self._shared: Any = None
+        self._connection: Any = None
+        self._lost = False
+        """The store failed us: this connection is not handed on."""
         if group is not None:
-            self._store = group[2]
+            self._store = self._beat_store = CountingStore(group[2])
         elif self.world_size > 1:
             prefix = f"shardsafe/{self._tag}/{CALLS.next(self._tag)}"
-            self._store = dist.distributed_c10d.PrefixStore(prefix, default_store())
+            self._shared = default_store()
+            self._connection = clients.acquire(self._shared)
+            prefixed = dist.distributed_c10d.PrefixStore
+            self._store = CountingStore(prefixed(prefix, self._connection))
+            self._beat_store = CountingStore(prefixed(prefix, self._shared))
 
     # -- the operation's lifetime
 
@@ -143,22 +166,58 @@ class Coordinator:
 
         From then on this rank beats a heartbeat until :meth:`close`.
         """
-        self.exchange(Phase.ENTRY, None, None, timeout=entry_timeout)
+        if self._store is not None:
+            # The first beat, before arriving: rank 0's watch reads every rank's beat in
+            # one multi_get, which must not block on a key that does not exist yet.
+            self._beat_store.add(f"beat/{self.rank}", 1)
+        try:
+            self.exchange(Phase.ENTRY, None, None, timeout=entry_timeout)
+        except BaseException:
+            self._give_back()
+            raise
         if self._store is not None and not self._withdrawn:
-            self._heartbeat = Heartbeat(self._store, self.rank, self.world_size, self.dead_after)
-            self._heartbeat.start()
+            self._entered = True
+            watch = None if self.rank == 0 else [0]
+            beat = Heartbeat(self._beat_store, self.rank, self.world_size, self.dead_after, watch)
+            beat.start(self._publish_dead, self._has_posted_current)
+            self._heartbeat = beat
 
     def close(self) -> None:
-        """Stop the heartbeat; call when the operation ends, however it ends."""
+        """Rank 0 stays until the others have seen the last outcome; stop the heartbeat.
+
+        Call when the operation ends, however it ends.
+        """
+        if self._entered:
+            self._entered = False
+            with contextlib.suppress(Exception):  # the error being raised matters more
+                self._acknowledge()
+                self.release()
         if self._heartbeat is not None:
             self._heartbeat.stop()
+            self._heartbeat = None
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Hand this operation's store connection to the next one (once)."""
+        if self._connection is not None and not self._lost:
+            clients.release(self._shared, self._connection)
+        self._connection = None
 
     @contextlib.contextmanager
-    def phase(self, name: Phase, *, only_rank0_reads: bool = False) -> Iterator[PhaseOutcome]:
+    def phase(
+        self, name: Phase, *, only_rank0_reads: bool = False, decide: Decide | None = None
+    ) -> Iterator[PhaseOutcome]:
         """A block whose outcome (its ``payload``, or the exception it raised) is agreed on
         every rank when it ends: then ``payloads`` holds every rank's payload, or every
-        rank raises the same :class:`CheckpointError`. See :meth:`exchange`."""
+        rank raises the same :class:`CheckpointError`. See :meth:`exchange`.
+
+        With ``decide``, rank 0 alone reads the payloads and calls ``decide`` on them;
+        every rank's ``part`` is then its element of the result (an exception in
+        ``decide`` is rank 0's error, raised on every rank).
+        """
+        self._current = str(name)
         outcome = PhaseOutcome()
+        only_rank0_reads = only_rank0_reads or decide is not None
         try:
             yield outcome
         except Exception as error:
@@ -167,6 +226,9 @@ class Coordinator:
         outcome.payloads = self.exchange(
             name, outcome.payload, None, only_rank0_reads=only_rank0_reads
         )
+        if decide is not None:
+            step = str(name)
+            outcome.part = self._guarded(step, lambda: self._decide(step, outcome, decide))
 
     # -- one exchange
 
@@ -193,17 +255,24 @@ class Coordinator:
             if error is not None:
                 raise as_checkpoint_error(error) from error
             return [payload]
+        self._current = str(phase)
+        wait = self.timeout if timeout is None else timeout
+        skip_reading = only_rank0_reads and self.rank != 0
+        payloads: list[Any] = self._guarded(
+            str(phase),
+            lambda: self._exchange(str(phase), payload, error, wait, skip_reading),
+            error,
+        )
+        return payloads
+
+    def _guarded(self, phase: str, step: Callable[[], Any], error: Any = None) -> Any:
+        """Run ``step``; a store that went away becomes a :class:`CheckpointError`."""
         try:
-            return self._exchange(
-                str(phase),
-                payload,
-                error,
-                self.timeout if timeout is None else timeout,
-                only_rank0_reads and self.rank != 0,
-            )
+            return step()
         except CheckpointError:
             raise
         except (RuntimeError, OSError) as lost:  # the store itself is gone
+            self._lost = True
             raise CheckpointError(
                 f"lost contact with the process group's store during the '{phase}' phase of "
                 f"{self.operation} (this is rank {self.rank}): {lost}. Another rank, usually "
@@ -223,84 +292,136 @@ class Coordinator:
             report = {"type": error_type(error), "message": error_message(error)}
             store.set(f"{phase}/error/{self.rank}", json.dumps(report))
             store.add(f"{phase}/failed", 1)
-        else:
+            store.add(f"{phase}/wake", FAILED)
+        elif payload is not None:
             store.set(f"{phase}/ok/{self.rank}", json.dumps(payload))
-        store.add(f"{phase}/posted", 1)
-        outcome: CheckpointError | None = None
-        payloads: list[Any] = [None] * self.world_size
+        else:  # nothing to read: one key per rank, overwritten phase after phase
+            store.set(f"progress/{self.rank}", phase)
+        if store.add(f"{phase}/posted", 1) == self.world_size:
+            store.add(f"{phase}/wake", ALL_POSTED)
+        self._last_posted = phase
+        own = [f"{phase}/ok/{self.rank}"] if payload is not None else []
         try:
-            self._wait(phase, timeout, error)
-            # Every rank has posted this phase, so every rank has read the earlier payloads.
-            self.release()
-            if payload is not None and not skip_reading:
-                payloads = [
-                    json.loads(store.get(f"{phase}/ok/{r}")) for r in range(self.world_size)
-                ]
-        except CheckpointError as e:
-            outcome = e
-        self._own_keys.append(f"{phase}/ok/{self.rank}")
-        if not self._withdrawn:
-            self._acknowledge(phase)
-        if outcome is not None:
-            raise outcome from error
-        return payloads
+            self._wait(phase, timeout, error, check_first=False)
+        except CheckpointError:
+            self._own_keys += own
+            raise
+        # Every rank has posted this phase, so every rank has read the earlier payloads.
+        self.release()
+        self._own_keys += own
+        if payload is None or skip_reading:
+            return [None] * self.world_size
+        keys = [f"{phase}/ok/{r}" for r in range(self.world_size)]
+        return [json.loads(raw) for raw in store.multi_get(keys)]
 
-    def _acknowledge(self, phase: str) -> None:
-        """Rank 0 stays until every rank that posted has seen the outcome.
-
-        Rank 0 usually hosts the store: if it returned (and its program exited) while
-        another rank was still polling, that rank would crash on a dead socket instead
-        of finishing the checkpoint it just agreed on. A rank whose heartbeat has stopped
-        (or, after the entry phase, never started) for ``dead_after`` seconds is not
-        waited for: it has died, and the next phase reports it.
-        """
-        store = self._store
-        store.add(f"{phase}/seen", 1)
-        if self.rank != 0:
-            return
-        watch = self._heartbeat or Heartbeat(store, self.rank, self.world_size, self.dead_after)
-        deadline = time.monotonic() + _ACK_TIMEOUT_S
-        pause = _POLL_MIN_S
-        next_check = time.monotonic() + BEAT_S
-        while store.add(f"{phase}/seen", 0) < store.add(f"{phase}/posted", 0):
-            now = time.monotonic()
-            if now > deadline:
-                return
-            if now > next_check:
-                if watch.dead(now, lambda r: False):
-                    return  # a dead rank never acknowledges; the next phase reports it
-                next_check = now + BEAT_S
-            time.sleep(pause)
-            pause = min(pause * 2, _poll_cap(self.world_size))
-
-    def _wait(self, phase: str, timeout: float, own_error: BaseException | None) -> None:
-        store = self._store
+    def _wait(
+        self, phase: str, timeout: float, own_error: BaseException | None, check_first: bool = True
+    ) -> None:
+        """Return once every rank has posted ``phase``; raise the agreed error if one failed,
+        a rank died, or some did not post within ``timeout``."""
         deadline = time.monotonic() + timeout
-        pause = _POLL_MIN_S
-        next_check = time.monotonic() + BEAT_S
+        if check_first and self._settled(phase, own_error):
+            return
         while True:
-            # `posted` before `failed`: a failing rank bumps `failed` first, so once all
-            # have posted, any failure is already visible to the read that follows.
-            everyone = store.add(f"{phase}/posted", 0) >= self.world_size
-            if store.add(f"{phase}/failed", 0) > 0:
-                raise agreed_error(self._failures(phase), self.operation) from own_error
-            if everyone:
+            left = deadline - time.monotonic()
+            if left > 0 and self._block(f"{phase}/wake", left):
+                woke = int(self._store.add(f"{phase}/wake", 0))
+                if woke // FAILED % (DEAD // FAILED):
+                    raise agreed_error(self._failures(phase), self.operation) from own_error
+                if woke % FAILED:
+                    return
+                raise self._dead_error(phase, json.loads(self._store.get("dead")))
+            if self._settled(phase, own_error):
+                return  # the last rank arrived just as the wait ran out
+            missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
+            if phase == Phase.ENTRY.value and not self._withdraw():
                 return
-            now = time.monotonic()
-            if now > deadline:
-                missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
-                if phase == Phase.ENTRY.value and not self._withdraw():
-                    return  # the last rank arrived just as the wait ran out
+            raise CheckpointError(
+                missing_message(self.operation, phase, missing, timeout, self.rank, self.world_size)
+            )
+
+    def _settled(self, phase: str, own_error: BaseException | None) -> bool:
+        """Whether every rank has posted ``phase``; raise the agreed error if one failed."""
+        # `posted` before `failed`: a failing rank bumps `failed` first, so once all
+        # have posted, any failure is already visible to the read that follows.
+        everyone = self._store.add(f"{phase}/posted", 0) >= self.world_size
+        if self._store.add(f"{phase}/failed", 0) > 0:
+            raise agreed_error(self._failures(phase), self.operation) from own_error
+        return bool(everyone)
+
+    def _block(self, key: str, timeout: float) -> bool:
+        """Wait until ``key`` exists (True) or ``timeout`` seconds pass (False)."""
+        store = self._store
+        if getattr(store, "can_wait", hasattr(store, "wait")):
+            return bool(store.wait([key], timeout))
+        deadline = time.monotonic() + timeout
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def _decide(self, phase: str, outcome: PhaseOutcome, decide: Decide) -> Any:
+        """Rank 0 decides from every payload and posts each rank its part; the others
+        wait for theirs (watching rank 0 meanwhile)."""
+        if self._store is None:
+            try:
+                return decide(outcome.payloads)[0]
+            except Exception as e:
+                raise as_checkpoint_error(e) from e
+        keys = [f"{phase}/part/{r}" for r in range(1, self.world_size)]
+        if self.rank == 0:
+            try:
+                parts = decide(outcome.payloads)
+            except Exception as e:
+                report = {"type": error_type(e), "message": error_message(e)}
+                self._store.multi_set(keys, [json.dumps({"error": report})] * len(keys))
+                failure = RankFailure(0, report["type"], report["message"])
+                raise agreed_error([failure], self.operation) from e
+            self._store.multi_set(keys, [json.dumps({"ok": part}) for part in parts[1:]])
+            return parts[0]
+        key = keys[self.rank - 1]
+        deadline = time.monotonic() + self.timeout
+        while not self._block(key, min(WATCH_OTHERS_S, max(deadline - time.monotonic(), 0))):
+            if self._dead:
+                raise self._dead_error(phase, self._dead)
+            if time.monotonic() > deadline:
                 raise CheckpointError(
                     missing_message(
-                        self.operation, phase, missing, timeout, self.rank, self.world_size
+                        self.operation, phase, [0], self.timeout, self.rank, self.world_size
                     )
                 )
-            if self._heartbeat is not None and now > next_check:
-                self._check_heartbeats(phase, now)
-                next_check = now + BEAT_S
-            time.sleep(pause)
-            pause = min(pause * 2, _poll_cap(self.world_size))
+        raw = json.loads(self._store.get(key))
+        self._store.delete_key(key)
+        if "error" in raw:
+            failure = RankFailure(0, raw["error"]["type"], raw["error"]["message"])
+            raise agreed_error([failure], self.operation)
+        return raw["ok"]
+
+    def _acknowledge(self) -> None:
+        """Rank 0 stays until every rank that posted the last phase has seen its outcome.
+
+        Rank 0 usually hosts the store: if it returned (and its program exited) while
+        another rank was still reading, that rank would crash on a dead socket instead
+        of finishing the checkpoint it just agreed on. A rank that died is not waited for.
+        """
+        store = self._store
+        if self.rank != 0:
+            if store.add("closed", 1) == self.world_size - 1:
+                store.add("closed_all", 1)
+            return
+        deadline = time.monotonic() + _ACK_TIMEOUT_S
+        last = self._last_posted or str(Phase.ENTRY)
+        while True:
+            posted = int(store.add(f"{last}/posted", 0))
+            if int(store.add("closed", 0)) >= posted - 1 or self._dead:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                return
+            if self._heartbeat is not None and self._heartbeat.dead(now, lambda r: False):
+                return  # a dead rank never acknowledges; its own operation reports it
+            self._block("closed_all", min(deadline - now, BEAT_S))
 
     def _withdraw(self) -> bool:
         """Take back this rank's arrival after the entry wait ran out; False if too late.
@@ -316,23 +437,44 @@ class Coordinator:
         if before >= self.world_size:
             self._store.add("entry/posted", 1)
             return False
-        self._store.delete_key(f"entry/ok/{self.rank}")
+        self._store.delete_key(f"progress/{self.rank}")
         CALLS.take_back(self._tag)
         self._withdrawn = True
         return True
 
+    # -- dead ranks
+
+    def _publish_dead(self, dead: list[int]) -> None:
+        """The heartbeat saw ``dead`` die: wake every rank waiting in any phase."""
+        self._dead = dead
+        store = self._beat_store
+        store.set("dead", json.dumps(dead))
+        for phase in Phase:
+            store.add(f"{phase}/wake", DEAD)
+
+    def _has_posted_current(self, rank: int) -> bool:
+        """A rank that posted the phase under way may have finished and stopped beating."""
+        return self._posted(self._current, rank, self._beat_store)
+
+    def _dead_error(self, phase: str, dead: list[int]) -> CheckpointError:
+        what = self.aftermath.get(Phase(phase), self.aftermath.get(None, ""))
+        message = dead_message(self.operation, phase, dead, self.dead_after, self.rank)
+        return CheckpointError(f"{message} {what}".rstrip())
+
     def _check_heartbeats(self, phase: str, now: float) -> None:
-        """Raise if a rank that has not posted ``phase`` stopped beating long ago."""
+        """Raise if a watched rank that has not posted ``phase`` stopped beating long ago."""
         assert self._heartbeat is not None
         dead = self._heartbeat.dead(now, lambda r: self._posted(phase, r))
         if dead:
-            what = self.aftermath.get(Phase(phase), self.aftermath.get(None, ""))
-            message = dead_message(self.operation, phase, dead, self.dead_after, self.rank)
-            raise CheckpointError(f"{message} {what}".rstrip())
+            raise self._dead_error(phase, dead)
 
-    def _posted(self, phase: str, rank: int) -> bool:
+    def _posted(self, phase: str, rank: int, store: Any = None) -> bool:
+        store = self._store if store is None else store
         keys = [f"{phase}/ok/{rank}", f"{phase}/error/{rank}"]
-        return any(self._store.check([k]) for k in keys)
+        if any(store.check([k]) for k in keys):
+            return True
+        progress = f"progress/{rank}"
+        return bool(store.check([progress])) and store.get(progress) == phase.encode()
 
     def _failures(self, phase: str) -> list[RankFailure]:
         failures = []
