@@ -117,7 +117,7 @@ class _FailingSink(LocalFileSink):
 
 
 class FailingStorage(LocalStorage):
-    def create(self, name: str) -> LocalFileSink:
+    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
         return _FailingSink(create_new(self.fd, name), self.where(name))
 
 

@@ -90,7 +90,7 @@ class _FaultySink(LocalFileSink):
 class FaultyStorage(LocalStorage):
     """The storage seam of ``save``: data files written through failing sinks."""
 
-    def create(self, name: str) -> LocalFileSink:
+    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
         return _FaultySink(create_new(self.fd, name), self.where(name))
 
 

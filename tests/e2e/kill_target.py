@@ -98,7 +98,7 @@ class _DyingStorage(LocalStorage):
 
     point = ""
 
-    def create(self, name: str) -> LocalFileSink:
+    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
         if self.point == "data-write":
             return _DyingSink(create_new(self.fd, name), self.where(name))
         return super().create(name)  # type: ignore[return-value]

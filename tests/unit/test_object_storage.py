@@ -17,7 +17,7 @@ import torch
 import shardsafe
 from shardsafe import cli
 from shardsafe.checkpoint.locations import open_storage
-from shardsafe.checkpoint.object_storage import FsspecStorage, check_object_name
+from shardsafe.checkpoint.object_storage import MAX_PARTS, FsspecStorage, check_object_name
 from shardsafe.errors import CheckpointCorruptError, CheckpointError
 from tests import forge
 from tests.harness import run_ranks
@@ -181,6 +181,18 @@ def test_an_aborted_upload_leaves_no_object_and_no_pending_multipart(
     assert s3_server.keys(s3_bucket) == []
     uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket)
     assert not uploads.get("Uploads"), uploads
+
+
+def test_parts_grow_only_for_objects_too_large_for_ten_thousand_of_them() -> None:
+    storage = FsspecStorage("memory://parts")
+    assert storage.part_bytes(0) == 8 << 20
+    assert storage.part_bytes(70 << 30) == 8 << 20  # 70 GiB fits 10,000 parts of 8 MiB
+    huge = 200 << 30
+    part = storage.part_bytes(huge)
+    mib = 1 << 20
+    assert part % mib == 0 and part * MAX_PARTS >= huge * 1.01 > (part - mib) * MAX_PARTS
+    sized = FsspecStorage("memory://parts", storage_options={"default_block_size": 32 << 20})
+    assert sized.part_bytes(1 << 30) == 32 << 20
 
 
 def stream_big(rank: int, world: int, url: str, part: int) -> tuple[int, bool]:

@@ -25,9 +25,11 @@ from typing import Any
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
 
-DEFAULT_PART_BYTES = 16 << 20
+DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
-N}`` sets another."""
+N}`` sets another. An object too large for 10,000 parts of it gets larger parts."""
+MAX_PARTS = 10_000
+"""S3's limit on the parts of one multipart upload."""
 _UNSAFE = frozenset("?#*[]\\")
 
 _ENV_ENDPOINT = "AWS_ENDPOINT_URL"
@@ -250,13 +252,21 @@ class FsspecStorage:
 
     # -- writing
 
-    def create(self, name: str) -> FsspecFileSink:
+    def part_bytes(self, size_hint: int) -> int:
+        """The configured part size, or the smallest whole MiB that fits ``size_hint``
+        bytes into S3's 10,000 parts (with room for the header): memory stays about two
+        parts, and a part is never larger than an object of that size needs."""
+        needed = -(-max(size_hint, 0) * 101 // 100 // MAX_PARTS)
+        return max(self._part, -(-needed // (1 << 20)) << 20)
+
+    def create(self, name: str, size_hint: int = 0) -> FsspecFileSink:
         if self.exists(name):
             raise CheckpointError(
                 f"{self.where(name)} appeared while the checkpoint was being written; "
                 "shardsafe never writes over an object it did not create"
             )
-        return FsspecFileSink(self.fs, self._key(name), self.where(name), self._part)
+        part = self.part_bytes(size_hint)
+        return FsspecFileSink(self.fs, self._key(name), self.where(name), part)
 
     def commit(self, name: str, data: bytes) -> None:
         """Write ``data`` under ``name`` in one PUT: atomic on object stores."""

@@ -92,9 +92,9 @@ def open_file(
     checksummed_elsewhere: frozenset[str] = frozenset(),
 ) -> StreamWriter:
     header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
-    return StreamWriter(
-        storage.create(fplan.name), header, options.block_bytes, checksummed_elsewhere
-    )
+    data_bytes = sum(e.nbytes for e in fplan.entries)
+    sink = storage.create(fplan.name, size_hint=data_bytes)
+    return StreamWriter(sink, header, options.block_bytes, checksummed_elsewhere)
 
 
 def finish(writer: StreamWriter) -> WrittenFile:
