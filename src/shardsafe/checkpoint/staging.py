@@ -16,12 +16,12 @@ touch parameters).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..protocol import Chunk
+from ..protocol import Chunk, SaveItem
 from .collecting import Collected
 
 
@@ -55,12 +55,12 @@ class Stager:
 
     def stage(self, items: Collected) -> Staged:
         """Copy every chunk into its buffer; return the items with the copies in place."""
-        with self._lock:
+        with self._lock, torch.no_grad():  # no_grad: copies without detaching each tensor
             devices: set[int] = set()
             staged: Collected = {}
             for name, (adapter, item) in items.items():
                 chunks = [self._stage(chunk, devices) for chunk in item.chunks]
-                staged[name] = (adapter, replace(item, chunks=chunks))
+                staged[name] = (adapter, SaveItem(item.kind, item.meta, chunks))
             events = []
             for device in sorted(devices):
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -69,7 +69,7 @@ class Stager:
             return Staged(staged, events)
 
     def _stage(self, chunk: Chunk, devices: set[int]) -> Chunk:
-        tensor = chunk.tensor.detach()
+        tensor = chunk.tensor
         key = (chunk.key, chunk.offsets, tuple(tensor.shape), tensor.dtype, tensor.device.type)
         buffer = self._buffers.get(key)
         if buffer is None:
@@ -85,7 +85,8 @@ class Stager:
             devices.add(tensor.device.index or 0)
         else:
             buffer.copy_(tensor)
-        return replace(chunk, tensor=buffer)
+        # Built directly: dataclasses.replace costs ~14 us, and a save stages every chunk.
+        return Chunk(chunk.key, buffer, chunk.global_shape, chunk.offsets, chunk.replicated)
 
     def _stream(self, device: int) -> Any:
         if device not in self._streams:
