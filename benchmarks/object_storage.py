@@ -62,7 +62,7 @@ def bench(
     model, opt = stepped(wrap, layers, 0)
     own = _own_bytes(model, opt)
     fresh_model, fresh_opt = stepped(wrap, layers, 1)
-    path = f"{url}/{tool}-{wrap}"
+    path = f"{url}/{tool.split('-')[0]}-{wrap}"
 
     def save() -> None:
         if tool == "dcp":
@@ -77,8 +77,9 @@ def bench(
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, storage_reader=FsspecReader(path))
             set_state_dict(fresh_model, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
-        else:
-            shardsafe.load(path, {"model": fresh_model, "optimizer": fresh_opt})
+        else:  # "shardsafe" verifies every byte first (two reads), "shardsafe-inline" once
+            verify = "inline" if tool == "shardsafe-inline" else "first"
+            shardsafe.load(path, {"model": fresh_model, "optimizer": fresh_opt}, verify=verify)
 
     # One untimed round trip first: botocore's service models and the S3 client load once
     # per process (tens of MiB of RSS), for both tools alike.
@@ -127,7 +128,7 @@ def main() -> None:
     try:
         for wrap in ("ddp", "fsdp"):
             got = {}
-            for tool in ("dcp", "shardsafe"):
+            for tool in ("dcp", "shardsafe", "shardsafe-inline"):
                 save_s, load_s, peak, own = launch(
                     bench, args.world, env, tool, wrap, args.layers, url, args.repeat
                 )[0]
@@ -143,9 +144,17 @@ def main() -> None:
                 )
             dcp_save, dcp_load, _, _ = got["dcp"]
             save_s, load_s, peak, own = got["shardsafe"]
+            inline_load = got["shardsafe-inline"][1]
             targets += [
                 Target(f"{wrap}: shardsafe save / DCP save (S3)", save_s / dcp_save, 1.0),
-                Target(f"{wrap}: shardsafe load / DCP load (S3)", load_s / dcp_load, 1.0),
+                Target(
+                    f"{wrap}: shardsafe load (verify=first) / DCP load (S3)", load_s / dcp_load, 1.0
+                ),
+                Target(
+                    f"{wrap}: shardsafe load (verify=inline) / DCP load (S3)",
+                    inline_load / dcp_load,
+                    1.0,
+                ),
                 Target(f"{wrap}: shardsafe peak extra RSS / rank state", peak / own, 0.25),
             ]
     finally:
