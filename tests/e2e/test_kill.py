@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.manager import step_dir_name
 from shardsafe.commands.verify import find_problems
 from tests.e2e import kill_target as target
+from tests.e2e.kills import SURVIVOR_EXIT_S, kill_during_a_save, survivor_error
 from tests.harness import free_port
 
 TARGET = Path(target.__file__)
@@ -50,8 +50,6 @@ LOCK = ".shardsafe.lock"
 WHOLE_RUN_TRIALS = 12
 ONE_RANK_TRIALS = 8
 ASYNC_TRIALS = 6
-SURVIVOR_EXIT_S = 22.0
-"""Heartbeats declare a rank dead after 15 s, checked every second; plus exit."""
 LAYOUTS = ("sharded", "consolidated")
 
 
@@ -63,29 +61,6 @@ def start(root: Path, *args: str, stdout: IO[Any] | int, stderr: IO[Any] | int) 
         text=True,
         start_new_session=True,  # its own process group: killpg reaches nothing else
     )
-
-
-def kill_during_a_save(proc: Any, rng: random.Random) -> str:
-    """Read ``saving``/``saved`` lines; during save 3..6 SIGKILL the process group at a
-    random fraction (0..1.1) of a typical save's duration. Return where it really died
-    (under load the reader can lag the target): ``"in save N"`` or ``"after save N"``."""
-    victim_step = rng.randint(3, 6)
-    fraction = rng.uniform(0.0, 1.1)
-    durations: list[float] = []
-    started = 0.0
-    for line in iter(proc.stdout.readline, ""):
-        kind, *rest = line.split()
-        if kind == "saving":
-            started = float(rest[1])
-            if int(rest[0]) == victim_step:
-                at = started + fraction * statistics.median(durations)
-                time.sleep(max(0.0, at - time.monotonic()))
-                os.killpg(proc.pid, signal.SIGKILL)
-                last = [line, *proc.stdout.read().splitlines()][-1].split()
-                return f"{'in' if last[0] == 'saving' else 'after'} save {last[1]}"
-        elif kind == "saved":
-            durations.append(float(rest[1]) - started)
-    raise AssertionError(f"the target exited by itself (status {proc.wait()})")
 
 
 def where_it_died(root: Path) -> str:
@@ -293,32 +268,6 @@ class TwoRankTrial:
         return (self.root.parent / f"{self.root.name}-rank{1 - self.victim}.{kind}").read_text()
 
 
-def _expected_error(trial: TwoRankTrial, stderr: str, stdout: str) -> str:
-    """What the survivor died of; fails the test if it is not a clear report."""
-    dead = trial.victim
-    last = stdout.strip().splitlines()[-1]
-    named = [
-        f"rank(s) {dead} stopped responding during the '",
-        f"rank(s) {dead} never arrived within entry_timeout",
-        f"lost the connection to rank {dead} while receiving its data",
-    ]
-    if dead == 0:
-        named.append("usually rank 0 which hosts the store, has probably exited")
-    for line in stderr.splitlines():
-        if "shardsafe.errors.CheckpointError: " in line:
-            assert any(n in line for n in named), f"does not name rank {dead}: {line}"
-            return line.split("CheckpointError: ", 1)[1][:90]
-    # No CheckpointError: only acceptable if the survivor was not inside a save, and then
-    # the training step's own collective (gloo) reported the dead peer.
-    assert last.startswith(("saved ", "ready")), (
-        f"died inside a save without a CheckpointError:\n{stderr[-2000:]}"
-    )
-    assert "Connection reset by peer" in stderr or "Connection closed by peer" in stderr, stderr[
-        -2000:
-    ]
-    return "gloo error in the training step after a finished save"
-
-
 @pytest.mark.timeout(150)
 def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
     began = time.monotonic()
@@ -346,7 +295,7 @@ def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
         assert t.survivor_rc is not None, f"trial {t.seed}: the survivor hung"
         assert t.survivor_rc != 0, f"trial {t.seed}: the survivor exited 0"
         assert t.survivor_s < SURVIVOR_EXIT_S, f"trial {t.seed}: {t.survivor_s:.1f}s"
-        why = _expected_error(t, stderr, stdout)
+        why = survivor_error(t.victim, stderr, stdout)
         where = where_it_died(t.root)
         dead = {p.pid for p in t.procs}  # the survivor has exited too
         latest = check_after_kill(t.root, dead, t.layout)

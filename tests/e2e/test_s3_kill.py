@@ -1,6 +1,8 @@
-"""Seeded SIGKILLs of a process saving to S3 (moto on loopback), mid-upload: ``latest``
-always names a complete checkpoint that verifies and holds exactly its step's bytes, and
-the next save cleans what the killed one left (objects and unfinished multipart uploads)."""
+"""Seeded SIGKILLs of runs saving to S3 (moto on loopback), mid-upload, of the whole run
+and of one rank of two: ``latest`` always names a complete checkpoint that verifies and
+holds exactly its step's bytes, a surviving rank exits by itself naming the dead one, and
+the next save cleans what the killed one left (objects and unfinished multipart uploads).
+"""
 
 from __future__ import annotations
 
@@ -11,60 +13,112 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import shardsafe
 from shardsafe.commands.verify import find_problems
+from tests.e2e.kills import SURVIVOR_EXIT_S, kill_during_a_save, survivor_error
+from tests.e2e.s3_kill_target import state_of
+from tests.harness import free_port
 from tests.s3server import S3Server
 
-pytestmark = pytest.mark.timeout(240)
 TARGET = Path(__file__).with_name("s3_kill_target.py")
+ROOT_DIR = str(Path(__file__).resolve().parents[2])
 
 
-def run_until_killed(root: str, env: dict[str, str], seed: int) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(TARGET), root], env=env, stdout=subprocess.PIPE, text=True
+def start(root: str, *args: str, stdout: Any, stderr: Any = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, ROOT_DIR])}
+    return subprocess.Popen(
+        [sys.executable, str(TARGET), root, *args],
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,  # its own process group: killpg reaches nothing else
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the first save committed: kill during a later one
-    assert line.startswith("SAVED"), line
-    time.sleep(random.Random(seed).uniform(0.0, 1.5))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sigkill_mid_upload_leaves_latest_complete_and_the_next_save_cleans_up(
-    s3_server: S3Server, s3_bucket: str, seed: int
-) -> None:
-    sys.path.insert(0, str(TARGET.parent))
-    from s3_kill_target import state_of
-
-    root = f"s3://{s3_bucket}/run"
-    root_dir = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, root_dir])}
-    run_until_killed(root, env, seed)
-
+def check_latest_then_save_again(s3_server: S3Server, bucket: str, root: str) -> int:
+    """``latest`` verifies and holds exactly its step; one more save (a fresh process
+    taking over the dead run's lock) leaves only committed step prefixes and no
+    unfinished multipart upload. Returns the step of ``latest``."""
     manager = shardsafe.CheckpointManager(root, warn_if_not_empty=False)
     latest = manager.latest()
     assert latest is not None
     assert find_problems(latest, shardsafe.read_manifest(latest)) == []
     step = int(latest.rsplit("-", 1)[1])
-    got = {"big": torch.zeros(6 << 20)}
+    got = {"big": torch.zeros(3 << 20), "other": torch.zeros(3 << 20)}
     assert shardsafe.load(latest, got)["step"] == step
-    assert torch.equal(got["big"], state_of(step)["big"])  # type: ignore[arg-type]
-
-    # Run again (it continues after the newest step) and kill it after one more save:
-    # the leftovers of the first kill are gone, except what the second kill left.
+    want = state_of(step)
+    assert torch.equal(got["big"], want["big"]) and torch.equal(got["other"], want["other"])  # type: ignore[arg-type]
     newest = manager.complete_steps()[-1]
     manager.close()
     next_manager = shardsafe.CheckpointManager(root, warn_if_not_empty=False)
     next_manager.save(newest + 1, state_of(newest + 1))
-    prefixes = {k.split("/")[1] for k in s3_server.keys(s3_bucket, "run/step-")}
+    prefixes = {k.split("/")[1] for k in s3_server.keys(bucket, "run/step-")}
     committed = {f"step-{s:09d}" for s in next_manager.complete_steps()}
     assert prefixes == committed, (prefixes, committed)
-    uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    uploads = s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert uploads == [], uploads
     next_manager.close()
+    return step
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_mid_upload_leaves_latest_complete_and_the_next_save_cleans_up(
+    s3_server: S3Server, s3_bucket: str, seed: int
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    proc = start(root, stdout=subprocess.PIPE)
+    try:
+        died = kill_during_a_save(proc, random.Random(seed))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    step = check_latest_then_save_again(s3_server, s3_bucket, root)
+    print(f"seed {seed}: killed {died}; latest was step {step}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("seed", "victim"), [(0, 1), (1, 1), (2, 0)])
+def test_sigkill_of_one_rank_mid_upload_the_survivor_reports_it_and_latest_stays_complete(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path, seed: int, victim: int
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    port = str(free_port())
+
+    def err(rank: int) -> Path:
+        return tmp_path / f"rank{rank}.err"
+
+    procs = []
+    for rank in range(2):
+        args = ("--rank", str(rank), "--world-size", "2", "--port", port)
+        with open(tmp_path / "survivor.out", "a") as out, open(err(rank), "w") as errors:
+            stdout: Any = subprocess.PIPE if rank == victim else out
+            procs.append(start(root, *args, stdout=stdout, stderr=errors))
+    survivor = procs[1 - victim]
+    try:
+        died = kill_during_a_save(procs[victim], random.Random(100 + seed))
+        killed_at = time.monotonic()
+        procs[victim].wait(timeout=30)
+        code = survivor.wait(timeout=SURVIVOR_EXIT_S + 10)
+        took = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert code != 0, "the survivor exited 0"
+    assert took < SURVIVOR_EXIT_S, f"the survivor took {took:.1f}s to exit"
+    stderr = err(1 - victim).read_text()
+    why = survivor_error(victim, stderr, (tmp_path / "survivor.out").read_text())
+    step = check_latest_then_save_again(s3_server, s3_bucket, root)
+    print(
+        f"seed {seed}: rank {victim} killed {died}; survivor exited {code} after "
+        f"{took:.1f}s: {why}; latest was step {step}"
+    )

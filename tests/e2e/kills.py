@@ -1,0 +1,65 @@
+"""Aiming a SIGKILL inside a save, and judging how the surviving rank died: shared by the
+kill tests of local (``test_kill.py``) and object-store (``test_s3_kill.py``) saves.
+
+A target prints ``saving <step> <t>`` before and ``saved <step> <t>`` after each save,
+``t`` from ``time.monotonic()`` (one clock for every process of the host)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+from typing import Any
+
+SURVIVOR_EXIT_S = 22.0
+"""Heartbeats declare a rank dead after 15 s, checked every second; plus exit."""
+
+
+def kill_during_a_save(proc: Any, rng: random.Random) -> str:
+    """Read ``saving``/``saved`` lines; during save 3..6 SIGKILL the process group at a
+    random fraction (0..1.1) of a typical save's duration. Return where it really died
+    (under load the reader can lag the target): ``"in save N"`` or ``"after save N"``."""
+    victim_step = rng.randint(3, 6)
+    fraction = rng.uniform(0.0, 1.1)
+    durations: list[float] = []
+    started = 0.0
+    for line in iter(proc.stdout.readline, ""):
+        kind, *rest = line.split()
+        if kind == "saving":
+            started = float(rest[1])
+            if int(rest[0]) == victim_step:
+                at = started + fraction * statistics.median(durations)
+                time.sleep(max(0.0, at - time.monotonic()))
+                os.killpg(proc.pid, signal.SIGKILL)
+                last = [line, *proc.stdout.read().splitlines()][-1].split()
+                return f"{'in' if last[0] == 'saving' else 'after'} save {last[1]}"
+        elif kind == "saved":
+            durations.append(float(rest[1]) - started)
+    raise AssertionError(f"the target exited by itself (status {proc.wait()})")
+
+
+def survivor_error(dead: int, stderr: str, stdout: str) -> str:
+    """What the survivor died of; fails the test if it is not a clear report."""
+    last = stdout.strip().splitlines()[-1]
+    named = [
+        f"rank(s) {dead} stopped responding during the '",
+        f"rank(s) {dead} never arrived within entry_timeout",
+        f"lost the connection to rank {dead} while receiving its data",
+    ]
+    if dead == 0:
+        named.append("usually rank 0 which hosts the store, has probably exited")
+    for line in stderr.splitlines():
+        if "shardsafe.errors.CheckpointError: " in line:
+            assert any(n in line for n in named), f"does not name rank {dead}: {line}"
+            return line.split("CheckpointError: ", 1)[1][:90]
+    # No CheckpointError: only acceptable if the survivor was not inside a save, and then
+    # the training step's own collective (gloo) reported the dead peer.
+    assert last.startswith(("saved ", "ready")), (
+        f"died inside a save without a CheckpointError:\n{stderr[-2000:]}"
+    )
+    assert "Connection reset by peer" in stderr or "Connection closed by peer" in stderr, stderr[
+        -2000:
+    ]
+    return "gloo error in the training step after a finished save"
