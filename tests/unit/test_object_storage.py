@@ -8,16 +8,20 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import shardsafe
 from shardsafe import cli
+from shardsafe.checkpoint import loading
 from shardsafe.checkpoint.locations import open_storage
 from shardsafe.checkpoint.object_storage import MAX_PARTS, FsspecStorage, check_object_name
+from shardsafe.checkpoint.options import LoadOptions
 from shardsafe.errors import CheckpointCorruptError, CheckpointError
 from tests import forge
 from tests.harness import run_ranks
@@ -287,3 +291,100 @@ def test_async_save_to_s3_commits_the_state_of_the_call(
 def test_a_missing_s3_checkpoint_is_not_found(s3_server: S3Server, s3_bucket: str) -> None:
     with pytest.raises(shardsafe.CheckpointNotFoundError):
         shardsafe.load(f"s3://{s3_bucket}/nothing-here", {"w": torch.zeros(2)})
+
+
+def test_ranged_reads_in_order_across_blocks_and_at_random_return_the_object_bytes(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """The reader's read-ahead (one block cached, the next fetched in the background once
+    reads go through blocks in order) never changes what a read returns."""
+    storage = open_storage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
+    data = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8, generator=torch.Generator())
+    raw = data.numpy().tobytes()
+    sink = storage.create("shard-00000-of-00001.safetensors", size_hint=len(raw))
+    sink.write(memoryview(raw))
+    sink.finish()
+
+    def read(reader: object, offset: int, n: int) -> bytes:
+        out = bytearray(n)
+        reader.read_into(offset, memoryview(out))  # type: ignore[attr-defined]
+        return bytes(out)
+
+    with storage.open_reader("shard-00000-of-00001.safetensors") as reader:
+        at, pieces = 0, []
+        while at < len(raw):  # 3 MiB pieces, so some reads straddle two blocks
+            n = min(3 << 20, len(raw) - at)
+            pieces.append(read(reader, at, n))
+            at += n
+        assert b"".join(pieces) == raw
+        rng = torch.Generator().manual_seed(1)
+        for _ in range(40):
+            offset = int(torch.randint(0, len(raw) - 1, (1,), generator=rng))
+            n = min(len(raw) - offset, int(torch.randint(1, 20 << 20, (1,), generator=rng)))
+            assert read(reader, offset, n) == raw[offset : offset + n], (offset, n)
+        with pytest.raises(CheckpointCorruptError, match="truncated"):
+            read(reader, len(raw) - 4, 8)
+
+
+class CountingStorage(FsspecStorage):
+    """The S3 backend, counting the bytes its readers fetch from the store."""
+
+    fetched = 0
+
+    def open_reader(self, name: str) -> Any:
+        reader = super().open_reader(name)
+        inner, owner = reader.read_into, self
+
+        def read_into(offset: int, out: memoryview) -> None:
+            inner(offset, out)
+            owner.fetched += out.nbytes
+
+        reader.read_into = read_into  # type: ignore[method-assign]
+        return reader
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+
+
+def saved_for_counting(url: str) -> torch.nn.Module:
+    saved = model(0)
+    shardsafe.save(url, {"model": saved, "step": 3})
+    return saved
+
+
+def bytes_fetched_by_a_load(url: str, saved: torch.nn.Module, verify: str) -> tuple[int, int, bool]:
+    """(bytes the load fetched, bytes the data objects hold, restored bitwise); the
+    model's tensors are live ones, restored in place (read twice with verify="first")."""
+    got = model(1)
+    with CountingStorage(url) as storage:
+        manifest = shardsafe.read_manifest(url)
+        values = loading.load(storage, {"model": got}, LoadOptions(verify=verify, strict=False))
+        want, have = saved.state_dict(), got.state_dict()
+        same = all(torch.equal(have[k], want[k]) for k in want) and values["step"] == 3
+        return storage.fetched, sum(manifest.files.values()), same
+
+
+@pytest.mark.parametrize("verify", ["first", "inline"])
+def test_a_load_from_an_object_store_downloads_each_byte_once_in_either_verify_mode(
+    s3_server: S3Server, s3_bucket: str, verify: str
+) -> None:
+    """With verify="first" the check pass keeps what it downloads in a local spool file,
+    and the second read (into the live tensors, checked again) comes from there."""
+    url = f"s3://{s3_bucket}/ck"
+    fetched, total, same = bytes_fetched_by_a_load(url, saved_for_counting(url), verify)
+    assert same
+    assert total <= fetched < total * 1.1, (fetched, total)
+
+
+def test_a_spool_that_cannot_be_written_warns_and_the_load_downloads_again(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{s3_bucket}/ck"
+    saved = saved_for_counting(url)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # not for moto's save
+    with pytest.warns(RuntimeWarning, match="could not keep downloaded bytes"):
+        fetched, total, same = bytes_fetched_by_a_load(url, saved, "first")
+    assert same
+    assert fetched > total * 1.9, (fetched, total)

@@ -19,6 +19,7 @@ the error says which were (``in_place.partly_restored``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,7 +35,8 @@ from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
 from .reader import CACHE_PIECE_BYTES, CheckpointReader
-from .storage import Storage
+from .spool import Spool
+from .storage import LocalStorage, Storage
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",
@@ -99,9 +101,11 @@ def load_chosen(
             )
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
         pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
-        with CheckpointReader(storage, manifest, piece_bytes=pieces) as reader:
+        spool = Spool() if _reads_twice_remotely(storage, options) else None
+        reader = CheckpointReader(storage, manifest, piece_bytes=pieces, spool=spool)
+        with reader, contextlib.closing(spool) if spool else contextlib.nullcontext():
             with coord.phase(Phase.READ):
-                tensors = _read(reader, routes, options.verify)
+                tensors = _read(reader, routes, options.verify, spool)
                 for item in plan.entries:
                     guarded(item, "validate", item.adapter.validate, item.obj, item.saved, tensors)
             with coord.phase(Phase.RESTORE):
@@ -111,15 +115,26 @@ def load_chosen(
         coord.close()
 
 
+def _reads_twice_remotely(storage: Storage, options: LoadOptions) -> bool:
+    """Whether the second read of ``verify="first"`` would be a second download (an
+    object store), which a spool saves; a local file's comes from the page cache."""
+    return options.verify == "first" and not isinstance(storage, LocalStorage)
+
+
 def _read(
-    reader: CheckpointReader, routes: in_place.Routes, verify: str
+    reader: CheckpointReader, routes: in_place.Routes, verify: str, spool: Spool | None = None
 ) -> dict[str, torch.Tensor]:
     """New tensors for what no live tensor takes; the live targets (still holding their old
-    values) for the rest, after checking every byte of them if ``verify == "first"``."""
+    values) for the rest, after checking every byte of them if ``verify == "first"`` (kept
+    in ``spool`` for the second read, if there is one)."""
     tensors = {req.key: reader.read(req.key, req.offsets, req.shape) for req in routes.fresh}
     if verify == "first":
+        if spool is not None:
+            spool.recording = True
         for req, _ in routes.in_place:
             reader.check(req.key, req.offsets, req.shape)
+        if spool is not None:
+            spool.recording = False
     tensors.update({req.key: target for req, target in routes.in_place})
     return tensors
 

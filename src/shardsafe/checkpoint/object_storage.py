@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
+from .object_reader import FsspecFileReader
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -102,85 +103,6 @@ class FsspecFileSink:
         with contextlib.suppress(Exception):
             if self._fs.exists(self._key):  # a store that shows objects while written
                 self._fs.rm_file(self._key)
-
-
-READ_AHEAD_BYTES = 16 << 20
-"""Reads smaller than this are served from one cached, ranged GET of this size (the
-reader's own piece size): consecutive tensors of a file, and its header, cost one request
-per 16 MiB rather than one each. Each open object keeps at most this one block.
-Requests, not bytes, are what object stores charge for in latency."""
-PARALLEL_RANGE_BYTES = 8 << 20
-"""A read of at least :data:`READ_AHEAD_BYTES` is fetched as ranged GETs of this size,
-several in flight at once."""
-
-
-class FsspecFileReader:
-    """One object read by byte range (ranged GETs); its size fixed at open. Reads smaller
-    than :data:`READ_AHEAD_BYTES` go through one read-ahead block, the only memory kept."""
-
-    def __init__(self, fs: Any, path: str, size: int, name: str) -> None:
-        self.name, self.size = name, size
-        self._fs, self._path = fs, path
-        self._block_start, self._block = 0, b""
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        view = out.cast("B") if out.format != "B" else out
-        if not view.nbytes:
-            return
-        end = offset + view.nbytes
-        if end > self.size:
-            raise CheckpointCorruptError(
-                f"{self.name} is truncated: expected bytes up to offset {end}, but the "
-                f"object ends at {self.size}"
-            )
-        if view.nbytes >= READ_AHEAD_BYTES:
-            self._get_parallel(offset, view)
-            return
-        start = self._block_start
-        if not (start <= offset and end <= start + len(self._block)):
-            start = offset
-            self._block = self._get(start, min(self.size, start + READ_AHEAD_BYTES))
-            self._block_start = start
-        view[:] = self._block[offset - start : end - start]
-
-    def _get_parallel(self, offset: int, view: memoryview) -> None:
-        """A large range as several ranged GETs in flight at once (fsspec's ``cat_ranges``,
-        concurrent in s3fs): no more memory than the range itself."""
-        starts = list(range(offset, offset + view.nbytes, PARALLEL_RANGE_BYTES))
-        ends = [min(s + PARALLEL_RANGE_BYTES, offset + view.nbytes) for s in starts]
-        parts = self._fs.cat_ranges([self._path] * len(starts), starts, ends)
-        for start, end, data in zip(starts, ends, parts):
-            if isinstance(data, FileNotFoundError):
-                raise CheckpointCorruptError(f"data object {self.name} is missing")
-            if isinstance(data, BaseException):
-                raise data
-            if len(data) != end - start:
-                raise CheckpointCorruptError(
-                    f"{self.name} is truncated: expected bytes up to offset {end}, but the "
-                    f"object ends at {start + len(data)}"
-                )
-            view[start - offset : end - offset] = data
-
-    def _get(self, start: int, end: int) -> bytes:
-        try:
-            data: bytes = self._fs.cat_file(self._path, start=start, end=end)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"data object {self.name} is missing") from None
-        if len(data) != end - start:
-            raise CheckpointCorruptError(
-                f"{self.name} is truncated: expected bytes up to offset {end}, but the "
-                f"object ends at {start + len(data)}"
-            )
-        return data
-
-    def close(self) -> None:
-        self._block = b""
-
-    def __enter__(self) -> FsspecFileReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class FsspecStorage:

@@ -104,10 +104,11 @@ class LoadOptions:
     verify: str = "first"
     """``"first"``: every byte this rank needs is read and CRC-checked before anything is
     restored, then read again straight into the live tensors, checked again (a second
-    read, usually from the page cache). ``"inline"``: one read, each piece checked as it
-    is copied into a live tensor; a corrupt byte is found with the objects partly
-    restored, and the error says which. Either way only one tensor's worth of bytes plus
-    ``buffer_bytes`` is held beyond the live objects."""
+    read, from the page cache locally; from an object store, from a local temporary file
+    the first read kept, see ``spool.py``, so nothing is downloaded twice). ``"inline"``:
+    one read, each piece checked as it is copied into a live tensor; a corrupt byte is
+    found with the objects partly restored, and the error says which. Either way only
+    one tensor's worth of bytes plus ``buffer_bytes`` is held beyond the live objects."""
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     """The read buffers' budget (half pageable, half pinned for CUDA targets)."""
 

@@ -32,6 +32,7 @@ from . import geometry
 from .crc import crc32
 from .manifest import ChunkRecord, Manifest, TensorRecord
 from .safetensors_io import HeaderEntry, memory, parse_header, read_header_bytes
+from .spool import Spool
 from .storage import FileReader, Storage
 
 PIECE_BYTES = 16 << 20
@@ -81,8 +82,11 @@ class CheckpointReader:
         *,
         keep_header_bytes: bool = False,
         piece_bytes: int = PIECE_BYTES,
+        spool: Spool | None = None,
     ) -> None:
         self.storage = storage
+        self._spool = spool
+        """Where an object store's bytes are kept between two reads (``spool.py``)."""
         self.piece_bytes = max(piece_bytes, 1)
         self.manifest = manifest
         self.header_bytes: dict[str, bytes] = {}
@@ -319,6 +323,8 @@ class CheckpointReader:
     def _validated(self, name: str) -> tuple[FileReader, dict[str, HeaderEntry]]:
         """Open ``name`` and check it against the manifest: size, header CRC32, header."""
         reader = self.storage.open_reader(name)
+        if self._spool is not None:
+            reader = self._spool.wrap(reader)
         try:
             expected = self.manifest.files[name]
             if reader.size != expected:
