@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import shardsafe
+from shardsafe.checkpoint.options import SaveKeywords, SaveOptions
 
 PUBLIC = [
     "Adapter",
@@ -43,10 +46,27 @@ def test_error_tree() -> None:
 
 
 def test_save_and_load_options_are_keyword_only() -> None:
-    for fn in (shardsafe.save, shardsafe.async_save, shardsafe.load):
+    for fn in (shardsafe.save, shardsafe.load):
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params[:2]] == ["path", "state"]
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:]), fn
+    save_options = [p for p in inspect.signature(shardsafe.save).parameters][2:]
+    assert save_options == list(SaveOptions.__dataclass_fields__)
+
+
+def test_async_save_and_the_managers_saves_take_exactly_saves_options() -> None:
+    """They take ``**options: Unpack[SaveKeywords]``: the same names as ``save``, refused
+    if unknown (by ``SaveOptions.of``), typed by one TypedDict."""
+    assert list(SaveKeywords.__annotations__) == list(SaveOptions.__dataclass_fields__)
+    for fn in (
+        shardsafe.async_save,
+        shardsafe.CheckpointManager.save,
+        shardsafe.CheckpointManager.async_save,
+    ):
+        kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
+        assert kinds[-1] is inspect.Parameter.VAR_KEYWORD, fn
+    with pytest.raises(TypeError, match=r"unknown save option\(s\) \['layuot'\]"):
+        SaveOptions.of(layuot="sharded")
     assert inspect.signature(shardsafe.save).parameters["layout"].default == "sharded"
     assert inspect.signature(shardsafe.load).parameters["strict"].default is True
 

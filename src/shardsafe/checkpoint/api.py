@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import background, loading, saving
 from .background import SaveHandle
 from .loading import read_manifest
 from .locations import open_storage
-from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory
+from .options import LoadOptions, SaveHooks, SaveKeywords, SaveOptions, StorageFactory
+
+if TYPE_CHECKING:  # Python 3.10 has no typing.Unpack; annotations are not evaluated
+    from typing_extensions import Unpack
 
 _S = SaveOptions()
 _L = LoadOptions()
@@ -70,16 +73,7 @@ def save(
 
 
 def async_save(
-    path: str | os.PathLike[str],
-    state: Mapping[str, Any],
-    *,
-    layout: str = _S.layout,
-    entry_timeout: float = _S.entry_timeout,
-    timeout: float = _S.timeout,
-    buffer_bytes: int = _S.buffer_bytes,
-    storage: StorageFactory | None = _S.storage,
-    hooks: SaveHooks = _S.hooks,
-    storage_options: Mapping[str, Any] | None = _S.storage_options,
+    path: str | os.PathLike[str], state: Mapping[str, Any], **options: Unpack[SaveKeywords]
 ) -> SaveHandle:
     """Like :func:`save`, but return once this rank's state is staged. Call it on every rank.
 
@@ -89,18 +83,10 @@ def async_save(
     rest of the save (writing, checksums, the commit) runs in a background thread, with
     every guarantee of :func:`save`. ``handle.wait()`` returns once the checkpoint is
     committed, or raises the error every rank agreed on; if you never wait, the next
-    ``save``/``async_save`` (which waits for this one first) raises it.
+    ``save``/``async_save`` (which waits for this one first) raises it. The keyword
+    arguments are :func:`save`'s, with the same defaults.
     """
-    options = SaveOptions(
-        layout=layout,
-        entry_timeout=entry_timeout,
-        timeout=timeout,
-        buffer_bytes=buffer_bytes,
-        storage=storage,
-        hooks=hooks,
-        storage_options=storage_options,
-    )
-    return background.async_save(os.fspath(path), state, options)
+    return background.async_save(os.fspath(path), state, SaveOptions.of(**options))
 
 
 def load(

@@ -30,7 +30,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..distributed import world
 from ..errors import CheckpointCorruptError, CheckpointError
@@ -40,13 +40,16 @@ from .locations import is_url, open_storage
 from .lock import LOCK_NAME, RootLock
 from .manifest import MANIFEST_NAME
 from .object_lock import ObjectRootLock
-from .options import LoadOptions, SaveHooks, SaveOptions, StorageFactory, storage_factory
+from .options import LoadOptions, SaveHooks, SaveKeywords, SaveOptions, storage_factory
 from .reader import CheckpointReader
 from .removal import delete_checkpoint
 from .saving import save as _save
 from .staging import Stager
 from .storage import LocalStorage, Storage
 from .target_directory import INCOMPLETE_MARKER
+
+if TYPE_CHECKING:  # Python 3.10 has no typing.Unpack; annotations are not evaluated
+    from typing_extensions import Unpack
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 LATEST = "latest"
@@ -123,34 +126,16 @@ class CheckpointManager:
     def _root_storage(self) -> Storage:
         return open_storage(self.root, storage_options=self.storage_options)
 
-    def save(
-        self,
-        step: int,
-        state: Any,
-        *,
-        layout: str = _S.layout,
-        entry_timeout: float = _S.entry_timeout,
-        timeout: float = _S.timeout,
-        buffer_bytes: int = _S.buffer_bytes,
-        storage: StorageFactory | None = _S.storage,
-        hooks: SaveHooks = _S.hooks,
-    ) -> str:
+    def save(self, step: int, state: Any, **options: Unpack[SaveKeywords]) -> str:
         """Save ``state`` as step ``step`` on every rank; return the checkpoint's path.
 
-        The options are those of :func:`shardsafe.save` (``SaveOptions``); ``hooks`` run
-        after the manager's own. The first save takes ``root/.shardsafe.lock`` for this
-        process (see ``lock.py``): a second run saving into the same root gets a
+        The keyword arguments are those of :func:`shardsafe.save` (``SaveOptions``;
+        ``storage_options`` defaults to the manager's); ``hooks`` run after the manager's
+        own. The first save takes ``root/.shardsafe.lock`` for this process (see
+        ``lock.py``): a second run saving into the same root gets a
         :class:`CheckpointError`.
         """
-        opts = SaveOptions(
-            layout=layout,
-            entry_timeout=entry_timeout,
-            timeout=timeout,
-            buffer_bytes=buffer_bytes,
-            storage=storage,
-            hooks=hooks,
-        )
-        return self.save_with(step, state, opts)
+        return self.save_with(step, state, SaveOptions.of(**options))
 
     def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
         """:meth:`save` with its options as one :class:`SaveOptions` (the Trainer's way)."""
@@ -159,29 +144,10 @@ class CheckpointManager:
         _save(path, state, options)
         return path
 
-    def async_save(
-        self,
-        step: int,
-        state: Any,
-        *,
-        layout: str = _S.layout,
-        entry_timeout: float = _S.entry_timeout,
-        timeout: float = _S.timeout,
-        buffer_bytes: int = _S.buffer_bytes,
-        storage: StorageFactory | None = _S.storage,
-        hooks: SaveHooks = _S.hooks,
-    ) -> SaveHandle:
+    def async_save(self, step: int, state: Any, **options: Unpack[SaveKeywords]) -> SaveHandle:
         """:meth:`save` in the background (see :func:`shardsafe.async_save`): returns once
         the state is staged; ``latest`` moves and retention runs after the commit."""
-        opts = SaveOptions(
-            layout=layout,
-            entry_timeout=entry_timeout,
-            timeout=timeout,
-            buffer_bytes=buffer_bytes,
-            storage=storage,
-            hooks=hooks,
-        )
-        return self.async_save_with(step, state, opts)
+        return self.async_save_with(step, state, SaveOptions.of(**options))
 
     def async_save_with(
         self, step: int, state: Any, opts: SaveOptions, *, overlap: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from .locations import open_storage
 from .manifest_format import LAYOUTS
@@ -90,6 +90,20 @@ class SaveOptions:
             )
         fields = {name: getattr(base, name) for name in cls.__dataclass_fields__}
         return cls(**{**fields, **overrides})
+
+
+class SaveKeywords(TypedDict, total=False):
+    """:class:`SaveOptions`'s fields as keyword arguments, for the entry points that take
+    those of :func:`shardsafe.save` (``async_save``, the manager's): typed once, here, and
+    checked by :meth:`SaveOptions.of`, which refuses an unknown name."""
+
+    layout: str
+    entry_timeout: float
+    timeout: float
+    buffer_bytes: int
+    storage: StorageFactory | None
+    hooks: SaveHooks
+    storage_options: Mapping[str, Any] | None
 
 
 @dataclass(frozen=True, kw_only=True)
