@@ -34,6 +34,7 @@ import shardsafe
 from shardsafe import CheckpointError, CheckpointManager
 from shardsafe.checkpoint.files import create_new
 from shardsafe.checkpoint.loading import read_manifest
+from shardsafe.checkpoint.options import SaveOptions
 from shardsafe.checkpoint.reader import CheckpointReader
 from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
 from tests.harness import run_ranks
@@ -351,5 +352,7 @@ def test_save_on_one_rank_only_raises_after_entry_timeout(
 
 
 def test_the_default_entry_timeout_is_60_seconds() -> None:
-    for fn in (shardsafe.save, shardsafe.load, CheckpointManager.save):
+    for fn in (shardsafe.save, shardsafe.load):
         assert inspect.signature(fn).parameters["entry_timeout"].default == 60.0, fn
+    # async_save and the manager take save's keywords, defaulted by SaveOptions.
+    assert SaveOptions.of().entry_timeout == 60.0

@@ -11,6 +11,7 @@ rank.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,39 @@ def test_a_silent_rank_is_named_on_every_rank_though_only_rank_0_watches_it() ->
             "AFTER."
         ), message
         assert 3.0 <= seconds < 8.0, seconds
+
+
+def every_rank_fails(rank: int, world_size: int, root: str) -> tuple[str, int]:
+    """Every rank's state holds a tensor safetensors cannot store: every rank fails the
+    collect phase and reports it; returns (the agreed message, the summed requests)."""
+    state = {"x": torch.zeros(2, dtype=torch.complex32), "step": 1}
+    shardsafe.save(f"{root}/warm", {"step": 1})  # the first save opens the connection
+    dist.barrier()
+    reset_store_requests()
+    with pytest.raises(CheckpointError) as failed:
+        shardsafe.save(f"{root}/a", state)
+    total = torch.tensor([store_requests()["total"]], dtype=torch.int64)
+    dist.all_reduce(total)
+    return str(failed.value), int(total.item())
+
+
+@pytest.mark.timeout(240)
+def test_agreeing_on_an_error_every_rank_had_costs_each_rank_a_constant(tmp_path: Path) -> None:
+    """Each rank reads a bounded number of the failing ranks' reports (the first 8 to
+    fail, lowest rank first), every rank the same ones, and the message counts the rest:
+    before, every rank checked every rank's error key, N^2 requests when all N fail (a
+    full disk)."""
+    world_size = 10
+    results = run_ranks(every_rank_fails, world_size, str(tmp_path), timeout=200)
+    messages = {message for message, _ in results}
+    assert len(messages) == 1, messages  # agreed
+    (message,) = messages
+    pattern = r"save failed on rank (\d) \(rank\(s\) ([\d, ]+) and 2 more failed too\): "
+    named = re.match(pattern, message)
+    assert named, message
+    ranks = [int(named[1]), *map(int, named[2].split(", "))]
+    assert len(ranks) == 8 and ranks == sorted(set(ranks)), ranks  # the first 8 to fail
+    assert "complex32" in message
+    per_rank = results[0][1] / world_size
+    print(f"{per_rank:.1f} store requests per rank for a save every rank failed")
+    assert per_rank <= PER_RANK_LIMIT, per_rank

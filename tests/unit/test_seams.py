@@ -128,7 +128,6 @@ def test_the_public_defaults_are_the_options_defaults() -> None:
 
     for fn, options in (
         (shardsafe.save, SaveOptions()),
-        (shardsafe.CheckpointManager.save, SaveOptions()),
         (shardsafe.load, LoadOptions()),
     ):
         for name, param in inspect.signature(fn).parameters.items():

@@ -64,6 +64,9 @@ from .store_requests import CountingStore
 
 _ACK_TIMEOUT_S = 30.0
 _POLL_S = 0.005
+REPORTS_READ = 8
+AGREE_WAIT_S = 1.0
+"""How many failing ranks' reports a rank reads to agree on an error (see _failures)."""
 """Between two looks at a store that cannot block on a key (the unit tests' dict stores)."""
 
 ALL_POSTED = 1
@@ -291,6 +294,9 @@ class Coordinator:
         if error is not None:
             report = {"type": error_type(error), "message": error_message(error)}
             store.set(f"{phase}/error/{self.rank}", json.dumps(report))
+            slot = store.add(f"{phase}/failing", 1)  # see _failures
+            if slot <= REPORTS_READ:
+                store.set(f"{phase}/failing/{slot}", str(self.rank))
             store.add(f"{phase}/failed", 1)
             store.add(f"{phase}/wake", FAILED)
         elif payload is not None:
@@ -327,7 +333,7 @@ class Coordinator:
             if left > 0 and self._block(f"{phase}/wake", left):
                 woke = int(self._store.add(f"{phase}/wake", 0))
                 if woke // FAILED % (DEAD // FAILED):
-                    raise agreed_error(self._failures(phase), self.operation) from own_error
+                    raise self._agreed_error(phase) from own_error
                 if woke % FAILED:
                     return
                 raise self._dead_error(phase, json.loads(self._store.get("dead")))
@@ -346,7 +352,7 @@ class Coordinator:
         # have posted, any failure is already visible to the read that follows.
         everyone = self._store.add(f"{phase}/posted", 0) >= self.world_size
         if self._store.add(f"{phase}/failed", 0) > 0:
-            raise agreed_error(self._failures(phase), self.operation) from own_error
+            raise self._agreed_error(phase) from own_error
         return bool(everyone)
 
     def _block(self, key: str, timeout: float) -> bool:
@@ -477,13 +483,52 @@ class Coordinator:
         return bool(store.check([progress])) and store.get(progress) == phase.encode()
 
     def _failures(self, phase: str) -> list[RankFailure]:
+        """The reports of the first ranks to fail ``phase`` (at most
+        :data:`REPORTS_READ`), lowest rank first.
+
+        Each failing rank takes a numbered slot and writes its rank there; a reader reads
+        only the first :data:`REPORTS_READ` slots, so agreeing on an error costs every rank
+        O(1) requests even when every rank fails (a full disk): O(ranks) in all, not
+        O(ranks^2). Beyond those the message gives the count of the others. A report is
+        posted before its rank counts as failed, so a reader that saw the count finds it.
+        """
+        store = self._store
+        slots = min(int(store.add(f"{phase}/failing", 0)), REPORTS_READ)
+        keys = [f"{phase}/failing/{i}" for i in range(1, slots + 1)]
+        if store.add(f"{phase}/posted", 0) >= self.world_size:
+            # Every rank that took a slot has written it: two multi_gets, nothing waits.
+            ranks = sorted(int(raw) for raw in store.multi_get(keys)) if keys else []
+            reports = store.multi_get([f"{phase}/error/{r}" for r in ranks]) if ranks else []
+        else:  # a rank may be between taking its slot and writing it
+            ranks = sorted(int(store.get(key)) for key in keys if store.check([key]))
+            reports = [store.get(f"{phase}/error/{r}") for r in ranks]
         failures = []
-        for r in range(self.world_size):
-            key = f"{phase}/error/{r}"
-            if self._store.check([key]):
-                report = json.loads(self._store.get(key))
-                failures.append(RankFailure(r, report["type"], report["message"]))
+        for r, raw in zip(ranks, reports):
+            report = json.loads(raw)
+            failures.append(RankFailure(r, report["type"], report["message"]))
         return failures
+
+    def _agreed_error(self, phase: str) -> CheckpointError:
+        """The error every rank raises for a failed ``phase``.
+
+        Several ranks may fail the same phase (a full disk); a rank woken by the first
+        failure waits a moment (:data:`AGREE_WAIT_S`) for every rank to post, so that
+        every rank reads the same reports and raises the same message."""
+        pause, settle = 0.001, time.monotonic() + AGREE_WAIT_S
+        while self._store.add(f"{phase}/posted", 0) < self.world_size:
+            if time.monotonic() > settle:
+                break  # a rank is slow or dead: agree on what has been posted
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        deadline = time.monotonic() + _ACK_TIMEOUT_S
+        failures = self._failures(phase)
+        while not failures and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # only if every rank read about is still writing its slot
+            failures = self._failures(phase)
+        if not failures:
+            return CheckpointError(f"{self.operation} failed on some rank during '{phase}'")
+        total = int(self._store.add(f"{phase}/failed", 0))
+        return agreed_error(failures, self.operation, total=total)
 
     def release(self) -> None:
         """Delete this rank's payload keys of phases every rank has moved past."""
