@@ -51,6 +51,7 @@ class SaveHandle:
         self._staged: Staged | None = staged
         self._copies = staged
         self._finished = threading.Event()
+        self._go = threading.Event()
         self._error: CheckpointError | None = None
         self._seen = False
         self._closed = False
@@ -96,9 +97,15 @@ class SaveHandle:
             )
 
     def _start(self) -> None:
+        """Start the writer and return at once. ``Thread.start`` waits until the new thread
+        runs; if it went straight on to the (CPU-bound) save, the caller would wait for
+        the GIL for a switch interval (5 ms) before its ``async_save`` could return. So
+        the writer first blocks on ``_go``, giving the GIL back, and is let go after."""
         self._thread.start()
+        self._go.set()
 
     def _work(self) -> None:
+        self._go.wait()
         try:
             _lower_priority()
             assert self._run is not None and self._staged is not None
