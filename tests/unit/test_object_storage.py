@@ -299,7 +299,7 @@ def test_ranged_reads_in_order_across_blocks_and_at_random_return_the_object_byt
     """The reader's read-ahead (one block cached, the next fetched in the background once
     reads go through blocks in order) never changes what a read returns."""
     storage = open_storage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
-    data = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8, generator=torch.Generator())
+    data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator())
     raw = data.numpy().tobytes()
     sink = storage.create("shard-00000-of-00001.safetensors", size_hint=len(raw))
     sink.write(memoryview(raw))
@@ -312,7 +312,7 @@ def test_ranged_reads_in_order_across_blocks_and_at_random_return_the_object_byt
 
     with storage.open_reader("shard-00000-of-00001.safetensors") as reader:
         at, pieces = 0, []
-        while at < len(raw):  # 3 MiB pieces, so some reads straddle two blocks
+        while at < len(raw):  # 3 MiB pieces: some straddle two blocks; the third is prefetched
             n = min(3 << 20, len(raw) - at)
             pieces.append(read(reader, at, n))
             at += n

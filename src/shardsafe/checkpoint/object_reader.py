@@ -6,9 +6,10 @@ block, fetched by a single ranged GET of :data:`READ_AHEAD_BYTES`. Once the read
 gone through two blocks in a row, the reader is plainly walking the object in order (a
 rank reading its file of a sharded checkpoint), and the next block is fetched in the
 background while this one is used: the GET's latency overlaps the CRC checks and copies
-instead of adding to them. At most two blocks are held (32 MiB), within the load's
-``buffer_bytes`` budget. Reads of at least a block are fetched as several ranged GETs in
-flight at once, straight into the caller's buffer.
+instead of adding to them. At most two blocks are held (48 MiB; with the checkpoint
+reader's 4 MiB piece, within the default 64 MiB ``buffer_bytes``). Fewer, larger GETs
+win: a store's latency is per request. Reads of at least a block are fetched as several
+ranged GETs in flight at once, straight into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError
 
-READ_AHEAD_BYTES = 16 << 20
+READ_AHEAD_BYTES = 24 << 20
+"""The cached block (and the one fetched ahead): a 96 MiB shard file is 4 GETs."""
 PARALLEL_RANGE_BYTES = 8 << 20
 """A read of at least :data:`READ_AHEAD_BYTES` is fetched as ranged GETs of this size,
 several in flight at once."""
