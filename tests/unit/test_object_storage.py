@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -293,59 +296,101 @@ def test_a_missing_s3_checkpoint_is_not_found(s3_server: S3Server, s3_bucket: st
         shardsafe.load(f"s3://{s3_bucket}/nothing-here", {"w": torch.zeros(2)})
 
 
+class GetSpy:
+    """Records each ranged GET an fsspec filesystem makes (the real call goes through):
+    which object, and which thread asked (the read-ahead thread, or the caller)."""
+
+    def __init__(self, fs: Any) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.bytes = 0
+        cat_file, cat_ranges = fs.cat_file, fs.cat_ranges
+
+        def spied_cat_file(path: str, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append((path.rsplit("/", 1)[-1], threading.current_thread().name))
+            data = cat_file(path, *args, **kwargs)
+            self.bytes += len(data)
+            return data
+
+        def spied_cat_ranges(paths: list[str], *args: Any, **kwargs: Any) -> Any:
+            out = cat_ranges(paths, *args, **kwargs)
+            self.calls += [(p.rsplit("/", 1)[-1], threading.current_thread().name) for p in paths]
+            self.bytes += sum(len(d) for d in out if isinstance(d, bytes))
+            return out
+
+        fs.cat_file, fs.cat_ranges = spied_cat_file, spied_cat_ranges
+
+
+def written(storage: Any, name: str, nbytes: int, seed: int) -> bytes:
+    rng = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=rng)
+    raw = data.numpy().tobytes()
+    sink = storage.create(name, size_hint=len(raw))
+    sink.write(memoryview(raw))
+    sink.finish()
+    return raw
+
+
+def read(reader: Any, offset: int, n: int) -> bytes:
+    out = bytearray(n)
+    reader.read_into(offset, memoryview(out))
+    return bytes(out)
+
+
 def test_ranged_reads_in_order_across_blocks_and_at_random_return_the_object_bytes(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
     """The reader's read-ahead (one block cached, the next fetched in the background once
-    reads go through blocks in order) never changes what a read returns."""
-    storage = open_storage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
-    data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator())
-    raw = data.numpy().tobytes()
-    sink = storage.create("shard-00000-of-00001.safetensors", size_hint=len(raw))
-    sink.write(memoryview(raw))
-    sink.finish()
-
-    def read(reader: object, offset: int, n: int) -> bytes:
-        out = bytearray(n)
-        reader.read_into(offset, memoryview(out))  # type: ignore[attr-defined]
-        return bytes(out)
-
-    with storage.open_reader("shard-00000-of-00001.safetensors") as reader:
+    reads go through blocks in order) never changes what a read returns, and an object
+    walked in order costs one GET per block, the third fetched ahead by the read-ahead
+    thread."""
+    storage = FsspecStorage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
+    name = "shard-00000-of-00001.safetensors"
+    raw = written(storage, name, 64 << 20, 0)
+    spy = GetSpy(storage.fs)
+    with storage.open_reader(name) as reader:
         at, pieces = 0, []
-        while at < len(raw):  # 3 MiB pieces: some straddle two blocks; the third is prefetched
-            n = min(3 << 20, len(raw) - at)
+        while at < len(raw):  # 5 MiB pieces: some straddle two 24 MiB blocks
+            n = min(5 << 20, len(raw) - at)
             pieces.append(read(reader, at, n))
             at += n
         assert b"".join(pieces) == raw
+        assert len(spy.calls) == 3, spy.calls  # blocks at 0, 24 and 48 MiB
+        assert [thread.startswith("shardsafe-read-ahead") for _, thread in spy.calls] == [
+            False,
+            False,
+            True,
+        ]
         rng = torch.Generator().manual_seed(1)
         for _ in range(40):
             offset = int(torch.randint(0, len(raw) - 1, (1,), generator=rng))
-            n = min(len(raw) - offset, int(torch.randint(1, 20 << 20, (1,), generator=rng)))
+            n = min(len(raw) - offset, int(torch.randint(1, 30 << 20, (1,), generator=rng)))
             assert read(reader, offset, n) == raw[offset : offset + n], (offset, n)
         with pytest.raises(CheckpointCorruptError, match="truncated"):
             read(reader, len(raw) - 4, 8)
 
 
-class CountingStorage(FsspecStorage):
-    """The S3 backend, counting the bytes its readers fetch from the store."""
-
-    fetched = 0
-
-    def open_reader(self, name: str) -> Any:
-        reader = super().open_reader(name)
-        inner, owner = reader.read_into, self
-
-        def read_into(offset: int, out: memoryview) -> None:
-            inner(offset, out)
-            owner.fetched += out.nbytes
-
-        reader.read_into = read_into  # type: ignore[method-assign]
-        return reader
+def test_only_the_reader_used_last_holds_read_ahead_blocks(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """A load with many objects open (a new world size reads parts of every shard file)
+    holds two blocks at most, not two per open object: reading another object drops the
+    blocks of the one before, so going back to it costs a GET again."""
+    storage = FsspecStorage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
+    names = ("a.safetensors", "b.safetensors")
+    raws = {n: written(storage, n, 6 << 20, i) for i, n in enumerate(names)}
+    spy = GetSpy(storage.fs)
+    with storage.open_reader("a.safetensors") as a, storage.open_reader("b.safetensors") as b:
+        assert read(a, 0, 1024) == raws["a.safetensors"][:1024]
+        assert read(a, 4096, 1024) == raws["a.safetensors"][4096:5120]  # from a's block
+        assert read(b, 0, 1024) == raws["b.safetensors"][:1024]
+        assert read(a, 0, 1024) == raws["a.safetensors"][:1024]  # a's block was dropped
+    assert [obj for obj, _ in spy.calls] == ["a.safetensors", "b.safetensors", "a.safetensors"]
 
 
 def model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    # 64 MiB: more than the reader's two read-ahead blocks, so a second pass needs GETs
+    return torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
 
 
 def saved_for_counting(url: str) -> torch.nn.Module:
@@ -358,12 +403,13 @@ def bytes_fetched_by_a_load(url: str, saved: torch.nn.Module, verify: str) -> tu
     """(bytes the load fetched, bytes the data objects hold, restored bitwise); the
     model's tensors are live ones, restored in place (read twice with verify="first")."""
     got = model(1)
-    with CountingStorage(url) as storage:
+    with FsspecStorage(url) as storage:
+        spy = GetSpy(storage.fs)
         manifest = shardsafe.read_manifest(url)
         values = loading.load(storage, {"model": got}, LoadOptions(verify=verify, strict=False))
         want, have = saved.state_dict(), got.state_dict()
         same = all(torch.equal(have[k], want[k]) for k in want) and values["step"] == 3
-        return storage.fetched, sum(manifest.files.values()), same
+        return spy.bytes, sum(manifest.files.values()), same
 
 
 @pytest.mark.parametrize("verify", ["first", "inline"])
@@ -379,12 +425,38 @@ def test_a_load_from_an_object_store_downloads_each_byte_once_in_either_verify_m
 
 
 def test_a_spool_that_cannot_be_written_warns_and_the_load_downloads_again(
-    s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_server: S3Server, s3_bucket: str
 ) -> None:
+    """A spool whose disk fills up mid-load (here: a file-size limit, EFBIG after 1 MiB)
+    stops growing with a warning; the load still restores every byte, downloading what
+    the spool could not keep again."""
     url = f"s3://{s3_bucket}/ck"
     saved = saved_for_counting(url)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # not for moto's save
-    with pytest.warns(RuntimeWarning, match="could not keep downloaded bytes"):
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+    try:
+        with pytest.warns(RuntimeWarning, match="could not keep downloaded bytes"):
+            fetched, total, same = bytes_fetched_by_a_load(url, saved, "first")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert same
+    assert fetched > total * 1.9, (fetched, total)
+
+
+def test_no_spool_in_a_temporary_directory_in_memory(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spool on tmpfs would hold the rank's state in RAM: the load downloads twice."""
+    from shardsafe.checkpoint.spool import _filesystem_type
+
+    if _filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("needs /dev/shm on tmpfs")
+    url = f"s3://{s3_bucket}/ck"
+    saved = saved_for_counting(url)
+    monkeypatch.setattr(tempfile, "tempdir", "/dev/shm")  # not for moto's save
+    with pytest.warns(RuntimeWarning, match=r"twice in this load: /dev/shm is a tmpfs"):
         fetched, total, same = bytes_fetched_by_a_load(url, saved, "first")
     assert same
     assert fetched > total * 1.9, (fetched, total)

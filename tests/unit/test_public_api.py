@@ -73,3 +73,10 @@ def test_async_save_and_the_managers_saves_take_exactly_saves_options() -> None:
 
 def test_version_is_a_string() -> None:
     assert isinstance(shardsafe.__version__, str) and shardsafe.__version__.count(".") >= 2
+
+
+def test_a_managers_save_refuses_storage_options_of_its_own(tmp_path: object) -> None:
+    manager = shardsafe.CheckpointManager(str(tmp_path))
+    with pytest.raises(TypeError, match=r"pass them to CheckpointManager\(root, storage_options"):
+        manager.save(1, {"x": 1}, storage_options={"endpoint_url": "http://elsewhere"})
+    manager.close()

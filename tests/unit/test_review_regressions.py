@@ -15,7 +15,7 @@ from shardsafe.distributed import Coordinator
 
 
 class _Store:
-    """A dict-backed key-value store with the four calls the Coordinator makes.
+    """A dict-backed key-value store with the five calls the Coordinator makes.
 
     ``on_first_read`` runs inside the first counter read of the waiting rank: that is where
     a slow rank's posts can land between two reads of a real TCPStore.
@@ -40,6 +40,9 @@ class _Store:
     def get(self, key: str) -> bytes:
         return str(self.data[key]).encode()
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
@@ -53,6 +56,8 @@ def test_a_failure_posted_between_two_reads_is_never_missed() -> None:
 
     def rank0_fails() -> None:  # exactly what _exchange does on rank 0, in this order
         store.set("commit/error/0", json.dumps({"type": "CheckpointError", "message": "disk full"}))
+        slot = store.add("commit/failing", 1)
+        store.set(f"commit/failing/{slot}", "0")
         store.add("commit/failed", 1)
         store.add("commit/posted", 1)
 

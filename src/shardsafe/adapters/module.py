@@ -47,9 +47,7 @@ class ModuleAdapter(Adapter):
         chunks: list[Chunk] = []
         names: list[str] = []
         extra: dict[str, Any] = {}
-        # keep_vars: the parameters themselves, not a detached copy of each (for a DTensor,
-        # detach is a dispatched op, ~10 us); chunks_of detaches the local tensors it keeps.
-        for name, value in module.state_dict(keep_vars=True).items():
+        for name, value in _state_of(module).items():
             if not isinstance(value, torch.Tensor):
                 extra[name] = _tree.encode(value, f"state[{ctx.name!r}][{name!r}]", _refuse_tensor)
                 continue
@@ -143,3 +141,13 @@ def _refuse_tensor(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         "a module's extra state holds a tensor inside a non-tensor value; return tensors as "
         "ordinary state-dict entries instead"
     )
+
+
+def _state_of(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()``; with ``keep_vars=True`` (the parameters themselves, not a
+    detached copy of each: for a DTensor, detach is a dispatched op, ~10 us) unless the
+    class overrides ``state_dict`` (it may not take the argument). ``chunks_of`` detaches
+    the local tensors it keeps."""
+    if type(module).state_dict is nn.Module.state_dict:
+        return module.state_dict(keep_vars=True)
+    return module.state_dict()

@@ -7,8 +7,9 @@ defaults taken from there (written once).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import background, loading, saving
 from .background import SaveHandle
@@ -16,7 +17,9 @@ from .loading import read_manifest
 from .locations import open_storage
 from .options import LoadOptions, SaveHooks, SaveKeywords, SaveOptions, StorageFactory
 
-if TYPE_CHECKING:  # Python 3.10 has no typing.Unpack; annotations are not evaluated
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # a dependency of torch's
     from typing_extensions import Unpack
 
 _S = SaveOptions()

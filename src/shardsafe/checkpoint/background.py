@@ -101,8 +101,10 @@ class SaveHandle:
         runs; if it went straight on to the (CPU-bound) save, the caller would wait for
         the GIL for a switch interval (5 ms) before its ``async_save`` could return. So
         the writer first blocks on ``_go``, giving the GIL back, and is let go after."""
-        self._thread.start()
-        self._go.set()
+        try:
+            self._thread.start()
+        finally:
+            self._go.set()  # even if interrupted: a writer left waiting would hang exit
 
     def _work(self) -> None:
         self._go.wait()
@@ -163,7 +165,12 @@ def async_save(
     handle = SaveHandle(path, run, result)
     with _LOCK:
         _IN_FLIGHT.append(handle)
-    handle._start()
+    try:
+        handle._start()
+    except BaseException:
+        with _LOCK:
+            _IN_FLIGHT.remove(handle)  # never started: nothing to wait for
+        raise
     return handle
 
 

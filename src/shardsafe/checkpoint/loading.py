@@ -20,12 +20,14 @@ the error says which were (``in_place.partly_restored``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from .. import dtypes
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
@@ -35,7 +37,7 @@ from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
 from .reader import CACHE_PIECE_BYTES, CheckpointReader
-from .spool import Spool
+from .spool import Spool, spool_for
 from .storage import LocalStorage, Storage
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -101,7 +103,7 @@ def load_chosen(
             )
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
         pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
-        spool = Spool() if _reads_twice_remotely(storage, options) else None
+        spool = _spool(storage, options, routes, manifest)
         reader = CheckpointReader(storage, manifest, piece_bytes=pieces, spool=spool)
         with reader, contextlib.closing(spool) if spool else contextlib.nullcontext():
             with coord.phase(Phase.READ):
@@ -115,10 +117,19 @@ def load_chosen(
         coord.close()
 
 
-def _reads_twice_remotely(storage: Storage, options: LoadOptions) -> bool:
-    """Whether the second read of ``verify="first"`` would be a second download (an
-    object store), which a spool saves; a local file's comes from the page cache."""
-    return options.verify == "first" and not isinstance(storage, LocalStorage)
+def _spool(
+    storage: Storage, options: LoadOptions, routes: in_place.Routes, manifest: Manifest
+) -> Spool | None:
+    """A spool if the second read of ``verify="first"`` would be a second download (an
+    object store); a local file's comes from the page cache."""
+    if options.verify != "first" or isinstance(storage, LocalStorage):
+        return None
+    nbytes = 0
+    for req, _ in routes.in_place:
+        rec = manifest.tensors[req.key]
+        shape = rec.shape if req.shape is None else req.shape
+        nbytes += math.prod(shape) * dtypes.itemsize(rec.dtype)
+    return spool_for(nbytes)
 
 
 def _read(

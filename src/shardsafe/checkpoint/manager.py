@@ -27,10 +27,11 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..distributed import world
 from ..errors import CheckpointCorruptError, CheckpointError
@@ -48,7 +49,9 @@ from .staging import Stager
 from .storage import LocalStorage, Storage
 from .target_directory import INCOMPLETE_MARKER
 
-if TYPE_CHECKING:  # Python 3.10 has no typing.Unpack; annotations are not evaluated
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # a dependency of torch's
     from typing_extensions import Unpack
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
@@ -129,13 +132,13 @@ class CheckpointManager:
     def save(self, step: int, state: Any, **options: Unpack[SaveKeywords]) -> str:
         """Save ``state`` as step ``step`` on every rank; return the checkpoint's path.
 
-        The keyword arguments are those of :func:`shardsafe.save` (``SaveOptions``;
-        ``storage_options`` defaults to the manager's); ``hooks`` run after the manager's
-        own. The first save takes ``root/.shardsafe.lock`` for this process (see
+        The keyword arguments are those of :func:`shardsafe.save` (``SaveOptions``)
+        but ``storage_options``, which is the manager's; ``hooks`` run after the
+        manager's own. The first save takes ``root/.shardsafe.lock`` for this process (see
         ``lock.py``): a second run saving into the same root gets a
         :class:`CheckpointError`.
         """
-        return self.save_with(step, state, SaveOptions.of(**options))
+        return self.save_with(step, state, self._options(options))
 
     def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
         """:meth:`save` with its options as one :class:`SaveOptions` (the Trainer's way)."""
@@ -147,7 +150,17 @@ class CheckpointManager:
     def async_save(self, step: int, state: Any, **options: Unpack[SaveKeywords]) -> SaveHandle:
         """:meth:`save` in the background (see :func:`shardsafe.async_save`): returns once
         the state is staged; ``latest`` moves and retention runs after the commit."""
-        return self.async_save_with(step, state, SaveOptions.of(**options))
+        return self.async_save_with(step, state, self._options(options))
+
+    def _options(self, options: SaveKeywords) -> SaveOptions:
+        if "storage_options" in options:
+            # The lock, latest and retention use the manager's: a save elsewhere would
+            # make latest name a step that is not there.
+            raise TypeError(
+                "storage_options are the CheckpointManager's own; pass them to "
+                "CheckpointManager(root, storage_options=...), not to each save"
+            )
+        return SaveOptions.of(**options)
 
     def async_save_with(
         self, step: int, state: Any, opts: SaveOptions, *, overlap: bool = False

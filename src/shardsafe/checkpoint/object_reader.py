@@ -1,4 +1,4 @@
-"""Ranged reads of one object of an object store, for ``FsspecStorage.open_reader``.
+"""Ranged reads of the objects of one object-store prefix, for ``FsspecStorage.open_reader``.
 
 Requests, not bytes, are what object stores charge in latency, so small reads (headers,
 biases, the 4 MiB pieces the checkpoint reader asks for) are served from one cached
@@ -6,10 +6,13 @@ block, fetched by a single ranged GET of :data:`READ_AHEAD_BYTES`. Once the read
 gone through two blocks in a row, the reader is plainly walking the object in order (a
 rank reading its file of a sharded checkpoint), and the next block is fetched in the
 background while this one is used: the GET's latency overlaps the CRC checks and copies
-instead of adding to them. At most two blocks are held (48 MiB; with the checkpoint
-reader's 4 MiB piece, within the default 64 MiB ``buffer_bytes``). Fewer, larger GETs
-win: a store's latency is per request. Reads of at least a block are fetched as several
-ranged GETs in flight at once, straight into the caller's buffer.
+instead of adding to them (only for fsspec's asynchronous backends, s3fs and gcsfs,
+whose calls are safe from a second thread). Reads of at least a block are fetched as
+several ranged GETs in flight at once, straight into the caller's buffer.
+
+Memory: the readers of one storage share one :class:`ReadBudget`: only the reader used
+last holds blocks, so a load holds at most two blocks (48 MiB) however many objects it
+has open (a load at a new world size reads parts of many shard files).
 """
 
 from __future__ import annotations
@@ -27,15 +30,36 @@ PARALLEL_RANGE_BYTES = 8 << 20
 several in flight at once."""
 
 
+class ReadBudget:
+    """Which reader of a storage may hold blocks: the one that read last."""
+
+    def __init__(self) -> None:
+        self._holder: FsspecFileReader | None = None
+
+    def take(self, reader: FsspecFileReader) -> None:
+        if self._holder is not reader:
+            if self._holder is not None:
+                self._holder.drop_blocks()
+            self._holder = reader
+
+    def give_back(self, reader: FsspecFileReader) -> None:
+        if self._holder is reader:
+            self._holder = None
+
+
 class FsspecFileReader:
     """One object read by byte range (ranged GETs); its size fixed at open."""
 
-    def __init__(self, fs: Any, path: str, size: int, name: str) -> None:
+    def __init__(
+        self, fs: Any, path: str, size: int, name: str, budget: ReadBudget | None = None
+    ) -> None:
         self.name, self.size = name, size
         self._fs, self._path = fs, path
+        self._budget = budget or ReadBudget()
         self._block_start, self._block = 0, b""
         self._next: tuple[int, Future[bytes]] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._can_prefetch = bool(getattr(fs, "async_impl", False))
 
     def read_into(self, offset: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
@@ -47,6 +71,7 @@ class FsspecFileReader:
                 f"{self.name} is truncated: expected bytes up to offset {end}, but the "
                 f"object ends at {self.size}"
             )
+        self._budget.take(self)
         if view.nbytes >= READ_AHEAD_BYTES:
             self._get_parallel(offset, view)
             return
@@ -64,15 +89,19 @@ class FsspecFileReader:
         following = self._block_start + len(self._block)
         sequential = bool(self._block) and following <= offset < following + READ_AHEAD_BYTES
         start = following if sequential else offset
-        if self._next is not None and self._next[0] == start:
-            self._block = self._next[1].result()
+        ahead, self._next = self._next, None
+        self._block = b""  # never three blocks at once
+        if ahead is not None and ahead[0] == start:
+            self._block = ahead[1].result()
         else:
+            if ahead is not None:
+                ahead[1].cancel()  # a jump: the block fetched ahead is not needed
             self._block = self._get(start, self._block_end(start))
-        self._next = None
         self._block_start = start
-        if sequential and start + len(self._block) < self.size:
-            ahead = start + len(self._block)
-            self._next = (ahead, self._executor().submit(self._get, ahead, self._block_end(ahead)))
+        if sequential and self._can_prefetch and start + len(self._block) < self.size:
+            following = start + len(self._block)
+            future = self._executor().submit(self._get, following, self._block_end(following))
+            self._next = (following, future)
         return start
 
     def _block_end(self, start: int) -> int:
@@ -112,8 +141,15 @@ class FsspecFileReader:
                 f"object ends at {start + len(data)}"
             )
 
+    def drop_blocks(self) -> None:
+        """Free the cached block and the one fetched ahead (another reader reads now)."""
+        ahead, self._next, self._block = self._next, None, b""
+        if ahead is not None:
+            ahead[1].cancel()
+
     def close(self) -> None:
-        self._block, self._next = b"", None
+        self.drop_blocks()
+        self._budget.give_back(self)
         if self._pool is not None:
             with contextlib.suppress(Exception):
                 self._pool.shutdown(wait=False, cancel_futures=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
-from .object_reader import FsspecFileReader
+from .object_reader import FsspecFileReader, ReadBudget
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -127,6 +127,7 @@ class FsspecStorage:
         else:
             path = fs._strip_protocol(self.directory)
         self.fs, self.path = fs, path.rstrip("/")
+        self._budget = ReadBudget()  # one reader at a time holds read-ahead blocks
         self._part = int(self.storage_options.get("default_block_size", DEFAULT_PART_BYTES))
 
     def _key(self, name: str) -> str:
@@ -300,7 +301,7 @@ class FsspecStorage:
             raise CheckpointCorruptError(f"data object {self.where(name)} is missing")
         if info.get("type") == "directory":
             raise CheckpointCorruptError(f"{self.where(name)} is a prefix, not an object")
-        return FsspecFileReader(self.fs, self._key(name), int(info["size"]), name)
+        return FsspecFileReader(self.fs, self._key(name), int(info["size"]), name, self._budget)
 
     def read_small(self, name: str, limit: int) -> bytes:
         reader = self.open_reader(name)

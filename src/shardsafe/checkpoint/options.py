@@ -79,7 +79,7 @@ class SaveOptions:
         _mapping_or_none(self.storage_options)
 
     @classmethod
-    def of(cls, options: SaveOptions | None = None, **overrides: Any) -> SaveOptions:
+    def of(cls, options: SaveOptions | None = None, /, **overrides: Any) -> SaveOptions:
         """``options`` (or the defaults) with ``overrides`` applied; unknown names refused."""
         base = options or cls()
         unknown = set(overrides) - set(cls.__dataclass_fields__)

@@ -11,8 +11,12 @@ spool, so nothing is trusted because it came from the spool.
 
 Cost: local disk space for the bytes this rank restores in place, for the duration of
 the load; host memory stays bounded (the spool is a file, and the page cache may drop
-it). If the spool cannot be written (the temporary directory is full, ``TMPDIR`` is not
-writable), it stops growing with a warning and the rest is downloaded again.
+it). So there is no spool, and the bytes are downloaded twice, with a warning, where it
+would not be a disk: a temporary directory in memory (``tmpfs``, ``ramfs``: the spool
+would take as much RAM as the state), or one without room for the bytes plus 1 GiB (all
+ranks of a node spool at once). If the spool cannot be written after all, it stops
+growing with a warning and the rest is downloaded again. ``TMPDIR`` chooses the
+directory; ``verify="inline"`` needs no spool.
 """
 
 from __future__ import annotations
@@ -24,6 +28,55 @@ import warnings
 from typing import IO
 
 from .storage import FileReader
+
+SPARE_BYTES = 1 << 30
+"""Room a spool leaves free on its disk, beyond the bytes it will hold."""
+_IN_MEMORY = ("tmpfs", "ramfs")
+
+
+def spool_for(nbytes: int) -> Spool | None:
+    """A spool for ``nbytes``, or ``None`` (with a warning) if the temporary directory is
+    in memory or too small for them (see the module docstring)."""
+    directory = tempfile.gettempdir()
+    kind = _filesystem_type(directory)
+    if kind in _IN_MEMORY:
+        why = f"{directory} is a {kind} (in memory)"
+    else:
+        try:
+            stats = os.statvfs(directory)
+        except OSError as e:
+            why = f"{directory} cannot be used ({e})"
+        else:
+            free = stats.f_bavail * stats.f_frsize
+            if free >= nbytes + SPARE_BYTES:
+                return Spool()
+            why = f"{directory} has {free >> 20} MiB free, {nbytes >> 20} MiB + 1 GiB needed"
+    _warn(
+        f"shardsafe downloads each byte twice in this load: {why}. Point TMPDIR at a "
+        "local disk, or load with verify='inline'"
+    )
+    return None
+
+
+def _filesystem_type(path: str) -> str | None:
+    """The type of the filesystem ``path`` is on, from ``/proc/self/mounts`` (Linux)."""
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) >= 3:
+                    point = fields[1].replace("\\040", " ")
+                    inside = path == point or path.startswith(point.rstrip("/") + "/")
+                    if inside and len(point) >= len(best):
+                        best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 class Spool:
@@ -54,12 +107,10 @@ class Spool:
                 written += os.pwrite(fd, data[written:], at + written)
         except OSError as e:
             self._failed = True
-            warnings.warn(
+            _warn(
                 f"shardsafe could not keep downloaded bytes in a local temporary file ({e}); "
                 "the rest of this load downloads them again. Point TMPDIR at a disk with "
-                "room for this rank's state, or load with verify='inline'",
-                RuntimeWarning,
-                stacklevel=2,
+                "room for this rank's state, or load with verify='inline'"
             )
             return
         starts = self._starts.setdefault(name, [])

@@ -64,10 +64,11 @@ from .store_requests import CountingStore
 
 _ACK_TIMEOUT_S = 30.0
 _POLL_S = 0.005
-REPORTS_READ = 8
-AGREE_WAIT_S = 1.0
-"""How many failing ranks' reports a rank reads to agree on an error (see _failures)."""
 """Between two looks at a store that cannot block on a key (the unit tests' dict stores)."""
+REPORTS_READ = 8
+"""How many failing ranks' reports a rank reads to agree on an error (see _failures)."""
+AGREE_WAIT_S = 1.0
+"""How long a rank woken by a failure waits for every rank to post (see _agreed_error)."""
 
 ALL_POSTED = 1
 FAILED = 1 << 20
@@ -484,23 +485,27 @@ class Coordinator:
 
     def _failures(self, phase: str) -> list[RankFailure]:
         """The reports of the first ranks to fail ``phase`` (at most
-        :data:`REPORTS_READ`), lowest rank first.
+        :data:`REPORTS_READ`), in the order they failed.
 
         Each failing rank takes a numbered slot and writes its rank there; a reader reads
         only the first :data:`REPORTS_READ` slots, so agreeing on an error costs every rank
         O(1) requests even when every rank fails (a full disk): O(ranks) in all, not
-        O(ranks^2). Beyond those the message gives the count of the others. A report is
-        posted before its rank counts as failed, so a reader that saw the count finds it.
+        O(ranks^2). The first report, the one whose rank, class and message every rank
+        raises, is slot 1's: the same on every rank however late the others fail. A
+        report is posted before its rank counts as failed, so a reader that saw the count
+        finds it (slot 1's writer, if still writing, is waited for a moment).
         """
         store = self._store
         slots = min(int(store.add(f"{phase}/failing", 0)), REPORTS_READ)
         keys = [f"{phase}/failing/{i}" for i in range(1, slots + 1)]
         if store.add(f"{phase}/posted", 0) >= self.world_size:
             # Every rank that took a slot has written it: two multi_gets, nothing waits.
-            ranks = sorted(int(raw) for raw in store.multi_get(keys)) if keys else []
+            ranks = [int(raw) for raw in store.multi_get(keys)] if keys else []
             reports = store.multi_get([f"{phase}/error/{r}" for r in ranks]) if ranks else []
         else:  # a rank may be between taking its slot and writing it
-            ranks = sorted(int(store.get(key)) for key in keys if store.check([key]))
+            if keys:
+                self._block(keys[0], AGREE_WAIT_S)
+            ranks = [int(store.get(key)) for key in keys if store.check([key])]
             reports = [store.get(f"{phase}/error/{r}") for r in ranks]
         failures = []
         for r, raw in zip(ranks, reports):

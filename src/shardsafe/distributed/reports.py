@@ -36,15 +36,17 @@ def as_checkpoint_error(error: BaseException) -> CheckpointError:
 
 
 def agreed_error(failures: list[RankFailure], operation: str, *, total: int = 0) -> CheckpointError:
-    """The error every rank raises: the first failing rank's, of its class. ``total``: how
-    many ranks failed, if more than ``failures`` reports (only a few are read)."""
+    """The error every rank raises: the first failing rank's, of its class; the others
+    named in rank order. ``total``: how many ranks failed, if more than ``failures``
+    reports (only a few are read)."""
     first = failures[0]
     cls = ERROR_CLASSES.get(first.error_type, CheckpointError)
     others = ""
     if len(failures) > 1:
         more = total - len(failures)
         also = f" and {more} more" if more > 0 else ""
-        others = f" (rank(s) {', '.join(str(f.rank) for f in failures[1:])}{also} failed too)"
+        ranks = sorted(f.rank for f in failures[1:])
+        others = f" (rank(s) {', '.join(map(str, ranks))}{also} failed too)"
     elif total > 1:
         others = f" ({total - 1} more rank(s) failed too)"
     return cls(f"{operation} failed on rank {first.rank}{others}: {first.message}")
