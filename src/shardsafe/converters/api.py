@@ -197,7 +197,7 @@ def _write(
         if to == "dcp":
             size = dcp_write.write(source, storage, on_bytes)
             return [(dcp_write.DATA_FILE, size)]
-        shards = hf.write(
+        return hf.write(
             source,
             storage,
             max_shard_size=max_shard_size,
@@ -205,7 +205,6 @@ def _write(
             add_prefix=add_prefix,
             on_bytes=on_bytes,
         )
-        return hf.planned_files(shards)
 
 
 @contextmanager

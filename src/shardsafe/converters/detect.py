@@ -75,7 +75,8 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
         storage.close()
         raise
     storage.close()
-    shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "") if names else "nothing"
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    shown = ", ".join(names[:5]) + more if names else "nothing"
     raise CheckpointNotFoundError(
         f"{path} is no checkpoint shardsafe can convert: it has no {MANIFEST_NAME} "
         f"(shardsafe), {METADATA_NAME} (DCP), {INDEX_NAME} or {SINGLE_NAME} (Hugging Face); "

@@ -127,26 +127,32 @@ def write(
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
     on_bytes: Callable[[int], None] | None = None,
-) -> list[Shard]:
-    """Write the model weights of ``source`` in Hugging Face's layout (module docstring)."""
+) -> list[tuple[str, int]]:
+    """Write the model weights of ``source`` in Hugging Face's layout (module docstring);
+    return each file written and its size."""
     shards = plan(source, max_shard_size, strip_prefix, add_prefix)
     refuse_non_empty(storage)
     storage.make_directory()
     written: list[str] = []
+    sizes: list[tuple[str, int]] = []
     expected: dict[str, dict[str, int]] = {}
     try:
         for shard in shards:
             written.append(shard.name)
-            expected[shard.name] = _write_shard(source, storage, shard, on_bytes)
+            size, expected[shard.name] = _write_shard(source, storage, shard, on_bytes)
+            sizes.append((shard.name, size))
         if len(shards) > 1:
+            index = index_json(shards)
+            written.append(INDEX_NAME)
             storage.sync_directory()
-            storage.commit(INDEX_NAME, index_json(shards))
+            storage.commit(INDEX_NAME, index)
+            sizes.append((INDEX_NAME, len(index)))
     except BaseException:
         for name in written:
             storage.remove(name)
         raise
     verify(storage, expected)
-    return shards
+    return sizes
 
 
 def plan(
@@ -164,7 +170,7 @@ def index_json(shards: list[Shard]) -> bytes:
 
 def _write_shard(
     source: Source, storage: Storage, shard: Shard, on_bytes: Callable[[int], None] | None
-) -> dict[str, int]:
+) -> tuple[int, dict[str, int]]:
     header = [
         (name, source.tensors[key].dtype, source.tensors[key].shape) for name, key in shard.keys
     ]
@@ -176,11 +182,11 @@ def _write_shard(
             if on_bytes is not None:
                 on_bytes(source.tensors[key].nbytes)
             del tensor
-        _, crcs = writer.finish()
+        size, crcs = writer.finish()
     except BaseException:
         writer.abort()
         raise
-    return {name: values[0] for name, values in crcs.items()}
+    return size, {name: values[0] for name, values in crcs.items()}
 
 
 def verify(storage: Storage, expected: dict[str, dict[str, int]]) -> None:

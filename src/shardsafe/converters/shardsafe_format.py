@@ -15,7 +15,10 @@ import torch
 
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.offer import ChunkOffer
 from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.safetensors_io import build_header
+from ..checkpoint.save_plan import plan_save
 from ..checkpoint.storage import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
 from .source import Source, SourceChunk, SourceTensor
@@ -60,5 +63,15 @@ def write(
 
 
 def planned_files(source: Source) -> list[tuple[str, int]]:
-    """What :func:`write` would write: names and approximate sizes (``--dry-run``)."""
-    return [("shard-00000-of-00001.safetensors", source.total_bytes), ("manifest.json", 0)]
+    """What :func:`write` would write: each data file and its exact size (``--dry-run``;
+    the manifest, written last, is not sized until then)."""
+    offers = [
+        ChunkOffer(0, i, t.key, t.dtype, t.shape, c.offsets, c.shape, False)
+        for i, (t, c) in enumerate((t, c) for t in source.tensors.values() for c in t.chunks)
+    ]
+    plan = plan_save([offers], "sharded", list(source.values))
+    files = []
+    for fplan in plan.files:
+        header = build_header([(e.name, e.dtype, e.shape) for e in fplan.entries])
+        files.append((fplan.name, len(header) + sum(e.nbytes for e in fplan.entries)))
+    return files
