@@ -84,8 +84,7 @@ def write_own_files(
             try:
                 for entry in fplan.entries:
                     (src,) = entry.sources
-                    for piece in sources.pieces(src.index, 0, src.nbytes):
-                        writer.write(piece)
+                    _copy(writer, sources.pieces(src.index, 0, src.nbytes))
                 results[fplan.name] = finish(writer)
             except BaseException:
                 writer.abort()
@@ -94,6 +93,14 @@ def write_own_files(
         remove_quietly(storage, [f.name for f in files])
         raise
     return results
+
+
+def _copy(writer: StreamWriter, pieces: Iterator[memoryview]) -> None:
+    """Write every piece. A function of its own so that no reference to the last piece
+    outlives it: a streaming source loads its next chunk only after this returns, and the
+    previous chunk must be free by then (one chunk in memory at a time)."""
+    for piece in pieces:
+        writer.write(piece)
 
 
 def open_file(
