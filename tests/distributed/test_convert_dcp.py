@@ -147,3 +147,16 @@ def test_dcp_round_trip_through_shardsafe_keeps_every_key_and_byte(tmp_path: Pat
     got = on(3, dcp_load_run, "fsdp", str(tmp_path / "back"))
     want = on(3, dcp_load_run, "fsdp", src)
     assert_bitwise(got, want)
+
+
+def test_converted_dcp_checkpoint_loads_into_ddp_with_zero(tmp_path: Path) -> None:
+    from tests.distributed.test_fsdp import assert_same_model, ddp_run, fqn_optimizer_state
+    from tests.distributed.zero_setup import assert_same_optimizer_state
+
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / "converted")
+    run_ranks(dcp_save_run, 2, "ddp", src, timeout=240)
+    shardsafe.convert(src, dst, progress=False)
+    weights, state = run_ranks(ddp_run, 2, dst, False, timeout=240)[0]
+    (msd, osd), _ = on(1, dcp_load_run, "plain", src)
+    assert_same_model(weights, msd)
+    assert_same_optimizer_state(state, fqn_optimizer_state(osd))

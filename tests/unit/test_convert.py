@@ -328,3 +328,32 @@ def test_dcp_to_shardsafe_on_s3_and_back_to_hf(
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for k, v in model.state_dict().items():
         assert torch.equal(weights[k], v)
+
+
+def test_progress_bar_counts_bytes_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("tqdm")
+    dcp_checkpoint(tmp_path / "dcp")
+    shardsafe.convert(tmp_path / "dcp", tmp_path / "out", progress=True)
+    err = capsys.readouterr().err
+    assert "dcp -> shardsafe" in err and "100%" in err
+    shardsafe.convert(tmp_path / "dcp", tmp_path / "quiet")  # stderr is no terminal here
+    assert capsys.readouterr().err == ""
+
+
+def test_dcp_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    dcp_checkpoint(tmp_path / "dcp")
+    (tmp_path / "secret").write_bytes(b"x" * 4096)
+    md = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())  # our own, trusted here
+    for info in md.storage_data.values():
+        info.relative_path = "../secret"
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointCorruptError, match="not a plain file name"):
+        shardsafe.convert(tmp_path / "dcp", tmp_path / "out", progress=False)
+    for info in md.storage_data.values():
+        info.relative_path, info.length = "__0_0.distcp", 10**9
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointCorruptError):
+        shardsafe.convert(tmp_path / "dcp", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
