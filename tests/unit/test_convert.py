@@ -357,3 +357,31 @@ def test_dcp_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path: Path)
     with pytest.raises(CheckpointCorruptError):
         shardsafe.convert(tmp_path / "dcp", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_dtype_casts_weights_and_keeps_optimizer_state(tmp_path: Path) -> None:
+    model, _ = dcp_checkpoint(tmp_path / "dcp")
+    shardsafe.convert(tmp_path / "dcp", tmp_path / "bf16", dtype="bfloat16", progress=False)
+    tensors = shardsafe.read_manifest(tmp_path / "bf16").tensors
+    assert tensors["model/0.weight"].dtype == torch.bfloat16
+    assert tensors["model/1.num_batches_tracked"].dtype == torch.int64
+    assert tensors["optimizer/0.weight/exp_avg"].dtype == torch.float32
+    assert tensors["optimizer/0.weight/step"].dtype == torch.float32
+    fresh = trained(seed=8)[0].to(torch.bfloat16)
+    shardsafe.load(tmp_path / "bf16", {"model": fresh}, strict=False)
+    for k, v in model.state_dict().items():
+        want = v.to(torch.bfloat16) if v.is_floating_point() else v
+        assert torch.equal(fresh.state_dict()[k], want), k
+
+
+def test_a_failed_conversion_leaves_no_destination(tmp_path: Path) -> None:
+    dcp_checkpoint(tmp_path / "dcp")
+    md = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+    for index, info in md.storage_data.items():
+        if index.fqn == "model.2.bias":
+            info.length = 10  # its tensor no longer reads
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    for to, dst in (("shardsafe", "a"), ("dcp", "b"), ("hf", "c"), ("torch", "d.pt")):
+        with pytest.raises(CheckpointCorruptError, match=r"model\.2\.bias"):
+            shardsafe.convert(tmp_path / "dcp", tmp_path / dst, to=to, progress=False)
+        assert not (tmp_path / dst).exists(), to

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32"),
-        help="cast floating-point tensors to this dtype",
+        help="cast the model's floating-point weights (module entries) to this dtype",
     )
     parser.add_argument(
         "--max-shard-size",

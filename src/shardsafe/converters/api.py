@@ -92,10 +92,11 @@ def convert(
     ``"torch"`` (one ``torch.save`` file: a pickle, see the warning it gives). The
     destination must not exist yet, or be an empty directory: nothing is overwritten.
 
-    ``only`` keeps the named entries (``["model"]``); ``dtype`` casts floating-point
-    tensors (``"bfloat16"``); ``strip_prefix``/``add_prefix`` rename Hugging Face weight
-    names. ``dry_run`` writes nothing and returns what would be written. ``progress``:
-    a tqdm bar on stderr (default: when stderr is a terminal and tqdm is installed).
+    ``only`` keeps the named entries (``["model"]``); ``dtype`` casts the floating-point
+    weights of modules (``"bfloat16"``; optimizer state keeps its dtype);
+    ``strip_prefix``/``add_prefix`` rename Hugging Face weight names. ``dry_run`` writes
+    nothing and returns what would be written. ``progress``: a tqdm bar on stderr
+    (default: when stderr is a terminal and tqdm is installed).
     Memory: the largest tensor plus fixed buffers. Paths may be object-store URLs.
     """
     if to not in FORMATS:

@@ -17,6 +17,7 @@ every key: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>``,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pickle
@@ -95,22 +96,33 @@ class _Stream:
         return None
 
 
-def refuse_non_empty(storage: Storage) -> None:
-    """Converters write only into a new or empty directory: nothing of the user's is
-    overwritten or mixed with the output."""
-    if storage.is_directory() and storage.names():
+def refuse_non_empty(storage: Storage) -> bool:
+    """Make the output directory; converters write only into a new or empty one, so that
+    nothing of the user's is overwritten or mixed with the output. Returns whether it was
+    created here (a failed conversion then removes it)."""
+    existed = storage.is_directory()
+    if existed and storage.names():
         raise CheckpointError(
             f"{storage.directory} exists and is not empty; convert into a new directory "
             "(nothing is ever overwritten)"
         )
+    storage.make_directory()
+    return not existed
+
+
+def remove_if_created(storage: Storage, created: bool) -> None:
+    """After a failure: remove the output directory if this conversion made it and left
+    nothing in it (best effort)."""
+    if created and not storage.names():
+        with contextlib.suppress(OSError):
+            storage.remove_directory()
 
 
 def write(source: Source, storage: Storage, on_bytes: Callable[[int], None] | None = None) -> int:
     """Write ``source`` as a DCP checkpoint; return the bytes of data written."""
     from torch.distributed.checkpoint import filesystem, metadata
 
-    refuse_non_empty(storage)
-    storage.make_directory()
+    created = refuse_non_empty(storage)
     leaves = flatten(nested(source))
     state_md: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
@@ -156,6 +168,7 @@ def write(source: Source, storage: Storage, on_bytes: Callable[[int], None] | No
     except BaseException:
         sink.abort()
         storage.remove(DATA_FILE)
+        remove_if_created(storage, created)
         raise
     md = metadata.Metadata(
         state_dict_metadata=state_md,

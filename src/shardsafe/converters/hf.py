@@ -38,7 +38,7 @@ from ..checkpoint.safetensors_io import (
 from ..checkpoint.storage import FileReader, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
-from .dcp_write import refuse_non_empty
+from .dcp_write import refuse_non_empty, remove_if_created
 from .source import Source, one_chunk
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -131,8 +131,7 @@ def write(
     """Write the model weights of ``source`` in Hugging Face's layout (module docstring);
     return each file written and its size."""
     shards = plan(source, max_shard_size, strip_prefix, add_prefix)
-    refuse_non_empty(storage)
-    storage.make_directory()
+    created = refuse_non_empty(storage)
     written: list[str] = []
     sizes: list[tuple[str, int]] = []
     expected: dict[str, dict[str, int]] = {}
@@ -150,6 +149,7 @@ def write(
     except BaseException:
         for name in written:
             storage.remove(name)
+        remove_if_created(storage, created)
         raise
     verify(storage, expected)
     return sizes

@@ -34,13 +34,16 @@ def read(storage: Storage) -> Source:
             SourceChunk(c.offsets, c.shape, _reading(reader, key, c.offsets, c.shape))
             for c in rec.chunks
         )
-        whole = SourceTensor(key, rec.dtype, rec.shape, chunks)
-        tensors[key] = whole
+        whole = _reading(reader, key, None, None)
+        tensors[key] = SourceTensor(key, rec.dtype, rec.shape, chunks, whole)
     return Source("shardsafe", storage.directory, dict(manifest.values), tensors, [reader.close])
 
 
 def _reading(
-    reader: CheckpointReader, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]
+    reader: CheckpointReader,
+    key: str,
+    offsets: tuple[int, ...] | None,
+    shape: tuple[int, ...] | None,
 ) -> Callable[[], torch.Tensor]:
     return lambda: reader.read(key, offsets, shape)
 

@@ -38,13 +38,19 @@ class SourceTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[SourceChunk, ...]
+    whole: Callable[[], torch.Tensor] | None = None
+    """Reads the whole tensor straight into one new tensor (a reader that assembles
+    chunks itself, through a small buffer); ``None``: assembled here, chunk by chunk."""
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
     def load_whole(self) -> torch.Tensor:
-        """The whole tensor: its one chunk as read, or its chunks copied into place."""
+        """The whole tensor: its one chunk as read, or its chunks copied into place (the
+        tensor plus one chunk in memory, unless the source reads it whole itself)."""
+        if self.whole is not None:
+            return checked(self.key, self.whole(), self.dtype, self.shape)
         if len(self.chunks) == 1 and self.chunks[0].shape == self.shape:
             return checked(self.key, self.chunks[0].load(), self.dtype, self.shape)
         out = torch.empty(self.shape, dtype=self.dtype)
@@ -145,16 +151,20 @@ def referenced(value: SavedValue) -> list[str]:
 
 
 def cast(source: Source, dtype: torch.dtype | None) -> Source:
-    """``source`` with its floating-point tensors read as ``dtype`` (others unchanged)."""
+    """``source`` with the floating-point tensors of its modules (the weights) read as
+    ``dtype``. Optimizer state and plain values keep theirs: Adam's ``step`` in bfloat16
+    would stop counting at 256."""
     if dtype is None:
         return source
+    weights = {k for v in source.values.values() if v.kind == "module" for k in referenced(v)}
     tensors = {}
     for key, t in source.tensors.items():
-        if not t.dtype.is_floating_point or t.dtype == dtype:
+        if key not in weights or not t.dtype.is_floating_point or t.dtype == dtype:
             tensors[key] = t
             continue
         chunks = tuple(SourceChunk(c.offsets, c.shape, _casting(c.load, dtype)) for c in t.chunks)
-        tensors[key] = SourceTensor(key, dtype, t.shape, chunks)
+        whole = None if t.whole is None else _casting(t.whole, dtype)
+        tensors[key] = SourceTensor(key, dtype, t.shape, chunks, whole)
     return replace(source, tensors=tensors)
 
 
