@@ -160,3 +160,60 @@ def test_converted_dcp_checkpoint_loads_into_ddp_with_zero(tmp_path: Path) -> No
     (msd, osd), _ = on(1, dcp_load_run, "plain", src)
     assert_same_model(weights, msd)
     assert_same_optimizer_state(state, fqn_optimizer_state(osd))
+
+
+# -- torchtitan's flat layout: weights at the top level, optimizer state flattened
+
+
+def titan_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    return {**msd, "optimizer": osd, "train_state": {"step": 3}}
+
+
+def titan_save_run(rank: int, world: int, kind: str, path: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = build(kind, 0)
+    train(model, opt, 0, 3, rank)
+    dcp.save(titan_state(model, opt), checkpoint_id=path)
+    return full_state(model, opt)
+
+
+def titan_load_run(rank: int, world: int, kind: str, path: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    model, opt = build(kind, 1)
+    train(model, opt, 0, 1, rank)
+    state = titan_state(model, opt)
+    state["train_state"] = {"step": 0}
+    dcp.load(state, checkpoint_id=path)
+    msd = {k: v for k, v in state.items() if k not in ("optimizer", "train_state")}
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    set_state_dict(
+        model, opt, model_state_dict=msd, optim_state_dict=state["optimizer"], options=options
+    )
+    return full_state(model, opt), state["train_state"]
+
+
+def test_torchtitan_flat_layout_converts_both_ways(tmp_path: Path) -> None:
+    src, ss, back = str(tmp_path / "titan"), str(tmp_path / "ss"), str(tmp_path / "back")
+    saved = run_ranks(titan_save_run, 2, "fsdp", src, timeout=240)[0]
+    shardsafe.convert(src, ss, progress=False)
+    manifest = shardsafe.read_manifest(ss)
+    assert {v.name: v.kind for v in manifest.values.values()} == {
+        "model": "module", "optimizer": "optimizer", "train_state": "value",
+    }  # fmt: skip
+    got, plain = on(3, shardsafe_load_run, "fsdp", ss)
+    want, _ = on(3, titan_load_run, "fsdp", src)
+    assert_bitwise(got, want)
+    assert_bitwise(got, saved)
+    assert plain == {"train_state": {"step": 3}}
+
+    shardsafe.convert(ss, back, to="dcp", dcp_layout="flat", progress=False)
+    got, train_state = on(1, titan_load_run, "plain", back)
+    assert_bitwise(got, on(1, titan_load_run, "plain", src)[0])
+    assert train_state == {"step": 3}

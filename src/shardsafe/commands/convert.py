@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--add-prefix", metavar="P", help="--to hf: put P in front of weight names")
     parser.add_argument(
+        "--dcp-layout",
+        choices=("nested", "flat"),
+        default="nested",
+        help="--to dcp: nested (model.<fqn>, optimizer.state.<fqn>.<name>; default) or "
+        "flat (torchtitan's: weights at the top level, optimizer state flattened)",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="print what would be written; write nothing"
     )
 
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 strip_prefix=args.strip_prefix,
                 add_prefix=args.add_prefix,
                 dry_run=args.dry_run,
+                dcp_layout=args.dcp_layout,
             )
     except ValueError as e:  # a bad option value (a size, a dtype): a usage problem
         from ..errors import CheckpointError

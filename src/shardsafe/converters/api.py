@@ -78,6 +78,7 @@ def convert(
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
     dry_run: bool = False,
+    dcp_layout: str = "nested",
     progress: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Conversion:
@@ -94,13 +95,18 @@ def convert(
 
     ``only`` keeps the named entries (``["model"]``); ``dtype`` casts the floating-point
     weights of modules (``"bfloat16"``; optimizer state keeps its dtype);
-    ``strip_prefix``/``add_prefix`` rename Hugging Face weight names. ``dry_run`` writes
-    nothing and returns what would be written. ``progress``: a tqdm bar on stderr
+    ``strip_prefix``/``add_prefix`` rename Hugging Face weight names. ``dcp_layout``
+    (``to="dcp"``): ``"nested"`` (``model.<fqn>``, ``optimizer.state.<fqn>.<name>``: what
+    ``dcp.save`` makes of ``get_state_dict``'s dicts) or ``"flat"`` (torchtitan's: weights
+    at the top level, optimizer state as ``flatten_optimizer_state_dict=True`` gives it).
+    ``dry_run`` writes nothing and returns what would be written. ``progress``: a tqdm bar on stderr
     (default: when stderr is a terminal and tqdm is installed).
     Memory: the largest tensor plus fixed buffers. Paths may be object-store URLs.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r} is not one of {', '.join(FORMATS)}")
+    if dcp_layout not in ("nested", "flat"):
+        raise ValueError(f"dcp_layout={dcp_layout!r} is not 'nested' or 'flat'")
     target_dtype = _dtype(dtype)
     dst_text = os.fspath(dst)
     with read_source(src, storage_options) as source:
@@ -133,6 +139,7 @@ def convert(
                 max_shard_size,
                 strip_prefix,
                 add_prefix,
+                dcp_layout == "flat",
             )
     if to == "torch":
         warnings.warn(f"{dst_text}: {torch_file.PICKLE_WARNING}", UserWarning, stacklevel=2)
@@ -184,6 +191,7 @@ def _write(
     max_shard_size: str | int,
     strip_prefix: str | None,
     add_prefix: str | None,
+    flat: bool,
 ) -> list[tuple[str, int]]:
     if to == "torch":
         directory, name = split(dst)
@@ -196,7 +204,7 @@ def _write(
             manifest = shardsafe_format.write(source, storage, on_bytes)
             return [*sorted(manifest.files.items()), ("manifest.json", manifest.manifest_bytes)]
         if to == "dcp":
-            size = dcp_write.write(source, storage, on_bytes)
+            size = dcp_write.write(source, storage, on_bytes, flat=flat)
             return [(dcp_write.DATA_FILE, size)]
         return hf.write(
             source,

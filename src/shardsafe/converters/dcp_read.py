@@ -8,7 +8,8 @@ chunk. DCP writes each chunk there as ``torch.save(chunk)``: it is read back by 
 with ``torch.load(weights_only=True)`` (tensors and plain data only) on exactly that
 range, one chunk at a time. ``planner_data`` maps each flattened key back to its path in
 the nested state (``("optim", "param_groups", 0, "lr")``), which rebuilds the tree that
-``entries.to_entries`` turns into shardsafe entries.
+``entries.to_entries`` turns into shardsafe entries (torchtitan's flat layout first made
+nested, see ``flat_layout``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..checkpoint.storage import FileReader, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .entries import to_entries
+from .flat_layout import unflatten
 from .source import Source, SourceChunk, SourceTensor, checked, one_chunk
 
 MAX_BYTES_ITEM = 256 << 20
@@ -126,7 +128,7 @@ def read(storage: Storage) -> Source:
             chunks = tuple(_chunk(md, files, fqn, item, c, where) for c in item.chunks)
             return SourceTensor(key, item.properties.dtype, tuple(item.size), chunks)
 
-        values, tensors = to_entries(_top_level(tree, where), make)
+        values, tensors = to_entries(unflatten(_top_level(tree, where)), make)
     except BaseException:
         files.close()
         raise

@@ -32,6 +32,7 @@ from ..checkpoint.crc import crc32
 from ..checkpoint.safetensors_io import byte_view, memory
 from ..checkpoint.storage import FileSink, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
+from . import flat_layout
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .dcp_read import load_range
 from .entries import nested
@@ -118,12 +119,23 @@ def remove_if_created(storage: Storage, created: bool) -> None:
             storage.remove_directory()
 
 
-def write(source: Source, storage: Storage, on_bytes: Callable[[int], None] | None = None) -> int:
-    """Write ``source`` as a DCP checkpoint; return the bytes of data written."""
+def write(
+    source: Source,
+    storage: Storage,
+    on_bytes: Callable[[int], None] | None = None,
+    *,
+    flat: bool = False,
+) -> int:
+    """Write ``source`` as a DCP checkpoint; return the bytes of data written. ``flat``:
+    in torchtitan's layout (``flat_layout``: weights at the top level, optimizer state
+    flattened)."""
     from torch.distributed.checkpoint import filesystem, metadata
 
+    tree = nested(source)
+    if flat:
+        tree = flat_layout.flatten(tree, {n: v.kind for n, v in source.values.items()})
+    leaves = flatten(tree)
     created = refuse_non_empty(storage)
-    leaves = flatten(nested(source))
     state_md: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
     planner_data: dict[str, tuple[str | int, ...]] = {}
