@@ -10,6 +10,7 @@ tensor at a time. One module per job::
     dcp_metadata.py    DCP's pickled .metadata, through an allowlisting unpickler
     dcp_read.py        DCP .distcp chunks by byte range
     dcp_write.py       a DCP checkpoint dcp.load reads, written chunk by chunk
+    flat_layout.py     torchtitan's flat DCP layout (top-level weights, flat optimizer)
     hf.py              Hugging Face safetensors files and index
     torch_file.py      torch.save / Lightning .ckpt files
     shardsafe_format.py  shardsafe checkpoints (the engine's reader and streaming writer)

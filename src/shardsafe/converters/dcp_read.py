@@ -125,8 +125,11 @@ def read(storage: Storage) -> Source:
             if id(stand_in) not in stand_ins:  # a tensor inside a non-tensor item
                 return one_chunk(key, stand_in.dtype, tuple(stand_in.shape), lambda: stand_in)
             fqn, item = stand_ins[id(stand_in)]
+            dtype, size = item.properties.dtype, tuple(item.size)
+            if not item.chunks:  # an empty tensor: DCP stores no bytes for it
+                return one_chunk(key, dtype, size, lambda: torch.empty(size, dtype=dtype))
             chunks = tuple(_chunk(md, files, fqn, item, c, where) for c in item.chunks)
-            return SourceTensor(key, item.properties.dtype, tuple(item.size), chunks)
+            return SourceTensor(key, dtype, size, chunks)
 
         values, tensors = to_entries(unflatten(_top_level(tree, where)), make)
     except BaseException:
