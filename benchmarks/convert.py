@@ -11,6 +11,8 @@ the call (torch and shardsafe already imported) to just after it:
   shardsafe dcp -> torch   shardsafe.convert(..., to="torch"): the same job, streamed
   shardsafe dcp -> shardsafe  shardsafe.convert(...): committed, verified checkpoint
   shardsafe shardsafe -> torch  shardsafe.convert(..., to="torch") from that checkpoint
+  shardsafe torch -> shardsafe  shardsafe.convert(...) of dcp_to_torch_save's file
+                           (memory-mapped; each tensor's pages dropped once written)
 
 Every shardsafe row includes the verification of what it wrote (a second read).
 Target: each shardsafe conversion's peak extra RSS at most the largest tensor plus
@@ -41,6 +43,7 @@ ROWS = (
     ("shardsafe dcp -> torch", "dcp", "shardsafe.pt"),
     ("shardsafe dcp -> shardsafe", "dcp", "shardsafe-ckpt"),
     ("shardsafe shardsafe -> torch", "shardsafe-ckpt", "from-shardsafe.pt"),
+    ("shardsafe torch -> shardsafe", "dcp_to_torch_save.pt", "from-torch"),
 )
 
 
@@ -88,7 +91,7 @@ def child(row: str, src: str, dst: str) -> dict[str, Any]:
 
             dcp_to_torch_save(src, dst)
         else:
-            to = "torch" if dst.endswith(".pt") else "shardsafe"
+            to = "torch" if dst.endswith(".pt") else "shardsafe"  # src: any format
             shardsafe.convert(src, dst, to=to, progress=False)
         seconds = time.perf_counter() - start
     return {"seconds": seconds, "rss": rss.extra}

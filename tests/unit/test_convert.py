@@ -385,3 +385,32 @@ def test_a_failed_conversion_leaves_no_destination(tmp_path: Path) -> None:
         with pytest.raises(CheckpointCorruptError, match=r"model\.2\.bias"):
             shardsafe.convert(tmp_path / "dcp", tmp_path / dst, to=to, progress=False)
         assert not (tmp_path / dst).exists(), to
+
+
+@pytest.mark.parametrize("to", ["shardsafe", "dcp", "hf", "torch"])
+def test_a_memory_mapped_torch_file_with_shared_storage_converts_exactly(
+    tmp_path: Path, to: str
+) -> None:
+    """Pages of each tensor are dropped once it is written; a tensor sharing them (tied
+    weights, a view) must still read the file's bytes, not zeros."""
+    base = torch.randn(4096, 3)  # several pages
+    state = {"a.weight": base, "b.weight": base, "c.weight": base[1:]}
+    torch.save(state, tmp_path / "tied.pt")
+    dst = tmp_path / ("out.pt" if to == "torch" else "out")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shardsafe.convert(tmp_path / "tied.pt", dst, to=to, progress=False)
+    if to == "hf":
+        from safetensors.torch import load_file
+
+        got = load_file(dst / "model.safetensors")
+    elif to == "torch":
+        got = torch.load(dst, weights_only=True)["model"]
+    else:
+        back = tmp_path / "back.pt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shardsafe.convert(dst, back, to="torch", progress=False)
+        got = torch.load(back, weights_only=True)["model"]
+    for key, value in state.items():
+        assert torch.equal(got[key], value), key

@@ -46,6 +46,8 @@ class StreamedChunk:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
+    release: Callable[[], None] | None = None
+    """Called once the chunk is written (a memory-mapped source drops its pages)."""
 
     @property
     def nbytes(self) -> int:
@@ -68,11 +70,20 @@ class LazyChunkBytes:
 
     def pieces(self, index: int, start: int, end: int) -> Iterator[memoryview]:
         if index != self._index:
-            self._view = None  # drop the previous chunk before loading the next
+            self.close()  # drop the previous chunk before loading the next
             self._view = self._load(index)
             self._index = index
         assert self._view is not None
         yield memory(self._view)[start:end]
+
+    def close(self) -> None:
+        """Let go of the chunk loaded last."""
+        self._view = None
+        if self._index >= 0:
+            release = self.chunks[self._index].release
+            self._index = -1
+            if release is not None:
+                release()
 
     def _load(self, index: int) -> torch.Tensor:
         chunk = self.chunks[index]
@@ -111,9 +122,11 @@ def write_checkpoint(
         ]
         plan = plan_save([offers], "sharded", list(values))
         options = WriteOptions(CRC_BLOCK_BYTES, DEFAULT_BUFFER_BYTES)
-        written = write_own_files(
-            plan.files_of(0), LazyChunkBytes(chunks, on_bytes), storage, options
-        )
+        sources = LazyChunkBytes(chunks, on_bytes)
+        try:
+            written = write_own_files(plan.files_of(0), sources, storage, options)
+        finally:
+            sources.close()
         commit(storage, plan, values, [written], None)
     except BaseException:
         if not existed:

@@ -154,6 +154,7 @@ def write(
                     torch.save(tensor, cast(IO[bytes], stream))
                     crcs[leaf.fqn, tuple(c.offsets)] = tensor_crc(tensor)
                     del tensor
+                    c.done()
                     index = metadata.MetadataIndex(leaf.fqn, torch.Size(c.offsets))
                     storage_data[index] = filesystem._StorageInfo(
                         DATA_FILE, start, stream.pos - start

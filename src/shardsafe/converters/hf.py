@@ -182,6 +182,7 @@ def _write_shard(
             if on_bytes is not None:
                 on_bytes(source.tensors[key].nbytes)
             del tensor
+            source.tensors[key].done()
         size, crcs = writer.finish()
     except BaseException:
         writer.abort()

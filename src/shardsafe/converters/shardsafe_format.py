@@ -58,7 +58,7 @@ def write(
     size.
     """
     chunks = [
-        StreamedChunk(t.key, t.dtype, t.shape, c.offsets, c.shape, c.load)
+        StreamedChunk(t.key, t.dtype, t.shape, c.offsets, c.shape, c.load, c.release)
         for t in source.tensors.values()
         for c in t.chunks
     ]

@@ -30,6 +30,13 @@ class SourceChunk:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
+    release: Callable[[], None] | None = None
+    """Called once the data ``load`` returned is no longer needed (a memory-mapped
+    source drops its pages from this process)."""
+
+    def done(self) -> None:
+        if self.release is not None:
+            self.release()
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,11 @@ class SourceTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    def done(self) -> None:
+        """The whole tensor was used: release what its chunks hold (see ``SourceChunk``)."""
+        for chunk in self.chunks:
+            chunk.done()
 
     def load_whole(self) -> torch.Tensor:
         """The whole tensor: its one chunk as read, or its chunks copied into place (the
@@ -162,7 +174,9 @@ def cast(source: Source, dtype: torch.dtype | None) -> Source:
         if key not in weights or not t.dtype.is_floating_point or t.dtype == dtype:
             tensors[key] = t
             continue
-        chunks = tuple(SourceChunk(c.offsets, c.shape, _casting(c.load, dtype)) for c in t.chunks)
+        chunks = tuple(
+            SourceChunk(c.offsets, c.shape, _casting(c.load, dtype), c.release) for c in t.chunks
+        )
         whole = None if t.whole is None else _casting(t.whole, dtype)
         tensors[key] = SourceTensor(key, dtype, t.shape, chunks, whole)
     return replace(source, tensors=tensors)
@@ -173,7 +187,11 @@ def _casting(load: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[
 
 
 def one_chunk(
-    key: str, dtype: torch.dtype, shape: tuple[int, ...], load: Callable[[], torch.Tensor]
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    load: Callable[[], torch.Tensor],
+    release: Callable[[], None] | None = None,
 ) -> SourceTensor:
     """A tensor stored whole."""
-    return SourceTensor(key, dtype, shape, (SourceChunk((0,) * len(shape), shape, load),))
+    return SourceTensor(key, dtype, shape, (SourceChunk((0,) * len(shape), shape, load, release),))

@@ -20,10 +20,13 @@ a pickle: the converter warns that loading it with ``weights_only=False`` runs c
 from __future__ import annotations
 
 import collections
+import ctypes
 import io
 import math
+import mmap
 import pickle
 import struct
+import sys
 import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -55,7 +58,7 @@ def read(storage: Storage, name: str) -> Source:
     where = storage.where(name)
     if storage.kind(name) != "file":
         raise CheckpointError(f"{where} is {storage.describe(name)}, not a file")
-    raw = _load(storage, name, where)
+    raw, mapped = _load(storage, name, where)
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise CheckpointError(
             f"{where} does not hold a dict with string keys, so it has no named entries to convert"
@@ -69,26 +72,55 @@ def read(storage: Storage, name: str) -> Source:
         tree = raw
 
     def make(key: str, tensor: torch.Tensor) -> SourceTensor:
-        return one_chunk(key, tensor.dtype, tuple(tensor.shape), lambda: tensor)
+        # Only pages of the file mapping may be dropped: anonymous memory would be zeroed.
+        release = (lambda: drop_pages(tensor)) if mapped else None
+        return one_chunk(key, tensor.dtype, tuple(tensor.shape), lambda: tensor, release)
 
     values, tensors = to_entries(tree, make)
     return Source("torch", where, values, tensors)
 
 
-def _load(storage: Storage, name: str, where: str) -> Any:
+_MADV_DONTNEED = 4
+_libc: Any = None
+
+
+def drop_pages(tensor: torch.Tensor) -> None:
+    """Give back this process's copy of the pages of a tensor memory-mapped (privately,
+    read-only use) from a file, once it has been written out (Linux
+    ``madvise(MADV_DONTNEED)``; elsewhere nothing). Never call it on any other tensor:
+    on anonymous memory it zeroes the pages.
+
+    ``torch.load(mmap=True)`` maps the file privately: every page a conversion reads
+    stays resident in the process until the whole file is unmapped, so converting a
+    10 GB file would end with 10 GB resident. The mapping is private and never written,
+    so dropping pages is safe: a later read (a neighbouring tensor sharing a page) faults
+    them in again from the file.
+    """
+    global _libc
+    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = start // page * page, -(-end // page) * page
+    _libc.madvise(first, last - first, _MADV_DONTNEED)
+
+
+def _load(storage: Storage, name: str, where: str) -> tuple[Any, bool]:
+    """The file's contents, and whether its tensors are memory-mapped from the file."""
     try:
         if not is_url(storage.directory):
             path = storage.where(name)
-            mmap = zipfile.is_zipfile(path)  # the legacy format cannot be memory-mapped
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            mapped = zipfile.is_zipfile(path)  # the legacy format cannot be memory-mapped
+            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+            return raw, mapped
         with storage.open_reader(name) as reader:  # an object: read whole (see README)
             if reader.size > MAX_IN_MEMORY_BYTES:
                 raise CheckpointError(f"{where} is too large to read from an object store")
-            return torch.load(
-                _whole(reader),
-                map_location="cpu",
-                weights_only=True,
-            )
+            return torch.load(_whole(reader), map_location="cpu", weights_only=True), False
     except CheckpointError:
         raise
     except Exception as e:
@@ -202,6 +234,8 @@ def _write_tensor(
     _record(zf, stream, f"data/{ref.record}", pieces or [memoryview(b"")])
     if on_bytes is not None:
         on_bytes(data.nbytes)
+    del tensor, data, pieces
+    ref.tensor.done()
 
 
 def _record(zf: zipfile.ZipFile, stream: _Stream, name: str, pieces: list[memoryview]) -> None:
