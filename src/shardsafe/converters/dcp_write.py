@@ -36,7 +36,7 @@ from . import flat_layout
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .dcp_read import load_range
 from .entries import nested
-from .source import Source, TensorRef
+from .source import Source, SourceTensor, TensorRef
 
 DATA_FILE = "__0_0.distcp"
 
@@ -129,54 +129,22 @@ def write(
     """Write ``source`` as a DCP checkpoint; return the bytes of data written. ``flat``:
     in torchtitan's layout (``flat_layout``: weights at the top level, optimizer state
     flattened)."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
 
     tree = nested(source)
     if flat:
         tree = flat_layout.flatten(tree, {n: v.kind for n, v in source.values.items()})
     leaves = flatten(tree)
     created = refuse_non_empty(storage)
-    state_md: dict[str, Any] = {}
-    storage_data: dict[Any, Any] = {}
-    planner_data: dict[str, tuple[str | int, ...]] = {}
-    crcs: dict[tuple[str, tuple[int, ...]], int] = {}
     sink = storage.create(DATA_FILE, size_hint=source.total_bytes)
-    stream = _Stream(sink)
+    out = _DataFile(sink, source, on_bytes)
     try:
         for leaf in leaves:
-            planner_data[leaf.fqn] = leaf.path
+            out.planner_data[leaf.fqn] = leaf.path
             if isinstance(leaf.value, TensorRef):
-                t = source.tensors[leaf.value.key]
-                chunks = []
-                for c in t.chunks:
-                    start = stream.pos
-                    tensor = c.load().contiguous()
-                    torch.save(tensor, cast(IO[bytes], stream))
-                    crcs[leaf.fqn, tuple(c.offsets)] = tensor_crc(tensor)
-                    del tensor
-                    c.done()
-                    index = metadata.MetadataIndex(leaf.fqn, torch.Size(c.offsets))
-                    storage_data[index] = filesystem._StorageInfo(
-                        DATA_FILE, start, stream.pos - start
-                    )
-                    chunks.append(
-                        metadata.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.shape))
-                    )
-                    if on_bytes is not None:
-                        on_bytes(math.prod(c.shape) * dtypes.itemsize(t.dtype))
-                props = metadata.TensorProperties(dtype=t.dtype)
-                state_md[leaf.fqn] = metadata.TensorStorageMetadata(
-                    props, torch.Size(t.shape), chunks
-                )
+                out.tensor(leaf.fqn, source.tensors[leaf.value.key])
             else:
-                start = stream.pos
-                buf = io.BytesIO()
-                torch.save(_plain(leaf.value, source), buf)
-                stream.write(buf.getbuffer())
-                storage_data[metadata.MetadataIndex(leaf.fqn)] = filesystem._StorageInfo(
-                    DATA_FILE, start, stream.pos - start
-                )
-                state_md[leaf.fqn] = metadata.BytesStorageMetadata()
+                out.plain(leaf.fqn, _plain(leaf.value, source))
         written = sink.finish()
     except BaseException:
         sink.abort()
@@ -184,15 +152,61 @@ def write(
         remove_if_created(storage, created)
         raise
     md = metadata.Metadata(
-        state_dict_metadata=state_md,
-        planner_data=planner_data,
-        storage_data=storage_data,
+        state_dict_metadata=out.state_md,
+        planner_data=out.planner_data,
+        storage_data=out.storage_data,
         version="1.0.0",
     )
     storage.sync_directory()
     storage.commit(METADATA_NAME, pickle.dumps(md))
-    verify(storage, crcs)
+    verify(storage, out.crcs)
     return written
+
+
+class _DataFile:
+    """``__0_0.distcp`` being written, and the metadata of what is in it so far."""
+
+    def __init__(
+        self, sink: FileSink, source: Source, on_bytes: Callable[[int], None] | None
+    ) -> None:
+        self.stream, self.source, self.on_bytes = _Stream(sink), source, on_bytes
+        self.state_md: dict[str, Any] = {}
+        self.storage_data: dict[Any, Any] = {}
+        self.planner_data: dict[str, tuple[str | int, ...]] = {}
+        self.crcs: dict[tuple[str, tuple[int, ...]], int] = {}
+
+    def tensor(self, fqn: str, t: SourceTensor) -> None:
+        """Each chunk of ``t``, ``torch.save``'d at the next offset (DCP's own encoding)."""
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        chunks = []
+        for c in t.chunks:
+            start = self.stream.pos
+            tensor = c.load().contiguous()
+            torch.save(tensor, cast(IO[bytes], self.stream))
+            self.crcs[fqn, tuple(c.offsets)] = tensor_crc(tensor)
+            del tensor
+            c.done()
+            index = metadata.MetadataIndex(fqn, torch.Size(c.offsets))
+            length = self.stream.pos - start
+            self.storage_data[index] = filesystem._StorageInfo(DATA_FILE, start, length)
+            chunks.append(metadata.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.shape)))
+            if self.on_bytes is not None:
+                self.on_bytes(math.prod(c.shape) * dtypes.itemsize(t.dtype))
+        props = metadata.TensorProperties(dtype=t.dtype)
+        self.state_md[fqn] = metadata.TensorStorageMetadata(props, torch.Size(t.shape), chunks)
+
+    def plain(self, fqn: str, value: Any) -> None:
+        """A non-tensor item: its ``torch.save`` bytes (what DCP's planner writes)."""
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        start = self.stream.pos
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        self.stream.write(buf.getbuffer())
+        index = metadata.MetadataIndex(fqn)
+        self.storage_data[index] = filesystem._StorageInfo(DATA_FILE, start, len(buf.getbuffer()))
+        self.state_md[fqn] = metadata.BytesStorageMetadata()
 
 
 def tensor_crc(tensor: torch.Tensor) -> int:
