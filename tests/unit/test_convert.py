@@ -414,3 +414,13 @@ def test_a_memory_mapped_torch_file_with_shared_storage_converts_exactly(
         got = torch.load(back, weights_only=True)["model"]
     for key, value in state.items():
         assert torch.equal(got[key], value), key
+
+
+def test_hf_dry_run_sizes_every_file_exactly(tmp_path: Path) -> None:
+    dcp_checkpoint(tmp_path / "dcp")
+    args: dict[str, Any] = {"to": "hf", "max_shard_size": "200B", "progress": False}
+    dry = shardsafe.convert(tmp_path / "dcp", tmp_path / "hf", dry_run=True, **args)
+    assert not (tmp_path / "hf").exists()
+    real = shardsafe.convert(tmp_path / "dcp", tmp_path / "hf", **args)
+    assert dry.files == real.files and len(real.files) > 2
+    assert all((tmp_path / "hf" / n).stat().st_size == size for n, size in real.files)

@@ -36,7 +36,9 @@ class Conversion:
     destination_format: str
     destination: str
     files: list[tuple[str, int]]
-    """``(name, bytes)`` of each file written; a dry run's sizes are tensor data only."""
+    """``(name, bytes)`` of each file written. A dry run's are exact for shardsafe data
+    files and Hugging Face files; for ``dcp`` and ``torch`` output, the tensor data
+    (their containers add about a kilobyte per tensor)."""
     tensors: int
     tensor_bytes: int
     largest_tensor_bytes: int
@@ -178,7 +180,7 @@ def _planned(
     if to == "dcp":
         return dcp_write.planned_files(source)
     if to == "hf":
-        return hf.planned_files(hf.plan(source, max_shard_size, strip_prefix, add_prefix))
+        return hf.planned_files(source, hf.plan(source, max_shard_size, strip_prefix, add_prefix))
     return [(split(dst)[1], source.total_bytes)]
 
 

@@ -246,4 +246,5 @@ def _plain(value: Any, source: Source) -> Any:
 
 
 def planned_files(source: Source) -> list[tuple[str, int]]:
-    return [(DATA_FILE, source.total_bytes), (METADATA_NAME, 0)]
+    """``--dry-run``: the data file, sized by its tensor data (``.metadata`` follows)."""
+    return [(DATA_FILE, source.total_bytes)]

@@ -31,6 +31,7 @@ from ..checkpoint.safetensors_io import (
     BlockCrc,
     HeaderEntry,
     StreamWriter,
+    build_header,
     byte_view,
     memory,
     read_header,
@@ -270,6 +271,10 @@ def _reading(reader: FileReader, entry: HeaderEntry) -> Callable[[], torch.Tenso
     return load
 
 
-def planned_files(shards: list[Shard]) -> list[tuple[str, int]]:
-    files = [(s.name, s.nbytes) for s in shards]
+def planned_files(source: Source, shards: list[Shard]) -> list[tuple[str, int]]:
+    """Each file :func:`write` would write and its exact size (``--dry-run``)."""
+    files = []
+    for shard in shards:
+        header = [(n, source.tensors[k].dtype, source.tensors[k].shape) for n, k in shard.keys]
+        files.append((shard.name, len(build_header(header)) + shard.nbytes))
     return files + ([(INDEX_NAME, len(index_json(shards)))] if len(shards) > 1 else [])
