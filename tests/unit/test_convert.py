@@ -424,3 +424,10 @@ def test_hf_dry_run_sizes_every_file_exactly(tmp_path: Path) -> None:
     real = shardsafe.convert(tmp_path / "dcp", tmp_path / "hf", **args)
     assert dry.files == real.files and len(real.files) > 2
     assert all((tmp_path / "hf" / n).stat().st_size == size for n, size in real.files)
+
+
+def test_a_checkpoint_root_is_refused_with_the_newest_checkpoint_named(tmp_path: Path) -> None:
+    manager = shardsafe.CheckpointManager(tmp_path / "root")
+    manager.save(3, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="step-000000003"):
+        shardsafe.convert(tmp_path / "root", tmp_path / "out", progress=False)

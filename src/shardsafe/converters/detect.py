@@ -77,8 +77,11 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
     storage.close()
     more = f" and {len(names) - 5} more" if len(names) > 5 else ""
     shown = ", ".join(names[:5]) + more if names else "nothing"
+    from ..commands._common import _where_checkpoints_are
+
     raise CheckpointNotFoundError(
         f"{path} is no checkpoint shardsafe can convert: it has no {MANIFEST_NAME} "
         f"(shardsafe), {METADATA_NAME} (DCP), {INDEX_NAME} or {SINGLE_NAME} (Hugging Face); "
-        f"it holds {shown}. For a torch.save or Lightning file, pass the file itself."
+        f"it holds {shown}. For a torch.save or Lightning file, pass the file itself"
+        f"{_where_checkpoints_are(path)}."
     )
