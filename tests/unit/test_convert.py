@@ -431,3 +431,17 @@ def test_a_checkpoint_root_is_refused_with_the_newest_checkpoint_named(tmp_path:
     manager.save(3, {"w": torch.ones(2)})
     with pytest.raises(CheckpointError, match="step-000000003"):
         shardsafe.convert(tmp_path / "root", tmp_path / "out", progress=False)
+
+
+def test_dcp_chunks_that_leave_holes_are_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    dcp_checkpoint(tmp_path / "dcp")
+    md = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+    item = md.state_dict_metadata["model.0.weight"]
+    item.size = torch.Size([16, 6])  # one 8x6 chunk for a 16x6 tensor: half uninitialized
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    for to in ("shardsafe", "hf", "torch", "dcp"):
+        with pytest.raises(CheckpointCorruptError, match="exactly once"):
+            shardsafe.convert(tmp_path / "dcp", tmp_path / f"out-{to}", to=to, progress=False)
+        assert not (tmp_path / f"out-{to}").exists()

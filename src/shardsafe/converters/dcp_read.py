@@ -19,6 +19,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from ..checkpoint.geometry import tiling_problem
 from ..checkpoint.storage import FileReader, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
@@ -128,6 +129,14 @@ def read(storage: Storage) -> Source:
             dtype, size = item.properties.dtype, tuple(item.size)
             if not item.chunks:  # an empty tensor: DCP stores no bytes for it
                 return one_chunk(key, dtype, size, lambda: torch.empty(size, dtype=dtype))
+            problem = tiling_problem(
+                size, [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks]
+            )
+            if problem is not None:
+                raise CheckpointCorruptError(
+                    f"{where}: the chunks of {fqn!r} do not cover its size {list(size)} exactly "
+                    f"once: they {problem}"
+                )
             chunks = tuple(_chunk(md, files, fqn, item, c, where) for c in item.chunks)
             return SourceTensor(key, dtype, size, chunks)
 
