@@ -445,3 +445,19 @@ def test_dcp_chunks_that_leave_holes_are_refused_before_anything_is_written(
         with pytest.raises(CheckpointCorruptError, match="exactly once"):
             shardsafe.convert(tmp_path / "dcp", tmp_path / f"out-{to}", to=to, progress=False)
         assert not (tmp_path / f"out-{to}").exists()
+
+
+def test_an_hf_index_that_does_not_match_its_files_is_refused(tmp_path: Path) -> None:
+    model, _ = trained()
+    shardsafe.save(tmp_path / "ss", {"model": model})
+    shardsafe.convert(
+        tmp_path / "ss", tmp_path / "hf", to="hf", max_shard_size="200B", progress=False
+    )
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    name = next(k for k, f in index["weight_map"].items() if f == first)
+    index["weight_map"][name] = second
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointCorruptError, match="does not match its files"):
+        shardsafe.convert(index_path, tmp_path / "out", progress=False)

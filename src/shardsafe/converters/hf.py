@@ -224,10 +224,11 @@ def _crc_of(reader: FileReader, entry: HeaderEntry) -> int:
 def read(storage: Storage, name: str) -> Source:
     """``name`` (a ``.safetensors`` file or an index) in ``storage`` as a :class:`Source`
     with one module entry, ``model``, keyed by the file's tensor names."""
-    files = _files_of(storage, name)
+    weight_map = _weight_map(storage, name)
+    files = sorted(set(weight_map.values())) if weight_map is not None else [name]
     readers: list[FileReader] = []
     tensors = {}
-    names: list[str] = []
+    names: dict[str, str] = {}
     try:
         for fname in files:
             reader = storage.open_reader(fname)
@@ -235,21 +236,28 @@ def read(storage: Storage, name: str) -> Source:
             for tname, entry in read_header(reader).items():
                 if tname in names:
                     raise CheckpointCorruptError(f"tensor {tname!r} is in two files")
-                names.append(tname)
+                names[tname] = fname
                 key = f"model/{tname}"
                 tensors[key] = one_chunk(key, entry.dtype, entry.shape, _reading(reader, entry))
+        if weight_map is not None and names != weight_map:
+            wrong = sorted(set(names.items()) ^ set(weight_map.items()))[0][0]
+            raise CheckpointCorruptError(
+                f"{storage.where(name)} does not match its files: e.g. tensor {wrong!r} is "
+                "mapped to a file that does not hold it, or held by a file it is not mapped to"
+            )
     except BaseException:
         for reader in readers:
             reader.close()
         raise
-    values = {"model": SavedValue("model", "module", {"tensors": names, "extra": {}})}
+    values = {"model": SavedValue("model", "module", {"tensors": list(names), "extra": {}})}
     closers = [r.close for r in readers]
     return Source("hf", storage.where(name), values, tensors, closers)
 
 
-def _files_of(storage: Storage, name: str) -> list[str]:
+def _weight_map(storage: Storage, name: str) -> dict[str, str] | None:
+    """An index's ``weight_map`` (``None`` for a single ``.safetensors`` file)."""
     if not name.endswith(".json"):
-        return [name]
+        return None
     where = storage.where(name)
     try:
         doc = json.loads(storage.read_small(name, MAX_INDEX_BYTES))
@@ -258,7 +266,7 @@ def _files_of(storage: Storage, name: str) -> list[str]:
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointCorruptError(f"{where} has no weight_map of tensor names to files")
-    return sorted(set(weight_map.values()))
+    return weight_map
 
 
 def _reading(reader: FileReader, entry: HeaderEntry) -> Callable[[], torch.Tensor]:
