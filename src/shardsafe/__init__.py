@@ -10,6 +10,7 @@ Public API (everything else is private and may change)::
     shardsafe.RNGState()
     shardsafe.Trainer(strategy=..., devices=N, ...).fit(shardsafe.TrainingModule subclass)
     shardsafe.register_adapter(adapter) / shardsafe.Adapter
+    shardsafe.convert(src, dst, to="shardsafe" | "dcp" | "hf" | "torch") -> Conversion
     shardsafe.CheckpointError and its children
 """
 
@@ -19,6 +20,7 @@ from ._version import __version__
 from .adapters import Adapter, RNGState, register_adapter
 from .checkpoint.api import SaveHandle, async_save, load, read_manifest, save
 from .checkpoint.manager import CheckpointManager
+from .converters import convert
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -42,6 +44,7 @@ __all__ = [
     "TrainingModule",
     "__version__",
     "async_save",
+    "convert",
     "load",
     "read_manifest",
     "register_adapter",

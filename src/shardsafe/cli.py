@@ -27,10 +27,10 @@ from ._version import __version__
 from .commands._format import terminal_safe
 from .errors import CheckpointError
 
-COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify")
+COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify", "convert")
 """Command module names, in the order ``--help`` lists them."""
-READS_CHECKPOINTS = frozenset({"inspect", "verify"})
-"""Commands that only read a checkpoint (hostile input): they never show a traceback."""
+READS_CHECKPOINTS = frozenset({"inspect", "verify", "convert"})
+"""Commands whose input is a checkpoint (hostile input): they never show a traceback."""
 
 _PACKAGE = "shardsafe.commands"
 

@@ -9,8 +9,9 @@
   (plain, ZeRO, OSS) at any world size; each rank keeps only the state it owns.
 * :func:`import_torch_checkpoint` reads a file written the old way
   (``consolidate_state_dict()`` + ``torch.save(zero.state_dict())``, or a Lightning
-  ``.ckpt``) and loads it. This is the only place shardsafe calls ``torch.load``, always
-  with ``weights_only=True``, so even here no arbitrary object is unpickled.
+  ``.ckpt``) and loads it. shardsafe calls ``torch.load`` only here and in the converters
+  (``shardsafe.converters``), always with ``weights_only=True``, so no arbitrary object is
+  unpickled.
 
 Indices follow torch's convention: the position of a parameter in the optimizer's
 (global) param groups, flattened in order.
@@ -197,8 +198,8 @@ def _encode(value: Any, ctx: LoadContext, tensors: dict[str, torch.Tensor], *pre
 def read_torch_file(file: str | os.PathLike[str]) -> dict[str, Any]:
     """The dict in a ``torch.save`` file, read with ``torch.load(weights_only=True)`` on CPU.
 
-    The one place shardsafe calls ``torch.load``; ``weights_only=True`` unpickles tensors and
-    plain data only, so a file cannot run code as it is read.
+    ``weights_only=True`` (as in the converters, the only other caller of ``torch.load``)
+    unpickles tensors and plain data only, so a file cannot run code as it is read.
     """
     try:
         raw = torch.load(os.fspath(file), map_location="cpu", weights_only=True)

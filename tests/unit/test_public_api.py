@@ -23,6 +23,7 @@ PUBLIC = [
     "TrainingModule",
     "__version__",
     "async_save",
+    "convert",
     "load",
     "read_manifest",
     "register_adapter",

@@ -144,7 +144,7 @@ def _phases(run: SaveRun) -> None:
         if coord.rank == 0:
             entries = _merged(adapters, offers)
             storage.remove(target_directory.probe_name(token))
-            _commit(storage, save_plan, entries, written, options.hooks.after_commit)
+            commit(storage, save_plan, entries, written, options.hooks.after_commit)
 
 
 def _merged(adapters: dict[str, Adapter], offers: list[Offer]) -> dict[str, SavedValue]:
@@ -184,13 +184,15 @@ def _write(
     return phase.payloads
 
 
-def _commit(
+def commit(
     storage: Storage,
     plan: SavePlan,
     entries: dict[str, SavedValue],
     written: list[dict[str, WrittenFile]],
     after_commit: Callable[[], None] | None,
 ) -> None:
+    """Write the manifest of ``plan`` last, once the data files are durable (also the
+    converters' commit, see ``streaming.py``)."""
     info = {
         "shardsafe_version": __version__,
         "torch_version": torch.__version__,

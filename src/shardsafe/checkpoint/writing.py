@@ -12,8 +12,9 @@ created; the other ranks remove theirs once the failure is agreed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 from ..protocol import Chunk
 from .chunk_bytes import ChunkBytes
@@ -29,6 +30,14 @@ class WrittenFile(TypedDict):
     crc: dict[str, list[int]]
     header_crc32: int
     """-1 from a rank that only checksummed tensors another rank wrote."""
+
+
+class ByteSource(Protocol):
+    """Where a writer gets a chunk's bytes: this rank's chunks in memory
+    (:class:`~.chunk_bytes.ChunkBytes`), or chunks loaded one at a time as they are written
+    (``streaming.LazyChunkBytes``, what the converters use)."""
+
+    def pieces(self, index: int, start: int, end: int) -> Iterator[memoryview]: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ def write_plan(
     """
     sources = ChunkBytes(chunks, options.buffer_bytes)
     if plan.layout == "sharded" or plan.world_size == 1:
-        return _write_own_files(plan.files_of(rank), sources, storage, options)
+        return write_own_files(plan.files_of(rank), sources, storage, options)
     if rank == CONSOLIDATING_RANK:
         from .consolidate_receiver import ConsolidatedReceiver
 
@@ -63,9 +72,11 @@ def write_plan(
     return ConsolidatedSender(plan, rank, sources, options, group).run()
 
 
-def _write_own_files(
-    files: list[FilePlan], sources: ChunkBytes, storage: Storage, options: WriteOptions
+def write_own_files(
+    files: list[FilePlan], sources: ByteSource, storage: Storage, options: WriteOptions
 ) -> dict[str, WrittenFile]:
+    """Write ``files``, each entry's bytes from its one source chunk, in order; on any
+    failure remove them all."""
     results: dict[str, WrittenFile] = {}
     try:
         for fplan in files:
@@ -73,8 +84,7 @@ def _write_own_files(
             try:
                 for entry in fplan.entries:
                     (src,) = entry.sources
-                    for piece in sources.pieces(src.index, 0, src.nbytes):
-                        writer.write(piece)
+                    _copy(writer, sources.pieces(src.index, 0, src.nbytes))
                 results[fplan.name] = finish(writer)
             except BaseException:
                 writer.abort()
@@ -83,6 +93,14 @@ def _write_own_files(
         remove_quietly(storage, [f.name for f in files])
         raise
     return results
+
+
+def _copy(writer: StreamWriter, pieces: Iterator[memoryview]) -> None:
+    """Write every piece. A function of its own so that no reference to the last piece
+    outlives it: a streaming source loads its next chunk only after this returns, and the
+    previous chunk must be free by then (one chunk in memory at a time)."""
+    for piece in pieces:
+        writer.write(piece)
 
 
 def open_file(

@@ -1,0 +1,150 @@
+"""Writing a checkpoint from one process, one tensor at a time (what the converters use).
+
+``save`` collects live objects whose tensors are all in memory already. A converter has
+no live objects: its tensors come from another checkpoint's files, and holding them all
+would need as much memory as the checkpoint is large. Here each chunk comes with a
+``load`` function that is called only when the writer reaches it, and its tensor is
+dropped before the next one is loaded, so the memory is one chunk at a time.
+
+Everything after that is ``save``'s own code, not a second copy of it: the planner
+(``plan_save``), the file writer with its block CRCs (``writing.write_own_files``), the
+directory rules (``target_directory``: a new or empty directory only) and the commit
+(``saving.commit``: data files durable first, ``manifest.json`` last, atomically). The
+result is then verified like ``shardsafe verify`` does, from the committed manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .. import dtypes
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..protocol import SavedValue
+from . import target_directory
+from .manifest import Manifest
+from .manifest_format import CRC_BLOCK_BYTES
+from .offer import ChunkOffer
+from .options import DEFAULT_BUFFER_BYTES
+from .safetensors_io import byte_view, memory
+from .save_plan import plan_save
+from .saving import commit
+from .storage import Storage
+from .writing import WriteOptions, write_own_files
+
+
+@dataclass(frozen=True)
+class StreamedChunk:
+    """A box of tensor ``key`` whose data ``load()`` produces when it is written."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+    release: Callable[[], None] | None = None
+    """Called once the chunk is written (a memory-mapped source drops its pages)."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+class LazyChunkBytes:
+    """The bytes of streamed chunks, loaded on first use and kept one at a time.
+
+    ``on_bytes`` is told how many bytes each chunk had once it is loaded (a progress bar).
+    """
+
+    def __init__(
+        self, chunks: list[StreamedChunk], on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        self.chunks = chunks
+        self.on_bytes = on_bytes
+        self._index = -1
+        self._view: torch.Tensor | None = None
+
+    def pieces(self, index: int, start: int, end: int) -> Iterator[memoryview]:
+        if index != self._index:
+            self.close()  # drop the previous chunk before loading the next
+            self._view = self._load(index)
+            self._index = index
+        assert self._view is not None
+        yield memory(self._view)[start:end]
+
+    def close(self) -> None:
+        """Let go of the chunk loaded last."""
+        self._view = None
+        if self._index >= 0:
+            release = self.chunks[self._index].release
+            self._index = -1
+            if release is not None:
+                release()
+
+    def _load(self, index: int) -> torch.Tensor:
+        chunk = self.chunks[index]
+        tensor = chunk.load()
+        if tensor.dtype != chunk.dtype or tuple(tensor.shape) != chunk.shape:
+            raise CheckpointCorruptError(
+                f"{chunk.key!r}: the source holds {dtypes.dtype_name(tensor.dtype)}"
+                f"{list(tensor.shape)} where its metadata declares "
+                f"{dtypes.dtype_name(chunk.dtype)}{list(chunk.shape)}"
+            )
+        view = byte_view(tensor.detach().cpu().contiguous())
+        if self.on_bytes is not None:
+            self.on_bytes(chunk.nbytes)
+        return view
+
+
+def write_checkpoint(
+    storage: Storage,
+    values: dict[str, SavedValue],
+    chunks: list[StreamedChunk],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Write and commit a one-file checkpoint of ``values`` whose tensors are ``chunks``.
+
+    The directory must be new or empty (``save``'s rule). On any error nothing is
+    committed and what was written is removed. Returns the committed manifest, verified.
+    """
+    existed = target_directory.refuse_committed(storage)
+    try:
+        token = target_directory.prepare(storage)
+        storage.remove(target_directory.probe_name(token))  # no other rank looks for it
+        offers = [
+            ChunkOffer(0, i, c.key, c.dtype, c.global_shape, c.offsets, c.shape, False)
+            for i, c in enumerate(chunks)
+        ]
+        plan = plan_save([offers], "sharded", list(values))
+        options = WriteOptions(CRC_BLOCK_BYTES, DEFAULT_BUFFER_BYTES)
+        sources = LazyChunkBytes(chunks, on_bytes)
+        try:
+            written = write_own_files(plan.files_of(0), sources, storage, options)
+        finally:
+            sources.close()
+        commit(storage, plan, values, [written], None)
+    except BaseException:
+        if not existed:
+            target_directory.remove_uncommitted(storage)
+        raise
+    return verify_committed(storage)
+
+
+def verify_committed(storage: Storage) -> Manifest:
+    """Read the committed manifest back and check every byte, as ``shardsafe verify`` does."""
+    from ..commands.verify import find_problems
+    from .loading import read_manifest_from
+
+    manifest = read_manifest_from(storage)
+    problems = find_problems(storage, manifest)
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint written to {storage.directory} does not verify: "
+            + "; ".join(problems[:5])
+        )
+    return manifest

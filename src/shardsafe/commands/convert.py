@@ -1,0 +1,97 @@
+"""``shardsafe convert SRC DST``: move a checkpoint between shardsafe, DCP, Hugging Face
+and ``torch.save``, one tensor at a time (see :mod:`shardsafe.converters`).
+
+The source format is detected. The destination must not exist yet (or be an empty
+directory): nothing is ever overwritten, so there is no ``--force``. ``--dry-run``
+prints the files that would be written and their sizes, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = (
+    "convert a checkpoint between shardsafe, DCP, Hugging Face safetensors and torch.save "
+    "(streaming, verified)"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        help="a shardsafe or DCP checkpoint directory, a Hugging Face .safetensors file, "
+        "index or directory, or a torch.save/Lightning .ckpt file (local path or URL)",
+    )
+    parser.add_argument(
+        "dst",
+        metavar="DST",
+        help="a new directory (for --to torch: a new file); local path or URL",
+    )
+    parser.add_argument(
+        "--to",
+        choices=("shardsafe", "dcp", "hf", "torch"),
+        default="shardsafe",
+        help="the format to write (default: shardsafe)",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="NAME",
+        action="append",
+        help="convert only this state entry (e.g. model); repeat for several",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="cast the model's floating-point weights (module entries) to this dtype",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="--to hf: largest shard file, decimal units as huggingface_hub (default 5GB)",
+    )
+    parser.add_argument(
+        "--strip-prefix", metavar="P", help="--to hf: remove P from the front of weight names"
+    )
+    parser.add_argument("--add-prefix", metavar="P", help="--to hf: put P in front of weight names")
+    parser.add_argument(
+        "--dcp-layout",
+        choices=("nested", "flat"),
+        default="nested",
+        help="--to dcp: nested (model.<fqn>, optimizer.state.<fqn>.<name>; default) or "
+        "flat (torchtitan's: weights at the top level, optimizer state flattened)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would be written; write nothing"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from ..converters import convert, describe
+    from ._format import terminal_safe
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the pickle note is printed below
+            result = convert(
+                args.src,
+                args.dst,
+                to=args.to,
+                only=args.only,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                strip_prefix=args.strip_prefix,
+                add_prefix=args.add_prefix,
+                dry_run=args.dry_run,
+                dcp_layout=args.dcp_layout,
+            )
+    except ValueError as e:  # a bad option value (a size, a dtype): a usage problem
+        from ..errors import CheckpointError
+
+        raise CheckpointError(str(e)) from None
+    for line in describe(result).splitlines():
+        print(terminal_safe(line))
+    return 0

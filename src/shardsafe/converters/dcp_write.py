@@ -1,0 +1,250 @@
+"""Writing a ``torch.distributed.checkpoint`` (DCP) checkpoint that ``dcp.load`` reads.
+
+DCP's own writer wants the whole state dict in memory. This one writes the same format
+one chunk at a time: each chunk is ``torch.save``'d into ``__0_0.distcp`` at the next
+offset (what DCP's ``FileSystemWriter`` does), and ``.metadata`` - DCP's ``Metadata``
+made of its own documented classes, pickled as DCP pickles it - is written last, so a
+reader never sees metadata naming bytes that are not there yet. Chunks stay as the
+source stored them (an FSDP2 checkpoint's shards stay shards): ``dcp.load`` reshards at
+any world size.
+
+Keys are flattened exactly as DCP flattens the state dict it is given (``_traverse``'s
+rules: dicts always, lists only when they hold tensors or dicts, joined with "."), so
+``dcp.load({"model": msd, "optimizer": osd})`` with ``get_state_dict``'s dicts finds
+every key: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>``,
+``optimizer.param_groups.<i>.<hyper>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import IO, Any, cast
+
+import torch
+
+from .. import dtypes
+from ..checkpoint.crc import crc32
+from ..checkpoint.safetensors_io import byte_view, memory
+from ..checkpoint.storage import FileSink, Storage
+from ..errors import CheckpointCorruptError, CheckpointError
+from . import flat_layout
+from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
+from .dcp_read import load_range
+from .entries import nested
+from .source import Source, SourceTensor, TensorRef
+
+DATA_FILE = "__0_0.distcp"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: tuple[str | int, ...]
+    value: Any
+
+    @property
+    def fqn(self) -> str:
+        return ".".join(map(str, self.path))
+
+
+def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
+    """DCP's flattening (``_traverse.traverse_state_dict``), with :class:`TensorRef` s as
+    its tensors."""
+    leaves: list[Leaf] = []
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list):
+            return True
+        return not any(
+            isinstance(v, TensorRef) or (isinstance(v, (Mapping, list)) and not terminal(v))
+            for v in value
+        )
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), v)
+        elif terminal(value):
+            leaves.append(Leaf(path, value))
+        else:
+            for i, v in enumerate(value):
+                visit((*path, i), v)
+
+    for key, value in tree.items():
+        visit((str(key),), value)
+    return leaves
+
+
+class _Stream:
+    """A write-only file object over a sink, counting its position (``torch.save`` target)."""
+
+    def __init__(self, sink: FileSink) -> None:
+        self.sink, self.pos = sink, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sink.write(view)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        return None
+
+
+def refuse_non_empty(storage: Storage) -> bool:
+    """Make the output directory; converters write only into a new or empty one, so that
+    nothing of the user's is overwritten or mixed with the output. Returns whether it was
+    created here (a failed conversion then removes it)."""
+    existed = storage.is_directory()
+    if existed and storage.names():
+        raise CheckpointError(
+            f"{storage.directory} exists and is not empty; convert into a new directory "
+            "(nothing is ever overwritten)"
+        )
+    storage.make_directory()
+    return not existed
+
+
+def remove_if_created(storage: Storage, created: bool) -> None:
+    """After a failure: remove the output directory if this conversion made it and left
+    nothing in it (best effort)."""
+    if created and not storage.names():
+        with contextlib.suppress(OSError):
+            storage.remove_directory()
+
+
+def write(
+    source: Source,
+    storage: Storage,
+    on_bytes: Callable[[int], None] | None = None,
+    *,
+    flat: bool = False,
+) -> int:
+    """Write ``source`` as a DCP checkpoint; return the bytes of data written. ``flat``:
+    in torchtitan's layout (``flat_layout``: weights at the top level, optimizer state
+    flattened)."""
+    from torch.distributed.checkpoint import metadata
+
+    tree = nested(source)
+    if flat:
+        tree = flat_layout.flatten(tree, {n: v.kind for n, v in source.values.items()})
+    leaves = flatten(tree)
+    created = refuse_non_empty(storage)
+    sink = storage.create(DATA_FILE, size_hint=source.total_bytes)
+    out = _DataFile(sink, source, on_bytes)
+    try:
+        for leaf in leaves:
+            out.planner_data[leaf.fqn] = leaf.path
+            if isinstance(leaf.value, TensorRef):
+                out.tensor(leaf.fqn, source.tensors[leaf.value.key])
+            else:
+                out.plain(leaf.fqn, _plain(leaf.value, source))
+        written = sink.finish()
+    except BaseException:
+        sink.abort()
+        storage.remove(DATA_FILE)
+        remove_if_created(storage, created)
+        raise
+    md = metadata.Metadata(
+        state_dict_metadata=out.state_md,
+        planner_data=out.planner_data,
+        storage_data=out.storage_data,
+        version="1.0.0",
+    )
+    storage.sync_directory()
+    storage.commit(METADATA_NAME, pickle.dumps(md))
+    verify(storage, out.crcs)
+    return written
+
+
+class _DataFile:
+    """``__0_0.distcp`` being written, and the metadata of what is in it so far."""
+
+    def __init__(
+        self, sink: FileSink, source: Source, on_bytes: Callable[[int], None] | None
+    ) -> None:
+        self.stream, self.source, self.on_bytes = _Stream(sink), source, on_bytes
+        self.state_md: dict[str, Any] = {}
+        self.storage_data: dict[Any, Any] = {}
+        self.planner_data: dict[str, tuple[str | int, ...]] = {}
+        self.crcs: dict[tuple[str, tuple[int, ...]], int] = {}
+
+    def tensor(self, fqn: str, t: SourceTensor) -> None:
+        """Each chunk of ``t``, ``torch.save``'d at the next offset (DCP's own encoding)."""
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        chunks = []
+        for c in t.chunks:
+            start = self.stream.pos
+            tensor = c.load().contiguous()
+            torch.save(tensor, cast(IO[bytes], self.stream))
+            self.crcs[fqn, tuple(c.offsets)] = tensor_crc(tensor)
+            del tensor
+            c.done()
+            index = metadata.MetadataIndex(fqn, torch.Size(c.offsets))
+            length = self.stream.pos - start
+            self.storage_data[index] = filesystem._StorageInfo(DATA_FILE, start, length)
+            chunks.append(metadata.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.shape)))
+            if self.on_bytes is not None:
+                self.on_bytes(math.prod(c.shape) * dtypes.itemsize(t.dtype))
+        props = metadata.TensorProperties(dtype=t.dtype)
+        self.state_md[fqn] = metadata.TensorStorageMetadata(props, torch.Size(t.shape), chunks)
+
+    def plain(self, fqn: str, value: Any) -> None:
+        """A non-tensor item: its ``torch.save`` bytes (what DCP's planner writes)."""
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        start = self.stream.pos
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        self.stream.write(buf.getbuffer())
+        index = metadata.MetadataIndex(fqn)
+        self.storage_data[index] = filesystem._StorageInfo(DATA_FILE, start, len(buf.getbuffer()))
+        self.state_md[fqn] = metadata.BytesStorageMetadata()
+
+
+def tensor_crc(tensor: torch.Tensor) -> int:
+    return crc32(memory(byte_view(tensor.contiguous())), 0)
+
+
+def verify(storage: Storage, expected: dict[tuple[str, tuple[int, ...]], int]) -> None:
+    """Read the written checkpoint back as a DCP reader would (its metadata through the
+    allowlist, every chunk by byte range) and compare each chunk's CRC32 with what was
+    written."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    where = storage.where(METADATA_NAME)
+    md = parse_metadata(storage.read_small(METADATA_NAME, MAX_METADATA_BYTES), where)
+    with storage.open_reader(DATA_FILE) as reader:
+        for (fqn, offsets), crc in expected.items():
+            info = md.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
+            tensor = load_range(reader, info.offset, info.length, f"tensor {fqn!r}")
+            if tensor_crc(tensor) != crc:
+                raise CheckpointCorruptError(
+                    f"{storage.where(DATA_FILE)}: {fqn!r} (chunk at {list(offsets)}) does not "
+                    "read back as written"
+                )
+
+
+def _plain(value: Any, source: Source) -> Any:
+    """A non-tensor leaf with any tensor inside it (rare: a list of tensors) loaded."""
+    if isinstance(value, TensorRef):
+        return source.tensors[value.key].load_whole()
+    if isinstance(value, list):
+        return [_plain(v, source) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v, source) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v, source) for k, v in value.items()}
+    return value
+
+
+def planned_files(source: Source) -> list[tuple[str, int]]:
+    """``--dry-run``: the data file, sized by its tensor data (``.metadata`` follows)."""
+    return [(DATA_FILE, source.total_bytes)]

@@ -1,0 +1,87 @@
+"""Which format a conversion's source is, from what is at its path.
+
+A directory (or object-store prefix) is a shardsafe checkpoint if it holds
+``manifest.json``, a DCP checkpoint if it holds ``.metadata``, Hugging Face weights if it
+holds ``model.safetensors.index.json`` or ``model.safetensors``. A file is a safetensors
+file (``.safetensors``), a Hugging Face index (``.json``), or else a ``torch.save`` file
+(``.pt``, ``.pth``, ``.bin``, a Lightning ``.ckpt``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint.locations import is_url, local_path, open_storage
+from ..checkpoint.manifest_format import MANIFEST_NAME
+from ..checkpoint.storage import Storage
+from ..errors import CheckpointNotFoundError
+from .dcp_metadata import METADATA_NAME
+from .hf import INDEX_NAME, SINGLE_NAME
+
+FORMATS = ("shardsafe", "dcp", "hf", "torch")
+
+
+@dataclass
+class Located:
+    """A source: its format, the storage of its directory, and the file in it (if any)."""
+
+    format: str
+    storage: Storage
+    name: str | None
+
+
+def split(path: str) -> tuple[str, str]:
+    """``(directory, file name)`` of a file path or URL."""
+    text = path.rstrip("/")
+    if is_url(text):
+        head, _, tail = text.rpartition("/")
+        return head, tail
+    head, tail = os.path.split(local_path(text))
+    return head or ".", tail
+
+
+def _is_file(path: str) -> bool:
+    if is_url(path):
+        return os.path.splitext(path.rstrip("/"))[1].lower() in (
+            ".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt",
+        )  # fmt: skip
+    return os.path.isfile(local_path(path))
+
+
+def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Located:
+    """The format of the source at ``path`` (see the module docstring)."""
+    if _is_file(path):
+        directory, name = split(path)
+        storage = open_storage(directory, storage_options=storage_options)
+        ext = os.path.splitext(name)[1].lower()
+        fmt = "hf" if ext in (".safetensors", ".json") else "torch"
+        return Located(fmt, storage, name)
+    storage = open_storage(path, storage_options=storage_options)
+    try:
+        storage.require_directory()
+        for name, fmt, file in (
+            (MANIFEST_NAME, "shardsafe", None),
+            (METADATA_NAME, "dcp", None),
+            (INDEX_NAME, "hf", INDEX_NAME),
+            (SINGLE_NAME, "hf", SINGLE_NAME),
+        ):
+            if storage.exists(name):
+                return Located(fmt, storage, file)
+        names = storage.names()
+    except BaseException:
+        storage.close()
+        raise
+    storage.close()
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    shown = ", ".join(names[:5]) + more if names else "nothing"
+    from ..commands._common import _where_checkpoints_are
+
+    raise CheckpointNotFoundError(
+        f"{path} is no checkpoint shardsafe can convert: it has no {MANIFEST_NAME} "
+        f"(shardsafe), {METADATA_NAME} (DCP), {INDEX_NAME} or {SINGLE_NAME} (Hugging Face); "
+        f"it holds {shown}. For a torch.save or Lightning file, pass the file itself"
+        f"{_where_checkpoints_are(path)}."
+    )

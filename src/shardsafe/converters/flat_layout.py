@@ -1,0 +1,108 @@
+"""The flat DCP layout torchtitan writes, read and written.
+
+torchtitan saves the model's state dict at the top level of what it hands ``dcp.save``
+(keys ``layers.0.attention.wq.weight``, no ``model.`` prefix) and its optimizer state
+flattened, as ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``
+returns it: ``{"state.<fqn>.<name>": ..., "param_groups.<fqn>.<hyper>": ...}``.
+
+Reading: top-level tensors become the module ``model`` when they look like a model's
+(their names are dotted FQNs, or a flattened optimizer is beside them) and no entry has
+that name already; a lone top-level tensor ``w`` stays a plain value. An entry made only
+of ``state.*``/``param_groups.*`` keys becomes an FQN-keyed optimizer state dict. State
+and hyperparameter names hold no dots, so each key splits at its last one. Param groups
+are rebuilt from equal hyperparameters in order of appearance
+(torch rebuilds them from the live optimizer's groups; two groups with identical
+hyperparameters would come back as one).
+
+Writing (``flat=True`` of the DCP writer): the reverse, for ``dcp.load`` of the state dict
+torchtitan builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+_STATE, _GROUPS = "state.", "param_groups."
+
+
+def is_flat_optimizer(sub: Any) -> bool:
+    return (
+        isinstance(sub, Mapping)
+        and bool(sub)
+        and all(isinstance(k, str) and k.startswith((_STATE, _GROUPS)) for k in sub)
+        and any(k.startswith(_GROUPS) for k in sub)
+    )
+
+
+def unflatten(tree: dict[str, Any]) -> dict[str, Any]:
+    """A tree in torchtitan's layout, in the nested form ``entries.to_entries`` reads."""
+    out: dict[str, Any] = {}
+    tops = {k: v for k, v in tree.items() if isinstance(v, torch.Tensor)}
+    flat_optimizer = any(is_flat_optimizer(v) for v in tree.values())
+    if tops and "model" not in tree and (flat_optimizer or all("." in k for k in tops)):
+        out["model"] = tops
+    for name, sub in tree.items():
+        if name in tops and "model" in out:
+            continue
+        out[name] = _nested_optimizer(sub) if is_flat_optimizer(sub) else sub
+    return out
+
+
+def _nested_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    hypers: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        prefix, rest = (_STATE, state) if key.startswith(_STATE) else (_GROUPS, hypers)
+        fqn, _, field = key[len(prefix) :].rpartition(".")
+        if not fqn:
+            raise CheckpointError(f"optimizer key {key!r} names no parameter")
+        rest.setdefault(fqn, {})[field] = value
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in hypers.items():
+        same = next((g for g in groups if _hyper(g) == hyper), None)
+        if same is None:
+            groups.append({**hyper, "params": [fqn]})
+        else:
+            same["params"].append(fqn)
+    return {"state": state, "param_groups": groups}
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def flatten(tree: dict[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
+    """``entries.nested`` output (entries of ``kinds``) in torchtitan's layout: the one
+    module's state dict at the top level, each optimizer's state flattened."""
+    modules = [n for n in tree if kinds.get(n) == "module"]
+    if len(modules) != 1:
+        raise CheckpointError(
+            "the flat (torchtitan) DCP layout puts one model's weights at the top level; "
+            f"this checkpoint has {len(modules)} module entries ({', '.join(modules)}): "
+            "pick one with --only"
+        )
+    out: dict[str, Any] = dict(tree[modules[0]])
+    for name, sub in tree.items():
+        if name == modules[0]:
+            continue
+        if name in out:
+            raise CheckpointError(f"entry {name!r} has the name of a model weight")
+        out[name] = _flat_optimizer(sub) if kinds.get(name) == "optimizer" else sub
+    return out
+
+
+def _flat_optimizer(sub: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, per in sub["state"].items():
+        for field, value in per.items():
+            out[f"{_STATE}{fqn}.{field}"] = value
+    for group in sub["param_groups"]:
+        for fqn in group["params"]:
+            for field, value in _hyper(group).items():
+                out[f"{_GROUPS}{fqn}.{field}"] = value
+    return out

@@ -1,0 +1,197 @@
+"""What every converter reads into and writes from: a checkpoint described, not loaded.
+
+A :class:`Source` is shardsafe's own model of a checkpoint (see ``manifest.py``): state
+entries (``values``: a name, a kind - ``module``, ``optimizer`` or ``value`` - and JSON
+metadata that refers to tensors by key) and tensors (``model/fc.weight``,
+``optimizer/fc.weight/exp_avg``), each a list of chunks that tile it. A chunk's data is
+read only when ``load`` is called, so a converter holds one tensor at a time, whatever the
+checkpoint's size. Every reader (shardsafe, DCP, Hugging Face, ``torch.save``) produces
+one, every writer consumes one: N formats need N readers and N writers, not N^2 paths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .. import _tree, dtypes
+from ..errors import CheckpointError
+from ..protocol import SavedValue
+
+
+@dataclass(frozen=True)
+class SourceChunk:
+    """A box of a tensor, stored as one piece in the source; ``load()`` reads it."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+    release: Callable[[], None] | None = None
+    """Called once the data ``load`` returned is no longer needed (a memory-mapped
+    source drops its pages from this process)."""
+
+    def done(self) -> None:
+        if self.release is not None:
+            self.release()
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[SourceChunk, ...]
+    whole: Callable[[], torch.Tensor] | None = None
+    """Reads the whole tensor straight into one new tensor (a reader that assembles
+    chunks itself, through a small buffer); ``None``: assembled here, chunk by chunk."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    def done(self) -> None:
+        """The whole tensor was used: release what its chunks hold (see ``SourceChunk``)."""
+        for chunk in self.chunks:
+            chunk.done()
+
+    def load_whole(self) -> torch.Tensor:
+        """The whole tensor: its one chunk as read, or its chunks copied into place (the
+        tensor plus one chunk in memory, unless the source reads it whole itself)."""
+        if self.whole is not None:
+            return checked(self.key, self.whole(), self.dtype, self.shape)
+        if len(self.chunks) == 1 and self.chunks[0].shape == self.shape:
+            return checked(self.key, self.chunks[0].load(), self.dtype, self.shape)
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for chunk in self.chunks:
+            box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+            out[box] = checked(self.key, chunk.load(), self.dtype, chunk.shape)
+        return out
+
+
+def checked(
+    key: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """``tensor`` if it has the dtype and shape the source's metadata declared."""
+    if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(
+            f"{key!r}: the source's data is {dtypes.dtype_name(tensor.dtype)}"
+            f"{list(tensor.shape)} but its metadata declares {dtypes.dtype_name(dtype)}"
+            f"{list(shape)}; the source checkpoint is damaged"
+        )
+    return tensor
+
+
+@dataclass
+class Source:
+    """A checkpoint of some format, described (see the module docstring)."""
+
+    format: str
+    where: str
+    values: dict[str, SavedValue]
+    tensors: dict[str, SourceTensor]
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+        self.closers.clear()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def largest_tensor_bytes(self) -> int:
+        return max((t.nbytes for t in self.tensors.values()), default=0)
+
+
+class TensorRef:
+    """Stands for a tensor of the source in a decoded tree (see :func:`decoded`)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.key!r})"
+
+
+class _Refs(dict[str, Any]):
+    def __missing__(self, key: str) -> TensorRef:
+        return TensorRef(key)
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+def decoded(meta: Any) -> Any:
+    """An entry's metadata as Python values, its tensors as :class:`TensorRef` s."""
+    return _tree.decode(meta, _Refs())
+
+
+def select(source: Source, only: list[str] | None) -> Source:
+    """``source`` with only the entries named in ``only`` (all if ``None``)."""
+    if not only:
+        return source
+    unknown = [name for name in only if name not in source.values]
+    if unknown:
+        raise CheckpointError(
+            f"--only {', '.join(unknown)}: {source.where} holds no such entry; it holds "
+            f"{', '.join(sorted(source.values)) or 'nothing'}"
+        )
+    values = {name: source.values[name] for name in only}
+    keys = {ref for v in values.values() for ref in referenced(v)}
+    tensors = {k: t for k, t in source.tensors.items() if k in keys}
+    return replace(source, values=values, tensors=tensors)
+
+
+def referenced(value: SavedValue) -> list[str]:
+    """The tensor keys an entry uses."""
+    if value.kind == "module":
+        return [f"{value.name}/{n}" for n in value.meta.get("tensors", [])]
+    return _tree.tensor_refs(value.meta)
+
+
+def cast(source: Source, dtype: torch.dtype | None) -> Source:
+    """``source`` with the floating-point tensors of its modules (the weights) read as
+    ``dtype``. Optimizer state and plain values keep theirs: Adam's ``step`` in bfloat16
+    would stop counting at 256."""
+    if dtype is None:
+        return source
+    weights = {k for v in source.values.values() if v.kind == "module" for k in referenced(v)}
+    tensors = {}
+    for key, t in source.tensors.items():
+        if key not in weights or not t.dtype.is_floating_point or t.dtype == dtype:
+            tensors[key] = t
+            continue
+        chunks = tuple(
+            SourceChunk(c.offsets, c.shape, _casting(c.load, dtype), c.release) for c in t.chunks
+        )
+        whole = None if t.whole is None else _casting(t.whole, dtype)
+        tensors[key] = SourceTensor(key, dtype, t.shape, chunks, whole)
+    return replace(source, tensors=tensors)
+
+
+def _casting(load: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: load().to(dtype)
+
+
+def one_chunk(
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    load: Callable[[], torch.Tensor],
+    release: Callable[[], None] | None = None,
+) -> SourceTensor:
+    """A tensor stored whole."""
+    return SourceTensor(key, dtype, shape, (SourceChunk((0,) * len(shape), shape, load, release),))

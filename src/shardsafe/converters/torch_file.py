@@ -1,0 +1,304 @@
+"""``torch.save`` files (and Lightning ``.ckpt``) as a converter's source and destination.
+
+Reading is ``torch.load(weights_only=True)``, so the file cannot run code as it is read,
+with ``mmap=True`` for a local file in torch's zip format: tensors stay in the file until
+they are written out, one at a time. A Lightning checkpoint's ``state_dict`` becomes the
+module entry ``model``; its other keys (``epoch``, ``global_step``, the index-keyed
+``optimizer_states``, ...) are kept as plain values, losslessly (to load index-keyed
+optimizer state into a live optimizer, see ``shardsafe.interop.import_torch_checkpoint``).
+A file holding only tensors (a model's ``state_dict()``) becomes the module ``model``.
+
+Writing produces one file that ``torch.load(weights_only=True)`` reads: modules as
+``{fqn: tensor}``, optimizers as FQN-keyed state dicts. ``torch.save`` itself needs every
+tensor in memory at once, so the archive is written here instead: the pickle of the
+structure first (tensors as references to storage records, exactly the form torch.save
+pickles them in), then each tensor's bytes as its own stored (uncompressed) record,
+aligned to 64 bytes as torch aligns them, one tensor in memory at a time. The result is
+a pickle: the converter warns that loading it with ``weights_only=False`` runs code.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import io
+import math
+import mmap
+import pickle
+import struct
+import sys
+import zipfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import dtypes
+from ..checkpoint.locations import is_url
+from ..checkpoint.safetensors_io import byte_view, memory
+from ..checkpoint.storage import Storage
+from ..errors import CheckpointCorruptError, CheckpointError
+from .dcp_read import RangeFile
+from .entries import is_module, nested, to_entries
+from .source import Source, SourceTensor, TensorRef, one_chunk
+
+PICKLE_WARNING = (
+    "the result is a pickle (torch.save format): load it with "
+    "torch.load(path, weights_only=True); with weights_only=False, a file from someone "
+    "else can run code"
+)
+MAX_IN_MEMORY_BYTES = 64 << 30
+_ARCHIVE = "archive"
+_ALIGN = 64
+PIECE_BYTES = 16 << 20
+
+
+def read(storage: Storage, name: str) -> Source:
+    """The ``torch.save`` file ``name`` in ``storage`` as a :class:`Source`."""
+    where = storage.where(name)
+    if storage.kind(name) != "file":
+        raise CheckpointError(f"{where} is {storage.describe(name)}, not a file")
+    raw, mapped = _load(storage, name, where)
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise CheckpointError(
+            f"{where} does not hold a dict with string keys, so it has no named entries to convert"
+        )
+    tree: dict[str, Any]
+    if "state_dict" in raw and isinstance(raw["state_dict"], dict):
+        tree = {"model": raw["state_dict"], **{k: v for k, v in raw.items() if k != "state_dict"}}
+    elif is_module(raw):
+        tree = {"model": raw}
+    else:
+        tree = raw
+
+    def make(key: str, tensor: torch.Tensor) -> SourceTensor:
+        # Only pages of the file mapping may be dropped: anonymous memory would be zeroed.
+        release = (lambda: drop_pages(tensor)) if mapped else None
+        return one_chunk(key, tensor.dtype, tuple(tensor.shape), lambda: tensor, release)
+
+    values, tensors = to_entries(tree, make)
+    return Source("torch", where, values, tensors)
+
+
+_MADV_DONTNEED = 4
+_libc: Any = None
+
+
+def drop_pages(tensor: torch.Tensor) -> None:
+    """Give back this process's copy of the pages of a tensor memory-mapped (privately,
+    read-only use) from a file, once it has been written out (Linux
+    ``madvise(MADV_DONTNEED)``; elsewhere nothing). Never call it on any other tensor:
+    on anonymous memory it zeroes the pages.
+
+    ``torch.load(mmap=True)`` maps the file privately: every page a conversion reads
+    stays resident in the process until the whole file is unmapped, so converting a
+    10 GB file would end with 10 GB resident. The mapping is private and never written,
+    so dropping pages is safe: a later read (a neighbouring tensor sharing a page) faults
+    them in again from the file.
+    """
+    global _libc
+    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = start // page * page, -(-end // page) * page
+    _libc.madvise(first, last - first, _MADV_DONTNEED)
+
+
+def _load(storage: Storage, name: str, where: str) -> tuple[Any, bool]:
+    """The file's contents, and whether its tensors are memory-mapped from the file."""
+    try:
+        if not is_url(storage.directory):
+            path = storage.where(name)
+            mapped = zipfile.is_zipfile(path)  # the legacy format cannot be memory-mapped
+            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+            return raw, mapped
+        with storage.open_reader(name) as reader:  # an object: read whole (see README)
+            if reader.size > MAX_IN_MEMORY_BYTES:
+                raise CheckpointError(f"{where} is too large to read from an object store")
+            return torch.load(_whole(reader), map_location="cpu", weights_only=True), False
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read {where} with torch.load(weights_only=True): {type(e).__name__}: {e}. "
+            "shardsafe converts only files made of tensors and plain data; re-save it without "
+            "custom objects."
+        ) from None
+
+
+class _Storage:
+    """Stands for one tensor's storage record while the structure is pickled."""
+
+    def __init__(self, key: str, record: str, tensor: SourceTensor) -> None:
+        self.key, self.record, self.tensor = key, record, tensor
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles :class:`TensorRef` s the way ``torch.save`` pickles tensors."""
+
+    def __init__(self, file: io.BytesIO, source: Source) -> None:
+        super().__init__(file, protocol=2)
+        self.source = source
+        self.storages: list[_Storage] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, TensorRef):
+            return NotImplemented
+        t = self.source.tensors[obj.key]
+        ref = _Storage(obj.key, str(len(self.storages)), t)
+        self.storages.append(ref)
+        stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        args = (ref, 0, tuple(t.shape), stride, False, hooks)
+        return torch._utils._rebuild_tensor_v2, args
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _Storage):
+            return None
+        return ("storage", _storage_type(obj.key, obj.tensor.dtype), obj.record, "cpu",
+                math.prod(obj.tensor.shape))  # fmt: skip
+
+
+def _storage_type(key: str, dtype: torch.dtype) -> Any:
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    if name is None:
+        raise CheckpointError(
+            f"{key!r} is {dtypes.dtype_name(dtype)}, which the torch.save format has no "
+            "storage type for; convert to safetensors (--to hf or shardsafe) instead"
+        )
+    return getattr(torch, name)
+
+
+class _Stream:
+    """Write-only, position-counting file object over a storage sink (no seek: zipfile
+    then writes data descriptors, which every zip reader, torch's included, accepts)."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.pos = sink, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sink.write(view)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        return None
+
+
+def write(
+    source: Source, storage: Storage, name: str, on_bytes: Callable[[int], None] | None = None
+) -> int:
+    """Write ``source`` as the ``torch.save`` file ``name``; return its size."""
+    if storage.is_directory() and storage.exists(name):
+        raise CheckpointError(f"{storage.where(name)} exists; nothing is ever overwritten")
+    storage.make_directory()
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, source)
+    pickler.dump(nested(source))
+    sink = storage.create(name, size_hint=source.total_bytes)
+    stream = _Stream(sink)
+    try:
+        with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED) as zf:  # type: ignore[call-overload]
+            _record(zf, stream, "data.pkl", [memoryview(buf.getbuffer())])
+            _record(zf, stream, ".format_version", [memoryview(b"1")])
+            _record(zf, stream, ".storage_alignment", [memoryview(b"64")])
+            _record(zf, stream, "byteorder", [memoryview(b"little")])
+            for ref in pickler.storages:
+                _write_tensor(zf, stream, ref, on_bytes)
+            _record(zf, stream, "version", [memoryview(b"3\n")])
+            _record(zf, stream, ".data/serialization_id", [memoryview(b"0" * 40)])
+        size = sink.finish()
+    except BaseException:
+        sink.abort()
+        storage.remove(name)
+        raise
+    verify(storage, name, source, pickler.storages)
+    return size
+
+
+def _write_tensor(
+    zf: zipfile.ZipFile, stream: _Stream, ref: _Storage, on_bytes: Callable[[int], None] | None
+) -> None:
+    tensor = ref.tensor.load_whole().contiguous()
+    data = memory(byte_view(tensor))
+    pieces = [data[i : i + PIECE_BYTES] for i in range(0, data.nbytes, PIECE_BYTES)]
+    _record(zf, stream, f"data/{ref.record}", pieces or [memoryview(b"")])
+    if on_bytes is not None:
+        on_bytes(data.nbytes)
+    del tensor, data, pieces
+    ref.tensor.done()
+
+
+def _record(zf: zipfile.ZipFile, stream: _Stream, name: str, pieces: list[memoryview]) -> None:
+    """One stored record, its data aligned to 64 bytes (padding in an extra field, as
+    torch's own writer pads)."""
+    full = f"{_ARCHIVE}/{name}"
+    info = zipfile.ZipInfo(full, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = sum(p.nbytes for p in pieces)
+    header = 30 + len(full.encode()) + 4 + 20  # fixed part, name, "FB" field, zip64 field
+    pad = -(stream.pos + header) % _ALIGN
+    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    with zf.open(info, "w", force_zip64=True) as out:
+        for piece in pieces:
+            out.write(piece)
+
+
+def verify(storage: Storage, name: str, source: Source, storages: list[_Storage]) -> None:
+    """Read the archive back: every record's bytes against its zip CRC32 (zipfile checks
+    it as a record is read to its end), piece by piece; and, for a local file, the pickle
+    through ``torch.load(weights_only=True, mmap=True)`` (no data read), each tensor's
+    dtype and shape."""
+    where = storage.where(name)
+    try:
+        with storage.open_reader(name) as reader, zipfile.ZipFile(_whole(reader)) as zf:
+            for info in zf.infolist():
+                with zf.open(info) as member:
+                    while member.read(PIECE_BYTES):
+                        pass
+        if not is_url(storage.directory):
+            loaded = torch.load(storage.where(name), weights_only=True, mmap=True)
+            _check_structure(loaded, source, where)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointCorruptError(
+            f"{where} does not read back as written: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _whole(reader: Any) -> io.BufferedReader:
+    return io.BufferedReader(RangeFile(reader, 0, reader.size))
+
+
+def _check_structure(loaded: Any, source: Source, where: str) -> None:
+    expected = nested(source)
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(b, TensorRef):
+            t = source.tensors[b.key]
+            if not (
+                isinstance(a, torch.Tensor) and a.dtype == t.dtype and tuple(a.shape) == t.shape
+            ):
+                raise CheckpointCorruptError(f"{where}: {path} does not read back as written")
+        elif isinstance(b, Mapping):
+            if not isinstance(a, Mapping) or set(a) != set(b):
+                raise CheckpointCorruptError(f"{where}: {path} does not read back as written")
+            for k in b:
+                walk(a[k], b[k], f"{path}[{k!r}]")
+        elif isinstance(b, (list, tuple)):
+            if type(a) is not type(b) or len(a) != len(b):
+                raise CheckpointCorruptError(f"{where}: {path} does not read back as written")
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}[{i}]")
+
+    walk(loaded, expected, "the file")
