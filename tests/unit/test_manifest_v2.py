@@ -17,6 +17,7 @@ import json
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import shardsafe
+from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.manifest import (
     ChunkRecord,
     Manifest,
@@ -31,6 +34,8 @@ from shardsafe.checkpoint.manifest import (
     crc_block_count,
     parse,
 )
+from shardsafe.commands.inspect import describe
+from shardsafe.commands.verify import find_problems
 from shardsafe.errors import CheckpointCorruptError
 from shardsafe.protocol import SavedValue
 from tests import forge
@@ -407,7 +412,7 @@ def test_versions_1_and_2_accept_and_refuse_the_same_arrangements(
 ) -> None:
     """Grids, and grids with one defect (overlaps, holes, chunks outside the tensor, empty
     ones), with 1 to ~150 chunks: version 2's column checks (and its vectorised grid
-    check, from ``chunk_checks.GRID_VECTOR_MIN`` chunks) decide exactly as version 1's
+    check, from ``chunk_tiling.GRID_VECTOR_MIN`` chunks) decide exactly as version 1's
     per-record checks."""
     shape, boxes = drawn
     v2 = _one_tensor(shape, boxes)
@@ -485,3 +490,32 @@ def test_parsing_100_thousand_chunks_takes_well_under_a_second_per_100_thousand(
     elapsed = time.perf_counter() - start
     assert len(m.tensors) == 1000 and len(m.tensors["model/p7"].chunks) == 100
     assert elapsed < 2.0, elapsed  # about 0.1 s here; version 1 takes about 2 s
+
+
+# ------------------------------------------------ checkpoints written as version 1
+
+
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_a_version_1_checkpoint_still_loads_inspects_and_verifies(
+    tmp_path: Path, layout: str
+) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    shardsafe.save(
+        tmp_path / "c", {"model": model, "optimizer": opt, "x": torch.arange(5)}, layout=layout
+    )
+    path = tmp_path / "c" / "manifest.json"
+    assert json.loads(path.read_bytes())["version"] == 2
+    path.write_bytes(parse(path.read_bytes()).to_json(version=1))  # as an older shardsafe
+    assert json.loads(path.read_bytes())["version"] == 1
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    out = shardsafe.load(tmp_path / "c", {"model": fresh, "optimizer": fresh_opt})
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(out["x"], torch.arange(5))
+    assert fresh_opt.state_dict()["state"][0]["exp_avg"].equal(
+        opt.state_dict()["state"][0]["exp_avg"]
+    )
+    assert describe(str(tmp_path / "c"))["format_version"] == 1
+    assert find_problems(str(tmp_path / "c"), read_manifest(tmp_path / "c")) == []

@@ -161,6 +161,13 @@ class LazyChunks(Sequence[ChunkRecord]):
             )
             flat += d
 
+    def files(self) -> list[str]:
+        """Each chunk's file, without building its records."""
+        if self._records is not None:
+            return [c.file for c in self._records]
+        files, index = self._columns.files, self._columns.lists()["file"]
+        return [files[i] for i in index[self._row : self._row + self._count]]
+
     def __len__(self) -> int:
         return self._count
 
@@ -183,3 +190,10 @@ class LazyChunks(Sequence[ChunkRecord]):
 
     def __repr__(self) -> str:
         return f"LazyChunks({self.records()!r})"
+
+
+def chunk_files(chunks: Sequence[ChunkRecord]) -> list[str]:
+    """The file of each chunk (of either version), building no record that is not built."""
+    if isinstance(chunks, LazyChunks):
+        return chunks.files()
+    return [c.file for c in chunks]
