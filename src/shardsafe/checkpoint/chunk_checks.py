@@ -121,7 +121,7 @@ def _check_sizes(
         # Exact: each chunk lies inside its tensor, whose element count is below 2**63.
         numel.scatter_reduce_(0, layout.row_of, cols["shape"], "prod")
     sizes = [dtypes.itemsize(d) for d in heads.dtypes]
-    itemsize = torch.repeat_interleave(torch.tensor(sizes, dtype=I64), layout.counts)
+    itemsize = torch.tensor(sizes, dtype=I64)[layout.tensor_of_row]
     file_bytes = torch.tensor(list(files.values()), dtype=I64)[cols["file"]]
     too_big = numel > file_bytes // itemsize
     if bool(too_big.any()):

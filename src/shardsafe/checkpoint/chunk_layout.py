@@ -19,6 +19,24 @@ from .manifest_checks import Checker
 from .manifest_format import MAX_CHUNKS_PER_TENSOR
 
 I64 = torch.int64
+SMALL = 1 << 15
+"""Below this many elements an index is built in Python: torch's repeat_interleave costs
+milliseconds however small its input (its CPU kernel wakes the intra-op thread pool),
+which a small save, whose manifest is parsed before it commits, would pay every time."""
+
+
+def runs(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``i`` repeated ``counts[i]`` times, for each ``i`` (``total`` is their sum)."""
+    if total <= SMALL:
+        return torch.tensor(
+            list(
+                itertools.chain.from_iterable(
+                    itertools.repeat(i, n) for i, n in enumerate(counts.tolist())
+                )
+            ),
+            dtype=I64,
+        )
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
 
 
 class Heads:
@@ -57,19 +75,18 @@ class Layout:
     """Index arrays over the table (see the module docstring)."""
 
     def __init__(self, heads: Heads) -> None:
-        tensors = len(heads.keys)
         self.counts = torch.tensor(heads.counts, dtype=I64)
         self.ndims = torch.tensor(heads.ndims, dtype=I64)
         self.shapes = torch.tensor([n for s in heads.shapes for n in s], dtype=I64)
         """Every tensor's shape, concatenated; ``shape_starts`` is where each begins."""
         self.shape_starts = torch.cumsum(self.ndims, 0) - self.ndims
         self.rows = heads.row_starts[-1]
-        self.tensor_of_row = torch.repeat_interleave(torch.arange(tensors), self.counts)
+        self.tensor_of_row = runs(self.counts, self.rows)
         self.row_ndims = self.ndims[self.tensor_of_row]
         self.row_flat_starts = torch.cumsum(self.row_ndims, 0) - self.row_ndims
-        self.row_of = torch.repeat_interleave(torch.arange(self.rows), self.row_ndims)
+        flat = heads.flat_starts[-1]
+        self.row_of = runs(self.row_ndims, flat)
         """For each offsets/shape entry, its row."""
-        flat = self.row_of.numel()
         self.dim = torch.arange(flat) - self.row_flat_starts[self.row_of]
         self.group = self.shape_starts[self.tensor_of_row][self.row_of] + self.dim
         """For each entry, its (tensor, dim): an index into ``shapes``."""

@@ -21,7 +21,7 @@ import math
 import torch
 
 from . import geometry
-from .chunk_layout import I64, Heads, Layout
+from .chunk_layout import I64, Heads, Layout, runs
 from .manifest_checks import Checker
 
 GRID_VECTOR_MIN = 32
@@ -80,7 +80,7 @@ def _chained(
         return torch.zeros(tensors, dtype=torch.bool)
     split = torch.bincount(layout.group[partial], minlength=groups) > 0
     """(tensor, dim) pairs along which some chunk does not span the whole dim."""
-    tensor_of_group = torch.repeat_interleave(torch.arange(tensors), layout.ndims)
+    tensor_of_group = runs(layout.ndims, groups)
     dim_of_group = torch.arange(groups) - layout.shape_starts[tensor_of_group]
     one_split = torch.bincount(tensor_of_group[split], minlength=tensors) == 1
     along = torch.zeros(tensors, dtype=I64)
