@@ -30,11 +30,14 @@ def check_table(
     heads = Heads(check, check.mapping(raw_tensors, "tensors"))
     table = check.mapping(raw_table, "chunks")
     if set(table) != TABLE_KEYS:
-        check.fail(f"'chunks' has keys {sorted(table)[:10]}, not {sorted(TABLE_KEYS)}")
+        keys = [k[:40] for k in sorted(table)[:10]]
+        check.fail(f"'chunks' has keys {keys}, not {sorted(TABLE_KEYS)}")
     names = _names(check, table["names"])
     rows, flat = heads.row_starts[-1], heads.flat_starts[-1]
     if type(table["rows"]) is not int or table["rows"] != rows:
-        check.fail(f"'chunks.rows' is {table['rows']!r}, but the tensors have {rows} chunks")
+        check.fail(
+            f"'chunks.rows' is {repr(table['rows'])[:40]}, but the tensors have {rows} chunks"
+        )
     cols = {name: _column(check, table, name, types) for name, types in COLUMNS.items()}
     for name, expected in (("file", rows), ("name", rows), ("offsets", flat), ("shape", flat)):
         if cols[name].numel() != expected:

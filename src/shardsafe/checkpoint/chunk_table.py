@@ -123,8 +123,9 @@ class Columns:
         self._lists: dict[str, list[int]] = {}
 
     def lists(self) -> dict[str, list[int]]:
-        if self._tensors is not None:
-            self._lists = {k: v.tolist() for k, v in self._tensors.items()}
+        tensors = self._tensors  # once: another thread may be converting them too
+        if tensors is not None:
+            self._lists = {k: v.tolist() for k, v in tensors.items()}
             self._tensors = None
         return self._lists
 
