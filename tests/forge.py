@@ -7,10 +7,20 @@ format is written out here independently of shardsafe's writer, pinning it:
 ``manifest.json`` ends with ``,\\n "manifest_crc32": "<8 hex digits>"\\n}\\n``, the CRC32
 of every byte before that line; ``files[name]["header_crc32"]`` is the CRC32 of a data
 file's 8-byte length prefix and JSON header.
+
+Format version 2 keeps chunks in one table of base64 columns. :func:`read_manifest`
+hands such a manifest over *expanded*: each tensor's ``"chunks"`` a list of version 1
+chunk objects (``file``, ``name``, ``offsets``, ``shape``, ``crc32``), so that one edit
+works on either version; :func:`manifest_bytes` packs an expanded version 2 document
+back into its table (:func:`pack`; a chunk naming a file that ``files`` does not list
+gets an index past the list's end). What the table's columns cannot hold (a string, a
+float, a number out of range) can only be written as version 1: ``pack`` raises
+:class:`Unpackable`, and a test that means such an edit sets ``"version": 1``.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 import zlib
@@ -20,8 +30,116 @@ from typing import Any
 CRC_KEY = "manifest_crc32"
 
 
+COLUMNS = {"file": "u32", "name": "u32", "offsets": "u32", "shape": "u32", "crc32": "u32"}
+"""The type each column is packed in; offsets and shapes are "i64" when one needs it."""
+CODES = {"u32": "I", "i64": "q"}
+
+
+def unpack_column(text: str) -> list[int]:
+    kind, data = text.split(":", 1)
+    raw = base64.b64decode(data)
+    code = CODES[kind]
+    return list(struct.unpack(f"<{len(raw) // struct.calcsize(code)}{code}", raw))
+
+
+def pack_column(values: list[int], kind: str) -> str:
+    if kind == "u32" and values and not 0 <= min(values) <= max(values) < 1 << 32:
+        kind = "i64"
+    code = CODES[kind]
+    return f"{kind}:" + base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode()
+
+
+class Unpackable(ValueError):
+    """An expanded version 2 document holds what version 2's columns cannot."""
+
+
+def expanded(doc: dict[str, Any]) -> dict[str, Any]:
+    """A version 2 document with its chunk table unpacked into the tensors' records."""
+    table = doc.get("chunks")
+    if doc.get("version") != 2 or not isinstance(table, dict):
+        return doc
+    cols = {name: unpack_column(table[name]) for name in COLUMNS}
+    files, names = list(doc["files"]), table["names"]
+    row = flat = crc = 0
+    out = {k: v for k, v in doc.items() if k != "chunks"}
+    out["tensors"] = {}
+    for key, rec in doc["tensors"].items():
+        d, chunks = len(rec["shape"]), []
+        itemsize = _itemsize(rec["dtype"])
+        for _ in range(rec["chunks"]):
+            shape = cols["shape"][flat : flat + d]
+            nbytes = _prod(shape) * itemsize
+            blocks = max(1, -(-nbytes // doc["checksum"]["block_bytes"]))
+            chunks.append(
+                {
+                    "file": files[cols["file"][row]],
+                    "name": names[cols["name"][row]],
+                    "offsets": cols["offsets"][flat : flat + d],
+                    "shape": shape,
+                    "crc32": cols["crc32"][crc : crc + blocks],
+                }
+            )
+            row, flat, crc = row + 1, flat + d, crc + blocks
+        out["tensors"][key] = {**rec, "chunks": chunks}
+    return out
+
+
+def pack(doc: dict[str, Any]) -> dict[str, Any]:
+    """An expanded version 2 document (chunks as objects, no table) with its chunk table
+    built; any other document as it is."""
+    tensors = doc.get("tensors")
+    if (
+        doc.get("version") != 2
+        or "chunks" in doc
+        or not (
+            isinstance(tensors, dict)
+            and any(
+                isinstance(r, dict) and isinstance(r.get("chunks"), list) for r in tensors.values()
+            )
+        )
+    ):
+        return doc
+    files = {name: i for i, name in enumerate(doc["files"])}
+    names: dict[str, int] = {}
+    cols: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    packed: dict[str, Any] = {}
+    try:
+        for key, rec in tensors.items():
+            for c in rec["chunks"]:
+                # A file 'files' does not list: an index past its end (v2's equivalent).
+                cols["file"].append(files.setdefault(c["file"], len(files)))
+                cols["name"].append(names.setdefault(c["name"], len(names)))
+                cols["offsets"] += c["offsets"]
+                cols["shape"] += c["shape"]
+                cols["crc32"] += c["crc32"]
+            packed[key] = {**rec, "chunks": len(rec["chunks"])}
+        table: dict[str, Any] = {"rows": len(cols["file"]), "names": list(names)}
+        for name, kind in COLUMNS.items():
+            if not all(type(v) is int for v in cols[name]):  # struct would take a bool
+                raise TypeError(f"a {name} value is not an int")
+            table[name] = pack_column(cols[name], kind)
+    except (KeyError, TypeError, struct.error) as e:
+        raise Unpackable(f"version 2 cannot hold this edit ({e}); set 'version': 1") from e
+    return {**doc, "tensors": packed, "chunks": table}
+
+
+def _prod(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(getattr(torch, dtype).itemsize)  # the manifest's dtype names are torch's
+
+
 def manifest_bytes(doc: dict[str, Any]) -> bytes:
-    """``doc`` as a manifest whose own checksum matches (any old one is replaced)."""
+    """``doc`` as a manifest whose own checksum matches (any old one is replaced); an
+    expanded version 2 document is packed first."""
+    doc = pack(doc)
     body = json.dumps({k: v for k, v in doc.items() if k != CRC_KEY}).encode()
     head = body[: -len(b"}")]
     return head + b',\n "%s": "%08x"\n}\n' % (CRC_KEY.encode(), zlib.crc32(head))
@@ -34,7 +152,8 @@ def sign(text: str) -> bytes:
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / "manifest.json").read_text())  # type: ignore[no-any-return]
+    """The manifest's document, a version 2 one expanded (see the module docstring)."""
+    return expanded(json.loads((ckpt / "manifest.json").read_text()))
 
 
 def write_manifest(ckpt: Path, doc: dict[str, Any]) -> None:

@@ -1146,8 +1146,10 @@ def test_a_same_length_edit_that_keeps_everything_valid_is_caught(
 
 
 def _as_old_manifest(ckpt: Path, covers: list[str] | None = None) -> None:
-    """What shardsafe wrote before checksums covered the manifest and the headers."""
+    """What shardsafe wrote before checksums covered the manifest and the headers (format
+    version 1, as first released)."""
     doc = manifest_doc(ckpt)
+    doc["version"] = 1
     doc.pop(forge.CRC_KEY)
     if covers is None:
         doc["checksum"].pop("covers")
@@ -1769,7 +1771,7 @@ def _numbers_case(name: str) -> Callable[[Path], None]:
                 "value -Infinity": "-Infinity",
             }[name]
             doc.pop(forge.CRC_KEY)
-            text = json.dumps(doc, indent=1).replace('"step": 5', f'"step": {literal}')
+            text = json.dumps(forge.pack(doc), indent=1).replace('"step": 5', f'"step": {literal}')
             (ckpt / "manifest.json").write_bytes(forge.sign(text))
             return
         else:

@@ -208,19 +208,19 @@ def test_a_missing_data_file(copy_of: Any, layout: str, victim: str, opened: lis
 def test_a_newer_format_version(copy_of: Any, opened: list[str]) -> None:
     ckpt = copy_of("consolidated")
     doc = json.loads((ckpt / "manifest.json").read_text())
-    doc["version"] = 2
+    doc["version"] = 3
     forge.write_manifest(ckpt, doc)
     err = load_fails(ckpt, opened)
     assert type(err) is CheckpointVersionError
     msg = str(err)
-    assert "manifest.json declares format version 2" in msg
+    assert "manifest.json declares format version 3" in msg
     assert "Upgrade shardsafe" in msg
     assert not any(p.endswith(".safetensors") for p in opened)
 
 
 def _point_at(ckpt: Path, layout: str, target: str) -> None:
     """Make the manifest name ``target`` instead of the model's data file."""
-    doc = json.loads((ckpt / "manifest.json").read_text())
+    doc = forge.read_manifest(ckpt)
     old = data_file(ckpt, layout).name
     doc["files"][target] = doc["files"].pop(old)
     for rec in doc["tensors"].values():

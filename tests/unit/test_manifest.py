@@ -25,6 +25,7 @@ from shardsafe.checkpoint.manifest import (
     parse,
 )
 from shardsafe.errors import CheckpointCorruptError, CheckpointVersionError
+from tests import forge
 
 S0 = "shard-00000-of-00002.safetensors"
 S1 = "shard-00001-of-00002.safetensors"
@@ -101,7 +102,21 @@ def test_to_json_and_parse_round_trip() -> None:
     m = parse(raw(valid_doc()))
     assert isinstance(m, Manifest)
     assert parse(m.to_json()) == m
-    assert json.loads(m.to_json())["tensors"] == valid_doc()["tensors"]
+    assert parse(m.to_json(version=1)) == m
+    assert json.loads(m.to_json(version=1))["tensors"] == valid_doc()["tensors"]
+
+
+def test_the_writer_writes_version_2_as_the_forge_reads_it() -> None:
+    """The writer's chunk table, decoded by the tests' own reader of the format."""
+    m = parse(raw(valid_doc()))
+    doc = json.loads(m.to_json())
+    assert doc["version"] == 2 and set(doc["chunks"]) == {
+        "rows", "names", "file", "name", "offsets", "shape", "crc32"
+    }  # fmt: skip
+    assert doc["tensors"]["model/w"] == {"dtype": "float32", "shape": [4, 6], "chunks": 2}
+    expanded = forge.expanded(doc)
+    assert expanded["tensors"] == dict(sorted(valid_doc()["tensors"].items()))
+    assert parse(forge.manifest_bytes(expanded)) == m
 
 
 def test_an_empty_tensor_with_a_huge_dim_is_still_a_tensor() -> None:
@@ -293,12 +308,12 @@ def test_file_names_that_are_not_plain_names_in_the_directory_are_refused(name: 
 
 def test_a_newer_version_asks_to_upgrade() -> None:
     doc = valid_doc()
-    doc["version"] = 2
+    doc["version"] = 3
     with pytest.raises(CheckpointVersionError) as info:
         parse(raw(doc), "ckpt/manifest.json")
     msg = str(info.value)
-    assert "ckpt/manifest.json declares format version 2" in msg
-    assert "reads versions up to 1" in msg and "Upgrade shardsafe" in msg
+    assert "ckpt/manifest.json declares format version 3" in msg
+    assert "reads versions up to 2" in msg and "Upgrade shardsafe" in msg
 
 
 def test_a_newer_version_is_reported_before_fields_it_may_have_changed() -> None:

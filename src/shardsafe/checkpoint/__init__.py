@@ -26,7 +26,8 @@ chunk
     them (:class:`~shardsafe.checkpoint.offer.ChunkOffer`, shapes only); the *save plan*
     puts each in a data file (:class:`~shardsafe.checkpoint.save_plan.FileEntry`); the
     manifest records where it landed (:class:`~shardsafe.checkpoint.manifest.ChunkRecord`,
-    with its CRC32s); a data file's header describes its bytes (``HeaderEntry``).
+    with its CRC32s; format version 2 keeps them all in one *chunk table*, ``chunk_table``);
+    a data file's header describes its bytes (``HeaderEntry``).
 save plan / load plan
     the whole of what a save writes (every data file, which rank writes it, which chunk
     offers fill it) / what a load on one rank restores (every entry, the *read requests*

@@ -18,6 +18,7 @@ be swapped between two operations, and:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -26,6 +27,7 @@ import sys
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
+from .dir_sync import DirectorySync
 
 _O_PATH = getattr(os, "O_PATH", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -198,12 +200,15 @@ class LocalFileSink:
     being produced and the final fsync has little left to flush.
     """
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, *, directory: DirectorySync | None = None) -> None:
         self.path = path
         """The file's path, for messages."""
         self._fd: int | None = fd
         self.written = 0
         self._kicked = 0
+        self._directory = directory
+        """The fsync of the directory that makes this new file's name durable, if any:
+        ``finish`` returns only once it is done too."""
 
     def write(self, data: memoryview) -> None:
         assert self._fd is not None
@@ -223,12 +228,20 @@ class LocalFileSink:
         finally:
             os.close(self._fd)
             self._fd = None
+            directory, self._directory = self._directory, None
+            if directory is not None:
+                directory.wait()
         return self.written
 
     def abort(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        directory, self._directory = self._directory, None
+        if directory is not None:
+            # The file is being given up: its name's durability no longer matters.
+            with contextlib.suppress(OSError):
+                directory.wait()
 
 
 class LocalFileReader:

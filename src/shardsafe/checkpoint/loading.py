@@ -32,6 +32,7 @@ from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
 from . import in_place
+from .chunk_table import chunk_files
 from .load_plan import LoadPlan, guarded, plan_load
 from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -156,8 +157,8 @@ def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Rout
     one request."""
 
     def where(req: ReadRequest) -> tuple[str, str]:
-        chunks = manifest.tensors[req.key].chunks
-        return (chunks[0].file if chunks else "", req.key)
+        files = chunk_files(manifest.tensors[req.key].chunks)
+        return (files[0] if files else "", req.key)
 
     fresh = sorted(routes.fresh, key=where)
     placed = sorted(routes.in_place, key=lambda pair: where(pair[0]))

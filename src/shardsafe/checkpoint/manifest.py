@@ -20,9 +20,14 @@ loads, while a newer one that lost its manifest checksum is refused. A CRC32 det
 accidental damage (bit flips, truncation, a partial copy); it does not stop a deliberate
 forger, who can recompute it: that is what the structural checks here are for.
 
+Versions (``manifest_format.VERSION``): 1 holds each chunk as a JSON object inside its
+tensor's record; 2 (written since) holds every chunk in one table of binary columns
+(``chunk_table.py``, checked by ``chunk_checks.py``). Both are read; a newer version is
+refused with :class:`CheckpointVersionError`, before any field it may have changed.
+
 Costs are linear in the manifest's size: every check here is a pass over the records
-(the tiling check accepts any number of chunks that form a grid, the only shape
-sharding produces, and checks other arrangements pairwise only up to a small count).
+or the columns (the tiling check accepts any number of chunks that form a grid, the only
+shape sharding produces, and checks other arrangements pairwise only up to a small count).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointVersionError
 from ..protocol import SavedValue
+from . import chunk_table
+from .chunk_checks import check_table
 from .crc import crc32
 from .manifest_checks import Checker, covers_of, is_int, verify_trailer
 from .manifest_format import (
@@ -94,20 +101,29 @@ class Manifest:
     manifest_bytes: int = field(default=0, compare=False)
     """Size of the ``manifest.json`` it was parsed from (0 if built in memory)."""
 
-    def to_json(self) -> bytes:
-        """The manifest's bytes, ending in the CRC32 of everything before it."""
+    def to_json(self, version: int = VERSION) -> bytes:
+        """The manifest's bytes, ending in the CRC32 of everything before it (``version``
+        1 only to make checkpoints for older readers and tests of reading them)."""
         covers = [c for c in COVERS if c != "headers" or set(self.header_crc32) == set(self.files)]
-        doc = {
+        files = sorted(self.files)
+        tensors = dict(sorted(self.tensors.items()))
+        doc: dict[str, Any] = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": version,
             "layout": self.layout,
             "world_size": self.world_size,
             "checksum": {"algorithm": "crc32", "block_bytes": self.block_bytes, "covers": covers},
             "info": self.info,
-            "files": {name: self._file_json(name) for name in sorted(self.files)},
+            "files": {name: self._file_json(name) for name in files},
             "values": {v.name: {"kind": v.kind, "meta": v.meta} for v in self.values.values()},
-            "tensors": {key: _tensor_to_json(rec) for key, rec in sorted(self.tensors.items())},
         }
+        if version == 1:
+            doc["tensors"] = {key: _tensor_to_json(rec) for key, rec in tensors.items()}
+        elif version == VERSION:
+            doc["tensors"] = {key: _tensor_head_json(rec) for key, rec in tensors.items()}
+            doc["chunks"] = chunk_table.encode(tensors, files)
+        else:
+            raise ValueError(f"version is {version}; shardsafe writes versions 1 and {VERSION}")
         # Compact: json's C encoder (an indent would run its pure-Python one, 10x slower).
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
         head = body[: -len(b"}")]
@@ -160,6 +176,14 @@ class Manifest:
         )
 
 
+def _tensor_head_json(rec: TensorRecord) -> dict[str, Any]:
+    return {
+        "dtype": dtypes.dtype_name(rec.dtype),
+        "shape": list(rec.shape),
+        "chunks": len(rec.chunks),
+    }
+
+
 def _tensor_to_json(rec: TensorRecord) -> dict[str, Any]:
     return {
         "dtype": dtypes.dtype_name(rec.dtype),
@@ -187,17 +211,22 @@ def parse(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
     check.require(isinstance(doc, dict), "the top level is not a JSON object")
     version = _version(doc, check, where)
     covers = covers_of(doc, has_trailer, where)
+    # Only version 1, as first released, was written without the manifest's own CRC32.
+    check.require(version == 1 or "manifest" in covers, "'checksum.covers' lacks 'manifest'")
     layout = doc.get("layout")
     check.require(layout in LAYOUTS, f"'layout' is {layout!r}, not one of {LAYOUTS}")
     world_size = doc.get("world_size")
     check.require(is_int(world_size) and world_size >= 1, "'world_size' is not a positive int")
     block_bytes = check.block_bytes(doc.get("checksum"))
     files, header_crcs = check.files(doc.get("files"), needs_header_crc="headers" in covers)
-    tensors = {
-        key: check.tensor(key, rec, files, block_bytes)
-        for key, rec in check.mapping(doc.get("tensors"), "tensors").items()
-    }
-    check.unique_stored_tensors(tensors)
+    if version == 1:
+        tensors = {
+            key: check.tensor(key, rec, files, block_bytes)
+            for key, rec in check.mapping(doc.get("tensors"), "tensors").items()
+        }
+        check.unique_stored_tensors(tensors)
+    else:
+        tensors = check_table(check, doc.get("tensors"), doc.get("chunks"), files, block_bytes)
     values = check.values(doc.get("values"))
     info = doc.get("info", {})
     check.require(isinstance(info, dict), "'info' is not an object")

@@ -14,6 +14,8 @@ import math
 import re
 from typing import Any, NoReturn
 
+import torch
+
 from .. import dtypes
 from ..errors import CheckpointCorruptError
 from ..protocol import SavedValue
@@ -167,7 +169,22 @@ class Checker:
         raise CheckpointCorruptError(f"{self.where} is malformed: {problem}")
 
     def tensor(self, key: str, rec: Any, files: dict[str, int], block_bytes: int) -> TensorRecord:
-        """One tensor record (messages formatted only on failure: this runs per tensor)."""
+        """One tensor record of version 1, its chunks included."""
+        dtype, shape = self.tensor_head(key, rec)
+        raw_chunks = rec.get("chunks")
+        if not (type(raw_chunks) is list and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR):
+            self.fail(f"tensor {key!r} has no valid 'chunks' list")
+        itemsize = dtypes.itemsize(dtype)
+        chunks = tuple(self.chunk(key, c, shape, itemsize, files, block_bytes) for c in raw_chunks)
+        if len(chunks) > 1 or chunks[0].offsets != (0,) * len(shape) or chunks[0].shape != shape:
+            problem = geometry.tiling_problem(shape, [(c.offsets, c.shape) for c in chunks])
+            if problem is not None:
+                self.fail(f"the chunks of {key!r} {problem}")
+        return TensorRecord(dtype, shape, chunks)
+
+    def tensor_head(self, key: str, rec: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+        """A tensor record's key, dtype and shape, checked (every version has them; messages
+        are formatted only on failure: this runs per tensor)."""
         if not (
             type(key) is str
             and 0 < len(key) <= MAX_NAME_CHARS
@@ -185,16 +202,7 @@ class Checker:
         shape = tuple(raw_shape)
         if math.prod(max(n, 1) for n in shape) >= 1 << 63:  # what torch.empty can make
             self.fail(f"the shape of {key!r} is too large for any tensor")
-        raw_chunks = rec.get("chunks")
-        if not (type(raw_chunks) is list and 0 < len(raw_chunks) <= MAX_CHUNKS_PER_TENSOR):
-            self.fail(f"tensor {key!r} has no valid 'chunks' list")
-        itemsize = dtypes.itemsize(dtype)
-        chunks = tuple(self.chunk(key, c, shape, itemsize, files, block_bytes) for c in raw_chunks)
-        if len(chunks) > 1 or chunks[0].offsets != (0,) * len(shape) or chunks[0].shape != shape:
-            problem = geometry.tiling_problem(shape, [(c.offsets, c.shape) for c in chunks])
-            if problem is not None:
-                self.fail(f"the chunks of {key!r} {problem}")
-        return TensorRecord(dtype, shape, chunks)
+        return dtype, shape
 
     def chunk(
         self,

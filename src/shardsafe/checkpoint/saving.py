@@ -200,8 +200,9 @@ def commit(
     }
     raw = loadable(Manifest.build(plan, entries, written, info, CRC_BLOCK_BYTES))
     # The data files' directory entries must be durable before the manifest that names
-    # them is: a power loss must not leave a manifest without its files.
-    storage.sync_directory()
+    # them is (a power loss must not leave a manifest without its files): each writer's
+    # file was finished, so its name is durable (Storage.create; dir_sync.py), before
+    # the write phase agreed.
     storage.commit(MANIFEST_NAME, raw)
     storage.remove(target_directory.INCOMPLETE_MARKER)
     if after_commit is not None:

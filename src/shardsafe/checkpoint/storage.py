@@ -18,6 +18,7 @@ import stat
 from typing import Protocol, runtime_checkable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .dir_sync import DirectorySync
 from .files import (
     LocalFileReader,
     LocalFileSink,
@@ -90,7 +91,8 @@ class Storage(Protocol):
     def where(self, name: str) -> str: ...
     def create(self, name: str, size_hint: int = 0) -> FileSink:
         """A new object; ``size_hint``: the bytes it will hold, if known (an object
-        store sizes its upload parts by it)."""
+        store sizes its upload parts by it). Once its ``finish`` returns, the object
+        and its name are durable: a save commits its manifest without syncing again."""
         ...
 
     def commit(self, name: str, data: bytes) -> None: ...
@@ -194,14 +196,20 @@ class LocalStorage:
     # -- writing
 
     def create(self, name: str, size_hint: int = 0) -> FileSink:
-        """A new file; a name that exists already (of any kind) is refused."""
+        """A new file; a name that exists already (of any kind) is refused. Its name is
+        durable once ``finish`` returns, as its bytes are (``dir_sync``)."""
         try:
-            return LocalFileSink(create_new(self.fd, name), self.where(name))
+            fd = create_new(self.fd, name)
         except FileExistsError:
             raise CheckpointError(
                 f"{self.where(name)} appeared while the checkpoint was being written; "
                 "shardsafe never writes over a file it did not create"
             ) from None
+        try:
+            return LocalFileSink(fd, self.where(name), directory=DirectorySync(self.fd))
+        except BaseException:
+            os.close(fd)
+            raise
 
     def commit(self, name: str, data: bytes) -> None:
         """Write ``data`` under ``name`` atomically: temp file, fsync, rename, fsync dir."""

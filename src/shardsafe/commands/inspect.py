@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(path: str) -> dict[str, Any]:
     """The ``--json`` document for the checkpoint at ``path`` (see the module docstring)."""
+    from ..checkpoint.chunk_table import chunk_files
     from ..checkpoint.locations import is_url
     from ._common import load_manifest
 
@@ -84,8 +85,8 @@ def describe(path: str) -> dict[str, Any]:
             by_value[t["value"]].append(t)
     pieces: dict[str, int] = dict.fromkeys(manifest.files, 0)
     for rec in manifest.tensors.values():
-        for chunk in rec.chunks:
-            pieces[chunk.file] += 1
+        for file in chunk_files(rec.chunks):
+            pieces[file] += 1
     created = _number(manifest.info.get("created_unix"))
     data_bytes = manifest.total_bytes
     tensor_bytes = sum(t["bytes"] for t in tensors)
@@ -127,8 +128,9 @@ def _owner(key: str, values: dict[str, Any]) -> str | None:
 
 def _tensor(key: str, rec: Any, values: dict[str, Any]) -> dict[str, Any]:
     from .. import dtypes
+    from ..checkpoint.chunk_table import chunk_files
 
-    files = list(dict.fromkeys(chunk.file for chunk in rec.chunks))
+    files = list(dict.fromkeys(chunk_files(rec.chunks)))
     return {
         "key": key,
         "value": _owner(key, values),
