@@ -36,6 +36,7 @@ from . import flat_layout
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .dcp_read import load_range
 from .entries import nested
+from .sink_stream import SinkStream
 from .source import Source, SourceTensor, TensorRef
 
 DATA_FILE = "__0_0.distcp"
@@ -79,22 +80,6 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     for key, value in tree.items():
         visit((str(key),), value)
     return leaves
-
-
-class _Stream:
-    """A write-only file object over a sink, counting its position (``torch.save`` target)."""
-
-    def __init__(self, sink: FileSink) -> None:
-        self.sink, self.pos = sink, 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sink.write(view)
-        self.pos += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        return None
 
 
 def refuse_non_empty(storage: Storage) -> bool:
@@ -169,7 +154,7 @@ class _DataFile:
     def __init__(
         self, sink: FileSink, source: Source, on_bytes: Callable[[int], None] | None
     ) -> None:
-        self.stream, self.source, self.on_bytes = _Stream(sink), source, on_bytes
+        self.stream, self.source, self.on_bytes = SinkStream(sink), source, on_bytes
         self.state_md: dict[str, Any] = {}
         self.storage_data: dict[Any, Any] = {}
         self.planner_data: dict[str, tuple[str | int, ...]] = {}

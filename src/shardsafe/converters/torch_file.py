@@ -40,6 +40,7 @@ from ..checkpoint.storage import Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from .dcp_read import RangeFile
 from .entries import is_module, nested, to_entries
+from .sink_stream import SinkStream
 from .source import Source, SourceTensor, TensorRef, one_chunk
 
 PICKLE_WARNING = (
@@ -174,26 +175,6 @@ def _storage_type(key: str, dtype: torch.dtype) -> Any:
     return getattr(torch, name)
 
 
-class _Stream:
-    """Write-only, position-counting file object over a storage sink (no seek: zipfile
-    then writes data descriptors, which every zip reader, torch's included, accepts)."""
-
-    def __init__(self, sink: Any) -> None:
-        self.sink, self.pos = sink, 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sink.write(view)
-        self.pos += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        return None
-
-
 def write(
     source: Source, storage: Storage, name: str, on_bytes: Callable[[int], None] | None = None
 ) -> int:
@@ -205,7 +186,7 @@ def write(
     pickler = _Pickler(buf, source)
     pickler.dump(nested(source))
     sink = storage.create(name, size_hint=source.total_bytes)
-    stream = _Stream(sink)
+    stream = SinkStream(sink)
     try:
         with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED) as zf:  # type: ignore[call-overload]
             _record(zf, stream, "data.pkl", [memoryview(buf.getbuffer())])
@@ -226,7 +207,7 @@ def write(
 
 
 def _write_tensor(
-    zf: zipfile.ZipFile, stream: _Stream, ref: _Storage, on_bytes: Callable[[int], None] | None
+    zf: zipfile.ZipFile, stream: SinkStream, ref: _Storage, on_bytes: Callable[[int], None] | None
 ) -> None:
     tensor = ref.tensor.load_whole().contiguous()
     data = memory(byte_view(tensor))
@@ -238,7 +219,7 @@ def _write_tensor(
     ref.tensor.done()
 
 
-def _record(zf: zipfile.ZipFile, stream: _Stream, name: str, pieces: list[memoryview]) -> None:
+def _record(zf: zipfile.ZipFile, stream: SinkStream, name: str, pieces: list[memoryview]) -> None:
     """One stored record, its data aligned to 64 bytes (padding in an extra field, as
     torch's own writer pads)."""
     full = f"{_ARCHIVE}/{name}"
