@@ -369,22 +369,29 @@ def test_ranged_reads_in_order_across_blocks_and_at_random_return_the_object_byt
             read(reader, len(raw) - 4, 8)
 
 
-def test_only_the_reader_used_last_holds_read_ahead_blocks(
+def test_only_the_two_readers_used_last_hold_read_ahead_blocks(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
     """A load with many objects open (a new world size reads parts of every shard file)
-    holds two blocks at most, not two per open object: reading another object drops the
-    blocks of the one before, so going back to it costs a GET again."""
+    keeps the blocks of the two objects read last, not of every open one: reading a third
+    drops those of the one read longest ago, so going back to it costs a GET again."""
     storage = FsspecStorage(f"s3://{s3_bucket}/ck", storage_options={"default_block_size": 5 << 20})
-    names = ("a.safetensors", "b.safetensors")
-    raws = {n: written(storage, n, 6 << 20, i) for i, n in enumerate(names)}
+    names = ("a.safetensors", "b.safetensors", "c.safetensors")
+    raws = {n: written(storage, n, 1 << 20, i) for i, n in enumerate(names)}
     spy = GetSpy(storage.fs)
-    with storage.open_reader("a.safetensors") as a, storage.open_reader("b.safetensors") as b:
+    readers = {n: storage.open_reader(n) for n in names}
+    try:
+        a, b, c = (readers[n] for n in names)
         assert read(a, 0, 1024) == raws["a.safetensors"][:1024]
-        assert read(a, 4096, 1024) == raws["a.safetensors"][4096:5120]  # from a's block
         assert read(b, 0, 1024) == raws["b.safetensors"][:1024]
-        assert read(a, 0, 1024) == raws["a.safetensors"][:1024]  # a's block was dropped
-    assert [obj for obj, _ in spy.calls] == ["a.safetensors", "b.safetensors", "a.safetensors"]
+        assert read(a, 4096, 1024) == raws["a.safetensors"][4096:5120]  # two hold blocks
+        assert read(b, 4096, 1024) == raws["b.safetensors"][4096:5120]
+        assert read(c, 0, 1024) == raws["c.safetensors"][:1024]  # a's block is dropped
+        assert read(a, 0, 1024) == raws["a.safetensors"][:1024]
+    finally:
+        for r in readers.values():
+            r.close()
+    assert [obj[0] for obj, _ in spy.calls] == ["a", "b", "c", "a"]
 
 
 def model(seed: int) -> torch.nn.Module:

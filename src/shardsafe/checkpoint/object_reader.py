@@ -10,9 +10,9 @@ instead of adding to them (only for fsspec's asynchronous backends, s3fs and gcs
 whose calls are safe from a second thread). Reads of at least a block are fetched as
 several ranged GETs in flight at once, straight into the caller's buffer.
 
-Memory: the readers of one storage share one :class:`ReadBudget`: only the reader used
-last holds blocks, so a load holds at most two blocks (48 MiB) however many objects it
-has open (a load at a new world size reads parts of many shard files).
+Memory: the readers of one storage share one :class:`ReadBudget`: only the two readers
+used last hold blocks, so a load holds at most four blocks (96 MiB) however many objects
+it has open (a load at a new world size reads parts of many shard files).
 """
 
 from __future__ import annotations
@@ -25,26 +25,37 @@ from ..errors import CheckpointCorruptError
 
 READ_AHEAD_BYTES = 24 << 20
 """The cached block (and the one fetched ahead): a 96 MiB shard file is 4 GETs."""
+HOLDERS = 2
+"""Readers that keep their blocks at once (see :class:`ReadBudget`): at most
+``2 * HOLDERS`` blocks, 96 MiB, per load."""
 PARALLEL_RANGE_BYTES = 8 << 20
 """A read of at least :data:`READ_AHEAD_BYTES` is fetched as ranged GETs of this size,
 several in flight at once."""
 
 
 class ReadBudget:
-    """Which reader of a storage may hold blocks: the one that read last."""
+    """Which readers of a storage may hold blocks: the :data:`HOLDERS` used last.
+
+    Two, not one: a rank commonly alternates between two objects, its own shard file and
+    the one holding the replicated tensors (FSDP2's AdamW ``step`` scalars are stored
+    once, in rank 0's file), and a single holder would drop and refetch a block at every
+    switch."""
 
     def __init__(self) -> None:
-        self._holder: FsspecFileReader | None = None
+        self._holders: list[FsspecFileReader] = []
 
     def take(self, reader: FsspecFileReader) -> None:
-        if self._holder is not reader:
-            if self._holder is not None:
-                self._holder.drop_blocks()
-            self._holder = reader
+        if self._holders and self._holders[-1] is reader:
+            return
+        if reader in self._holders:
+            self._holders.remove(reader)
+        self._holders.append(reader)
+        while len(self._holders) > HOLDERS:
+            self._holders.pop(0).drop_blocks()
 
     def give_back(self, reader: FsspecFileReader) -> None:
-        if self._holder is reader:
-            self._holder = None
+        if reader in self._holders:
+            self._holders.remove(reader)
 
 
 class FsspecFileReader:
