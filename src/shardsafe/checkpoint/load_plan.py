@@ -234,7 +234,7 @@ def _check_allocation(manifest: Manifest, plan: LoadPlan, rank: int, limit: int)
     live = untrusted = 0
     largest: list[tuple[int, str]] = []
     for req in plan.requests:
-        nbytes = _request_bytes(manifest.tensors[req.key], req)
+        nbytes = request_bytes(manifest.tensors[req.key], req)
         if req.checked_against_live:
             live += nbytes
         else:
@@ -252,7 +252,8 @@ def _check_allocation(manifest: Manifest, plan: LoadPlan, rank: int, limit: int)
         )
 
 
-def _request_bytes(rec: TensorRecord, req: ReadRequest) -> int:
+def request_bytes(rec: TensorRecord, req: ReadRequest) -> int:
+    """The bytes of tensor ``rec`` that ``req`` reads."""
     shape = req.shape if req.shape is not None else rec.shape
     return math.prod(shape) * dtypes.itemsize(rec.dtype)
 

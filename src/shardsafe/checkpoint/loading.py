@@ -20,20 +20,18 @@ the error says which were (``in_place.partly_restored``).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .. import dtypes
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
 from . import in_place
 from .chunk_table import chunk_files
-from .load_plan import LoadPlan, guarded, plan_load
+from .load_plan import LoadPlan, guarded, plan_load, request_bytes
 from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
@@ -125,12 +123,7 @@ def _spool(
     object store); a local file's comes from the page cache."""
     if options.verify != "first" or isinstance(storage, LocalStorage):
         return None
-    nbytes = 0
-    for req, _ in routes.in_place:
-        rec = manifest.tensors[req.key]
-        shape = rec.shape if req.shape is None else req.shape
-        nbytes += math.prod(shape) * dtypes.itemsize(rec.dtype)
-    return spool_for(nbytes)
+    return spool_for(sum(request_bytes(manifest.tensors[r.key], r) for r, _ in routes.in_place))
 
 
 def _read(
@@ -141,12 +134,9 @@ def _read(
     in ``spool`` for the second read, if there is one)."""
     tensors = {req.key: reader.read(req.key, req.offsets, req.shape) for req in routes.fresh}
     if verify == "first":
-        if spool is not None:
-            spool.recording = True
-        for req, _ in routes.in_place:
-            reader.check(req.key, req.offsets, req.shape)
-        if spool is not None:
-            spool.recording = False
+        with spool.recording() if spool else contextlib.nullcontext():
+            for req, _ in routes.in_place:
+                reader.check(req.key, req.offsets, req.shape)
     tensors.update({req.key: target for req, target in routes.in_place})
     return tensors
 

@@ -22,9 +22,11 @@ directory; ``verify="inline"`` needs no spool.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from typing import IO
 
 from .storage import FileReader
@@ -83,8 +85,7 @@ class Spool:
     """The spool file and, per object, which of its ranges it holds and where."""
 
     def __init__(self) -> None:
-        self.recording = False
-        """Set by the loader while the check pass runs: only those reads are kept."""
+        self._recording = False
         self._file: IO[bytes] | None = None
         self._end = 0
         self._failed = False
@@ -92,11 +93,20 @@ class Spool:
         self._ranges: dict[str, list[tuple[int, int, int]]] = {}
         """Per object, sorted by start: ``(start, end, position in the spool)``."""
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Keep what is read inside the block (the loader's check pass), and only that."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
     def wrap(self, reader: FileReader) -> FileReader:
         return SpooledReader(reader, self)
 
     def keep(self, name: str, offset: int, data: memoryview) -> None:
-        if not self.recording or self._failed or not data.nbytes:
+        if not self._recording or self._failed or not data.nbytes:
             return
         try:
             if self._file is None:
