@@ -180,3 +180,42 @@ def test_zero_save_loads_into_fsdp(tmp_path: Path) -> None:
         got_msd, got_osd, _ = run_ranks(load_run, world, path, 0)[0]
         assert_same_model(got_msd, weights)
         assert_same_optimizer_state(fqn_optimizer_state(got_osd), state)
+
+
+def resharded_run(rank: int, world: int, root: str) -> str:
+    """One DTensor saved as Shard(0), then the same values as Shard(1) and replicated:
+    each save must write the geometry the tensor has now, not the one seen first."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    rows = distribute_tensor(full, mesh, [Shard(0)])
+    for name, value in [
+        ("rows", rows),
+        ("cols", rows.redistribute(mesh, [Shard(1)])),
+        ("whole", rows.redistribute(mesh, [Replicate()])),
+        ("rows-again", rows),
+    ]:
+        shardsafe.save(f"{root}/{name}", {"values": {"t": value}})
+    partial = DTensor.from_local(full / world, mesh, [Partial()])
+    try:
+        shardsafe.save(f"{root}/partial", {"values": {"t": partial}})
+    except shardsafe.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_each_save_writes_the_dtensor_geometry_it_has_now(tmp_path: Path) -> None:
+    message = run_ranks(resharded_run, 2, str(tmp_path))[0]
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for name in ("rows", "cols", "whole", "rows-again"):
+        got = run_ranks(plain_load_run, 1, str(tmp_path / name))[0]
+        assert torch.equal(got, full), name
+    assert "is a DTensor with a Partial placement" in message
+    assert "'values/t'" in message
+
+
+def plain_load_run(rank: int, world: int, path: str) -> torch.Tensor:
+    values: torch.Tensor = shardsafe.load(path, {})["values"]["t"]
+    return values

@@ -21,10 +21,18 @@ from ..protocol import Chunk
 _DTENSOR_MODULES = ("torch.distributed.tensor._api", "torch.distributed._tensor.api")
 
 
+_FOUND: list[Any] = []
+
+
 def _dtensor_class() -> Any:
+    """The DTensor class once the user's program has imported it, else ``None`` (kept once
+    found: every tensor of every save asks)."""
+    if _FOUND:
+        return _FOUND[0]
     for name in _DTENSOR_MODULES:
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "DTensor"):
+            _FOUND.append(module.DTensor)
             return module.DTensor
     return None
 
@@ -56,22 +64,64 @@ def _box(
     return tuple(offsets), tuple(local)
 
 
+Geometry = tuple[str, tuple[int, ...], tuple[int, ...]]
+"""``(role, global offsets, local shape)``; role is "replicated", "shard", "skip" (a
+replica of a shard that the rank at coordinate 0 writes) or "partial" (unsavable)."""
+
+_GEOMETRY: dict[Any, Geometry] = {}
+_GEOMETRY_LIMIT = 4096
+
+
+def geometry(value: Any) -> Geometry:
+    """What this rank holds of the DTensor ``value``, cached by its sharding spec.
+
+    An asynchronous save stalls training for as long as this runs on every DTensor
+    (parameters and both Adam moments), so the answer is kept by the spec: torch's
+    ``DTensorSpec`` hashes (once, cached) and compares by mesh, placements, shape, stride
+    and dtype, which is all the answer depends on. A value without a spec (older torch)
+    is keyed by its mesh, placements and shape."""
+    spec = getattr(value, "_spec", None)
+    key = spec if spec is not None else (value.device_mesh, tuple(value.placements), value.shape)
+    found = _GEOMETRY.get(key)
+    if found is None:
+        found = _geometry(value)
+        if len(_GEOMETRY) >= _GEOMETRY_LIMIT:
+            _GEOMETRY.clear()
+        _GEOMETRY[key] = found
+    return found
+
+
+def _geometry(value: Any) -> Geometry:
+    placements = tuple(value.placements)
+    if any(p.is_partial() for p in placements):
+        return "partial", (), ()
+    shape = tuple(value.shape)
+    if all(p.is_replicate() for p in placements):
+        return "replicated", (0,) * len(shape), shape
+    coords = value.device_mesh.get_coordinate() or []
+    if any(p.is_replicate() and c != 0 for p, c in zip(placements, coords)):
+        return "skip", (), ()
+    offsets, local = local_box(value)
+    return "shard", offsets, local
+
+
 def local_chunk(key: str, value: Any) -> Chunk | None:
     """The chunk this rank writes for a DTensor, or ``None`` if another replica writes it."""
-    placements = value.placements
-    if any(p.is_partial() for p in placements):
+    role, offsets, shape = geometry(value)
+    if role == "partial":
         raise CheckpointError(
             f"{key!r} is a DTensor with a Partial placement; reduce it "
             "(e.g. .redistribute() to Shard/Replicate) before saving"
         )
+    if role == "skip":
+        return None
     local = _local_tensor(value)
-    if all(p.is_replicate() for p in placements):
-        return Chunk(key, local, tuple(value.shape), (0,) * value.dim(), replicated=True)
-    coords = value.device_mesh.get_coordinate() or []
-    if any(p.is_replicate() and c != 0 for p, c in zip(placements, coords)):
-        return None  # a replica of a shard another rank (coordinate 0) writes
-    offsets, shape = local_box(value)
-    return Chunk(key, local.reshape(shape), tuple(value.shape), offsets, replicated=False)
+    global_shape = tuple(value.shape)
+    if role == "replicated":
+        return Chunk(key, local, global_shape, offsets, replicated=True)
+    if local.shape != shape:
+        local = local.reshape(shape)
+    return Chunk(key, local, global_shape, offsets, replicated=False)
 
 
 def _local_tensor(value: Any) -> torch.Tensor:
