@@ -139,3 +139,85 @@ def test_trainer_with_an_s3_run_dir_saves_and_resumes_with_identical_losses(
     (log,) = (cwd / "metrics").iterdir()
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert {r["step"]: r["loss"] for r in records} == losses(whole)
+
+
+BLOCK = 16 << 10
+"""A read-ahead block small enough that the test model's shard files span many."""
+
+
+def load_fsdp_counting_gets(rank: int, world: int, url: str, verify: str) -> Any:
+    """Load with small read-ahead blocks, recording the bytes fetched from each object."""
+    from shardsafe.checkpoint import object_reader
+
+    fetched: dict[str, int] = {}
+    get, get_parallel = (
+        object_reader.FsspecFileReader._get,
+        object_reader.FsspecFileReader._get_parallel,
+    )
+
+    def counted_get(self: Any, start: int, end: int) -> bytes:
+        fetched[self.name] = fetched.get(self.name, 0) + end - start
+        return get(self, start, end)
+
+    def counted_parallel(self: Any, offset: int, view: memoryview) -> None:
+        fetched[self.name] = fetched.get(self.name, 0) + view.nbytes
+        get_parallel(self, offset, view)
+
+    object_reader.READ_AHEAD_BYTES = BLOCK
+    object_reader.FsspecFileReader._get = counted_get  # type: ignore[method-assign]
+    object_reader.FsspecFileReader._get_parallel = counted_parallel  # type: ignore[method-assign]
+    model = _wide_fsdp(1)
+    opt = test_fsdp.adamw(model)
+    shardsafe.load(url, {"model": model, "optimizer": opt}, verify=verify)
+    return fetched, test_fsdp.full_state(model, opt)
+
+
+def save_wide_fsdp(rank: int, world: int, url: str) -> Any:
+    model = _wide_fsdp(0)
+    opt = test_fsdp.adamw(model)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    shardsafe.save(url, {"model": model, "optimizer": opt})
+    return test_fsdp.full_state(model, opt)
+
+
+@pytest.mark.parametrize("verify", ["first", "inline"])
+def test_an_fsdp2_rank_reads_only_its_own_shard_file_and_the_head_of_the_others(
+    s3_server: S3Server, s3_bucket: str, verify: str
+) -> None:
+    """Each file holds its whole (replicated) tensors first, and a load reads in file
+    order: a rank reading back its shards fetches its own file once, and of the other
+    rank's file only the first block (header and the AdamW step scalars kept there),
+    instead of walking it for step scalars spread among that rank's shards."""
+    url = f"s3://{s3_bucket}/wide/step-1"
+    env = s3_server.env
+    msd, osd = run_ranks(with_env, 2, env, save_wide_fsdp, url)[0]
+    sizes = {
+        key.rsplit("/", 1)[-1]: len(s3_server.get(s3_bucket, key))
+        for key in s3_server.keys(s3_bucket, "wide/step-1/")
+    }
+    shard_files = sorted(n for n in sizes if n.startswith("shard-"))
+    assert len(shard_files) == 2 and all(sizes[n] > 8 * BLOCK for n in shard_files), sizes
+    results = run_ranks(with_env, 2, env, load_fsdp_counting_gets, url, verify)
+    passes = 2 if verify == "first" else 1  # the check pass, then the restore
+    for rank, (fetched, _) in enumerate(results):
+        own, other = shard_files[rank], shard_files[1 - rank]
+        # A pass may fetch a block beyond what it needs where it jumps: reading the fresh
+        # optimizer state, then (restoring in place) the parameters before it.
+        assert fetched[own] <= passes * sizes[own] + 4 * BLOCK, (rank, fetched, sizes)
+        assert fetched.get(other, 0) <= passes * BLOCK, (rank, fetched, sizes)
+    _, (got_msd, got_osd) = results[0]  # torch's full state is gathered on rank 0
+    test_fsdp.assert_same_model(got_msd, msd)
+    want = test_fsdp.fqn_optimizer_state(osd)
+    assert_same_optimizer_state(test_fsdp.fqn_optimizer_state(got_osd), want)
+
+
+def _wide_fsdp(seed: int) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model

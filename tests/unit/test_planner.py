@@ -126,6 +126,26 @@ def test_sharded_state_stays_with_its_owner_and_replicas_fill_the_gap() -> None:
     assert bytes_per_rank(plan) == Counter({0: 1200, 1: 1200})
 
 
+def test_a_shard_file_holds_its_whole_tensors_first_then_its_pieces_each_by_key() -> None:
+    """FSDP2's shape: sharded parameters and moments, replicated step scalars. The scalars
+    every rank of a load reads come together after the header, not spread among the
+    shards (the load reads a file in the same order: ``loading._in_file_order``)."""
+    sharded = {
+        f"{value}/{n}.weight{moment}": [(0, (0, 0), (2, 4)), (1, (2, 0), (2, 4))]
+        for value in ("model", "optimizer")
+        for n in range(3)
+        for moment in (["/exp_avg", "/exp_avg_sq"] if value == "optimizer" else [""])
+    }
+    steps = {f"optimizer/{n}.weight/step": () for n in range(3)}
+    plan = plan_save(offers_of(2, steps, sharded), "sharded", ["model", "optimizer"])
+    for f in plan.files:
+        keys = [e.key for e in f.entries]
+        whole = [e.key for e in f.entries if e.key.endswith("/step")]
+        assert keys[: len(whole)] == sorted(whole)
+        assert keys[len(whole) :] == sorted(k for k in sharded)
+    assert sum(len([e for e in f.entries if e.key.endswith("/step")]) for f in plan.files) == 3
+
+
 def test_several_pieces_of_one_tensor_on_one_rank_get_distinct_names() -> None:
     offers = offers_of(1, {}, {"t": [(0, (0, 0), (2, 3)), (0, (2, 0), (2, 3))]})
     plan = plan_save(offers, "sharded", ["t"])

@@ -29,13 +29,12 @@ import torch
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
-from . import in_place
-from .chunk_table import chunk_files
+from . import geometry, in_place
 from .load_plan import LoadPlan, guarded, plan_load, request_bytes
 from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
-from .reader import CACHE_PIECE_BYTES, CheckpointReader
+from .reader import CACHE_PIECE_BYTES, CheckpointReader, box_of
 from .spool import Spool, spool_for
 from .storage import LocalStorage, Storage
 
@@ -142,13 +141,18 @@ def _read(
 
 
 def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Routes:
-    """The requests in the order the data files hold them (a file's tensors are stored
-    sorted by key), so that an object store's read-ahead serves consecutive tensors from
-    one request."""
+    """The requests in the order the data files hold them (whole tensors first, then
+    pieces, each by key: ``save_plan._whole_first``), so that an object store's
+    read-ahead serves consecutive tensors from one request instead of jumping back and
+    forth in a file."""
 
-    def where(req: ReadRequest) -> tuple[str, str]:
-        files = chunk_files(manifest.tensors[req.key].chunks)
-        return (files[0] if files else "", req.key)
+    def where(req: ReadRequest) -> tuple[str, bool, str]:
+        rec = manifest.tensors[req.key]
+        box = box_of(rec, req.offsets, req.shape)
+        for chunk in rec.chunks:  # the first piece the request reads decides
+            if geometry.intersect((chunk.offsets, chunk.shape), box) is not None:
+                return (chunk.file, chunk.shape != rec.shape, req.key)
+        return ("", False, req.key)
 
     fresh = sorted(routes.fresh, key=where)
     placed = sorted(routes.in_place, key=lambda pair: where(pair[0]))

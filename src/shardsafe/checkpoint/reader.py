@@ -118,7 +118,7 @@ class CheckpointReader:
     ) -> torch.Tensor:
         """The box ``offsets``/``shape`` (default: everything) of tensor ``key``, on CPU."""
         rec = self.manifest.tensors[key]
-        box = _box(rec, offsets, shape)
+        box = box_of(rec, offsets, shape)
         pieces = self._pieces(key, rec, box)  # every file checked before allocating
         out = torch.empty(box[1], dtype=rec.dtype)
         if out.numel():
@@ -138,7 +138,7 @@ class CheckpointReader:
         been checked: a mismatch leaves it partly overwritten.
         """
         rec = self.manifest.tensors[key]
-        box = _box(rec, offsets, shape)
+        box = box_of(rec, offsets, shape)
         if out.dtype != rec.dtype or tuple(out.shape) != box[1]:
             raise ValueError(f"read_into({key!r}): out is not the box's dtype and shape")
         pieces = self._pieces(key, rec, box)
@@ -151,7 +151,7 @@ class CheckpointReader:
     ) -> None:
         """Read and CRC-check every byte the box needs, keeping none (memory: one piece)."""
         rec = self.manifest.tensors[key]
-        box = _box(rec, offsets, shape)
+        box = box_of(rec, offsets, shape)
         for chunk, overlap in self._pieces(key, rec, box):
             rel = (tuple(o - c for o, c in zip(overlap[0], chunk.offsets)), overlap[1])
             if math.prod(box[1]):
@@ -359,9 +359,10 @@ class CheckpointReader:
         return reader, entry
 
 
-def _box(
+def box_of(
     rec: TensorRecord, offsets: tuple[int, ...] | None, shape: tuple[int, ...] | None
 ) -> geometry.Box:
+    """The box a request selects: ``offsets``/``shape``, or the whole tensor."""
     if offsets is not None and shape is not None:
         return offsets, shape
     return (0,) * len(rec.shape), rec.shape

@@ -149,10 +149,21 @@ def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[
             continue
         entries = [
             FileEntry(_chunk_name(c, by_key), c.key, c.dtype, c.offsets, c.shape, (c,))
-            for c in sorted(chunks, key=lambda c: (c.key, c.offsets))
+            for c in sorted(chunks, key=_whole_first)
         ]
         files.append(FilePlan(shard_file_name(rank, world_size), rank, entries))
     return files
+
+
+def _whole_first(c: ChunkOffer) -> tuple[bool, str, tuple[int, ...]]:
+    """A file's order: whole tensors first, by key, then pieces of tensors, by key.
+
+    A load reads a file in this order too (``loading._in_file_order``, which sees only the
+    manifest, hence "whole" rather than "replicated"). It puts the replicated tensors that
+    every rank of a load reads (FSDP2's AdamW ``step`` scalars) together right after the
+    header, served by the header's own ranged GET; in key order they would be spread over
+    the whole file, each read costing a GET of another rank's shards."""
+    return (c.shape != c.global_shape, c.key, c.offsets)
 
 
 def _chunk_name(c: ChunkOffer, by_key: dict[str, list[ChunkOffer]]) -> str:
