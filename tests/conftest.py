@@ -14,4 +14,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+from tests.gcsserver import gcs_bucket, gcs_server  # noqa: E402, F401 - fixtures
 from tests.s3server import s3_bucket, s3_server  # noqa: E402, F401 - fixtures

@@ -62,7 +62,7 @@ def open_storage(
 
         return FsspecStorage(text, follow=follow, storage_options=storage_options)
     except ImportError as e:
-        hint = 'pip install "shardsafe[s3]" gcsfs' if scheme(text) == "gs" else INSTALL_HINT
+        hint = 'pip install "shardsafe[gcs]"' if scheme(text) == "gs" else INSTALL_HINT
         raise CheckpointError(
             f"{text} is an object-store URL, which needs fsspec and the store's driver "
             f"(s3fs for s3://, gcsfs for gs://): {hint} ({e})"

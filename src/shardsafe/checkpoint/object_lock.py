@@ -7,7 +7,9 @@ stores have no links and no rename. Where the store has a conditional create (S3
 two start at the same moment. Where the store has none (``memory://``, some
 S3-compatible stores that ignore the header), the lock is check-then-write: a second run
 that starts after the first run's first save is refused, but two runs whose first saves
-race within one round trip may both proceed.
+race within one round trip may both proceed. A store that accepts the conditional create
+but ignores it (the GCS emulator the tests use) lets a second run overwrite the lock; so
+every later save re-reads it, and a run whose lock now names another stops there.
 
 What it protects: the root's retention and ``latest`` against a second run, from the first
 save on. What it cannot: liveness across hosts. A lock left by a killed run names its host
@@ -49,7 +51,10 @@ class ObjectRootLock:
         """Whether the store honoured a conditional create (known after ``acquire``)."""
 
     def acquire(self) -> None:
+        """Own the root (before each save's first write): take the lock the first time,
+        and on every later save check that it still names this run."""
         if self.held:
+            self._confirm()
             return
         with self._open_root() as root:
             raw = json.dumps(self.me).encode()
@@ -90,6 +95,30 @@ class ObjectRootLock:
             "interleave checkpoints and delete each other's. Use another root or stop the "
             f"other run; if it is already gone, delete {root.where(LOCK_NAME)}."
         )
+
+    def _confirm(self) -> None:
+        """Refuse to go on if the lock object no longer names this run: a store that
+        ignores conditional creates let another run overwrite it, or someone replaced or
+        deleted it. Detection, not prevention (the other run may have saved already), but
+        it stops this run before it writes over, or retention deletes, the other's
+        checkpoints. One small GET per save."""
+        with self._open_root() as root:
+            owner = self._owner(root)
+            if owner.get("token") == self.me["token"]:
+                return
+            self.held = False
+            who = (
+                f"another run (pid {owner.get('pid')} on host {owner.get('host')})"
+                if owner
+                else "nobody: it was deleted"
+            )
+            raise CheckpointError(
+                f"the lock {root.where(LOCK_NAME)} this run took at its first save now names "
+                f"{who}. The store did not keep it exclusive (some S3-compatible stores, "
+                "and GCS emulators, ignore conditional creates), or it was replaced by hand. "
+                "Two runs saving into one root interleave checkpoints and delete each "
+                "other's: stop one, and give each run its own root."
+            )
 
     def _owner(self, root: Storage) -> dict[str, Any]:
         try:
