@@ -78,10 +78,13 @@ def geometry(value: Any) -> Geometry:
     An asynchronous save stalls training for as long as this runs on every DTensor
     (parameters and both Adam moments), so the answer is kept by the spec: torch's
     ``DTensorSpec`` hashes (once, cached) and compares by mesh, placements, shape, stride
-    and dtype, which is all the answer depends on. A value without a spec (older torch)
+    and dtype, which is all the answer depends on; the global shape is part of the key
+    too, in case a spec carries no tensor metadata. A value without a spec (older torch)
     is keyed by its mesh, placements and shape."""
     spec = getattr(value, "_spec", None)
-    key = spec if spec is not None else (value.device_mesh, tuple(value.placements), value.shape)
+    if spec is None:
+        spec = (value.device_mesh, tuple(value.placements))
+    key = (spec, value.shape)
     found = _GEOMETRY.get(key)
     if found is None:
         found = _geometry(value)
