@@ -306,3 +306,46 @@ def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
         )
     print(f"{ONE_RANK_TRIALS} two-rank trials in {time.monotonic() - began:.1f}s")
     assert inside >= ONE_RANK_TRIALS // 2, f"only {inside} kills landed inside a save"
+
+
+RANK0_GONE = """
+import os, sys, time
+import torch, torch.distributed as dist
+import shardsafe
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+state = {"values": {"w": torch.ones(4)}}
+shardsafe.save(os.path.join(sys.argv[3], "one"), state)
+if rank == 0:
+    os._exit(0)  # between two saves: the process hosting the store is gone
+time.sleep(2)
+try:
+    shardsafe.save(os.path.join(sys.argv[3], "two"), state)
+except shardsafe.CheckpointError as e:
+    print("CheckpointError:", e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_save_after_rank_0_died_between_saves_says_the_store_is_gone(tmp_path: Path) -> None:
+    """The first store request of the next save (the entry's first heartbeat) is the one
+    that finds rank 0's store gone: a clear CheckpointError, not torch's "Connection
+    reset by peer" (seen once in a one-rank-of-two kill trial)."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK0_GONE, str(rank), port, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    out, err = procs[1].communicate(timeout=60)
+    procs[0].wait(timeout=30)
+    assert procs[1].returncode == 3, err[-2000:]
+    assert "lost contact with the process group's store during the 'entry' phase" in out, out
+    assert "usually rank 0 which hosts the store, has probably exited" in out
+    assert not (tmp_path / "two" / "manifest.json").exists()

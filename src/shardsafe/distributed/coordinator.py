@@ -170,11 +170,15 @@ class Coordinator:
 
         From then on this rank beats a heartbeat until :meth:`close`.
         """
-        if self._store is not None:
-            # The first beat, before arriving: rank 0's watch reads every rank's beat in
-            # one multi_get, which must not block on a key that does not exist yet.
-            self._beat_store.add(f"beat/{self.rank}", 1)
         try:
+            if self._store is not None:
+                # The first beat, before arriving: rank 0's watch reads every rank's beat in
+                # one multi_get, which must not block on a key that does not exist yet.
+                # Guarded: if rank 0 (which hosts the store) died between two saves, this
+                # is the first request to find it gone, and must say so, not raise torch's
+                # "Connection reset by peer".
+                store = self._beat_store
+                self._guarded(str(Phase.ENTRY), lambda: store.add(f"beat/{self.rank}", 1))
             self.exchange(Phase.ENTRY, None, None, timeout=entry_timeout)
         except BaseException:
             self._give_back()
