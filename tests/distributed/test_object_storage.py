@@ -55,11 +55,17 @@ def test_ddp_zero_oss_round_trip_on_s3_at_1_and_3_ranks(
     assert all(k.startswith("run/step-3/") for k in keys), keys
     assert not any(".shardsafe-incomplete" in k for k in keys), keys
     for world in (1, 3):
-        state, got_weights, extra = run_ranks(with_env, world, env, load_zero_like, kind, url)[0]
-        assert extra == {"step": 3}
-        assert_same_optimizer_state(state, reference)
-        assert got_weights.keys() == weights.keys()
-        assert all(torch.equal(got_weights[k], w) for k, w in weights.items())
+        loaded = run_ranks(with_env, world, env, load_zero_like, kind, url)[0]
+        assert_loaded_as_saved(loaded, reference, weights)
+
+
+def assert_loaded_as_saved(loaded: Any, reference: Any, weights: dict[str, Any]) -> None:
+    """A load's ``(optimizer state, weights, plain values)`` are the save's, bitwise."""
+    state, got_weights, extra = loaded
+    assert extra == {"step": 3}
+    assert_same_optimizer_state(state, reference)
+    assert got_weights.keys() == weights.keys()
+    assert all(torch.equal(got_weights[k], w) for k, w in weights.items())
 
 
 def save_fsdp(rank: int, world: int, url: str, layout: str) -> Any:
