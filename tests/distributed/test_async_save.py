@@ -102,6 +102,114 @@ def test_the_checkpoint_is_the_state_at_the_call(tmp_path: Path, kind: str, layo
     assert run_ranks(snapshot_run, 2, str(tmp_path / "ckpt"), kind, layout) == [True, True]
 
 
+# ------------------------------------------------------------- what a rank stages
+
+
+def staged_bytes_run(rank: int, world: int, path: str, kind: str, layout: str) -> dict[str, int]:
+    from safetensors import safe_open
+
+    from shardsafe.checkpoint.background import DEFAULT_STAGER
+
+    model, wrapped, opt = _build(kind, 0)
+    _train(kind, wrapped, opt, 0, 2, rank)
+    held = sum(t.numel() * t.element_size() for t in _tensors(model, opt).values())
+    DEFAULT_STAGER.release()
+    shardsafe.async_save(path, {"model": model, "optimizer": opt}, layout=layout).wait()
+    written = 0
+    if layout == "sharded":
+        with safe_open(f"{path}/shard-{rank:05d}-of-{world:05d}.safetensors", "pt") as f:
+            tensors = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
+            written = sum(t.numel() * t.element_size() for t in tensors)
+    return {"held": held, "staged": DEFAULT_STAGER.nbytes, "written": written}
+
+
+@pytest.mark.parametrize("kind", ["plain", "zero"])
+def test_a_rank_stages_only_what_it_writes_when_its_state_is_replicated(
+    tmp_path: Path, kind: str
+) -> None:
+    """DDP (and ZeRO's replicated parameters): each replicated tensor is written by one
+    rank, so an asynchronous save plans first and each rank copies only its share."""
+    results = run_ranks(staged_bytes_run, 2, str(tmp_path / "ckpt"), kind, "sharded")
+    for r in results:
+        assert 0 < r["staged"] == r["written"] <= r["held"], results
+    assert sum(r["staged"] for r in results) < sum(r["held"] for r in results), results
+    if kind == "plain":  # every tensor replicated: the two shares are the state, once
+        assert results[0]["written"] + results[1]["written"] == results[0]["held"]
+
+
+def test_without_replicated_state_or_in_the_consolidated_layout_a_rank_stages_it_all(
+    tmp_path: Path,
+) -> None:
+    consolidated = run_ranks(staged_bytes_run, 2, str(tmp_path / "c"), "plain", "consolidated")
+    fsdp = run_ranks(staged_bytes_run, 2, str(tmp_path / "f"), "fsdp", "sharded")
+    for r in consolidated + fsdp:
+        assert r["staged"] == r["held"] > 0, (consolidated, fsdp)
+
+
+def planned_error_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A failure in the collect phase, which a DDP save runs at the call: the call still
+    returns a handle on every rank, and every handle raises the same error."""
+    from shardsafe.checkpoint import SaveHooks
+
+    def refuse() -> None:
+        raise RuntimeError("not today")
+
+    model, wrapped, opt = _build("plain", 0)
+    _train("plain", wrapped, opt, 0, 1, rank)
+    path = os.path.join(root, "ckpt")
+    handle = shardsafe.async_save(
+        path, {"model": model, "optimizer": opt}, hooks=SaveHooks(before_write=refuse)
+    )
+    _train("plain", wrapped, opt, 1, 1, rank)  # collectives still line up on every rank
+    try:
+        handle.wait(timeout=30)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    dist.barrier()
+    return {"error": error, "exists": os.path.exists(path)}
+
+
+def test_a_failure_while_planning_at_the_call_is_raised_by_every_handle(tmp_path: Path) -> None:
+    results = run_ranks(planned_error_run, 2, str(tmp_path))
+    assert results[0]["error"] == results[1]["error"], results
+    assert results[0]["error"].startswith("save failed on rank 0: RuntimeError: not today")
+    assert results[0]["exists"] is False
+
+
+def staging_error_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Staging fails on rank 1 after the plan was made at the call: the failure is
+    agreed in the write phase, and every handle raises it."""
+    from shardsafe.checkpoint.staging import Stager
+
+    if rank == 1:
+
+        def no_room(self: Stager, items: Any, keep: Any = None) -> Any:
+            raise MemoryError("no room for the staging buffers")
+
+        Stager.stage = no_room  # type: ignore[method-assign]
+    model, wrapped, opt = _build("plain", 0)
+    _train("plain", wrapped, opt, 0, 1, rank)
+    path = os.path.join(root, "ckpt")
+    handle = shardsafe.async_save(path, {"model": model, "optimizer": opt})
+    try:
+        handle.wait(timeout=30)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    dist.barrier()
+    return {"error": error, "exists": os.path.exists(path)}
+
+
+def test_a_staging_failure_after_planning_is_raised_by_every_handle(tmp_path: Path) -> None:
+    results = run_ranks(staging_error_run, 2, str(tmp_path))
+    assert results[0]["error"] == results[1]["error"], results
+    assert results[0]["error"].startswith(
+        "save failed on rank 1: MemoryError: no room for the staging buffers"
+    )
+    assert results[0]["exists"] is False
+
+
 # ---------------------------------------------------------------- errors in background
 
 FAULT: dict[str, Any] = {}

@@ -41,11 +41,37 @@ AFTERMATH: dict[Phase | None, str] = {
     ),
 }
 """What a rank dying in a phase of a save means for the checkpoint."""
+BACKGROUND_PIECE_BYTES = 256 << 10
+"""A background save checksums and writes pieces this large: well inside a core's L2
+cache, so the write's copy reads what the CRC just read from cache, not from memory."""
 
 
 def save(path: str, state: Mapping[str, Any], options: SaveOptions) -> None:
     """Run the phases of a save on this rank (see the module docstring)."""
     persist(begin(path, state, options))
+
+
+@dataclass
+class Planned:
+    """What the collect phase decided, as this rank needs it to write and commit."""
+
+    plan: SavePlan
+    """Rank 0: the whole plan; any other rank: its part (``plan_parts``)."""
+    token: str
+    """The name of rank 0's probe in the target, which every rank checks it can see."""
+    offers: list[Offer]
+    """Every rank's offer (rank 0 only: it writes the manifest)."""
+
+    def chunks_read(self, rank: int) -> set[int]:
+        """Which of ``rank``'s chunks (by offer index) its write phase reads: the only
+        ones an asynchronous save must stage."""
+        return {
+            source.index
+            for f in self.plan.files
+            for entry in f.entries
+            for source in entry.sources
+            if source.rank == rank
+        }
 
 
 @dataclass
@@ -60,18 +86,20 @@ class SaveRun:
     existed: bool
     items: Collected = field(default_factory=dict)
     error: BaseException | None = None
-    """This rank's failure while collecting or staging, agreed on in the collect phase."""
+    """This rank's failure while collecting or staging: raised in the next phase this
+    rank enters (collect, or write once planned), so that every rank raises it."""
     group: Any = None
     """The process group for the consolidated layout's transfers (``None``: the default)."""
+    background: bool = False
+    """Written beside a training loop (``async_save``): files are checksummed and written
+    by one thread, in cache-sized pieces (``StreamWriter``)."""
+    planned: Planned | None = None
+    """Set when the collect phase already ran (``plan``, at an asynchronous call)."""
+    failed: CheckpointError | None = None
+    """The agreed error of a collect phase run at the call: ``persist`` raises it."""
 
 
-def begin(
-    path: str,
-    state: Mapping[str, Any],
-    options: SaveOptions,
-    *,
-    stage: Callable[[Collected], Collected] | None = None,
-) -> SaveRun:
+def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
     """Meet every rank (the entry barrier) and turn this rank's state into save items.
 
     A failure after the barrier is kept in the run, so that ``persist`` posts it in the
@@ -89,17 +117,18 @@ def begin(
     run = SaveRun(path, coord, storage, options, existed)
     try:
         run.items = collect(state, coord.rank, coord.world_size)
-        if stage is not None:
-            run.items = stage(run.items)
     except Exception as e:
         run.error, run.items = e, {}
     return run
 
 
 def persist(run: SaveRun) -> None:
-    """The collect, write and commit phases of ``run`` (see the module docstring)."""
+    """The collect (unless already run), write and commit phases of ``run`` (see the
+    module docstring)."""
     coord, storage = run.coord, run.storage
     try:
+        if run.failed is not None:
+            raise run.failed
         _phases(run)
     except CheckpointError:
         if coord.rank == 0 and not run.existed:
@@ -110,12 +139,26 @@ def persist(run: SaveRun) -> None:
         storage.close()
 
 
-def _phases(run: SaveRun) -> None:
+def plan(run: SaveRun) -> None:
+    """Run the collect phase now, so that the caller knows which chunks this rank will
+    write (``Planned.chunks_read``) before it stages them. Its agreed error is kept for
+    ``persist`` to raise; anything else (an interrupt) closes the run and propagates."""
+    try:
+        run.planned = _collect_phase(run)
+    except CheckpointError as e:
+        run.failed = e
+    except BaseException:
+        run.coord.close()
+        run.storage.close()
+        raise
+
+
+def _collect_phase(run: SaveRun) -> Planned:
     coord, storage, options, items = run.coord, run.storage, run.options, run.items
     names = list(items)
     offers: list[Offer] = []
 
-    def plan(payloads: list[Any]) -> list[Any]:
+    def decide(payloads: list[Any]) -> list[Any]:
         """Rank 0's plan from every offer; each other rank gets its part (plan_parts)."""
         offers.extend(Offer.from_json(r, raw) for r, raw in enumerate(payloads))
         check_same_entries(offers, names, coord.rank)
@@ -124,9 +167,10 @@ def _phases(run: SaveRun) -> None:
         parts = [plan_parts.part_of(whole, r) | {"probe": token} for r in range(1, len(offers))]
         return [whole, *parts]
 
-    with coord.phase(Phase.COLLECT, decide=plan) as collected:
+    with coord.phase(Phase.COLLECT, decide=decide) as collected:
         if run.error is not None:
-            raise run.error
+            error, run.error = run.error, None
+            raise error
         token = ""
         if coord.rank == 0:
             if options.hooks.before_write is not None:
@@ -135,16 +179,20 @@ def _phases(run: SaveRun) -> None:
         offer = Offer.of(coord.rank, {name: item for name, (_, item) in items.items()})
         collected.payload = offer.to_json()
     if coord.rank == 0:
-        save_plan = collected.part
-    else:
-        save_plan, token = plan_parts.from_part(collected.part), collected.part["probe"]
-    adapters = {name: adapter for name, (adapter, _) in items.items()}
-    written = _write(coord, storage, items, save_plan, options, run.group, token)
+        return Planned(collected.part, token, offers)
+    return Planned(plan_parts.from_part(collected.part), collected.part["probe"], offers)
+
+
+def _phases(run: SaveRun) -> None:
+    planned = run.planned if run.planned is not None else _collect_phase(run)
+    coord, storage = run.coord, run.storage
+    adapters = {name: adapter for name, (adapter, _) in run.items.items()}
+    written = _write(run, planned)
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
-            entries = _merged(adapters, offers)
-            storage.remove(target_directory.probe_name(token))
-            commit(storage, save_plan, entries, written, options.hooks.after_commit)
+            entries = _merged(adapters, planned.offers)
+            storage.remove(target_directory.probe_name(planned.token))
+            commit(storage, planned.plan, entries, written, run.options.hooks.after_commit)
 
 
 def _merged(adapters: dict[str, Adapter], offers: list[Offer]) -> dict[str, SavedValue]:
@@ -156,25 +204,21 @@ def _merged(adapters: dict[str, Adapter], offers: list[Offer]) -> dict[str, Save
     return merged
 
 
-def _write(
-    coord: Coordinator,
-    storage: Storage,
-    items: Collected,
-    plan: SavePlan,
-    options: SaveOptions,
-    group: Any,
-    token: str,
-) -> list[dict[str, WrittenFile]]:
+def _write(run: SaveRun, planned: Planned) -> list[dict[str, WrittenFile]]:
     """The write phase: this rank's files of the plan; rank 0 learns what every rank wrote."""
+    coord, storage, items = run.coord, run.storage, run.items
+    cache_bytes = BACKGROUND_PIECE_BYTES if run.background else 0
+    options = WriteOptions(CRC_BLOCK_BYTES, run.options.buffer_bytes, cache_bytes)
     written: dict[str, WrittenFile] = {}
     try:
         with coord.phase(Phase.WRITE, only_rank0_reads=True) as phase:
             try:
+                if run.error is not None:  # staging failed after the plan was made
+                    raise run.error
                 if coord.rank != 0:
-                    target_directory.check_shared(storage, token, coord.rank)
+                    target_directory.check_shared(storage, planned.token, coord.rank)
                 chunks = chunks_of({name: item for name, (_, item) in items.items()})
-                write_options = WriteOptions(CRC_BLOCK_BYTES, options.buffer_bytes)
-                written = write_plan(plan, coord.rank, chunks, storage, write_options, group)
+                written = write_plan(planned.plan, coord.rank, chunks, storage, options, run.group)
                 phase.payload = written
             finally:
                 items.clear()  # drop references to staged state before waiting on others

@@ -53,14 +53,25 @@ class Stager:
         """Host memory held by the buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, items: Collected) -> Staged:
-        """Copy every chunk into its buffer; return the items with the copies in place."""
+    def stage(self, items: Collected, keep: set[int] | None = None) -> Staged:
+        """Copy every chunk into its buffer; return the items with the copies in place.
+
+        ``keep``: stage only the chunks at these places in offer order (those this rank's
+        part of the plan writes); the others become data-less ``meta`` tensors, so that
+        reading one by mistake fails instead of reading the live state."""
         with self._lock, torch.no_grad():  # no_grad: copies without detaching each tensor
             devices: set[int] = set()
             staged: Collected = {}
             host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            index = 0
             for name, (adapter, item) in items.items():
-                chunks = [self._stage(chunk, devices, host) for chunk in item.chunks]
+                chunks = []
+                for chunk in item.chunks:
+                    if keep is None or index in keep:
+                        chunks.append(self._stage(chunk, devices, host))
+                    else:
+                        chunks.append(_placeholder(chunk))
+                    index += 1
                 staged[name] = (adapter, SaveItem(item.kind, item.meta, chunks))
             _copy_all(*host)
             events = []
@@ -107,6 +118,12 @@ class Stager:
         """Free the buffers (the next save allocates them again)."""
         with self._lock:
             self._buffers.clear()
+
+
+def _placeholder(chunk: Chunk) -> Chunk:
+    """``chunk`` with a tensor of its shape and dtype that holds no data (``meta``)."""
+    tensor = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, device="meta")
+    return Chunk(chunk.key, tensor, chunk.global_shape, chunk.offsets, chunk.replicated)
 
 
 def _copy_all(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:

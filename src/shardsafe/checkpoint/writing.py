@@ -44,6 +44,9 @@ class ByteSource(Protocol):
 class WriteOptions:
     block_bytes: int
     buffer_bytes: int
+    cache_bytes: int = 0
+    """Checksum and write in pieces of this size on one thread (a background save);
+    0: checksum on a helper thread in parallel (``StreamWriter``)."""
 
 
 def write_plan(
@@ -112,7 +115,9 @@ def open_file(
     header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
     data_bytes = sum(e.nbytes for e in fplan.entries)
     sink = storage.create(fplan.name, size_hint=data_bytes)
-    return StreamWriter(sink, header, options.block_bytes, checksummed_elsewhere)
+    return StreamWriter(
+        sink, header, options.block_bytes, checksummed_elsewhere, cache_bytes=options.cache_bytes
+    )
 
 
 def finish(writer: StreamWriter) -> WrittenFile:
