@@ -114,7 +114,10 @@ def staged_bytes_run(rank: int, world: int, path: str, kind: str, layout: str) -
     _train(kind, wrapped, opt, 0, 2, rank)
     held = sum(t.numel() * t.element_size() for t in _tensors(model, opt).values())
     DEFAULT_STAGER.release()
-    shardsafe.async_save(path, {"model": model, "optimizer": opt}, layout=layout).wait()
+    state = {"model": model, "optimizer": opt}
+    if layout == "sharded":  # a full stage first: the sharded save must free what it skips
+        shardsafe.async_save(f"{path}-full", state, layout="consolidated").wait()
+    shardsafe.async_save(path, state, layout=layout).wait()
     written = 0
     if layout == "sharded":
         with safe_open(f"{path}/shard-{rank:05d}-of-{world:05d}.safetensors", "pt") as f:

@@ -81,8 +81,10 @@ def async_save(
     """Like :func:`save`, but return once this rank's state is staged. Call it on every rank.
 
     What is written is the state at the moment of the call, bitwise, however the caller
-    changes its tensors afterwards: every tensor is copied into staging buffers (reused by
-    later calls: one copy of this rank's state in host memory) before it returns. The
+    changes its tensors afterwards: every tensor this rank will write is copied into
+    staging buffers (reused by later calls: at most one copy of this rank's state in host
+    memory; about 1/world of it for DDP, whose ranks first agree on who writes each
+    replicated tensor) before it returns. The
     rest of the save (writing, checksums, the commit) runs in a background thread, with
     every guarantee of :func:`save`. ``handle.wait()`` returns once the checkpoint is
     committed, or raises the error every rank agreed on; if you never wait, the next

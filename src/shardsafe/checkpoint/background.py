@@ -3,11 +3,14 @@ background, with every guarantee of a blocking save.
 
 The call (on every rank) runs the entry barrier and turns the state into save items,
 then copies their bytes into reusable staging buffers (``staging.py``) and returns a
-:class:`SaveHandle`. A background thread then runs the rest of a save exactly as
-``save`` does: the collect, write and commit phases, agreed through the process group's
-store (never a collective on the training's group; the consolidated layout's transfers
-use a process group of their own). So an error on any rank reaches every rank's handle,
-nothing is committed, and ``latest`` stays where it was.
+:class:`SaveHandle`. Where most of a rank's state is replicated (DDP), the call first
+runs the collect phase, so that it stages only what the plan gives this rank to write
+(``_plans_first``). A background thread then runs the rest of a save exactly as
+``save`` does: the collect (unless already run), write and commit phases, agreed through
+the process group's store (never a collective on the training's group; the consolidated
+layout's transfers use a process group of their own). So an error on any rank reaches
+every rank's handle (an error of a collect phase run at the call too: the call never
+raises it), nothing is committed, and ``latest`` stays where it was.
 
 One save is in flight per process: the next ``save`` or ``async_save`` waits for it
 first, and raises its error if nobody has seen it yet. The thread is not a daemon, so at
@@ -29,6 +32,7 @@ from ..errors import CheckpointError
 from .options import SaveOptions
 from .saving import SaveRun, begin, persist, plan
 from .staging import Staged, Stager
+from .storage import LocalStorage
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: list[SaveHandle] = []
@@ -148,24 +152,19 @@ def async_save(
     optimizer step).
     """
     drain()
-    use = stager or DEFAULT_STAGER
     run = begin(path, state, options)
     run.background = True
-    if _plans_first(run):
-        plan(run)
-    result = Staged({}, [])
-    if run.error is None and run.failed is None:
-        keep = None if run.planned is None else run.planned.chunks_read(run.coord.rank)
-        try:
-            result = use.stage(run.items, keep)
-            run.items = result.items
-        except Exception as e:  # raised in the next phase, so every rank raises it
-            run.error, run.items = e, {}
-    if options.layout == "consolidated" and run.coord.world_size > 1:
-        run.group = _transfer_group()
-    if not overlap:
-        result.ready()
-    handle = SaveHandle(path, run, result)
+    try:
+        staged = _stage(run, stager or DEFAULT_STAGER)
+        if options.layout == "consolidated" and run.coord.world_size > 1:
+            run.group = _transfer_group()
+        if not overlap:
+            staged.ready()
+        handle = SaveHandle(path, run, staged)
+    except BaseException:  # an interrupt at the call: no thread will ever end this run
+        run.coord.close()
+        run.storage.close()
+        raise
     with _LOCK:
         _IN_FLIGHT.append(handle)
     try:
@@ -177,18 +176,44 @@ def async_save(
     return handle
 
 
+def _stage(run: SaveRun, stager: Stager) -> Staged:
+    """Plan first where that saves copying (``_plans_first``), then stage what this rank
+    will write. A failure is kept in the run and raised in its next phase, on every rank."""
+    if _plans_first(run):
+        plan(run)
+    if run.error is not None or run.failed is not None:
+        return Staged({}, [])
+    keep = None if run.planned is None else run.planned.chunks_read(run.coord.rank)
+    try:
+        staged = stager.stage(run.items, keep)
+    except Exception as e:
+        run.error, run.items = e, {}
+        return Staged({}, [])
+    run.items = staged.items
+    return staged
+
+
 def _plans_first(run: SaveRun) -> bool:
     """Whether to plan at the call, before staging: then this rank stages only what its
     part of the plan writes, where otherwise it stages everything it holds.
 
     In the sharded layout each replicated tensor is written by one rank, so a DDP rank
     writes about 1/world of its state: planning first halves (two ranks) the copy the
-    caller waits for and the host memory it takes, for one exchange through the store
-    (a few ms). Worth it when replicated bytes are at least a quarter of this rank's;
-    FSDP2, whose replicated tensors are a few scalars, would only pay the exchange.
-    (The consolidated layout's rank 0 writes everything, so it stages all it holds.)
+    caller waits for and the host memory it takes. The price, paid at the call: one
+    exchange through the store (a few ms), and rank 0 preparing the target directory
+    (its marker and probe files) and running the manager's pre-write check. Worth it
+    when replicated bytes are at least a quarter of this rank's, on a local or shared
+    filesystem; FSDP2, whose replicated tensors are a few scalars, would only pay the
+    exchange, and on an object store preparing takes round trips to the server. (The
+    consolidated layout's rank 0 writes everything, so it stages all it holds.)
+
+    Each rank decides from what it holds; ranks that decide differently still meet in
+    the same phases (one at the call, the other on its writer thread), only the one
+    that planned first waits at the call for the other's staging.
     """
     if run.error is not None or run.options.layout != "sharded" or run.coord.world_size == 1:
+        return False
+    if not isinstance(run.storage, LocalStorage):
         return False
     total = replicated = 0
     for _, item in run.items.values():

@@ -142,18 +142,17 @@ def persist(run: SaveRun) -> None:
 def plan(run: SaveRun) -> None:
     """Run the collect phase now, so that the caller knows which chunks this rank will
     write (``Planned.chunks_read``) before it stages them. Its agreed error is kept for
-    ``persist`` to raise; anything else (an interrupt) closes the run and propagates."""
+    ``persist`` to raise (on every rank alike); anything else propagates, and the caller
+    must close the run."""
     try:
         run.planned = _collect_phase(run)
     except CheckpointError as e:
         run.failed = e
-    except BaseException:
-        run.coord.close()
-        run.storage.close()
-        raise
 
 
 def _collect_phase(run: SaveRun) -> Planned:
+    """The collect phase: every rank offers what it holds, rank 0 plans and sends each
+    rank its part. A failure kept in ``run.error`` is raised inside it, so it is agreed."""
     coord, storage, options, items = run.coord, run.storage, run.options, run.items
     names = list(items)
     offers: list[Offer] = []

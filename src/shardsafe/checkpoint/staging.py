@@ -3,14 +3,16 @@
 After ``async_save`` returns, the caller steps the optimizer and changes parameters in
 place; the background write must see the state as it was at the call. Adapters hand out
 live tensors (ZeRO's local optimizer state, module parameters, DTensor local shards), so
-every chunk's bytes are copied into a staging buffer before the call returns.
+the bytes of every chunk the save will write are copied into a staging buffer before
+the call returns.
 
 Buffers are allocated once and reused by every later save of the same tensors (same key,
-shape, dtype): the extra host memory is one copy of the rank's own state, allocated at
-the first save. CUDA tensors are copied into pinned host memory on a side stream,
-non-blocking; the copy is finished (``Staged.ready``) before the call returns unless the
-caller asks to overlap it (the Trainer, with the next forward and backward, which do not
-touch parameters).
+shape, dtype): the extra host memory is at most one copy of the rank's own state,
+allocated at the first save; a save that stages only part of it (``keep``: what the rank
+will write) frees the buffers it no longer uses. CUDA tensors are copied into pinned host
+memory on a side stream, non-blocking; the copy is finished (``Staged.ready``) before the
+call returns unless the caller asks to overlap it (the Trainer, with the next forward and
+backward, which do not touch parameters).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def stage(self, items: Collected, keep: set[int] | None = None) -> Staged:
-        """Copy every chunk into its buffer; return the items with the copies in place.
+        """Copy each chunk into its buffer; return the items with the copies in place.
 
         ``keep``: stage only the chunks at these places in offer order (those this rank's
         part of the plan writes); the others become data-less ``meta`` tensors, so that
@@ -64,15 +66,18 @@ class Stager:
             staged: Collected = {}
             host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
             index = 0
+            used: set[tuple[Any, ...]] = set()
             for name, (adapter, item) in items.items():
                 chunks = []
                 for chunk in item.chunks:
                     if keep is None or index in keep:
-                        chunks.append(self._stage(chunk, devices, host))
+                        chunks.append(self._stage(chunk, devices, host, used))
                     else:
                         chunks.append(_placeholder(chunk))
                     index += 1
                 staged[name] = (adapter, SaveItem(item.kind, item.meta, chunks))
+            for unused in self._buffers.keys() - used:  # what this save does not stage
+                del self._buffers[unused]
             _copy_all(*host)
             events = []
             for device in sorted(devices):
@@ -86,10 +91,12 @@ class Stager:
         chunk: Chunk,
         devices: set[int],
         host: tuple[list[torch.Tensor], list[torch.Tensor]],
+        used: set[tuple[Any, ...]],
     ) -> Chunk:
         tensor = chunk.tensor
         cuda = tensor.is_cuda
         key = (chunk.key, chunk.offsets, tensor.shape, tensor.dtype, cuda)
+        used.add(key)
         buffer = self._buffers.get(key)
         if buffer is None:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
