@@ -294,8 +294,11 @@ def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
         stderr, stdout = t.survivor_output("err"), t.survivor_output("out")
         assert t.survivor_rc is not None, f"trial {t.seed}: the survivor hung"
         assert t.survivor_rc != 0, f"trial {t.seed}: the survivor exited 0"
-        assert t.survivor_s < SURVIVOR_EXIT_S, f"trial {t.seed}: {t.survivor_s:.1f}s"
         why = survivor_error(t.victim, stderr, stdout)
+        assert t.survivor_s < SURVIVOR_EXIT_S, (
+            f"trial {t.seed}: {t.layout}, rank {t.victim} killed {t.died}; the survivor "
+            f"exited {t.survivor_rc} after {t.survivor_s:.1f}s: {why}"
+        )
         where = where_it_died(t.root)
         dead = {p.pid for p in t.procs}  # the survivor has exited too
         latest = check_after_kill(t.root, dead, t.layout)
