@@ -164,13 +164,7 @@ def planned_error_run(rank: int, world: int, root: str) -> dict[str, Any]:
         path, {"model": model, "optimizer": opt}, hooks=SaveHooks(before_write=refuse)
     )
     _train("plain", wrapped, opt, 1, 1, rank)  # collectives still line up on every rank
-    try:
-        handle.wait(timeout=30)
-        error = None
-    except CheckpointError as e:
-        error = str(e)
-    dist.barrier()
-    return {"error": error, "exists": os.path.exists(path)}
+    return _outcome(handle, path)
 
 
 def test_a_failure_while_planning_at_the_call_is_raised_by_every_handle(tmp_path: Path) -> None:
@@ -195,6 +189,11 @@ def staging_error_run(rank: int, world: int, root: str) -> dict[str, Any]:
     _train("plain", wrapped, opt, 0, 1, rank)
     path = os.path.join(root, "ckpt")
     handle = shardsafe.async_save(path, {"model": model, "optimizer": opt})
+    return _outcome(handle, path)
+
+
+def _outcome(handle: Any, path: str) -> dict[str, Any]:
+    """The handle's agreed error (None if it committed) and whether ``path`` exists."""
     try:
         handle.wait(timeout=30)
         error = None
