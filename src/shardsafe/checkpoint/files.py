@@ -24,10 +24,12 @@ import errno
 import os
 import stat
 import sys
+import threading
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from .dir_sync import DirectorySync
+from .direct_writes import DirectWrites
 
 _O_PATH = getattr(os, "O_PATH", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -197,8 +199,13 @@ class LocalFileSink:
 
     Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the new pages to disk
     (``sync_file_range``, as databases do), so the disk works while later bytes are still
-    being produced and the final fsync has little left to flush.
+    being produced and the final fsync has little left to flush. A background save's
+    files are written around the page cache instead while training runs beside it
+    (:meth:`avoid_page_cache`).
     """
+
+    direct_writes = DirectWrites
+    """What writes around the page cache (a subclass may refuse, to test the fallback)."""
 
     def __init__(self, fd: int, path: str, *, directory: DirectorySync | None = None) -> None:
         self.path = path
@@ -209,10 +216,43 @@ class LocalFileSink:
         self._directory = directory
         """The fsync of the directory that makes this new file's name durable, if any:
         ``finish`` returns only once it is done too."""
+        self._direct: DirectWrites | None = None
+
+    def avoid_page_cache(self, until: threading.Event, piece_bytes: int) -> None:
+        """Write around the page cache (``O_DIRECT``, in aligned pieces of ``piece_bytes``)
+        until ``until`` is set, where the filesystem allows (``direct_writes.py``)."""
+        assert self._fd is not None and self.written == 0
+        self._direct = self.direct_writes.start(self._fd, until, piece_bytes)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the next bytes go around the page cache."""
+        return self._direct is not None and self._direct.active()
 
     def write(self, data: memoryview) -> None:
         assert self._fd is not None
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        if self._direct is not None:
+            rest = self._direct.take(view)
+            self.written += view.nbytes - rest.nbytes
+            if self._direct.active():
+                return
+            self._end_direct()
+            view = rest
+        self._write_buffered(view)
+
+    def _end_direct(self) -> None:
+        """Go on buffered: first the bytes the direct writes had taken but not written."""
+        if self._direct is None:
+            return
+        direct, self._direct = self._direct, None
+        pending = memoryview(direct.stop())
+        self.written -= pending.nbytes
+        self._kicked = self.written  # nothing before this is in the page cache
+        self._write_buffered(pending)
+
+    def _write_buffered(self, view: memoryview) -> None:
+        assert self._fd is not None
         while view.nbytes:
             n = os.write(self._fd, view)
             self.written += n
@@ -224,6 +264,7 @@ class LocalFileSink:
     def finish(self) -> int:
         assert self._fd is not None
         try:
+            self._end_direct()
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
@@ -234,6 +275,9 @@ class LocalFileSink:
         return self.written
 
     def abort(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.release()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -12,6 +12,7 @@ committed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -92,11 +93,15 @@ class SaveRun:
     """The process group for the consolidated layout's transfers (``None``: the default)."""
     background: bool = False
     """Written beside a training loop (``async_save``): files are checksummed and written
-    by one thread, in cache-sized pieces (``StreamWriter``)."""
+    by one thread, in cache-sized pieces (``StreamWriter``), around the page cache until
+    ``hurry`` is set."""
     planned: Planned | None = None
     """Set when the collect phase already ran (``plan``, at an asynchronous call)."""
     failed: CheckpointError | None = None
     """The agreed error of a collect phase run at the call: ``persist`` raises it."""
+    hurry: threading.Event = field(default_factory=threading.Event)
+    """Set once someone waits for a background save: from then on it writes through the
+    page cache, at full speed, instead of around it (``direct_writes.py``)."""
 
 
 def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
@@ -207,7 +212,8 @@ def _write(run: SaveRun, planned: Planned) -> list[dict[str, WrittenFile]]:
     """The write phase: this rank's files of the plan; rank 0 learns what every rank wrote."""
     coord, storage, items = run.coord, run.storage, run.items
     cache_bytes = BACKGROUND_PIECE_BYTES if run.background else 0
-    options = WriteOptions(CRC_BLOCK_BYTES, run.options.buffer_bytes, cache_bytes)
+    direct_until = run.hurry if run.background else None
+    options = WriteOptions(CRC_BLOCK_BYTES, run.options.buffer_bytes, cache_bytes, direct_until)
     written: dict[str, WrittenFile] = {}
     try:
         with coord.phase(Phase.WRITE, only_rank0_reads=True) as phase:

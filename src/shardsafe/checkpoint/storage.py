@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 from typing import Protocol, runtime_checkable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -42,6 +43,11 @@ __all__ = [
 
 class FileSink(Protocol):
     def write(self, data: memoryview) -> None: ...
+    def avoid_page_cache(self, until: threading.Event, piece_bytes: int) -> None:
+        """Before the first write: keep the bytes out of the page cache until ``until`` is
+        set, where the storage has one (a local file: ``O_DIRECT``); else nothing."""
+        ...
+
     def finish(self) -> int:
         """Flush and fsync; return the number of bytes written."""
         ...

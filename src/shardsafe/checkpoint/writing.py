@@ -12,6 +12,7 @@ created; the other ranks remove theirs once the failure is agreed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
@@ -47,6 +48,9 @@ class WriteOptions:
     cache_bytes: int = 0
     """Checksum and write in pieces of this size on one thread (a background save);
     0: checksum on a helper thread in parallel (``StreamWriter``)."""
+    direct_until: threading.Event | None = None
+    """A background save: keep files out of the page cache until this is set (someone
+    waits for the save), in pieces of ``cache_bytes`` (``FileSink.avoid_page_cache``)."""
 
 
 def write_plan(
@@ -115,6 +119,12 @@ def open_file(
     header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
     data_bytes = sum(e.nbytes for e in fplan.entries)
     sink = storage.create(fplan.name, size_hint=data_bytes)
+    if options.direct_until is not None and options.cache_bytes:
+        try:
+            sink.avoid_page_cache(options.direct_until, options.cache_bytes)
+        except BaseException:
+            sink.abort()
+            raise
     return StreamWriter(
         sink, header, options.block_bytes, checksummed_elsewhere, cache_bytes=options.cache_bytes
     )
