@@ -3,11 +3,13 @@
 Why: a buffered write only copies the bytes into the page cache; the kernel's flusher
 threads write them to disk later, at normal CPU priority, on whichever core is free.
 Beside a training loop that keeps every core busy, that work is taken from the training
-whatever priority the save's own thread has. Measured on the benchmark machine (2
-vCPUs, a virtio disk, a DDP rank writing 96 MiB beside its training loop): the loop kept
-86% of its speed with buffered writes and ``sync_file_range``, 93% with ``O_DIRECT``
-(``benchmarks/async_checkpoint.py``). With ``O_DIRECT`` the block-layer work runs in
-the writing thread itself, at its low priority, and the page cache is left alone.
+whatever priority the save's own thread has. Measured on a 2-vCPU machine with a virtio
+disk, each DDP rank writing 96 MiB from a nice-19 thread beside its training loop: the
+loop kept 86% of its speed with buffered writes and ``sync_file_range`` (as
+``LocalFileSink`` writes), 93% with ``O_DIRECT``; ``async_save`` in
+``benchmarks/async_checkpoint.py`` went from 84-92% to 90-95%. With ``O_DIRECT`` the
+block-layer work runs in the writing thread itself, at its low priority, and the page
+cache is left alone.
 
 Why not always: on that same disk, ``O_DIRECT`` writes reach the disk at about 0.46 GB/s
 where buffered writes and one fsync reach about 0.6 GB/s. So a background save writes
