@@ -25,6 +25,7 @@ from shardsafe.checkpoint.background import async_save
 from shardsafe.checkpoint.direct_writes import DirectWrites
 from shardsafe.checkpoint.files import LocalFileSink, create_new
 from shardsafe.checkpoint.options import SaveOptions
+from shardsafe.checkpoint.storage import LocalStorage
 
 PIECE = 256 << 10
 PAGE = mmap.PAGESIZE
@@ -220,3 +221,107 @@ def test_a_blocking_save_writes_through_the_page_cache(tmp_path: Path) -> None:
     (data,) = [p for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".safetensors"]
     if not _on_tmpfs(tmp_path):
         assert all(resident_pages(data))
+
+
+class _Short(DirectWrites):
+    """A direct write that writes only its first 4 KiB (as a signal or a nearly full disk
+    may make it)."""
+
+    def _write(self, view: memoryview) -> int:
+        return super()._write(view[:4096])
+
+
+class _ShortSink(LocalFileSink):
+    direct_writes = _Short
+
+
+def test_a_short_direct_write_is_completed_buffered(tmp_path: Path) -> None:
+    data = random.Random(5).randbytes(4 * PIECE + 17)
+    sink = _sink(tmp_path, "f", _ShortSink)
+    sink.avoid_page_cache(threading.Event(), PIECE)
+    sink.write(memoryview(data))
+    assert not sink.direct
+    assert sink.finish() == len(data)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+class _WaitedDuring(DirectWrites):
+    """Someone waits for the save while the second direct write is under way."""
+
+    writes = 0
+
+    def _write(self, view: memoryview) -> int:
+        _WaitedDuring.writes += 1
+        if _WaitedDuring.writes == 2:
+            self._until.set()
+        return super()._write(view)
+
+
+class _WaitedDuringSink(LocalFileSink):
+    direct_writes = _WaitedDuring
+
+
+def test_a_wait_that_comes_during_one_write_call_loses_nothing(tmp_path: Path) -> None:
+    _WaitedDuring.writes = 0
+    data = random.Random(6).randbytes(6 * PIECE + 5)
+    sink = _sink(tmp_path, "f", _WaitedDuringSink)
+    sink.avoid_page_cache(threading.Event(), PIECE)
+    sink.write(memoryview(data))  # one call: direct, direct (the wait), then buffered
+    assert not sink.direct and _WaitedDuring.writes == 2
+    assert sink.finish() == len(data)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("how", ["wait", "close", "next save"])
+def test_waiting_for_an_async_save_finishes_it_through_the_page_cache(
+    tmp_path: Path, how: str
+) -> None:
+    """``wait``, ``close`` and the next save (which waits for this one) each switch the
+    rest of the write to buffered: the data file is then almost all in the page cache
+    (without the switch, none of it but the last 256 KiB would be)."""
+    import shardsafe
+
+    state = {"model": {"w": torch.randn(4096, 4096)}}  # 64 MiB: a write of ~0.1-0.3 s
+    handle = async_save(str(tmp_path / "a"), state, SaveOptions.of())
+    if how == "wait":
+        handle.wait()
+    elif how == "close":
+        handle.close()
+    else:
+        shardsafe.save(str(tmp_path / "b"), {"step": 1})
+    (data,) = [p for p in (tmp_path / "a").iterdir() if p.suffix == ".safetensors"]
+    if _on_tmpfs(tmp_path):
+        pytest.skip("tmpfs: every page is in its page cache")
+    resident = resident_pages(data)
+    assert sum(resident) >= 0.9 * len(resident), f"{sum(resident)} of {len(resident)} pages"
+
+
+class _PlainSink:
+    """A user's sink written before ``avoid_page_cache`` existed: write, finish, abort."""
+
+    def __init__(self, inner: LocalFileSink) -> None:
+        self._inner = inner
+
+    def write(self, data: memoryview) -> None:
+        self._inner.write(data)
+
+    def finish(self) -> int:
+        return self._inner.finish()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
+class _PlainStorage(LocalStorage):
+    def create(self, name: str, size_hint: int = 0) -> _PlainSink:  # type: ignore[override]
+        return _PlainSink(LocalFileSink(create_new(self.fd, name), self.where(name)))
+
+
+def test_a_storage_whose_sinks_cannot_avoid_the_page_cache_still_saves_in_the_background(
+    tmp_path: Path,
+) -> None:
+    import shardsafe
+
+    w = torch.randn(256, 1024)
+    shardsafe.async_save(str(tmp_path / "c"), {"model": {"w": w}}, storage=_PlainStorage).wait()
+    assert torch.equal(shardsafe.load(str(tmp_path / "c"), {})["model"]["w"], w)

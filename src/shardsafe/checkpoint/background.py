@@ -72,8 +72,9 @@ class SaveHandle:
         ``timeout`` seconds (it keeps running).
 
         Waiting also speeds the rest of the write up: until someone waits, a background
-        save keeps its bytes out of the page cache, so as to take as little as it can
-        from training; from the first wait on it writes as fast as a blocking save."""
+        save keeps its bytes out of the page cache (``O_DIRECT``), so as to take as little
+        as it can from training; from the first wait on (even ``wait(timeout=0)``) it
+        writes through the page cache, at the disk's full buffered speed."""
         self._check_open()
         self._hurry.set()
         if not self._finished.wait(timeout):

@@ -15,20 +15,20 @@ Why not always: on that same disk, ``O_DIRECT`` writes reach the disk at about 0
 where buffered writes and one fsync reach about 0.6 GB/s. So a background save writes
 around the page cache only until someone waits for it (``until``: ``SaveHandle.wait``,
 ``close``, or the next save); from then on nothing competes with it and it goes on with
-buffered writes, as fast as a blocking save.
+buffered writes, at the disk's full buffered speed.
 
-How: every byte goes through one page-aligned buffer of ``piece_bytes`` (a multiple of
-any disk's block size), written whole, so every direct write is aligned in memory, in
-size and in the file. The last partial buffer, and everything after a switch, is
-written buffered (the flag is turned off first: ``fcntl(F_SETFL)``); the file's fsync
-makes both durable. Where the filesystem refuses ``O_DIRECT`` (``EINVAL``, as some
-network and union filesystems do) the file is written buffered from the start or from
-the refused write on, and nothing is lost: the refused buffer is written again.
+How: until the switch, every byte goes through one page-aligned buffer of
+``piece_bytes`` (a multiple of any disk's block size), written whole, so every direct
+write is aligned in memory, in size and in the file. The last partial buffer, and
+everything after a switch, is written buffered (the flag is turned off first:
+``fcntl(F_SETFL)``); the file's fsync makes both durable. Where the filesystem refuses
+``O_DIRECT`` (``EINVAL``, as some network and union filesystems do) the file is written
+buffered from the start or from the refused write on, and nothing is lost: the refused
+buffer is written again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
@@ -48,6 +48,8 @@ class DirectWrites:
         self._view = memoryview(self._buffer)
         self._size = piece_bytes
         self._fill = 0
+        self.taken = 0
+        """Bytes accepted so far (in the file, or in the buffer waiting to be)."""
         self._sent = 0
         """Bytes of a short direct write already in the file (then direct writes stop)."""
         self._refused = False
@@ -58,10 +60,15 @@ class DirectWrites:
         if not _O_DIRECT or until.is_set() or piece_bytes % mmap.PAGESIZE:
             return None
         try:
+            direct = cls(fd, until, piece_bytes)
+        except (OSError, MemoryError):  # no memory for the buffer: write buffered
+            return None
+        try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
         except OSError:
+            direct.release()
             return None
-        return cls(fd, until, piece_bytes)
+        return direct
 
     def active(self) -> bool:
         """Whether bytes still go around the page cache."""
@@ -74,6 +81,7 @@ class DirectWrites:
             take = min(self._size - self._fill, data.nbytes)
             self._view[self._fill : self._fill + take] = data[:take]
             self._fill += take
+            self.taken += take
             data = data[take:]
             if self._fill == self._size:
                 self._send()
@@ -99,11 +107,12 @@ class DirectWrites:
     def stop(self) -> bytes:
         """Turn ``O_DIRECT`` off; return the bytes taken but not yet in the file, which the
         caller writes (buffered) next."""
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        rest = bytes(self._view[self._sent : self._fill])
-        self.release()
-        return rest
+        try:
+            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            return bytes(self._view[self._sent : self._fill])
+        finally:
+            self.release()
 
     def release(self) -> None:
         """Free the buffer (the file is finished or given up)."""

@@ -195,7 +195,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 class LocalFileSink:
-    """A new file written front to back with unbuffered writes, fsynced on finish.
+    """A new file written front to back with ``os.write`` (no user-space buffering),
+    fsynced on finish.
 
     Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the new pages to disk
     (``sync_file_range``, as databases do), so the disk works while later bytes are still
@@ -233,8 +234,11 @@ class LocalFileSink:
         assert self._fd is not None
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         if self._direct is not None:
-            rest = self._direct.take(view)
-            self.written += view.nbytes - rest.nbytes
+            before = self._direct.taken
+            try:
+                rest = self._direct.take(view)
+            finally:  # also when a write fails: what was taken is counted
+                self.written += self._direct.taken - before
             if self._direct.active():
                 return
             self._end_direct()
@@ -276,11 +280,13 @@ class LocalFileSink:
 
     def abort(self) -> None:
         direct, self._direct = self._direct, None
-        if direct is not None:
-            direct.release()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        try:
+            if direct is not None:
+                direct.release()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
         directory, self._directory = self._directory, None
         if directory is not None:
             # The file is being given up: its name's durability no longer matters.

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import os
 import stat
-import threading
 from typing import Protocol, runtime_checkable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -42,11 +41,13 @@ __all__ = [
 
 
 class FileSink(Protocol):
+    """A new file or object, written front to back. A sink may also have
+    ``avoid_page_cache(until: threading.Event, piece_bytes: int)``, called before the
+    first write of a background save: keep the bytes out of the page cache until
+    ``until`` is set (a local file: ``O_DIRECT``). It is optional, so a storage written
+    before it existed still works."""
+
     def write(self, data: memoryview) -> None: ...
-    def avoid_page_cache(self, until: threading.Event, piece_bytes: int) -> None:
-        """Before the first write: keep the bytes out of the page cache until ``until`` is
-        set, where the storage has one (a local file: ``O_DIRECT``); else nothing."""
-        ...
 
     def finish(self) -> int:
         """Flush and fsync; return the number of bytes written."""

@@ -119,9 +119,11 @@ def open_file(
     header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
     data_bytes = sum(e.nbytes for e in fplan.entries)
     sink = storage.create(fplan.name, size_hint=data_bytes)
-    if options.direct_until is not None and options.cache_bytes:
+    # Optional in a sink: a user's storage (``storage=``) may not have it.
+    avoid = getattr(sink, "avoid_page_cache", None)
+    if options.direct_until is not None and options.cache_bytes and avoid is not None:
         try:
-            sink.avoid_page_cache(options.direct_until, options.cache_bytes)
+            avoid(options.direct_until, options.cache_bytes)
         except BaseException:
             sink.abort()
             raise
