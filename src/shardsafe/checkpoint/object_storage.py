@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,9 +73,6 @@ class FsspecFileSink:
         self._file: Any = fs.open(path, "wb", block_size=part_bytes)
         self._part = part_bytes
         self.written = 0
-
-    def avoid_page_cache(self, until: threading.Event, piece_bytes: int) -> None:
-        """Nothing to avoid: an upload's parts never enter this machine's page cache."""
 
     def write(self, data: memoryview) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
