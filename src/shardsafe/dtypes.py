@@ -57,6 +57,11 @@ _ANY_BY_NAME: dict[str, torch.dtype] = {
 }
 
 
+def all_names() -> tuple[str, ...]:
+    """Every dtype name :func:`any_from_name` knows (a fixed table, for allowlists)."""
+    return tuple(_ANY_BY_NAME)
+
+
 def any_from_name(name: object) -> torch.dtype | None:
     """Any torch dtype by its manifest name (``"float32"``), or ``None``; never imports."""
     return _ANY_BY_NAME.get(name) if isinstance(name, str) else None

@@ -28,9 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _tree, dtypes
+from .adapters.optimizer import GROUPS
 from .adapters.registry import find_adapter
+from .checkpoint.files import open_named_file
 from .distributed import Coordinator, Phase, comm_device, world
-from .errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .pickles import load_torch
 from .protocol import Adapter, LoadContext, SavedValue, param_names
 
 _NAME = "optimizer"
@@ -165,9 +168,7 @@ def load_optimizer_state_dict(
         names = [ctx.param_fqn(p) for p in group["params"]]
         fqn_of.update(zip(ids, names))
         hyper = {k: v for k, v in saved.items() if k != "params"}
-        meta_groups.append(
-            {"params": names, "hyper": _encode(hyper, ctx, tensors, "@groups", str(i))}
-        )
+        meta_groups.append({"params": names, "hyper": _encode(hyper, ctx, tensors, GROUPS, str(i))})
     state = {}
     for index, param_state in state_dict.get("state", {}).items():
         if index not in fqn_of:
@@ -196,20 +197,15 @@ def _encode(value: Any, ctx: LoadContext, tensors: dict[str, torch.Tensor], *pre
 
 
 def read_torch_file(file: str | os.PathLike[str]) -> dict[str, Any]:
-    """The dict in a ``torch.save`` file, read with ``torch.load(weights_only=True)`` on CPU.
-
-    ``weights_only=True`` (as in the converters, the only other caller of ``torch.load``)
-    unpickles tensors and plain data only, so a file cannot run code as it is read.
-    """
-    try:
-        raw = torch.load(os.fspath(file), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(
-            f"cannot read {file} with torch.load(weights_only=True): {e}. shardsafe imports only "
-            "files made of tensors and plain data; re-save it without custom objects."
-        ) from e
+    """The dict in a ``torch.save`` file, read on CPU through the pickle gate
+    (``pickles.load_torch``: the pickle scanned, then ``torch.load(weights_only=True)``),
+    so a file can neither run code nor crash, hang or change this process as it is read.
+    It is opened once; what is checked is what is loaded."""
+    where = os.fspath(file)
+    with open(open_named_file(where), "rb") as stream:
+        raw = load_torch(stream, where)
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{file} does not hold a dict")
+        raise CheckpointCorruptError(f"{where} does not hold a dict")
     return raw
 
 

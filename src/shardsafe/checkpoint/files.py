@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .dir_sync import DirectorySync
 from .direct_writes import DirectWrites
 
@@ -100,8 +100,25 @@ def open_regular(dir_fd: int, name: str, where: str) -> tuple[int, os.stat_resul
         raise CheckpointError(f"cannot open {where}: {e}") from e
 
 
-def _open_via_o_path(dir_fd: int, name: str, where: str) -> tuple[int, os.stat_result]:
-    handle = os.open(name, _O_PATH | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+def open_named_file(path: str) -> int:
+    """A read-only descriptor of the regular file at a path a user named (a Lightning
+    ``ckpt_path``, a ``.pt`` to import). Links are followed, as the user chose the name
+    (Lightning's ``last.ckpt`` may be one); anything but a regular file is refused without
+    being opened for reading, as in :func:`open_regular`."""
+    try:
+        opened = _open_via_o_path if _PROC_FD else _open_checked
+        return opened(None, path, path, follow=True)[0]
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"there is no file at {path}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
+
+
+def _open_via_o_path(
+    dir_fd: int | None, name: str, where: str, *, follow: bool = False
+) -> tuple[int, os.stat_result]:
+    nofollow = 0 if follow else _O_NOFOLLOW
+    handle = os.open(name, _O_PATH | nofollow | _O_CLOEXEC, dir_fd=dir_fd)
     try:
         info = os.fstat(handle)
         if not stat.S_ISREG(info.st_mode):
@@ -112,11 +129,13 @@ def _open_via_o_path(dir_fd: int, name: str, where: str) -> tuple[int, os.stat_r
     return fd, _same_regular_file(fd, info, where)
 
 
-def _open_checked(dir_fd: int, name: str, where: str) -> tuple[int, os.stat_result]:
-    info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+def _open_checked(
+    dir_fd: int | None, name: str, where: str, *, follow: bool = False
+) -> tuple[int, os.stat_result]:
+    info = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow)
     if not stat.S_ISREG(info.st_mode):
         raise _refusal(where, info.st_mode)
-    fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    fd = os.open(name, READ_FLAGS & ~_O_NOFOLLOW if follow else READ_FLAGS, dir_fd=dir_fd)
     return fd, _same_regular_file(fd, info, where)
 
 
@@ -313,6 +332,11 @@ class LocalFileReader:
                     f"{offset + out.nbytes}, but the file ends at {pos}"
                 )
             view, pos = view[n:], pos + n
+
+    def mapping_path(self) -> str | None:
+        """``/proc/self/fd/N``: opening it opens this inode, not whatever the name in the
+        directory points to by then (``None`` where ``/proc`` is missing)."""
+        return f"/proc/self/fd/{self._fd}" if _PROC_FD and self._fd >= 0 else None
 
     def close(self) -> None:
         if self._fd >= 0:

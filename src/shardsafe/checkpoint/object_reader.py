@@ -72,6 +72,9 @@ class FsspecFileReader:
         self._pool: ThreadPoolExecutor | None = None
         self._can_prefetch = bool(getattr(fs, "async_impl", False))
 
+    def mapping_path(self) -> str | None:
+        return None  # an object: nothing to map
+
     def read_into(self, offset: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
         if not view.nbytes:

@@ -173,6 +173,9 @@ class SpooledReader:
             self._inner.read_into(offset + done, rest)
             self._spool.keep(self.name, offset + done, rest)
 
+    def mapping_path(self) -> str | None:
+        return None  # an object: nothing to map
+
     def close(self) -> None:
         self._inner.close()
 

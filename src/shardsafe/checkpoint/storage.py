@@ -63,6 +63,11 @@ class FileReader(Protocol):
     size: int
 
     def read_into(self, offset: int, out: memoryview) -> None: ...
+    def mapping_path(self) -> str | None:
+        """A path naming this very open file (``/proc/self/fd/N``), for a reader that must
+        memory-map it by name (``torch.load(mmap=True)``); ``None`` where there is none."""
+        ...
+
     def close(self) -> None: ...
     def __enter__(self) -> FileReader: ...
     def __exit__(self, *exc: object) -> None: ...
@@ -113,6 +118,13 @@ class Storage(Protocol):
     def open_reader(self, name: str) -> FileReader: ...
     def read_small(self, name: str, limit: int) -> bytes: ...
     def child(self, name: str) -> Storage: ...
+
+
+def commit_temp_name(name: str, pid: int | None = None) -> str:
+    """The temporary file :meth:`LocalStorage.commit` writes ``name`` to before its rename,
+    in process ``pid`` (default: this one). A save records it in its incomplete-save
+    marker, so that the next save may clear it (``leftovers.py``)."""
+    return f".{name}.tmp-{os.getpid() if pid is None else pid}"
 
 
 class LocalStorage:
@@ -220,7 +232,7 @@ class LocalStorage:
 
     def commit(self, name: str, data: bytes) -> None:
         """Write ``data`` under ``name`` atomically: temp file, fsync, rename, fsync dir."""
-        tmp = f".{check_name(name)}.tmp-{os.getpid()}"
+        tmp = commit_temp_name(check_name(name))
         self.remove(tmp)  # a stale one from a dead process that had this pid
         sink = LocalFileSink(create_new(self.fd, tmp), self.where(tmp))
         try:

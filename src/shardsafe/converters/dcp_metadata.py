@@ -8,13 +8,19 @@ torch's dtypes and layouts (through torch's own ``_get_layout``), ``OrderedDict`
 path classes a ``StorageMeta.checkpoint_id`` may hold. Anything else is refused with a
 :class:`CheckpointCorruptError` naming the global, before it is called. The result is
 then checked field by field, so the rest of the converter may trust its types. The file
-is capped in size (:data:`MAX_METADATA_BYTES`) before unpickling.
+is capped in size (:data:`MAX_METADATA_BYTES`) and passed through
+:func:`~shardsafe.pickles.scan` before unpickling: nesting, sharing and memo bombs are
+refused, and ``BUILD`` may fill only the DCP dataclass instances the pickle itself made,
+with their own fields (never a class, a function or a cache); globals come from a fixed
+table, so reading a ``.metadata`` imports nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
+import itertools
 import math
 import pathlib
 import pickle
@@ -22,7 +28,10 @@ from typing import Any
 
 import torch
 
+from .. import _tree, dtypes
+from ..checkpoint.manifest_format import shape_problem
 from ..errors import CheckpointCorruptError
+from ..pickles import ANY_FIELDS, Policy, scan
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
@@ -30,46 +39,70 @@ MAX_METADATA_BYTES = 1 << 30
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
+_DATACLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                "ChunkStorageMetadata", "MetadataIndex", "StorageMeta")  # fmt: skip
+_PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 _ALLOWED: dict[tuple[str, str], Any] = {}
+_POLICY: list[Policy] = []
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
+    """``(module, name)`` -> object: every global a DCP ``.metadata`` names, from a fixed
+    table (dtypes included: never ``getattr(torch, name)``, which can import packages)."""
     if not _ALLOWED:
         from torch.distributed.checkpoint import filesystem, metadata
 
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        ):
+        for name in (*_DATACLASSES, "TensorProperties", "_MEM_FORMAT_ENCODING"):
             _ALLOWED[_DCP, name] = getattr(metadata, name)
         _ALLOWED[_FS, "_StorageInfo"] = filesystem._StorageInfo
         _ALLOWED["torch", "Size"] = torch.Size
         _ALLOWED["torch.serialization", "_get_layout"] = torch.serialization._get_layout
         _ALLOWED["collections", "OrderedDict"] = collections.OrderedDict
-        for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath):
-            _ALLOWED["pathlib", cls.__name__] = cls
-        _ALLOWED["pathlib", "PureWindowsPath"] = pathlib.PureWindowsPath
+        for name in _PATHS:
+            _ALLOWED["pathlib", name] = getattr(pathlib, name)
+        for name in dtypes.all_names():
+            _ALLOWED["torch", name] = dtypes.any_from_name(name)
     return _ALLOWED
 
 
+def _policy() -> Policy:
+    """What a ``.metadata`` may hold (see ``shardsafe.pickles``): DCP's dataclasses, filled by
+    ``BUILD`` with their own fields only (``TensorProperties`` by its ``__setstate__``);
+    layouts, enum members, sizes and paths made by calls, never filled; dtypes named."""
+    if not _POLICY:
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        allowed = frozenset(_allowed())
+        classes = [(_DCP, name, getattr(metadata, name)) for name in _DATACLASSES]
+        classes.append((_FS, "_StorageInfo", filesystem._StorageInfo))
+        buildable: dict[tuple[str, str], frozenset[str] | None] = {
+            (module, name): frozenset(f.name for f in dataclasses.fields(cls))
+            for module, name, cls in classes
+        }
+        buildable[_DCP, "TensorProperties"] = ANY_FIELDS
+        dtype_names = {("torch", name) for name in dtypes.all_names()}
+        _POLICY.append(
+            Policy(
+                kind="DCP metadata file",
+                holds="DCP's checkpoint metadata",
+                globals=allowed,
+                callables=allowed - dtype_names,
+                buildable=buildable,
+            )
+        )
+    return _POLICY[0]
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves only allowlisted globals (see the module docstring)."""
+    """Resolves globals from the fixed table only (see the module docstring)."""
 
     def __init__(self, data: bytes, where: str) -> None:
         super().__init__(io.BytesIO(data))
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
         found = _allowed().get((module, name))
-        if found is None:
+        if found is None:  # the scan refused it already; kept as a second lock
             raise CheckpointCorruptError(
                 f"{self.where} asks to load {module}.{name}, which is not part of DCP's "
                 "checkpoint metadata; refusing it (a pickle naming other globals can run "
@@ -86,6 +119,7 @@ def parse_metadata(raw: bytes, where: str) -> Any:
     """The ``Metadata`` in ``raw``, unpickled with the allowlist and type-checked."""
     if len(raw) > MAX_METADATA_BYTES:
         raise CheckpointCorruptError(f"{where} is {len(raw)} bytes, larger than any DCP index")
+    scan(raw, where, _policy())
     try:
         md = _RestrictedUnpickler(raw, where).load()
     except CheckpointCorruptError:
@@ -140,13 +174,19 @@ def check_metadata(md: Any, where: str) -> None:
                 f"{list(transforms)} (compression or encryption), which the "
                 "converter does not read; load it with dcp.load and save it again without"
             )
+    _check_ranges(md.storage_data, bad)
     planner_data = md.planner_data
     if planner_data is not None:
         if not isinstance(planner_data, dict):
             raise bad("planner_data is not a dict")
         for key, path in planner_data.items():
             if not (isinstance(path, tuple) and all(isinstance(p, (str, int)) for p in path)):
-                raise bad(f"planner_data[{key!r}] is not a tuple of names and indices")
+                raise bad(f"planner_data[{key!r:.200}] is not a tuple of names and indices")
+            if not 0 < len(path) <= _tree.MAX_DEPTH:
+                raise bad(
+                    f"planner_data[{key!r:.200}] is a path {len(path)} names long; a state "
+                    f"nests 1 to {_tree.MAX_DEPTH} levels deep"
+                )
 
 
 def _check_tensor(fqn: str, item: Any, bad: Any) -> None:
@@ -157,6 +197,9 @@ def _check_tensor(fqn: str, item: Any, bad: Any) -> None:
         raise bad(f"{fqn!r} has no valid dtype")
     if not _is_shape(item.size):
         raise bad(f"{fqn!r} has an invalid size")
+    problem = shape_problem(item.size, dtypes.itemsize(props.dtype))
+    if problem is not None:  # chunks lie inside the size, so this bounds theirs too
+        raise bad(f"{fqn!r} {problem}")
     if not isinstance(item.chunks, list):
         raise bad(f"{fqn!r} has no list of chunks")
     for chunk in item.chunks:
@@ -170,6 +213,20 @@ def _check_tensor(fqn: str, item: Any, bad: Any) -> None:
             raise bad(f"{fqn!r} has a chunk outside its size")
     if math.prod(item.size) and not item.chunks:
         raise bad(f"{fqn!r} has no chunks")
+
+
+def _check_ranges(storage_data: dict[Any, Any], bad: Any) -> None:
+    """No two items share bytes of a file. DCP writes each item once, at an offset of its
+    own; items sharing bytes would let one small range stand for any number of chunks,
+    while a converter bounds what it allocates for a chunk by the bytes of its range."""
+    spans = sorted(
+        (info.relative_path, info.offset, info.offset + info.length, index.fqn)
+        for index, info in storage_data.items()
+        if info.length
+    )
+    for (file, _, end, fqn), (next_file, start, _, next_fqn) in itertools.pairwise(spans):
+        if file == next_file and start < end:  # sorted: an overlap shows between neighbours
+            raise bad(f"items {fqn!r} and {next_fqn!r} share bytes of {file} (from byte {start})")
 
 
 def _is_int(value: Any) -> bool:

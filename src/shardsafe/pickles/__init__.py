@@ -1,0 +1,23 @@
+"""The gate every untrusted pickle passes: shardsafe never pickles, but it reads what
+others pickled (DCP's ``.metadata``, ``torch.save``/``.pt`` and Lightning ``.ckpt`` files,
+the ``torch.save`` items inside ``.distcp`` files).
+
+* ``policy.py``: what one kind of pickle may contain (fixed tables) and the limits;
+* ``machine.py``: the pickle machine run on stand-ins, opcode by opcode;
+* ``scan.py``: the verdict: the machine run to ``STOP``, its graph measured;
+* ``gate.py``: ``torch.save`` archives: their pickle scanned, then ``torch.load``.
+"""
+
+from .gate import TORCH_POLICY, check_archive, load_torch, load_torch_mapped
+from .policy import ANY_FIELDS, Policy
+from .scan import scan
+
+__all__ = [
+    "ANY_FIELDS",
+    "TORCH_POLICY",
+    "Policy",
+    "check_archive",
+    "load_torch",
+    "load_torch_mapped",
+    "scan",
+]

@@ -1,0 +1,164 @@
+"""The one gate every untrusted ``torch.save`` file passes: its pickle scanned, then loaded.
+
+shardsafe never pickles, but it reads what others pickled: ``torch.save`` files and
+Lightning ``.ckpt`` files (the converters, Lightning resume, ``interop``) and the
+``torch.save`` items inside DCP's ``.distcp`` files. ``torch.load(weights_only=True)`` runs
+no code, but it hands the pickle to an unpickler as it is. :func:`load_torch` reads the
+archive's ``data.pkl`` with torch's own zip reader (the bytes ``torch.load`` will
+unpickle), passes it through :func:`~.scan.scan` with
+:data:`TORCH_POLICY`, refuses records that unpack to more than the archive holds and the
+legacy pre-1.6 format (several pickles followed by raw bytes), and only then calls
+``torch.load``. DCP's ``.metadata`` goes through the same scan with its own policy
+(``converters/dcp_metadata.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import sys
+from typing import IO, Any
+
+import torch
+
+from .. import dtypes
+from ..errors import CheckpointCorruptError, CheckpointError
+from .policy import ANY_FIELDS, Policy
+from .scan import scan
+
+_REBUILD = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+            "_rebuild_parameter_with_state")  # fmt: skip
+_TORCH_CALLABLES = frozenset(
+    {
+        *(("torch._utils", name) for name in _REBUILD),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("collections", "Counter"),
+        ("_codecs", "encode"),  # bytes, in protocol 2
+        ("builtins", "set"),
+        ("builtins", "bytearray"),
+        ("builtins", "complex"),
+    }
+)
+_STORAGE_TYPES = ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte",
+                  "Bool", "ComplexFloat", "ComplexDouble")  # fmt: skip
+
+TORCH_POLICY = Policy(
+    kind="torch.save file",
+    holds="what torch.load(weights_only=True) reads (tensors and plain data)",
+    globals=_TORCH_CALLABLES
+    | {("torch", "Tensor"), ("torch.storage", "UntypedStorage")}
+    | {("torch", f"{name}Storage") for name in _STORAGE_TYPES}
+    | {("torch", name) for name in dtypes.all_names()},
+    callables=_TORCH_CALLABLES,
+    buildable={
+        ("collections", "OrderedDict"): ANY_FIELDS,  # a state dict's ``_metadata``
+        ("collections", "Counter"): ANY_FIELDS,
+        ("torch.nn.parameter", "Parameter"): ANY_FIELDS,
+    },
+    mappings=frozenset({("collections", "OrderedDict"), ("collections", "Counter")}),
+    persistent_ids=True,
+    fix_names=True,
+)
+"""What ``torch.save`` writes for tensors, parameters and plain data (a model's or an
+optimizer's state dict, a Lightning checkpoint without custom objects): a subset of
+``torch.load(weights_only=True)``'s own allowlist, without sparse, quantized, nested and
+subclass tensors, which no converter writes out."""
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def load_torch(stream: IO[bytes], where: str) -> Any:
+    """``torch.load(stream, weights_only=True)`` on CPU, once the archive has passed
+    :func:`check_archive`. Anything wrong is a CheckpointCorruptError naming ``where``."""
+    check_archive(stream, where)
+    return _torch_load(stream, where, mapped=False)
+
+
+def load_torch_mapped(path: str, where: str) -> tuple[Any, bool]:
+    """Like :func:`load_torch` for the file at ``path``, a name for an already opened file
+    (``/proc/self/fd/N``: it is read twice, so it must not be a name someone can swap), its
+    storages memory-mapped from the file where that is safe; and whether they are.
+
+    Not where torch would write into the mapping: a big-endian archive (torch byteswaps the
+    mapped storages in place, in private pages that a converter drops after use, so a
+    second view would read unswapped bytes) or a ``MAP_SHARED`` default (the swap would
+    reach the file). Those are read into memory instead."""
+    with open(path, "rb") as stream:
+        if check_archive(stream, where) and not _shared_mapping():
+            return _torch_load(path, where, mapped=True), True
+        return _torch_load(stream, where, mapped=False), False
+
+
+def check_archive(stream: IO[bytes], where: str) -> bool:
+    """Refuse ``stream`` (rewound after) unless it is a zip archive as ``torch.save`` writes
+    it whose ``data.pkl`` passes :func:`~.scan.scan` with :data:`TORCH_POLICY` and whose
+    records each unpack to at most the archive's size; return whether its storages are in
+    this machine's byte order (so ``torch.load`` will not byteswap them)."""
+    size = stream.seek(0, io.SEEK_END)
+    stream.seek(0)
+    if stream.read(4) != _ZIP_MAGIC:
+        raise CheckpointCorruptError(
+            f"{where} is not in the zip format torch.save has written since torch 1.6 (it "
+            "may be the legacy format, several pickles followed by raw bytes, which "
+            "shardsafe does not unpickle). If you trust it, re-save it with "
+            "torch.save(torch.load(path, weights_only=True), new_path)."
+        )
+    stream.seek(0)
+    try:
+        archive = torch._C.PyTorchFileReader(stream)
+        records = archive.get_all_records()
+        for name in records:
+            if archive.get_record_size(name) > size:
+                raise CheckpointCorruptError(
+                    f"{where}: record {name[:200]!r} unpacks to more bytes than the whole file "
+                    "holds (a compressed record; torch.save never compresses)"
+                )
+        if "data.pkl" not in records:
+            raise CheckpointCorruptError(f"{where} is a zip archive without torch's data.pkl")
+        pickled = archive.get_record("data.pkl")
+        order = archive.get_record("byteorder") if "byteorder" in records else None
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointCorruptError(
+            f"{where} is not a readable torch.save archive: {type(e).__name__}: {str(e)[:500]}"
+        ) from None
+    finally:
+        stream.seek(0)
+    scan(pickled, where, TORCH_POLICY)
+    return _byte_order(order) == sys.byteorder
+
+
+def _byte_order(record: bytes | None) -> str:
+    """The byte order ``torch.load`` reads an archive's storages in (its rules)."""
+    if record is not None:
+        return record.decode("ascii", "replace")
+    default = torch.serialization.get_default_load_endianness()
+    if default == torch.serialization.LoadEndianness.BIG:
+        return "big"
+    if default == torch.serialization.LoadEndianness.NATIVE:
+        return sys.byteorder
+    return "little"
+
+
+def _shared_mapping() -> bool:
+    flags = torch.serialization.get_default_mmap_options()
+    return flags is not None and flags == getattr(mmap, "MAP_SHARED", None)
+
+
+def _torch_load(file: str | IO[bytes], where: str, *, mapped: bool) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mapped)
+    except CheckpointError:
+        raise
+    except Exception as e:  # torch raises many types for a damaged archive
+        raise CheckpointCorruptError(
+            f"cannot read {where} with torch.load(weights_only=True): {type(e).__name__}: "
+            f"{str(e)[:1000]}. shardsafe reads only files made of tensors and plain data; "
+            "re-save it without custom objects."
+        ) from None
