@@ -68,6 +68,19 @@ class TensorRecord:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
 
+def shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
+    """Why no tensor can have ``shape`` (of non-negative ints) with items of ``itemsize``
+    bytes, or ``None``. torch counts elements and bytes in int64, and so must anything
+    that sizes a tensor from a file: more than :data:`MAX_NDIM` dimensions, or an element
+    count (each dimension at least 1, as torch's own storage arithmetic counts them) or a
+    byte count that reaches 2**63, describes no tensor, only an overflow."""
+    if len(shape) > MAX_NDIM:
+        return f"has {len(shape)} dimensions, more than the {MAX_NDIM} a checkpoint may have"
+    if math.prod(max(n, 1) for n in shape) * max(itemsize, 1) >= 1 << 63:
+        return f"has shape {list(shape)}, too large for any tensor (its size overflows int64)"
+    return None
+
+
 def crc_block_count(nbytes: int, block_bytes: int) -> int:
     """How many CRC32 values a chunk of ``nbytes`` carries (one per block, at least one)."""
     return max(1, -(-nbytes // block_bytes))

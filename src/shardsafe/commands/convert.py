@@ -63,16 +63,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "flat (torchtitan's: weights at the top level, optimizer state flattened)",
     )
     parser.add_argument(
+        "--untrusted-bytes-limit",
+        type=_byte_count,
+        default=None,
+        metavar="SIZE",
+        help="most bytes the source may make the conversion allocate beyond what it holds, "
+        "for expanded views and DCP chunks larger than their bytes in the file (bytes, or "
+        "e.g. 8GiB; default 1GiB); raise it only for a file you trust",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="print what would be written; write nothing"
     )
+
+
+def _byte_count(text: str) -> int:
+    """``--untrusted-bytes-limit``: a number of bytes (0 allowed) or a size (``8GiB``)."""
+    from ..converters.hf import parse_size
+
+    if text.strip().isdigit():
+        return int(text)
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of bytes or a size such as 512MiB or 8GiB"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
     import warnings
 
+    from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
     from ..converters import convert, describe
     from ._format import terminal_safe
 
+    limit = args.untrusted_bytes_limit  # None: convert's default, as load's
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the pickle note is printed below
@@ -87,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 add_prefix=args.add_prefix,
                 dry_run=args.dry_run,
                 dcp_layout=args.dcp_layout,
+                untrusted_bytes_limit=DEFAULT_UNTRUSTED_BYTES if limit is None else limit,
             )
     except ValueError as e:  # a bad option value (a size, a dtype): a usage problem
         from ..errors import CheckpointError

@@ -6,6 +6,7 @@ tensor at a time. One module per job::
 
     detect.py          which format a source is
     source.py          the format-neutral description every reader makes
+    bounds.py          what a conversion may allocate: the input's bytes, untrusted_bytes_limit
     entries.py         nested state trees <-> shardsafe entries (module, optimizer, value)
     dcp_metadata.py    DCP's pickled .metadata, through an allowlisting unpickler
     dcp_read.py        DCP .distcp chunks by byte range

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from ..checkpoint.locations import open_storage
+from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
+from .bounds import check_allocation
 from .detect import FORMATS, locate, split
 from .source import Source, cast, select
 
@@ -83,6 +85,7 @@ def convert(
     dcp_layout: str = "nested",
     progress: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES,
 ) -> Conversion:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
@@ -104,9 +107,21 @@ def convert(
     ``dry_run`` writes nothing and returns what would be written. ``progress``: a tqdm bar on stderr
     (default: when stderr is a terminal and tqdm is installed).
     Memory: the largest tensor plus fixed buffers. Paths may be object-store URLs.
+
+    ``untrusted_bytes_limit`` (as ``shardsafe.load``'s) bounds what the source can make
+    the conversion allocate beyond the bytes it holds: tensors whose size only the file
+    gives (an expanded view, ``torch.zeros(1).expand(n)``, which ``torch.save`` stores as
+    one element; a DCP chunk declared larger than its bytes in the file) are materialized
+    in full when written, and together they may take at most this many bytes. A source
+    asking for more is refused with a ``CheckpointCorruptError`` before anything is read
+    or written (also with ``dry_run``); pass a larger limit for a file you trust.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r} is not one of {', '.join(FORMATS)}")
+    if type(untrusted_bytes_limit) is not int or untrusted_bytes_limit < 0:
+        raise ValueError(
+            f"untrusted_bytes_limit={untrusted_bytes_limit!r} must be a number of bytes, 0 or more"
+        )
     if dcp_layout not in ("nested", "flat"):
         raise ValueError(f"dcp_layout={dcp_layout!r} is not 'nested' or 'flat'")
     target_dtype = _dtype(dtype)
@@ -116,6 +131,7 @@ def convert(
         if to == "hf":
             shards = hf.plan(chosen, max_shard_size, strip_prefix, add_prefix)
             chosen = _only_weights(chosen, shards)
+        check_allocation(chosen, untrusted_bytes_limit)
         files = _planned(chosen, to, dst_text, max_shard_size, strip_prefix, add_prefix)
         notes = [torch_file.PICKLE_WARNING] if to == "torch" else []
         result = Conversion(

@@ -15,17 +15,21 @@ nested, see ``flat_layout``).
 from __future__ import annotations
 
 import io
+import math
 from typing import IO, Any, cast
 
 import torch
 
+from .. import dtypes
 from ..checkpoint.geometry import tiling_problem
 from ..checkpoint.storage import FileReader, Storage
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError
+from ..pickles import load_torch
+from .bounds import loaded, require_dense
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .entries import to_entries
 from .flat_layout import unflatten
-from .source import Source, SourceChunk, SourceTensor, checked, one_chunk
+from .source import Source, SourceChunk, SourceTensor, Unbacked, checked, one_chunk
 
 MAX_BYTES_ITEM = 256 << 20
 """A non-tensor item (a hyperparameter, a step count) is read whole; refuse a huge one."""
@@ -86,17 +90,12 @@ class RangeFile(io.RawIOBase):
 
 
 def load_range(reader: FileReader, offset: int, length: int, what: str) -> Any:
-    """``torch.load(weights_only=True)`` of one DCP item's byte range."""
-    try:
-        view = cast(IO[bytes], RangeFile(reader, offset, length))
-        return torch.load(view, map_location="cpu", weights_only=True)
-    except CheckpointError:
-        raise
-    except Exception as e:  # torch raises many types for a damaged or hostile archive
-        raise CheckpointCorruptError(
-            f"cannot read {what} from {reader.name} (bytes {offset}..{offset + length}) with "
-            f"torch.load(weights_only=True): {type(e).__name__}: {e}"
-        ) from None
+    """``torch.load(weights_only=True)`` of one DCP item's byte range, through the pickle
+    gate (``pickles.load_torch``)."""
+    view = io.BufferedReader(RangeFile(reader, offset, length))
+    return load_torch(
+        cast(IO[bytes], view), f"{what} in {reader.name} (bytes {offset}..{offset + length})"
+    )
 
 
 def read(storage: Storage) -> Source:
@@ -124,7 +123,7 @@ def read(storage: Storage) -> Source:
 
         def make(key: str, stand_in: torch.Tensor) -> SourceTensor:
             if id(stand_in) not in stand_ins:  # a tensor inside a non-tensor item
-                return one_chunk(key, stand_in.dtype, tuple(stand_in.shape), lambda: stand_in)
+                return loaded(storage.directory, key, stand_in)
             fqn, item = stand_ins[id(stand_in)]
             dtype, size = item.properties.dtype, tuple(item.size)
             if not item.chunks:  # an empty tensor: DCP stores no bytes for it
@@ -138,7 +137,8 @@ def read(storage: Storage) -> Source:
                     f"once: they {problem}"
                 )
             chunks = tuple(_chunk(md, files, fqn, item, c, where) for c in item.chunks)
-            return SourceTensor(key, dtype, size, chunks)
+            unbacked = _unbacked(md, files, fqn, item, where)
+            return SourceTensor(key, dtype, size, chunks, unbacked=unbacked)
 
         values, tensors = to_entries(unflatten(_top_level(tree, where)), make)
     except BaseException:
@@ -169,9 +169,33 @@ def _chunk(md: Any, files: _Files, fqn: str, item: Any, chunk: Any, where: str) 
         tensor = load_range(reader, info.offset, info.length, f"tensor {fqn!r}")
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointCorruptError(f"{reader.name}: {fqn!r} holds no tensor")
+        require_dense(reader.name, fqn, tensor)
         return checked(fqn, tensor, dtype, shape)
 
     return SourceChunk(offsets, shape, load)
+
+
+def _unbacked(md: Any, files: _Files, fqn: str, item: Any, where: str) -> Unbacked | None:
+    """The chunks of ``item`` declared larger than the bytes of the range that stores
+    them (cut at its file's end). DCP stores a chunk as ``torch.save`` of it: its bytes
+    plus a container, unless it is an overlapping view or the metadata lies. Ranges never
+    share bytes (``check_metadata``), so the other chunks together are no larger than the
+    files: assembling the tensor (``SourceTensor.load_whole``) allocates those plus these.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    itemsize = dtypes.itemsize(item.properties.dtype)
+    elements = held = 0
+    file = ""
+    for c in item.chunks:
+        info = _info(md, MetadataIndex(fqn, torch.Size(c.offsets)), where)
+        reader = files.get(info.relative_path)
+        present = max(0, min(info.length, reader.size - info.offset))
+        count = math.prod(c.sizes)
+        if count * itemsize > present:
+            elements, held = elements + count, held + present
+            file = files.storage.where(info.relative_path)
+    return Unbacked(elements, held, file) if elements else None
 
 
 def _insert(tree: dict[Any, Any], path: tuple[Any, ...], leaf: Any, where: str) -> None:

@@ -12,13 +12,13 @@ one, every writer consumes one: N formats need N readers and N writers, not N^2 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from .. import _tree, dtypes
+from .. import _names, _tree, dtypes
 from ..errors import CheckpointError
 from ..protocol import SavedValue
 
@@ -40,6 +40,21 @@ class SourceChunk:
 
 
 @dataclass(frozen=True)
+class Unbacked:
+    """The part of a tensor whose size only the input vouches for: elements that the
+    input does not hold byte for byte (see ``bounds.py``), so that materializing them
+    allocates more than the input holds."""
+
+    elements: int
+    """Elements to be materialized: every element of an overlapping view, or of a chunk
+    declared larger than its bytes in the file."""
+    held_bytes: int
+    """The bytes of the input they are made from."""
+    file: str
+    """The file holding those bytes (for the refusal's message)."""
+
+
+@dataclass(frozen=True)
 class SourceTensor:
     key: str
     dtype: torch.dtype
@@ -48,10 +63,21 @@ class SourceTensor:
     whole: Callable[[], torch.Tensor] | None = None
     """Reads the whole tensor straight into one new tensor (a reader that assembles
     chunks itself, through a small buffer); ``None``: assembled here, chunk by chunk."""
+    unbacked: Unbacked | None = None
+    """What of it the input does not hold (``None``: all of it is in the input); its
+    bytes count against ``untrusted_bytes_limit``."""
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    @property
+    def untrusted_bytes(self) -> int:
+        """What materializing :attr:`unbacked` allocates, in this tensor's dtype (a cast
+        materializes it in the new one)."""
+        if self.unbacked is None:
+            return 0
+        return self.unbacked.elements * dtypes.itemsize(self.dtype)
 
     def done(self) -> None:
         """The whole tensor was used: release what its chunks hold (see ``SourceChunk``)."""
@@ -150,15 +176,17 @@ def select(source: Source, only: list[str] | None) -> Source:
             f"{', '.join(sorted(source.values)) or 'nothing'}"
         )
     values = {name: source.values[name] for name in only}
-    keys = {ref for v in values.values() for ref in referenced(v)}
+    keys = {ref for v in values.values() for ref in referenced(v, source.tensors)}
     tensors = {k: t for k, t in source.tensors.items() if k in keys}
     return replace(source, values=values, tensors=tensors)
 
 
-def referenced(value: SavedValue) -> list[str]:
-    """The tensor keys an entry uses."""
+def referenced(value: SavedValue, stored: Container[str]) -> list[str]:
+    """The tensor keys an entry uses (``stored``: every tensor key of its checkpoint)."""
     if value.kind == "module":
-        return [f"{value.name}/{n}" for n in value.meta.get("tensors", [])]
+        names = value.meta.get("tensors", [])
+        key = _names.module_keys(value.name, names, stored)
+        return [key(n) for n in names]
     return _tree.tensor_refs(value.meta)
 
 
@@ -168,7 +196,12 @@ def cast(source: Source, dtype: torch.dtype | None) -> Source:
     would stop counting at 256."""
     if dtype is None:
         return source
-    weights = {k for v in source.values.values() if v.kind == "module" for k in referenced(v)}
+    weights = {
+        k
+        for v in source.values.values()
+        if v.kind == "module"
+        for k in referenced(v, source.tensors)
+    }
     tensors = {}
     for key, t in source.tensors.items():
         if key not in weights or not t.dtype.is_floating_point or t.dtype == dtype:
@@ -178,7 +211,7 @@ def cast(source: Source, dtype: torch.dtype | None) -> Source:
             SourceChunk(c.offsets, c.shape, _casting(c.load, dtype), c.release) for c in t.chunks
         )
         whole = None if t.whole is None else _casting(t.whole, dtype)
-        tensors[key] = SourceTensor(key, dtype, t.shape, chunks, whole)
+        tensors[key] = replace(t, dtype=dtype, chunks=chunks, whole=whole)
     return replace(source, tensors=tensors)
 
 
@@ -192,6 +225,8 @@ def one_chunk(
     shape: tuple[int, ...],
     load: Callable[[], torch.Tensor],
     release: Callable[[], None] | None = None,
+    unbacked: Unbacked | None = None,
 ) -> SourceTensor:
     """A tensor stored whole."""
-    return SourceTensor(key, dtype, shape, (SourceChunk((0,) * len(shape), shape, load, release),))
+    chunk = SourceChunk((0,) * len(shape), shape, load, release)
+    return SourceTensor(key, dtype, shape, (chunk,), unbacked=unbacked)

@@ -38,10 +38,12 @@ from ..checkpoint.locations import is_url
 from ..checkpoint.safetensors_io import byte_view, memory
 from ..checkpoint.storage import Storage
 from ..errors import CheckpointCorruptError, CheckpointError
+from ..pickles import load_torch, load_torch_mapped
+from .bounds import loaded, view_span
 from .dcp_read import RangeFile
 from .entries import is_module, nested, to_entries
 from .sink_stream import SinkStream
-from .source import Source, SourceTensor, TensorRef, one_chunk
+from .source import Source, SourceTensor, TensorRef
 
 PICKLE_WARNING = (
     "the result is a pickle (torch.save format): load it with "
@@ -75,7 +77,7 @@ def read(storage: Storage, name: str) -> Source:
     def make(key: str, tensor: torch.Tensor) -> SourceTensor:
         # Only pages of the file mapping may be dropped: anonymous memory would be zeroed.
         release = (lambda: drop_pages(tensor)) if mapped else None
-        return one_chunk(key, tensor.dtype, tuple(tensor.shape), lambda: tensor, release)
+        return loaded(where, key, tensor, release)
 
     values, tensors = to_entries(tree, make)
     return Source("torch", where, values, tensors)
@@ -94,42 +96,57 @@ def drop_pages(tensor: torch.Tensor) -> None:
     ``torch.load(mmap=True)`` maps the file privately: every page a conversion reads
     stays resident in the process until the whole file is unmapped, so converting a
     10 GB file would end with 10 GB resident. The mapping is private and never written,
-    so dropping pages is safe: a later read (a neighbouring tensor sharing a page) faults
-    them in again from the file.
+    so dropping pages is safe: a later read (another view of the storage) faults them in
+    again from the file. Which pages: see :func:`page_span`.
     """
     global _libc
-    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+    span = page_span(tensor)
+    if not sys.platform.startswith("linux") or span is None:
         return
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise(span[0], span[1] - span[0], _MADV_DONTNEED)
+
+
+def page_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``[start, end)`` addresses of the whole pages that lie inside ``tensor``'s storage
+    and hold bytes its view reaches; ``None`` if there are none.
+
+    Not ``data_ptr()`` plus ``numel * itemsize``: an expanded view (stride 0) of one
+    element declares any number of them, and that span runs past the file's mapping into
+    whatever memory follows. ``torch.load(mmap=True)`` maps the whole file once and makes
+    each storage a slice of that mapping (one that claims more bytes than the file holds
+    is cut at its end), and a view never reaches outside its storage; so pages wholly
+    inside the storage belong to the mapping. A page the storage only partly covers is
+    left alone: at either end of the file it may lie outside the mapping, and keeping
+    two pages per tensor resident costs nothing.
+    """
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        return None
+    storage = tensor.untyped_storage()
+    base, size = storage.data_ptr(), storage.nbytes()
+    first, end = view_span(tensor)
+    end = min(end, size)
+    if base == 0 or end <= first:
+        return None
     page = mmap.PAGESIZE
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = start // page * page, -(-end // page) * page
-    _libc.madvise(first, last - first, _MADV_DONTNEED)
+    start = max((base + first) // page * page, -(-base // page) * page)
+    stop = min(-(-(base + end) // page) * page, (base + size) // page * page)
+    return (start, stop) if stop > start else None
 
 
 def _load(storage: Storage, name: str, where: str) -> tuple[Any, bool]:
-    """The file's contents, and whether its tensors are memory-mapped from the file."""
-    try:
-        if not is_url(storage.directory):
-            path = storage.where(name)
-            mapped = zipfile.is_zipfile(path)  # the legacy format cannot be memory-mapped
-            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
-            return raw, mapped
-        with storage.open_reader(name) as reader:  # an object: read whole (see README)
-            if reader.size > MAX_IN_MEMORY_BYTES:
-                raise CheckpointError(f"{where} is too large to read from an object store")
-            return torch.load(_whole(reader), map_location="cpu", weights_only=True), False
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"cannot read {where} with torch.load(weights_only=True): {type(e).__name__}: {e}. "
-            "shardsafe converts only files made of tensors and plain data; re-save it without "
-            "custom objects."
-        ) from None
+    """The file's contents, and whether its tensors are memory-mapped from the file. The
+    file is opened once; a local one is mapped through its descriptor's path, so the name
+    cannot be swapped between the checks and the load (``pickles.load_torch_mapped``)."""
+    with storage.open_reader(name) as reader:
+        path = reader.mapping_path()
+        if path is not None:
+            return load_torch_mapped(path, where)
+        if reader.size > MAX_IN_MEMORY_BYTES:  # an object: read whole (see README)
+            raise CheckpointError(f"{where} is too large to read from an object store")
+        return load_torch(_whole(reader), where), False
 
 
 class _Storage:
