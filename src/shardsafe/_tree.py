@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
-from . import dtypes
+from . import _names, dtypes
 from .errors import CheckpointCorruptError, CheckpointError
 
 JSON = Any
 TensorSink = Callable[[tuple[str, ...], torch.Tensor], str]
-"""Called with the path of a tensor inside the tree; stores it and returns its key."""
+"""Called with the path of a tensor inside the tree; stores it and returns its key. Dict
+keys that are not strings arrive as :class:`~shardsafe._names.DictKey` s (so ``1`` and
+``"1"`` are different paths); make the key with ``_names.join`` (``ctx.key``)."""
 
 _TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__")
 
@@ -84,7 +86,8 @@ def _encode_mapping(
                 f"cannot save {where}{_format_path(path)}: dict key {k!r} of type "
                 f"{type(k).__qualname__} is not a string, number or tuple."
             )
-        pairs.append([encode(k, where, sink, path), encode(v, where, sink, (*path, str(k)))])
+        part = k if isinstance(k, str) else _names.DictKey(k)  # 1 and "1": two paths
+        pairs.append([encode(k, where, sink, path), encode(v, where, sink, (*path, part))])
     return {"__dict__": pairs}
 
 

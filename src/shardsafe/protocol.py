@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import _names
 from .errors import CheckpointError
 
 JSON = Any
@@ -122,10 +123,19 @@ class SaveContext:
     world_size: int
     param_names: Mapping[int, str] = field(default_factory=dict)
     """``id(parameter)`` -> fully qualified name, from the modules in the same state dict."""
+    claims: _names.Claims = field(
+        default_factory=_names.Claims, init=False, repr=False, compare=False
+    )
+    """The path each key of this entry was made for (see :meth:`key`)."""
 
     def key(self, *parts: str) -> str:
-        """The tensor key for ``parts`` under this entry, e.g. ``optimizer/fc.weight/exp_avg``."""
-        return "/".join((self.name, *parts))
+        """The tensor key for the path ``parts`` under this entry, e.g.
+        ``optimizer/fc.weight/exp_avg``: each part encoded (``shardsafe._names``), so
+        that different paths get different keys. A key made for two different paths
+        (two NaN dict keys) is refused, naming both."""
+        key = _names.join(self.name, *parts)
+        self.claims.claim(key, parts, f"state[{self.name!r}]")
+        return key
 
     def param_fqn(self, param: torch.Tensor) -> str:
         fqn = self.param_names.get(id(param))

@@ -1,7 +1,9 @@
 """``nn.Module`` state: plain, DDP-wrapped, ``torch.compile``-d, or with DTensor parameters.
 
 Keys are the module's own state-dict names (``model/fc.weight``), without the ``module.``
-prefix DDP adds, so a checkpoint loads whether or not the model is wrapped.
+prefix DDP adds, so a checkpoint loads whether or not the model is wrapped. A name with
+``/``, ``%`` or a leading ``@`` is encoded (``shardsafe._names``); checkpoints written
+before that keep loading.
 
 Who writes what: parameters are identical on every rank under DDP, so they are offered
 as replicated and written once in total, by whichever rank has the least to write.
@@ -13,13 +15,13 @@ global offsets.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import _tree
+from .. import _names, _tree
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import (
     Adapter,
@@ -62,18 +64,26 @@ class ModuleAdapter(Adapter):
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         live = unwrap(obj).state_dict()
         saved_names = set(_saved_names(saved))
-        for name, raw in _extra(saved).items():
+        extra = _extra(saved)
+        for name, raw in extra.items():
             _tree.check_structure(raw, f"the extra state {name!r} of {saved.name!r}")
+        both = sorted(saved_names & set(extra))
+        if both:
+            raise CheckpointCorruptError(
+                f"the manifest entry for {saved.name!r} names {both[0]!r} both as a tensor "
+                "and as extra state"
+            )
+        key = _keys(saved, ctx)
         plan = LoadRequests()
         for name, value in live.items():
             if not isinstance(value, torch.Tensor):
                 continue
             if name not in saved_names:
                 if ctx.strict:
-                    plan.missing.append(ctx.key(name))
+                    plan.missing.append(key(name))
                 continue
-            plan.requests.append(_request(ctx.key(name), value))
-        plan.unexpected = [ctx.key(n) for n in sorted(saved_names - set(live))]
+            plan.requests.append(_request(key(name), value))
+        plan.unexpected = [key(n) for n in sorted(saved_names - set(live))]
         return plan
 
     def targets(
@@ -82,8 +92,9 @@ class ModuleAdapter(Adapter):
         """Every live parameter and buffer (a DTensor's local shard): ``restore``'s
         ``load_state_dict`` then copies each onto itself, which torch skips, so module
         hooks still run and nothing is copied twice."""
+        key = _keys(saved, ctx)
         return {
-            ctx.key(name): dtensor.local_of(value)
+            key(name): dtensor.local_of(value)
             for name, value in unwrap(obj).state_dict().items()
             if isinstance(value, torch.Tensor)
         }
@@ -98,14 +109,21 @@ class ModuleAdapter(Adapter):
         module = unwrap(obj)
         live = module.state_dict()
         state: dict[str, Any] = {}
+        key_of = _keys(saved, ctx)
         for name, value in live.items():
-            key = ctx.key(name)
+            key = key_of(name)
             if isinstance(value, torch.Tensor) and key in tensors:
                 state[name] = dtensor.like(value, tensors[key])
         for name, raw in _extra(saved).items():
             if name in live:
                 state[name] = _tree.decode(raw, {})
         module.load_state_dict(state, strict=False)
+
+
+def _keys(saved: SavedValue, ctx: LoadContext) -> Callable[[str], str]:
+    """The key each tensor name of the module has in this checkpoint: encoded
+    (``ctx.key``), or as written before names were encoded (see ``_names.module_keys``)."""
+    return _names.module_keys(ctx.name, _saved_names(saved), ctx.saved_tensors)
 
 
 def _saved_names(saved: SavedValue) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import _tree
+from .. import _names, _tree
 from ..errors import CheckpointCorruptError
 from ..protocol import (
     Adapter,
@@ -33,8 +33,9 @@ from ..protocol import (
 )
 from . import dtensor
 
-GROUPS = "@groups"
-"""Key segment for tensors inside param-group hyperparameters (not a valid FQN)."""
+GROUPS = _names.Reserved("@groups")
+"""Key segment for tensors inside param-group hyperparameters: reserved, so stored as it
+is, while an FQN spelled the same is encoded (``%40groups``) and never meets it."""
 
 
 def export_state(

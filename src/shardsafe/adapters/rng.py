@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import _tree
+from .. import _names, _tree
 from ..errors import CheckpointCorruptError
 from ..protocol import (
     JSON,
@@ -148,7 +148,7 @@ class RNGAdapter(Adapter):
 
     def save(self, obj: RNGState, ctx: SaveContext) -> SaveItem:
         chunks: list[Chunk] = []
-        prefix = f"rank-{ctx.rank:05d}"
+        prefix = _names.Reserved(f"rank-{ctx.rank:05d}")
 
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
             key = ctx.key(prefix, *path)

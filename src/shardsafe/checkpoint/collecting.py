@@ -1,7 +1,8 @@
 """The collect phase of a save: every state entry, through its adapter, into save items.
 
 Refuses here, before anything is written, what ``load`` would refuse (a dtype
-safetensors cannot hold, a tensor key too long, too many dimensions).
+safetensors cannot hold, a tensor key too long, too many dimensions) and what it could
+not give back (one key given to two tensors).
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import dtypes
+from .. import _names, dtypes
 from ..adapters.registry import find_adapter
 from ..errors import CheckpointError
 from ..protocol import Adapter, Chunk, SaveContext, SaveItem, param_names
+from . import geometry
 from .manifest_format import MAX_NAME_CHARS, MAX_NDIM, valid_value_name
 
 MAX_KEY_CHARS = MAX_NAME_CHARS - 1024
@@ -46,8 +48,52 @@ def collect(state: Mapping[str, Any], rank: int, world_size: int) -> Collected:
         item = adapter.save(obj, ctx)
         for chunk in item.chunks:
             _check_chunk(chunk, name)
+        _check_distinct(item.chunks, ctx)
         items[name] = (adapter, item)
     return items
+
+
+def _check_distinct(chunks: list[Chunk], ctx: SaveContext) -> None:
+    """Refuse one key given to two tensors on this rank: two of its chunks that overlap or
+    disagree about the tensor they are part of.
+
+    ``ctx.key`` refuses a key made for two paths as it is made; this catches an adapter
+    that builds keys by hand, before anything is written (the planner would keep one of
+    two replicated copies and drop the other without a word). Most keys have one chunk
+    per rank, so this is a dict insert per chunk.
+    """
+    by_key: dict[str, list[Chunk]] = {}
+    for chunk in chunks:
+        by_key.setdefault(chunk.key, []).append(chunk)
+    for key, same in by_key.items():
+        problem = _clash(same) if len(same) > 1 else None
+        if problem is not None:
+            path = ctx.claims.path_of(key)
+            known = f" (one is state[{ctx.name!r}]{_names.show(path)})" if path else ""
+            raise CheckpointError(
+                f"state[{ctx.name!r}] gives two different tensors the key {key!r}{known}: "
+                f"{problem}, so one would be lost. Each tensor needs a key of its own: make "
+                "keys with ctx.key(*path) (nothing was written)"
+            )
+
+
+def _clash(chunks: list[Chunk]) -> str | None:
+    """Why chunks of one key on one rank cannot be pieces of one tensor, or ``None``."""
+    first = chunks[0]
+    for c in chunks[1:]:
+        if (c.tensor.dtype, c.global_shape) != (first.tensor.dtype, first.global_shape):
+            return (
+                f"one is {dtypes.dtype_name(first.tensor.dtype)}{list(first.global_shape)}, "
+                f"the other {dtypes.dtype_name(c.tensor.dtype)}{list(c.global_shape)}"
+            )
+    boxes = [(c.offsets, tuple(c.tensor.shape)) for c in chunks]
+    if len(set(boxes)) < len(boxes):
+        return "two of its pieces cover the same region"
+    if len(boxes) <= geometry.PAIRWISE_LIMIT:
+        for i, a in enumerate(boxes):
+            if any(geometry.intersect(a, b) is not None for b in boxes[i + 1 :]):
+                return "two of its pieces overlap"
+    return None
 
 
 def _check_chunk(chunk: Chunk, name: str) -> None:

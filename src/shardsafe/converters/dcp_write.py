@@ -46,15 +46,20 @@ DATA_FILE = "__0_0.distcp"
 class Leaf:
     path: tuple[str | int, ...]
     value: Any
+    keys: tuple[Any, ...] = ()
+    """The path with the tree's own keys (``1``, where ``path`` has DCP's ``"1"``)."""
 
     @property
     def fqn(self) -> str:
         return ".".join(map(str, self.path))
 
+    def shown(self) -> str:
+        return "".join(f"[{k!r}]" for k in self.keys)
+
 
 def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     """DCP's flattening (``_traverse.traverse_state_dict``), with :class:`TensorRef` s as
-    its tensors."""
+    its tensors; two paths that DCP would store under one name are refused."""
     leaves: list[Leaf] = []
 
     def terminal(value: Any) -> bool:
@@ -67,19 +72,56 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
             for v in value
         )
 
-    def visit(path: tuple[str | int, ...], value: Any) -> None:
+    def visit(path: tuple[str | int, ...], keys: tuple[Any, ...], value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
-                visit((*path, str(k)), v)
+                visit((*path, str(k)), (*keys, k), v)
         elif terminal(value):
-            leaves.append(Leaf(path, value))
+            leaves.append(Leaf(path, value, keys))
         else:
             for i, v in enumerate(value):
-                visit((*path, i), v)
+                visit((*path, i), (*keys, i), v)
 
     for key, value in tree.items():
-        visit((str(key),), value)
+        visit((str(key),), (key,), value)
+    check_distinct(leaves)
     return leaves
+
+
+def check_distinct(leaves: list[Leaf]) -> None:
+    """DCP stores a leaf under its path joined with "." (and ``dcp.load`` looks it up by
+    the same join), so two paths that join alike (``['a.b']`` and ``['a']['b']``) would
+    keep one and lose the other: refused, naming both, before anything is written."""
+    seen: dict[str, Leaf] = {}
+    for leaf in leaves:
+        first = seen.setdefault(leaf.fqn, leaf)
+        if first is not leaf:
+            raise CheckpointError(
+                f"cannot convert to DCP: {first.shown()} and {leaf.shown()} would both be "
+                f"stored as {leaf.fqn!r} (DCP joins a path's keys with '.'), so one would be "
+                f"lost; {_WAY_OUT}"
+            )
+    _check_one_node_per_path(leaves)
+
+
+_WAY_OUT = "rename one of them, or convert to shardsafe or torch instead (nothing was written)"
+
+
+def _check_one_node_per_path(leaves: list[Leaf]) -> None:
+    """DCP records each leaf's path with dict keys as strings (``planner_data``), from
+    which a reader without a template (``dcp_to_torch_save``, this package's) rebuilds
+    the tree: ``[1]`` and ``['1']`` would become one node, merging or losing what is
+    under them. Refused unless every recorded path stands for one path of the tree."""
+    nodes: dict[tuple[str | int, ...], Leaf] = {}
+    for leaf in leaves:
+        for n in range(1, len(leaf.path) + 1):
+            other = nodes.setdefault(leaf.path[:n], leaf)
+            if other.keys[:n] != leaf.keys[:n]:
+                raise CheckpointError(
+                    f"cannot convert to DCP: {other.shown()} and {leaf.shown()} would both be "
+                    f"stored under the path {leaf.path[:n]!r} (DCP names dict keys by "
+                    f"str(key)), so a reader would lose one; {_WAY_OUT}"
+                )
 
 
 def refuse_non_empty(storage: Storage) -> bool:
@@ -144,7 +186,7 @@ def write(
     )
     storage.sync_directory()
     storage.commit(METADATA_NAME, pickle.dumps(md))
-    verify(storage, out.crcs)
+    verify(storage, out.crcs, [leaf.fqn for leaf in leaves])
     return written
 
 
@@ -198,14 +240,23 @@ def tensor_crc(tensor: torch.Tensor) -> int:
     return crc32(memory(byte_view(tensor.contiguous())), 0)
 
 
-def verify(storage: Storage, expected: dict[tuple[str, tuple[int, ...]], int]) -> None:
+def verify(
+    storage: Storage, expected: dict[tuple[str, tuple[int, ...]], int], fqns: list[str]
+) -> None:
     """Read the written checkpoint back as a DCP reader would (its metadata through the
     allowlist, every chunk by byte range) and compare each chunk's CRC32 with what was
-    written."""
+    written; the metadata must list each of the ``fqns`` written, once (an item written
+    twice under one name would be a lost one)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     where = storage.where(METADATA_NAME)
     md = parse_metadata(storage.read_small(METADATA_NAME, MAX_METADATA_BYTES), where)
+    listed = set(md.state_dict_metadata)
+    if len(listed) != len(fqns) or listed != set(fqns):
+        raise CheckpointCorruptError(
+            f"{where} lists {len(listed)} items, but {len(fqns)} were written: not every "
+            "item reads back as written"
+        )
     with storage.open_reader(DATA_FILE) as reader:
         for (fqn, offsets), crc in expected.items():
             info = md.storage_data[MetadataIndex(fqn, torch.Size(offsets))]

@@ -12,6 +12,10 @@ have saved the live object:
   (keys ``<name>/<fqn>/<state name>``, hyperparameters exact);
 * anything else -> ``value`` (plain data; tensors keyed by their path).
 
+Keys are made exactly as ``save`` makes them (``shardsafe._names``: each segment
+encoded), so a converted checkpoint is the one ``save`` would have written, and two
+paths that would share a key are refused.
+
 Writers of other formats go the other way with :func:`nested`.
 """
 
@@ -22,8 +26,9 @@ from typing import Any
 
 import torch
 
-from .. import _tree
+from .. import _names, _tree
 from ..adapters.optimizer import GROUPS
+from ..errors import CheckpointCorruptError
 from ..protocol import SavedValue
 from .source import Source, SourceTensor, TensorRef, decoded
 
@@ -62,10 +67,15 @@ def to_entries(
     """The shardsafe entries and tensors of a nested state tree (see the module docstring)."""
     values: dict[str, SavedValue] = {}
     tensors: dict[str, SourceTensor] = {}
+    claims = _names.Claims()
 
-    def sink_under(*prefix: str) -> _tree.TensorSink:
+    def sink_under(name: str, *prefix: str) -> _tree.TensorSink:
+        """Keys as ``save`` makes them (``_names.join``); two paths to one key refused."""
+
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
-            key = "/".join((*prefix, *path))
+            parts = (*prefix, *path)
+            key = _names.join(name, *parts)
+            claims.claim(key, parts, f"[{name!r}]")
             tensors[key] = make(key, tensor)
             return key
 
@@ -73,8 +83,9 @@ def to_entries(
 
     for name, sub in tree.items():
         if is_module(sub):
+            module_sink = sink_under(name)
             for fqn, t in sub.items():
-                tensors[f"{name}/{fqn}"] = make(f"{name}/{fqn}", t)
+                module_sink((fqn,), t)
             values[name] = SavedValue(name, "module", {"tensors": list(sub), "extra": {}})
         elif is_optimizer(sub):
             values[name] = SavedValue(name, "optimizer", _optimizer_meta(name, sub, sink_under))
@@ -111,8 +122,9 @@ def _add_param_shapes(values: dict[str, SavedValue], tensors: dict[str, SourceTe
     module_shapes: dict[str, tuple[int, ...]] = {}
     for v in values.values():
         if v.kind == "module":
+            key = _names.module_keys(v.name, v.meta["tensors"], tensors)
             for fqn in v.meta["tensors"]:
-                module_shapes.setdefault(fqn, tensors[f"{v.name}/{fqn}"].shape)
+                module_shapes.setdefault(fqn, tensors[key(fqn)].shape)
     for v in values.values():
         if v.kind != "optimizer":
             continue
@@ -137,9 +149,7 @@ def nested(source: Source) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in source.values.items():
         if value.kind == "module":
-            sub: dict[str, Any] = {fqn: TensorRef(f"{name}/{fqn}") for fqn in value.meta["tensors"]}
-            sub.update(decoded(value.meta.get("extra", {})))
-            out[name] = sub
+            out[name] = _module_tree(value, source)
         elif value.kind == "optimizer":
             meta = decoded(value.meta)
             groups = [{**g["hyper"], "params": list(g["params"])} for g in meta["param_groups"]]
@@ -147,3 +157,20 @@ def nested(source: Source) -> dict[str, Any]:
         else:
             out[name] = decoded(value.meta)
     return out
+
+
+def _module_tree(value: SavedValue, source: Source) -> dict[str, Any]:
+    """A module entry as its state dict: tensors by name, then its extra state, which
+    must not reuse a tensor's name (one of the two would be lost)."""
+    names = value.meta["tensors"]
+    key = _names.module_keys(value.name, names, source.tensors)
+    sub: dict[str, Any] = {fqn: TensorRef(key(fqn)) for fqn in names}
+    extra = decoded(value.meta.get("extra", {}))
+    both = sorted(set(sub) & set(extra))
+    if both:
+        raise CheckpointCorruptError(
+            f"{source.where}: the module entry {value.name!r} names {both[0]!r} both as a "
+            "tensor and as extra state"
+        )
+    sub.update(extra)
+    return sub

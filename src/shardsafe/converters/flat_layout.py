@@ -97,12 +97,25 @@ def flatten(tree: dict[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _flat_optimizer(sub: dict[str, Any]) -> dict[str, Any]:
+    items = [
+        (f"{_STATE}{fqn}.{field}", value, f"['state'][{fqn!r}][{field!r}]")
+        for fqn, per in sub["state"].items()
+        for field, value in per.items()
+    ]
+    items += [
+        (f"{_GROUPS}{fqn}.{field}", value, f"param {fqn!r}'s group's {field!r}")
+        for group in sub["param_groups"]
+        for fqn in group["params"]
+        for field, value in _hyper(group).items()
+    ]
     out: dict[str, Any] = {}
-    for fqn, per in sub["state"].items():
-        for field, value in per.items():
-            out[f"{_STATE}{fqn}.{field}"] = value
-    for group in sub["param_groups"]:
-        for fqn in group["params"]:
-            for field, value in _hyper(group).items():
-                out[f"{_GROUPS}{fqn}.{field}"] = value
+    origin: dict[str, str] = {}
+    for key, value, where in items:
+        if key in origin:
+            raise CheckpointError(
+                f"cannot write the flat DCP layout: the optimizer's {origin[key]} and {where} "
+                f"would both be stored as {key!r}, so one would be lost; use "
+                "dcp_layout='nested'"
+            )
+        origin[key], out[key] = where, value
     return out

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _names
 from ..checkpoint.safetensors_io import (
     BlockCrc,
     HeaderEntry,
@@ -37,6 +38,7 @@ from ..checkpoint.safetensors_io import (
     read_header,
 )
 from ..checkpoint.storage import FileReader, Storage
+from ..checkpoint.strict_json import load_json_bytes
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
 from .dcp_write import refuse_non_empty, remove_if_created
@@ -84,8 +86,10 @@ def weight_names(
             f"{source.where} holds no model weights (no module entry; it holds "
             f"{', '.join(sorted(source.values)) or 'nothing'}). Name the entry with --only."
         )
-    out, seen = [], set()
+    out: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}
     for value in modules:
+        key = _names.module_keys(value.name, value.meta["tensors"], source.tensors)
         for fqn in value.meta["tensors"]:
             name = (
                 fqn[len(strip_prefix) :] if strip_prefix and fqn.startswith(strip_prefix) else fqn
@@ -93,10 +97,14 @@ def weight_names(
             name = f"{add_prefix or ''}{name}"
             if len(modules) > 1:
                 name = f"{value.name}.{name}"
+            where = f"{value.name}[{fqn!r}]"
             if name in seen:
-                raise CheckpointError(f"two tensors would both be named {name!r}")
-            seen.add(name)
-            out.append((name, f"{value.name}/{fqn}"))
+                raise CheckpointError(
+                    f"two tensors would both be named {name!r}: {seen[name]} and {where}; "
+                    "rename one (or convert only one module with --only)"
+                )
+            seen[name] = where
+            out.append((name, key(fqn)))
     return out
 
 
@@ -237,7 +245,7 @@ def read(storage: Storage, name: str) -> Source:
                 if tname in names:
                     raise CheckpointCorruptError(f"tensor {tname!r} is in two files")
                 names[tname] = fname
-                key = f"model/{tname}"
+                key = _names.join("model", tname)
                 tensors[key] = one_chunk(key, entry.dtype, entry.shape, _reading(reader, entry))
         if weight_map is not None and names != weight_map:
             wrong = sorted(set(names.items()) ^ set(weight_map.items()))[0][0]
@@ -259,10 +267,8 @@ def _weight_map(storage: Storage, name: str) -> dict[str, str] | None:
     if not name.endswith(".json"):
         return None
     where = storage.where(name)
-    try:
-        doc = json.loads(storage.read_small(name, MAX_INDEX_BYTES))
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{where} is not valid JSON: {e}") from None
+    # Strict and bounded (depth, digits): the index is hostile input like any other file.
+    doc = load_json_bytes(storage.read_small(name, MAX_INDEX_BYTES), where)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointCorruptError(f"{where} has no weight_map of tensor names to files")

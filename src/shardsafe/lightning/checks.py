@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _tree
+from .. import _names, _tree
 from ..errors import CheckpointError
 
 _HINT = (
@@ -137,4 +137,4 @@ def _encodes(value: Any) -> bool:
 
 
 def _discard(path: tuple[str, ...], tensor: torch.Tensor) -> str:
-    return "/".join(path)
+    return _names.join("check", *path)
