@@ -914,7 +914,7 @@ def test_a_fifo_as_the_root_lock_is_refused_without_being_opened(tmp_path: Path)
     manager = CheckpointManager(root)
     with fifo_reader_probe(lock) as probe:
         for _ in range(5):
-            with pytest.raises(CheckpointError, match="its lock file is empty or unreadable"):
+            with pytest.raises(CheckpointError, match=r"is damaged: .*a named pipe \(FIFO\)"):
                 manager.save(1, _small_state(1))
         time.sleep(0.1)
     assert probe["readers_seen"] == 0
@@ -930,11 +930,15 @@ def test_a_symlinked_root_lock_is_never_written_through(tmp_path: Path) -> None:
     lock = root / ".shardsafe.lock"
     os.symlink(precious, lock)
     manager = CheckpointManager(root)
-    with pytest.raises(CheckpointError, match="its lock file is empty or unreadable"):
-        manager.save(1, _small_state(1))  # a fresh unreadable lock: someone is starting
+    with pytest.raises(CheckpointError, match=r"is damaged: .*is a symbolic link"):
+        manager.save(1, _small_state(1))  # not a lock shardsafe writes: damaged
     old = time.time() - 3600
     os.utime(lock, (old, old), follow_symlinks=False)
-    manager.save(1, _small_state(1))  # an old unreadable lock on this host: taken over
+    with pytest.raises(CheckpointError, match=r"is damaged: .*is a symbolic link"):
+        manager.save(1, _small_state(1))  # however old: a damaged lock is never taken over
+    assert precious.read_text() == '{"pid": 1, "host": "elsewhere"}'
+    lock.unlink()  # what the message says to do: the link itself, never what it names
+    manager.save(1, _small_state(1))
     assert precious.read_text() == '{"pid": 1, "host": "elsewhere"}'
     assert not lock.is_symlink() and json.loads(lock.read_text())["pid"] == os.getpid()
     manager.close()

@@ -23,6 +23,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from shardsafe.checkpoint.leftovers import marker_bytes
 
 LAYOUTS = ["sharded", "consolidated"]
 
@@ -373,7 +374,9 @@ def test_an_existing_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
 def test_leftovers_of_an_uncommitted_save_are_replaced(tmp_path: Path) -> None:
     path = tmp_path / "c"
     path.mkdir()
-    (path / ".shardsafe-incomplete").touch()  # what an interrupted save leaves behind
+    leftovers = ["model.safetensors", "shard-00003-of-00004.safetensors"]
+    # What an interrupted save leaves behind: its marker, recording what it wrote.
+    (path / ".shardsafe-incomplete").write_bytes(marker_bytes(leftovers))
     (path / "model.safetensors").write_bytes(b"half-written garbage")
     (path / "shard-00003-of-00004.safetensors").write_bytes(b"from an older, larger run")
     model = nn.Linear(3, 3)

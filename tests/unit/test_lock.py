@@ -113,14 +113,36 @@ def test_a_lock_held_on_another_host_is_refused_naming_the_file_to_delete(
     takes_over(tmp_path)
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]"])
-def test_an_unreadable_lock_file_is_taken_over_once_it_is_old(tmp_path: Path, content: str) -> None:
-    """A run killed between creating the lock file and writing it leaves it empty."""
+def test_an_empty_lock_file_is_taken_over_once_it_is_old(tmp_path: Path) -> None:
+    """A run of an older shardsafe killed between creating the lock file and writing it
+    leaves it empty."""
+    tmp_path.mkdir(exist_ok=True)
+    path = tmp_path / LOCK_NAME
+    path.write_text("")
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    takes_over(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [("{not json", "it is not valid JSON"), ("[1, 2]", "it holds a JSON list, not an object")],
+)
+def test_a_damaged_lock_file_is_refused_however_old(
+    tmp_path: Path, content: str, problem: str
+) -> None:
+    """A lock is claimed whole (hard link), so one that holds no valid owner is damaged,
+    not a killed run's: nobody can tell whose run it was, so it is never taken over. The
+    message says so and what to do; then saving works (more in test_hostile_names_and_files)."""
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / LOCK_NAME
     path.write_text(content)
     old = time.time() - 60
     os.utime(path, (old, old))
+    msg = refused(tmp_path)
+    assert f"the lock {path} is damaged: {problem}" in msg
+    assert f"delete {path} and save again" in msg
+    path.unlink()  # what the message says to do
     takes_over(tmp_path)
 
 

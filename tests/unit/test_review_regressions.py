@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import shardsafe
+from shardsafe.checkpoint.leftovers import marker_bytes
 from shardsafe.distributed import Coordinator
 
 
@@ -110,7 +111,10 @@ def test_save_never_deletes_files_it_did_not_write(tmp_path: Path) -> None:
 def test_leftovers_of_an_interrupted_save_are_cleared(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     target.mkdir()
-    (target / ".shardsafe-incomplete").touch()
+    # What an interrupted save leaves: its marker, recording the file it was writing.
+    (target / ".shardsafe-incomplete").write_bytes(
+        marker_bytes(["shard-00000-of-00004.safetensors"])
+    )
     (target / "shard-00000-of-00004.safetensors").write_bytes(b"half written")
     model, _ = _model_and_adam()
     shardsafe.save(target, {"model": model})

@@ -10,7 +10,10 @@ Save and load are mirrors. Modules, save side | load side:
   ``chunk_bytes``) | ``reader``; both through ``safetensors_io`` and ``storage``
   (``files``: opening names inside a directory safely);
 * the manifest: ``manifest`` (writes it, builds it, parses it), ``manifest_format``,
-  ``manifest_checks``, ``strict_json``; ``geometry`` for boxes and tilings; ``crc``.
+  ``manifest_checks``, ``strict_json``; ``geometry`` for boxes and tilings; ``crc``;
+* the directory a save writes: ``target_directory`` (+ ``leftovers``: what a save may
+  delete, by its marker's record); a root's writer: ``lock`` | ``object_lock`` (+
+  ``lock_owner``: the owner record both check).
 
 Glossary (a tensor piece, stage by stage):
 

@@ -5,7 +5,9 @@ retention would delete the other's checkpoints. The first run to save creates th
 file (``O_EXCL``, so exactly one wins) holding its pid, host and process start time; the
 lock lasts as long as the process. A later run on the same host takes over a lock whose
 process is gone (killed, crashed); on another host it cannot tell, so it refuses and
-says which file to delete once the other run is known to be dead.
+says which file to delete once the other run is known to be dead. A lock that names no
+valid owner (damaged or forged: ``lock_owner.py`` checks every field) is never taken over
+either: the save stops with an error naming the file and saying what is wrong with it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uuid
 from typing import Any
 
 from ..errors import CheckpointError
+from .lock_owner import read_owner
 from .storage import LocalStorage
 
 LOCK_NAME = ".shardsafe.lock"
@@ -120,19 +123,22 @@ class RootLock:
             return 0.0
 
     def _owner(self) -> dict[str, Any]:
-        """Who the lock file names; ``{}`` if unreadable (a symlink or FIFO is not opened)."""
+        """Who the lock file names, every field checked (``lock_owner``); ``{}`` if it is
+        gone or empty. A damaged lock (or a symlink, FIFO: never opened) raises."""
         root, name = os.path.split(self.path)
         try:
-            with LocalStorage(root) as storage:
-                owner = json.loads(storage.read_small(name, 1 << 16))
-            return owner if isinstance(owner, dict) else {}
-        except (OSError, ValueError, CheckpointError):
+            storage = LocalStorage(root)
+            storage.require_directory()
+        except CheckpointError:
             return {}
+        with storage:
+            return read_owner(storage, name, self.path, empty_ok=True)
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
-        if self._owner().get("token") == self.me["token"]:
-            with contextlib.suppress(FileNotFoundError):
+        # At exit too: a lock damaged or replaced since is not this run's to remove.
+        with contextlib.suppress(CheckpointError, OSError):
+            if self._owner().get("token") == self.me["token"]:
                 os.remove(self.path)

@@ -14,7 +14,8 @@ every later save re-reads it, and a run whose lock now names another stops there
 What it protects: the root's retention and ``latest`` against a second run, from the first
 save on. What it cannot: liveness across hosts. A lock left by a killed run names its host
 and pid; a run on the same host takes over when that pid is gone; from another host it
-refuses and says which object to delete.
+refuses and says which object to delete. A damaged lock object is refused the same way
+as a local one (``lock_owner.py``, shared by both).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .lock import LOCK_NAME, _alive, _start_time
+from .lock_owner import read_owner
 from .storage import Storage
 
 
@@ -121,16 +123,15 @@ class ObjectRootLock:
             )
 
     def _owner(self, root: Storage) -> dict[str, Any]:
-        try:
-            owner = json.loads(root.read_small(LOCK_NAME, 1 << 16))
-        except (OSError, ValueError, CheckpointError):
-            return {}
-        return owner if isinstance(owner, dict) else {}
+        """Who the lock object names, every field checked (``lock_owner``); ``{}`` if there
+        is none. A damaged one (an empty object too: it is written in one PUT) raises."""
+        return read_owner(root, LOCK_NAME, root.where(LOCK_NAME), empty_ok=False)
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
+        # At exit too: a lock damaged or replaced since is not this run's to remove.
         with contextlib.suppress(Exception), self._open_root() as root:
             if self._owner(root).get("token") == self.me["token"]:
                 root.remove(LOCK_NAME)

@@ -10,20 +10,12 @@ half-way leaves a directory that is plainly not a checkpoint, never a broken one
 from __future__ import annotations
 
 import os
-import re
 import warnings
 
 from ..errors import CheckpointError, CheckpointNotFoundError
+from .leftovers import INCOMPLETE_MARKER, OURS, record
 from .manifest import MANIFEST_NAME
 from .storage import LocalStorage, Storage
-from .target_directory import INCOMPLETE_MARKER
-
-OURS = re.compile(
-    r"manifest\.json|\.shardsafe-incomplete|\.manifest\.json\.tmp-[0-9]+|\.shardsafe-probe-[0-9a-f]{32}"
-    r"|[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.safetensors",
-    re.ASCII,
-)
-"""The names shardsafe writes inside a checkpoint directory."""
 
 
 def foreign_entries(step: Storage) -> list[str]:
@@ -35,8 +27,9 @@ def delete_checkpoint(root: Storage, name: str) -> None:
     """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
 
     A directory holding anything else is left untouched, with a warning. Otherwise it is
-    marked first (so that a crash mid-way leaves a directory the next save recognises as
-    its own leftover), then loses the manifest, then the data files, then itself.
+    marked first with a record of its files (so that a crash mid-way leaves a directory
+    the next save recognises as its own leftover, and may clear), then loses the
+    manifest, then the data files, then itself.
     """
     try:
         with root.child(name) as step:
@@ -48,7 +41,7 @@ def delete_checkpoint(root: Storage, name: str) -> None:
                 )
                 return
             names = step.names()
-            step.touch(INCOMPLETE_MARKER)
+            record(step, names)  # what a save into it may clear, if this is interrupted
             if MANIFEST_NAME in names:
                 step.remove(MANIFEST_NAME)
                 step.sync_directory()

@@ -33,7 +33,9 @@ import torch
 from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
 from .crc import crc32
+from .manifest_format import MAX_NDIM
 from .storage import FileReader, FileSink
+from .strict_json import int_parser, why_not_json
 
 MAX_HEADER_BYTES = 100_000_000
 """safetensors' own limit (``MAX_HEADER_SIZE``)."""
@@ -280,9 +282,12 @@ def parse_header(
 
 def _parse_header(name: str, raw: memoryview) -> dict[str, object]:
     try:
-        header = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise CheckpointCorruptError(f"{name} has a damaged safetensors header") from None
+        header = json.loads(
+            bytes(raw).decode("utf-8"), object_pairs_hook=_unique_keys, parse_int=int_parser()
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else why_not_json(e)
+        raise CheckpointCorruptError(f"{name} has a damaged safetensors header ({why})") from None
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{name}'s safetensors header is not an object")
     return header
@@ -328,7 +333,11 @@ def _header_entry(file: str, key: str, rec: object, data_start: int, data_len: i
     if dtype is None:
         raise bad(f"has unknown dtype {rec.get('dtype')!r}")
     shape, offs = rec.get("shape"), rec.get("data_offsets")
-    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
+        and all(type(n) is int and n >= 0 for n in shape)
+    ):
         raise bad("has an invalid shape")
     if not (isinstance(offs, list) and len(offs) == 2 and all(type(n) is int for n in offs)):
         raise bad("has invalid data_offsets")
@@ -340,5 +349,9 @@ def _header_entry(file: str, key: str, rec: object, data_start: int, data_len: i
             f"the data section holds {data_len}"
         )
     if end - begin != nbytes:
-        raise bad(f"occupies {end - begin} bytes but its shape and dtype need {nbytes}")
+        # A product of forged dimensions may have more digits than str() converts.
+        need = nbytes if nbytes < 1 << 64 else "over 2**64"
+        raise bad(f"occupies {end - begin} bytes but its shape and dtype need {need}")
+    if math.prod(max(n, 1) for n in shape) >= 1 << 63:  # empty, yet no torch.empty makes it
+        raise bad(f"has a shape too large for any tensor ({len(shape)} dimensions)")
     return HeaderEntry(key, dtype, tuple(shape), data_start + begin, nbytes)

@@ -167,6 +167,9 @@ def _collect_phase(run: SaveRun) -> Planned:
         offers.extend(Offer.from_json(r, raw) for r, raw in enumerate(payloads))
         check_same_entries(offers, names, coord.rank)
         whole = plan_save([o.chunks for o in offers], options.layout, names)
+        # Before any rank writes a data file (the parts are sent after this returns): what
+        # the next save may clear if this one is interrupted, and nothing else.
+        target_directory.record_plan(storage, token, [f.name for f in whole.files])
         # The others' parts carry the name of rank 0's probe, which each checks it can see.
         parts = [plan_parts.part_of(whole, r) | {"probe": token} for r in range(1, len(offers))]
         return [whole, *parts]

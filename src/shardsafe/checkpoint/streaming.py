@@ -8,7 +8,8 @@ dropped before the next one is loaded, so the memory is one chunk at a time.
 
 Everything after that is ``save``'s own code, not a second copy of it: the planner
 (``plan_save``), the file writer with its block CRCs (``writing.write_own_files``), the
-directory rules (``target_directory``: a new or empty directory only) and the commit
+directory rules (``target_directory``: a new or empty directory, or an interrupted save's
+recorded leftovers, which are all it clears) and the commit
 (``saving.commit``: data files durable first, ``manifest.json`` last, atomically). The
 result is then verified like ``shardsafe verify`` does, from the committed manifest.
 """
@@ -121,6 +122,7 @@ def write_checkpoint(
             for i, c in enumerate(chunks)
         ]
         plan = plan_save([offers], "sharded", list(values))
+        target_directory.record_plan(storage, token, [f.name for f in plan.files])
         options = WriteOptions(CRC_BLOCK_BYTES, DEFAULT_BUFFER_BYTES)
         sources = LazyChunkBytes(chunks, on_bytes)
         try:

@@ -1,7 +1,10 @@
 """The directory a save writes into: new, empty, or its own interrupted save's leftovers.
 
-Only a directory that is empty or carries this library's marker is written into, so a
-save can never delete files it did not write (a Hugging Face ``model.safetensors``).
+Only a directory that is empty or carries this library's marker is written into, and of
+what it holds a save clears only the regular files an interrupted save recorded in that
+marker as its own writing (``leftovers.py`` has the exact rules); anything else refuses
+the save, with nothing deleted. So a save never deletes files it did not write (a Hugging
+Face ``model.safetensors``, a ``my_notes.txt``), and never through a symlink.
 
 A probe proves that every rank writes into the *same* directory: rank 0 creates
 ``.shardsafe-probe-<token of this save>``, every other rank looks for it before writing
@@ -16,14 +19,20 @@ from __future__ import annotations
 import uuid
 
 from ..errors import CheckpointError
+from .leftovers import INCOMPLETE_MARKER, PROBE_PREFIX, own_leftovers, partition, record
 from .locations import INSTALL_HINT, is_url
 from .manifest_format import MANIFEST_NAME
 from .storage import Storage
 
-INCOMPLETE_MARKER = ".shardsafe-incomplete"
-"""Present while shardsafe writes a directory, removed after the commit: it tells a later
-save that the files in an uncommitted directory are its own leftovers to clear."""
-PROBE_PREFIX = ".shardsafe-probe-"
+__all__ = [
+    "INCOMPLETE_MARKER",
+    "check_shared",
+    "prepare",
+    "probe_name",
+    "record_plan",
+    "refuse_committed",
+    "remove_uncommitted",
+]
 
 
 def refuse_committed(storage: Storage) -> bool:
@@ -42,27 +51,40 @@ def refuse_committed(storage: Storage) -> bool:
 def prepare(storage: Storage) -> str:
     """Make the directory, or clear an interrupted save's leftovers; refuse anything else.
 
-    Returns the token written into the marker, for :func:`check_shared` on other ranks.
+    Returns the token of this save's probe, for :func:`check_shared` on other ranks.
     """
     storage.make_directory()
+    names = storage.names()
+    leftovers = own_leftovers(storage, names) if names else []  # refuses anything not ours
     abort_pending = getattr(storage, "abort_pending_uploads", None)
     if abort_pending is not None:
-        abort_pending()  # an object store's uploads from a killed save into this prefix
-    names = storage.names()
-    if names and INCOMPLETE_MARKER not in names:
-        raise CheckpointError(
-            f"{storage.directory} is not empty (it holds {names[0]!r}"
-            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) and is not left over "
-            "from an interrupted shardsafe save. shardsafe saves only into a new or empty "
-            "directory, so that it never deletes files it did not write; pick another path."
-        )
-    for name in names:
-        if name != INCOMPLETE_MARKER:
-            storage.remove(name)  # a subdirectory is refused: shardsafe never makes one
+        # An object store's uploads under a prefix that is empty or ours: a killed save's
+        # (a survivor may have removed its objects, leaving the dead rank's upload).
+        abort_pending()
+    if names:
+        _clear(storage, leftovers)
+        storage.remove(INCOMPLETE_MARKER)  # the old record: this save writes its own
+    # Empty until rank 0 has planned (``record_plan``): this save's only files until then
+    # are the marker and its probe, which an empty marker lets the next save clear.
     storage.touch(INCOMPLETE_MARKER)
     token = uuid.uuid4().hex
     storage.touch(probe_name(token))  # an empty marker: no data write, no rename
     return token
+
+
+def record_plan(storage: Storage, token: str, data_files: list[str]) -> None:
+    """Record in the marker, durably, every name this save may create (rank 0, once it
+    has planned and before any rank writes a data file), so that the next save clears
+    exactly these if this one is interrupted (``leftovers.py``)."""
+    record(storage, [probe_name(token), *data_files])
+
+
+def _clear(storage: Storage, leftovers: list[str]) -> None:
+    """Remove an interrupted save's leftovers, each only if it is still a regular file;
+    the marker that covers them stays until they are gone."""
+    for name in leftovers:
+        if storage.kind(name) == "file":
+            storage.remove(name)  # unlinks the name itself: never follows a link
 
 
 def probe_name(token: str) -> str:
@@ -90,12 +112,19 @@ def check_shared(storage: Storage, token: str, rank: int) -> None:
 
 
 def remove_uncommitted(storage: Storage) -> None:
-    """Delete a directory a failed save created, unless a manifest got committed."""
+    """Delete a directory a failed save created, unless a manifest got committed: the
+    save's own files by the rules of ``leftovers.py``, then the directory if that left it
+    empty. Anything else in it (someone else's file) stays, and so does the directory."""
     try:
         if not storage.is_directory() or storage.exists(MANIFEST_NAME):
             return
-        for name in storage.names():
-            storage.remove(name)
+        names = storage.names()
+        if names:
+            ours, foreign = partition(storage, names)  # no marker: nothing in it is ours
+            _clear(storage, ours)
+            storage.remove(INCOMPLETE_MARKER)
+            if foreign:
+                return
         storage.remove_directory()
     except (OSError, CheckpointError):
         return  # best effort: a leftover is cleared by the next save into it

@@ -7,6 +7,9 @@ import os
 import sys
 from typing import Any
 
+from ..checkpoint.strict_json import int_parser, why_not_json
+from ..errors import CheckpointCorruptError
+
 
 class MetricsLog:
     """Appends ``{"step": int, "loss": float}`` per step to ``metrics.jsonl``.
@@ -39,14 +42,28 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for number, line in enumerate(lines, 1):
+        record = _parsed(line, path, number)
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)
     return records
+
+
+def _parsed(line: str, path: str, number: int) -> Any:
+    """One line's JSON, or ``None`` for a line a crash cut short. ``NaN`` is accepted (a
+    loss can be NaN, and ``log`` writes it so); a line no crash could leave (a number of
+    thousands of digits, nesting deeper than the parser recurses) is a damaged file, named,
+    never the interpreter's ``ValueError`` or ``RecursionError``."""
+    try:
+        return json.loads(line, parse_int=int_parser())
+    except json.JSONDecodeError:
+        return None
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else why_not_json(e)
+        raise CheckpointCorruptError(
+            f"{path} is damaged: line {number} is not a metrics record ({why}). Delete that "
+            "line (or the file: it is only a log) and start again."
+        ) from None
 
 
 def _drop_after(path: str, step: int) -> None:

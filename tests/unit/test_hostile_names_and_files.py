@@ -1,0 +1,860 @@
+"""A save never deletes what it did not write; every hostile file ends in an error naming it.
+
+What a save may delete (``leftovers.py``): only the regular files an interrupted shardsafe
+save (or retention) recorded in its ``.shardsafe-incomplete`` marker (or, for an empty or
+damaged marker, only the names no one but shardsafe gives: probes, temporary files). These
+tests plant real files, symlinks, FIFOs and directories beside a marker, on disk and on a
+real S3 API server (moto on loopback), and check byte for byte what is left; and they
+interrupt real saves (SIGKILL mid-write) and a real retention, and check that the next save
+into the same path clears exactly their leftovers.
+
+Every parsing attack (a Hugging Face index, a safetensors header, a manifest, a root lock,
+the trainer's metrics file) runs in a child process (``tests/isolated.py``) under a memory
+and time bound: it must end in the named error class, with a message naming the file, and
+change nothing in the interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import CheckpointManager
+from shardsafe.checkpoint import leftovers
+from shardsafe.checkpoint.lock import LOCK_NAME
+from shardsafe.checkpoint.object_storage import FsspecFileSink, FsspecStorage
+from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
+from shardsafe.checkpoint.target_directory import INCOMPLETE_MARKER
+from shardsafe.converters import convert
+from shardsafe.errors import CheckpointCorruptError, CheckpointError
+from shardsafe.trainer.metrics import MetricsLog
+from tests import forge
+from tests.isolated import Outcome, run_isolated
+from tests.s3server import S3Server
+
+with contextlib.suppress(ImportError):  # loaded here, so that a child's case imports nothing
+    import fsspec.implementations.chained  # noqa: F401 - what url_to_fs imports on first use
+    import s3fs  # noqa: F401
+
+pytestmark = pytest.mark.timeout(180)
+
+SHARD = "shard-00000-of-00001.safetensors"
+PROBE = ".shardsafe-probe-" + "0" * 32
+NOTES = b"my notes: not a checkpoint\n"
+CORRUPT = "shardsafe.errors.CheckpointCorruptError"
+PLAIN = "shardsafe.errors.CheckpointError"
+MEMORY = 512 << 20
+DEEP = "[" * 100_000 + "]" * 100_000
+DEEP_LOCK = "[" * 30_000 + "]" * 30_000
+"""Under a lock's 64 KiB limit, far deeper than the parser recurses."""
+DIGITS = "7" * 5000
+
+
+def state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(4, 3), "b": torch.randn(3), "step": seed}
+
+
+def loads_back(path: Path | str, seed: int = 0) -> None:
+    live = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    assert shardsafe.load(path, live)["step"] == seed
+    expected = state(seed)
+    assert torch.equal(live["w"], expected["w"]) and torch.equal(live["b"], expected["b"])
+
+
+def snapshot(directory: Path) -> dict[str, tuple[str, Any]]:
+    """Every entry of ``directory``: what it is and its bytes (a link: its target)."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name in sorted(os.listdir(directory)):
+        path = directory / name
+        if path.is_symlink():
+            out[name] = ("symlink", os.readlink(path))
+        elif path.is_dir():
+            out[name] = ("directory", sorted(os.listdir(path)))
+        elif path.is_fifo():
+            out[name] = ("fifo", None)
+        else:
+            out[name] = ("file", path.read_bytes())
+    return out
+
+
+def record(*names: str) -> bytes:
+    """A marker record, as an interrupted save of this version leaves it."""
+    return leftovers.marker_bytes(list(names))
+
+
+def plant(directory: Path, marker: bytes | None, **files: bytes) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if marker is not None:
+        (directory / INCOMPLETE_MARKER).write_bytes(marker)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+
+
+def refused_save(path: Path) -> str:
+    """Save into ``path``, which must be refused with nothing on disk changed."""
+    before = snapshot(path)
+    with pytest.raises(CheckpointError) as info:
+        shardsafe.save(path, state())
+    assert type(info.value) is CheckpointError
+    assert snapshot(path) == before
+    return str(info.value)
+
+
+# ------------------------------------------------ item 7: what a save may delete
+
+
+@pytest.mark.parametrize(
+    "marker", [b"", record(PROBE, SHARD)], ids=["empty marker (older shardsafe)", "record"]
+)
+def test_a_stray_marker_does_not_let_a_save_delete_a_users_file(
+    tmp_path: Path, marker: bytes
+) -> None:
+    target = tmp_path / "ckpt"
+    plant(target, marker, **{"my_notes.txt": NOTES, SHARD: b"half written"})
+    msg = refused_save(target)
+    assert f"{target} holds an interrupted shardsafe save's leftovers, but also" in msg
+    assert "'my_notes.txt' (a regular file)" in msg
+    assert "nothing was deleted" in msg and "save to another path" in msg
+
+
+def test_convert_to_shardsafe_does_not_delete_a_users_file(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    source = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(2, 2)}, source)
+    target = tmp_path / "out"
+    plant(target, b"", **{"my_notes.txt": NOTES})
+    before = snapshot(target)
+    with pytest.raises(CheckpointError, match=r"'my_notes\.txt' \(a regular file\)"):
+        convert(source, target, to="shardsafe")
+    assert snapshot(target) == before
+    rc, err = run_cli("convert", str(source), str(target), "--to", "shardsafe")
+    assert rc == 1 and "'my_notes.txt' (a regular file)" in err, err
+    assert snapshot(target) == before
+    (target / "my_notes.txt").unlink()  # what the message says to do
+    convert(source, target, to="shardsafe")
+    assert sorted(os.listdir(target)) == ["manifest.json", SHARD]
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    import io
+
+    from shardsafe import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(list(args))
+    return rc, err.getvalue()
+
+
+def _symlink_to_file(entry: Path, outside: Path) -> str:
+    (outside / "precious.bin").write_bytes(b"precious")
+    entry.symlink_to(outside / "precious.bin")
+    return "a symbolic link"
+
+
+def _symlink_to_directory(entry: Path, outside: Path) -> str:
+    (outside / "inside.txt").write_bytes(b"precious")
+    entry.symlink_to(outside)
+    return "a symbolic link"
+
+
+def _directory(entry: Path, outside: Path) -> str:
+    entry.mkdir()
+    (entry / "inside.txt").write_bytes(b"precious")
+    return "a directory"
+
+
+def _fifo(entry: Path, outside: Path) -> str:
+    os.mkfifo(entry)
+    return "a named pipe (FIFO)"
+
+
+NOT_REGULAR: dict[str, Callable[[Path, Path], str]] = {
+    "symlink to a file": _symlink_to_file,
+    "symlink to a directory": _symlink_to_directory,
+    "directory": _directory,
+    "fifo": _fifo,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_REGULAR))
+@pytest.mark.parametrize("marker", [b"", None], ids=["empty marker", "recorded"])
+def test_a_recorded_name_that_is_not_a_regular_file_is_never_cleared(
+    tmp_path: Path, kind: str, marker: bytes | None
+) -> None:
+    """Even under a name the marker lists (or shardsafe's pattern covers): never followed,
+    never deleted, and the save refused."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = tmp_path / "ckpt"
+    name = "shard-00001-of-00002.safetensors"
+    plant(target, record(PROBE, name) if marker is None else marker)
+    what = NOT_REGULAR[kind](target / name, outside)
+    outside_before = snapshot(outside)
+    msg = refused_save(target)
+    assert f"'{name}' ({what})" in msg, msg
+    assert snapshot(outside) == outside_before
+
+
+def test_a_forged_record_cannot_name_a_users_file(tmp_path: Path) -> None:
+    """A record may list anything; a save clears only shardsafe's own names of it."""
+    target = tmp_path / "ckpt"
+    forged = record("my_notes.txt", "../outside.txt", "model.safetensors", SHARD)
+    plant(target, forged, **{"my_notes.txt": NOTES, SHARD: b"half written"})
+    (tmp_path / "outside.txt").write_bytes(b"outside")
+    msg = refused_save(target)
+    assert "'my_notes.txt' (a regular file)" in msg and SHARD not in msg
+    assert (tmp_path / "outside.txt").read_bytes() == b"outside"
+
+
+def test_a_shardsafe_name_the_record_does_not_list_is_refused(tmp_path: Path) -> None:
+    """An interrupted save recorded its probe only (it died before planning); a Hugging
+    Face ``model.safetensors`` copied in since is not its writing."""
+    target = tmp_path / "ckpt"
+    plant(target, record(PROBE), **{PROBE: b"", "model.safetensors": b"someone's weights"})
+    msg = refused_save(target)
+    assert "'model.safetensors' (a regular file)" in msg and PROBE not in msg
+
+
+def test_a_refusal_lists_a_bounded_number_of_entries(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    plant(target, b"", **{f"notes-{i:03d}.txt": b"x" for i in range(40)})
+    msg = refused_save(target)
+    assert "'notes-004.txt' (a regular file) and 35 more" in msg
+    assert "notes-005.txt" not in msg
+
+
+def test_a_directory_without_the_marker_is_refused_with_a_listing(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    plant(target, None, **{SHARD: b"x", "model.safetensors": b"y"})
+    msg = refused_save(target)
+    assert "is not empty (it holds 'model.safetensors' (a regular file), " in msg
+    assert "not left over from an interrupted shardsafe save" in msg
+
+
+def test_a_marker_that_is_not_a_regular_file_makes_the_directory_not_ours(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "ckpt"
+    plant(target, None, **{SHARD: b"x"})
+    (tmp_path / "elsewhere").write_bytes(b"")
+    (target / INCOMPLETE_MARKER).symlink_to(tmp_path / "elsewhere")
+    msg = refused_save(target)
+    assert f"'{INCOMPLETE_MARKER}' (a symbolic link)" in msg
+
+
+INTERNAL_ONLY = {
+    ".manifest.json.tmp-1234": b"{",
+    "..shardsafe-incomplete.tmp-99": b"{",
+    PROBE: b"",
+}
+DATA_FILES = {
+    "shard-00003-of-00004.safetensors": b"from an older, larger run",
+    "model.safetensors": b"half written, or a user's",
+}
+OURS_ONLY = {**INTERNAL_ONLY, **DATA_FILES}
+
+
+def _sparse(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.truncate(leftovers.MAX_MARKER_BYTES + 1)
+
+
+DAMAGED_MARKERS: dict[str, Callable[[Path], object]] = {
+    "empty (older shardsafe)": lambda p: p.write_bytes(b""),
+    "not json": lambda p: p.write_bytes(b"{names: all"),
+    "not utf-8": lambda p: p.write_bytes(b"\xff\xfe\x00"),
+    "nested 100,000 deep": lambda p: p.write_text(DEEP),
+    "a 5000-digit number": lambda p: p.write_text(f'{{"version": {DIGITS}}}'),
+    "another format": lambda p: p.write_text('{"format": "x", "version": 1, "names": []}'),
+    "names not strings": lambda p: p.write_text(
+        '{"format": "shardsafe-incomplete", "version": 1, "names": [{"a": 1}]}'
+    ),
+    "over the size limit": _sparse,
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_MARKERS))
+def test_an_empty_or_damaged_marker_clears_only_shardsafe_internal_names(
+    tmp_path: Path, damage: str
+) -> None:
+    """No record to go by: only names no one but shardsafe gives (probes, commits'
+    temporary files) are cleared; a data file, which may be a user's, and a user's own
+    file refuse the save, listed; once they are moved the save commits."""
+    target = tmp_path / "ckpt"
+    plant(target, None, **OURS_ONLY, **{"my_notes.txt": NOTES})
+    DAMAGED_MARKERS[damage](target / INCOMPLETE_MARKER)
+    msg = refused_save(target)
+    assert (
+        "but also 'model.safetensors' (a regular file), 'my_notes.txt' (a regular file), "
+        "'shard-00003-of-00004.safetensors' (a regular file), which that save did not record"
+    ) in msg
+    assert (target / "model.safetensors").read_bytes() == DATA_FILES["model.safetensors"]
+    for name in (*DATA_FILES, "my_notes.txt"):
+        (target / name).unlink()  # what the message says to do
+    shardsafe.save(target, state())
+    assert sorted(os.listdir(target)) == ["manifest.json", SHARD]
+    loads_back(target)
+
+
+class _Crash(BaseException):
+    """Stands for the process dying: nothing catches it on the way out."""
+
+
+class _RemovesOnce(LocalStorage):
+    """A step directory whose deletion dies after its manifest and one data file."""
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        if name.endswith(".safetensors"):
+            raise _Crash
+
+
+class _RootOfDyingSteps(LocalStorage):
+    def child(self, name: str) -> LocalStorage:
+        return _RemovesOnce(os.path.join(self.directory, name))
+
+
+def test_a_retention_killed_half_way_leaves_what_the_next_save_clears(tmp_path: Path) -> None:
+    """Retention marks a step with a record of its files before deleting any: a crash in
+    between leaves a directory the next save into that name recognises and clears."""
+    step = tmp_path / "step-000000001"
+    shardsafe.save(step, {**state(), "more": torch.ones(3)}, layout="consolidated")
+    files = sorted(os.listdir(step))
+    from shardsafe.checkpoint.removal import delete_checkpoint
+
+    with pytest.raises(_Crash), _RootOfDyingSteps(str(tmp_path)) as root:
+        delete_checkpoint(root, step.name)
+    left = sorted(os.listdir(step))
+    assert "manifest.json" not in left and INCOMPLETE_MARKER in left
+    assert len(left) == len(files) - 1  # one data file gone, the marker in the manifest's place
+    assert leftovers.recorded_names(LocalStorage(str(step))) >= set(files) - {"manifest.json"}
+    shardsafe.save(step, state(7))
+    assert sorted(os.listdir(step)) == ["manifest.json", SHARD]
+    loads_back(step, 7)
+
+
+class _DyingSink(LocalFileSink):
+    """Writes a little of a data file, then the process is killed (a real SIGKILL)."""
+
+    def write(self, data: memoryview) -> None:
+        super().write(data[:16])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _DyingStorage(LocalStorage):
+    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
+        sink = super().create(name, size_hint)
+        assert isinstance(sink, LocalFileSink)
+        sink.__class__ = _DyingSink
+        return sink
+
+
+def killed_mid_write(path: str, layout: str) -> None:
+    """A save killed while it writes its first data file (run in a child)."""
+    shardsafe.save(path, state(1), layout=layout, storage=_DyingStorage)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_a_killed_saves_leftovers_are_cleared_by_the_next_save(tmp_path: Path, layout: str) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()  # it existed: a failed save leaves its leftovers, a killed one anyway
+    outcome = run_isolated(killed_mid_write, str(target), layout, memory_bytes=MEMORY)
+    assert outcome.exitcode == -signal.SIGKILL, outcome.describe()
+    data = SHARD if layout == "sharded" else "b.safetensors"
+    names = sorted(os.listdir(target))
+    assert INCOMPLETE_MARKER in names and data in names and "manifest.json" not in names
+    marker = json.loads((target / INCOMPLETE_MARKER).read_bytes())
+    assert marker["format"] == "shardsafe-incomplete" and data in marker["names"]
+    assert set(names) - {INCOMPLETE_MARKER} <= set(marker["names"])
+    assert (target / data).stat().st_size == 16  # the kill came mid-file
+    shardsafe.save(target, state(), layout=layout)
+    expected = [SHARD] if layout == "sharded" else ["b.safetensors", "w.safetensors"]
+    assert sorted(os.listdir(target)) == sorted(["manifest.json", *expected])
+    loads_back(target)
+
+
+class _FailingStorage(LocalStorage):
+    """Every data file fails to be created; before that, someone else writes a file of
+    theirs into the directory."""
+
+    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
+        (Path(self.directory) / "theirs.txt").write_bytes(b"theirs")
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_keeps_a_file_someone_else_wrote_meanwhile(tmp_path: Path) -> None:
+    """The save created the directory, so on failure it removes it: its own files only,
+    and the directory only if nothing else is left in it."""
+    target = tmp_path / "new"
+    with pytest.raises(CheckpointError, match="No space left"):
+        shardsafe.save(target, state(), storage=_FailingStorage)
+    assert snapshot(target) == {"theirs.txt": ("file", b"theirs")}
+    msg = refused_save(target)  # the next save does not delete it either
+    assert "is not empty (it holds 'theirs.txt' (a regular file))" in msg
+    (target / "theirs.txt").unlink()
+    shardsafe.save(target, state())
+    assert sorted(os.listdir(target)) == ["manifest.json", SHARD]
+
+
+def test_a_failed_save_into_an_existing_directory_leaves_what_the_next_save_clears(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+
+    class Failing(LocalStorage):
+        def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
+            raise OSError(5, "Input/output error")
+
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        shardsafe.save(target, state(), storage=Failing)
+    names = sorted(os.listdir(target))
+    assert names[0] == ".shardsafe-incomplete" and names[1].startswith(".shardsafe-probe-")
+    assert len(names) == 2
+    shardsafe.save(target, state())
+    assert sorted(os.listdir(target)) == ["manifest.json", SHARD]
+    loads_back(target)
+
+
+# ---------------------------------------------------------------- on an object store
+
+
+def test_on_s3_a_stray_marker_does_not_let_a_save_delete_a_users_object(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    s3_server.put(s3_bucket, f"ckpt/{INCOMPLETE_MARKER}", b"")
+    s3_server.put(s3_bucket, "ckpt/my_notes.txt", NOTES)
+    s3_server.put(s3_bucket, f"ckpt/{SHARD}", b"half written")
+    s3_server.put(s3_bucket, "ckpt/shard-00001-of-00002.safetensors/inside", b"a prefix")
+    client = s3_server.client()
+    client.create_multipart_upload(Bucket=s3_bucket, Key="ckpt/their_upload.bin")
+    before = {k: s3_server.get(s3_bucket, k) for k in s3_server.keys(s3_bucket)}
+    with pytest.raises(CheckpointError) as info:
+        shardsafe.save(url, state())
+    uploads = client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert [u["Key"] for u in uploads] == ["ckpt/their_upload.bin"]  # not aborted either
+    msg = str(info.value)
+    assert type(info.value) is CheckpointError
+    assert "'my_notes.txt' (an object)" in msg and "nothing was deleted" in msg
+    assert "'shard-00001-of-00002.safetensors' (a prefix)" in msg
+    assert {k: s3_server.get(s3_bucket, k) for k in s3_server.keys(s3_bucket)} == before
+
+
+def test_on_s3_an_empty_marker_with_only_shardsafe_internal_objects_is_cleared(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    s3_server.put(s3_bucket, f"ckpt/{INCOMPLETE_MARKER}", b"")
+    for name, data in INTERNAL_ONLY.items():
+        s3_server.put(s3_bucket, f"ckpt/{name}", data)
+    shardsafe.save(url, state())
+    assert s3_server.keys(s3_bucket) == ["ckpt/manifest.json", f"ckpt/{SHARD}"]
+    loads_back(url)
+
+
+class _DyingS3Sink(FsspecFileSink):
+    def finish(self) -> int:
+        written = super().finish()  # the whole object is uploaded, then the process dies
+        os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+
+class _DyingS3Storage(FsspecStorage):
+    def create(self, name: str, size_hint: int = 0) -> FsspecFileSink:
+        sink = super().create(name, size_hint)
+        sink.__class__ = _DyingS3Sink
+        return sink
+
+
+def killed_after_an_upload(url: str, env: dict[str, str]) -> None:
+    """A save to S3 killed once its data object is uploaded (run in a child)."""
+    os.environ.update(env)
+    shardsafe.save(url, state(1), storage=_DyingS3Storage)  # type: ignore[arg-type]
+
+
+def test_on_s3_a_killed_saves_leftovers_are_cleared_by_the_next_save(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    outcome = run_isolated(killed_after_an_upload, url, s3_server.env, memory_bytes=1 << 30)
+    assert outcome.exitcode == -signal.SIGKILL, outcome.describe()
+    keys = s3_server.keys(s3_bucket)
+    assert f"ckpt/{SHARD}" in keys and f"ckpt/{INCOMPLETE_MARKER}" in keys, keys
+    assert "ckpt/manifest.json" not in keys
+    marker = json.loads(s3_server.get(s3_bucket, f"ckpt/{INCOMPLETE_MARKER}"))
+    assert {k.removeprefix("ckpt/") for k in keys} - {INCOMPLETE_MARKER} <= set(marker["names"])
+    shardsafe.save(url, state())
+    assert s3_server.keys(s3_bucket) == ["ckpt/manifest.json", f"ckpt/{SHARD}"]
+    loads_back(url)
+
+
+# ------------------------------------- item 8: hostile files end in a named error
+
+
+def _safetensors(header: str | bytes, data: bytes = b"") -> bytes:
+    raw = header.encode() if isinstance(header, str) else header
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _entry(shape: str, end: int = 0) -> str:
+    return f'{{"w": {{"dtype": "F32", "shape": {shape}, "data_offsets": [0, {end}]}}}}'
+
+
+def hf_index(directory: Path, text: str) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file({"w": torch.ones(2)}, directory / "model-00001-of-00001.safetensors")
+    index = directory / "model.safetensors.index.json"
+    index.write_text(text)
+    return index
+
+
+def hf_file(directory: Path, raw: bytes) -> Path:
+    directory.mkdir()
+    path = directory / "model.safetensors"
+    path.write_bytes(raw)
+    return path
+
+
+def forged_manifest(directory: Path, edit: Callable[[dict[str, Any]], str | None]) -> Path:
+    """A checkpoint whose manifest is edited (and re-signed, as a forger would)."""
+    shardsafe.save(directory, state())
+    doc = forge.read_manifest(directory)
+    doc["version"] = 1  # what version 2's columns cannot hold, version 1 can
+    text = edit(doc)
+    if text is None:
+        forge.write_manifest(directory, doc)
+    else:
+        (directory / "manifest.json").write_bytes(forge.sign(text))
+    return directory / "manifest.json"
+
+
+def _shape(shape: list[int]) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"]["w"]["shape"] = shape
+        doc["tensors"]["w"]["chunks"][0]["shape"] = shape
+        doc["tensors"]["w"]["chunks"][0]["offsets"] = [0] * len(shape)
+
+    return edit
+
+
+def _step_value(literal: str) -> Callable[[dict[str, Any]], str]:
+    """The saved ``step`` (a plain value) replaced by ``literal`` in the manifest's text."""
+
+    def edit(doc: dict[str, Any]) -> str:
+        doc.pop(forge.CRC_KEY, None)
+        text = json.dumps(doc, indent=1)
+        assert text.count('"meta": 0') == 1
+        return text.replace('"meta": 0', f'"meta": {literal}')
+
+    return edit
+
+
+def metrics_file(directory: Path, line: str) -> Path:
+    directory.mkdir()
+    path = directory / "metrics.jsonl"
+    path.write_text(f'{{"step": 1, "loss": NaN}}\n{line}\n{{"step": 2, "lo')
+    return path
+
+
+def converting(path: str) -> None:
+    convert(path, path + ".out", to="shardsafe")
+
+
+def loading(path: str) -> None:
+    shardsafe.load(path, {"w": torch.zeros(4, 3), "b": torch.zeros(3)})
+
+
+def opening_metrics(path: str) -> None:
+    MetricsLog(path, after_step=0).close()
+
+
+def without_int_limit(case: Callable[[str], None], path: str) -> None:
+    """``case`` with the interpreter's digit limit off (as some programs set it)."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        case(path)
+    finally:
+        sys.set_int_max_str_digits(before)
+
+
+HOSTILE: dict[str, tuple[Callable[[Path], Path], Callable[[str], None], str]] = {
+    # name: (make the file, run the case on it, a fragment of the message)
+    "hf index nested 100,000 deep": (
+        lambda d: hf_index(d, f'{{"weight_map": {DEEP}}}'),
+        converting,
+        "nested too deeply",
+    ),
+    "hf index with a 5000-digit number": (
+        lambda d: hf_index(d, f'{{"metadata": {{"total_size": {DIGITS}}}, "weight_map": {{}}}}'),
+        converting,
+        "a number of 5000 digits",
+    ),
+    "safetensors shape [2**62, 2**62, 0]": (
+        lambda d: hf_file(d, _safetensors(_entry(f"[{2**62}, {2**62}, 0]"))),
+        converting,
+        "has a shape too large for any tensor",
+    ),
+    "safetensors shape [2**64, 0]": (
+        lambda d: hf_file(d, _safetensors(_entry(f"[{2**64}, 0]"))),
+        converting,
+        "has a shape too large for any tensor",
+    ),
+    "safetensors shape [2**62, 2**62]": (
+        lambda d: hf_file(d, _safetensors(_entry(f"[{2**62}, {2**62}]", 16), b"x" * 16)),
+        converting,
+        "its shape and dtype need over 2**64",
+    ),
+    "safetensors dims of 3000 digits": (
+        lambda d: hf_file(d, _safetensors(_entry(f"[{'9' * 3000}, {'9' * 3000}]", 4), b"x" * 4)),
+        converting,
+        "its shape and dtype need over 2**64",
+    ),
+    "safetensors header with a 5000-digit number": (
+        lambda d: hf_file(d, _safetensors(_entry(f"[{DIGITS}]"))),
+        converting,
+        "damaged safetensors header (a number of 5000 digits",
+    ),
+    "safetensors header nested 100,000 deep": (
+        lambda d: hf_file(d, _safetensors(f'{{"w": {DEEP}}}')),
+        converting,
+        "damaged safetensors header (nested too deeply)",
+    ),
+    "manifest with a 5000-digit number": (
+        lambda d: forged_manifest(d, _step_value(DIGITS)).parent,
+        loading,
+        "is not valid JSON: a number of 5000 digits",
+    ),
+    "manifest nested 100,000 deep": (
+        lambda d: forged_manifest(d, _step_value(DEEP)).parent,
+        loading,
+        "nested too deeply",
+    ),
+    "manifest shape [2**62, 2**62]": (
+        lambda d: forged_manifest(d, _shape([2**62, 2**62])).parent,
+        loading,
+        "is too large for any tensor",
+    ),
+    "manifest shape [2**62, 2**62, 0]": (
+        lambda d: forged_manifest(d, _shape([2**62, 2**62, 0])).parent,
+        loading,
+        "is too large for any tensor",
+    ),
+    "metrics line with a 5000-digit number": (
+        lambda d: metrics_file(d, f'{{"step": {DIGITS}, "loss": 1.0}}'),
+        opening_metrics,
+        "line 2 is not a metrics record (a number of 5000 digits",
+    ),
+    "metrics line nested 100,000 deep": (
+        lambda d: metrics_file(d, DEEP),
+        opening_metrics,
+        "line 2 is not a metrics record (nested too deeply)",
+    ),
+}
+
+
+@pytest.mark.parametrize("limit", ["default int limit", "no int limit"])
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_file_ends_in_a_corrupt_error_naming_it(
+    tmp_path: Path, case: str, limit: str
+) -> None:
+    make, run, fragment = HOSTILE[case]
+    path = make(tmp_path / "input")
+    if limit == "default int limit":
+        outcome = run_isolated(run, str(path), memory_bytes=MEMORY, seconds=60)
+    else:
+        outcome = run_isolated(without_int_limit, run, str(path), memory_bytes=MEMORY, seconds=60)
+    assert outcome.exitcode == 0 and outcome.error == CORRUPT, outcome.describe()
+    named = path if path.is_file() else path / "manifest.json"
+    shown = str(named) if case.startswith(("hf index", "manifest", "metrics")) else named.name
+    assert shown in outcome.message and fragment in outcome.message, outcome.describe()
+    assert outcome.changed == [], outcome.describe()
+
+
+# ----------------------------------------------------------------- damaged locks
+
+HOST = socket.gethostname()
+
+
+def _owner(**fields: Any) -> dict[str, Any]:
+    return {"pid": 1, "host": "elsewhere", "started": "1", "token": "t", "since": 1.0e9, **fields}
+
+
+def _json(**fields: Any) -> bytes:
+    return json.dumps(_owner(**fields)).encode()
+
+
+DAMAGED_LOCKS: dict[str, tuple[bytes, str]] = {
+    # name: (the lock's bytes, a fragment of what is wrong)
+    "nested 30,000 deep": (DEEP_LOCK.encode(), "it is nested too deeply"),
+    "a 5000-digit number": (_json().replace(b'"pid": 1', f'"pid": {DIGITS}'.encode()), "digits"),
+    "pid 2**70": (_json(pid=2**70), "its 'pid' is a number of about 22 digits"),
+    "pid -1": (_json(pid=-1), "its 'pid' is -1, not a process id"),
+    "pid 0": (_json(pid=0), "its 'pid' is 0"),
+    "pid true": (_json(pid=True), "its 'pid' is True"),
+    "pid a string": (_json(pid="123"), "its 'pid' is '123'"),
+    "pid missing": (json.dumps({"host": "h", "since": 1.0}).encode(), "its 'pid' is None"),
+    "since a string": (_json(since="yesterday"), "its 'since' is 'yesterday'"),
+    "since 1e300": (_json(since=1e300), "its 'since' is 1e+300"),
+    "since negative": (_json(since=-5), "its 'since' is -5"),
+    "since 10**30": (_json(since=10**30), "its 'since' is a number of about 31 digits"),
+    "host a number": (_json(host=42), "its 'host' is 42"),
+    "host a list": (_json(host=["a"]), "its 'host' is a JSON array"),
+    "host empty": (_json(host=""), "its 'host' is ''"),
+    "host 300 characters": (_json(host="h" * 300), "not a host name of 1 to 255 characters"),
+    "token an object": (_json(token={"a": 1}), "its 'token' is a JSON object"),
+    "started 500 characters": (_json(started="9" * 500), "its 'started' is '999"),
+    "not utf-8": (b'{"pid": "\xff"}', "it is not valid UTF-8"),
+    "not json": (b"{pid: 1", "it is not valid JSON"),
+    "NaN": (_json().replace(b"1000000000.0", b"NaN"), "non-standard constant NaN"),
+    "an array": (b"[1, 2]", "it holds a JSON list, not an object"),
+    "over 64 KiB": (_json(host="h") + b" " * (1 << 16), "over the 65536 limit"),
+}
+
+
+def _link_to_valid_lock(lock: Path, tmp: Path) -> str:
+    (tmp / "valid.lock").write_bytes(_json(pid=os.getpid(), host=HOST))
+    lock.symlink_to(tmp / "valid.lock")
+    return "is a symbolic link"
+
+
+def _fifo_lock(lock: Path, tmp: Path) -> str:
+    os.mkfifo(lock)  # opening it to read would wait for a writer forever
+    return "a named pipe (FIFO)"
+
+
+def _directory_lock(lock: Path, tmp: Path) -> str:
+    lock.mkdir()
+    return "a directory"
+
+
+LOCAL_ONLY: dict[str, Callable[[Path, Path], str]] = {
+    "a symlink to a valid lock": _link_to_valid_lock,
+    "a fifo": _fifo_lock,
+    "a directory": _directory_lock,
+}
+
+
+def saving_under_a_lock(root: str) -> None:
+    """A manager's first save into ``root`` (run in a child)."""
+    manager = CheckpointManager(root, keep_last=2)
+    try:
+        manager.save(1, state())
+    finally:
+        manager.close()
+
+
+def assert_damaged_lock(outcome: Outcome, where: str, fragment: str) -> None:
+    assert outcome.exitcode == 0 and outcome.error == PLAIN, outcome.describe()
+    assert f"the lock {where} is damaged: " in outcome.message, outcome.describe()
+    assert fragment in outcome.message, outcome.describe()
+    assert f"then delete {where} and save again" in outcome.message, outcome.describe()
+    assert "no other run is saving into this root" in outcome.message
+    assert outcome.changed == [], outcome.describe()
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_LOCKS) + sorted(LOCAL_ONLY))
+def test_a_damaged_local_lock_is_named_and_never_taken_over(tmp_path: Path, case: str) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    lock = root / LOCK_NAME
+    if case in DAMAGED_LOCKS:
+        raw, fragment = DAMAGED_LOCKS[case]
+        lock.write_bytes(raw)
+    else:
+        fragment = LOCAL_ONLY[case](lock, tmp_path)
+    old = time.time() - 3600  # old enough for an empty lock to be taken over
+    os.utime(lock, (old, old), follow_symlinks=False)
+    before = snapshot(root)
+    outcome = run_isolated(saving_under_a_lock, str(root), memory_bytes=MEMORY, seconds=60)
+    assert_damaged_lock(outcome, str(lock), fragment)
+    assert snapshot(root) == before  # nothing written, the lock untouched
+    if lock.is_dir():
+        lock.rmdir()
+    else:
+        lock.unlink()  # what the message says to do
+    saving_under_a_lock(str(root))
+    assert sorted(os.listdir(root)) == ["latest", "step-000000001"]
+
+
+def saving_under_an_s3_lock(root: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    saving_under_a_lock(root)
+
+
+S3_ONLY: dict[str, tuple[Callable[[S3Server, str], None], str]] = {
+    # One PUT writes it, so an empty lock object is damaged (locally: an older writer's).
+    "an empty object": (lambda s3, b: s3.put(b, f"run/{LOCK_NAME}", b""), "it is empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_LOCKS) + sorted(S3_ONLY))
+def test_a_damaged_object_store_lock_is_named_and_never_taken_over(
+    s3_server: S3Server, s3_bucket: str, case: str
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    if case in DAMAGED_LOCKS:
+        raw, fragment = DAMAGED_LOCKS[case]
+        s3_server.put(s3_bucket, f"run/{LOCK_NAME}", raw)
+    else:
+        put, fragment = S3_ONLY[case]
+        put(s3_server, s3_bucket)
+    before = {k: s3_server.get(s3_bucket, k) for k in s3_server.keys(s3_bucket)}
+    outcome = run_isolated(
+        saving_under_an_s3_lock, root, s3_server.env, memory_bytes=1 << 30, seconds=90
+    )
+    assert_damaged_lock(outcome, f"{root}/{LOCK_NAME}", fragment)
+    assert {k: s3_server.get(s3_bucket, k) for k in s3_server.keys(s3_bucket)} == before
+
+
+def a_held_lock_replaced_by_a_damaged_one(root: str, env: dict[str, str], raw: bytes) -> None:
+    """A manager saves, someone replaces its lock with ``raw``, and it saves again."""
+    os.environ.update(env)
+    manager = CheckpointManager(root, keep_last=2)
+    try:
+        manager.save(1, state())
+        with FsspecStorage(root) as storage:
+            storage.commit(LOCK_NAME, raw)
+        manager.save(2, state())
+    finally:
+        manager.close()  # leaves the damaged lock alone, without raising
+
+
+def test_an_object_store_lock_damaged_while_held_stops_the_next_save(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    root = f"s3://{s3_bucket}/run"
+    raw = _json(pid=2**70)
+    outcome = run_isolated(
+        a_held_lock_replaced_by_a_damaged_one, root, s3_server.env, raw, memory_bytes=1 << 30
+    )
+    assert_damaged_lock(outcome, f"{root}/{LOCK_NAME}", "its 'pid' is a number of about 22")
+    assert s3_server.get(s3_bucket, f"run/{LOCK_NAME}") == raw
+    assert "run/step-000000002/manifest.json" not in s3_server.keys(s3_bucket)
+
+
+def test_damaged_lock_errors_are_not_corrupt_checkpoint_errors() -> None:
+    """A damaged lock is not a damaged checkpoint: ``load_latest``'s fallback to an older
+    checkpoint (which catches CheckpointCorruptError) must never swallow it."""
+    from shardsafe.checkpoint.lock_owner import damaged_lock
+
+    assert not isinstance(damaged_lock("x", "y"), CheckpointCorruptError)
