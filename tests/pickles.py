@@ -126,5 +126,33 @@ def deflated_archive(pickled: bytes, padding: int) -> bytes:
     return out.getvalue()
 
 
+def colliding_ints(count: int) -> list[int]:
+    """Distinct integers that all hash alike (``hash(k)`` is ``k mod 2**61 - 1``)."""
+    return [k * (2**61 - 1) + 5 for k in range(count)]
+
+
+def call(module: str, name: str, *args: bytes) -> bytes:
+    """Opcodes that push ``module.name(*args)`` (REDUCE with a tuple of ``args``)."""
+    return glob(module, name) + MARK + b"".join(args) + TUPLE + REDUCE
+
+
+def long1(value: int) -> bytes:
+    """LONG1 ``value`` (any size up to 255 bytes)."""
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def many_deflated_records(records: int, each: int) -> bytes:
+    """A torch-like zip whose records are each ``each`` zero bytes, deflated: none larger
+    than the file, but together many times larger."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", pickled({"a": 1}))
+        for k in range(records):
+            zf.writestr(f"archive/data/{k}", b"\0" * each)
+        zf.writestr("archive/version", b"3\n")
+    return out.getvalue()
+
+
 def pickled(value: object, protocol: int = 2) -> bytes:
     return pickle.dumps(value, protocol=protocol)

@@ -21,8 +21,11 @@ state are what they were before this encoding: checkpoints written then still lo
 (module keys, recomputed from live names on load, fall back to the old form for the rare
 name that changed: :func:`module_keys`).
 
-What an encoding cannot prevent (two NaN dict keys; an adapter that builds keys by hand)
-is caught by :class:`Claims`: a key made for two different paths is refused, naming both.
+What an encoding cannot prevent is caught by :class:`Claims` (two NaN dict keys: a key
+made through ``ctx.key`` for two different paths is refused, naming both) and by the
+collect phase (an adapter that builds keys by hand and gives one key to two tensors on a
+rank: ``collecting._check_distinct``). Two ranks that give one hand-built key to two
+different tensors of equal shape look like replicas to the planner: not caught.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class Claims:
     """Which path each key was made for, so that a second path to one key is refused.
 
     Keys made by :func:`join` differ for different paths, except where a key's literal
-    does (two NaN keys) or a caller joins by hand: this is the net under the encoding.
+    does (two NaN keys): this is the net under the encoding, for keys ``ctx.key`` makes.
     """
 
     __slots__ = ("_paths",)

@@ -312,6 +312,16 @@ def test_one_nan_key_is_fine(tmp_path: Path) -> None:
     assert other == 1.5 and torch.equal(value2, T2)
 
 
+def test_a_nan_key_converts_to_torch_and_reads_back(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"extra": {float("nan"): T1, 1.5: T2}})
+    shardsafe.convert(tmp_path / "c", tmp_path / "out.pt", to="torch", progress=False)
+    (key, value), (other, value2) = torch.load(tmp_path / "out.pt", weights_only=True)[
+        "extra"
+    ].items()
+    assert math.isnan(key) and torch.equal(value, T1)
+    assert other == 1.5 and torch.equal(value2, T2)
+
+
 class Pair:
     """Two tensors that a careless adapter stores under one hand-made key."""
 

@@ -83,9 +83,8 @@ BUILDS: dict[str, tuple[bytes, str]] = {
     "a field that a MetadataIndex does not have": (
         P.PROTO2
         + P.glob(DCP_MD, "MetadataIndex")
-        + P.s("w")
-        + P.TUPLE1
-        + P.REDUCE
+        + P.EMPTY_TUPLE
+        + P.NEWOBJ
         + P.EMPTY_DICT
         + P.s("__class__")
         + P.glob("pathlib", "PosixPath")
@@ -104,6 +103,65 @@ BUILDS: dict[str, tuple[bytes, str]] = {
         + P.BUILD
         + P.STOP,
         "BUILD",
+    ),
+}
+
+
+COLLIDING_KEYS = P.PROTO2 + P.EMPTY_DICT + P.MARK
+COLLIDING_KEYS += (
+    b"".join(P.long1(k) + P.i(0) for k in P.colliding_ints(4000)) + P.SETITEMS + P.STOP
+)
+# What each of these was, before: a dict taking seconds to minutes to fill, 256 MiB from a
+# 517-byte file, a 2 GiB tensor of uninitialized memory, a quadratic codec, an
+# OrderedDict whose items() was 3.
+CALLS: dict[str, tuple[bytes, str, str]] = {  # pickle, fragment for DCP, for torch
+    "4000 int keys sharing one hash": (COLLIDING_KEYS, "share a hash", "share a hash"),
+    "bytearray(2**30)": (
+        P.PROTO2 + P.call("builtins", "bytearray", P.i(2**30)) + P.STOP,
+        "the global builtins.bytearray",
+        "the global builtins.bytearray",
+    ),
+    "_rebuild_from_type_v2 calling torch.Tensor": (
+        P.PROTO2
+        + P.call(
+            "torch._tensor",
+            "_rebuild_from_type_v2",
+            P.glob("torch", "Tensor"),
+            P.glob("torch", "Tensor"),
+            P.i(2**29) + P.TUPLE1,
+            P.EMPTY_DICT,
+        )
+        + P.STOP,
+        "the global torch._tensor._rebuild_from_type_v2",
+        "the global torch._tensor._rebuild_from_type_v2",
+    ),
+    "punycode through _codecs.encode": (
+        P.PROTO2 + P.call("_codecs", "encode", P.s("\u00e9" * 3000), P.s("punycode")) + P.STOP,
+        "the global _codecs.encode",
+        "calls _codecs.encode with arguments no real pickle gives it",
+    ),
+    "an OrderedDict given items=3": (
+        P.PROTO2
+        + P.call("collections", "OrderedDict")
+        + P.EMPTY_DICT
+        + P.s("items")
+        + P.i(3)
+        + P.SETITEM
+        + P.BUILD
+        + P.STOP,
+        "sets the state (BUILD) of a collections.OrderedDict it made",
+        "sets 'items' on a OrderedDict",
+    ),
+    "a set of colliding ints": (
+        P.PROTO2
+        + P.call(
+            "builtins",
+            "set",
+            P.EMPTY_LIST + P.MARK + b"".join(map(P.long1, P.colliding_ints(100))) + P.APPENDS,
+        )
+        + P.STOP,
+        "the global builtins.set",
+        "share a hash",
     ),
 }
 
@@ -134,9 +192,9 @@ def assert_refused(outcome: Outcome, fragment: str) -> None:
 # ------------------------------------------------------------------------ DCP's .metadata
 
 
-@pytest.mark.parametrize("case", [*BOMBS, *BUILDS])
+@pytest.mark.parametrize("case", [*BOMBS, *BUILDS, *CALLS])
 def test_a_hostile_dcp_metadata_is_refused_cleanly(case: str) -> None:
-    raw, fragment = {**BOMBS, **BUILDS}[case]
+    raw, fragment = {**BOMBS, **BUILDS, **{k: v[:2] for k, v in CALLS.items()}}[case]
     assert_refused(
         run_isolated(_parse_metadata, raw, memory_bytes=MEMORY, seconds=SECONDS), fragment
     )
@@ -233,9 +291,9 @@ TORCH_BUILDS: dict[str, tuple[bytes, str]] = {
 }
 
 
-@pytest.mark.parametrize("case", [*BOMBS, *TORCH_BUILDS])
+@pytest.mark.parametrize("case", [*BOMBS, *TORCH_BUILDS, *CALLS])
 def test_a_hostile_torch_file_is_refused_cleanly(case: str) -> None:
-    raw, fragment = {**BOMBS, **TORCH_BUILDS}[case]
+    raw, fragment = {**BOMBS, **TORCH_BUILDS, **{k: (v[0], v[2]) for k, v in CALLS.items()}}[case]
     archive = P.torch_archive(raw)
     assert_refused(run_isolated(_load_torch_bytes, archive, seconds=SECONDS), fragment)
 
@@ -260,7 +318,40 @@ def test_a_record_that_inflates_past_the_file_is_refused() -> None:
     archive = P.deflated_archive(P.pickled({"a": 1}), padding=64 << 20)
     assert len(archive) < 1 << 20
     outcome = run_isolated(_load_torch_bytes, archive, memory_bytes=256 << 20, seconds=SECONDS)
-    assert_refused(outcome, "unpacks to more bytes than the whole file holds")
+    assert_refused(outcome, "more than the whole file holds")
+
+
+def test_records_that_together_inflate_past_the_file_are_refused() -> None:
+    archive = P.many_deflated_records(1000, 256 << 10)
+    assert len(archive) < 1 << 20  # a 256 MiB load, from a file of under 1 MiB
+    outcome = run_isolated(_load_torch_bytes, archive, memory_bytes=128 << 20, seconds=SECONDS)
+    assert_refused(outcome, "more than the whole file holds")
+
+
+def test_a_tensor_with_attributes_is_refused_naming_the_rebuild(tmp_path: Path) -> None:
+    t = torch.ones(3)
+    t.numel = 5  # type: ignore[method-assign]  # torch.save keeps instance attributes
+    torch.save({"w": t}, tmp_path / "attr.pt")
+    outcome = run_isolated(_convert, str(tmp_path / "attr.pt"), str(tmp_path / "out"))
+    assert_refused(outcome, "the global torch._tensor._rebuild_from_type_v2")
+
+
+def test_metadata_keys_crafted_to_collide_are_refused(dcp_dir: Path) -> None:
+    """DCP's storage_data is keyed by MetadataIndex(fqn, offset): offsets whose numbers
+    hash alike make every key collide, and filling the dict quadratic."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = pickle.loads((dcp_dir / ".metadata").read_bytes())  # our own file: trusted here
+    for k in P.colliding_ints(2000):
+        md.storage_data[MetadataIndex("model.weight", torch.Size([k]))] = _StorageInfo("x", 0, 0)
+    outcome = run_isolated(_parse_metadata, pickle.dumps(md), seconds=SECONDS)
+    assert_refused(outcome, "2000 distinct keys of one dict or set share a hash")
+
+
+def test_metadata_of_a_dataclass_never_filled_is_corrupt() -> None:
+    raw = P.PROTO2 + P.glob(DCP_MD, "Metadata") + P.EMPTY_TUPLE + P.NEWOBJ + P.STOP
+    assert_refused(run_isolated(_parse_metadata, raw), "is not valid DCP metadata")
 
 
 def test_the_legacy_format_is_refused_with_the_way_out(tmp_path: Path) -> None:
@@ -322,6 +413,10 @@ _GLOBALS = [
     ("torch.serialization", "_get_layout"), ("torch", "Size"), ("torch", "float32"),
     ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
     ("builtins", "eval"), ("os", "system"), ("torch", "_dynamo"), ("builtins", "getattr"),
+    ("_codecs", "encode"), ("builtins", "bytearray"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "complex"), ("torch", "device"),
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"), (DCP_MD, "_MEM_FORMAT_ENCODING"),
 ]  # fmt: skip
 _FIXED = [
     P.MARK, P.EMPTY_DICT, P.EMPTY_LIST, P.EMPTY_TUPLE, P.TUPLE, P.TUPLE1, P.TUPLE2,
@@ -337,6 +432,8 @@ _TOKENS = st.one_of(
     st.builds(lambda g: P.glob(*g), st.sampled_from(_GLOBALS)),
     st.builds(P.deep_tuple, st.sampled_from([3, 150, 50_000])),
     st.builds(P.shared_tuple, st.integers(1, 64)),
+    st.builds(P.long1, st.sampled_from(P.colliding_ints(8))),
+    st.builds(P.s, st.sampled_from(["latin1", "punycode", "_metadata", "items"])),
     st.binary(max_size=6),
 )
 _STREAMS = st.lists(_TOKENS, max_size=30).map(lambda ts: P.PROTO2 + b"".join(ts) + P.STOP)

@@ -119,8 +119,10 @@ def remove_uncommitted(storage: Storage) -> None:
         if not storage.is_directory() or storage.exists(MANIFEST_NAME):
             return
         names = storage.names()
+        if names and INCOMPLETE_MARKER not in names:
+            return  # the save failed before it marked the directory: nothing in it is its
         if names:
-            ours, foreign = partition(storage, names)  # no marker: nothing in it is ours
+            ours, foreign = partition(storage, names)
             _clear(storage, ours)
             storage.remove(INCOMPLETE_MARKER)
             if foreign:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import io
 import itertools
 import math
@@ -31,66 +32,70 @@ import torch
 from .. import _tree, dtypes
 from ..checkpoint.manifest_format import shape_problem
 from ..errors import CheckpointCorruptError
-from ..pickles import ANY_FIELDS, Policy, scan
+from ..pickles import ANY_FIELDS, MAX_PICKLE_BYTES, Policy, calls, scan
 
 METADATA_NAME = ".metadata"
-MAX_METADATA_BYTES = 1 << 30
-"""Larger than any real index (a million tensors' worth), small enough to refuse a bomb."""
+MAX_METADATA_BYTES = MAX_PICKLE_BYTES
+"""A million stored chunks' worth; the pickle gate's own limit."""
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _DATACLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta")  # fmt: skip
 _PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-_ALLOWED: dict[tuple[str, str], Any] = {}
-_POLICY: list[Policy] = []
 
 
+@functools.cache
 def _allowed() -> dict[tuple[str, str], Any]:
     """``(module, name)`` -> object: every global a DCP ``.metadata`` names, from a fixed
     table (dtypes included: never ``getattr(torch, name)``, which can import packages)."""
-    if not _ALLOWED:
-        from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata
 
-        for name in (*_DATACLASSES, "TensorProperties", "_MEM_FORMAT_ENCODING"):
-            _ALLOWED[_DCP, name] = getattr(metadata, name)
-        _ALLOWED[_FS, "_StorageInfo"] = filesystem._StorageInfo
-        _ALLOWED["torch", "Size"] = torch.Size
-        _ALLOWED["torch.serialization", "_get_layout"] = torch.serialization._get_layout
-        _ALLOWED["collections", "OrderedDict"] = collections.OrderedDict
-        for name in _PATHS:
-            _ALLOWED["pathlib", name] = getattr(pathlib, name)
-        for name in dtypes.all_names():
-            _ALLOWED["torch", name] = dtypes.any_from_name(name)
-    return _ALLOWED
+    found: dict[tuple[str, str], Any] = {
+        (_DCP, name): getattr(metadata, name)
+        for name in (*_DATACLASSES, "TensorProperties", "_MEM_FORMAT_ENCODING")
+    }
+    found[_FS, "_StorageInfo"] = filesystem._StorageInfo
+    found["torch", "Size"] = torch.Size
+    found["torch.serialization", "_get_layout"] = torch.serialization._get_layout
+    found["collections", "OrderedDict"] = collections.OrderedDict
+    found.update((("pathlib", name), getattr(pathlib, name)) for name in _PATHS)
+    found.update((("torch", name), dtypes.any_from_name(name)) for name in dtypes.all_names())
+    return found
 
 
+@functools.cache
 def _policy() -> Policy:
-    """What a ``.metadata`` may hold (see ``shardsafe.pickles``): DCP's dataclasses, filled by
-    ``BUILD`` with their own fields only (``TensorProperties`` by its ``__setstate__``);
-    layouts, enum members, sizes and paths made by calls, never filled; dtypes named."""
-    if not _POLICY:
-        from torch.distributed.checkpoint import filesystem, metadata
+    """What a ``.metadata`` may hold (see ``shardsafe.pickles``): DCP's dataclasses, made
+    with no arguments and filled by ``BUILD`` with their own fields only
+    (``TensorProperties`` by its ``__setstate__``); layouts, enum members, sizes and paths
+    made from numbers and strings, never filled; dtypes named, never called. A
+    ``MetadataIndex`` key hashes as its fields do (``pickles/hashing.py``)."""
+    from torch.distributed.checkpoint import filesystem, metadata
 
-        allowed = frozenset(_allowed())
-        classes = [(_DCP, name, getattr(metadata, name)) for name in _DATACLASSES]
-        classes.append((_FS, "_StorageInfo", filesystem._StorageInfo))
-        buildable: dict[tuple[str, str], frozenset[str] | None] = {
-            (module, name): frozenset(f.name for f in dataclasses.fields(cls))
-            for module, name, cls in classes
-        }
-        buildable[_DCP, "TensorProperties"] = ANY_FIELDS
-        dtype_names = {("torch", name) for name in dtypes.all_names()}
-        _POLICY.append(
-            Policy(
-                kind="DCP metadata file",
-                holds="DCP's checkpoint metadata",
-                globals=allowed,
-                callables=allowed - dtype_names,
-                buildable=buildable,
-            )
-        )
-    return _POLICY[0]
+    classes = [(_DCP, name, getattr(metadata, name)) for name in _DATACLASSES]
+    classes.append((_FS, "_StorageInfo", filesystem._StorageInfo))
+    buildable: dict[tuple[str, str], frozenset[str] | None] = {
+        (module, name): frozenset(f.name for f in dataclasses.fields(cls))
+        for module, name, cls in classes
+    }
+    buildable[_DCP, "TensorProperties"] = ANY_FIELDS
+    made = {
+        **dict.fromkeys(buildable, calls.NO_ARGS),
+        (_DCP, "_MEM_FORMAT_ENCODING"): calls.SCALARS,
+    }
+    made.update({("torch", "Size"): calls.SIZE, ("collections", "OrderedDict"): calls.NO_ARGS})
+    made["torch.serialization", "_get_layout"] = calls.SCALARS
+    made.update(dict.fromkeys((("pathlib", name) for name in _PATHS), calls.SCALARS))
+    index = tuple(f.name for f in dataclasses.fields(metadata.MetadataIndex))
+    return Policy(
+        kind="DCP metadata file",
+        holds="DCP's checkpoint metadata",
+        globals=frozenset(_allowed()),
+        calls=made,
+        buildable=buildable,
+        hashes_as={(_DCP, "MetadataIndex"): index, ("torch", "Size"): ()},
+    )
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -128,7 +133,10 @@ def parse_metadata(raw: bytes, where: str) -> Any:
         raise CheckpointCorruptError(
             f"{where} is not a readable DCP metadata file: {type(e).__name__}: {e}"
         ) from None
-    check_metadata(md, where)
+    try:
+        check_metadata(md, where)
+    except AttributeError as e:  # a dataclass the pickle made but never filled
+        raise CheckpointCorruptError(f"{where} is not valid DCP metadata: {e}") from None
     return md
 
 

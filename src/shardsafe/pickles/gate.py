@@ -23,51 +23,51 @@ import torch
 
 from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
-from .policy import ANY_FIELDS, Policy
+from . import calls
+from .policy import Policy
 from .scan import scan
 
-_REBUILD = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-            "_rebuild_parameter_with_state")  # fmt: skip
-_TORCH_CALLABLES = frozenset(
-    {
-        *(("torch._utils", name) for name in _REBUILD),
-        ("torch._tensor", "_rebuild_from_type_v2"),
-        ("torch.nn.parameter", "Parameter"),
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("collections", "Counter"),
-        ("_codecs", "encode"),  # bytes, in protocol 2
-        ("builtins", "set"),
-        ("builtins", "bytearray"),
-        ("builtins", "complex"),
-    }
-)
+_TORCH_CALLS = {
+    # torch's tensor rebuilds, which torch checks (a storage reference; sizes that fit it).
+    # Not _rebuild_from_type_v2 or _rebuild_parameter_with_state: they call any global they
+    # are given and set any attribute on the tensor, and plain state never uses them.
+    **dict.fromkeys(
+        (("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2",
+                                       "_rebuild_tensor_v3", "_rebuild_parameter")),
+        calls.ANY,
+    ),
+    ("torch", "Size"): calls.SIZE,
+    ("torch", "device"): calls.SCALARS,
+    ("torch.serialization", "_get_layout"): calls.SCALARS,
+    ("collections", "OrderedDict"): calls.NO_ARGS,  # then filled by SETITEMS
+    ("_codecs", "encode"): calls.LATIN1,  # bytes, in protocol 2
+    ("builtins", "set"): calls.ELEMENTS,
+    ("builtins", "frozenset"): calls.ELEMENTS,
+    ("builtins", "complex"): calls.SCALARS,
+}  # fmt: skip
 _STORAGE_TYPES = ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte",
                   "Bool", "ComplexFloat", "ComplexDouble")  # fmt: skip
 
 TORCH_POLICY = Policy(
     kind="torch.save file",
     holds="what torch.load(weights_only=True) reads (tensors and plain data)",
-    globals=_TORCH_CALLABLES
-    | {("torch", "Tensor"), ("torch.storage", "UntypedStorage")}
+    globals=frozenset(_TORCH_CALLS)
+    | {("torch.storage", "UntypedStorage")}
     | {("torch", f"{name}Storage") for name in _STORAGE_TYPES}
     | {("torch", name) for name in dtypes.all_names()},
-    callables=_TORCH_CALLABLES,
-    buildable={
-        ("collections", "OrderedDict"): ANY_FIELDS,  # a state dict's ``_metadata``
-        ("collections", "Counter"): ANY_FIELDS,
-        ("torch.nn.parameter", "Parameter"): ANY_FIELDS,
-    },
-    mappings=frozenset({("collections", "OrderedDict"), ("collections", "Counter")}),
+    calls=_TORCH_CALLS,
+    buildable={("collections", "OrderedDict"): frozenset({"_metadata"})},  # a state dict's
+    mappings=frozenset({("collections", "OrderedDict")}),
+    hashes_as={("torch", "Size"): ()},
     persistent_ids=True,
     fix_names=True,
 )
 """What ``torch.save`` writes for tensors, parameters and plain data (a model's or an
 optimizer's state dict, a Lightning checkpoint without custom objects): a subset of
 ``torch.load(weights_only=True)``'s own allowlist, without sparse, quantized, nested and
-subclass tensors, which no converter writes out."""
+subclass tensors (which no converter writes out), tensors carrying attributes,
+``Counter`` and ``bytearray``, each callable held to the arguments ``torch.save`` gives
+it (``calls.py``)."""
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -97,8 +97,10 @@ def load_torch_mapped(path: str, where: str) -> tuple[Any, bool]:
 def check_archive(stream: IO[bytes], where: str) -> bool:
     """Refuse ``stream`` (rewound after) unless it is a zip archive as ``torch.save`` writes
     it whose ``data.pkl`` passes :func:`~.scan.scan` with :data:`TORCH_POLICY` and whose
-    records each unpack to at most the archive's size; return whether its storages are in
-    this machine's byte order (so ``torch.load`` will not byteswap them)."""
+    records together unpack to at most the archive's size (``torch.save`` stores them
+    uncompressed: a compressed record could make a small file allocate gigabytes); return
+    whether its storages are in this machine's byte order (so ``torch.load`` will not
+    byteswap them: ``load_torch_mapped`` maps only then)."""
     size = stream.seek(0, io.SEEK_END)
     stream.seek(0)
     if stream.read(4) != _ZIP_MAGIC:
@@ -112,12 +114,12 @@ def check_archive(stream: IO[bytes], where: str) -> bool:
     try:
         archive = torch._C.PyTorchFileReader(stream)
         records = archive.get_all_records()
-        for name in records:
-            if archive.get_record_size(name) > size:
-                raise CheckpointCorruptError(
-                    f"{where}: record {name[:200]!r} unpacks to more bytes than the whole file "
-                    "holds (a compressed record; torch.save never compresses)"
-                )
+        unpacked = sum(archive.get_record_size(name) for name in records)
+        if unpacked > size:
+            raise CheckpointCorruptError(
+                f"{where}: its records unpack to {unpacked} bytes, more than the whole file "
+                f"holds ({size}): compressed records, which torch.save never writes"
+            )
         if "data.pkl" not in records:
             raise CheckpointCorruptError(f"{where} is a zip archive without torch's data.pkl")
         pickled = archive.get_record("data.pkl")

@@ -1,12 +1,13 @@
 """The pickle machine run on stand-ins: what a pickle would build, without building it.
 
-Every value is a node number; a node records its kind, the nodes it holds or was built
-from, and, for a short string, a global or an object, its text or ``(module, name)``.
-Nothing is built, imported or called. The pickle machine has no branches, so the
-stand-ins tell exactly which global each opcode names, what each ``REDUCE`` calls, what
-each ``BUILD`` fills and what each container holds, and each opcode is refused the moment
-it breaks the :class:`~.policy.Policy` (see ``pickles/scan.py`` for what the finished
-graph is measured against). Each opcode creates at most one node and a few edges.
+Every value is a node number (``nodes.py``); a node records its kind, the nodes it holds
+or was built from, and a value: a number's own value, a short string's text, a global's
+or an object's ``(module, name)``. Nothing is built, imported or called. The pickle
+machine has no branches, so the stand-ins tell exactly which global each opcode names,
+what each ``REDUCE`` calls and with what, what each ``BUILD`` fills and what each
+container holds, and each opcode is refused the moment it breaks the
+:class:`~.policy.Policy` (see ``pickles/scan.py`` for what the finished graph is measured
+against). Each opcode creates at most one node and a few edges.
 """
 
 from __future__ import annotations
@@ -17,20 +18,28 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from . import calls
+from .nodes import (
+    ATOM,
+    BYTES,
+    DICT,
+    FROZENSET,
+    GLOBAL,
+    LIST,
+    NAMES,
+    NONE,
+    OBJECT,
+    PERSISTENT,
+    SET,
+    STR,
+    TUPLE,
+    Refused,
+    printable,
+)  # fmt: skip
 from .policy import MAX_INT_BYTES, Policy
 
-
-class Refused(Exception):
-    """Raised inside the scan; :func:`scan` adds the file's name."""
-
-
-ATOM, STR, GLOBAL, LIST, DICT, SET, TUPLE, FROZENSET, OBJECT, PERSISTENT = range(10)
-_NAMES = ("a number", "a string", "a global", "a list", "a dict", "a set", "a tuple",
-          "a frozenset", "an object", "a storage reference")  # fmt: skip
 _SHORT = 256
-"""Strings up to this many bytes keep their value (a global's or a field's name)."""
-_NONE = object()
-"""The value of the stand-in for ``None`` (a ``BUILD`` state may be ``(None, slots)``)."""
+"""Strings up to this many bytes keep their value (a global's, a field's or a key's)."""
 
 
 class Machine:
@@ -38,16 +47,18 @@ class Machine:
     values it holds or was built from) and ``values[n]`` (a short string's text, a
     global's or an object's ``(module, name)``)."""
 
-    def __init__(self, data: bytes | memoryview, policy: Policy) -> None:
+    def __init__(self, data: bytes, policy: Policy) -> None:
+        self.raw = data
         self.data = memoryview(data).cast("B")
         self.policy = policy
         self.pos = 0
         self.kinds: list[int] = []
         self.children: list[list[int] | None] = []
         self.values: list[Any] = []
-        self.keys: list[int] = []
-        """Nodes hashed as a dict key or set member, each time (an object's hash, a
-        dataclass's, walks its fields)."""
+        self.keys: dict[int, list[int]] = {}
+        """Per dict or set (or ``set(...)`` call), the nodes hashed into it: its keys."""
+        self.states: dict[int, int] = {}
+        """The state ``BUILD`` gave each object (what a dataclass hashes)."""
         self.stack: list[int] = []
         self.marks: list[int] = []
         self.memo: dict[int, int] = {}
@@ -77,11 +88,12 @@ class Machine:
         return value
 
     def line(self) -> str:
-        end = bytes(self.data[self.pos : self.pos + 4096]).find(b"\n")
+        end = self.raw.find(b"\n", self.pos, self.pos + 4096)
         if end < 0:
             raise Refused(f"a text argument at byte {self.pos} is unterminated or too long")
-        self.pos += end + 1
-        return bytes(self.data[self.pos - end - 1 : self.pos - 1]).decode("utf-8", "replace")
+        text = self.raw[self.pos : end].decode("utf-8", "replace")
+        self.pos = end + 1
+        return text
 
     # -- nodes and the stack
 
@@ -117,22 +129,37 @@ class Machine:
         if self.kinds[node] in (GLOBAL, OBJECT):
             what = ".".join(self.values[node])
             return f"the global {what}" if self.kinds[node] == GLOBAL else f"a {what} it made"
-        return _NAMES[self.kinds[node]]
+        return NAMES[self.kinds[node]]
 
     # -- opcodes
 
-    def atom(self, skip: int = 0, value: Any = None) -> None:
-        self.take(skip)
+    def atom(self, value: Any = None) -> None:
         self.push(ATOM, None, value)
 
-    def text_float(self) -> None:
-        self.line()
-        self.atom()
+    def number(self, fmt: str) -> None:
+        """BININT, BININT1, BININT2, BINFLOAT: a number whose hash is known."""
+        self.atom(struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0])
 
     def integer(self, nbytes: int) -> None:
+        """LONG1, LONG4: a little-endian two's complement integer, bounded."""
         if nbytes > MAX_INT_BYTES:
             raise Refused(f"it holds an integer of {nbytes} bytes (at most {MAX_INT_BYTES})")
-        self.atom(nbytes)
+        self.atom(int.from_bytes(self.take(nbytes), "little", signed=True))
+
+    def text_number(self, kind: type) -> None:
+        """INT, LONG, FLOAT in protocol 0's text form (``I01`` is True)."""
+        text = self.line().rstrip("L")
+        if len(text) > 2 * MAX_INT_BYTES:
+            raise Refused(f"it holds a number of {len(text)} characters")
+        value: Any = {"01": True, "00": False}.get(text) if kind is int else None
+        try:
+            self.atom(value if value is not None else kind(text))
+        except ValueError:
+            raise Refused(f"{text[:40]!r} is not a number") from None
+
+    def bytes_(self, nbytes: int) -> None:
+        self.take(nbytes)
+        self.atom(BYTES)
 
     def string(self, raw: memoryview | bytes) -> None:
         value = None
@@ -147,9 +174,9 @@ class Machine:
         items = self.pop_mark() if from_mark else []
         if kind == DICT and len(items) % 2:
             raise Refused(f"a dict at byte {self.pos} has an odd number of items")
-        if kind in (DICT, FROZENSET):
-            self.keys.extend(items[0::2] if kind == DICT else items)
         self.push(kind, items)
+        if kind in (DICT, FROZENSET):
+            self.keys[self.stack[-1]] = items[0::2] if kind == DICT else list(items)
 
     def small_tuple(self, n: int) -> None:
         items = [self.pop() for _ in range(n)]
@@ -169,7 +196,7 @@ class Machine:
         if how == DICT and len(items) % 2:
             raise Refused(f"SETITEMS at byte {self.pos} has an odd number of items")
         if how != LIST:
-            self.keys.extend(items[0::2] if how == DICT else items)
+            self.keys.setdefault(target, []).extend(items[0::2] if how == DICT else items)
         children = self.children[target]
         assert children is not None
         children.extend(items)
@@ -182,7 +209,7 @@ class Machine:
                 module = _compat_pickle.IMPORT_MAPPING[module]
         if (module, name) not in self.policy.globals:
             raise Refused(
-                f"it names the global {_printable(module)}.{_printable(name)}, which is not part "
+                f"it names the global {printable(module)}.{printable(name)}, which is not part "
                 f"of {self.policy.holds}; refusing it (a pickle naming other globals can run "
                 "code)"
             )
@@ -198,25 +225,35 @@ class Machine:
         self.push(GLOBAL, None, self.name_global(module, name))
 
     def call(self, how: str) -> None:
-        """REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST: an object made by calling a global."""
+        """REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST: an object made by calling a global, with
+        arguments its rule allows (``calls.py``)."""
         if how == "INST":
             module, name = self.line(), self.line()
             self.push(GLOBAL, None, self.name_global(module, name))
-            callee, args = self.pop(), self.pop_mark()
+            callee, given = self.pop(), self.pop_mark()
         elif how == "OBJ":
-            args = self.pop_mark()
-            if not args:
+            given = self.pop_mark()
+            if not given:
                 raise Refused(f"OBJ at byte {self.pos} has no class")
-            callee, args = args[0], args[1:]
+            callee, given = given[0], given[1:]
         else:
-            args = [self.pop() for _ in range({"REDUCE": 1, "NEWOBJ": 1}.get(how, 2))][::-1]
+            if how == "NEWOBJ_EX" and self.children[self.pop()]:
+                raise Refused("NEWOBJ_EX is given keyword arguments")
+            args = self.pop()
             callee = self.pop()
+            if self.kinds[args] != TUPLE:
+                raise Refused(f"{how} at byte {self.pos} is given {self.describe(args)}")
+            given = list(self.children[args] or ())
         key = self.values[callee] if self.kinds[callee] == GLOBAL else None
-        if key not in self.policy.callables:
+        rule = self.policy.calls.get(key) if key is not None else None
+        if key is None or rule is None:
             raise Refused(
                 f"it calls {self.describe(callee)} ({how}); a {self.policy.kind} never does"
             )
-        self.push(OBJECT, [callee, *args], key)
+        hashed = calls.check(self, rule, ".".join(key), given)
+        self.push(OBJECT, [callee, *given], key)
+        if hashed:
+            self.keys[self.stack[-1]] = hashed
 
     def build(self) -> None:
         state = self.pop()
@@ -233,19 +270,20 @@ class Machine:
         children = self.children[inst]
         assert children is not None
         children.append(state)
+        self.states[inst] = state
 
     def check_fields(self, state: int, fields: frozenset[str], what: str) -> None:
         parts = [state]
         if self.kinds[state] == TUPLE and len(self.children[state] or ()) == 2:
             parts = list(self.children[state] or ())  # (dict state, slot state)
         for part in parts:
-            if self.values[part] is _NONE:
+            if self.values[part] is NONE:
                 continue
             if self.kinds[part] != DICT:
                 raise Refused(f"the state it gives a {what} is {self.describe(part)}, not a dict")
             for key in (self.children[part] or [])[0::2]:
                 if self.text(key) not in fields:
-                    shown = _printable(str(self.text(key) or self.describe(key)))
+                    shown = printable(str(self.text(key) or self.describe(key)))
                     raise Refused(f"it sets {shown!r} on a {what}, which has no such field")
 
     def persistent(self) -> None:
@@ -274,20 +312,96 @@ class Machine:
             self.pop()
 
     def run(self) -> int:
-        """Run to ``STOP``; the node it returns."""
-        data, ops = self.data, _OPS
-        while self.pos < len(data):
-            op = data[self.pos]
-            self.pos += 1
-            if op == 0x2E:  # STOP
-                return self.pop()
-            handler = ops.get(op)
-            if handler is None:
-                raise Refused(
-                    f"it uses opcode {op:#04x} (at byte {self.pos - 1}), which is refused"
-                )
-            handler(self)
-        raise Refused("it ends without a STOP")
+        """Run to ``STOP``; the node it returns. The opcodes that make up most of a real
+        pickle (memo traffic, short strings, small ints) are handled inline: the scan then
+        costs about what torch's own ``weights_only`` unpickler does."""
+        data, ops, stack, memo, marks = self.data, _OPS, self.stack, self.memo, self.marks
+        kinds, children, values, raw = self.kinds, self.children, self.values, self.raw
+        end, pos = len(data), self.pos
+        while pos < end:
+            op = data[pos]
+            if op == 0x94 or op == 0x71:  # MEMOIZE, BINPUT: store the top
+                if op == 0x94:
+                    index, size = len(memo), 1
+                elif pos + 2 <= end:
+                    index, size = data[pos + 1], 2
+                else:
+                    break
+                if len(stack) <= (marks[-1] if marks else 0) or index > len(memo):
+                    break  # the general handler says why
+                memo[index] = stack[-1]
+                pos += size
+            elif op == 0x6A or op == 0x68:  # LONG_BINGET, BINGET
+                size = 5 if op == 0x6A else 2
+                if pos + size > end:
+                    break
+                index = int.from_bytes(data[pos + 1 : pos + size], "little")
+                node = memo.get(index)
+                if node is None:
+                    break
+                stack.append(node)
+                pos += size
+            elif op == 0x4B and pos + 2 <= end:  # BININT1
+                kinds.append(ATOM)
+                children.append(None)
+                values.append(data[pos + 1])
+                stack.append(len(kinds) - 1)
+                pos += 2
+            elif op == 0x85 or op == 0x86:  # TUPLE1, TUPLE2
+                n = op - 0x84
+                if len(stack) - n < (marks[-1] if marks else 0):
+                    break
+                items = stack[-n:]
+                del stack[-n:]
+                kinds.append(TUPLE)
+                children.append(items)
+                values.append(None)
+                stack.append(len(kinds) - 1)
+                pos += 1
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+                pos += 1
+            elif op in _EMPTY:  # EMPTY_TUPLE, EMPTY_DICT, EMPTY_LIST, NEWFALSE, NONE
+                kind, value = _EMPTY[op]
+                kinds.append(kind)
+                children.append(None if kind == ATOM else [])
+                values.append(value)
+                stack.append(len(kinds) - 1)
+                pos += 1
+            elif op == 0x8C and pos + 2 + data[pos + 1] <= end:  # SHORT_BINUNICODE
+                n = data[pos + 1]
+                try:
+                    text: str | None = raw[pos + 2 : pos + 2 + n].decode("utf-8")
+                except UnicodeDecodeError:
+                    text = None
+                kinds.append(STR)
+                children.append(None)
+                values.append(text)
+                stack.append(len(kinds) - 1)
+                pos += 2 + n
+            else:
+                self.pos = pos + 1
+                if op == 0x2E:  # STOP
+                    return self.pop()
+                handler = ops.get(op)
+                if handler is None:
+                    raise Refused(f"it uses opcode {op:#04x} (at byte {pos}), which is refused")
+                handler(self)
+                pos = self.pos
+        else:
+            self.pos = pos
+            raise Refused("it ends without a STOP")
+        self.pos = pos + 1  # an inline opcode found a problem: its general handler reports it
+        ops[op](self)
+        raise AssertionError("unreachable: the handler refuses")
+
+
+_EMPTY: dict[int, tuple[int, Any]] = {
+    0x29: (TUPLE, None), 0x7D: (DICT, None), 0x5D: (LIST, None), 0x89: (ATOM, False),
+    0x4E: (ATOM, NONE),
+}  # fmt: skip
+"""Opcodes that push an empty container or a constant, which :meth:`Machine.run` handles
+itself (with the memo's, small ints', short strings' and small tuples')."""
 
 
 def _text_index(m: Machine) -> int:
@@ -304,20 +418,20 @@ _OPS: dict[int, Callable[[Machine], None]] = {
     0x95: _M.frame,
     ord("("): lambda m: m.marks.append(len(m.stack)),
     ord("0"): _M.pop_op, ord("1"): _M.pop_mark_op, ord("2"): lambda m: m.stack.append(m.top()),
-    ord("N"): partial(_M.atom, value=_NONE), 0x88: _M.atom, 0x89: _M.atom,  # None True False
-    ord("J"): partial(_M.atom, skip=4), ord("K"): partial(_M.atom, skip=1),
-    ord("M"): partial(_M.atom, skip=2), ord("G"): partial(_M.atom, skip=8),
+    ord("N"): partial(_M.atom, value=NONE), 0x88: partial(_M.atom, value=True),
+    0x89: partial(_M.atom, value=False),
+    ord("J"): partial(_M.number, fmt="<i"), ord("K"): partial(_M.number, fmt="<B"),
+    ord("M"): partial(_M.number, fmt="<H"), ord("G"): partial(_M.number, fmt=">d"),
     0x8A: lambda m: m.integer(m.uint(1)), 0x8B: lambda m: m.integer(m.int32()),  # LONG1, LONG4
-    ord("I"): lambda m: m.integer(len(m.line()) // 2),
-    ord("L"): lambda m: m.integer(len(m.line()) // 2),
-    ord("F"): _M.text_float,
+    ord("I"): partial(_M.text_number, kind=int), ord("L"): partial(_M.text_number, kind=int),
+    ord("F"): partial(_M.text_number, kind=float),
     ord("X"): lambda m: m.string(m.take(m.uint(4))), 0x8C: lambda m: m.string(m.take(m.uint(1))),
     0x8D: lambda m: m.string(m.take(m.uint(8))), ord("U"): lambda m: m.string(m.take(m.uint(1))),
     ord("T"): lambda m: m.string(m.take(m.int32())),
     ord("S"): lambda m: m.string(m.line().encode()),
     ord("V"): lambda m: m.string(m.line().encode()),
-    ord("B"): lambda m: m.atom(m.uint(4)), ord("C"): lambda m: m.atom(m.uint(1)),
-    0x8E: lambda m: m.atom(m.uint(8)), 0x96: lambda m: m.atom(m.uint(8)),
+    ord("B"): lambda m: m.bytes_(m.uint(4)), ord("C"): lambda m: m.bytes_(m.uint(1)),
+    0x8E: lambda m: m.bytes_(m.uint(8)), 0x96: lambda m: m.bytes_(m.uint(8)),
     ord("}"): partial(_M.container, kind=DICT, from_mark=False),
     ord("]"): partial(_M.container, kind=LIST, from_mark=False),
     ord(")"): partial(_M.container, kind=TUPLE, from_mark=False),
@@ -346,7 +460,3 @@ _OPS: dict[int, Callable[[Machine], None]] = {
 # fmt: on
 """Every opcode of protocols 0-5 but these, which are refused: PERSID (a text persistent
 id), EXT1/2/4 (globals from copyreg's extension registry), NEXT_BUFFER/READONLY_BUFFER."""
-
-
-def _printable(text: str) -> str:
-    return repr(text)[1:-1][:200]

@@ -13,35 +13,41 @@ global each opcode names, what each ``REDUCE`` calls, what each ``BUILD`` fills 
 each container holds. It refuses (with a :class:`CheckpointCorruptError` naming the file):
 
 * a global outside the :class:`Policy`'s fixed table, a call of one that is not among its
-  callables; extension codes, text persistent ids and out-of-band buffers;
+  callables or with arguments its rule does not allow (``bytearray(2**35)``, a quadratic
+  codec: ``calls.py``); extension codes, text persistent ids and out-of-band buffers;
 * ``BUILD`` on anything but an instance this pickle created, of a class the policy lets be
   filled, with fields the policy names (never a class, a function, a module or a cache);
   items added to anything but a list, dict or set this pickle created;
-* nesting deeper than :data:`MAX_DEPTH`; a structure that contains itself; a tree walk (every
+* nesting deeper than ``MAX_DEPTH``; a structure that contains itself; a tree walk (every
   shared reference followed) or hashing (dict keys, set members, tuples anywhere) that
   would visit more than ``EXPANSION`` times the values the pickle creates, plus
-  :data:`BASE_NODES`;
-* integers longer than :data:`MAX_INT_BYTES`, memo indices that skip ahead, lengths that run
+  ``BASE_NODES``;
+* more than ``MAX_COLLISIONS`` distinct keys of one dict or set sharing a hash (numbers
+  hash alike everywhere: ``hashing.py``);
+* integers longer than ``MAX_INT_BYTES``, memo indices that skip ahead, lengths that run
   past the end, bytes after ``STOP``.
 
 Time and memory are linear in the pickle's size: each opcode creates at most one node and a
-few edges, and the measure visits each node and edge once, iteratively.
+few edges, and the measure visits each node and edge once, iteratively. The limits are
+in ``policy.py``.
 """
 
 from __future__ import annotations
 
 from ..errors import CheckpointCorruptError
-from .machine import FROZENSET, OBJECT, TUPLE, Machine, Refused
-from .policy import BASE_NODES, EXPANSION, MAX_DEPTH, MAX_PICKLE_BYTES, Policy
+from .hashing import worst_collision
+from .machine import Machine
+from .nodes import FROZENSET, OBJECT, TUPLE, Refused
+from .policy import BASE_NODES, EXPANSION, MAX_COLLISIONS, MAX_DEPTH, MAX_PICKLE_BYTES, Policy
 
 
-def _measure(m: Machine, root: int) -> tuple[int, int]:
-    """``(tree size of root, hashing work)`` (saturating just above the limit), visiting
+def _measure(m: Machine, root: int, cap: int) -> tuple[int, int]:
+    """``(tree size of root, hashing work)`` (saturating just above ``cap``), visiting
     every node and edge once, without recursion; refuses cycles and excess depth."""
-    cap = EXPANSION * len(m.kinds) + BASE_NODES
     children, kinds = m.children, m.kinds
-    size, depth = [0] * len(kinds), [0] * len(kinds)
-    state = bytearray(len(kinds))  # 0 unseen, 1 on the current path, 2 measured
+    size, depth = [1] * len(kinds), [0] * len(kinds)
+    # 0 unseen, 1 on the current path, 2 measured; a node that holds nothing is measured.
+    state = bytearray(0 if kids else 2 for kids in children)
     for start in range(len(kinds)):
         if state[start]:
             continue
@@ -70,11 +76,11 @@ def _measure(m: Machine, root: int) -> tuple[int, int]:
     hashing = sum(
         size[k] for kids in children for k in kids or () if kinds[k] in (TUPLE, FROZENSET)
     )
-    hashing += sum(size[k] for k in m.keys if kinds[k] == OBJECT)
+    hashing += sum(size[k] for keys in m.keys.values() for k in keys if kinds[k] == OBJECT)
     return size[root], hashing
 
 
-def scan(data: bytes | memoryview, where: str, policy: Policy) -> None:
+def scan(data: bytes, where: str, policy: Policy) -> None:
     """Refuse ``data`` unless it is one pickle that ``policy`` allows and that unpickles in
     time and memory linear in its size (see the module docstring)."""
     try:
@@ -84,12 +90,19 @@ def scan(data: bytes | memoryview, where: str, policy: Policy) -> None:
         root = machine.run()
         if machine.pos != len(machine.data):
             raise Refused(f"{len(machine.data) - machine.pos} bytes follow its STOP")
-        tree, hashing = _measure(machine, root)
         cap = EXPANSION * len(machine.kinds) + BASE_NODES
+        tree, hashing = _measure(machine, root, cap)
         if max(tree, hashing) > cap:
             raise Refused(
                 f"it shares references so that walking or hashing it would visit more than "
                 f"{cap} values ({EXPANSION} times the {len(machine.kinds)} it creates)"
+            )
+        shared = worst_collision(machine)
+        if shared > MAX_COLLISIONS:
+            raise Refused(
+                f"{shared} distinct keys of one dict or set share a hash (at most "
+                f"{MAX_COLLISIONS}): keys crafted so that inserting them takes time quadratic "
+                "in their number"
             )
     except Refused as e:
         raise CheckpointCorruptError(
