@@ -133,7 +133,7 @@ def test_a_damaged_lock_file_is_refused_however_old(
 ) -> None:
     """A lock is claimed whole (hard link), so one that holds no valid owner is damaged,
     not a killed run's: nobody can tell whose run it was, so it is never taken over. The
-    message says so and what to do; then saving works (more in test_hostile_names_and_files)."""
+    message says so and what to do; then saving works (more in test_hostile_files_and_locks)."""
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / LOCK_NAME
     path.write_text(content)
