@@ -15,18 +15,26 @@ from typing import Any
 
 SURVIVOR_EXIT_S = 30.0
 """Heartbeats declare a rank dead after 15 s, checked every second; plus exit. About 16 s
-alone; the kill tests run eight two-rank trials at once on a small machine, where noticing
-and exiting took up to 10 s more (seen at 25.7 s with the test's load doubled, and once
-at 26.6 s in a full CI run). The bound is what the test is about: far below any
-collective's timeout (gloo's default is 30 min), never waiting for one."""
+alone; the kill tests run four two-rank trials at once on a small machine, where noticing
+and exiting took up to 10 s more (seen at 25.7 s with eight trials at once and the test's
+load doubled, and once at 26.6 s with eight in a full CI run). The bound is what the
+test is about: far below any collective's timeout (gloo's default is 30 min), never
+waiting for one."""
 
 
-def kill_during_a_save(proc: Any, rng: random.Random) -> str:
-    """Read ``saving``/``saved`` lines; during save 3..6 SIGKILL the process group at a
-    random fraction (0..1.1) of a typical save's duration. Return where it really died
-    (under load the reader can lag the target): ``"in save N"`` or ``"after save N"``."""
-    victim_step = rng.randint(3, 6)
-    fraction = rng.uniform(0.0, 1.1)
+def seeded_moment(seed: int) -> tuple[int, float]:
+    """A random moment to kill at: a save among 3..6 and a fraction (0..1.1) of a typical
+    save's duration after it starts."""
+    rng = random.Random(seed)
+    return rng.randint(3, 6), rng.uniform(0.0, 1.1)
+
+
+def kill_during_a_save(proc: Any, victim_step: int, fraction: float) -> str:
+    """Read ``saving``/``saved`` lines; when save ``victim_step`` (3 or later: the typical
+    duration is the median of the saves before) starts, SIGKILL the process group
+    ``fraction`` of a typical save's duration later. Return where it really died (under
+    load the reader can lag the target): ``"in save N"`` or ``"after save N"``."""
+    assert victim_step >= 3, "the kill is timed by the saves before it"
     durations: list[float] = []
     started = 0.0
     for line in iter(proc.stdout.readline, ""):

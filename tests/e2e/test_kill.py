@@ -2,10 +2,13 @@
 
 A real run (``kill_target.py``: CheckpointManager, keep_last=3, 8 MiB of model and
 tensors, a save every step) is started in its own session and killed with a real
-SIGKILL at a seeded random moment inside a save: the target prints when each save starts
+SIGKILL at a chosen moment inside a save: the target prints when each save starts
 and ends (``time.monotonic()``, one clock for every process of the host), and the kill
-lands at a random fraction of a typical save's duration after a save starts.
-Four more kills land exactly in windows too narrow to hit by timing (``--die-at``).
+lands at a given fraction of a typical save's duration after a given save starts. The
+moments are spread from the start of a save to just after its end, alternating the two
+layouts, in saves before and after retention starts deleting (save 4 is the first that
+does). Four more kills land exactly in windows too narrow to hit by timing
+(``--die-at``).
 With two ranks, one rank is killed and the survivor must exit by itself, non-zero,
 naming the dead rank, well before any collective timeout.
 
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -47,10 +49,28 @@ from tests.harness import free_port
 
 TARGET = Path(target.__file__)
 LOCK = ".shardsafe.lock"
-WHOLE_RUN_TRIALS = 12
-ONE_RANK_TRIALS = 8
-ASYNC_TRIALS = 6
-LAYOUTS = ("sharded", "consolidated")
+# (layout, the save killed, the fraction of a typical save's duration after it starts)
+WHOLE_RUN_KILLS = (
+    ("sharded", 3, 0.1),
+    ("consolidated", 4, 0.3),
+    ("sharded", 5, 0.5),
+    ("consolidated", 3, 0.7),
+    ("sharded", 4, 0.9),
+    ("consolidated", 5, 1.05),
+)
+ASYNC_KILLS = (
+    ("sharded", 3, 0.2),
+    ("consolidated", 4, 0.5),
+    ("sharded", 5, 0.8),
+    ("consolidated", 4, 1.0),
+)
+# (layout, the rank killed, the save, the fraction): both layouts, either rank killed.
+ONE_RANK_KILLS = (
+    ("sharded", 1, 3, 0.2),
+    ("consolidated", 1, 4, 0.45),
+    ("sharded", 0, 5, 0.7),
+    ("consolidated", 0, 4, 0.95),
+)
 
 
 def start(root: Path, *args: str, stdout: IO[Any] | int, stderr: IO[Any] | int) -> Any:
@@ -120,17 +140,15 @@ def check_after_kill(root: Path, dead: set[int], layout: str) -> int:
 
 
 @pytest.mark.timeout(150)
-def test_killing_the_whole_run_at_random_moments_of_saves(tmp_path: Path) -> None:
+def test_killing_the_whole_run_at_moments_across_saves(tmp_path: Path) -> None:
     began = time.monotonic()
     seen: dict[str, int] = {}
     inside = 0
-    for seed in range(WHOLE_RUN_TRIALS):
-        rng = random.Random(seed)
-        layout = LAYOUTS[seed % 2]
-        root = tmp_path / f"trial-{seed}"
+    for trial, (layout, step, fraction) in enumerate(WHOLE_RUN_KILLS):
+        root = tmp_path / f"trial-{trial}"
         proc = start(root, "--layout", layout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            died = kill_during_a_save(proc, rng)
+            died = kill_during_a_save(proc, step, fraction)
             assert proc.wait(timeout=10) == -signal.SIGKILL
         finally:
             proc.kill()
@@ -139,9 +157,9 @@ def test_killing_the_whole_run_at_random_moments_of_saves(tmp_path: Path) -> Non
         seen[where] = seen.get(where, 0) + 1
         inside += died.startswith("in save")
         latest = check_after_kill(root, {proc.pid}, layout)
-        print(f"trial {seed}: {layout:12} killed {died}: {where}; latest was step {latest}")
-    print(f"{WHOLE_RUN_TRIALS} trials in {time.monotonic() - began:.1f}s: {seen}")
-    assert inside >= WHOLE_RUN_TRIALS // 2, f"only {inside} kills landed inside a save"
+        print(f"trial {trial}: {layout:12} killed {died}: {where}; latest was step {latest}")
+    print(f"{len(WHOLE_RUN_KILLS)} trials in {time.monotonic() - began:.1f}s: {seen}")
+    assert inside >= len(WHOLE_RUN_KILLS) // 2, f"only {inside} kills landed inside a save"
 
 
 @pytest.mark.timeout(60)
@@ -166,29 +184,27 @@ def test_a_kill_in_each_narrow_window(tmp_path: Path, point: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_killing_async_saves_at_random_moments_of_their_background_writes(
+def test_killing_async_saves_at_moments_across_their_background_writes(
     tmp_path: Path,
 ) -> None:
     """The same, with ``async_save``: the tensors change while each background write
-    runs, and the kill lands at a random moment of it."""
+    runs, and the kill lands early, in the middle, late, or at the end of it."""
     inside = 0
-    for seed in range(ASYNC_TRIALS):
-        rng = random.Random(500 + seed)
-        layout = LAYOUTS[seed % 2]
-        root = tmp_path / f"trial-{seed}"
+    for trial, (layout, step, fraction) in enumerate(ASYNC_KILLS):
+        root = tmp_path / f"trial-{trial}"
         proc = start(
             root, "--layout", layout, "--async", stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         try:
-            died = kill_during_a_save(proc, rng)
+            died = kill_during_a_save(proc, step, fraction)
             assert proc.wait(timeout=10) == -signal.SIGKILL
         finally:
             proc.kill()
             proc.communicate()
         inside += died.startswith("in save")
         latest = check_after_kill(root, {proc.pid}, layout)
-        print(f"async trial {seed}: {layout:12} killed {died}; latest was step {latest}")
-    assert inside >= ASYNC_TRIALS // 2, f"only {inside} kills landed inside a save"
+        print(f"async trial {trial}: {layout:12} killed {died}; latest was step {latest}")
+    assert inside >= len(ASYNC_KILLS) // 2, f"only {inside} kills landed inside a save"
 
 
 # ------------------------------------------------------------- one rank of two
@@ -200,6 +216,8 @@ class TwoRankTrial:
     root: Path
     layout: str
     victim: int
+    step: int
+    fraction: float
     procs: list[Any] = field(default_factory=list)
     killed_at: float = 0.0
     died: str = ""
@@ -250,8 +268,7 @@ class TwoRankTrial:
                     start(self.root, "--layout", self.layout, *args, stdout=stdout, stderr=err)
                 )
         victim = self.procs[self.victim]
-        rng = random.Random(1000 + self.seed)
-        self.died = kill_during_a_save(victim, rng)
+        self.died = kill_during_a_save(victim, self.step, self.fraction)
         self.killed_at = time.monotonic()
         victim.wait()
         survivor = self.procs[1 - self.victim]
@@ -272,13 +289,8 @@ class TwoRankTrial:
 def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
     began = time.monotonic()
     trials = [
-        TwoRankTrial(
-            seed,
-            tmp_path / f"trial-{seed}",
-            LAYOUTS[seed % 2],
-            victim=0 if seed in (3, 6) else 1,
-        )
-        for seed in range(ONE_RANK_TRIALS)
+        TwoRankTrial(seed, tmp_path / f"trial-{seed}", layout, victim, step, fraction)
+        for seed, (layout, victim, step, fraction) in enumerate(ONE_RANK_KILLS)
     ]
     threads = [threading.Thread(target=t.run) for t in trials]
     for thread in threads:
@@ -307,8 +319,8 @@ def test_killing_one_rank_of_two_during_saves(tmp_path: Path) -> None:
             f"(on disk: {where}); survivor exited {t.survivor_rc} after "
             f"{t.survivor_s:.1f}s: {why}; latest was step {latest}"
         )
-    print(f"{ONE_RANK_TRIALS} two-rank trials in {time.monotonic() - began:.1f}s")
-    assert inside >= ONE_RANK_TRIALS // 2, f"only {inside} kills landed inside a save"
+    print(f"{len(trials)} two-rank trials in {time.monotonic() - began:.1f}s")
+    assert inside >= len(trials) // 2, f"only {inside} kills landed inside a save"
 
 
 RANK0_GONE = """

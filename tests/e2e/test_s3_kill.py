@@ -7,7 +7,6 @@ the next save cleans what the killed one left (objects and unfinished multipart 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -20,7 +19,12 @@ import torch
 
 import shardsafe
 from shardsafe.commands.verify import find_problems
-from tests.e2e.kills import SURVIVOR_EXIT_S, kill_during_a_save, survivor_error
+from tests.e2e.kills import (
+    SURVIVOR_EXIT_S,
+    kill_during_a_save,
+    seeded_moment,
+    survivor_error,
+)
 from tests.e2e.s3_kill_target import state_of
 from tests.harness import free_port
 from tests.s3server import S3Server
@@ -75,7 +79,7 @@ def test_sigkill_mid_upload_leaves_latest_complete_and_the_next_save_cleans_up(
     root = f"s3://{s3_bucket}/run"
     proc = start(root, stdout=subprocess.PIPE)
     try:
-        died = kill_during_a_save(proc, random.Random(seed))
+        died = kill_during_a_save(proc, *seeded_moment(seed))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -103,7 +107,7 @@ def test_sigkill_of_one_rank_mid_upload_the_survivor_reports_it_and_latest_stays
             procs.append(start(root, *args, stdout=stdout, stderr=errors))
     survivor = procs[1 - victim]
     try:
-        died = kill_during_a_save(procs[victim], random.Random(100 + seed))
+        died = kill_during_a_save(procs[victim], *seeded_moment(100 + seed))
         killed_at = time.monotonic()
         procs[victim].wait(timeout=30)
         code = survivor.wait(timeout=SURVIVOR_EXIT_S + 10)
