@@ -26,7 +26,13 @@ TensorSink = Callable[[tuple[str, ...], torch.Tensor], str]
 keys that are not strings arrive as :class:`~shardsafe._names.DictKey` s (so ``1`` and
 ``"1"`` are different paths); make the key with ``_names.join`` (``ctx.key``)."""
 
-_TAGS = ("__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__")
+_TAGS = (
+    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__",
+    "__per_rank__",
+)  # fmt: skip
+"""Keys ``encode`` never leaves in a plain dict (such dicts become ``__dict__`` pairs).
+``__per_rank__`` is not decoded here: it wraps one encoded tree per rank
+(``adapters.values.merge_per_rank``)."""
 
 
 MAX_DEPTH = 80

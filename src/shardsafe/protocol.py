@@ -38,8 +38,12 @@ class Chunk:
     """A piece of a (possibly sharded) tensor that this rank holds and can write.
 
     ``offsets`` place the piece inside the global tensor of ``global_shape``. A
-    ``replicated`` chunk is an identical full copy held by every rank (DDP weights): the
-    planner picks one rank to write it, so it is stored once in total.
+    ``replicated`` chunk is an identical copy held by every rank that has its key (DDP
+    weights on every rank, a pipeline stage's weights on its data-parallel group): the
+    planner picks one of those ranks to write it, so it is stored once in total.
+    ``lowest_rank_wins`` marks replicated copies that may legitimately differ (buffers
+    such as BatchNorm statistics, which DDP takes from rank 0 at each forward): the copy
+    of the lowest rank holding the key is saved, and ``verify_replicas`` leaves it alone.
     """
 
     key: str
@@ -47,6 +51,7 @@ class Chunk:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     replicated: bool = False
+    lowest_rank_wins: bool = False
 
     @staticmethod
     def whole(key: str, tensor: torch.Tensor, *, replicated: bool) -> Chunk:

@@ -5,17 +5,22 @@ prefix DDP adds, so a checkpoint loads whether or not the model is wrapped. A na
 ``/``, ``%`` or a leading ``@`` is encoded (``shardsafe._names``); checkpoints written
 before that keep loading.
 
-Who writes what: parameters are identical on every rank under DDP, so they are offered
-as replicated and written once in total, by whichever rank has the least to write.
-Buffers are offered by rank 0 only: DDP broadcasts rank 0's buffers at each forward, so
-rank 0's are the ones an exact resume needs (other ranks' BatchNorm statistics can
-differ). DTensor values (FSDP2, tensor parallel) contribute their local shard at its
-global offsets.
+Who writes what: parameters are identical on every rank that holds them (every rank
+under DDP, a pipeline stage's data-parallel group), so they are offered as replicated and
+written once in total, by whichever holder has the least to write. Buffers are the
+lowest holding rank's: DDP broadcasts rank 0's buffers at each forward, so rank 0's are
+the ones an exact resume needs (other ranks' BatchNorm statistics can differ), and a
+later pipeline stage's come from its first rank. DTensor values (FSDP2, tensor parallel)
+contribute their local shard at its global offsets.
+
+Ranks need not hold the same names: a pipeline stage or a rank's own experts hold only
+theirs, and the manifest records the union (:meth:`ModuleAdapter.merge`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +29,7 @@ from torch import nn
 from .. import _names, _tree
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import (
+    JSON,
     Adapter,
     Chunk,
     LoadContext,
@@ -57,9 +63,28 @@ class ModuleAdapter(Adapter):
             key = ctx.key(name)
             if dtensor.is_dtensor(value) or name in params:
                 chunks += dtensor.chunks_of(key, value, replicated=True)
-            elif ctx.rank == 0:  # buffers: rank 0's (see the module docstring)
-                chunks += dtensor.chunks_of(key, value, replicated=False)
+            else:  # buffers: the lowest holder's (see the module docstring)
+                whole = Chunk.whole(key, value.detach(), replicated=True)
+                chunks.append(replace(whole, lowest_rank_wins=True))
         return SaveItem(self.kind, {"tensors": names, "extra": extra}, chunks)
+
+    def merge(self, metas: list[JSON]) -> JSON:
+        """Every rank's names, in order of first appearance (ranks may hold different
+        parts of the model: pipeline stages, per-rank experts); extra state from the
+        lowest rank holding it, as buffers are."""
+        names: dict[str, None] = {}
+        extra: dict[str, Any] = {}
+        for meta in metas:
+            names.update(dict.fromkeys(meta["tensors"]))
+            for name, value in meta["extra"].items():
+                extra.setdefault(name, value)
+        both = sorted(set(names) & set(extra))
+        if both:
+            raise CheckpointError(
+                f"{both[0]!r} is a tensor on some ranks and a non-tensor value on others; "
+                "every rank holding a state-dict entry must hold the same kind of value"
+            )
+        return {"tensors": list(names), "extra": extra}
 
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         live = unwrap(obj).state_dict()

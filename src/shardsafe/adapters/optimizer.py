@@ -22,6 +22,7 @@ import torch
 from .. import _names, _tree
 from ..errors import CheckpointCorruptError
 from ..protocol import (
+    JSON,
     Adapter,
     Chunk,
     LoadContext,
@@ -32,6 +33,7 @@ from ..protocol import (
     SaveItem,
 )
 from . import dtensor
+from .optimizer_merge import merge_optimizer_metas
 
 GROUPS = _names.Reserved("@groups")
 """Key segment for tensors inside param-group hyperparameters: reserved, so stored as it
@@ -87,16 +89,16 @@ def export_state(
 def plan_import(
     groups: list[dict[str, Any]], local: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
 ) -> LoadRequests:
-    """Requests for the state of ``local``'s parameters; mismatches against ``groups``."""
+    """Requests for the state of ``local``'s parameters; mismatches against ``groups``.
+
+    Parameters are found by name, whichever saved group holds them (a checkpoint of
+    pipeline stages holds every stage's parameters; a stage loads its own). Names in the
+    checkpoint that this rank does not hold are reported as unexpected; the load counts
+    one as unexpected only if no rank holds it (``loading.py``).
+    """
     plan = LoadRequests()
     meta = _meta(saved)
     saved_groups = meta["param_groups"]
-    if len(saved_groups) != len(groups):
-        plan.mismatched.append(
-            f"{ctx.name}: the checkpoint has {len(saved_groups)} param group(s), the live "
-            f"optimizer {len(groups)}"
-        )
-        return plan
     shapes = meta["param_shapes"]
     live_names = {ctx.param_fqn(p) for g in groups for p in g["params"]}
     saved_names = {n for g in saved_groups for n in g["params"]}
@@ -109,18 +111,21 @@ def plan_import(
             "structure and state key as when saving"
         )
         return plan
-    for i, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+    _, problems = match_groups(groups, saved_groups, ctx)
+    plan.mismatched += problems
+    for i, group in enumerate(groups):
         live = {ctx.param_fqn(p): p for p in group["params"]}
-        stored = set(saved_group["params"])
         if ctx.strict:
-            plan.missing += [f"{ctx.name}/{n} (param group {i})" for n in live if n not in stored]
-        plan.unexpected += [f"{ctx.name}/{n} (param group {i})" for n in sorted(stored - set(live))]
+            plan.missing += [
+                f"{ctx.name}/{n} (param group {i})" for n in live if n not in saved_names
+            ]
         for fqn, p in live.items():
             if fqn in shapes and tuple(shapes[fqn]) != tuple(p.shape):
                 plan.mismatched.append(
                     f"{ctx.name}/{fqn}: parameter shape {shapes[fqn]} in the "
                     f"checkpoint, {list(p.shape)} live"
                 )
+    plan.unexpected += [f"{ctx.name}/{n}" for n in sorted(saved_names - live_names)]
     factored = _keeps_factored_state(local)
     for p in (p for g in local.param_groups for p in g["params"]):
         live_state = local.state.get(p, {})
@@ -131,6 +136,38 @@ def plan_import(
     for saved_group in saved_groups:
         plan.requests += [ReadRequest(ref) for ref in _tree.tensor_refs(saved_group["hyper"])]
     return plan
+
+
+def match_groups(
+    groups: list[dict[str, Any]], saved_groups: list[Any], ctx: LoadContext
+) -> tuple[list[int | None], list[str]]:
+    """For each live group, the saved group whose hyperparameters it takes, and the
+    problems found.
+
+    A live group takes the hyperparameters of the saved group(s) holding its parameters,
+    found by name; several saved groups are fine if their hyperparameters are equal (a
+    checkpoint merged from pipeline stages), otherwise the group cannot be restored
+    exactly and is a mismatch. A live group none of whose parameters were saved takes
+    the saved group at its position if both have as many groups, else keeps its own.
+    """
+    where = {n: j for j, g in enumerate(saved_groups) for n in g["params"]}
+    chosen: list[int | None] = []
+    problems = []
+    for i, group in enumerate(groups):
+        found = sorted({where[n] for n in map(ctx.param_fqn, group["params"]) if n in where})
+        if not found:
+            chosen.append(i if len(groups) == len(saved_groups) else None)
+            continue
+        first = saved_groups[found[0]]["hyper"]
+        differing = [j for j in found if saved_groups[j]["hyper"] != first]
+        if differing:
+            problems.append(
+                f"{ctx.name}: live param group {i} holds parameters that were saved in param "
+                f"groups {found[0]} and {differing[0]}, which have different "
+                "hyperparameters; group the parameters as they were grouped when saving"
+            )
+        chosen.append(found[0])
+    return chosen, problems
 
 
 def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -193,9 +230,16 @@ def state_dict_for(
                 f"the manifest entry for {saved.name!r}: param group {i} holds no valid "
                 "hyperparameters"
             )
+    chosen, _ = match_groups(groups, meta["param_groups"], ctx)
     position = {id(p): i for i, p in enumerate(local_params)}
+    # The local optimizer's groups mirror the global ones position by position (ZeRO,
+    # OSS keep one local group per global group); a group nothing was saved for keeps
+    # its own hyperparameters.
     local_groups = [
-        {**hyper[i], "params": [position[id(p)] for p in g["params"]]}
+        {
+            **(hyper[j] if (j := chosen[i] if i < len(chosen) else None) is not None else _own(g)),
+            "params": [position[id(p)] for p in g["params"]],
+        }
         for i, g in enumerate(local.param_groups)
     ]
     return {"state": state, "param_groups": local_groups}
@@ -210,6 +254,10 @@ def import_state(
 ) -> None:
     """Load the saved state of ``local``'s parameters through ``local.load_state_dict``."""
     local.load_state_dict(state_dict_for(groups, local, saved, tensors, ctx))
+
+
+def _own(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _shaped_like(
@@ -282,6 +330,9 @@ class OptimizerAdapter(Adapter):
 
     def save(self, obj: torch.optim.Optimizer, ctx: SaveContext) -> SaveItem:
         return export_state(obj.param_groups, obj, ctx, replicated=True)
+
+    def merge(self, metas: list[JSON]) -> JSON:
+        return merge_optimizer_metas(metas)
 
     def plan_load(
         self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext

@@ -24,6 +24,7 @@ import torch
 
 from ..protocol import JSON, Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 from .optimizer import export_state, import_state, live_targets, plan_import, state_dict_for
+from .optimizer_merge import merge_optimizer_metas
 
 
 class PartitionedOptimizerAdapter(Adapter):
@@ -61,9 +62,7 @@ class PartitionedOptimizerAdapter(Adapter):
         return export_state(obj.param_groups, self.local(obj), ctx, replicated=False)
 
     def merge(self, metas: list[JSON]) -> JSON:
-        merged = dict(metas[0])
-        merged["state"] = {fqn: s for meta in metas for fqn, s in meta["state"].items()}
-        return merged
+        return merge_optimizer_metas(metas)
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         return plan_import(obj.param_groups, self.local(obj), saved, ctx)

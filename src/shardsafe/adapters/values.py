@@ -1,7 +1,10 @@
 """Plain values (tensors and JSON-able data) and generic stateful objects (LR schedulers).
 
-Both are assumed identical on every rank, as they are in data-parallel training: rank 0's
-metadata is recorded and each tensor is written once.
+Both are usually identical on every rank, as they are in data-parallel training: then one
+copy is recorded and each tensor is written once. Where the ranks' values differ (one
+learning-rate scheduler per pipeline stage, each with its own groups), every rank's is
+recorded as it is (``merge_per_rank``) and each rank gets its own back on load, at the
+same world size; values that differ and hold tensors are refused at save.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Any
 import torch
 
 from .. import _tree, dtypes
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import (
+    JSON,
     Adapter,
     Chunk,
     LoadContext,
@@ -40,6 +45,45 @@ def encode_replicated(value: Any, ctx: SaveContext, kind: str) -> SaveItem:
     return SaveItem(kind, meta, chunks)
 
 
+PER_RANK = "__per_rank__"
+
+
+def merge_per_rank(metas: list[JSON]) -> JSON:
+    """One record if every rank's is the same, else every rank's (see the module docstring)."""
+    if all(meta == metas[0] for meta in metas[1:]):
+        return metas[0]
+    if any(_tree.tensor_refs(meta) for meta in metas):
+        differ = next(r for r, meta in enumerate(metas) if meta != metas[0])
+        raise CheckpointError(
+            f"its value differs between ranks 0 and {differ} and holds tensors; "
+            "shardsafe stores tensors of such a value once, so it would come back wrong on "
+            "some rank. Save per-rank tensors in a module or under a key of each rank's "
+            "own (nothing was written)"
+        )
+    return {PER_RANK: metas}
+
+
+def own_record(saved: SavedValue, ctx: LoadContext) -> SavedValue:
+    """``saved`` as this rank restores it: its own record of a per-rank value."""
+    meta = saved.meta
+    if not (isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta):
+        return saved
+    records = meta[PER_RANK]
+    if not isinstance(records, list) or len(records) != ctx.saved_world_size:
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} holds per-rank values that are not one "
+            f"per saving rank ({ctx.saved_world_size})"
+        )
+    if ctx.world_size != ctx.saved_world_size:
+        raise CheckpointMismatchError(
+            f"state[{saved.name!r}] was saved with a different value on each of "
+            f"{ctx.saved_world_size} ranks (e.g. one scheduler per pipeline stage), so it "
+            f"restores rank by rank at world size {ctx.saved_world_size} only, not "
+            f"{ctx.world_size}. Leave {saved.name!r} out of the state to load the rest."
+        )
+    return SavedValue(saved.name, saved.kind, records[ctx.rank])
+
+
 def full_requests(saved: SavedValue) -> LoadRequests:
     """Every tensor the saved tree refers to, whole; the tree's structure checked first."""
     _tree.check_structure(saved.meta, f"the manifest entry for {saved.name!r}")
@@ -59,7 +103,11 @@ class PlainDataAdapter(Adapter):
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         return encode_replicated(obj, ctx, self.kind)
 
+    def merge(self, metas: list[JSON]) -> JSON:
+        return merge_per_rank(metas)
+
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
+        saved = own_record(saved, ctx)
         plan = full_requests(saved)
         if not isinstance(obj, torch.Tensor):
             return plan
@@ -80,12 +128,12 @@ class PlainDataAdapter(Adapter):
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
-        _tree.decode(saved.meta, tensors)
+        _tree.decode(own_record(saved, ctx).meta, tensors)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> Any:
-        value = _tree.decode(saved.meta, tensors)
+        value = _tree.decode(own_record(saved, ctx).meta, tensors)
         if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
             with torch.no_grad():
                 obj.copy_(value)
@@ -105,15 +153,18 @@ class StatefulAdapter(Adapter):
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         return encode_replicated(obj.state_dict(), ctx, self.kind)
 
+    def merge(self, metas: list[JSON]) -> JSON:
+        return merge_per_rank(metas)
+
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        return full_requests(saved)
+        return full_requests(own_record(saved, ctx))
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
-        _tree.decode(saved.meta, tensors)
+        _tree.decode(own_record(saved, ctx).meta, tensors)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
-        obj.load_state_dict(_tree.decode(saved.meta, tensors))
+        obj.load_state_dict(_tree.decode(own_record(saved, ctx).meta, tensors))

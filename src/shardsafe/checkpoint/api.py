@@ -37,6 +37,7 @@ def save(
     storage: StorageFactory | None = _S.storage,
     hooks: SaveHooks = _S.hooks,
     storage_options: Mapping[str, Any] | None = _S.storage_options,
+    verify_replicas: bool = _S.verify_replicas,
 ) -> None:
     """Save ``state`` to the directory ``path``. Call it on every rank.
 
@@ -61,6 +62,12 @@ def save(
     ``shardsafe.checkpoint.storage.LocalStorage``, e.g. to inject faults in tests.
     ``hooks`` (advanced, :class:`shardsafe.checkpoint.SaveHooks`) runs code on rank 0
     inside the save, its failures agreed like any other (``CheckpointManager`` uses it).
+
+    Tensors held by several ranks (DDP weights, a pipeline stage's weights on its
+    data-parallel group) are written once, by one of them. ``verify_replicas=True``
+    first checks that the copies really are equal: each holder checksums its copy, and
+    copies that differ (diverged replicas) are an error naming the tensor and the ranks,
+    before anything is written. It costs one CRC32 pass over each rank's replicated bytes.
     """
     options = SaveOptions(
         layout=layout,
@@ -70,6 +77,7 @@ def save(
         storage=storage,
         hooks=hooks,
         storage_options=storage_options,
+        verify_replicas=verify_replicas,
     )
     background.drain()  # one save in flight: an asynchronous one finishes first
     saving.save(os.fspath(path), state, options)

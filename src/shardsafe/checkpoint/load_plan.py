@@ -40,6 +40,10 @@ class LoadPlan:
     """Every entry this rank restores, in order, with the regions each needs."""
 
     entries: list[PlannedEntry]
+    unexpected: list[str] = field(default_factory=list)
+    """Keys in the checkpoint this rank holds no object for (strict loads, more than one
+    rank). Another rank may hold them (pipeline stages, per-rank experts): the load
+    refuses only those no rank holds (``loading.agree_unexpected``)."""
 
     @property
     def requests(self) -> list[ReadRequest]:
@@ -82,9 +86,12 @@ def plan_load(
         entry = _asked(name, obj, manifest, context, problems)
         if entry is not None:
             entries.append(entry)
+    unexpected: list[str] = []
+    if world_size > 1:  # refused only if no rank holds them (see LoadPlan.unexpected)
+        unexpected, problems.unexpected = problems.unexpected, []
     if problems.missing or problems.unexpected or problems.mismatched:
         raise CheckpointMismatchError(problems.message(strict))
-    plan = LoadPlan(entries)
+    plan = LoadPlan(entries, unexpected)
     _check_allocation(manifest, plan, rank, untrusted_bytes_limit)
     return plan
 
@@ -162,6 +169,22 @@ def guarded(item: PlannedEntry, step: str, call: Callable[..., Any], *args: Any)
             f"malformed: {type(item.adapter).__name__}.{step} failed with "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def unexpected_everywhere(per_rank: list[list[str]], strict: bool) -> None:
+    """Refuse a load whose checkpoint holds keys that no rank holds an object for:
+    ``per_rank[r]`` lists rank ``r``'s unexpected keys, so those are the keys every rank
+    lists."""
+    common = set(per_rank[0]).intersection(*per_rank[1:])
+    if common:
+        keys = [key for key in per_rank[0] if key in common]
+        raise CheckpointMismatchError(
+            _Problems([], keys, [])
+            .message(strict)
+            .replace(
+                "unexpected in the checkpoint", "unexpected in the checkpoint (held by no rank)"
+            )
+        )
 
 
 @dataclass

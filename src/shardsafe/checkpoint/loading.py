@@ -30,7 +30,7 @@ from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
 from . import geometry, in_place
-from .load_plan import LoadPlan, guarded, plan_load, request_bytes
+from .load_plan import LoadPlan, guarded, plan_load, request_bytes, unexpected_everywhere
 from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
@@ -88,7 +88,7 @@ def load_chosen(
     coord = Coordinator("load", storage.directory, timeout=options.timeout, aftermath=AFTERMATH)
     coord.enter(options.entry_timeout)
     try:
-        with coord.phase(Phase.PLAN):
+        with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
             manifest = read_manifest_from(storage)
             state = choose(manifest)
             plan = plan_load(
@@ -100,6 +100,7 @@ def load_chosen(
                 untrusted_bytes_limit=options.untrusted_bytes_limit,
             )
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
+            planned.payload = plan.unexpected
         pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
         spool = _spool(storage, options, routes, manifest)
         reader = CheckpointReader(storage, manifest, piece_bytes=pieces, spool=spool)
@@ -113,6 +114,17 @@ def load_chosen(
                 return _restore(plan, tensors)
     finally:
         coord.close()
+
+
+def _agree_unexpected(strict: bool) -> Callable[[list[Any]], list[Any]]:
+    """Rank 0's check, over every rank's unexpected keys, that each is held by some rank
+    (a pipeline stage loads its own keys; the other stages' are not unexpected)."""
+
+    def decide(payloads: list[Any]) -> list[Any]:
+        unexpected_everywhere(payloads, strict)
+        return [None] * len(payloads)
+
+    return decide
 
 
 def _spool(

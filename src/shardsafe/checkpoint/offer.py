@@ -14,6 +14,8 @@ import torch
 from .. import dtypes
 from ..errors import CheckpointError
 from ..protocol import JSON, Chunk, SaveItem
+from .crc import crc32
+from .safetensors_io import memory
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,16 @@ class ChunkOffer:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     replicated: bool
+    lowest_rank_wins: bool = False
+    checksum: int | None = None
+    """CRC32 of this rank's copy of a replicated chunk, with ``verify_replicas``."""
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        raw = {
             "key": self.key,
             "dtype": dtypes.dtype_name(self.dtype),
             "global_shape": list(self.global_shape),
@@ -42,6 +47,11 @@ class ChunkOffer:
             "shape": list(self.shape),
             "replicated": self.replicated,
         }
+        if self.lowest_rank_wins:
+            raw["lowest"] = True
+        if self.checksum is not None:
+            raw["crc"] = self.checksum
+        return raw
 
     @staticmethod
     def from_json(rank: int, index: int, raw: dict[str, Any]) -> ChunkOffer:
@@ -56,6 +66,8 @@ class ChunkOffer:
             tuple(raw["offsets"]),
             tuple(raw["shape"]),
             bool(raw["replicated"]),
+            bool(raw.get("lowest", False)),
+            raw.get("crc"),
         )
 
 
@@ -76,12 +88,15 @@ class Offer:
     chunks: list[ChunkOffer]
 
     @staticmethod
-    def of(rank: int, items: dict[str, SaveItem]) -> Offer:
+    def of(rank: int, items: dict[str, SaveItem], *, checksums: bool = False) -> Offer:
+        """This rank's offer; with ``checksums``, the CRC32 of each replicated chunk's
+        bytes (``verify_replicas``), which costs one read of those bytes."""
         entries = {name: OfferedEntry(item.kind, item.meta) for name, item in items.items()}
         chunks = [
             ChunkOffer(
                 rank, i, c.key, c.tensor.dtype, c.global_shape, c.offsets, tuple(c.tensor.shape),
-                c.replicated,
+                c.replicated, c.lowest_rank_wins,
+                replica_checksum(c.tensor) if checksums and _compared(c) else None,
             )
             for i, c in enumerate(chunks_of(items))
         ]  # fmt: skip
@@ -100,16 +115,36 @@ class Offer:
         return Offer(rank, entries, chunks)
 
 
+def _compared(chunk: Chunk) -> bool:
+    """Whether ``verify_replicas`` compares this chunk's copies across ranks."""
+    return chunk.replicated and not chunk.lowest_rank_wins
+
+
+def replica_checksum(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes in row-major order, wherever it lives."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return crc32(memory(flat.contiguous()), 0)
+
+
 def chunks_of(items: dict[str, SaveItem]) -> list[Chunk]:
     """This rank's chunks in offer order (a chunk offer's ``index`` is its place here)."""
     return [c for item in items.values() for c in item.chunks]
 
 
 def check_same_entries(offers: list[Offer], names: list[str], rank: int) -> None:
-    """Every rank must save the same state keys; say which differ."""
+    """Every rank must save the same state keys, each of the same kind; say which differ."""
     for offer in offers:
         if sorted(offer.entries) != sorted(names):
             raise CheckpointError(
                 f"rank {offer.rank} saved state keys {sorted(offer.entries)}, rank "
                 f"{rank} {sorted(names)}; every rank must pass the same keys"
+            )
+    for name in names:
+        kinds = {offer.entries[name].kind for offer in offers}
+        if len(kinds) > 1:
+            raise CheckpointError(
+                f"state[{name!r}] is saved as different kinds of value on different ranks "
+                f"({', '.join(sorted(kinds))}); every rank must pass the same kind of object"
             )

@@ -68,6 +68,9 @@ class SaveOptions:
     storage_options: Mapping[str, Any] | None = None
     """For an object-store URL: fsspec's options (credentials, ``endpoint_url``,
     ``default_block_size``: the multipart part size)."""
+    verify_replicas: bool = False
+    """Every rank holding a replicated tensor checksums its copy, and copies that differ
+    are an agreed error naming the tensor and the ranks (nothing is written)."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -104,6 +107,7 @@ class SaveKeywords(TypedDict, total=False):
     storage: StorageFactory | None
     hooks: SaveHooks
     storage_options: Mapping[str, Any] | None
+    verify_replicas: bool
 
 
 @dataclass(frozen=True, kw_only=True)

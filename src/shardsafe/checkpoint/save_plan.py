@@ -109,10 +109,18 @@ def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[i
                 f"{dtypes.dtype_name(c.dtype)}{list(c.global_shape)}. Every rank must save the "
                 "same model structure."
             )
-        if c.replicated != first.replicated:
-            raise CheckpointError(
-                f"tensor {key!r} is replicated on some ranks and sharded on others"
+        if (c.replicated, c.lowest_rank_wins) != (first.replicated, first.lowest_rank_wins):
+            how = (
+                "replicated on some ranks and sharded on others"
+                if c.replicated != first.replicated
+                else "a buffer (the lowest rank's copy) on some ranks and a replica on others"
             )
+            raise CheckpointError(
+                f"tensor {key!r} is {how} (ranks {first.rank} and {c.rank}): every rank "
+                "holding a key must hold it the same way"
+            )
+    if first.replicated and not first.lowest_rank_wins:
+        _check_replicas(key, chunks)
     problem = (
         None
         if first.replicated
@@ -126,8 +134,28 @@ def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[i
     return first.dtype, first.global_shape
 
 
+def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
+    """With ``verify_replicas``: every holder of a replicated tensor has the same bytes."""
+    by_crc: dict[int, list[int]] = {}
+    for c in chunks:
+        if c.checksum is not None:
+            by_crc.setdefault(c.checksum, []).append(c.rank)
+    if len(by_crc) > 1:
+        groups = sorted(by_crc.values())
+        shown = "; ".join(f"ranks {r}" if len(r) > 1 else f"rank {r[0]}" for r in groups)
+        raise CheckpointError(
+            f"verify_replicas: the copies of {key!r} differ between ranks ({shown} each hold "
+            "different bytes), though it is saved as one tensor replicated on all of them. "
+            "The replicas have diverged (e.g. a gradient not all-reduced, or a rank-dependent "
+            "update); nothing was written"
+        )
+
+
 def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[FilePlan]:
-    """Every rank writes what only it holds; replicated tensors go to the least-loaded rank."""
+    """Every rank writes what only it holds; a replicated tensor goes to the least-loaded of
+    the ranks holding it (all ranks under DDP, a stage's data-parallel group under
+    pipeline parallelism), largest first, so writers stay balanced; a buffer
+    (``lowest_rank_wins``) to the lowest rank holding it."""
     load = [0] * world_size
     assigned: list[list[ChunkOffer]] = [[] for _ in range(world_size)]
     replicated = []
@@ -140,7 +168,10 @@ def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[
             assigned[c.rank].append(c)
             load[c.rank] += c.nbytes
     for chunks in sorted(replicated, key=lambda cs: (-cs[0].nbytes, cs[0].key)):
-        best = min(chunks, key=lambda c: (load[c.rank], c.rank))
+        if chunks[0].lowest_rank_wins:
+            best = min(chunks, key=lambda c: c.rank)
+        else:
+            best = min(chunks, key=lambda c: (load[c.rank], c.rank))
         assigned[best.rank].append(best)
         load[best.rank] += best.nbytes
     files = []
@@ -183,8 +214,8 @@ def _plan_consolidated(
         chunks = by_key[key]
         value = entry_of(key)
         if chunks[0].replicated:
-            sources: tuple[ChunkOffer, ...] = (
-                min(chunks, key=lambda c: c.rank != CONSOLIDATING_RANK),
+            sources: tuple[ChunkOffer, ...] = (  # rank 0's if it holds one, else the lowest
+                min(chunks, key=lambda c: (c.rank != CONSOLIDATING_RANK, c.rank)),
             )
         else:
             sources = tuple(sorted(chunks, key=lambda c: c.offsets))

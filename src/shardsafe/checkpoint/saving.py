@@ -62,6 +62,9 @@ class Planned:
     """The name of rank 0's probe in the target, which every rank checks it can see."""
     offers: list[Offer]
     """Every rank's offer (rank 0 only: it writes the manifest)."""
+    entries: dict[str, SavedValue] = field(default_factory=dict)
+    """Every state entry as the manifest records it, every rank's metadata merged (rank 0
+    only), made before any data is written so that a refusal writes nothing."""
 
     def chunks_read(self, rank: int) -> set[int]:
         """Which of ``rank``'s chunks (by offer index) its write phase reads: the only
@@ -161,11 +164,13 @@ def _collect_phase(run: SaveRun) -> Planned:
     coord, storage, options, items = run.coord, run.storage, run.options, run.items
     names = list(items)
     offers: list[Offer] = []
+    entries: dict[str, SavedValue] = {}
 
     def decide(payloads: list[Any]) -> list[Any]:
         """Rank 0's plan from every offer; each other rank gets its part (plan_parts)."""
         offers.extend(Offer.from_json(r, raw) for r, raw in enumerate(payloads))
         check_same_entries(offers, names, coord.rank)
+        entries.update(_merged({name: adapter for name, (adapter, _) in items.items()}, offers))
         whole = plan_save([o.chunks for o in offers], options.layout, names)
         # Before any rank writes a data file (the parts are sent after this returns): what
         # the next save may clear if this one is interrupted, and nothing else.
@@ -183,31 +188,39 @@ def _collect_phase(run: SaveRun) -> Planned:
             if options.hooks.before_write is not None:
                 options.hooks.before_write()
             token = target_directory.prepare(storage)
-        offer = Offer.of(coord.rank, {name: item for name, (_, item) in items.items()})
+        offer = Offer.of(
+            coord.rank,
+            {name: item for name, (_, item) in items.items()},
+            checksums=options.verify_replicas,
+        )
         collected.payload = offer.to_json()
     if coord.rank == 0:
-        return Planned(collected.part, token, offers)
+        return Planned(collected.part, token, offers, entries)
     return Planned(plan_parts.from_part(collected.part), collected.part["probe"], offers)
 
 
 def _phases(run: SaveRun) -> None:
     planned = run.planned if run.planned is not None else _collect_phase(run)
     coord, storage = run.coord, run.storage
-    adapters = {name: adapter for name, (adapter, _) in run.items.items()}
     written = _write(run, planned)
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
-            entries = _merged(adapters, planned.offers)
             storage.remove(target_directory.probe_name(planned.token))
-            commit(storage, planned.plan, entries, written, run.options.hooks.after_commit)
+            commit(storage, planned.plan, planned.entries, written, run.options.hooks.after_commit)
 
 
 def _merged(adapters: dict[str, Adapter], offers: list[Offer]) -> dict[str, SavedValue]:
-    """Every entry as the manifest records it: its adapter merges every rank's metadata."""
+    """Every entry as the manifest records it: its adapter merges every rank's metadata
+    (ranks may hold different parts of it: pipeline stages, per-rank experts). A merge
+    that finds the ranks' metadata cannot be described as one entry refuses the save."""
     merged = {}
     for name, adapter in adapters.items():
         metas = [offer.entries[name].meta for offer in offers]
-        merged[name] = SavedValue(name, offers[0].entries[name].kind, adapter.merge(metas))
+        try:
+            meta = adapter.merge(metas)
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot save state[{name!r}]: {e}") from None
+        merged[name] = SavedValue(name, offers[0].entries[name].kind, meta)
     return merged
 
 

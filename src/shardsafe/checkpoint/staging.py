@@ -114,7 +114,10 @@ class Stager:
         else:  # another accelerator: its own copy to host
             buffer.copy_(tensor)
         # Built directly: dataclasses.replace costs ~14 us, and a save stages every chunk.
-        return Chunk(chunk.key, buffer, chunk.global_shape, chunk.offsets, chunk.replicated)
+        return Chunk(
+            chunk.key, buffer, chunk.global_shape, chunk.offsets, chunk.replicated,
+            chunk.lowest_rank_wins,
+        )  # fmt: skip
 
     def _stream(self, device: int) -> Any:
         if device not in self._streams:
@@ -130,7 +133,10 @@ class Stager:
 def _placeholder(chunk: Chunk) -> Chunk:
     """``chunk`` with a tensor of its shape and dtype that holds no data (``meta``)."""
     tensor = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, device="meta")
-    return Chunk(chunk.key, tensor, chunk.global_shape, chunk.offsets, chunk.replicated)
+    return Chunk(
+        chunk.key, tensor, chunk.global_shape, chunk.offsets, chunk.replicated,
+        chunk.lowest_rank_wins,
+    )  # fmt: skip
 
 
 def _copy_all(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:

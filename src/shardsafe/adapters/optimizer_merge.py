@@ -1,0 +1,106 @@
+"""Every rank's optimizer metadata merged, by parameter name, into what the manifest records.
+
+Under DDP every rank holds the same param groups and state; under ZeRO/OSS every rank
+holds the same groups and the state of the parameters it owns; under pipeline or expert
+parallelism each rank holds only its own parameters, in groups of its own. Merging by
+name serves all of them:
+
+* ``state``: each parameter's state once (ranks that hold the same parameter must hold
+  the same state structure);
+* ``param_shapes``: every parameter's shape;
+* ``param_groups``: the ranks' groups combined position by position, a group's
+  parameters the union of every rank's group at that position with the same
+  hyperparameters. A stage whose group at that position has other hyperparameters
+  (a per-stage learning rate) becomes a group of its own; loading finds each live
+  parameter's group by its name (``optimizer.match_groups``).
+
+What cannot be described exactly is refused here, on rank 0 while the save is being
+planned, so nothing is written: one parameter in groups with different hyperparameters,
+or with different state, on two ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _tree
+from ..errors import CheckpointError
+from ..protocol import JSON
+
+
+def merge_optimizer_metas(metas: list[JSON]) -> JSON:
+    """One optimizer entry from every rank's ``metas`` (rank order)."""
+    if all(meta == metas[0] for meta in metas[1:]):  # DDP: every rank alike, one pass
+        return metas[0]
+    state: dict[str, Any] = {}
+    state_rank: dict[str, int] = {}
+    shapes: dict[str, Any] = {}
+    groups = _Groups()
+    for rank, meta in enumerate(metas):
+        for fqn, param_state in meta["state"].items():
+            if fqn not in state:
+                state[fqn], state_rank[fqn] = param_state, rank
+            elif state[fqn] != param_state:
+                raise CheckpointError(
+                    f"ranks {state_rank[fqn]} and {rank} both hold optimizer state for "
+                    f"parameter {fqn!r}, but not the same ({_tree.describe(state[fqn])} and "
+                    f"{_tree.describe(param_state)}): replicas of a parameter must have "
+                    "stepped alike; nothing was written"
+                )
+        for fqn, shape in meta["param_shapes"].items():
+            if shapes.setdefault(fqn, shape) != shape:
+                raise CheckpointError(
+                    f"ranks disagree about the shape of parameter {fqn!r} ({shapes[fqn]} and "
+                    f"{shape} on rank {rank}): each parameter name must mean one tensor; "
+                    "nothing was written"
+                )
+        for index, group in enumerate(meta["param_groups"]):
+            groups.add(rank, index, group)
+    return {"param_groups": groups.merged(), "param_shapes": shapes, "state": state}
+
+
+class _Groups:
+    """Param groups merged position by position (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._groups: list[tuple[int, JSON, list[str]]] = []  # (position, hyper, params)
+        self._group_of: dict[str, tuple[int, int]] = {}  # fqn -> (merged group, rank)
+
+    def add(self, rank: int, position: int, group: JSON) -> None:
+        hyper = group["hyper"]
+        target = self._find(position, hyper)
+        params = self._groups[target][2]
+        for fqn in group["params"]:
+            seen = self._group_of.get(fqn)
+            if seen is None:
+                self._group_of[fqn] = (target, rank)
+                params.append(fqn)
+            elif seen[0] != target:
+                raise CheckpointError(
+                    f"parameter {fqn!r} is in a param group with other hyperparameters on "
+                    f"rank {rank} than on rank {seen[1]} ({_describe(self._groups[seen[0]][1])} "
+                    f"against {_describe(hyper)}): replicas must be optimized alike; nothing "
+                    "was written"
+                )
+
+    def _find(self, position: int, hyper: JSON) -> int:
+        for i, (at, known, _) in enumerate(self._groups):
+            if at == position and known == hyper:
+                return i
+        if _tree.tensor_refs(hyper) and any(at == position for at, _, _ in self._groups):
+            raise CheckpointError(
+                f"param group {position} holds tensor-valued hyperparameters that differ "
+                "between ranks; shardsafe stores such a group once, so every rank must "
+                "hold the same values (nothing was written)"
+            )
+        self._groups.append((position, hyper, []))
+        return len(self._groups) - 1
+
+    def merged(self) -> list[JSON]:
+        return [{"params": params, "hyper": hyper} for _, hyper, params in self._groups]
+
+
+def _describe(hyper: JSON) -> str:
+    if isinstance(hyper, dict) and "lr" in hyper:
+        return f"lr={hyper['lr']!r}"
+    return _tree.describe(hyper)

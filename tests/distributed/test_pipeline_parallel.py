@@ -1,0 +1,193 @@
+"""Pipeline-parallel state (stages split as torchtitan splits them, each with its own
+optimizer and scheduler) saved once and loaded at other layouts, bitwise.
+
+Before the ownership model merged every rank's metadata, a PP=2 save succeeded and loaded
+nowhere: the manifest held rank 0's module keys and optimizer groups only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.errors import CheckpointError
+from tests.distributed import layouts as L
+from tests.harness import RankFailed, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _save_pp(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
+    """Train PP=``world`` for ``steps`` steps and save; return this stage's snapshot."""
+    stage = L.stage_of(L.Net(), rank, world)
+    opt = L.adamw(stage)
+    sched = L.scheduler(opt)
+    L.train_pipeline(stage, rank, world, opt, sched, steps)
+    shardsafe.save(path, {"model": stage, "optimizer": opt, "scheduler": sched})
+    return L.snapshot(stage, opt) | {"scheduler": sched.state_dict()}
+
+
+def _load_pp(rank: int, world: int, path: str) -> dict[str, Any]:
+    stage = L.stage_of(L.Net(seed=1), rank, world)
+    opt = L.adamw(stage)
+    sched = L.scheduler(opt)
+    shardsafe.load(path, {"model": stage, "optimizer": opt, "scheduler": sched})
+    return L.snapshot(stage, opt) | {"scheduler": sched.state_dict()}
+
+
+def _load_whole(path: Path) -> dict[str, Any]:
+    model = L.Net(seed=1)
+    opt = L.adamw(model)
+    sched = L.scheduler(opt)
+    shardsafe.load(path, {"model": model, "optimizer": opt, "scheduler": sched})
+    return L.snapshot(model, opt) | {"scheduler": sched.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    path = tmp_path_factory.mktemp("pp2") / "ckpt"
+    return path, run_ranks(_save_pp, 2, str(path), 3)
+
+
+def test_pp2_checkpoint_records_every_stages_keys_and_groups(
+    pp2: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    path, _ = pp2
+    values = json.loads((path / "manifest.json").read_text())["values"]
+    names = set(values["model"]["meta"]["tensors"])
+    assert {"tok.weight", "layers.0.lin.weight", "layers.3.lin.weight", "out.bias"} <= names
+    assert {"layers.0.seen", "layers.3.seen"} <= names
+    (group,) = values["optimizer"]["meta"]["param_groups"]  # equal hyperparameters: one group
+    assert len(group["params"]) == 2 + 4 * 2 + 2
+
+
+def test_pp2_loads_into_one_process_bitwise(pp2: tuple[Path, list[dict[str, Any]]]) -> None:
+    path, stages = pp2
+    loaded = _load_whole(path)
+    expected = L.merged(*stages)
+    scheduler = expected.pop("scheduler")
+    assert_scheduler = loaded.pop("scheduler")
+    L.assert_same(expected, loaded)
+    assert set(loaded) == set(expected)  # nothing more: every key came from a stage
+    assert assert_scheduler == scheduler
+
+
+def test_pp2_loads_back_into_its_own_stages_and_into_pp4(
+    pp2: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    path, stages = pp2
+    expected = L.merged(*stages)
+    scheduler = expected.pop("scheduler")
+    for world in (2, 4):
+        loaded = run_ranks(_load_pp, world, str(path))
+        for snap in loaded:
+            assert snap.pop("scheduler") == scheduler  # the stages' schedulers are alike
+            L.assert_same(expected, snap, only=set(snap))
+        assert set(L.merged(*loaded)) == set(expected)
+
+
+def _save_pp4(rank: int, world: int, path: str) -> dict[str, Any]:
+    return _save_pp(rank, world, path, 2)
+
+
+def test_pp4_saves_and_loads_into_pp2_and_one_process(tmp_path: Path) -> None:
+    path = tmp_path / "pp4"
+    stages = run_ranks(_save_pp4, 4, str(path))
+    expected = L.merged(*stages)
+    for snap in stages:
+        snap.pop("scheduler")
+    expected.pop("scheduler")
+    loaded = run_ranks(_load_pp, 2, str(path))
+    for snap in loaded:
+        snap.pop("scheduler")
+        L.assert_same(expected, snap, only=set(snap))
+    whole = _load_whole(path)
+    whole.pop("scheduler")
+    L.assert_same(expected, whole)
+
+
+def _load_stage_with_a_foreign_key(rank: int, world: int, path: str) -> None:
+    stage = L.stage_of(L.Net(seed=1), rank, world)
+    shardsafe.load(path, {"model": stage})
+
+
+def test_a_key_no_stage_holds_is_still_unexpected(tmp_path: Path) -> None:
+    """Stage 0 and stage 1 each hold half; a key neither holds is refused on every rank."""
+    path = tmp_path / "c"
+    model = L.Net(layers=6)  # layers.4 and layers.5: in the checkpoint, in no stage of 4
+    shardsafe.save(path, {"model": model})
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_load_stage_with_a_foreign_key, 2, str(path))
+    text = info.value.text
+    assert "unexpected in the checkpoint (held by no rank)" in text
+    assert "model/layers.4.lin.weight" in text or "model/layers.4.lin.bias" in text
+    assert "model/layers.0" not in text.split("unexpected")[1].split("\n")[0]
+
+
+def _save_conflicting_shapes(rank: int, world: int, path: str) -> None:
+    model = L.Net(layers=2)
+    if rank == 1:  # the same name, another tensor: no single checkpoint describes both
+        model.layers["1"].lin = torch.nn.Linear(L.D, L.D + 1)
+    shardsafe.save(path, {"model": model})
+
+
+def _save_conflicting_groups(rank: int, world: int, path: str) -> None:
+    model = L.Net(layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2 * (rank + 1))
+    shardsafe.save(path, {"model": model, "optimizer": opt})
+
+
+@pytest.mark.parametrize(
+    ("save", "message"),
+    [
+        (_save_conflicting_shapes, "ranks disagree about tensor 'model/layers.1.lin.weight'"),
+        (_save_conflicting_groups, "is in a param group with other hyperparameters on rank 1"),
+    ],
+)
+def test_state_that_cannot_be_described_is_refused_before_anything_is_written(
+    tmp_path: Path, save: Any, message: str
+) -> None:
+    path = tmp_path / "c"
+    with pytest.raises(RankFailed) as info:
+        run_ranks(save, 2, str(path))
+    assert message in info.value.text
+    assert not path.exists() or sorted(p.name for p in path.iterdir()) == []
+
+
+def _save_per_stage_schedulers(rank: int, world: int, path: str) -> dict[str, Any]:
+    stage = L.stage_of(L.Net(), rank, world)
+    opt = L.adamw(stage)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5 + 0.1 * rank)
+    L.train_pipeline(stage, rank, world, opt, sched, 2)
+    shardsafe.save(path, {"model": stage, "optimizer": opt, "scheduler": sched})
+    return {"scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"]}
+
+
+def _load_per_stage_schedulers(rank: int, world: int, path: str) -> dict[str, Any]:
+    stage = L.stage_of(L.Net(seed=1), rank, world)
+    opt = L.adamw(stage)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.0)
+    shardsafe.load(path, {"model": stage, "optimizer": opt, "scheduler": sched})
+    return {"scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"]}
+
+
+def test_per_stage_schedulers_and_learning_rates_come_back_as_they_were(tmp_path: Path) -> None:
+    """Stages with their own decay: two param groups in the manifest, one scheduler
+    record per rank; each stage gets its own back, and a single process is refused the
+    per-rank scheduler with a message saying why (the rest of the state loads)."""
+    path = tmp_path / "c"
+    saved = run_ranks(_save_per_stage_schedulers, 2, str(path))
+    assert saved[0]["lr"] != saved[1]["lr"]
+    assert run_ranks(_load_per_stage_schedulers, 2, str(path)) == saved
+    model = L.Net(seed=1)
+    opt = L.adamw(model)
+    with pytest.raises(CheckpointError, match="saved with a different value on each of 2 ranks"):
+        shardsafe.load(path, {"model": model, "optimizer": opt, "scheduler": L.scheduler(opt)})
+    # Live groups built from both stages' parameters: the two saved groups differ.
+    with pytest.raises(CheckpointError, match="which have different hyperparameters"):
+        shardsafe.load(path, {"model": model, "optimizer": opt})
