@@ -1,0 +1,186 @@
+"""The ownership model, pure: who writes a tensor that a subset of ranks holds, and how
+every rank's metadata becomes one manifest entry (or a refusal). No process group; the
+same paths run for real in ``tests/distributed/test_pipeline_parallel.py``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from shardsafe.adapters.module import ModuleAdapter
+from shardsafe.adapters.optimizer import match_groups
+from shardsafe.adapters.optimizer_merge import merge_optimizer_metas
+from shardsafe.adapters.values import PER_RANK, StatefulAdapter, merge_per_rank, own_record
+from shardsafe.checkpoint.offer import ChunkOffer, replica_checksum
+from shardsafe.checkpoint.save_plan import plan_save
+from shardsafe.errors import CheckpointError, CheckpointMismatchError
+from shardsafe.protocol import LoadContext, SavedValue
+
+F32 = torch.float32
+
+
+def chunk(rank: int, index: int, key: str, n: int, **kw: Any) -> ChunkOffer:
+    return ChunkOffer(rank, index, key, F32, (n,), (0,), (n,), True, **kw)
+
+
+def writers(plan: Any) -> dict[str, int]:
+    return {e.key: f.writer for f in plan.files for e in f.entries}
+
+
+def test_a_stage_replicated_on_its_data_parallel_group_is_written_once_by_a_member() -> None:
+    """PP x DP 2 x 2: stage 0 on ranks 0 and 2, stage 1 on ranks 1 and 3. Every tensor is
+    written once, by one of its holders, and the two holders of a stage share the bytes."""
+    offers: list[list[ChunkOffer]] = [[] for _ in range(4)]
+    for rank in range(4):
+        stage = rank % 2
+        for i in range(8):
+            offers[rank].append(chunk(rank, i, f"model/s{stage}.w{i}", 1000 + i))
+    plan = plan_save(offers, "sharded", ["model"])
+    who = writers(plan)
+    assert len(who) == 16
+    for key, writer in who.items():
+        assert writer % 2 == int(key[7])  # a member of the stage's group
+    load = Counter()
+    for f in plan.files:
+        load[f.writer] += sum(e.nbytes for e in f.entries)
+    assert len(load) == 4 and max(load.values()) <= 1.25 * sum(load.values()) / 4
+
+
+def test_a_buffer_is_written_by_the_lowest_rank_holding_it() -> None:
+    offers = [
+        [chunk(0, 0, "model/a.seen", 1, lowest_rank_wins=True)],
+        [chunk(1, 0, "model/a.seen", 1, lowest_rank_wins=True),
+         chunk(1, 1, "model/b.seen", 1, lowest_rank_wins=True)],
+        [chunk(2, 0, "model/b.seen", 1, lowest_rank_wins=True)],
+    ]  # fmt: skip
+    plan = plan_save(offers, "sharded", ["model"])
+    assert writers(plan) == {"model/a.seen": 0, "model/b.seen": 1}
+
+
+def test_verify_replicas_names_the_tensor_and_which_ranks_hold_which_copy() -> None:
+    same, other = replica_checksum(torch.zeros(4)), replica_checksum(torch.ones(4))
+    offers = [[chunk(r, 0, "model/w", 4, checksum=c)] for r, c in enumerate([same, same, other])]
+    with pytest.raises(CheckpointError) as info:
+        plan_save(offers, "sharded", ["model"])
+    assert (
+        "the copies of 'model/w' differ between ranks: ranks 0, 1 hold one version, rank 2 another"
+        in str(info.value)
+    )
+    offers[2][0] = chunk(2, 0, "model/w", 4, checksum=same)
+    plan_save(offers, "sharded", ["model"])  # equal copies: fine
+
+
+def test_replica_checksums_see_every_byte_and_ignore_layout() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert replica_checksum(t) == replica_checksum(t.t().contiguous().t())
+    flipped = t.clone()
+    flipped.view(torch.int32)[2, 3] ^= 1  # one bit of one element
+    assert replica_checksum(t) != replica_checksum(flipped)
+
+
+def _opt_meta(groups: list[tuple[float, list[str]]], state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "param_groups": [{"params": p, "hyper": {"lr": lr}} for lr, p in groups],
+        "param_shapes": {n: [2] for _, p in groups for n in p},
+        "state": state,
+    }
+
+
+def test_pipeline_stages_optimizer_metadata_merges_by_name() -> None:
+    stage0 = _opt_meta([(0.1, ["a", "b"])], {"a": {"m": 1}, "b": {"m": 2}})
+    stage1 = _opt_meta([(0.1, ["c"])], {"c": {"m": 3}})
+    merged = merge_optimizer_metas([stage0, stage0, stage1, stage1])  # PP x DP order
+    assert merged["param_groups"] == [{"params": ["a", "b", "c"], "hyper": {"lr": 0.1}}]
+    assert merged["state"] == {"a": {"m": 1}, "b": {"m": 2}, "c": {"m": 3}}
+    assert set(merged["param_shapes"]) == {"a", "b", "c"}
+
+
+def test_a_stage_with_its_own_learning_rate_gets_a_group_of_its_own() -> None:
+    merged = merge_optimizer_metas([_opt_meta([(0.1, ["a"])], {}), _opt_meta([(0.2, ["c"])], {})])
+    assert merged["param_groups"] == [
+        {"params": ["a"], "hyper": {"lr": 0.1}},
+        {"params": ["c"], "hyper": {"lr": 0.2}},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        (_opt_meta([(0.2, ["a"])], {}), "parameter 'a' is in a param group with other"),
+        (_opt_meta([(0.1, ["a"])], {"a": {"m": 9}}), "ranks 0 and 1 both hold optimizer state"),
+        (
+            {**_opt_meta([(0.1, ["a"])], {}), "param_shapes": {"a": [3]}},
+            "ranks disagree about the shape of parameter 'a'",
+        ),
+    ],
+)
+def test_replicas_that_disagree_cannot_be_merged(second: Any, message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        merge_optimizer_metas([_opt_meta([(0.1, ["a"])], {"a": {"m": 1}}), second])
+
+
+def test_tensor_valued_hyperparameters_that_differ_are_refused() -> None:
+    def meta(ref: str, params: list[str]) -> dict[str, Any]:
+        return {
+            "param_groups": [{"params": params, "hyper": {"lr": {"__tensor__": ref}, "x": ref}}],
+            "param_shapes": {},
+            "state": {},
+        }
+
+    with pytest.raises(CheckpointError, match="tensor-valued hyperparameters that differ"):
+        merge_optimizer_metas([meta("o/@groups/0/lr", ["a"]), meta("o/@groups/0/lr2", ["b"])])
+
+
+def _ctx(world: int = 1, saved_world: int = 1, rank: int = 0) -> LoadContext:
+    return LoadContext(name="o", rank=rank, world_size=world, saved_world_size=saved_world)
+
+
+class _P:
+    """A stand-in parameter: match_groups only needs names (``ctx.param_fqn``)."""
+
+
+def test_live_groups_find_their_hyperparameters_by_parameter_name() -> None:
+    a, b, c = (
+        torch.nn.Parameter(torch.zeros(1)),
+        torch.nn.Parameter(torch.zeros(1)),
+        torch.nn.Parameter(torch.zeros(1)),
+    )
+    names = {id(a): "a", id(b): "b", id(c): "c"}
+    ctx = LoadContext(name="o", rank=0, world_size=1, saved_world_size=2, param_names=names)
+    saved = [{"params": ["c"], "hyper": {"lr": 0.2}}, {"params": ["a", "b"], "hyper": {"lr": 0.1}}]
+    chosen, problems = match_groups([{"params": [a, b]}, {"params": [c]}], saved, ctx)
+    assert (chosen, problems) == ([1, 0], [])
+    chosen, problems = match_groups([{"params": [a, b, c]}], saved, ctx)
+    assert (
+        "live param group 0 holds parameters that were saved in param groups 0 and 1" in problems[0]
+    )
+
+
+def test_module_names_are_the_union_of_the_stages() -> None:
+    merged = ModuleAdapter().merge(
+        [
+            {"tensors": ["tok.weight", "layers.0.w"], "extra": {"x": 1}},
+            {"tensors": ["layers.1.w", "out.weight"], "extra": {"x": 2, "y": 3}},
+        ]
+    )
+    assert merged == {
+        "tensors": ["tok.weight", "layers.0.w", "layers.1.w", "out.weight"],
+        "extra": {"x": 1, "y": 3},
+    }
+    with pytest.raises(CheckpointError, match="'w' is a tensor on some ranks"):
+        ModuleAdapter().merge([{"tensors": ["w"], "extra": {}}, {"tensors": [], "extra": {"w": 1}}])
+
+
+def test_values_that_differ_between_ranks_are_recorded_per_rank() -> None:
+    assert merge_per_rank([{"last_epoch": 3}] * 3) == {"last_epoch": 3}
+    merged = merge_per_rank([{"last_epoch": 3}, {"last_epoch": 4}])
+    assert merged == {PER_RANK: [{"last_epoch": 3}, {"last_epoch": 4}]}
+    saved = SavedValue("scheduler", "stateful", merged)
+    assert own_record(saved, _ctx(2, 2, rank=1)).meta == {"last_epoch": 4}
+    with pytest.raises(CheckpointMismatchError, match="restores rank by rank at world size 2"):
+        StatefulAdapter().plan_load(None, saved, _ctx(1, 2))
+    with pytest.raises(CheckpointError, match="differs between ranks 0 and 1 and holds tensors"):
+        merge_per_rank([{"t": {"__tensor__": "s/t"}}, {"t": {"__tensor__": "s/t"}, "n": 1}])
