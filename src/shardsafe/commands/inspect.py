@@ -23,14 +23,23 @@ existing ones keep their name and meaning)::
     tensors            list, sorted by key (numbers in natural order), of:
                          key, value (name of the state value it belongs to, or null),
                          dtype ("float32", ...), shape (list of int), numel, bytes,
-                         chunks (number of saved pieces), files (data files holding it)
+                         chunks (number of saved pieces), files (data files holding it),
+                         writers (ranks that wrote its pieces, sorted; see ``writer``)
     files              list, sorted by name, of the data files: name, bytes, tensors
-                         (number of tensor pieces stored in it)
+                         (number of tensor pieces stored in it), writer (the rank that
+                         wrote it, or null)
+    writers            list, sorted by rank (null last), of the ranks that wrote data
+                         files: rank, files (their names), bytes, tensors (number of
+                         keys with a piece in them)
     totals             data_files, data_bytes (sum of data file sizes), manifest_bytes,
                        bytes (data_bytes + manifest_bytes: the checkpoint on disk),
                        tensors, tensor_bytes (sum of tensor sizes), values
 
-Byte counts of data files are those the manifest recorded at save time.
+Byte counts of data files are those the manifest recorded at save time. A file's writer
+is read from its name: under layout "sharded" rank ``r`` of ``n`` writes
+``shard-<r>-of-<n>.safetensors`` (a replicated tensor, a pipeline stage's or a buffer, is
+in the file of the one rank that wrote it); under "consolidated" rank 0 writes every file.
+A file whose name says nothing (a manifest from elsewhere) has writer null.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -47,6 +57,8 @@ from ._format import human_bytes, natural_key, plural, printable, table, termina
 HELP = "show what a checkpoint holds: layout, tensors, values, sizes"
 
 _MAX_FILES_SHOWN = 20
+_MAX_WRITERS_SHOWN = 64
+_SHARD_NAME = re.compile(r"shard-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 _VALUE_PREVIEW = 60
 
 
@@ -77,7 +89,8 @@ def describe(path: str) -> dict[str, Any]:
 
     manifest = load_manifest(path)  # read once; everything below comes from it
     names = sorted(manifest.values, key=natural_key)
-    tensors = [_tensor(key, rec, manifest.values) for key, rec in manifest.tensors.items()]
+    writer = {name: _writer(name, manifest.layout) for name in manifest.files}
+    tensors = [_tensor(key, rec, manifest.values, writer) for key, rec in manifest.tensors.items()]
     tensors.sort(key=lambda t: natural_key(t["key"]))
     by_value: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for t in tensors:
@@ -104,9 +117,15 @@ def describe(path: str) -> dict[str, Any]:
         "values": [_value(manifest.values[n], by_value[n]) for n in names],
         "tensors": tensors,
         "files": [
-            {"name": name, "bytes": manifest.files[name], "tensors": pieces[name]}
+            {
+                "name": name,
+                "bytes": manifest.files[name],
+                "tensors": pieces[name],
+                "writer": writer[name],
+            }
             for name in sorted(manifest.files, key=natural_key)
         ],
+        "writers": _writers(manifest.files, writer, tensors),
         "totals": {
             "data_files": len(manifest.files),
             "data_bytes": data_bytes,
@@ -126,11 +145,49 @@ def _owner(key: str, values: dict[str, Any]) -> str | None:
     return name if name in values else None
 
 
-def _tensor(key: str, rec: Any, values: dict[str, Any]) -> dict[str, Any]:
+def _writer(name: str, layout: str) -> int | None:
+    """The rank that wrote data file ``name``: the ``r`` of ``shard-<r>-of-<n>`` under
+    layout "sharded", rank 0 under "consolidated"; None if the name does not say."""
+    if layout == "consolidated":
+        return 0
+    match = _SHARD_NAME.fullmatch(name)
+    if match is None or int(match[1]) >= int(match[2]):
+        return None
+    return int(match[1])
+
+
+def _writers(
+    files: dict[str, int], writer: dict[str, int | None], tensors: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per writing rank: its files, their bytes and the number of keys stored in them
+    (one pass over the files and one over the tensors)."""
+    by_rank: dict[int | None, list[str]] = {}
+    for name in sorted(files, key=natural_key):
+        by_rank.setdefault(writer[name], []).append(name)
+    keys: dict[int | None, int] = dict.fromkeys(by_rank, 0)
+    for t in tensors:
+        for rank in {writer[f] for f in t["files"]}:
+            keys[rank] += 1
+    ranks = sorted(by_rank, key=lambda r: (r is None, r or 0))
+    return [
+        {
+            "rank": rank,
+            "files": by_rank[rank],
+            "bytes": sum(files[f] for f in by_rank[rank]),
+            "tensors": keys[rank],
+        }
+        for rank in ranks
+    ]
+
+
+def _tensor(
+    key: str, rec: Any, values: dict[str, Any], writer: dict[str, int | None]
+) -> dict[str, Any]:
     from .. import dtypes
     from ..checkpoint.chunk_table import chunk_files
 
     files = list(dict.fromkeys(chunk_files(rec.chunks)))
+    ranks = {writer[f] for f in files}
     return {
         "key": key,
         "value": _owner(key, values),
@@ -140,6 +197,7 @@ def _tensor(key: str, rec: Any, values: dict[str, Any]) -> dict[str, Any]:
         "bytes": rec.nbytes,
         "chunks": len(rec.chunks),
         "files": files,
+        "writers": sorted(r for r in ranks if r is not None) + ([None] if None in ranks else []),
     }
 
 
@@ -186,6 +244,8 @@ def render(doc: dict[str, Any]) -> list[str]:
         *_tensors_table(doc),
         "",
         *_files_table(doc),
+        "",
+        *_writers_table(doc),
         "",
         _total_line(doc),
     ]
@@ -234,9 +294,16 @@ def _preview(value: Any) -> str:
     return text if len(text) <= _VALUE_PREVIEW else text[: _VALUE_PREVIEW - 3] + "..."
 
 
+def _ranks(ranks: list[int | None]) -> str:
+    return ",".join("?" if r is None else str(r) for r in ranks)
+
+
 def _tensors_table(doc: dict[str, Any]) -> list[str]:
+    """One row per key; with more than one writing rank, the ranks that wrote it."""
     chunked = any(t["chunks"] > 1 for t in doc["tensors"])
-    rows: list[list[str]] = [["TENSOR", "DTYPE", "SHAPE", "SIZE"] + (["CHUNKS"] if chunked else [])]
+    by_rank = len(doc["writers"]) > 1
+    head = ["TENSOR", "DTYPE", "SHAPE", "SIZE"] + (["CHUNKS"] if chunked else [])
+    rows: list[list[str]] = [head + (["WRITTEN BY RANK"] if by_rank else [])]
     group: str | None = None
     for t in doc["tensors"]:  # sorted by key, so each value's tensors are adjacent
         if t["value"] != group and len(rows) > 1:
@@ -244,8 +311,9 @@ def _tensors_table(doc: dict[str, Any]) -> list[str]:
         group = t["value"]
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         row = [printable(t["key"]), t["dtype"], shape, human_bytes(t["bytes"])]
-        rows.append(row + ([str(t["chunks"])] if chunked else []))
-    return table(rows, right=(3, 4))
+        row += [str(t["chunks"])] if chunked else []
+        rows.append(row + ([_ranks(t["writers"])] if by_rank else []))
+    return table(rows, right=(3, 4) if chunked else (3,))
 
 
 def _files_table(doc: dict[str, Any]) -> list[str]:
@@ -257,6 +325,24 @@ def _files_table(doc: dict[str, Any]) -> list[str]:
     lines = table(rows, right=(1, 2))
     if len(files) > _MAX_FILES_SHOWN:
         lines.append(f"... and {len(files) - _MAX_FILES_SHOWN} more (see --json)")
+    return lines
+
+
+def _writers_table(doc: dict[str, Any]) -> list[str]:
+    """Which rank wrote what: its files, bytes and keys, and its bytes over the mean of
+    the writers' (how evenly a save spread the writing)."""
+    writers = doc["writers"]
+    mean = sum(w["bytes"] for w in writers) / len(writers) if writers else 0
+    rows = [["WRITER RANK", "FILES", "KEYS", "SIZE", "X MEAN"]]
+    for w in writers[:_MAX_WRITERS_SHOWN]:
+        files = w["files"]
+        shown = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
+        ratio = f"{w['bytes'] / mean:.2f}" if mean else "-"
+        rank = "?" if w["rank"] is None else str(w["rank"])
+        rows.append([rank, shown, str(w["tensors"]), human_bytes(w["bytes"]), ratio])
+    lines = table(rows, right=(0, 2, 3, 4))
+    if len(writers) > _MAX_WRITERS_SHOWN:
+        lines.append(f"... and {len(writers) - _MAX_WRITERS_SHOWN} more (see --json)")
     return lines
 
 
