@@ -98,6 +98,17 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
+def fsdp(model: Net, mesh: Any = None) -> Net:
+    """FSDP2 as torchtitan applies it: ``fully_shard`` on each Block, then the whole model
+    (``mesh``: a 1-D mesh, or a 2-D ``("replicate", "shard")`` one for HSDP)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def train_pipeline(
     stage_module: Net,
     stage: int,
@@ -134,7 +145,9 @@ def train_pipeline(
         sched.step()
 
 
-def train_whole(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int, replica: int = 0) -> None:
+def train_whole(
+    model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int, replica: int = 0
+) -> None:
     """Plain (or FSDP2: gradients reduced by its hooks) training of the whole model."""
     for step in range(steps):
         x, y = batch(step, replica)
@@ -163,7 +176,9 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict
     return state
 
 
-def assert_same(expected: dict[str, Any], actual: dict[str, Any], only: set[str] | None = None) -> None:
+def assert_same(
+    expected: dict[str, Any], actual: dict[str, Any], only: set[str] | None = None
+) -> None:
     """Bitwise equal, key for key (``only``: just these keys of ``expected``)."""
     keys = set(expected) if only is None else only
     missing = sorted(keys - set(actual))

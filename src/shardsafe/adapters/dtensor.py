@@ -65,8 +65,11 @@ def _box(
 
 
 Geometry = tuple[str, tuple[int, ...], tuple[int, ...]]
-"""``(role, global offsets, local shape)``; role is "replicated", "shard", "skip" (a
-replica of a shard that the rank at coordinate 0 writes) or "partial" (unsavable)."""
+"""``(role, global offsets, local shape)``; role is "replicated", "shard" or "partial"
+(unsavable). A shard may have copies: the ranks that differ from this one only on a
+``Replicate`` dimension of the mesh (HSDP's replicas) hold the same box. Each offers it,
+and the save plan stores it once, spreading such shards over their holders
+(``save_plan.copies_of``)."""
 
 _GEOMETRY: dict[Any, Geometry] = {}
 _GEOMETRY_LIMIT = 4096
@@ -101,23 +104,18 @@ def _geometry(value: Any) -> Geometry:
     shape = tuple(value.shape)
     if all(p.is_replicate() for p in placements):
         return "replicated", (0,) * len(shape), shape
-    coords = value.device_mesh.get_coordinate() or []
-    if any(p.is_replicate() and c != 0 for p, c in zip(placements, coords)):
-        return "skip", (), ()
     offsets, local = local_box(value)
     return "shard", offsets, local
 
 
-def local_chunk(key: str, value: Any) -> Chunk | None:
-    """The chunk this rank writes for a DTensor, or ``None`` if another replica writes it."""
+def local_chunk(key: str, value: Any) -> Chunk:
+    """The chunk this rank offers for a DTensor."""
     role, offsets, shape = geometry(value)
     if role == "partial":
         raise CheckpointError(
             f"{key!r} is a DTensor with a Partial placement; reduce it "
             "(e.g. .redistribute() to Shard/Replicate) before saving"
         )
-    if role == "skip":
-        return None
     local = _local_tensor(value)
     global_shape = tuple(value.shape)
     if role == "replicated":
@@ -137,11 +135,10 @@ def _local_tensor(value: Any) -> torch.Tensor:
 
 
 def chunks_of(key: str, tensor: torch.Tensor, *, replicated: bool) -> list[Chunk]:
-    """What this rank offers for ``tensor``: its DTensor shard (if it writes one), else the
-    whole tensor, ``replicated`` if every rank holds the same copy."""
+    """What this rank offers for ``tensor``: its DTensor shard, else the whole tensor,
+    ``replicated`` if every rank holds the same copy."""
     if is_dtensor(tensor):
-        chunk = local_chunk(key, tensor)
-        return [] if chunk is None else [chunk]
+        return [local_chunk(key, tensor)]
     return [Chunk.whole(key, tensor.detach(), replicated=replicated)]
 
 

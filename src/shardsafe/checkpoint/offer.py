@@ -32,7 +32,7 @@ class ChunkOffer:
     replicated: bool
     lowest_rank_wins: bool = False
     checksum: int | None = None
-    """CRC32 of this rank's copy of a replicated chunk, with ``verify_replicas``."""
+    """CRC32 of this rank's copy of the chunk, with ``verify_replicas``."""
 
     @property
     def nbytes(self) -> int:
@@ -89,8 +89,8 @@ class Offer:
 
     @staticmethod
     def of(rank: int, items: dict[str, SaveItem], *, checksums: bool = False) -> Offer:
-        """This rank's offer; with ``checksums``, the CRC32 of each replicated chunk's
-        bytes (``verify_replicas``), which costs one read of those bytes."""
+        """This rank's offer; with ``checksums``, the CRC32 of each chunk's bytes but
+        buffers' (``verify_replicas``), which costs one read of those bytes."""
         entries = {name: OfferedEntry(item.kind, item.meta) for name, item in items.items()}
         chunks = [
             ChunkOffer(
@@ -116,8 +116,9 @@ class Offer:
 
 
 def _compared(chunk: Chunk) -> bool:
-    """Whether ``verify_replicas`` compares this chunk's copies across ranks."""
-    return chunk.replicated and not chunk.lowest_rank_wins
+    """Whether ``verify_replicas`` compares this chunk's copies across ranks: every chunk
+    but a buffer's, since other ranks may hold copies of a shard too (``copies_of``)."""
+    return not chunk.lowest_rank_wins
 
 
 def replica_checksum(tensor: torch.Tensor) -> int:

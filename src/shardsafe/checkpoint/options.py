@@ -69,8 +69,9 @@ class SaveOptions:
     """For an object-store URL: fsspec's options (credentials, ``endpoint_url``,
     ``default_block_size``: the multipart part size)."""
     verify_replicas: bool = False
-    """Every rank holding a replicated tensor checksums its copy, and copies that differ
-    are an agreed error naming the tensor and the ranks (nothing is written)."""
+    """Every rank holding a replicated tensor (or a copy of a shard) checksums its copy,
+    and copies that differ are an agreed error naming the tensor and the ranks (nothing is
+    written)."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -119,12 +119,15 @@ def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[i
                 f"tensor {key!r} is {how} (ranks {first.rank} and {c.rank}): every rank "
                 "holding a key must hold it the same way"
             )
-    if first.replicated and not first.lowest_rank_wins:
-        _check_replicas(key, chunks)
-    problem = (
-        None
-        if first.replicated
-        else geometry.tiling_problem(first.global_shape, [(c.offsets, c.shape) for c in chunks])
+    if first.replicated:
+        if not first.lowest_rank_wins:
+            _check_replicas(key, chunks)
+        return first.dtype, first.global_shape
+    copies = copies_of(chunks)
+    for same in copies:
+        _check_replicas(key, same)
+    problem = geometry.tiling_problem(
+        first.global_shape, [(c[0].offsets, c[0].shape) for c in copies]
     )
     if problem is not None:
         raise CheckpointError(
@@ -134,28 +137,49 @@ def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[i
     return first.dtype, first.global_shape
 
 
+def copies_of(chunks: list[ChunkOffer]) -> list[list[ChunkOffer]]:
+    """A sharded tensor's chunks, grouped by the box they cover: ranks offering the same
+    box hold copies of one shard, stored once. HSDP's replicas hold copies (a ``Replicate``
+    mesh dimension), and so do sibling submeshes: under TP x FSDP2 a parameter tensor
+    parallelism leaves whole is sharded over each ``dp`` submesh, so every ``tp`` rank
+    holds the shard of its ``dp`` coordinate. (Boxes that overlap without being equal are
+    still refused.)"""
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[ChunkOffer]] = {}
+    for c in chunks:
+        groups.setdefault((c.offsets, c.shape), []).append(c)
+    return list(groups.values())
+
+
 def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
-    """With ``verify_replicas``: every holder of a replicated tensor has the same bytes."""
+    """With ``verify_replicas``: every holder of a replicated tensor (or of copies of one
+    shard) has the same bytes."""
     by_crc: dict[int, list[int]] = {}
     for c in chunks:
         if c.checksum is not None:
             by_crc.setdefault(c.checksum, []).append(c.rank)
     if len(by_crc) > 1:
         groups = sorted(by_crc.values())
-        shown = "; ".join(f"ranks {r}" if len(r) > 1 else f"rank {r[0]}" for r in groups)
+        holders = [("ranks " if len(r) > 1 else "rank ") + ", ".join(map(str, r)) for r in groups]
+        shown = f"{holders[0]} hold one version, " + ", ".join(f"{h} another" for h in holders[1:])
+        first = chunks[0]
+        what = (
+            "one tensor replicated on all of them"
+            if first.shape == first.global_shape
+            else f"one shard (offsets {list(first.offsets)}, shape {list(first.shape)}) "
+            "that each of them holds"
+        )
         raise CheckpointError(
-            f"verify_replicas: the copies of {key!r} differ between ranks ({shown} each hold "
-            "different bytes), though it is saved as one tensor replicated on all of them. "
-            "The replicas have diverged (e.g. a gradient not all-reduced, or a rank-dependent "
-            "update); nothing was written"
+            f"verify_replicas: the copies of {key!r} differ between ranks: {shown}. It is "
+            f"saved as {what}, so the replicas have diverged (e.g. a gradient not "
+            "all-reduced, or a rank-dependent update); nothing was written"
         )
 
 
 def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[FilePlan]:
-    """Every rank writes what only it holds; a replicated tensor goes to the least-loaded of
-    the ranks holding it (all ranks under DDP, a stage's data-parallel group under
-    pipeline parallelism), largest first, so writers stay balanced; a buffer
-    (``lowest_rank_wins``) to the lowest rank holding it."""
+    """Every rank writes what only it holds; a replicated tensor (or a shard several ranks
+    hold copies of) goes to the least-loaded of the ranks holding it (all ranks under DDP,
+    a stage's data-parallel group under pipeline parallelism), largest first, so writers
+    stay balanced; a buffer (``lowest_rank_wins``) to the lowest rank holding it."""
     load = [0] * world_size
     assigned: list[list[ChunkOffer]] = [[] for _ in range(world_size)]
     replicated = []
@@ -164,10 +188,14 @@ def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[
         if chunks[0].replicated:
             replicated.append(chunks)
             continue
-        for c in chunks:
+        for same in copies_of(chunks):
+            if len(same) > 1:  # copies of one shard: placed like a replicated tensor
+                replicated.append(same)
+                continue
+            (c,) = same
             assigned[c.rank].append(c)
             load[c.rank] += c.nbytes
-    for chunks in sorted(replicated, key=lambda cs: (-cs[0].nbytes, cs[0].key)):
+    for chunks in sorted(replicated, key=lambda cs: (-cs[0].nbytes, cs[0].key, cs[0].offsets)):
         if chunks[0].lowest_rank_wins:
             best = min(chunks, key=lambda c: c.rank)
         else:
@@ -217,8 +245,14 @@ def _plan_consolidated(
             sources: tuple[ChunkOffer, ...] = (  # rank 0's if it holds one, else the lowest
                 min(chunks, key=lambda c: (c.rank != CONSOLIDATING_RANK, c.rank)),
             )
-        else:
-            sources = tuple(sorted(chunks, key=lambda c: c.offsets))
+        else:  # one copy of each shard, rank 0's if it holds one, else the lowest's
+            sources = tuple(
+                sorted(
+                    (min(same, key=lambda c: (c.rank != CONSOLIDATING_RANK, c.rank))
+                     for same in copies_of(chunks)),
+                    key=lambda c: c.offsets,
+                )
+            )  # fmt: skip
         if value not in file_of:
             file_of[value] = _unused_file_name(value, value_order, set(file_of.values()))
         fname = file_of[value]
