@@ -43,4 +43,11 @@ NOTES = """## What is timed
   FileSystemWriter fsyncs); load: `get_state_dict` on a fresh model and optimizer that
   took a step + `dcp.load` + `set_state_dict`.
 - **DDP / FSDP2 states**: the same MLP in DDP with a plain Adam (replicated), or each
-  layer and the root `fully_shard`-ed with AdamW (DTensor shards), one step taken."""
+  layer and the root `fully_shard`-ed with AdamW (DTensor shards), one step taken.
+- **PP x DP and EP states** (`parallel_layouts.py`, 4 ranks): plain modules with AdamW,
+  state made by one step on zero gradients and moments filled with random values, no
+  training. PP x DP: 32 Linear layers in 2 stages, rank r holding stage r // 2 (each
+  stage on 2 ranks); EP: 4 experts per rank named by global index and a router on every
+  rank. Tools alternate in the same processes, the order rotating each repetition; DCP
+  saves each rank's plain state dicts (its planner deduplicates replicas too). Bytes per
+  writer: shardsafe's from its manifest (`shardsafe inspect`), DCP's from its files."""

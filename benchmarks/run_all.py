@@ -3,12 +3,14 @@
 Sections: ZeRO save/load against torch's consolidation, Lightning and the floors;
 peak memory of a consolidated save; Lightning's save_checkpoint and resume with its own
 DDP strategy against ShardsafeDDPStrategy; plain DDP and FSDP2 against
-torch.distributed.checkpoint; ZeRO save time against state size at 2 and 4 ranks;
-coordination (time and store requests) of a tiny state at 2 to 64 ranks; a summary
-table and every target, MET or MISSED. Prints markdown, then writes the same text to
-``--results`` and the save-time plot to ``--plot``. A full run takes about 15 minutes
-on 2 cores; ``--quick`` is a tiny smoke run (about a minute) that writes its results
-under ``--dir`` unless ``--results``/``--plot`` are given.
+torch.distributed.checkpoint; pipeline x data parallel and expert parallel state on 4
+ranks against torch.distributed.checkpoint, with the bytes each rank wrote; ZeRO save
+time against state size at 2 and 4 ranks; coordination (time and store requests) of a
+tiny state at 2 to 64 ranks; a summary table and every target, MET or MISSED. Prints
+markdown, then writes the same text to ``--results`` and the save-time plot to
+``--plot``. A full run takes about 20 minutes on 2 cores; ``--quick`` is a tiny smoke run
+(about a minute) that writes its results under ``--dir`` unless ``--results``/``--plot``
+are given.
 
 Run:  python benchmarks/run_all.py [--quick] [--dir /tmp/shardsafe-bench]
 """
@@ -30,6 +32,7 @@ import _dcp_compare as dcp_compare
 import async_checkpoint
 import lightning_strategy
 import manifest_scale
+import parallel_layouts
 import scaling
 import zero_checkpoint as zero
 from _common import Target, clean, disk, machine, mib, table, verdicts
@@ -53,11 +56,12 @@ class Config:
     async_layers: int = 16
     coordination_worlds: tuple[int, ...] = (2, 8, 16, 32, 64)  # tiny state: the agreement
     coordination_repeat: int = 3
+    parallel_mib: float = 192  # model + AdamW per rank: PP x DP and EP, 4 ranks
 
 
 QUICK = Config(
     2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),),
-    async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1,
+    async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
 )  # fmt: skip
 
 
@@ -134,6 +138,15 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
             functools.partial(dcp_compare.section, wrap, cfg.dcp_layers, 2, cfg.repeat, root),
         )
         report.summarize(f"{name}, {size(done.info, 2)}", done, dcp_compare.LABELS)
+    for setup in parallel_layouts.SETUPS:
+        name = parallel_layouts.NAMES[setup]
+        done = report.section(
+            f"{name}: shardsafe against torch.distributed.checkpoint, "
+            f"{cfg.parallel_mib:g} MiB per rank",
+            functools.partial(parallel_layouts.section, setup, cfg.parallel_mib, cfg.repeat, root),
+        )
+        per_rank = mib(done.info["model_bytes"] + done.info["opt_bytes"])
+        report.summarize(f"{name}, {per_rank} per rank", done, parallel_layouts.LABELS)
     report.section(
         "Asynchronous save: stall, training while writing, time to durable, 2 ranks",
         lambda: async_checkpoint.section(

@@ -24,6 +24,8 @@ SECTIONS = (
     "## Lightning: Trainer.save_checkpoint and resume",
     "## Plain DDP + Adam",
     "## FSDP2 + AdamW",
+    "## PP x DP (2 x 2) on 4 ranks: shardsafe against torch.distributed.checkpoint",
+    "## EP on 4 ranks: shardsafe against torch.distributed.checkpoint",
     "## Asynchronous save",
     "## ZeRO save time against state size",
     "## Coordination against ranks",
@@ -40,6 +42,7 @@ HEADERS = (
     "rank 0 peak extra RSS",
     "| state ",
     "| store requests / save ",
+    "| shardsafe bytes written ",
 )
 ROWS = (
     "torch: consolidate_state_dict + torch.save",
@@ -51,19 +54,21 @@ ROWS = (
     "torch.distributed.checkpoint",
     "floor: one write + fsync",
     "floor: cross-rank bytes, one raw send",
+    "floor: each rank writes 1/N of the bytes + fsync",
+    "shardsafe sharded, verify=inline",
     "shardsafe async_save",
     "DCP async_save, default stager",
 )
 VERDICT = re.compile(r"^- (.+): [\d.]+ \(target [<>]= [\d.]+\) (MET|MISSED)$", re.MULTILINE)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(RUN_ALL), "--quick", "--dir", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=410,
+        timeout=530,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = proc.stdout
@@ -74,8 +79,10 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
     # 3 ZeRO speed, 1 ZeRO memory, 6 Lightning strategy (speed, memory, resume x 2); DDP
     # and FSDP2: load in each verify mode against DCP, 4 load RSS (layout x mode); FSDP2 save;
     # 11 async (stall/copy, stall/DCP, training, durable for DDP and FSDP2; no DCP for ZeRO),
-    # 2 store requests per save (2 and 4 ranks; the time targets start at 32 ranks)
-    assert len(found) == 36, summary
+    # 2 store requests per save (2 and 4 ranks; the time targets start at 32 ranks);
+    # PP x DP and EP: save, load in each verify mode against DCP, busiest writer's bytes
+    assert len(found) == 44, summary
+    assert any("busiest writer" in name for name in found)
     assert any("store requests per save" in name for name in found)
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
     results = (tmp_path / "results.md").read_text()
