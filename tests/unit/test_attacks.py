@@ -2088,9 +2088,12 @@ def _inspect_seconds(tmp_path: Path, name: str, doc: dict[str, Any]) -> float:
 
 
 def test_inspect_time_does_not_grow_with_the_square_of_a_tensors_files(tmp_path: Path) -> None:
-    one_file = _inspect_seconds(tmp_path, "one", grid_doc(1, 12_000))
-    many_files = _inspect_seconds(tmp_path, "many", grid_doc(1, 12_000, file_per_chunk=True))
-    assert many_files < 3 * one_file, (one_file, many_files)
+    """Twice the files (one per chunk) take about twice the time, not four times: inspect
+    does work per file (its writer rank, its row), so the test compares growth, not a
+    one-file checkpoint."""
+    half = _inspect_seconds(tmp_path, "half", grid_doc(1, 6_000, file_per_chunk=True))
+    whole = _inspect_seconds(tmp_path, "whole", grid_doc(1, 12_000, file_per_chunk=True))
+    assert whole < 3 * half, (half, whole)
 
 
 # ======================================================================================

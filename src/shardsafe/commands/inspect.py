@@ -90,6 +90,7 @@ def describe(path: str) -> dict[str, Any]:
     manifest = load_manifest(path)  # read once; everything below comes from it
     names = sorted(manifest.values, key=natural_key)
     writer = {name: _writer(name, manifest.layout) for name in manifest.files}
+    file_names = sorted(manifest.files, key=natural_key)  # sorted once: there may be many
     tensors = [_tensor(key, rec, manifest.values, writer) for key, rec in manifest.tensors.items()]
     tensors.sort(key=lambda t: natural_key(t["key"]))
     by_value: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -123,9 +124,9 @@ def describe(path: str) -> dict[str, Any]:
                 "tensors": pieces[name],
                 "writer": writer[name],
             }
-            for name in sorted(manifest.files, key=natural_key)
+            for name in file_names
         ],
-        "writers": _writers(manifest.files, writer, tensors),
+        "writers": _writers(file_names, manifest.files, writer, tensors),
         "totals": {
             "data_files": len(manifest.files),
             "data_bytes": data_bytes,
@@ -157,12 +158,15 @@ def _writer(name: str, layout: str) -> int | None:
 
 
 def _writers(
-    files: dict[str, int], writer: dict[str, int | None], tensors: list[dict[str, Any]]
+    names: list[str],
+    files: dict[str, int],
+    writer: dict[str, int | None],
+    tensors: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Per writing rank: its files, their bytes and the number of keys stored in them
     (one pass over the files and one over the tensors)."""
     by_rank: dict[int | None, list[str]] = {}
-    for name in sorted(files, key=natural_key):
+    for name in names:
         by_rank.setdefault(writer[name], []).append(name)
     keys: dict[int | None, int] = dict.fromkeys(by_rank, 0)
     for t in tensors:
