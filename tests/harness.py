@@ -1,9 +1,16 @@
 """Run a function on N real ranks (separate processes, gloo process group) and collect results.
 
-Children are forked from a forkserver that has already imported torch and shardsafe, so
-a 2-rank test starts in well under a second instead of re-importing torch per rank. A
-rank that raises makes the whole call fail with that rank's traceback; a run that
-exceeds ``timeout`` is killed (every rank, SIGKILL) and fails, so a hang costs seconds.
+Children are forked from a forkserver that has already imported torch and shardsafe, and
+what ranks import lazily on first use (``torch._dynamo``, which building any optimizer or
+DDP imports: seconds of CPU per rank; ZeRO, OSS, DCP, s3fs), so a 2-rank test starts in
+well under a second instead of re-importing all that per rank. A rank that raises makes
+the whole call fail with that rank's traceback; a run that exceeds ``timeout`` is killed
+(every rank, SIGKILL) and fails, so a hang costs seconds.
+
+That forkserver is this harness's own, not multiprocessing's shared one:
+``tests/isolated.py`` forks its cases from the shared one and reports every module a case
+imports, which it could not see for a module its server had preloaded (a hostile pickle
+must not import ``torch._dynamo``, for one).
 """
 
 from __future__ import annotations
@@ -11,16 +18,54 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing as mp
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
 import os
 import pickle
 import queue
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "shardsafe"])
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",  # what torch.optim and DDP import on first use
+    "torch.distributed.optim",
+    "torch.distributed.checkpoint",
+    "fairscale.optim",
+    "s3fs",
+    "shardsafe",
+]
+"""Imported by the server before it forks (a module that is not installed is skipped).
+Not gcsfs: it reads its environment on import, which the gs:// tests hand to each rank
+(``tests/gcsserver.py``)."""
+_SERVER = multiprocessing.forkserver.ForkServer()
+_SERVER.set_forkserver_preload(_PRELOAD)
+_LAUNCHING = threading.Lock()
+
+
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """multiprocessing's forkserver start, asking this harness's server for the process."""
+
+    def _launch(self, process_obj: Any) -> None:
+        module = multiprocessing.popen_forkserver.forkserver
+        with _LAUNCHING:
+            shared = module.connect_to_new_process
+            module.connect_to_new_process = _SERVER.connect_to_new_process
+            try:
+                super()._launch(process_obj)
+            finally:
+                module.connect_to_new_process = shared
+
+
+class _Process(_CTX.Process):  # type: ignore[misc, name-defined]
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)
 
 
 class RankFailed(AssertionError):
@@ -106,7 +151,7 @@ def _run_ranks(
     port = free_port()
     results = _CTX.Queue()
     procs = [
-        _CTX.Process(
+        _Process(
             target=_child,
             args=(fn, r, world_size, port, args, results, init_process_group),
             daemon=True,
