@@ -26,9 +26,10 @@ TensorSink = Callable[[tuple[str, ...], torch.Tensor], str]
 keys that are not strings arrive as :class:`~shardsafe._names.DictKey` s (so ``1`` and
 ``"1"`` are different paths); make the key with ``_names.join`` (``ctx.key``)."""
 
+PER_RANK = "__per_rank__"
+"""Wraps one encoded tree per rank (``adapters.values.merge_per_rank``); not decoded here."""
 _TAGS = (
-    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__",
-    "__per_rank__",
+    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__", PER_RANK,
 )  # fmt: skip
 """Keys ``encode`` never leaves in a plain dict (such dicts become ``__dict__`` pairs).
 ``__per_rank__`` is not decoded here: it wraps one encoded tree per rank

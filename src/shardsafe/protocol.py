@@ -52,6 +52,15 @@ class Chunk:
     offsets: tuple[int, ...]
     replicated: bool = False
     lowest_rank_wins: bool = False
+    copies_allowed: bool = False
+    """A DTensor shard other ranks may hold copies of (a ``Replicate`` mesh dimension, as
+    HSDP has; a shard over a sub-mesh, as TP x FSDP2 has for parameters TP leaves whole):
+    equal boxes are then one shard, stored once. Any other box two ranks offer is refused
+    (two ranks' own state under one key would otherwise lose one silently)."""
+    always_verify: bool = False
+    """Compared across the ranks holding it on every save, not only with
+    ``verify_replicas``: tiny tensors whose divergence nothing else would reveal (an
+    optimizer's tensor-valued hyperparameters, which ranks key by group position)."""
 
     @staticmethod
     def whole(key: str, tensor: torch.Tensor, *, replicated: bool) -> Chunk:

@@ -142,11 +142,20 @@ def _save_conflicting_groups(rank: int, world: int, path: str) -> None:
     shardsafe.save(path, {"model": model, "optimizer": opt})
 
 
+def _save_stage_lr_tensors(rank: int, world: int, path: str) -> None:
+    """Stages with tensor-valued learning rates of their own: the groups' metadata is
+    equal (a reference to the key ``optimizer/@groups/0/lr``), the tensors are not."""
+    stage = L.stage_of(L.Net(), rank, world)
+    opt = torch.optim.Adam(stage.parameters(), lr=torch.tensor(0.01 * (rank + 1)))
+    shardsafe.save(path, {"model": stage, "optimizer": opt})
+
+
 @pytest.mark.parametrize(
     ("save", "message"),
     [
         (_save_conflicting_shapes, "ranks disagree about tensor 'model/layers.1.lin.weight'"),
         (_save_conflicting_groups, "is in a param group with other hyperparameters on rank 1"),
+        (_save_stage_lr_tensors, "the copies of 'optimizer/@groups/0/lr' differ between ranks"),
     ],
 )
 def test_state_that_cannot_be_described_is_refused_before_anything_is_written(
@@ -191,3 +200,22 @@ def test_per_stage_schedulers_and_learning_rates_come_back_as_they_were(tmp_path
     # Live groups built from both stages' parameters: the two saved groups differ.
     with pytest.raises(CheckpointError, match="which have different hyperparameters"):
         shardsafe.load(path, {"model": model, "optimizer": opt})
+    # Other formats hold one value per entry: the per-rank scheduler is refused by name,
+    # and the rest converts.
+    with pytest.raises(CheckpointError, match="'scheduler' was saved with a different value"):
+        shardsafe.convert(path, tmp_path / "c.pt", to="torch")
+    shardsafe.convert(path, tmp_path / "c.pt", to="torch", only=["model", "optimizer"])
+
+
+def _save_stage_loss(rank: int, world: int, path: str) -> None:
+    shardsafe.save(path, {"model": L.stage_of(L.Net(), rank, world), "loss": 0.5 + rank})
+
+
+def test_a_plain_value_that_differs_per_stage_keeps_rank_0s_and_loads_anywhere(
+    tmp_path: Path,
+) -> None:
+    """Plain values are returned by every load, asked or not: a per-rank record would make
+    the checkpoint unloadable at any other world size, so rank 0's is kept, as always."""
+    path = tmp_path / "c"
+    run_ranks(_save_stage_loss, 2, str(path))
+    assert shardsafe.load(path, {"model": L.Net(seed=1)}) == {"loss": 0.5}

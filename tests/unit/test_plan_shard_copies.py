@@ -22,8 +22,10 @@ def _tp_dp_offers(crc: list[int | None] | None = None) -> list[list[ChunkOffer]]
     offers = []
     for rank in range(4):
         dp = rank // 2
-        w = ChunkOffer(rank, 0, "m/w", F32, (8, 4), (4 * dp, 0), (4, 4), False, False, crc[rank])
-        v = ChunkOffer(rank, 1, "m/v", F32, (8,), (2 * rank,), (2,), False)
+        w = ChunkOffer(
+            rank, 0, "m/w", F32, (8, 4), (4 * dp, 0), (4, 4), False, False, crc[rank], True
+        )
+        v = ChunkOffer(rank, 1, "m/v", F32, (8,), (2 * rank,), (2,), False, copies_allowed=True)
         offers.append([w, v])
     return offers
 
@@ -51,7 +53,17 @@ def test_copies_of_a_shard_are_spread_over_their_holders() -> None:
         for rank in range(4):
             dp = rank // 2
             offers[rank].append(
-                ChunkOffer(rank, i, f"m/w{i}", F32, (8, 4), (4 * dp, 0), (4, 4), False)
+                ChunkOffer(
+                    rank,
+                    i,
+                    f"m/w{i}",
+                    F32,
+                    (8, 4),
+                    (4 * dp, 0),
+                    (4, 4),
+                    False,
+                    copies_allowed=True,
+                )
             )
     plan = plan_save(offers, "sharded", ["m"])
     assert sorted(len(f.entries) for f in plan.files) == [4, 4, 4, 4]
@@ -76,6 +88,14 @@ def test_verify_replicas_names_the_shard_whose_copies_differ() -> None:
 
 def test_shards_that_overlap_without_being_equal_are_still_refused() -> None:
     offers = _tp_dp_offers()
-    offers[1][0] = ChunkOffer(1, 0, "m/w", F32, (8, 4), (2, 0), (4, 4), False)
+    offers[1][0] = ChunkOffer(1, 0, "m/w", F32, (8, 4), (2, 0), (4, 4), False, copies_allowed=True)
     with pytest.raises(CheckpointError, match="do not cover its shape"):
         plan_save(offers, "sharded", ["m"])
+
+
+def test_equal_boxes_that_are_not_dtensor_shards_are_refused() -> None:
+    """Two ranks offering their own (non-DTensor) state under one key and box: only one
+    could be stored, so the save is refused instead of keeping rank 0's silently."""
+    offers = [[ChunkOffer(r, 0, "opt/w/exp_avg", F32, (4,), (0,), (4,), False)] for r in range(2)]
+    with pytest.raises(CheckpointError, match=r"do not cover its shape .* exactly once"):
+        plan_save(offers, "sharded", ["opt"])

@@ -122,7 +122,7 @@ def local_chunk(key: str, value: Any) -> Chunk:
         return Chunk(key, local, global_shape, offsets, replicated=True)
     if local.shape != shape:
         local = local.reshape(shape)
-    return Chunk(key, local, global_shape, offsets, replicated=False)
+    return Chunk(key, local, global_shape, offsets, replicated=False, copies_allowed=True)
 
 
 def _local_tensor(value: Any) -> torch.Tensor:

@@ -15,6 +15,7 @@ parameters are never touched.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,10 +52,13 @@ def export_state(
     chunks: list[Chunk] = []
     where = f"state[{ctx.name!r}]"
 
-    def sink_under(*prefix: str, same_on_every_rank: bool = replicated) -> _tree.TensorSink:
+    def sink_under(
+        *prefix: str, same_on_every_rank: bool = replicated, verify: bool = False
+    ) -> _tree.TensorSink:
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
             key = ctx.key(*prefix, *path)
-            chunks.extend(dtensor.chunks_of(key, tensor, replicated=same_on_every_rank))
+            found = dtensor.chunks_of(key, tensor, replicated=same_on_every_rank)
+            chunks.extend(replace(c, always_verify=True) if verify else c for c in found)
             return key
 
         return sink
@@ -77,7 +81,9 @@ def export_state(
                 "hyper": _tree.encode(
                     hyper,
                     f"{where}.param_groups[{i}]",
-                    sink_under(GROUPS, str(i), same_on_every_rank=True),
+                    # Keyed by position, so pipeline stages share keys: compared on
+                    # every save, so stages whose values differ are refused, not merged.
+                    sink_under(GROUPS, str(i), same_on_every_rank=True, verify=True),
                 ),
             }
         )

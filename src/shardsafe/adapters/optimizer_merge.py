@@ -54,6 +54,8 @@ def merge_optimizer_metas(metas: list[JSON]) -> JSON:
                     f"{shape} on rank {rank}): each parameter name must mean one tensor; "
                     "nothing was written"
                 )
+        if rank and meta["param_groups"] == metas[0]["param_groups"]:
+            continue  # ZeRO, OSS, a stage's replicas: the same groups as rank 0's
         for index, group in enumerate(meta["param_groups"]):
             groups.add(rank, index, group)
     return {"param_groups": groups.merged(), "param_shapes": shapes, "state": state}
@@ -64,6 +66,7 @@ class _Groups:
 
     def __init__(self) -> None:
         self._groups: list[tuple[int, JSON, list[str]]] = []  # (position, hyper, params)
+        self._at: dict[int, list[int]] = {}  # position -> its merged groups
         self._group_of: dict[str, tuple[int, int]] = {}  # fqn -> (merged group, rank)
 
     def add(self, rank: int, position: int, group: JSON) -> None:
@@ -84,16 +87,20 @@ class _Groups:
                 )
 
     def _find(self, position: int, hyper: JSON) -> int:
-        for i, (at, known, _) in enumerate(self._groups):
-            if at == position and known == hyper:
+        """The merged group for ``position`` with these hyperparameters (a new one if
+        none): a lookup among that position's groups only, usually one."""
+        same_position = self._at.setdefault(position, [])
+        for i in same_position:
+            if self._groups[i][1] == hyper:
                 return i
-        if _tree.tensor_refs(hyper) and any(at == position for at, _, _ in self._groups):
+        if same_position and _tree.tensor_refs(hyper):
             raise CheckpointError(
                 f"param group {position} holds tensor-valued hyperparameters that differ "
                 "between ranks; shardsafe stores such a group once, so every rank must "
                 "hold the same values (nothing was written)"
             )
         self._groups.append((position, hyper, []))
+        same_position.append(len(self._groups) - 1)
         return len(self._groups) - 1
 
     def merged(self) -> list[JSON]:

@@ -1,10 +1,13 @@
 """Plain values (tensors and JSON-able data) and generic stateful objects (LR schedulers).
 
 Both are usually identical on every rank, as they are in data-parallel training: then one
-copy is recorded and each tensor is written once. Where the ranks' values differ (one
-learning-rate scheduler per pipeline stage, each with its own groups), every rank's is
-recorded as it is (``merge_per_rank``) and each rank gets its own back on load, at the
-same world size; values that differ and hold tensors are refused at save.
+copy is recorded and each tensor is written once. Where the ranks' stateful objects differ
+(one learning-rate scheduler per pipeline stage, each with its own groups), every rank's
+state is recorded as it is (``merge_per_rank``) and each rank gets its own back on load,
+at the same world size; states that differ and hold tensors are refused at save. Plain
+values keep rank 0's, as they always have: ``load`` returns them even unasked, at any
+world size, so a per-rank record (a rank's own loss) would make a checkpoint unloadable
+elsewhere.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def encode_replicated(value: Any, ctx: SaveContext, kind: str) -> SaveItem:
     return SaveItem(kind, meta, chunks)
 
 
-PER_RANK = "__per_rank__"
+PER_RANK = _tree.PER_RANK
 
 
 def merge_per_rank(metas: list[JSON]) -> JSON:
@@ -103,11 +106,7 @@ class PlainDataAdapter(Adapter):
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         return encode_replicated(obj, ctx, self.kind)
 
-    def merge(self, metas: list[JSON]) -> JSON:
-        return merge_per_rank(metas)
-
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        saved = own_record(saved, ctx)
         plan = full_requests(saved)
         if not isinstance(obj, torch.Tensor):
             return plan
@@ -128,12 +127,12 @@ class PlainDataAdapter(Adapter):
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
-        _tree.decode(own_record(saved, ctx).meta, tensors)
+        _tree.decode(saved.meta, tensors)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> Any:
-        value = _tree.decode(own_record(saved, ctx).meta, tensors)
+        value = _tree.decode(saved.meta, tensors)
         if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
             with torch.no_grad():
                 obj.copy_(value)

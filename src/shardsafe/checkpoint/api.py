@@ -65,10 +65,11 @@ def save(
 
     Tensors held by several ranks (DDP weights, a pipeline stage's weights on its
     data-parallel group, HSDP's replicas of a shard, a shard every tensor-parallel rank
-    holds under TP x FSDP2) are written once, by one of them, spread over the holders. ``verify_replicas=True`` first checks that the copies
-    really are equal: each holder checksums its copy, and copies that differ (diverged
-    replicas) are an error naming the tensor and the ranks, before anything is written.
-    It costs one CRC32 pass over each rank's tensors (buffers, which may differ, aside).
+    holds under TP x FSDP2) are written once, by one of them, spread over the holders.
+    ``verify_replicas=True`` first checks that the copies really are equal: each holder
+    checksums its copy, and copies that differ (diverged replicas) are an error naming the
+    tensor and the ranks, before anything is written. It costs one CRC32 pass over each
+    rank's tensors (buffers, which may differ, aside).
     """
     options = SaveOptions(
         layout=layout,

@@ -32,7 +32,9 @@ class ChunkOffer:
     replicated: bool
     lowest_rank_wins: bool = False
     checksum: int | None = None
-    """CRC32 of this rank's copy of the chunk, with ``verify_replicas``."""
+    """CRC32 of this rank's copy of the chunk, with ``verify_replicas`` (or
+    ``Chunk.always_verify``)."""
+    copies_allowed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +53,8 @@ class ChunkOffer:
             raw["lowest"] = True
         if self.checksum is not None:
             raw["crc"] = self.checksum
+        if self.copies_allowed:
+            raw["copies"] = True
         return raw
 
     @staticmethod
@@ -68,6 +72,7 @@ class ChunkOffer:
             bool(raw["replicated"]),
             bool(raw.get("lowest", False)),
             raw.get("crc"),
+            bool(raw.get("copies", False)),
         )
 
 
@@ -96,7 +101,10 @@ class Offer:
             ChunkOffer(
                 rank, i, c.key, c.tensor.dtype, c.global_shape, c.offsets, tuple(c.tensor.shape),
                 c.replicated, c.lowest_rank_wins,
-                replica_checksum(c.tensor) if checksums and _compared(c) else None,
+                replica_checksum(c.tensor)
+                if (checksums and _compared(c)) or c.always_verify
+                else None,
+                c.copies_allowed,
             )
             for i, c in enumerate(chunks_of(items))
         ]  # fmt: skip

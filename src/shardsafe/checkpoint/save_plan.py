@@ -109,11 +109,15 @@ def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[i
                 f"{dtypes.dtype_name(c.dtype)}{list(c.global_shape)}. Every rank must save the "
                 "same model structure."
             )
-        if (c.replicated, c.lowest_rank_wins) != (first.replicated, first.lowest_rank_wins):
+        if (c.replicated, c.lowest_rank_wins, c.copies_allowed) != (
+            first.replicated, first.lowest_rank_wins, first.copies_allowed,
+        ):  # fmt: skip
             how = (
                 "replicated on some ranks and sharded on others"
                 if c.replicated != first.replicated
                 else "a buffer (the lowest rank's copy) on some ranks and a replica on others"
+                if c.lowest_rank_wins != first.lowest_rank_wins
+                else "a DTensor shard on some ranks and another rank's own tensor on others"
             )
             raise CheckpointError(
                 f"tensor {key!r} is {how} (ranks {first.rank} and {c.rank}): every rank "
@@ -143,7 +147,10 @@ def copies_of(chunks: list[ChunkOffer]) -> list[list[ChunkOffer]]:
     mesh dimension), and so do sibling submeshes: under TP x FSDP2 a parameter tensor
     parallelism leaves whole is sharded over each ``dp`` submesh, so every ``tp`` rank
     holds the shard of its ``dp`` coordinate. (Boxes that overlap without being equal are
-    still refused.)"""
+    still refused, and so are equal boxes of chunks that are not DTensor shards,
+    ``copies_allowed``: two ranks' own state under one key.)"""
+    if not chunks[0].copies_allowed:
+        return [[c] for c in chunks]
     groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[ChunkOffer]] = {}
     for c in chunks:
         groups.setdefault((c.offsets, c.shape), []).append(c)
@@ -151,8 +158,8 @@ def copies_of(chunks: list[ChunkOffer]) -> list[list[ChunkOffer]]:
 
 
 def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
-    """With ``verify_replicas``: every holder of a replicated tensor (or of copies of one
-    shard) has the same bytes."""
+    """Every holder of a replicated tensor (or of copies of one shard) that checksummed its
+    copy (``verify_replicas``, or ``Chunk.always_verify``) has the same bytes."""
     by_crc: dict[int, list[int]] = {}
     for c in chunks:
         if c.checksum is not None:
@@ -169,7 +176,7 @@ def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
             "that each of them holds"
         )
         raise CheckpointError(
-            f"verify_replicas: the copies of {key!r} differ between ranks: {shown}. It is "
+            f"the copies of {key!r} differ between ranks: {shown}. It is "
             f"saved as {what}, so the replicas have diverged (e.g. a gradient not "
             "all-reduced, or a rank-dependent update); nothing was written"
         )

@@ -116,7 +116,7 @@ class Stager:
         # Built directly: dataclasses.replace costs ~14 us, and a save stages every chunk.
         return Chunk(
             chunk.key, buffer, chunk.global_shape, chunk.offsets, chunk.replicated,
-            chunk.lowest_rank_wins,
+            chunk.lowest_rank_wins, chunk.copies_allowed, chunk.always_verify,
         )  # fmt: skip
 
     def _stream(self, device: int) -> Any:
@@ -135,7 +135,7 @@ def _placeholder(chunk: Chunk) -> Chunk:
     tensor = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, device="meta")
     return Chunk(
         chunk.key, tensor, chunk.global_shape, chunk.offsets, chunk.replicated,
-        chunk.lowest_rank_wins,
+        chunk.lowest_rank_wins, chunk.copies_allowed, chunk.always_verify,
     )  # fmt: skip
 
 

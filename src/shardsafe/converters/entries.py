@@ -151,11 +151,11 @@ def nested(source: Source) -> dict[str, Any]:
         if value.kind == "module":
             out[name] = _module_tree(value, source)
         elif value.kind == "optimizer":
-            meta = decoded(value.meta)
+            meta = decoded(value.meta, name)
             groups = [{**g["hyper"], "params": list(g["params"])} for g in meta["param_groups"]]
             out[name] = {"state": meta["state"], "param_groups": groups}
         else:
-            out[name] = decoded(value.meta)
+            out[name] = decoded(value.meta, name)
     return out
 
 

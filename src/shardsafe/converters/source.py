@@ -160,8 +160,17 @@ class _Refs(dict[str, Any]):
         return True
 
 
-def decoded(meta: Any) -> Any:
-    """An entry's metadata as Python values, its tensors as :class:`TensorRef` s."""
+def decoded(meta: Any, name: str = "") -> Any:
+    """An entry's metadata as Python values, its tensors as :class:`TensorRef` s.
+
+    State recorded per rank (``adapters.values.merge_per_rank``: one scheduler per
+    pipeline stage) has no single value in another format: refused, naming the entry."""
+    if isinstance(meta, dict) and len(meta) == 1 and _tree.PER_RANK in meta:
+        raise CheckpointError(
+            f"state entry {name!r} was saved with a different value on each rank (e.g. one "
+            "scheduler per pipeline stage); other formats hold one value per entry. Convert "
+            f"the other entries with --only, leaving {name!r} out"
+        )
     return _tree.decode(meta, _Refs())
 
 
