@@ -20,7 +20,6 @@ theirs, and the manifest records the union (:meth:`ModuleAdapter.merge`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -64,8 +63,7 @@ class ModuleAdapter(Adapter):
             if dtensor.is_dtensor(value) or name in params:
                 chunks += dtensor.chunks_of(key, value, replicated=True)
             else:  # buffers: the lowest holder's (see the module docstring)
-                whole = Chunk.whole(key, value.detach(), replicated=True)
-                chunks.append(replace(whole, lowest_rank_wins=True))
+                chunks.append(_buffer_chunk(key, value.detach()))
         return SaveItem(self.kind, {"tensors": names, "extra": extra}, chunks)
 
     def merge(self, metas: list[JSON]) -> JSON:
@@ -177,6 +175,14 @@ def _request(key: str, value: torch.Tensor) -> ReadRequest:
         offsets, shape = dtensor.local_box(value)
         return ReadRequest(key, offsets, shape, value.dtype, tuple(value.shape))
     return ReadRequest(key, dtype=value.dtype, global_shape=tuple(value.shape))
+
+
+def _buffer_chunk(key: str, tensor: torch.Tensor) -> Chunk:
+    """A buffer as every rank holding it offers it. Built directly, not with
+    ``dataclasses.replace`` (~14 us): an asynchronous save stalls training while every
+    buffer of the model passes here."""
+    shape = tuple(tensor.shape)
+    return Chunk(key, tensor, shape, (0,) * len(shape), replicated=True, lowest_rank_wins=True)
 
 
 def _refuse_tensor(path: tuple[str, ...], tensor: torch.Tensor) -> str:

@@ -241,13 +241,11 @@ def state_dict_for(
     # The local optimizer's groups mirror the global ones position by position (ZeRO,
     # OSS keep one local group per global group); a group nothing was saved for keeps
     # its own hyperparameters.
-    local_groups = [
-        {
-            **(hyper[j] if (j := chosen[i] if i < len(chosen) else None) is not None else _own(g)),
-            "params": [position[id(p)] for p in g["params"]],
-        }
-        for i, g in enumerate(local.param_groups)
-    ]
+    local_groups = []
+    for i, g in enumerate(local.param_groups):
+        j = chosen[i] if i < len(chosen) else None
+        taken = hyper[j] if j is not None else {k: v for k, v in g.items() if k != "params"}
+        local_groups.append({**taken, "params": [position[id(p)] for p in g["params"]]})
     return {"state": state, "param_groups": local_groups}
 
 
@@ -260,10 +258,6 @@ def import_state(
 ) -> None:
     """Load the saved state of ``local``'s parameters through ``local.load_state_dict``."""
     local.load_state_dict(state_dict_for(groups, local, saved, tensors, ctx))
-
-
-def _own(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _shaped_like(

@@ -178,13 +178,11 @@ def unexpected_everywhere(per_rank: list[list[str]], strict: bool) -> None:
     common = set(per_rank[0]).intersection(*per_rank[1:])
     if common:
         keys = [key for key in per_rank[0] if key in common]
-        raise CheckpointMismatchError(
-            _Problems([], keys, [])
-            .message(strict)
-            .replace(
-                "unexpected in the checkpoint", "unexpected in the checkpoint (held by no rank)"
-            )
-        )
+        problems = _Problems([], keys, [], unexpected_title=_HELD_BY_NO_RANK)
+        raise CheckpointMismatchError(problems.message(strict))
+
+
+_HELD_BY_NO_RANK = "unexpected in the checkpoint (held by no rank)"
 
 
 @dataclass
@@ -192,12 +190,13 @@ class _Problems:
     missing: list[str]
     unexpected: list[str]
     mismatched: list[str]
+    unexpected_title: str = "unexpected in the checkpoint"
 
     def message(self, strict: bool) -> str:
         lines = ["the checkpoint does not match the objects being loaded:"]
         for title, keys in (
             ("missing from the checkpoint", self.missing),
-            ("unexpected in the checkpoint", self.unexpected),
+            (self.unexpected_title, self.unexpected),
             ("shape/dtype mismatch", self.mismatched),
         ):
             if keys:
