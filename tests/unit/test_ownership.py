@@ -223,3 +223,14 @@ def test_merging_pipeline_stages_groups_looks_only_at_groups_of_the_same_positio
     assert merged["param_groups"][5]["params"] == [f"s{r}.p5" for r in range(ranks)]
     # A scan of every merged group looks ranks x groups^2 / 2 = 32 million times.
     assert _CountingList.looks <= 8 * ranks * groups, _CountingList.looks
+
+
+@pytest.mark.parametrize(
+    "records",
+    [{"a": 1}, [{"last_epoch": 1}], [{"last_epoch": 1}] * 3, "x" * 10],
+    ids=["not a list", "too few", "too many", "a string"],
+)
+def test_a_forged_per_rank_record_is_corrupt_not_a_crash(records: Any) -> None:
+    saved = SavedValue("scheduler", "stateful", {PER_RANK: records})
+    with pytest.raises(CheckpointError, match="per-rank values that are not one per saving rank"):
+        StatefulAdapter().plan_load(None, saved, _ctx(2, 2, rank=1))
