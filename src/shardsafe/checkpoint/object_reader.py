@@ -1,7 +1,7 @@
 """Ranged reads of the objects of one object-store prefix, for ``FsspecStorage.open_reader``.
 
 Requests, not bytes, are what object stores charge in latency, so small reads (headers,
-biases, the 4 MiB pieces the checkpoint reader asks for) are served from one cached
+biases, the small pieces the checkpoint reader asks for) are served from one cached
 block, fetched by a single ranged GET of :data:`READ_AHEAD_BYTES`. Once the reads have
 gone through two blocks in a row, the reader is plainly walking the object in order (a
 rank reading its file of a sharded checkpoint), and the next block is fetched in the
