@@ -78,18 +78,29 @@ def load_chosen(
     storage: Storage,
     choose: Callable[[Manifest], Mapping[str, Any]],
     options: LoadOptions,
+    *,
+    agree_as: str | None = None,
+    view: Callable[[Manifest], Manifest] | None = None,
 ) -> dict[str, Any]:
     """:func:`load`, with the state to restore chosen from the manifest by ``choose``.
 
     For callers whose objects depend on what the checkpoint holds (the Lightning strategy
     passes optimizers only if they were saved): ``choose`` runs inside the plan phase, so
     the manifest is read once and a refusal it raises is agreed on every rank.
+
+    ``agree_as`` names the load for the agreement between ranks (default: the
+    directory), for ranks that each load a directory of their own (the tiered manager's
+    node-local rank checkpoints); ``view`` turns the validated manifest into the one the
+    load plans from (``tiers/rank_checkpoint.py``).
     """
-    coord = Coordinator("load", storage.directory, timeout=options.timeout, aftermath=AFTERMATH)
+    where = storage.directory if agree_as is None else agree_as
+    coord = Coordinator("load", where, timeout=options.timeout, aftermath=AFTERMATH)
     coord.enter(options.entry_timeout)
     try:
         with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
             manifest = read_manifest_from(storage)
+            if view is not None:
+                manifest = view(manifest)
             state = choose(manifest)
             plan = plan_load(
                 manifest,

@@ -27,7 +27,7 @@ from collections import OrderedDict
 import torch
 
 from .. import dtypes
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from . import geometry
 from .crc import crc32
 from .manifest import ChunkRecord, Manifest, TensorRecord
@@ -174,6 +174,16 @@ class CheckpointReader:
         # exist on disk: check them before anything is allocated.
         for chunk, _ in found:
             self._entry(key, rec, chunk)
+        # Chunks never overlap, so they cover the box iff their overlaps add up to it. A
+        # parsed manifest's chunks tile every tensor; a rank checkpoint's view holds only
+        # the rank's own pieces (``tiers/rank_checkpoint.py``), and a box outside them must
+        # not come back half-filled.
+        if sum(math.prod(overlap[1]) for _, overlap in found) != math.prod(box[1]):
+            raise CheckpointMismatchError(
+                f"tensor {key!r}: the checkpoint holds {_boxes(found)} of it, which do not "
+                f"cover the region this rank needs (offsets {list(box[0])}, shape "
+                f"{list(box[1])})"
+            )
         return found
 
     def _fill(
@@ -371,3 +381,10 @@ def box_of(
     if offsets is not None and shape is not None:
         return offsets, shape
     return (0,) * len(rec.shape), rec.shape
+
+
+def _boxes(found: list[tuple[ChunkRecord, geometry.Box]]) -> str:
+    """The pieces a tensor's region overlaps, for a message (at most three named)."""
+    named = [f"offsets {list(c.offsets)} shape {list(c.shape)}" for c, _ in found[:3]]
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    return f"pieces at {'; '.join(named)}{more}" if found else "no piece"

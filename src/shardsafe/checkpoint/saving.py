@@ -255,13 +255,16 @@ def commit(
     entries: dict[str, SavedValue],
     written: list[dict[str, WrittenFile]],
     after_commit: Callable[[], None] | None,
+    extra_info: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the manifest of ``plan`` last, once the data files are durable (also the
-    converters' commit, see ``streaming.py``)."""
+    converters' commit, see ``streaming.py``). ``extra_info`` joins the manifest's
+    ``info`` (a rank checkpoint's placements, ``tiers/rank_checkpoint.py``)."""
     info = {
         "shardsafe_version": __version__,
         "torch_version": torch.__version__,
         "created_unix": time.time(),
+        **(extra_info or {}),
     }
     raw = loadable(Manifest.build(plan, entries, written, info, CRC_BLOCK_BYTES))
     # The data files' directory entries must be durable before the manifest that names

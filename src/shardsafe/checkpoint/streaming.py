@@ -17,8 +17,9 @@ result is then verified like ``shardsafe verify`` does, from the committed manif
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ from .offer import ChunkOffer
 from .options import DEFAULT_BUFFER_BYTES
 from .safetensors_io import byte_view, memory
 from .save_plan import plan_save
-from .saving import commit
+from .saving import BACKGROUND_PIECE_BYTES, commit
 from .storage import Storage
 from .writing import WriteOptions, write_own_files
 
@@ -113,6 +114,25 @@ def write_checkpoint(
     The directory must be new or empty (``save``'s rule). On any error nothing is
     committed and what was written is removed. Returns the committed manifest, verified.
     """
+    write_unverified(storage, values, chunks, on_bytes=on_bytes)
+    return verify_committed(storage)
+
+
+def write_unverified(
+    storage: Storage,
+    values: dict[str, SavedValue],
+    chunks: list[StreamedChunk],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    background: bool = False,
+    extra_info: Mapping[str, Any] | None = None,
+) -> None:
+    """:func:`write_checkpoint` without reading it back: for bytes that were checksummed
+    as they were written from memory (the tiered manager's rank checkpoints), where a
+    second pass would only double the cost. ``background``: checksum and write in
+    cache-sized pieces on this one thread (beside a training loop, as ``async_save``
+    does); ``extra_info`` joins the manifest's ``info``."""
     existed = target_directory.refuse_committed(storage)
     try:
         token = target_directory.prepare(storage)
@@ -123,18 +143,18 @@ def write_checkpoint(
         ]
         plan = plan_save([offers], "sharded", list(values))
         target_directory.record_plan(storage, token, [f.name for f in plan.files])
-        options = WriteOptions(CRC_BLOCK_BYTES, DEFAULT_BUFFER_BYTES)
+        cache_bytes = BACKGROUND_PIECE_BYTES if background else 0
+        options = WriteOptions(CRC_BLOCK_BYTES, buffer_bytes, cache_bytes)
         sources = LazyChunkBytes(chunks, on_bytes)
         try:
             written = write_own_files(plan.files_of(0), sources, storage, options)
         finally:
             sources.close()
-        commit(storage, plan, values, [written], None)
+        commit(storage, plan, values, [written], None, extra_info)
     except BaseException:
         if not existed:
             target_directory.remove_uncommitted(storage)
         raise
-    return verify_committed(storage)
 
 
 def verify_committed(storage: Storage) -> Manifest:

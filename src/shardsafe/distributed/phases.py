@@ -9,7 +9,8 @@ class Phase(str, Enum):
     """A step that ends with every rank agreeing on its outcome.
 
     save: ENTRY -> COLLECT -> WRITE -> COMMIT; load: ENTRY -> PLAN -> READ -> RESTORE;
-    ``shardsafe.interop``'s gather: ENTRY -> OFFER -> DONE.
+    ``shardsafe.interop``'s gather: ENTRY -> OFFER -> DONE; the tiered manager:
+    ENTRY -> SURVEY (what each rank holds, or needs) -> FETCH (peer transfers).
     """
 
     ENTRY = "entry"
@@ -21,6 +22,8 @@ class Phase(str, Enum):
     RESTORE = "restore"
     OFFER = "offer"
     DONE = "done"
+    SURVEY = "survey"
+    FETCH = "fetch"
 
     def __str__(self) -> str:
         return self.value

@@ -1,0 +1,15 @@
+"""Tiered checkpoints: node-local rank checkpoints replicated to peer nodes, over a
+persistent tier (``TieredCheckpointManager``).
+
+``topology`` (nodes and replica peers), ``rank_checkpoint`` (one rank's state as an
+ordinary checkpoint, and the view that loads it back), ``node_dir`` (the node-local
+directory), ``transfer`` (one rank checkpoint sent over gloo, verified before commit),
+``replication`` (the background writer and replicator, retention), ``budget`` (local
+space), ``recovery`` (choosing the step and the sources), ``manager`` (the API).
+"""
+
+from __future__ import annotations
+
+from .manager import Restored, TieredCheckpointManager
+
+__all__ = ["Restored", "TieredCheckpointManager"]

@@ -1,0 +1,84 @@
+"""How much node-local space the local tier takes, checked before its first write.
+
+A node keeps, for each of ``keep_local`` steps, the rank checkpoints of its own ranks and
+the replicas it receives (``replicas`` other nodes' worth, for evenly sized nodes):
+``(1 + replicas) x the node's shards x keep_local`` bytes. While a new step is written,
+the oldest kept one is still there (it goes only once the new one is replicated), so
+the check asks for room for ``keep_local + 1`` steps: free space plus what the tier's
+older steps already take (they are replaced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checkpoint.collecting import Collected
+from ..errors import CheckpointError
+from .topology import Topology
+
+
+def staged_bytes(items: Collected) -> int:
+    """Tensor bytes in one rank's snapshot: what its rank checkpoint holds."""
+    return sum(
+        chunk.tensor.numel() * chunk.tensor.element_size()
+        for _, item in items.values()
+        for chunk in item.chunks
+    )
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's figures: its own checkpoint's bytes, and its node directory's space."""
+
+    own_bytes: int
+    free_bytes: int
+    used_bytes: int
+
+    def to_json(self) -> list[int]:
+        return [self.own_bytes, self.free_bytes, self.used_bytes]
+
+    @staticmethod
+    def from_json(doc: list[int]) -> Report:
+        own, free, used = (int(v) for v in doc)
+        return Report(own, free, used)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes one step of the local tier takes on each node, and what the tier needs."""
+
+    step_bytes: list[int]
+    """Per node: its ranks' checkpoints plus the replicas it keeps, one step."""
+    keep_local: int
+
+    def required(self, node: int) -> int:
+        """``keep_local`` steps, plus the one being written."""
+        return self.step_bytes[node] * (self.keep_local + 1)
+
+
+def check(
+    reports: list[Report], topology: Topology, replicas: int, keep_local: int, where: str
+) -> Budget:
+    """The budget of every node; a :class:`CheckpointError` naming the first node without
+    room for it."""
+    step_bytes = []
+    for ranks in topology.nodes:
+        kept = set(ranks) | {s for r in ranks for s in topology.sources(r, replicas)}
+        step_bytes.append(sum(reports[r].own_bytes for r in kept))
+    result = Budget(step_bytes, keep_local)
+    for node, ranks in enumerate(topology.nodes):
+        available = reports[ranks[0]].free_bytes + sum(reports[r].used_bytes for r in ranks)
+        if result.required(node) > available:
+            raise CheckpointError(
+                f"the local tier needs {_gib(result.required(node))} on the node of ranks "
+                f"{list(ranks)[:8]} ({where}): {_gib(step_bytes[node])} per step (its ranks' "
+                f"checkpoints and the replicas it keeps) x (keep_local={keep_local} + 1 being "
+                f"written), but only {_gib(available)} is free there. Lower keep_local or "
+                "replicas, save locally less state, or give the local path more room (a "
+                "larger /dev/shm: docker --shm-size, or an NVMe path)"
+            )
+    return result
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

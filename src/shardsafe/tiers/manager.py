@@ -1,0 +1,387 @@
+"""``TieredCheckpointManager``: frequent node-local checkpoints, replicated to peer nodes,
+with an ordinary persistent checkpoint every so often as the last resort.
+
+Tiers, fastest first:
+
+1. **local**: every ``local_every``-th step each rank writes its own rank checkpoint
+   (``rank_checkpoint.py``) into the node-local directory (a tmpfs such as ``/dev/shm``,
+   or an NVMe path), in the background after staging, like ``async_save``;
+2. **peer**: each rank's committed checkpoint is then sent to ``replicas`` ranks on other
+   nodes (``replication.py``), which verify every byte before committing it;
+3. **persistent**: every ``persist_every``-th step is also an ordinary shardsafe
+   checkpoint under ``persistent`` (a path or an object-store URL), through a
+   :class:`~shardsafe.CheckpointManager`.
+
+``load_latest`` restores the newest step available in full (``recovery.py``): from the
+node's own directory, else from a peer's replica (sent over first), else from the
+persistent tier, and records which tier each rank used in :attr:`restored`.
+
+Every method is collective (call it on every rank), as ``CheckpointManager``'s are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..checkpoint import loading
+from ..checkpoint.collecting import check_state, collect
+from ..checkpoint.manager import CheckpointManager, step_of
+from ..checkpoint.options import LoadOptions
+from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.staging import Stager
+from ..distributed import Coordinator, Phase, world
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from . import budget, rank_checkpoint, recovery, transfer
+from .node_dir import NodeDir
+from .replication import Peers, Replicator
+from .topology import Topology, node_name
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`TieredCheckpointManager.load_latest` restored: the step, each rank's
+    tier (``"local"``, ``"peer"`` or ``"persistent"``) and the seconds it took."""
+
+    step: int
+    tiers: list[str]
+    seconds: float
+
+    @property
+    def tier(self) -> str:
+        """This rank's tier."""
+        return self.tiers[world()[0]]
+
+
+class TieredCheckpointManager:
+    """Node-local checkpoints replicated to peers, over a persistent tier (see the module
+    docstring and the README's "Tiered checkpoints").
+
+    ``local_every``/``persist_every``: which steps :meth:`save` writes to each tier
+    (``None``: never); ``replicas``: how many other nodes keep a copy of each rank's
+    local checkpoint (at most the number of other nodes); ``keep_local``: local steps
+    kept per rank; ``keep_last``: persistent checkpoints kept. ``timeout``: seconds a
+    rank waits for the others (and a transfer for its peer).
+    """
+
+    def __init__(
+        self,
+        persistent: str | os.PathLike[str],
+        local: str | os.PathLike[str],
+        *,
+        local_every: int | None = 1,
+        persist_every: int | None = 100,
+        replicas: int = 1,
+        keep_local: int = 2,
+        keep_last: int | None = None,
+        timeout: float = 300.0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        for name, value in (("local_every", local_every), ("persist_every", persist_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int, or None for never")
+        if not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas={replicas!r} must be a non-negative int")
+        if not isinstance(keep_local, int) or keep_local < 1:
+            raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+        self.local_every, self.persist_every = local_every, persist_every
+        self.keep_local, self.timeout = keep_local, timeout
+        self.persistent = CheckpointManager(
+            persistent, keep_last, warn_if_not_empty=False, storage_options=storage_options
+        )
+        self.node = NodeDir(os.fspath(local))
+        self.rank, self.world_size = world()
+        self._tag = f"tiers:{self.persistent.root}"
+        names = self._exchange(Phase.SURVEY, node_name())
+        self.topology = Topology.of([str(n) for n in names])
+        self.replicas = min(replicas, self.topology.max_replicas())
+        if self.replicas < replicas and self.rank == 0:
+            warnings.warn(
+                f"shardsafe: replicas={replicas}, but the job runs on "
+                f"{len(self.topology.nodes)} node(s), so a replica on another node is possible "
+                f"for {self.replicas}; a lost node loses its local checkpoints",
+                stacklevel=2,
+            )
+        self._group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            if self.world_size > 1
+            else None
+        )
+        peers = Peers(
+            self.topology.targets(self.rank, self.replicas),
+            self.topology.sources(self.rank, self.replicas),
+        )
+        self._replicator = Replicator(
+            self.node, self.rank, self.world_size, peers, self._group, keep_local
+        )
+        self._stager = Stager()
+        self._budget_checked = False
+        self.budget: budget.Budget | None = None
+        """The local tier's disk use per node, once the first local save has measured it."""
+        self.restored: Restored | None = None
+
+    # -- saving
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """Whether ``step`` goes to the local tier, and to the persistent tier."""
+        return (
+            self.local_every is not None and step % self.local_every == 0,
+            self.persist_every is not None and step % self.persist_every == 0,
+        )
+
+    def save(self, step: int, state: Any) -> list[str]:
+        """Save ``state`` as ``step`` to the tiers it is due in; return their names.
+
+        The local checkpoint is on the node's disk when this returns (its replication
+        goes on in the background); the persistent one is committed.
+        """
+        local, persist = self.due(step)
+        if local:
+            self._local_save(step, state)
+            self._replicator.wait_written()
+        if persist:
+            self.persistent.save(step, state)
+        return [name for name, due in (("local", local), ("persistent", persist)) if due]
+
+    def async_save(self, step: int, state: Any) -> list[str]:
+        """:meth:`save`, returning once the state is staged (copied): both tiers are
+        written in the background. ``wait`` for them."""
+        local, persist = self.due(step)
+        if local:
+            self._local_save(step, state)
+        if persist:
+            self.persistent.async_save(step, state)
+        return [name for name, due in (("local", local), ("persistent", persist)) if due]
+
+    def _local_save(self, step: int, state: Any) -> None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        check_state(state)
+        self._replicator.wait_written()  # its staging buffers are about to be reused
+        items = collect(state, self.rank, self.world_size)
+        staged = self._stager.stage(items)
+        staged.ready()
+        if not self._budget_checked:
+            self._check_budget(budget.staged_bytes(staged.items))
+        self._replicator.submit(step, staged.items)
+
+    def _check_budget(self, own_bytes: int) -> None:
+        """Before the first local write: every node must have room for its steps."""
+        owned = {self.rank, *self._replicator.peers.sources}
+        report = budget.Report(
+            own_bytes, self.node.free_bytes(), self.node.used_bytes(owned)
+        ).to_json()
+        reports = self._exchange(Phase.SURVEY, report)
+        self.budget = budget.check(
+            [budget.Report.from_json(r) for r in reports],
+            self.topology,
+            self.replicas,
+            self.keep_local,
+            self.node.root,
+        )
+        self._budget_checked = True
+
+    def wait(self) -> None:
+        """Wait for every local write and replication, and for a persistent save in
+        flight; raise the persistent save's error, or a local write's."""
+        self._replicator.drain()
+        self.persistent.wait()
+        errors = self._replicator.record.errors
+        if errors:
+            error, errors[:] = errors[0], []
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"a local checkpoint failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish everything in flight, then let go of the persistent root's lock."""
+        try:
+            self._replicator.close()
+        finally:
+            self.persistent.close()
+
+    # -- restoring
+
+    def latest(self) -> int | None:
+        """The step :meth:`load_latest` would restore now (collective), or ``None``."""
+        self._replicator.drain()
+        return self._survey(set()).step
+
+    def load_latest(self, state: Any, **options: Any) -> dict[str, Any] | None:
+        """Restore the newest step that every rank can get (see the module docstring);
+        ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
+        started = time.monotonic()
+        self._replicator.drain()
+        opts = LoadOptions.of(**options)
+        excluded: set[tuple[int, int, int]] = set()
+        for _ in range(3 * self.world_size + 3):
+            choice = self._survey(excluded)
+            if choice.step is None:
+                return None
+            if recovery.PERSISTENT in choice.tiers:
+                return self._from_persistent(state, options, started)
+            if not self._fetch(choice, excluded):
+                continue
+            try:
+                values = self._from_local(choice, state, opts, excluded)
+            except CheckpointMismatchError as e:
+                # Same world size, other sharding (or other objects): only the persistent
+                # tier can reshard; if the objects are wrong it says so too.
+                if self.rank == 0:
+                    warnings.warn(
+                        f"shardsafe: the local checkpoints of step {choice.step} do not fit "
+                        f"this run ({e}); loading from the persistent tier",
+                        stacklevel=2,
+                    )
+                return self._from_persistent(state, options, started)
+            if values is not None:
+                self._drop_newer(choice.step)
+                self.restored = Restored(choice.step, choice.tiers, time.monotonic() - started)
+                return values
+        raise CheckpointError("the local tiers kept failing; load from the persistent tier")
+
+    def _survey(self, excluded: set[tuple[int, int, int]]) -> recovery.Choice:
+        held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
+        persisted = None
+        if self.rank == 0:
+            path = self.persistent.latest()
+            persisted = None if path is None else _step_of_path(path)
+        payloads = self._exchange(Phase.SURVEY, {"held": held, "persistent": persisted})
+        choice = recovery.choose(
+            [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
+            self.topology,
+            payloads[0]["persistent"],
+            excluded,
+        )
+        return choice
+
+    def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> bool:
+        """Send the peers' copies to the ranks that need them; False (and the failed copies
+        excluded) if one did not arrive whole."""
+        step = choice.step
+        assert step is not None
+        mine = [r for r, sender in choice.sends.items() if sender == self.rank]
+        needed = choice.sends.get(self.rank)
+        ok = True
+        with ThreadPoolExecutor(max(1, len(mine) + 1)) as pool:
+            jobs = [pool.submit(self._send_copy, step, r) for r in mine]
+            if needed is not None:
+                self.node.remove(step, self.rank)
+                ok = transfer.receive(
+                    self._group,
+                    needed,
+                    rank=self.rank,
+                    step=step,
+                    target=lambda: self.node.rank_storage(step, self.rank, create=True),
+                )
+            for job in jobs:
+                job.result()
+        outcomes = self._exchange(Phase.FETCH, ok)
+        for rank, arrived in enumerate(outcomes):
+            if not arrived:
+                excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
+        return all(outcomes)
+
+    def _send_copy(self, step: int, rank: int) -> bool:
+        with self.node.rank_storage(step, rank, create=False) as storage:
+            return transfer.send(self._group, rank, storage)
+
+    def _from_local(
+        self,
+        choice: recovery.Choice,
+        state: Any,
+        opts: LoadOptions,
+        excluded: set[tuple[int, int, int]],
+    ) -> dict[str, Any] | None:
+        """Load this rank's checkpoint of the chosen step from the node's directory; on a
+        damaged copy (anywhere) ``None``, the bad copies deleted and excluded."""
+        step = choice.step
+        assert step is not None
+        storage = self.node.rank_storage(step, self.rank, create=False)
+        try:
+            with storage:
+                return loading.load_chosen(
+                    storage,
+                    lambda manifest: state,
+                    opts,
+                    agree_as=f"{self._tag}/step-{step}",
+                    view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
+                )
+        except CheckpointCorruptError as e:
+            bad = not self._verifies(step)
+            if bad:
+                self.node.remove(step, self.rank)
+            flags = self._exchange(Phase.FETCH, bad)
+            for rank, was_bad in enumerate(flags):
+                if was_bad:
+                    excluded.add((self.topology.node_of[rank], step, rank))
+            if not any(flags):
+                raise e
+            if self.rank == 0:
+                warnings.warn(
+                    f"shardsafe: a local checkpoint of step {step} was damaged ({e}); trying "
+                    "the next copy",
+                    stacklevel=3,
+                )
+            return None
+
+    def _verifies(self, step: int) -> bool:
+        with (
+            contextlib.suppress(CheckpointError, OSError),
+            self.node.rank_storage(step, self.rank, create=False) as storage,
+        ):
+            manifest = loading.read_manifest_from(storage)
+            with CheckpointReader(storage, manifest) as reader:
+                return not reader.check_files() and not reader.verify_all()
+        return False
+
+    def _from_persistent(
+        self, state: Any, options: dict[str, Any], started: float
+    ) -> dict[str, Any] | None:
+        values = self.persistent.load_latest(state, **options)
+        step = self.persistent._resumed_from
+        if step is not None:
+            self.restored = Restored(
+                step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
+            )
+            self._drop_newer(step)
+        return values
+
+    def _drop_newer(self, step: int) -> None:
+        """After restoring ``step``, the local checkpoints this rank owns of later steps
+        are of a run that no longer exists: delete them, so that they never mix with the
+        steps this run writes next."""
+        owned = {self.rank, *self._replicator.peers.sources}
+        for later in self.node.steps():
+            if later > step:
+                for rank in set(self.node.ranks_in(later)) & owned:
+                    self.node.remove(later, rank)
+
+    # -- agreement
+
+    def _exchange(self, phase: Phase, payload: Any) -> list[Any]:
+        """Every rank's JSON ``payload`` (errors agreed, missing ranks named)."""
+        coord = Coordinator("tiers", self._tag, timeout=self.timeout)
+        coord.enter(self.timeout)
+        try:
+            with coord.phase(phase) as outcome:
+                outcome.payload = payload
+            # A rank deletes its payload when it leaves; a last phase without one keeps
+            # the payloads until every rank has read them.
+            with coord.phase(Phase.DONE):
+                pass
+            return outcome.payloads
+        finally:
+            coord.close()
+
+
+def _step_of_path(path: str) -> int | None:
+    return step_of(path.rstrip("/").rsplit("/", 1)[-1])

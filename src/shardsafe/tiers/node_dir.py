@@ -1,0 +1,166 @@
+"""The node-local directory: ``step-<step>/rank-<rank>/`` rank checkpoints.
+
+A node's directory holds the rank checkpoints its own ranks wrote and the replicas its
+ranks received from other nodes, in the same layout: ``rank-00003`` is rank 3's
+checkpoint whichever rank wrote it here. Each is an ordinary checkpoint (manifest last),
+so one without a manifest is an interrupted write or receipt, never a step.
+
+Every rank of a node shares the directory, but each writes and deletes only the rank
+directories it owns (its own, and the replicas of the ranks it receives from), so two
+ranks never touch one directory. Entries are opened without following links; names
+other than the ones this module writes are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.manager import problem_with, step_dir_name, step_of
+from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.removal import delete_checkpoint
+from ..checkpoint.storage import LocalStorage
+from ..errors import CheckpointError
+from . import rank_checkpoint
+
+_RANK_DIR = re.compile(r"rank-([0-9]{5,})", re.ASCII)
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def rank_of(name: str) -> int | None:
+    match = _RANK_DIR.fullmatch(name)
+    if match is None:
+        return None
+    rank = int(match.group(1))
+    return rank if rank_dir_name(rank) == name else None
+
+
+@dataclass(frozen=True)
+class Held:
+    """A committed rank checkpoint in this node's directory that passes the cheap checks."""
+
+    step: int
+    rank: int
+    world_size: int
+
+
+class NodeDir:
+    """The node-local directory at ``root`` (created on first use)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+
+    def _root(self) -> LocalStorage:
+        storage = LocalStorage(self.root)
+        storage.make_directory()
+        return storage
+
+    def rank_storage(self, step: int, rank: int, *, create: bool) -> LocalStorage:
+        """``step-<step>/rank-<rank>``, made (with its step directory) if ``create``."""
+        for attempt in range(3):
+            with self._root() as root:
+                step_dir = root.child(step_dir_name(step))
+                if create:
+                    step_dir.make_directory()
+                step_dir.close()
+            rank_dir = step_dir.child(rank_dir_name(rank))
+            if not create:
+                return rank_dir
+            try:
+                rank_dir.make_directory()
+                return rank_dir
+            except FileNotFoundError:  # retention removed the empty step directory
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def steps(self) -> list[int]:
+        """Every step directory here, oldest first (real directories only)."""
+        with self._root() as root:
+            found = [(s, n) for n in root.names() if (s := step_of(n)) is not None]
+            return sorted(s for s, n in found if root.kind(n) == "directory")
+
+    def ranks_in(self, step: int) -> list[int]:
+        """Every rank directory of ``step`` (committed or not)."""
+        with self._root() as root, root.child(step_dir_name(step)) as step_dir:
+            if not step_dir.is_directory():
+                return []
+            found = [(r, n) for n in step_dir.names() if (r := rank_of(n)) is not None]
+            return sorted(r for r, n in found if step_dir.kind(n) == "directory")
+
+    def committed(self, step: int, rank: int) -> bool:
+        with (
+            contextlib.suppress(CheckpointError, OSError),
+            self.rank_storage(step, rank, create=False) as storage,
+        ):
+            return storage.kind(MANIFEST_NAME) == "file"
+        return False
+
+    def held(self) -> Iterator[Held]:
+        """Every committed rank checkpoint here that would load, newest step first; one
+        that would not (damaged, or naming another rank or step) is passed over."""
+        for step in reversed(self.steps()):
+            for rank in self.ranks_in(step):
+                found = self._check(step, rank)
+                if found is not None:
+                    yield found
+
+    def _check(self, step: int, rank: int) -> Held | None:
+        with (
+            contextlib.suppress(CheckpointError, OSError),
+            self.rank_storage(step, rank, create=False) as storage,
+        ):
+            if storage.kind(MANIFEST_NAME) != "file" or problem_with(storage) is not None:
+                return None
+            saved_rank, world_size, saved_step = rank_checkpoint.saved_by(
+                read_manifest_from(storage)
+            )
+            if (saved_rank, saved_step) == (rank, step):
+                return Held(step, rank, world_size)
+        return None
+
+    def remove(self, step: int, rank: int, *, prune: bool = False) -> None:
+        """Delete ``step-<step>/rank-<rank>`` (what shardsafe wrote in it); with ``prune``
+        (retention), then the step directory if nothing is left in it."""
+        with self._root() as root, root.child(step_dir_name(step)) as step_dir:
+            if not step_dir.is_directory():
+                return
+            if step_dir.kind(rank_dir_name(rank)) == "directory":
+                delete_checkpoint(step_dir, rank_dir_name(rank))
+            if prune and not step_dir.names():
+                step_dir.close()
+                with contextlib.suppress(OSError):  # another rank just wrote into it
+                    os.rmdir(step_dir_name(step), dir_fd=root.fd)
+
+    def clear_partial(self, step: int, rank: int) -> None:
+        """Remove an interrupted write or receipt of ``rank``'s checkpoint of ``step``."""
+        if not self.committed(step, rank):
+            self.remove(step, rank)
+
+    def free_bytes(self) -> int:
+        """Bytes the filesystem of the directory can still take (for an unprivileged user)."""
+        with self._root():
+            stats = os.statvfs(self.root)
+        return stats.f_bavail * stats.f_frsize
+
+    def used_bytes(self, ranks: set[int]) -> int:
+        """Bytes the rank checkpoints of ``ranks`` take here (all steps)."""
+        total = 0
+        for step in self.steps():
+            for rank in self.ranks_in(step):
+                if rank not in ranks:
+                    continue
+                with (
+                    contextlib.suppress(OSError, CheckpointError),
+                    self.rank_storage(step, rank, create=False) as storage,
+                ):
+                    for name in storage.names():
+                        total += os.stat(name, dir_fd=storage.fd, follow_symlinks=False).st_size
+        return total

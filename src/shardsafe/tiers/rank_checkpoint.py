@@ -1,0 +1,148 @@
+"""A rank checkpoint: everything one rank holds, as an ordinary one-file checkpoint.
+
+The local tier must let a rank restore itself from its own node, without reading another
+rank's bytes, so it is not deduplicated like a sharded save: each rank writes every
+chunk it holds (a DDP rank its whole model), with no process group involved. Each chunk
+is stored as a whole tensor of its own shape, so the directory is a checkpoint every
+shardsafe tool accepts (``shardsafe verify`` checks it); where each piece sits in its
+global tensor is recorded in the manifest's ``info`` (``rank_checkpoint``), with the
+rank, the world size and the step.
+
+Loading goes through :func:`view`, which turns that checkpoint back into what the rank
+saved: each tensor's global shape with the rank's piece at its offsets, and each entry's
+metadata merged by its adapter as if every rank had held this rank's (so a per-rank RNG
+entry finds its record at this rank's index). The reader refuses a region the pieces do
+not cover (``reader.CheckpointReader._pieces``), so a rank whose sharding differs from the
+one that saved gets a :class:`~shardsafe.CheckpointMismatchError`, never a half-filled
+tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..adapters.registry import find_adapter
+from ..checkpoint.collecting import Collected
+from ..checkpoint.manifest import ChunkRecord, Manifest, TensorRecord
+from ..checkpoint.manifest_format import shape_problem
+from ..checkpoint.storage import Storage
+from ..checkpoint.streaming import StreamedChunk, write_unverified
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ..protocol import SavedValue
+
+INFO_KEY = "rank_checkpoint"
+
+
+def write(storage: Storage, items: Collected, *, rank: int, world_size: int, step: int) -> int:
+    """Write and commit the rank checkpoint of ``items`` (staged copies) into ``storage``;
+    return the bytes of tensor data written."""
+    values: dict[str, SavedValue] = {}
+    chunks: list[StreamedChunk] = []
+    placements: dict[str, list[list[int]]] = {}
+    for name, (_, item) in items.items():
+        values[name] = SavedValue(name, item.kind, item.meta)
+        for chunk in item.chunks:
+            if chunk.key in placements:
+                raise CheckpointError(
+                    f"state[{name!r}] gives this rank two pieces of tensor {chunk.key!r}; the "
+                    "local tier stores one piece per tensor and rank. Save this state to the "
+                    "persistent tier only (local_every=None)"
+                )
+            placements[chunk.key] = [list(chunk.offsets), list(chunk.global_shape)]
+            shape = tuple(chunk.tensor.shape)
+            tensor = chunk.tensor
+            chunks.append(
+                StreamedChunk(
+                    chunk.key,
+                    tensor.dtype,
+                    shape,
+                    (0,) * len(shape),
+                    shape,
+                    lambda t=tensor: t,  # type: ignore[misc]
+                )
+            )
+    info = {"rank": rank, "world_size": world_size, "step": step, "placements": placements}
+    write_unverified(storage, values, chunks, background=True, extra_info={INFO_KEY: info})
+    return sum(c.nbytes for c in chunks)
+
+
+def saved_by(manifest: Manifest) -> tuple[int, int, int]:
+    """``(rank, world_size, step)`` of a rank checkpoint's manifest, validated."""
+    info = manifest.info.get(INFO_KEY)
+    if not isinstance(info, dict):
+        raise CheckpointCorruptError(
+            "the manifest is not a rank checkpoint's (no 'rank_checkpoint')"
+        )
+    fields = [info.get("rank"), info.get("world_size"), info.get("step")]
+    rank, world_size, step = (v if type(v) is int and v >= 0 else -1 for v in fields)
+    if min(rank, world_size, step) < 0:
+        raise CheckpointCorruptError(
+            "the manifest's 'rank_checkpoint' does not hold a rank, a world size and a step"
+        )
+    if rank >= world_size:
+        raise CheckpointCorruptError(f"rank {rank} is outside its world size {world_size}")
+    return rank, world_size, step
+
+
+def view(state: Mapping[str, Any], *, rank: int, world_size: int) -> Callable[[Manifest], Manifest]:
+    """The manifest ``load`` plans from, made from a rank checkpoint's (see the module
+    docstring); refuses one saved by another rank or at another world size."""
+
+    def make(manifest: Manifest) -> Manifest:
+        saved_rank, saved_world, _ = saved_by(manifest)
+        if (saved_rank, saved_world) != (rank, world_size):
+            raise CheckpointMismatchError(
+                f"this rank checkpoint was saved by rank {saved_rank} of {saved_world}, not "
+                f"rank {rank} of {world_size}"
+            )
+        placements = manifest.info[INFO_KEY].get("placements")
+        if not isinstance(placements, dict) or set(placements) != set(manifest.tensors):
+            raise CheckpointCorruptError(
+                "the rank checkpoint's placements do not name exactly its tensors"
+            )
+        tensors = {key: _placed(key, rec, placements[key]) for key, rec in manifest.tensors.items()}
+        values = {name: _as_merged(saved, state, rank) for name, saved in manifest.values.items()}
+        return replace(manifest, world_size=world_size, tensors=tensors, values=values)
+
+    return make
+
+
+def _placed(key: str, rec: TensorRecord, placement: Any) -> TensorRecord:
+    """``rec`` (one whole piece) as the piece of its global tensor that it is."""
+    chunks = list(rec.chunks)
+    ok = (
+        len(chunks) == 1
+        and isinstance(placement, list)
+        and len(placement) == 2
+        and all(isinstance(p, list) and len(p) == len(rec.shape) for p in placement)
+        and all(type(v) is int and v >= 0 for p in placement for v in p)
+    )
+    if not ok:
+        raise CheckpointCorruptError(f"the rank checkpoint's placement of {key!r} is not valid")
+    offsets, global_shape = (tuple(p) for p in placement)
+    problem = shape_problem(global_shape, 1)
+    outside = any(o + n > g for o, n, g in zip(offsets, rec.shape, global_shape))
+    if problem is not None or outside:
+        raise CheckpointCorruptError(
+            f"the rank checkpoint places {key!r} (shape {list(rec.shape)}) at offsets "
+            f"{list(offsets)} of a tensor of shape {list(global_shape)}, which "
+            f"{problem or 'does not hold it'}"
+        )
+    piece = chunks[0]
+    if math.prod(piece.shape) != math.prod(rec.shape):  # the parser checked; kept explicit
+        raise CheckpointCorruptError(f"the rank checkpoint's piece of {key!r} is not whole")
+    placed = ChunkRecord(piece.file, piece.name, offsets, piece.shape, piece.crc32)
+    return TensorRecord(rec.dtype, global_shape, (placed,))
+
+
+def _as_merged(saved: SavedValue, state: Mapping[str, Any], rank: int) -> SavedValue:
+    """The entry as a whole-world save records it, had every rank up to this one held
+    this rank's metadata; an entry the state does not ask for is left as saved."""
+    obj = state.get(saved.name) if saved.name in state else None
+    if obj is None:
+        return saved
+    adapter = find_adapter(obj, saved.name)
+    return SavedValue(saved.name, saved.kind, adapter.merge([saved.meta] * (rank + 1)))

@@ -1,0 +1,194 @@
+"""The background half of a local save: write the rank checkpoint, then replicate it.
+
+Two threads per manager, each working through its jobs in order:
+
+* the writer turns a staged snapshot into ``step-<step>/rank-<rank>`` in the node's
+  directory (a rank checkpoint, committed manifest-last), then hands the step on;
+* the replicator sends this rank's committed checkpoint of the step to its ``targets``
+  (ranks on other nodes) and receives its ``sources``' checkpoints of the same step, all
+  transfers at once, one thread each (so no order of blocking sends and receives can
+  deadlock), over the tiers' own gloo group; then it applies retention.
+
+Every rank replicates every local step, in order, so the pairs of sends and receives
+always match; a rank whose write failed still takes part, sending "none". A failed
+transfer (a peer gone) is recorded and replication stops with a warning: training goes
+on, and recovery uses what was replicated before.
+
+Retention, after each step: this rank's own checkpoints older than the ``keep_local``
+newest *replicated* ones are deleted (so an old step goes only once a newer one is safe
+on another node), and so are replicas older than the ``keep_local`` newest received
+from the same source.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checkpoint.collecting import Collected
+from ..errors import CheckpointError
+from . import rank_checkpoint, transfer
+from .node_dir import NodeDir
+
+
+@dataclass
+class Peers:
+    """Who this rank sends its replicas to, and whose it keeps."""
+
+    targets: list[int]
+    sources: list[int]
+
+
+@dataclass
+class Record:
+    """What happened to each local step on this rank (for retention and for tests)."""
+
+    written: list[int] = field(default_factory=list)
+    replicated: list[int] = field(default_factory=list)
+    """Steps every target has committed (all written steps, without targets)."""
+    received: dict[int, list[int]] = field(default_factory=dict)
+    """Per source rank: the steps of its replicas committed here."""
+    errors: list[BaseException] = field(default_factory=list)
+
+
+class Replicator:
+    """The two threads of one manager (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: NodeDir,
+        rank: int,
+        world_size: int,
+        peers: Peers,
+        group: Any,
+        keep_local: int,
+    ) -> None:
+        self.node, self.rank, self.world_size = node, rank, world_size
+        self.peers, self.group, self.keep_local = peers, group, keep_local
+        self.record = Record()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-local-write")
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-replicate")
+        self._write: Future[None] | None = None
+        self._replications: list[Future[None]] = []
+        self._broken = False
+        self._lock = threading.Lock()
+
+    def submit(self, step: int, items: Collected) -> Future[None]:
+        """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
+        replicate it. Waits first for the previous write (whose staging buffers these
+        are) and for all but the last replication (so that they cannot pile up)."""
+        self.wait_written()
+        while len(self._replications) > 1:
+            self._replications.pop(0).result()
+        self._write = self._writer.submit(self._write_step, step, items)
+        self._replications.append(self._sender.submit(self._replicate_after, step, self._write))
+        return self._write
+
+    def wait_written(self) -> None:
+        """Wait until the last snapshot is on the node's disk (its error is recorded)."""
+        if self._write is not None:
+            self._write.result()
+
+    def drain(self) -> None:
+        """Wait for every write and replication submitted so far."""
+        self.wait_written()
+        while self._replications:
+            self._replications.pop(0).result()
+
+    def close(self) -> None:
+        self.drain()
+        self._writer.shutdown()
+        self._sender.shutdown()
+
+    # -- the threads
+
+    def _write_step(self, step: int, items: Collected) -> None:
+        try:
+            self.node.remove(step, self.rank)  # an earlier attempt at this step
+            with self.node.rank_storage(step, self.rank, create=True) as storage:
+                rank_checkpoint.write(
+                    storage, items, rank=self.rank, world_size=self.world_size, step=step
+                )
+            self.record.written.append(step)
+        except Exception as e:  # recorded; replication sends "none" for this step
+            self.record.errors.append(e)
+            warnings.warn(
+                f"shardsafe: rank {self.rank} could not write its local checkpoint of step "
+                f"{step}: {e}",
+                stacklevel=1,
+            )
+        finally:
+            items.clear()
+
+    def _replicate_after(self, step: int, write: Future[None]) -> None:
+        write.result()
+        if not self._broken and (self.peers.targets or self.peers.sources):
+            self._replicate(step)
+        elif not self.peers.targets and step in self.record.written:
+            self.record.replicated.append(step)
+        self._retain()
+
+    def _replicate(self, step: int) -> None:
+        own = step in self.record.written
+        jobs: list[tuple[str, int, Future[bool]]] = []
+        with ThreadPoolExecutor(len(self.peers.targets) + len(self.peers.sources)) as pool:
+            for target in self.peers.targets:
+                jobs.append(("send", target, pool.submit(self._send, step, target, own)))
+            for source in self.peers.sources:
+                jobs.append(("receive", source, pool.submit(self._receive, step, source)))
+        sent = True
+        for kind, peer, job in jobs:
+            try:
+                ok = job.result()
+            except Exception as e:  # a peer gone: stop replicating, keep training
+                self._broken = True
+                self.record.errors.append(e)
+                warnings.warn(
+                    f"shardsafe: rank {self.rank} stops replicating its local checkpoints: "
+                    f"the transfer of step {step} with rank {peer} failed: {e}",
+                    stacklevel=1,
+                )
+                ok = False
+            if kind == "send":
+                sent = sent and ok
+            elif ok:
+                self.record.received.setdefault(peer, []).append(step)
+        if own and sent:
+            self.record.replicated.append(step)
+
+    def _send(self, step: int, target: int, own: bool) -> bool:
+        if not own:
+            return transfer.send(self.group, target, None)
+        with self.node.rank_storage(step, self.rank, create=False) as storage:
+            return transfer.send(self.group, target, storage)
+
+    def _receive(self, step: int, source: int) -> bool:
+        self.node.remove(step, source)  # an interrupted receipt, or an earlier attempt
+        return transfer.receive(
+            self.group,
+            source,
+            rank=source,
+            step=step,
+            target=lambda: self.node.rank_storage(step, source, create=True),
+        )
+
+    def _retain(self) -> None:
+        try:
+            _drop_older(self.node, self.rank, self.record.replicated, self.keep_local)
+            for source, steps in self.record.received.items():
+                _drop_older(self.node, source, steps, self.keep_local)
+        except (CheckpointError, OSError) as e:
+            warnings.warn(f"shardsafe: local retention failed: {e}", stacklevel=1)
+
+
+def _drop_older(node: NodeDir, rank: int, safe: list[int], keep: int) -> None:
+    """Delete ``rank``'s checkpoints here older than the ``keep`` newest of ``safe``."""
+    if len(safe) < keep:
+        return
+    oldest_kept = sorted(safe)[-keep]
+    for step in node.steps():
+        if step < oldest_kept and rank in node.ranks_in(step):
+            node.remove(step, rank, prune=True)

@@ -1,0 +1,73 @@
+"""Which node each rank runs on, and which ranks hold a replica of whose checkpoint.
+
+A replica exists to survive the loss of its owner's node, so it must never live on that
+node. Nodes are told apart by torchrun's ``GROUP_RANK`` (the agent's node rank), else by
+host name; ``SHARDSAFE_NODE`` overrides both (to simulate nodes on one machine). Nodes
+are ordered by their lowest rank; rank ``r``, the ``i``-th rank of node ``n``, sends its
+replicas to the ``i``-th rank (wrapping around) of nodes ``n + 1``, ..., ``n + replicas``
+(modulo the node count). A node that is lost thus takes its ranks' checkpoints with it,
+but every one of them is also on the next ``replicas`` nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+def node_name() -> str:
+    """This process's node, as every rank on it names it."""
+    override = os.environ.get("SHARDSAFE_NODE")
+    if override:
+        return f"node:{override}"
+    group = os.environ.get("GROUP_RANK")
+    if group is not None:
+        return f"group:{group}"
+    return f"host:{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The ranks of each node (``nodes``, ordered by lowest rank) and each rank's node."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    node_of: tuple[int, ...]
+
+    @staticmethod
+    def of(names: list[str]) -> Topology:
+        """From every rank's :func:`node_name`, indexed by rank."""
+        order: dict[str, list[int]] = {}
+        for rank, name in enumerate(names):
+            order.setdefault(name, []).append(rank)
+        nodes = tuple(tuple(ranks) for ranks in order.values())
+        node_of = [0] * len(names)
+        for index, ranks in enumerate(nodes):
+            for rank in ranks:
+                node_of[rank] = index
+        return Topology(nodes, tuple(node_of))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.node_of)
+
+    def max_replicas(self) -> int:
+        """Replicas on distinct other nodes that each rank can have."""
+        return len(self.nodes) - 1
+
+    def targets(self, rank: int, replicas: int) -> list[int]:
+        """The ranks that keep ``rank``'s replicas, one per following node."""
+        node = self.node_of[rank]
+        index = self.nodes[node].index(rank)
+        found = []
+        for k in range(1, min(replicas, self.max_replicas()) + 1):
+            peers = self.nodes[(node + k) % len(self.nodes)]
+            found.append(peers[index % len(peers)])
+        return found
+
+    def sources(self, rank: int, replicas: int) -> list[int]:
+        """The ranks whose replicas ``rank`` keeps."""
+        return [r for r in range(self.world_size) if rank in self.targets(r, replicas)]
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.node_of[a] == self.node_of[b]
