@@ -4,11 +4,13 @@ Sections: ZeRO save/load against torch's consolidation, Lightning and the floors
 peak memory of a consolidated save; Lightning's save_checkpoint and resume with its own
 DDP strategy against ShardsafeDDPStrategy; plain DDP and FSDP2 against
 torch.distributed.checkpoint; pipeline x data parallel and expert parallel state on 4
-ranks against torch.distributed.checkpoint, with the bytes each rank wrote; ZeRO save
-time against state size at 2 and 4 ranks; coordination (time and store requests) of a
-tiny state at 2 to 64 ranks; a summary table and every target, MET or MISSED. Prints
-markdown, then writes the same text to ``--results`` and the save-time plot to
-``--plot``. A full run takes about 20 minutes on 2 cores; ``--quick`` is a tiny smoke run
+ranks against torch.distributed.checkpoint, with the bytes each rank wrote; tiered
+checkpoints on 2 simulated nodes x 2 ranks (recovery from the local, peer and persistent
+tiers against DCP, and what local saves cost the training loop); ZeRO save time against
+state size at 2 and 4 ranks; coordination (time and store requests) of a tiny state at 2
+to 64 ranks; a summary table and every target, MET or MISSED. Prints markdown, then
+writes the same text to ``--results`` and the save-time plot to ``--plot``. A full run
+takes about 22 minutes on 2 cores; ``--quick`` is a tiny smoke run
 (about a minute) that writes its results under ``--dir`` unless ``--results``/``--plot``
 are given.
 
@@ -34,6 +36,7 @@ import lightning_strategy
 import manifest_scale
 import parallel_layouts
 import scaling
+import tiered_recovery
 import zero_checkpoint as zero
 from _common import Target, clean, disk, machine, mib, table, verdicts
 from _report import Section
@@ -57,11 +60,15 @@ class Config:
     coordination_worlds: tuple[int, ...] = (2, 8, 16, 32, 64)  # tiny state: the agreement
     coordination_repeat: int = 3
     parallel_mib: float = 192  # model + AdamW per rank: PP x DP and EP, 4 ranks
+    tiers_mib: float = 192  # model + AdamW per rank: tiered checkpoints, 2 nodes x 2 ranks
+    tiers_repeat: int = 3
+    tiers_steps: int = 8  # training steps per loop, with and without a local save each
 
 
 QUICK = Config(
     2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),),
     async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
+    tiers_mib=1, tiers_repeat=1, tiers_steps=3,
 )  # fmt: skip
 
 
@@ -152,6 +159,10 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
         lambda: async_checkpoint.section(
             async_checkpoint.SETUPS, cfg.async_layers, 2, cfg.repeat, root
         ),
+    )
+    report.section(
+        "Tiered checkpoints: recovery by tier and the cost of local saves, 2 nodes x 2 ranks",
+        lambda: tiered_recovery.section(cfg.tiers_mib, cfg.tiers_repeat, cfg.tiers_steps, root),
     )
     known = {(cfg.zero_layers, 2): scaling.Point(cfg.zero_layers, 2, main.info, main.results)}
     points: list[scaling.Point] = []

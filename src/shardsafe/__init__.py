@@ -7,6 +7,7 @@ Public API (everything else is private and may change)::
     shardsafe.load(path, state, strict=True) -> dict of plain values
     shardsafe.read_manifest(path) -> what a checkpoint holds, without reading data
     shardsafe.CheckpointManager(root, keep_last=k)
+    shardsafe.TieredCheckpointManager(persistent, local, local_every=.., persist_every=..)
     shardsafe.RNGState()
     shardsafe.Trainer(strategy=..., devices=N, ...).fit(shardsafe.TrainingModule subclass)
     shardsafe.register_adapter(adapter) / shardsafe.Adapter
@@ -28,6 +29,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
+from .tiers import TieredCheckpointManager
 from .trainer import Trainer, TrainingModule
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "CheckpointVersionError",
     "RNGState",
     "SaveHandle",
+    "TieredCheckpointManager",
     "Trainer",
     "TrainingModule",
     "__version__",

@@ -27,6 +27,7 @@ SECTIONS = (
     "## PP x DP (2 x 2) on 4 ranks: shardsafe against torch.distributed.checkpoint",
     "## EP on 4 ranks: shardsafe against torch.distributed.checkpoint",
     "## Asynchronous save",
+    "## Tiered checkpoints",
     "## ZeRO save time against state size",
     "## Coordination against ranks",
     "## Parsing and validating a large manifest",
@@ -80,8 +81,10 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
     # and FSDP2: load in each verify mode against DCP, 4 load RSS (layout x mode); FSDP2 save;
     # 11 async (stall/copy, stall/DCP, training, durable for DDP and FSDP2; no DCP for ZeRO),
     # 2 store requests per save (2 and 4 ranks; the time targets start at 32 ranks);
-    # PP x DP and EP: save, load in each verify mode against DCP, busiest writer's bytes
-    assert len(found) == 44, summary
+    # PP x DP and EP: save, load in each verify mode against DCP, busiest writer's bytes;
+    # 7 tiered (recovery from local and from a peer against S3 and against DCP, the stall,
+    # training speed while replicating, a local save every step)
+    assert len(found) == 51, summary
     assert any("busiest writer" in name for name in found)
     assert any("store requests per save" in name for name in found)
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)

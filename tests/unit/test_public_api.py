@@ -19,6 +19,7 @@ PUBLIC = [
     "CheckpointVersionError",
     "RNGState",
     "SaveHandle",
+    "TieredCheckpointManager",
     "Trainer",
     "TrainingModule",
     "__version__",

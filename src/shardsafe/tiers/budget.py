@@ -57,10 +57,11 @@ class Budget:
 
 
 def check(
-    reports: list[Report], topology: Topology, replicas: int, keep_local: int, where: str
+    reports: list[Report], topology: Topology, replicas: int, keep_local: int, where: list[str]
 ) -> Budget:
     """The budget of every node; a :class:`CheckpointError` naming the first node without
-    room for it."""
+    room for it (by its ranks and ``where[rank]``, each rank's local directory), the same
+    on every rank."""
     step_bytes = []
     for ranks in topology.nodes:
         kept = set(ranks) | {s for r in ranks for s in topology.sources(r, replicas)}
@@ -71,14 +72,16 @@ def check(
         if result.required(node) > available:
             raise CheckpointError(
                 f"the local tier needs {_gib(result.required(node))} on the node of ranks "
-                f"{list(ranks)[:8]} ({where}): {_gib(step_bytes[node])} per step (its ranks' "
-                f"checkpoints and the replicas it keeps) x (keep_local={keep_local} + 1 being "
-                f"written), but only {_gib(available)} is free there. Lower keep_local or "
-                "replicas, save locally less state, or give the local path more room (a "
-                "larger /dev/shm: docker --shm-size, or an NVMe path)"
+                f"{list(ranks)[:8]} ({where[ranks[0]]}): {_gib(step_bytes[node])} per step "
+                f"(its ranks' checkpoints and the replicas it keeps) x (keep_local={keep_local} "
+                f"+ 1 being written), but only {_gib(available)} is free there. Lower "
+                "keep_local or replicas, save locally less state, or give the local path more "
+                "room (a larger /dev/shm: docker --shm-size, or an NVMe path)"
             )
     return result
 
 
 def _gib(n: int) -> str:
+    if n < 2**20:
+        return f"{n} bytes"
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from ..checkpoint import loading
 from ..checkpoint.collecting import check_state, collect
-from ..checkpoint.manager import CheckpointManager, step_of
+from ..checkpoint.locations import open_storage
+from ..checkpoint.manager import LATEST, CheckpointManager, step_of
+from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.staging import Stager
@@ -94,6 +96,7 @@ class TieredCheckpointManager:
             raise ValueError(f"keep_local={keep_local!r} must be at least 1")
         self.local_every, self.persist_every = local_every, persist_every
         self.keep_local, self.timeout = keep_local, timeout
+        self._options = storage_options
         self.persistent = CheckpointManager(
             persistent, keep_last, warn_if_not_empty=False, storage_options=storage_options
         )
@@ -179,13 +182,13 @@ class TieredCheckpointManager:
         report = budget.Report(
             own_bytes, self.node.free_bytes(), self.node.used_bytes(owned)
         ).to_json()
-        reports = self._exchange(Phase.SURVEY, report)
+        docs = self._exchange(Phase.SURVEY, {"report": report, "root": self.node.root})
         self.budget = budget.check(
-            [budget.Report.from_json(r) for r in reports],
+            [budget.Report.from_json(d["report"]) for d in docs],
             self.topology,
             self.replicas,
             self.keep_local,
-            self.node.root,
+            [str(d["root"]) for d in docs],
         )
         self._budget_checked = True
 
@@ -220,7 +223,9 @@ class TieredCheckpointManager:
         ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
         started = time.monotonic()
         self._replicator.drain()
-        opts = LoadOptions.of(**options)
+        # A failed load from a local copy is followed by a whole load from the next
+        # source, which overwrites everything: one read ("inline") suffices there.
+        opts = LoadOptions.of(**{"verify": "inline", **options})
         excluded: set[tuple[int, int, int]] = set()
         for _ in range(3 * self.world_size + 3):
             choice = self._survey(excluded)
@@ -250,10 +255,7 @@ class TieredCheckpointManager:
 
     def _survey(self, excluded: set[tuple[int, int, int]]) -> recovery.Choice:
         held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
-        persisted = None
-        if self.rank == 0:
-            path = self.persistent.latest()
-            persisted = None if path is None else _step_of_path(path)
+        persisted = self._persisted_step() if self.rank == 0 else None
         payloads = self._exchange(Phase.SURVEY, {"held": held, "persistent": persisted})
         choice = recovery.choose(
             [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
@@ -262,6 +264,26 @@ class TieredCheckpointManager:
             excluded,
         )
         return choice
+
+    def _persisted_step(self) -> int | None:
+        """The persistent tier's newest step, cheaply: its ``latest`` pointer (one small
+        read) if it names a committed step, else the newest committed step directory.
+        Not validated here (``CheckpointManager.latest`` opens every data file's header, a
+        round trip each on an object store, which a restore from the local tier would pay
+        for nothing); ``load_latest`` validates it if it is chosen, and passes over a
+        damaged one as ``CheckpointManager`` does."""
+        with (
+            contextlib.suppress(CheckpointError, OSError, UnicodeDecodeError),
+            open_storage(self.persistent.root, storage_options=self._options) as root,
+        ):
+            named = root.read_small(LATEST, 64).decode("ascii").strip()
+            step = step_of(named)
+            if step is not None:
+                with root.child(named) as step_dir:
+                    if step_dir.kind(MANIFEST_NAME) == "file":
+                        return step
+        steps = self.persistent.complete_steps()
+        return steps[-1] if steps else None
 
     def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> bool:
         """Send the peers' copies to the ranks that need them; False (and the failed copies
@@ -381,7 +403,3 @@ class TieredCheckpointManager:
             return outcome.payloads
         finally:
             coord.close()
-
-
-def _step_of_path(path: str) -> int | None:
-    return step_of(path.rstrip("/").rsplit("/", 1)[-1])

@@ -19,12 +19,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..checkpoint.files import check_name, open_directory
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import problem_with, step_dir_name, step_of
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.removal import delete_checkpoint
 from ..checkpoint.storage import LocalStorage
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 from . import rank_checkpoint
 
 _RANK_DIR = re.compile(r"rank-([0-9]{5,})", re.ASCII)
@@ -51,6 +52,39 @@ class Held:
     world_size: int
 
 
+class _Under(LocalStorage):
+    """The directory ``name`` of ``parent``, opened (and made) under a fresh descriptor of
+    ``parent`` and never followed if a link; so are its children. (``LocalStorage``'s
+    ``child`` opens the path above it by name, which follows a link in place of a step
+    directory when the rank directory below it is opened.)"""
+
+    def __init__(self, parent: LocalStorage, name: str) -> None:
+        super().__init__(parent.where(check_name(name)), follow=False)
+        self.parent, self.name = parent, name
+
+    def _open(self) -> int:
+        return self._walk(make=False)
+
+    def make_directory(self) -> None:
+        if self._fd is None:
+            self._fd = self._walk(make=True)
+
+    def _walk(self, *, make: bool) -> int:
+        parent_fd = self.parent._open()
+        try:
+            if make:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self.name, dir_fd=parent_fd)
+            return open_directory(self.name, dir_fd=parent_fd, follow=False)
+        except CheckpointCorruptError as e:  # it names the entry: name the path
+            raise CheckpointCorruptError(f"{self.directory}{str(e)[len(self.name) :]}") from None
+        finally:
+            os.close(parent_fd)
+
+    def child(self, name: str) -> LocalStorage:
+        return _Under(self, name)
+
+
 class NodeDir:
     """The node-local directory at ``root`` (created on first use)."""
 
@@ -65,11 +99,9 @@ class NodeDir:
     def rank_storage(self, step: int, rank: int, *, create: bool) -> LocalStorage:
         """``step-<step>/rank-<rank>``, made (with its step directory) if ``create``."""
         for attempt in range(3):
-            with self._root() as root:
-                step_dir = root.child(step_dir_name(step))
+            with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
                 if create:
                     step_dir.make_directory()
-                step_dir.close()
             rank_dir = step_dir.child(rank_dir_name(rank))
             if not create:
                 return rank_dir
@@ -89,7 +121,7 @@ class NodeDir:
 
     def ranks_in(self, step: int) -> list[int]:
         """Every rank directory of ``step`` (committed or not)."""
-        with self._root() as root, root.child(step_dir_name(step)) as step_dir:
+        with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
             if not step_dir.is_directory():
                 return []
             found = [(r, n) for n in step_dir.names() if (r := rank_of(n)) is not None]
@@ -129,7 +161,7 @@ class NodeDir:
     def remove(self, step: int, rank: int, *, prune: bool = False) -> None:
         """Delete ``step-<step>/rank-<rank>`` (what shardsafe wrote in it); with ``prune``
         (retention), then the step directory if nothing is left in it."""
-        with self._root() as root, root.child(step_dir_name(step)) as step_dir:
+        with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
             if not step_dir.is_directory():
                 return
             if step_dir.kind(rank_dir_name(rank)) == "directory":

@@ -1,0 +1,121 @@
+"""Tiered checkpoints across two torchrun agents playing two nodes (``--nnodes 2``, one
+worker each): each node its own local directory, the persistent tier on a real S3 server
+on loopback. The failure table of the README, one row per test: losses after recovery
+must continue bitwise as in an uninterrupted run. (A worker killed under
+``--max-restarts``: ``test_trainer_local_tier.py``, one agent: two agents on one host
+restarting at once lose their rendezvous to each other's gloo ports.)"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_multinode import node_env
+from tests.e2e.trainer_helpers import TORCHRUN
+from tests.harness import free_port
+from tests.s3server import S3Server
+
+pytestmark = pytest.mark.timeout(300)
+WORKER = Path(__file__).with_name("tiered_worker.py")
+STEPS = 6
+
+
+def run_nodes(tmp_path: Path, env: dict[str, str], *args: str) -> list[tuple[int, str]]:
+    """Both agents' (exit status, output)."""
+    if not TORCHRUN.exists():
+        pytest.skip(f"torchrun is not installed at {TORCHRUN}")
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                str(TORCHRUN),
+                *("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)),
+                *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
+                *("--local-addr", "127.0.0.1", "--max-restarts", "0"),
+                "--monitor-interval",
+                "0.5",
+                str(WORKER),
+                *args,
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+
+
+def losses(out: str) -> dict[int, str]:
+    found = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "loss":
+            found[int(parts[1])] = parts[2]  # the last attempt's value wins
+    return found
+
+
+def restored(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("restored ")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> list[dict]:
+    """Each node's losses in an uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("reference")
+    url = f"s3://{s3_server.new_bucket()}/run"
+    results = run_nodes(tmp, node_env(s3_server.env), url, str(tmp / "local"))
+    for code, out in results:
+        assert code == 0 and "done" in out, out
+    return [losses(out) for _, out in results]
+
+
+def killed_run(tmp_path: Path, s3_server: S3Server) -> tuple[str, dict[str, str]]:
+    """A run whose workers are all SIGKILLed once step 4 is saved locally and replicated."""
+    env = node_env(s3_server.env)
+    url = f"s3://{s3_server.new_bucket()}/run"
+    for code, out in run_nodes(tmp_path, env, url, str(tmp_path / "local"), "--kill-at", "4"):
+        assert code != 0, out
+        assert "loss 4 " in out and "loss 5 " not in out, out
+    return url, env
+
+
+def resume(tmp_path: Path, url: str, env: dict[str, str], reference: list[dict]) -> list[str]:
+    """Restart both nodes; the tier each restored from, after checking the losses."""
+    tiers = []
+    for node, (code, out) in enumerate(run_nodes(tmp_path, env, url, str(tmp_path / "local"))):
+        assert code == 0 and "done" in out, out
+        step_losses = losses(out)
+        assert step_losses == {s: reference[node][s] for s in step_losses}, out
+        (line,) = restored(out)
+        tiers.append(line)
+    return tiers
+
+
+def test_whole_job_killed_restores_from_the_local_tiers(
+    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+) -> None:
+    url, env = killed_run(tmp_path, s3_server)
+    assert resume(tmp_path, url, env, reference) == ["restored 4 local"] * 2
+
+
+def test_a_lost_node_restores_from_its_replica_on_the_other(
+    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+) -> None:
+    url, env = killed_run(tmp_path, s3_server)
+    shutil.rmtree(tmp_path / "local" / "node1")  # the node was replaced
+    assert resume(tmp_path, url, env, reference) == ["restored 4 local", "restored 4 peer"]
+
+
+def test_both_nodes_lost_restore_from_the_persistent_tier_on_s3(
+    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+) -> None:
+    url, env = killed_run(tmp_path, s3_server)
+    shutil.rmtree(tmp_path / "local")
+    assert resume(tmp_path, url, env, reference) == ["restored 4 persistent"] * 2
