@@ -1,9 +1,7 @@
 """Tiered checkpoints across two torchrun agents playing two nodes (``--nnodes 2``, one
 worker each): each node its own local directory, the persistent tier on a real S3 server
 on loopback. The failure table of the README, one row per test: losses after recovery
-must continue bitwise as in an uninterrupted run. (A worker killed under
-``--max-restarts``: ``test_trainer_local_tier.py``, one agent: two agents on one host
-restarting at once lose their rendezvous to each other's gloo ports.)"""
+must continue bitwise as in an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -23,7 +21,9 @@ WORKER = Path(__file__).with_name("tiered_worker.py")
 STEPS = 6
 
 
-def run_nodes(tmp_path: Path, env: dict[str, str], *args: str) -> list[tuple[int, str]]:
+def run_nodes(
+    tmp_path: Path, env: dict[str, str], *args: str, restarts: int = 0
+) -> list[tuple[int, str]]:
     """Both agents' (exit status, output)."""
     if not TORCHRUN.exists():
         pytest.skip(f"torchrun is not installed at {TORCHRUN}")
@@ -34,7 +34,7 @@ def run_nodes(tmp_path: Path, env: dict[str, str], *args: str) -> list[tuple[int
                 str(TORCHRUN),
                 *("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-                *("--local-addr", "127.0.0.1", "--max-restarts", "0"),
+                *("--local-addr", "127.0.0.1", "--max-restarts", str(restarts)),
                 "--monitor-interval",
                 "0.5",
                 str(WORKER),
@@ -119,3 +119,17 @@ def test_both_nodes_lost_restore_from_the_persistent_tier_on_s3(
     url, env = killed_run(tmp_path, s3_server)
     shutil.rmtree(tmp_path / "local")
     assert resume(tmp_path, url, env, reference) == ["restored 4 persistent"] * 2
+
+
+def test_a_killed_worker_recovers_by_itself_under_max_restarts(
+    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+) -> None:
+    # torchrun's restarted workers otherwise read the previous attempt's gloo addresses
+    # from the store they share with the agent (pytorch/pytorch#135712).
+    env = {**node_env(s3_server.env), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    url = f"s3://{s3_server.new_bucket()}/run"
+    args = (url, str(tmp_path / "local"), "--kill-at", "3", "--kill-rank", "1")
+    for node, (code, out) in enumerate(run_nodes(tmp_path, env, *args, restarts=1)):
+        assert code == 0 and "done" in out, out
+        assert restored(out) == ["restored 0 none", "restored 3 local"], out
+        assert losses(out) == reference[node], out

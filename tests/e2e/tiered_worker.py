@@ -5,7 +5,8 @@ tier (an ``s3://`` URL) shared by both.
 Resumes with ``load_latest``, trains to ``--steps`` (a local save every step, a
 persistent one every ``--persist-every``), printing ``restored <step> <tier>`` and one
 ``loss <step> <float.hex>`` line per step. ``--kill-at K`` SIGKILLs every worker once
-step K's local checkpoint is written and replicated."""
+step K's local checkpoint is written and replicated (on the agents' first attempt
+only, so that ``--max-restarts`` can recover); ``--kill-rank R`` kills rank R alone."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--persist-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-rank", type=int, default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -55,10 +57,13 @@ def main() -> int:
         opt.step()
         print(f"loss {step} {loss.item().hex()}", flush=True)
         manager.async_save(step, state)
-        if step == args.kill_at:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if step == args.kill_at and first_attempt:
             manager.wait()  # written and replicated
             dist.barrier()
-            os.kill(os.getpid(), signal.SIGKILL)
+            if args.kill_rank in (None, rank):
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.barrier()  # the others wait here until their agent stops them
     manager.close()
     dist.destroy_process_group()
     print("done", flush=True)

@@ -37,6 +37,8 @@ _OPTIONS: tuple[tuple[str, str], ...] = (
     ("--keep-last", "keep_last"),
     ("--example-optimizer", "example_optimizer"),
     ("--async-save", "async_save"),
+    ("--local-checkpoint-dir", "local_checkpoint_dir"),
+    ("--local-every", "local_every"),
 )
 """Every option, so a launcher can hand its workers exactly the options it was given."""
 
@@ -67,6 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write checkpoints in the background: training goes on while they are written",
     )
     parser.add_argument(
+        "--local-checkpoint-dir",
+        metavar="DIR",
+        help="also save each rank's own state every --local-every steps to this node-local "
+        "directory (e.g. /dev/shm/run1); --resume latest takes the newest step of either",
+    )
+    parser.add_argument(
+        "--local-every",
+        type=int,
+        metavar="N",
+        help="with --local-checkpoint-dir: save there every N steps (default: 1)",
+    )
+    parser.add_argument(
         "--example-optimizer",
         choices=EXAMPLE_OPTIMIZERS,
         default="adamw",
@@ -78,10 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..trainer import Trainer
     from ..trainer.launcher import current_environment, launch
-    from ..trainer.loop import find_checkpoint
+    from ..trainer.resuming import find_checkpoint
 
     try:
         module_class = _module_class(args)
+        if args.local_every is not None and args.local_checkpoint_dir is None:
+            raise ValueError(
+                "--local-every applies to the local tier: pass --local-checkpoint-dir DIR too"
+            )
         trainer = Trainer(
             strategy=args.strategy,
             devices=args.devices,
@@ -92,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             keep_last=args.keep_last,
             async_save=args.async_save,
+            local_checkpoint_dir=args.local_checkpoint_dir,
+            local_every=1 if args.local_every is None else args.local_every,
         )
         env = current_environment(args.devices)
     except ValueError as e:

@@ -22,6 +22,9 @@ puts it on ``DDPStrategy`` and ``ModelParallelStrategy``):
   ``load_optimizer_state_dict``: one shardsafe load once the optimizers exist, or an
   ordinary ``.ckpt`` file (:mod:`.restore`).
 * ``remove_checkpoint``: deletes only what shardsafe wrote (:mod:`.cleanup`).
+* with ``local_checkpoint_dir``: ``setup`` opens the local tier (:mod:`.local_tier`: a
+  callback that saves every ``local_every`` steps, and the choice of what a fit resumes
+  from), ``load_checkpoint`` restores from it when chosen, ``teardown`` closes it.
 """
 
 from __future__ import annotations
@@ -35,17 +38,21 @@ from torch.optim import Optimizer
 from ..checkpoint.options import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, LoadOptions, SaveOptions
 from ..checkpoint.placement import save_replacing
 from ..errors import CheckpointError
+from ..tiers import Restored as TierRestored
 from . import checks, cleanup, restore, state
 from ._namespace import lightning
+from .local_tier import LocalTier, describe_tiers
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import Strategy
     from pytorch_lightning.trainer.states import TrainerFn
+    from pytorch_lightning.utilities import rank_zero_info
 else:
     pl = lightning()
     Strategy = pl.strategies.Strategy
     TrainerFn = pl.trainer.states.TrainerFn
+    rank_zero_info = pl.utilities.rank_zero_info
 
 
 class ShardsafeCheckpointing(Strategy):
@@ -55,6 +62,12 @@ class ShardsafeCheckpointing(Strategy):
     ``shardsafe.save``/``load``; a strategy's own ``timeout`` is the process group's) and
     ``buffer_bytes`` are shardsafe's save options; every other keyword goes to the
     Lightning strategy.
+
+    ``local_checkpoint_dir`` (a node-local directory, e.g. ``/dev/shm/run1``) adds a local
+    tier: every ``local_every`` optimizer steps each rank saves its own state there in
+    the background, and a fit resumes from it when it holds a newer step than the
+    checkpoint Lightning would resume from (``None`` or ``"last"``; never instead of an
+    explicit path). See :mod:`.local_tier` for the exact rules.
     """
 
     reads_ckpt_files: ClassVar[bool] = True
@@ -67,6 +80,8 @@ class ShardsafeCheckpointing(Strategy):
         entry_timeout: float = 60.0,
         checkpoint_timeout: float = DEFAULT_TIMEOUT_S,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        local_checkpoint_dir: str | os.PathLike[str] | None = None,
+        local_every: int = 1,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("checkpoint_io") is not None:
@@ -81,6 +96,14 @@ class ShardsafeCheckpointing(Strategy):
             buffer_bytes=buffer_bytes,
         )
         self.load_options = LoadOptions(entry_timeout=entry_timeout, timeout=checkpoint_timeout)
+        if local_checkpoint_dir is None and local_every != 1:
+            raise ValueError(
+                f"local_every={local_every!r} applies to the local tier, which is off; pass "
+                "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too"
+            )
+        self._local = (
+            None if local_checkpoint_dir is None else LocalTier(local_checkpoint_dir, local_every)
+        )
         super().__init__(**kwargs)
         self._state_dict_record = state.StateDictRecord()
         self._restored = restore.Restored()
@@ -92,6 +115,19 @@ class ShardsafeCheckpointing(Strategy):
         state.guard_dump(trainer._checkpoint_connector)
         if trainer.state.fn == TrainerFn.FITTING:
             checks.check_savable(trainer)
+            if self._local is not None:
+                self._local.open(trainer)
+
+    def teardown(self) -> None:
+        if self._local is not None:
+            self._local.close()
+        super().teardown()
+
+    @property
+    def local_restored(self) -> TierRestored | None:
+        """What the last fit restored from the local tier (step, each rank's tier,
+        seconds), or ``None`` if it did not resume from it."""
+        return None if self._local is None else self._local.restored
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """A placeholder: the optimizer object itself is saved, each rank its own shard."""
@@ -143,6 +179,26 @@ class ShardsafeCheckpointing(Strategy):
         path = local_path(checkpoint_path)
         module = self.lightning_module
         assert module is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        options = LoadOptions.of(
+            strict=bool(getattr(module, "strict_loading", True)),
+            entry_timeout=self.load_options.entry_timeout,
+            timeout=self.load_options.timeout,
+        )
+        local = self._local if fitting and self._local is not None else None
+        if local is not None and local.chosen == path:
+            checkpoint, self._restored = local.load(module, self.optimizers, options)
+            self._say_restored(local)
+            return checkpoint
+        checkpoint = self._load_path(path, module, options, fitting)
+        if local is not None:
+            local.forget_after(checkpoint.get("global_step"))
+        return checkpoint
+
+    def _load_path(
+        self, path: str, module: pl.LightningModule, options: LoadOptions, fitting: bool
+    ) -> dict[str, Any]:
+        """A shardsafe checkpoint directory, or a ``.ckpt`` file."""
         if not restore.is_shardsafe_checkpoint(path):
             self._restored = restore.Restored()
             if not self.reads_ckpt_files:
@@ -151,15 +207,17 @@ class ShardsafeCheckpointing(Strategy):
                     "the checkpoint directories it writes only"
                 )
             return restore.load_file(path)
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
-        options = LoadOptions.of(
-            strict=bool(getattr(module, "strict_loading", True)),
-            entry_timeout=self.load_options.entry_timeout,
-            timeout=self.load_options.timeout,
-        )
         optimizers = self.optimizers if fitting else None
         checkpoint, self._restored = restore.load_directory(path, module, optimizers, options)
         return checkpoint
+
+    def _say_restored(self, local: LocalTier) -> None:
+        restored = local.restored
+        if restored is not None:
+            rank_zero_info(
+                f"shardsafe: resumed from step {restored.step} of the local tier in "
+                f"{local.directory}: {describe_tiers(restored)}"
+            )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._restored.model:

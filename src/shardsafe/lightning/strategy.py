@@ -38,8 +38,10 @@ class ShardsafeDDPStrategy(ShardsafeCheckpointing, DDPStrategy):
     (``.../epoch=0-step=5.ckpt``) on every rank, a ``ZeroRedundancyOptimizer`` or fairscale
     ``OSS`` returned by ``configure_optimizers`` without consolidating it;
     ``fit(ckpt_path=...)`` resumes from such a directory at any world size, or from an
-    ordinary Lightning ``.ckpt`` file. Keywords: see :class:`ShardsafeCheckpointing`; the
-    rest go to ``DDPStrategy``.
+    ordinary Lightning ``.ckpt`` file. ``local_checkpoint_dir="/dev/shm/run1",
+    local_every=50`` adds a node-local tier that ``fit()`` and ``fit(ckpt_path="last")``
+    resume from when it is newer (:mod:`.local_tier`). Keywords: see
+    :class:`ShardsafeCheckpointing`; the rest go to ``DDPStrategy``.
     """
 
 

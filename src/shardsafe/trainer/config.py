@@ -35,6 +35,14 @@ class TrainerConfig:
     async_save: bool = False
     """Write checkpoints in the background (``shardsafe.async_save``): the step goes on
     while they are written; ``fit`` waits for the last one before it returns."""
+    local_checkpoint_dir: str | None = None
+    """A node-local directory (a tmpfs such as ``/dev/shm/run1``, or an NVMe path) for
+    frequent checkpoints of each rank's own state, replicated to a rank on another node
+    when the run spans several: the local tier of a :class:`shardsafe.TieredCheckpointManager`
+    whose persistent tier is :attr:`checkpoint_dir`. ``resume="latest"`` then restores
+    the newest step of either tier. ``None``: no local tier."""
+    local_every: int = 1
+    """With :attr:`local_checkpoint_dir`: save to it every this many steps."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
@@ -63,6 +71,36 @@ class TrainerConfig:
             raise ValueError(f"async_save={self.async_save!r} must be True or False")
         if not self.run_dir:
             raise ValueError("run_dir='' is empty; name a directory, e.g. run_dir='runs/exp1'")
+        self._check_local_tier()
+
+    def _check_local_tier(self) -> None:
+        _positive("local_every", self.local_every)
+        if self.local_checkpoint_dir is None:
+            if self.local_every != 1:
+                raise ValueError(
+                    f"local_every={self.local_every} applies to the local tier, which is off; "
+                    "pass local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too, "
+                    "or leave local_every out"
+                )
+            return
+        local = os.fspath(self.local_checkpoint_dir)
+        object.__setattr__(self, "local_checkpoint_dir", local)
+        if not local:
+            raise ValueError(
+                "local_checkpoint_dir='' is empty; name a node-local directory, e.g. "
+                "local_checkpoint_dir='/dev/shm/run1', or pass None for no local tier"
+            )
+        if is_url(local):
+            raise ValueError(
+                f"local_checkpoint_dir={local!r} is a URL; the local tier is a directory on "
+                "each node's own disk (e.g. '/dev/shm/run1'); an object store belongs in run_dir"
+            )
+        if not is_url(self.run_dir) and _overlap(local, self.checkpoint_dir):
+            raise ValueError(
+                f"local_checkpoint_dir={local!r} overlaps the persistent checkpoints in "
+                f"{self.checkpoint_dir}; give the local tier a directory of its own, e.g. "
+                "'/dev/shm/run1'"
+            )
 
     @property
     def checkpoint_dir(self) -> str:
@@ -88,6 +126,12 @@ class TrainerConfig:
     def checkpoint_due(self, step: int) -> bool:
         every = self.checkpoint_every
         return every is not None and (step % every == 0 or step == self.max_steps)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether one of the two directories is the other or inside it."""
+    a, b = os.path.abspath(a), os.path.abspath(b)
+    return os.path.commonpath([a, b]) in (a, b)
 
 
 def _positive(field: str, value: object, alternative: str = "") -> None:

@@ -19,16 +19,14 @@ from typing import Any
 import torch
 
 from ..adapters import RNGState
-from ..checkpoint.api import load
-from ..checkpoint.background import SaveHandle
-from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager
-from ..errors import CheckpointError, CheckpointMismatchError
 from ..strategies.base import Strategy
 from .config import TrainerConfig
 from .data import DataPosition, DataStream, loader_spec
 from .metrics import MetricsLog, ProgressBar, say
 from .module import TrainingModule, TrainingStep
+from .resuming import find_checkpoint, restore, restore_tiered
+from .saving import Saving, TieredSaving, open_tiers
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,8 @@ def train(
     rank, world_size = strategy.env.rank, strategy.env.world_size
     leader = rank == 0
     checkpoint = find_checkpoint(config, resume)
-    if leader and resume == "latest" and checkpoint is None:
+    tiered = config.local_checkpoint_dir is not None
+    if leader and resume == "latest" and checkpoint is None and not tiered:
         say(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
     seed_everything(config.seed + rank)
     source = data if data is not None else module.train_dataloader()
@@ -67,17 +66,15 @@ def train(
     model = strategy.wrap_model(TrainingStep(module))
     optimizer, scheduler = strategy.configure_optimizers(module)
     state = {**strategy.checkpoint_state(module, optimizer, scheduler), "rng": RNGState()}
-    start, position = restore(checkpoint, state, leader)
+    saving, start, position = _restored(config, resume, checkpoint, state, leader)
 
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
-    manager = CheckpointManager(config.checkpoint_dir, config.keep_last, warn_if_not_empty=False)
     if config.checkpoint_every:
-        manager.check_not_behind(start)  # before the first step, not at the first save
+        saving.manager.check_not_behind(start)  # before the first step, not at the first save
     metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 
     step, loss = start, math.nan
-    saving = _Saving(manager, config)
     try:
         for step in range(start + 1, config.max_steps + 1):
             batch, batch_idx = stream.next_batch()
@@ -85,7 +82,7 @@ def train(
             if metrics is not None:
                 metrics.log(step, loss)
             bar.update(loss)
-            if config.checkpoint_due(step):
+            if saving.due(step):
                 saved = {**state, "trainer": {"step": step, **stream.state()}}
                 checkpoint = saving.save(step, saved) or checkpoint
         checkpoint = saving.finish() or checkpoint
@@ -93,11 +90,31 @@ def train(
         bar.close()
         if metrics is not None:
             metrics.close()
+    saving.close()
 
     result = FitResult(step, loss, checkpoint, time.monotonic() - started, rank)
     if leader:
         say(summary(result, start, config))
     return result
+
+
+def _restored(
+    config: TrainerConfig,
+    resume: str | None,
+    checkpoint: str | None,
+    state: dict[str, Any],
+    leader: bool,
+) -> tuple[Saving, int, DataPosition]:
+    """How the run saves, and the step and data position it starts from (``resuming.py``)."""
+    if config.local_checkpoint_dir is None:
+        start, position = restore(checkpoint, state, leader)
+        manager = CheckpointManager(
+            config.checkpoint_dir, config.keep_last, warn_if_not_empty=False
+        )
+        return Saving(manager, config), start, position
+    tiered = open_tiers(config, leader)
+    start, position = restore_tiered(tiered, config, resume, checkpoint, state, leader)
+    return TieredSaving(tiered, config), start, position
 
 
 def _step(
@@ -107,7 +124,7 @@ def _step(
     optimizer: Any,
     scheduler: Any,
     strategy: Strategy,
-    saving: _Saving,
+    saving: Saving,
 ) -> float:
     """One optimization step; the loss, averaged over ranks."""
     step_loss = model(to_device(batch, strategy.device), batch_idx)
@@ -118,72 +135,6 @@ def _step(
     if scheduler is not None:
         scheduler.step()
     return strategy.mean_over_ranks(step_loss.detach())
-
-
-class _Saving:
-    """The run's checkpoints, blocking or in the background (``async_save``)."""
-
-    def __init__(self, manager: CheckpointManager, config: TrainerConfig) -> None:
-        self.manager, self.config = manager, config
-        self.pending: SaveHandle | None = None
-
-    def save(self, step: int, state: dict[str, Any]) -> str | None:
-        """Save ``step``; return the newest committed checkpoint, if this call knows one."""
-        if not self.config.async_save:
-            return self.manager.save_with(step, state, self.config.save_options)
-        done = self.manager.wait() if self.pending is not None else None  # one in flight
-        self.pending = self.manager.async_save_with(
-            step, state, self.config.save_options, overlap=True
-        )
-        return done
-
-    def staged(self) -> None:
-        """Before parameters change: an async save's copies must have landed."""
-        if self.pending is not None:
-            self.pending.wait_staged()
-
-    def finish(self) -> str | None:
-        """Wait for the last save; its path once committed (its error otherwise)."""
-        self.pending = None
-        return self.manager.wait()
-
-
-def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
-    """The checkpoint a run starts from; refuses to start over an existing run by accident."""
-    manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
-    if resume is None:
-        steps = manager.complete_steps()
-        if steps:
-            raise CheckpointError(
-                f"{config.checkpoint_dir} already holds checkpoints (the newest is step "
-                f"{steps[-1]}); pass resume='latest' (--resume latest) to continue that run, "
-                "or choose another run_dir to start a new one"
-            )
-        return None
-    if resume == "latest":
-        return manager.latest()
-    read_manifest(resume)  # a clear error now, before any process has built a model
-    return resume
-
-
-def restore(
-    checkpoint: str | None, state: dict[str, Any], leader: bool
-) -> tuple[int, DataPosition]:
-    """Load ``checkpoint`` into ``state``; return the step and data position it holds."""
-    if checkpoint is None:
-        return 0, DataPosition()
-    values = load(checkpoint, state)
-    progress = values.get("trainer")
-    if not isinstance(progress, dict) or not all(
-        isinstance(progress.get(k), int) for k in ("step", "epoch", "position")
-    ):
-        raise CheckpointMismatchError(
-            f"{checkpoint} was not written by shardsafe.Trainer (it has no 'trainer' entry "
-            "with the step and data position), so training cannot resume from it"
-        )
-    if leader:
-        say(f"resuming from {checkpoint} (step {progress['step']})")
-    return progress["step"], DataPosition(progress["epoch"], progress["position"])
 
 
 def seed_everything(seed: int) -> None:

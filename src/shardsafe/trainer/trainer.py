@@ -7,8 +7,9 @@ from .config import TrainerConfig
 from .data import loader_spec
 from .failures import reported_and_fatal
 from .launcher import current_environment, launch, script_command
-from .loop import FitResult, find_checkpoint, train
+from .loop import FitResult, train
 from .module import TrainingModule
+from .resuming import find_checkpoint
 
 
 class Trainer:
@@ -26,6 +27,12 @@ class Trainer:
     Checkpoints go to ``run_dir/checkpoints`` (one per ``checkpoint_every`` steps and at
     the end); rank 0 appends each step's loss, averaged over ranks, to
     ``run_dir/metrics.jsonl``. See :class:`TrainerConfig` for every setting.
+
+    ``local_checkpoint_dir="/dev/shm/exp1"`` adds a local tier
+    (:class:`shardsafe.TieredCheckpointManager`): every ``local_every`` steps each rank
+    also saves its own state on its node's disk (copied to a rank on another node when
+    the run spans several), and ``resume="latest"`` continues from the newest step of
+    either tier, printing which one. ``run_dir/checkpoints`` keeps its cadence.
     """
 
     def __init__(
@@ -41,6 +48,8 @@ class Trainer:
         keep_last: int | None = None,
         batch_size: int | None = None,
         async_save: bool = False,
+        local_checkpoint_dir: str | None = None,
+        local_every: int = 1,
     ) -> None:
         self.config = TrainerConfig(
             max_steps=max_steps,
@@ -53,6 +62,8 @@ class Trainer:
             keep_last=keep_last,
             batch_size=batch_size,
             async_save=async_save,
+            local_checkpoint_dir=local_checkpoint_dir,
+            local_every=local_every,
         )
 
     def fit(
@@ -64,6 +75,7 @@ class Trainer:
         ``train_dataloader()``. ``resume``: ``None`` starts a new run (refused if
         ``run_dir`` holds checkpoints), ``"latest"`` continues from the newest committed
         checkpoint (or starts if there is none), a path continues from that checkpoint.
+        With a local tier, ``"latest"`` takes the newest step of either tier.
         """
         if not isinstance(module, TrainingModule):
             raise TypeError(

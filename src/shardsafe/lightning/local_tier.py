@@ -1,0 +1,276 @@
+"""The local tier of a Lightning run (``local_checkpoint_dir``): frequent node-local saves,
+and a resume from them where Lightning would otherwise start from nothing or from its
+``last`` checkpoint.
+
+Saving. Every ``local_every`` optimizer steps, in ``on_train_batch_end`` (where
+``ModelCheckpoint`` saves, so the loops' state is the same as in its checkpoints), each
+rank saves the checkpoint Lightning would save into the node-local directory through a
+:class:`~shardsafe.TieredCheckpointManager` (its local tier, replicated to peer nodes
+when the run spans several): staged on the step, written in the background. It holds
+the live module and optimizers (each rank its own state) and, as ``lightning``, the rest
+of Lightning's dict (loops, callbacks, schedulers, ...). ``on_save_checkpoint`` hooks run
+as for any save, but an edited ``checkpoint["state_dict"]`` is not used: the local tier
+restores the live module as it was, which is what a crash needs.
+
+``ModelCheckpoint`` stays the persistent tier, untouched: its checkpoints, names,
+``save_top_k``, ``last`` and ``best`` are Lightning's. The tiered manager's own
+persistent tier is never written (``persist_every=None``) and points at a directory that
+never exists (:data:`NO_PERSISTENT`), so it never offers a step.
+
+Resuming (:meth:`LocalTier.resolve`, in front of Lightning's ``resume_start``, which
+every restore passes through with the path Lightning resolved):
+
+* ``fit(ckpt_path=None)``, and ``"last"`` when Lightning finds no last checkpoint (it
+  passes ``None`` then): the newest step the local tier holds in full, if any, as
+  Lightning itself resumes from an HPC checkpoint on SLURM. A local tier belongs to one
+  run: give a new run its own ``local_checkpoint_dir``.
+* ``"last"`` (or a path to a ``last*.ckpt`` of a ``ModelCheckpoint`` or an
+  ``OnExceptionCheckpoint``'s file): the newer of that checkpoint and the local tier's
+  newest step; the local tier on a tie (it is the faster), or when the step of the
+  ``last`` checkpoint cannot be read from its manifest (a ``.ckpt`` file).
+* Any other path (``"best"``, ``"hpc"``, an explicit one): exactly that checkpoint; local
+  steps newer than it are deleted afterwards, with a warning: they belong to the history
+  this fit abandons, and a later resume must not pick them.
+
+Every rank follows rank 0's choice. ``validate``/``test``/``predict`` never use the tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.manager import step_dir_name
+from ..checkpoint.options import LoadOptions
+from ..checkpoint.storage import LocalStorage
+from ..errors import CheckpointError
+from ..tiers import Restored, TieredCheckpointManager
+from . import restore, state
+from ._namespace import lightning
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.trainer.states import TrainerFn
+else:
+    pl = lightning()
+    Callback = pl.callbacks.Callback
+    TrainerFn = pl.trainer.states.TrainerFn
+
+NO_PERSISTENT = ".shardsafe-no-persistent-tier"
+"""The tiered manager's persistent root, under the local directory: never created."""
+_RESOLVING = "_shardsafe_local_tier"
+
+
+class LocalTier:
+    """One strategy's local tier: the options, and the manager while a fit runs."""
+
+    def __init__(self, directory: str | os.PathLike[str], every: int) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"local_every={every!r} must be a positive int (steps)")
+        self.directory = os.fspath(directory)
+        if not self.directory or "://" in self.directory:
+            raise ValueError(
+                f"local_checkpoint_dir={self.directory!r} must be a directory on each node's "
+                "own disk, e.g. '/dev/shm/run1' (ModelCheckpoint's dirpath is the persistent tier)"
+            )
+        self.every = every
+        self.manager: TieredCheckpointManager | None = None
+        self.chosen: str | None = None
+        """The path Lightning was given for a resume from this tier."""
+        self.restored: Restored | None = None
+        self._saved_step = -1
+
+    # -- the fit's lifetime -------------------------------------------------------------------
+
+    def open(self, trainer: Any) -> None:
+        """At ``setup`` of a fit (collective): the manager, the saving callback, the resume."""
+        self.manager = TieredCheckpointManager(
+            os.path.join(self.directory, NO_PERSISTENT),
+            self.directory,
+            local_every=self.every,
+            persist_every=None,
+        )
+        self.chosen, self.restored, self._saved_step = None, None, -1
+        if not any(isinstance(c, LocalSaves) for c in trainer.callbacks):
+            trainer.callbacks.append(LocalSaves(self))
+        _guard_resume(trainer._checkpoint_connector, self)
+
+    def close(self) -> None:
+        """At ``teardown``: finish the writes in flight (a failed one was warned about)."""
+        manager, self.manager = self.manager, None
+        if manager is None:
+            return
+        try:
+            manager.wait()
+        except CheckpointError as e:
+            warnings.warn(f"shardsafe: the local tier missed a step: {e}", stacklevel=2)
+        finally:
+            manager.close()
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+        """Save the step just taken if it is due (every rank; in ``on_train_batch_end``).
+
+        A local save is each rank's own, with nothing to agree on: a failure to gather
+        Lightning's dict (a callback's ``state_dict`` raising) is raised on the rank it
+        happened on, which ends the run as any exception in a training step does."""
+        step = trainer.global_step
+        if self.manager is None or step == self._saved_step or step % self.every:
+            return
+        self._saved_step = step
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if isinstance(checkpoint, state.FailedDump):
+            raise checkpoint.error
+        rest = {
+            k: v
+            for k, v in checkpoint.items()
+            if k not in (state.STATE_DICT, state.OPTIMIZER_STATES)
+        }
+        saved: dict[str, Any] = {state.MODEL: module, state.LIGHTNING: rest}
+        saved.update(zip(state.optimizer_names(len(optimizers)), optimizers))
+        self.manager.async_save(step, saved)
+
+    # -- resuming ------------------------------------------------------------------------------
+
+    def resolve(self, path: str | None, trainer: Any, strategy: Any) -> str | None:
+        """The path Lightning restores from: ``path``, or this tier's marker (module
+        docstring). Collective; rank 0 decides."""
+        assert self.manager is not None
+        newest = self.manager.latest()
+        use_local = newest is not None
+        if newest is not None and path is not None and _is_last(path, trainer):
+            saved = _step_of(path) if strategy.is_global_zero else None
+            use_local = saved is None or newest >= saved
+        elif path is not None:
+            use_local = False
+        use_local = bool(strategy.broadcast(use_local))
+        if not use_local:
+            return path
+        assert newest is not None
+        self.chosen = os.path.join(self.directory, step_dir_name(newest))
+        return self.chosen
+
+    def load(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], options: LoadOptions
+    ) -> tuple[dict[str, Any], restore.Restored]:
+        """Restore the newest complete step of the tier; Lightning's dict without the module
+        and optimizers (as :func:`.restore.load_directory` returns it)."""
+        assert self.manager is not None
+        loaded: dict[str, Any] = {state.MODEL: module}
+        loaded.update(zip(state.optimizer_names(len(optimizers)), optimizers))
+        values = self.manager.load_latest(
+            loaded,
+            strict=options.strict,
+            entry_timeout=options.entry_timeout,
+            timeout=options.timeout,
+        )
+        self.restored = self.manager.restored
+        if values is None or self.restored is None or self.restored.tier == "persistent":
+            raise CheckpointError(
+                f"the local tier in {self.directory} could not be restored (see the warning "
+                "above: the module's or optimizers' state does not fit what was saved); "
+                "resume from a ModelCheckpoint checkpoint with fit(ckpt_path=...)"
+            )
+        checkpoint = dict(values.get(state.LIGHTNING) or {})
+        checkpoint[state.OPTIMIZER_STATES] = [{} for _ in optimizers]
+        return checkpoint, restore.Restored(model=True, optimizers=True)
+
+    def forget_after(self, step: object) -> None:
+        """After a resume from another checkpoint at ``step``: drop newer local steps."""
+        assert self.manager is not None
+        newest = self.manager.latest()
+        if not isinstance(step, int) or newest is None or newest <= step:
+            return
+        if self.manager.rank == 0:
+            warnings.warn(
+                f"shardsafe: deleting the local checkpoints in {self.directory} newer than "
+                f"step {step} (up to step {newest}): this fit resumed from an older checkpoint, "
+                "so they belong to a history it abandons",
+                stacklevel=2,
+            )
+        self.manager._drop_newer(step)  # what load_latest does after any restore
+
+
+def describe_tiers(restored: Restored) -> str:
+    """``local on every rank (0.02 s)``, or ``local for rank(s) [0, 1], peer for rank(s)
+    [2, 3] (...)``: where each rank's state came from."""
+    ranks: dict[str, list[int]] = {}
+    for rank, tier in enumerate(restored.tiers):
+        ranks.setdefault(tier, []).append(rank)
+    if len(ranks) == 1:
+        where = f"{restored.tiers[0]} on every rank"
+    else:
+        where = ", ".join(f"{tier} for rank(s) {r}" for tier, r in ranks.items())
+    return f"{where} ({restored.seconds:.2f} s)"
+
+
+class LocalSaves(Callback):
+    """Saves to the local tier in ``on_train_batch_end`` (added by the strategy)."""
+
+    def __init__(self, tier: LocalTier) -> None:
+        self.tier = tier
+
+    def on_train_batch_end(self, trainer: Any, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not trainer.sanity_checking and not trainer.fast_dev_run:
+            self.tier.save(trainer, pl_module, trainer.optimizers)
+
+
+def _guard_resume(connector: Any, tier: LocalTier) -> None:
+    """Put :meth:`LocalTier.resolve` in front of ``connector.resume_start`` (once per
+    connector; the tier of the fit that set it up is used)."""
+    setattr(connector, _RESOLVING, tier)
+    if getattr(connector.resume_start, _RESOLVING, False):
+        return
+    resume_start = connector.resume_start
+
+    @functools.wraps(resume_start)
+    def resolving(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+        current: LocalTier | None = getattr(connector, _RESOLVING, None)
+        trainer = connector.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if current is not None and current.manager is not None and fitting:
+            path = None if checkpoint_path is None else str(checkpoint_path)
+            checkpoint_path = current.resolve(path, trainer, trainer.strategy)
+        resume_start(checkpoint_path, *args, **kwargs)
+
+    setattr(resolving, _RESOLVING, True)
+    setattr(connector, "resume_start", resolving)  # noqa: B010 - an instance attribute
+
+
+def _is_last(path: str, trainer: Any) -> bool:
+    """Whether ``path`` is what ``ckpt_path="last"`` resolves to (Lightning's own test)."""
+    stem, extension = os.path.splitext(os.path.basename(os.path.normpath(path)))
+    for callback in trainer.callbacks:
+        if isinstance(callback, pl.callbacks.OnExceptionCheckpoint) and path == str(
+            callback.ckpt_path
+        ):
+            return True
+        if isinstance(callback, pl.callbacks.ModelCheckpoint):
+            last = rf"^{callback.CHECKPOINT_NAME_LAST}(-(\d+))?"
+            if extension == callback.FILE_EXTENSION and re.match(last, stem):
+                return True
+    return False
+
+
+def _step_of(path: str) -> int | None:
+    """The global step a shardsafe checkpoint holds, from its manifest; else ``None``."""
+    if not restore.is_shardsafe_checkpoint(path):
+        return None
+    try:
+        with LocalStorage(path) as storage:
+            saved = read_manifest_from(storage).values.get(state.LIGHTNING)
+    except (CheckpointError, OSError):
+        return None
+    meta = saved.meta if saved is not None else None
+    step = meta.get("global_step") if isinstance(meta, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

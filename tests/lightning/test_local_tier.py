@@ -1,0 +1,112 @@
+"""``ShardsafeDDPStrategy(local_checkpoint_dir=..., local_every=5)`` under real processes.
+
+The run of ``local_tier_script.py`` (5 steps an epoch on 2 ranks, so every local save is
+on an epoch boundary, where Lightning's resume is exact) keeps ``ModelCheckpoint``
+checkpoints every 10 steps and local ones every 5. Killed with SIGKILL part-way:
+
+* after step 7 (a local step 5, no ``ModelCheckpoint`` checkpoint yet), ``fit()``
+  resumes from the local tier, where Lightning alone would start from nothing;
+* after step 12 (``last.ckpt`` and the local tier both at step 10), ``ckpt_path="last"``
+  resumes from the local tier (the faster on a tie); an explicit path then resumes from
+  exactly that checkpoint, and the local steps newer than it are gone.
+
+Each logs, for the steps it trains, the losses of a run that was never interrupted, bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import free_port
+from tests.lightning.helpers import RUN_TIMEOUT_S, Run, logged_steps, losses
+
+SCRIPT = Path(__file__).with_name("local_tier_script.py")
+
+
+class LocalRun(Run):
+    """The processes of one run of ``local_tier_script.py``, one per rank."""
+
+    def __init__(self, root: Path, *args: str | Path, devices: int = 2) -> None:
+        self.logs = []
+        argv = [sys.executable, str(SCRIPT), "--root", str(root), *map(str, args)]
+        argv += ["--local-dir", str(root / "local"), "--devices", str(devices)]
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        base.update(WORLD_SIZE=str(devices), NODE_RANK="0")
+        self.procs = [self._start(argv, {**base, "LOCAL_RANK": str(r)}) for r in range(devices)]
+
+
+def run(root: Path, *args: str | Path) -> list[Any]:
+    """A run that must succeed; what each rank restored from the local tier."""
+    started = LocalRun(root, *args)
+    codes = started.wait()
+    output = started.output()
+    assert codes == [0, 0], f"exit codes {codes}\n{output}"
+    return [json.loads((root / f"outcome-{r}.json").read_text())["restored"] for r in (0, 1)]
+
+
+def kill_after_step(root: Path, *args: str, step: int) -> None:
+    started = LocalRun(root, *args, "--step-delay", "0.25")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while logged_steps(root) < step:
+            assert started.running(), f"the run ended before step {step}:\n{started.output()}"
+            assert time.monotonic() < deadline, f"step {step} not logged in {RUN_TIMEOUT_S}s"
+            time.sleep(0.02)
+    finally:
+        started.kill()
+
+
+def local_steps(root: Path) -> list[str]:
+    """The steps of which the local tier holds a committed rank checkpoint."""
+    return sorted(
+        {p.parent.parent.name for p in (root / "local").glob("step-*/rank-*/manifest.json")}
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["plain", "fsdp"])
+def test_fit_resumes_from_the_local_tier_before_any_modelcheckpoint(
+    tmp_path: Path, uninterrupted: Callable[[str], Path], kind: str
+) -> None:
+    """``kind``: ``ShardsafeDDPStrategy``, or FSDP2 under ``ShardsafeModelParallelStrategy``."""
+    whole = losses(uninterrupted(kind))
+    which = ["--fsdp"] if kind == "fsdp" else []
+    kill_after_step(tmp_path, *which, step=7)
+    assert not (tmp_path / "ckpts").exists() or not os.listdir(tmp_path / "ckpts")
+    assert "step-000000005" in local_steps(tmp_path)
+
+    restored = run(tmp_path, *which, "--log", "resumed.jsonl")  # ckpt_path=None
+    assert restored == [{"step": 5, "tiers": ["local", "local"]}] * 2
+    resumed = losses(tmp_path, "resumed.jsonl")
+    assert resumed == {s: whole[s] for s in range(6, 16)}
+
+
+@pytest.mark.timeout(150)
+def test_last_takes_the_local_tier_and_an_explicit_path_is_exact(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    whole = losses(uninterrupted("plain"))
+    kill_after_step(tmp_path, step=12)
+    step10 = tmp_path / "ckpts" / "epoch=1-step=10.ckpt"
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["epoch=1-step=10.ckpt", "last.ckpt"]
+
+    restored = run(tmp_path, "--resume", "last", "--log", "last.jsonl")
+    assert restored == [{"step": 10, "tiers": ["local", "local"]}] * 2
+    assert losses(tmp_path, "last.jsonl") == {s: whole[s] for s in range(11, 16)}
+    assert "step-000000015" in local_steps(tmp_path)
+
+    # Back to step 10 from ModelCheckpoint's file, for 2 steps: the local step 15 of the
+    # abandoned history is deleted, not left for a later resume to pick.
+    restored = run(tmp_path, "--resume", step10, "--max-steps", "12", "--log", "exact.jsonl")
+    assert restored == [None, None]
+    assert losses(tmp_path, "exact.jsonl") == {s: whole[s] for s in (11, 12)}
+    assert "step-000000015" not in local_steps(tmp_path)

@@ -1,0 +1,116 @@
+"""The Trainer's local tier in one process: its settings, its flags, and a resume from it.
+
+(Several ranks, SIGKILL and torchrun restarts: ``tests/e2e/test_trainer_local_tier.py``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardsafe import Trainer
+from shardsafe.commands import fit
+from shardsafe.errors import CheckpointError
+from shardsafe.tiers import Restored
+from shardsafe.trainer import FitResult, TrainerConfig
+from shardsafe.trainer.example import ExampleModule
+from shardsafe.trainer.resuming import describe
+from tests.e2e.trainer_helpers import losses
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"local_checkpoint_dir": "l", "local_every": 0}, "local_every=0"),
+        ({"local_every": 3}, "local_every=3 applies to the local tier"),
+        ({"local_checkpoint_dir": ""}, "local_checkpoint_dir='' is empty"),
+        ({"local_checkpoint_dir": "s3://b/l"}, "local_checkpoint_dir='s3://b/l' is a URL"),
+        ({"local_checkpoint_dir": "r/checkpoints"}, "overlaps the persistent checkpoints"),
+        ({"local_checkpoint_dir": "r"}, "overlaps the persistent checkpoints"),
+    ],
+)
+def test_local_tier_settings_are_checked(options: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        TrainerConfig(max_steps=5, run_dir="r", **options)  # type: ignore[arg-type]
+
+
+def test_local_tier_settings_pass_through() -> None:
+    config = TrainerConfig(
+        max_steps=5,
+        run_dir="r",
+        local_checkpoint_dir=Path("/dev/shm/x"),  # type: ignore[arg-type]
+        local_every=3,
+    )
+    assert config.local_checkpoint_dir == "/dev/shm/x" and config.local_every == 3
+    # A URL run_dir cannot overlap a local directory.
+    TrainerConfig(max_steps=5, run_dir="s3://b/r", local_checkpoint_dir="r/checkpoints")
+
+
+def test_fit_flags_reach_the_workers_and_need_each_other(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    fit.add_arguments(parser)
+    argv = ["--max-steps", "5", "--run-dir", "r", "--local-checkpoint-dir", "/dev/shm/r"]
+    args = parser.parse_args([*argv, "--local-every", "2"])
+    assert parser.parse_args(fit.worker_arguments(args)) == args
+    alone = parser.parse_args(["--max-steps", "5", "--run-dir", "r", "--local-every", "2"])
+    assert fit.run(alone) == 2
+    assert "--local-every applies to the local tier" in capsys.readouterr().err
+
+
+def test_describe_names_each_ranks_tier() -> None:
+    local = Restored(7, ["local"] * 2, 0.016)
+    assert describe(local, "p") == "the local tier (every rank, 0.02 s)"
+    mixed = Restored(7, ["local", "local", "peer", "local"], 1.0)
+    assert describe(mixed, "p") == (
+        "the local tier for rank(s) 0-1, 3 and the peer tier for rank(s) 2 (1.00 s)"
+    )
+    persistent = Restored(5, ["persistent"] * 2, 0.5)
+    assert describe(persistent, "run/step-5") == "the persistent tier, run/step-5 (0.50 s)"
+
+
+def fit_example(
+    run_dir: Path, max_steps: int, resume: str | None = None, **options: Any
+) -> FitResult:
+    torch.manual_seed(0)
+    trainer = Trainer(max_steps=max_steps, run_dir=str(run_dir), checkpoint_every=5, **options)
+    return trainer.fit(ExampleModule(), resume=resume)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:.*already holds checkpoints")
+def test_an_async_run_resumes_from_the_local_tier_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fit_example(tmp_path / "whole", 10)
+    local: dict[str, Any] = {"local_checkpoint_dir": str(tmp_path / "local"), "async_save": True}
+    fit_example(tmp_path / "run", 7, **local, local_every=2)  # persistent 5, 7; local 4, 6
+    fit_example(tmp_path / "run", 10, "latest", **local, local_every=2)
+    out = capsys.readouterr().out
+    # Step 7 is in the persistent tier only (the last step is saved there, not locally).
+    assert "resuming from step 7, from the persistent tier" in out, out
+    assert losses(tmp_path / "run") == losses(tmp_path / "whole")
+
+    (tmp_path / "run" / "checkpoints" / "step-000000010" / "manifest.json").unlink()
+    fit_example(tmp_path / "run", 10, "latest", **local, local_every=2)
+    out = capsys.readouterr().out
+    assert "resuming from step 10, from the local tier (every rank" in out, out
+    assert "nothing to train" in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:.*already holds checkpoints")
+def test_a_run_behind_the_local_tier_is_refused(tmp_path: Path) -> None:
+    local: dict[str, Any] = {"local_checkpoint_dir": str(tmp_path / "local")}
+    fit_example(tmp_path / "a", 7, **local)  # persistent 5, 7; local 6, 7
+    with pytest.raises(CheckpointError, match="holds step 7, but this is a new run"):
+        fit_example(tmp_path / "b", 7, **local)
+    step5 = str(tmp_path / "a" / "checkpoints" / "step-000000005")
+    with pytest.raises(CheckpointError, match="holds step 7, but this run resumes from step 5"):
+        fit_example(tmp_path / "c", 7, step5, **local)
+    fit_example(tmp_path / "d", 6, step5)  # without the local tier: a fork, as before
