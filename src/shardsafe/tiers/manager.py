@@ -227,16 +227,24 @@ class TieredCheckpointManager:
         # source, which overwrites everything: one read ("inline") suffices there.
         opts = LoadOptions.of(**{"verify": "inline", **options})
         excluded: set[tuple[int, int, int]] = set()
+        damaged: list[CheckpointCorruptError] = []
+        persistent = True
         for _ in range(3 * self.world_size + 3):
-            choice = self._survey(excluded)
+            choice = self._survey(excluded, persistent)
             if choice.step is None:
-                return None
+                return _or_damaged(None, damaged)
             if recovery.PERSISTENT in choice.tiers:
-                return self._from_persistent(state, options, started)
+                values = self._from_persistent(state, options, started)
+                if values is None and persistent:
+                    # The survey's step was not validated and nothing there loads: the
+                    # newest complete local step, if any, is next.
+                    persistent = False
+                    continue
+                return _or_damaged(values, damaged)
             if not self._fetch(choice, excluded):
                 continue
             try:
-                values = self._from_local(choice, state, opts, excluded)
+                values = self._from_local(choice, state, opts, excluded, damaged)
             except CheckpointMismatchError as e:
                 # Same world size, other sharding (or other objects): only the persistent
                 # tier can reshard; if the objects are wrong it says so too.
@@ -246,16 +254,21 @@ class TieredCheckpointManager:
                         f"this run ({e}); loading from the persistent tier",
                         stacklevel=2,
                     )
-                return self._from_persistent(state, options, started)
+                values = self._from_persistent(state, options, started)
+                if values is None:  # none there: the mismatch is the answer, not "nothing"
+                    raise e
+                return values
             if values is not None:
                 self._drop_newer(choice.step)
                 self.restored = Restored(choice.step, choice.tiers, time.monotonic() - started)
                 return values
         raise CheckpointError("the local tiers kept failing; load from the persistent tier")
 
-    def _survey(self, excluded: set[tuple[int, int, int]]) -> recovery.Choice:
+    def _survey(
+        self, excluded: set[tuple[int, int, int]], persistent: bool = True
+    ) -> recovery.Choice:
         held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
-        persisted = self._persisted_step() if self.rank == 0 else None
+        persisted = self._persisted_step() if self.rank == 0 and persistent else None
         payloads = self._exchange(Phase.SURVEY, {"held": held, "persistent": persisted})
         choice = recovery.choose(
             [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
@@ -322,9 +335,11 @@ class TieredCheckpointManager:
         state: Any,
         opts: LoadOptions,
         excluded: set[tuple[int, int, int]],
+        damaged: list[CheckpointCorruptError],
     ) -> dict[str, Any] | None:
         """Load this rank's checkpoint of the chosen step from the node's directory; on a
-        damaged copy (anywhere) ``None``, the bad copies deleted and excluded."""
+        damaged copy (anywhere) ``None``, the bad copies deleted and excluded, the error
+        added to ``damaged``."""
         step = choice.step
         assert step is not None
         storage = self.node.rank_storage(step, self.rank, create=False)
@@ -347,6 +362,7 @@ class TieredCheckpointManager:
                     excluded.add((self.topology.node_of[rank], step, rank))
             if not any(flags):
                 raise e
+            damaged.append(e)
             if self.rank == 0:
                 warnings.warn(
                     f"shardsafe: a local checkpoint of step {step} was damaged ({e}); trying "
@@ -370,7 +386,7 @@ class TieredCheckpointManager:
     ) -> dict[str, Any] | None:
         values = self.persistent.load_latest(state, **options)
         step = self.persistent._resumed_from
-        if step is not None:
+        if values is not None and step is not None:
             self.restored = Restored(
                 step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
             )
@@ -403,3 +419,18 @@ class TieredCheckpointManager:
             return outcome.payloads
         finally:
             coord.close()
+
+
+def _or_damaged(
+    values: dict[str, Any] | None, damaged: list[CheckpointCorruptError]
+) -> dict[str, Any] | None:
+    """``values``; but ``None`` ("nothing to restore") after a damaged local copy was found
+    while restoring (``verify="inline"`` copies each tensor into its object as it is read)
+    would hide that the objects may hold part of it, and that no other source overwrote
+    them: raise instead."""
+    if values is None and damaged:
+        raise CheckpointCorruptError(
+            f"no complete step is left in any tier to restore after a damaged local "
+            f"checkpoint: {damaged[-1]}"
+        ) from damaged[-1]
+    return values

@@ -145,4 +145,15 @@ def _as_merged(saved: SavedValue, state: Mapping[str, Any], rank: int) -> SavedV
     if obj is None:
         return saved
     adapter = find_adapter(obj, saved.name)
-    return SavedValue(saved.name, saved.kind, adapter.merge([saved.meta] * (rank + 1)))
+    if adapter.kind != saved.kind:
+        return saved  # the planner refuses it, naming both kinds
+    try:  # metadata read from disk, not yet validated: a failure is corruption
+        meta = adapter.merge([saved.meta] * (rank + 1))
+    except (CheckpointCorruptError, CheckpointMismatchError):
+        raise
+    except Exception as e:
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} (a {saved.kind!r} value) is malformed: "
+            f"{type(adapter).__name__}.merge failed with {type(e).__name__}: {e}"
+        ) from e
+    return SavedValue(saved.name, saved.kind, meta)

@@ -117,16 +117,22 @@ def receive(
     dist.recv(raw_tensor, src, group=group, tag=DATA)
     raw = raw_tensor.numpy().tobytes()
     manifest = _expected(raw, rank, step)
-    _send_ints(group, src, [int(manifest is not None)], CONTROL)
-    if manifest is None:
+    storage = None
+    if manifest is not None:
+        # Made before the sender is told to go on: a receiver that cannot make it (a link
+        # in its place, a full disk) refuses here, never leaving the sender mid-file.
+        with contextlib.suppress(CheckpointError, OSError):
+            storage = target()
+    _send_ints(group, src, [int(storage is not None)], CONTROL)
+    if manifest is None or storage is None:
         return False
     committed = False
-    storage = target()
     try:
         buffer = _buffer(manifest)
         for name in sorted(manifest.files):
             _receive_file(group, src, storage, name, manifest.files[name], buffer)
-        committed = _commit_if_whole(storage, manifest, raw)
+        with contextlib.suppress(CheckpointError, OSError):
+            committed = _commit_if_whole(storage, manifest, raw)
     finally:
         _send_ints(group, src, [int(committed)], CONTROL)
         storage.close()

@@ -1,0 +1,452 @@
+"""``TieredCheckpointManager`` against damage and kills, on real ranks: 4 processes as 2
+simulated nodes of 2 (``tiers_setup.py``), or 2 as 2 nodes of 1.
+
+Each fault is made on disk between a run of 3 steps and its resumption: a flipped byte
+in a rank's own copy or in a replica that must be sent, a step missing on one rank, a
+world size that changed. The resumed run must restore exactly the step and tiers said,
+bitwise the uninterrupted run's state of that step, and go on exactly as it did."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.tiers import TieredCheckpointManager
+from tests.distributed import test_fsdp, zero_setup
+from tests.distributed.tiers_setup import (
+    DIE_AT,
+    KILL_OPTIONS,
+    build,
+    kill_check,
+    local_dir,
+    rank_dirs,
+    train,
+)
+from tests.e2e.kills import kill_during_a_save, seeded_moment
+from tests.harness import free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+STEPS = 5
+ROOT = Path(__file__).resolve().parents[2]
+ALL_RANKS = ["rank-00000", "rank-00001", "rank-00002", "rank-00003"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks(train, 4, str(tmp_path_factory.mktemp("full")), STEPS, timeout=100)
+
+
+def _same_run(resumed: list[dict], full: list[dict], start: int) -> None:
+    """Each rank restored the uninterrupted run's state of ``start`` bitwise, and went on
+    with the same losses and state, bitwise."""
+    for r in range(len(full)):
+        assert resumed[r]["start"] == start
+        restored, saved = resumed[r]["at"][start], full[r]["at"][start]
+        assert len(restored) == len(saved)
+        assert all(torch.equal(a, b) for a, b in zip(restored, saved)), f"rank {r}"
+        assert resumed[r]["losses"] == full[r]["losses"][start:]
+        last = max(full[r]["at"])
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r]["at"][last], full[r]["at"][last]))
+
+
+def rank_ckpt(base: str, node: int, step: int, rank: int) -> Path:
+    return Path(local_dir(base, node)) / f"step-{step:09d}" / f"rank-{rank:05d}"
+
+
+def flip_a_byte(ckpt: Path, where: str) -> None:
+    """Flip one bit of the data file: of its last byte (tensor data), or of a byte of its
+    JSON header (which the manifest's header checksum covers)."""
+    (data,) = ckpt.glob("*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1 if where == "tensor data" else 12] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
+def three_steps(base: str) -> None:
+    """Steps 1-3: local steps 2 and 3 on both nodes (own and replicas), persistent 2."""
+    run_ranks(train, 4, base, 3, timeout=100)
+    for node in (0, 1):
+        assert rank_dirs(base, node) == {"step-000000002": ALL_RANKS, "step-000000003": ALL_RANKS}
+
+
+@pytest.mark.parametrize("where", ["tensor data", "file header"])
+def test_a_flipped_byte_in_a_ranks_own_copy_is_refused_and_the_peers_replica_used(
+    uninterrupted: list[dict], tmp_path: Path, where: str
+) -> None:
+    """Damaged tensor data is refused by its checksums when the load reads it (and the
+    load tried again with node 1's replica); a damaged header is refused by the survey's
+    cheap checks, before anything is read."""
+    base = str(tmp_path)
+    three_steps(base)
+    flip_a_byte(rank_ckpt(base, 0, 3, 1), where)
+    resumed = run_ranks(train, 4, base, STEPS, timeout=100)
+    assert [r["tiers"] for r in resumed] == [["local", "peer", "local", "local"]] * 4
+    _same_run(resumed, uninterrupted, 3)
+    damaged = [w for w in resumed[0]["warnings"] if "was damaged" in w]
+    if where == "file header":
+        assert damaged == []
+    else:
+        assert len(damaged) == 1, resumed[0]["warnings"]
+        assert damaged[0].startswith("shardsafe: a local checkpoint of step 3 was damaged (")
+        assert "rank-00001" in damaged[0] and damaged[0].endswith("); trying the next copy")
+    for node in (0, 1):
+        assert rank_dirs(base, node) == {"step-000000004": ALL_RANKS, "step-000000005": ALL_RANKS}
+
+
+@pytest.mark.parametrize("older", ["local", "persistent"])
+def test_a_flipped_byte_in_a_replica_to_be_sent_is_refused_on_receipt(
+    uninterrupted: list[dict], tmp_path: Path, older: str
+) -> None:
+    """Rank 3's own copy of step 3 is gone and node 0's replica of it is damaged: the
+    receipt fails its checksums, so step 3 is incomplete and step 2 is restored, from
+    the local tier, or (its local copies gone too) from the persistent tier."""
+    base = str(tmp_path)
+    three_steps(base)
+    shutil.rmtree(rank_ckpt(base, 1, 3, 3))
+    flip_a_byte(rank_ckpt(base, 0, 3, 3), "tensor data")
+    if older == "persistent":
+        for node in (0, 1):
+            shutil.rmtree(Path(local_dir(base, node)) / "step-000000002")
+    resumed = run_ranks(train, 4, base, STEPS, timeout=100)
+    assert [r["tiers"] for r in resumed] == [[older] * 4] * 4
+    # refused on receipt, by the receiver's checksums: no load ever read it
+    assert not any("was damaged" in w for r in resumed for w in r["warnings"])
+    _same_run(resumed, uninterrupted, 2)
+    for node in (0, 1):  # the run went on; nothing of the damaged step is left
+        assert rank_dirs(base, node) == {"step-000000004": ALL_RANKS, "step-000000005": ALL_RANKS}
+
+
+def test_the_newest_step_missing_on_one_rank_everywhere_restores_the_one_before(
+    uninterrupted: list[dict], tmp_path: Path
+) -> None:
+    base = str(tmp_path)
+    three_steps(base)
+    for node in (0, 1):
+        shutil.rmtree(rank_ckpt(base, node, 3, 1))
+    resumed = run_ranks(train, 4, base, STEPS, timeout=100)
+    assert [r["tiers"] for r in resumed] == [["local"] * 4] * 4
+    _same_run(resumed, uninterrupted, 2)
+
+
+def test_another_world_size_at_load_uses_the_persistent_tier(
+    uninterrupted: list[dict], tmp_path: Path
+) -> None:
+    base = str(tmp_path)
+    three_steps(base)
+    resumed = run_ranks(train, 2, base, 3, None, 1, timeout=100)  # 2 nodes of 1 rank
+    for r in range(2):
+        assert resumed[r]["start"] == 2
+        assert resumed[r]["tiers"] == ["persistent"] * 2
+        # DDP: every rank holds the same model and optimizer state
+        assert all(
+            torch.equal(a, b) for a, b in zip(resumed[r]["at"][2], uninterrupted[0]["at"][2])
+        )
+
+
+def restore_run(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Only ``load_latest`` (2 nodes of 1 rank, a short timeout): what it restored."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    model, opt = build()
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=2, timeout=20
+    )
+    try:
+        manager.load_latest({"model": model, "optimizer": opt, "rng": shardsafe.RNGState()})
+        assert manager.restored is not None
+        return {"step": manager.restored.step, "tiers": manager.restored.tiers}
+    finally:
+        manager.close()
+
+
+def test_a_receiver_that_cannot_make_its_directory_refuses_the_copy_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's own copy of step 3 is gone, and a link (never followed) stands where node
+    1's copy of it would be received: the receipt is refused before any data is sent, and
+    step 2 is restored, instead of the sender waiting for a receiver that gave up."""
+    base = str(tmp_path)
+    saved = run_ranks(train, 2, base, 3, None, 1, timeout=100)
+    assert saved[1]["written"] == [1, 2, 3]
+    copy = rank_ckpt(base, 1, 3, 1)
+    shutil.rmtree(copy)
+    (tmp_path / "elsewhere").mkdir()
+    copy.symlink_to(tmp_path / "elsewhere")
+    restored = run_ranks(restore_run, 2, base, timeout=60)
+    assert restored == [{"step": 2, "tiers": ["local", "local"]}] * 2
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert copy.is_symlink()
+
+
+def test_a_replica_that_cannot_be_received_is_refused_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A link stands where node 1 would keep rank 0's replica of step 4: that one replica
+    is refused before any data is sent (and never written through the link); rank 0's
+    step 4 is not counted as replicated, and every other step replicates as before."""
+    base = str(tmp_path)
+    run_ranks(train, 2, base, 3, None, 1, timeout=100)
+    (tmp_path / "elsewhere").mkdir()
+    link = rank_ckpt(base, 1, 4, 0)
+    link.parent.mkdir()
+    link.symlink_to(tmp_path / "elsewhere")
+    resumed = run_ranks(train, 2, base, 5, None, 1, timeout=100)
+    assert [r["start"] for r in resumed] == [3, 3]
+    assert [r["written"] for r in resumed] == [[4, 5], [4, 5]]
+    assert [r["replicated"] for r in resumed] == [[5], [4, 5]]
+    assert [r["received"] for r in resumed] == [{1: [4, 5]}, {0: [5]}]
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert rank_dirs(base, 1)["step-000000004"] == ["rank-00000", "rank-00001"]
+    assert link.is_symlink()
+
+
+# ------------------------------------------------------------- FSDP2 and ZeRO
+
+
+def fsdp_run(rank: int, world: int, base: str, save: bool) -> Any:
+    """Train 3 steps and save them locally, or restore them; the full state and the
+    next two losses."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    model = test_fsdp.fsdp(0 if save else 1)
+    opt = test_fsdp.adamw(model)
+    state = {"model": model, "optimizer": opt}
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+    )
+    try:
+        if save:
+            test_fsdp.train(model, opt, 0, 3, rank)
+            manager.save(3, state)
+            tiers = None
+        else:
+            manager.load_latest(state)
+            assert manager.restored is not None
+            tiers = manager.restored.tiers
+        msd, osd = test_fsdp.full_state(model, opt)
+        return msd, osd, test_fsdp.train(model, opt, 3, 2, rank), tiers
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("lost", [None, 1])
+def test_fsdp2_state_restores_bitwise_from_the_local_tier(tmp_path: Path, lost: int | None) -> None:
+    base = str(tmp_path)
+    saved = run_ranks(fsdp_run, 2, base, True)
+    if lost is not None:  # rank 1's node lost: its DTensor shards come from rank 0's node
+        shutil.rmtree(local_dir(base, lost))
+    resumed = run_ranks(fsdp_run, 2, base, False)
+    tiers = ["local", "local"] if lost is None else ["local", "peer"]
+    assert [r[3] for r in resumed] == [tiers, tiers]
+    assert [r[2] for r in resumed] == [s[2] for s in saved]  # next losses bitwise, per rank
+    msd, osd, _, _ = saved[0]  # torch's gathered view, on rank 0
+    got_msd, got_osd, _, _ = resumed[0]
+    assert osd["state"], "the setup must have optimizer state to compare"
+    test_fsdp.assert_same_model(got_msd, msd)
+    zero_setup.assert_same_optimizer_state(
+        test_fsdp.fqn_optimizer_state(got_osd), test_fsdp.fqn_optimizer_state(osd)
+    )
+
+
+def zero_run(rank: int, world: int, base: str, save: bool) -> Any:
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    _, wrapped, opt = zero_setup.build("zero", seed=0 if save else 1)
+    state = {"model": wrapped, "optimizer": opt}
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+    )
+    try:
+        if save:
+            zero_setup.train(wrapped, opt, 0, 3, rank)
+            manager.save(3, state)
+            tiers = None
+        else:
+            manager.load_latest(state)
+            assert manager.restored is not None
+            tiers = manager.restored.tiers
+        weights = {k: v.clone() for k, v in wrapped.module.state_dict().items()}
+        reference = zero_setup.torch_consolidated(opt, rank)
+        return weights, reference, zero_setup.train(wrapped, opt, 3, 2, rank), tiers
+    finally:
+        manager.close()
+
+
+def test_zero_state_restores_bitwise_from_the_local_tier(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    saved = run_ranks(zero_run, 2, base, True)
+    assert saved[0][1]["state"], "the setup must have optimizer state to compare"
+    resumed = run_ranks(zero_run, 2, base, False)
+    for r in range(2):
+        weights, _, losses, _ = saved[r]
+        got_weights, _, got_losses, tiers = resumed[r]
+        assert tiers == ["local", "local"]
+        test_fsdp.assert_same_model(got_weights, weights)
+        assert got_losses == losses
+    zero_setup.assert_same_optimizer_state(resumed[0][1], saved[0][1])
+
+
+# ------------------------------------------------------------------ budget
+
+
+def budget_run(rank: int, world: int, base: str) -> str:
+    os.environ["SHARDSAFE_NODE"] = str(rank // 2)
+    model = torch.nn.Linear(8, 4)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank // 2), keep_local=10**9
+    )
+    try:
+        manager.save(1, {"model": model})
+    except shardsafe.CheckpointError as e:
+        assert type(e) is shardsafe.CheckpointError
+        assert manager.budget is None
+        return str(e)
+    finally:
+        manager.close()
+    return "saved"
+
+
+def test_a_budget_no_node_meets_is_the_same_error_on_every_rank_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    base = str(tmp_path)
+    errors = run_ranks(budget_run, 4, base)
+    assert len(set(errors)) == 1, errors
+    # a Linear(8, 4) is 144 bytes; node 0 keeps its 2 ranks' and node 1's 2 ranks' copies
+    assert re.fullmatch(
+        re.escape(
+            f"the local tier needs 536.44 GiB on the node of ranks [0, 1] ({local_dir(base, 0)}): "
+            "576 bytes per step (its ranks' checkpoints and the replicas it keeps) x "
+            "(keep_local=1000000000 + 1 being written), but only "
+        )
+        + r"[0-9.]+ [GM]iB"
+        + re.escape(
+            " is free there. Lower keep_local or replicas, save locally less state, or give the "
+            "local path more room (a larger /dev/shm: docker --shm-size, or an NVMe path)"
+        ),
+        errors[0],
+    ), errors[0]
+    assert sorted(os.listdir(tmp_path)) == ["local-node0", "local-node1"]
+    for node in (0, 1):
+        assert os.listdir(local_dir(base, node)) == []
+
+
+# ------------------------------------------------------------------- kills
+
+KILL_SEEDS = (0, 1, 2, 3)
+
+
+def _start(base: Path, port: int, *extra: str) -> subprocess.Popen[str]:
+    """Both ranks in a session of their own: rank 1 in the background of a shell that then
+    becomes rank 0 (its stdout the pipe the kill is aimed by), so one ``killpg`` of rank
+    0's group reaches both ranks and nothing else."""
+    code = "from tests.distributed.tiers_setup import kill_target; kill_target()"
+    rank = [shlex.quote(sys.executable), "-c", shlex.quote(code)]
+    tail = " ".join(shlex.quote(a) for a in ["2", str(base), str(port), *extra])
+    script = (
+        f"{' '.join(rank)} 1 {tail} >{base}/rank1.out 2>{base}/rank1.err & "
+        f"exec {' '.join(rank)} 0 {tail} 2>{base}/rank0.err"
+    )
+    return subprocess.Popen(
+        ["sh", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _last(kind: str, text: str) -> int:
+    steps = [int(line.split()[1]) for line in text.splitlines() if line.startswith(f"{kind} ")]
+    return steps[-1] if steps else 0
+
+
+def _where(base: Path) -> str:
+    """What the kill interrupted, read from the disk: the rank checkpoints (own or
+    replicas) without a manifest."""
+    partial = []
+    for node in (0, 1):
+        for rank_dir in sorted(Path(local_dir(str(base), node)).glob("step-*/rank-*")):
+            if not (rank_dir / "manifest.json").exists():
+                kind = "own write" if rank_dir.name == f"rank-{node:05d}" else "replica receipt"
+                partial.append(f"{kind} {rank_dir.parent.name[-3:]}/{rank_dir.name[-1]}")
+    return ", ".join(partial) or "between writes"
+
+
+def _after_the_kill(base: Path, saved: int, saving: int, seed: Any) -> tuple[int, list[str]]:
+    """Restore after the kill: a step no older than the newest one every rank had saved
+    (rank 0's ``saved`` and rank 1's) and no newer than any had begun (``saving``),
+    holding exactly its state; the step and tiers."""
+    rank1_out = (base / "rank1.out").read_text()
+    at_least = min(saved, _last("saved", rank1_out))
+    at_most = max(saving, _last("saving", rank1_out))
+    result = run_ranks(kill_check, 2, str(base), timeout=60)
+    step = result[0]["step"]
+    assert [r["step"] for r in result] == [step, step]
+    assert all(r["exact"] for r in result), f"{seed}: step {step} is not its state"
+    assert at_least <= step <= at_most, (seed, at_least, step, at_most)
+    return step, result[0]["tiers"]
+
+
+@pytest.mark.timeout(150)
+def test_seeded_kills_during_local_writes_and_replication_never_lose_a_restorable_step(
+    tmp_path: Path,
+) -> None:
+    """Both ranks SIGKILLed at seeded moments of their saves (the local write and, after
+    it, the replication that goes on beside the next step): ``load_latest`` restores a
+    step holding exactly its state, no older than the last step every rank had saved."""
+    assert KILL_OPTIONS["replicas"] == 1
+    seen = []
+    for seed in KILL_SEEDS:
+        base = tmp_path / f"seed-{seed}"
+        base.mkdir()
+        victim_step, fraction = seeded_moment(seed)
+        port = free_port()
+        rank0 = _start(base, port)
+        try:
+            died = kill_during_a_save(rank0, victim_step, fraction + 0.5 * (seed % 2))
+            assert rank0.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            if rank0.poll() is None:
+                os.killpg(rank0.pid, signal.SIGKILL)
+            rank0.communicate()
+        where = _where(base)
+        # kill_during_a_save read rank 0's lines: "in save N" ends with "saving N"
+        last = int(died.split()[-1])
+        step, tiers = _after_the_kill(base, last - died.startswith("in"), last, seed)
+        seen.append(f"seed {seed}: killed {died} ({where}); restored {step} {tiers}")
+    print("\n".join(seen))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", DIE_AT)
+def test_a_kill_in_each_narrow_window_of_a_local_write_or_a_replication(
+    tmp_path: Path, point: str
+) -> None:
+    """Both ranks killed at an exact point (``tiers_setup.DIE_AT``) of a seeded step."""
+    die_step = random.Random(point).randint(3, 5)
+    proc = _start(tmp_path, free_port(), f"{point}:{die_step}")
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "rank0.err").read_text()[-2000:]
+    where = _where(tmp_path)
+    if point == "write":
+        assert f"own write {die_step:03d}/0" in where
+    elif point == "receive":
+        assert f"replica receipt {die_step:03d}/0" in where
+    step, tiers = _after_the_kill(tmp_path, _last("saved", out), _last("saving", out), point)
+    if point == "write":  # rank 0 never finished its own checkpoint of the step
+        assert step == die_step - 1
+    else:  # the replication of a step runs beside the next step's local write
+        assert step in (die_step, die_step + 1)
+    assert tiers == ["local", "local"]
+    print(f"{point} of step {die_step}: {where}; restored {step} {tiers}")

@@ -1,0 +1,707 @@
+"""The tiered manager's pure parts, without a process group: the topology of replicas,
+the choice of what to restore, the view that loads a rank checkpoint (on forged
+manifests), the local-space budget, and the node directory facing links and FIFOs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shardsafe import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from shardsafe.checkpoint import loading
+from shardsafe.checkpoint.collecting import collect
+from shardsafe.checkpoint.options import LoadOptions
+from shardsafe.checkpoint.storage import LocalStorage
+from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint
+from shardsafe.tiers.node_dir import Held, NodeDir
+from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
+from shardsafe.tiers.topology import Topology
+from tests import forge
+from tests.unit.test_attacks import fifo_reader_probe
+
+pytestmark = pytest.mark.timeout(60)
+
+STEP7, RANK0 = "step-000000007", "rank-00000"
+
+# ------------------------------------------------------------------------ topology
+
+
+def two_by_two() -> Topology:
+    return Topology.of(["node:a", "node:a", "node:b", "node:b"])
+
+
+def test_nodes_are_ordered_by_their_lowest_rank_and_replicas_go_to_the_same_position() -> None:
+    topo = Topology.of(["node:x", "node:y", "node:x", "node:y"])  # interleaved ranks
+    assert topo.nodes == ((0, 2), (1, 3))
+    assert topo.node_of == (0, 1, 0, 1)
+    assert [topo.targets(r, 1) for r in range(4)] == [[1], [0], [3], [2]]
+    assert [topo.sources(r, 1) for r in range(4)] == [[1], [0], [3], [2]]
+
+    topo = two_by_two()
+    assert [topo.targets(r, 1) for r in range(4)] == [[2], [3], [0], [1]]
+    assert [topo.sources(r, 1) for r in range(4)] == [[2], [3], [0], [1]]
+
+
+def test_uneven_nodes_wrap_around_the_smaller_node() -> None:
+    topo = Topology.of(["a", "a", "a", "b", "c", "c"])
+    assert topo.nodes == ((0, 1, 2), (3,), (4, 5))
+    assert [topo.targets(r, 1) for r in range(6)] == [[3], [3], [3], [4], [0], [1]]
+    assert [topo.targets(r, 2) for r in range(6)] == [
+        [3, 4],
+        [3, 5],
+        [3, 4],
+        [4, 0],
+        [0, 3],
+        [1, 3],
+    ]
+    assert topo.sources(3, 1) == [0, 1, 2]  # the one-rank node keeps the whole big node
+    assert topo.sources(2, 1) == []
+
+
+def test_replicas_are_capped_at_the_other_nodes() -> None:
+    topo = Topology.of(["a", "b", "c"])
+    assert topo.max_replicas() == 2
+    assert topo.targets(0, 5) == [1, 2]
+    assert topo.sources(0, 5) == [1, 2]
+    single = Topology.of(["a", "a"])
+    assert single.max_replicas() == 0
+    assert single.targets(0, 3) == [] and single.sources(1, 3) == []
+
+
+SIZES = [(1,), (2, 1), (1, 3), (2, 2), (3, 1, 2), (1, 1, 1, 1), (4, 2, 3)]
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_a_replica_never_lives_on_its_owners_node(sizes: tuple[int, ...]) -> None:
+    names = [f"n{node}" for node, size in enumerate(sizes) for _ in range(size)]
+    for order in {tuple(names), tuple(sorted(names, key=lambda n: names[::-1].index(n)))}:
+        topo = Topology.of(list(order))
+        for replicas, rank in itertools.product(range(len(sizes) + 2), range(len(order))):
+            targets = topo.targets(rank, replicas)
+            assert len(targets) == min(replicas, len(sizes) - 1)
+            nodes = [topo.node_of[t] for t in targets]
+            assert topo.node_of[rank] not in nodes
+            assert len(set(nodes)) == len(nodes)  # one replica per other node
+            for source in topo.sources(rank, replicas):
+                assert not topo.same_node(source, rank)
+                assert rank in topo.targets(source, replicas)
+
+
+def test_a_single_node_job_warns_that_it_has_no_replicas(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning) as caught:
+        manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=2)
+    manager.close()
+    assert [str(w.message) for w in caught] == [
+        "shardsafe: replicas=2, but the job runs on 1 node(s), so a replica on another node "
+        "is possible for 0; a lost node loses its local checkpoints"
+    ]
+    assert manager.replicas == 0
+
+
+# ------------------------------------------------------------------------ recovery
+
+
+def everywhere(*steps: int, world: int = 4) -> list[tuple[int, int, int]]:
+    return [(s, r, world) for s in steps for r in range(world)]
+
+
+def test_the_newest_step_complete_on_every_rank_is_restored_locally() -> None:
+    held = [everywhere(2, 3)] * 4
+    assert choose(held, two_by_two(), 2) == Choice(3, [LOCAL] * 4, {})
+
+
+def test_a_step_missing_one_rank_everywhere_is_skipped() -> None:
+    copies = [c for c in everywhere(2, 3) if c != (3, 1, 4)]
+    assert choose([copies] * 4, two_by_two(), None) == Choice(2, [LOCAL] * 4, {})
+
+
+def test_a_rank_whose_node_lost_the_step_gets_a_peers_copy() -> None:
+    node_a = [c for c in everywhere(3) if c != (3, 1, 4)]
+    held = [node_a, node_a, everywhere(3), everywhere(3)]
+    assert choose(held, two_by_two(), None) == Choice(3, [LOCAL, PEER, LOCAL, LOCAL], {1: 2})
+
+
+def test_a_newer_persistent_step_wins_and_an_equal_one_does_not() -> None:
+    held = [everywhere(2, 3)] * 4
+    assert choose(held, two_by_two(), 4) == Choice(4, [PERSISTENT] * 4)
+    assert choose(held, two_by_two(), 3) == Choice(3, [LOCAL] * 4, {})
+
+
+def test_copies_saved_at_another_world_size_or_naming_another_rank_are_ignored() -> None:
+    other = [*everywhere(5, world=2), (6, 7, 4), (6, -1, 4)]
+    held = [other + everywhere(2)] * 4
+    assert choose(held, two_by_two(), None) == Choice(2, [LOCAL] * 4, {})
+    assert choose([everywhere(5, world=2)] * 4, two_by_two(), 1) == Choice(1, [PERSISTENT] * 4)
+    assert choose([everywhere(5, world=8)] * 4, two_by_two(), None) == Choice(None, [])
+
+
+def test_excluded_copies_are_not_asked_for_again() -> None:
+    held = [everywhere(2, 3)] * 4
+    # node 0's copy of rank 1's step 3 failed: node 1's replica of it is sent over
+    assert choose(held, two_by_two(), None, {(0, 3, 1)}) == Choice(
+        3, [LOCAL, PEER, LOCAL, LOCAL], {1: 2}
+    )
+    # both copies failed: the step is not complete any more
+    assert choose(held, two_by_two(), None, {(0, 3, 1), (1, 3, 1)}) == Choice(2, [LOCAL] * 4, {})
+    # ... and with a persistent checkpoint of step 2 as well, the local tier still wins a tie
+    assert choose(held, two_by_two(), 2, {(0, 3, 1), (1, 3, 1)}) == Choice(2, [LOCAL] * 4, {})
+
+
+def test_the_ranks_of_a_lost_node_are_sent_their_copies_by_the_least_loaded_holders() -> None:
+    topo = Topology.of(["a", "a", "b", "b", "c", "c"])
+    world = everywhere(4, world=6)
+    held = [world, world, [], [], world, world]  # node b lost its directory
+    assert choose(held, topo, None) == Choice(
+        4, [LOCAL, LOCAL, PEER, PEER, LOCAL, LOCAL], {2: 0, 3: 1}
+    )
+    # one holder node for four ranks: two ranks each sends one
+    topo = two_by_two()
+    assert choose([everywhere(4), everywhere(4), [], []], topo, None) == Choice(
+        4, [LOCAL, LOCAL, PEER, PEER], {2: 0, 3: 1}
+    )
+
+
+def test_nothing_anywhere_restores_nothing() -> None:
+    assert choose([[]] * 4, two_by_two(), None) == Choice(None, [])
+
+
+# -------------------------------------------------------- rank_checkpoint.view
+
+
+def trained(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).pow(2).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+def snapshot(state: dict[str, Any]) -> list[torch.Tensor]:
+    model, opt = state["model"], state["optimizer"]
+    found = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        found += [v.clone() for _, v in sorted(opt.state[p].items())]
+    return found
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def rank_ckpt(tmp_path: Path) -> tuple[Path, list[torch.Tensor]]:
+    """A rank checkpoint of rank 0 of 1 at step 3, written by ``rank_checkpoint.write``;
+    the state it holds."""
+    state = trained(0)
+    path = tmp_path / "rank-ckpt"
+    path.mkdir()
+    with LocalStorage(str(path)) as storage:
+        rank_checkpoint.write(storage, collect(state, 0, 1), rank=0, world_size=1, step=3)
+    return path, snapshot(state)
+
+
+def load_view(path: Path, state: dict[str, Any], rank: int = 0, world: int = 1) -> Any:
+    with LocalStorage(str(path)) as storage:
+        return loading.load_chosen(
+            storage,
+            lambda manifest: state,
+            LoadOptions.of(),
+            agree_as=f"test:{path}",
+            view=rank_checkpoint.view(state, rank=rank, world_size=world),
+        )
+
+
+def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda info: info["placements"].__setitem__(key, value)
+
+
+W = "model/weight"  # shape [3, 4]
+NOT_VALID = (CheckpointCorruptError, f"the rank checkpoint's placement of {W!r} is not valid")
+NOT_EXACT = (
+    CheckpointCorruptError,
+    "the rank checkpoint's placements do not name exactly its tensors",
+)
+NOT_RANK = (
+    CheckpointCorruptError,
+    "the manifest's 'rank_checkpoint' does not hold a rank, a world size and a step",
+)
+FORGED: dict[str, tuple[Callable[[dict[str, Any]], None], type[Exception], str]] = {
+    "offset out of bounds": (
+        _set(W, [[1, 0], [3, 4]]),
+        CheckpointCorruptError,
+        f"the rank checkpoint places {W!r} (shape [3, 4]) at offsets [1, 0] of a tensor of "
+        "shape [3, 4], which does not hold it",
+    ),
+    "global shape smaller than the piece": (
+        _set(W, [[0, 0], [2, 4]]),
+        CheckpointCorruptError,
+        f"the rank checkpoint places {W!r} (shape [3, 4]) at offsets [0, 0] of a tensor of "
+        "shape [2, 4], which does not hold it",
+    ),
+    "wrong ndim": (_set(W, [[0], [3]]), *NOT_VALID),
+    "ndim of offsets and shape differ": (_set(W, [[0, 0], [3, 4, 1]]), *NOT_VALID),
+    "negative offset": (_set(W, [[-1, 0], [3, 4]]), *NOT_VALID),
+    "negative shape": (_set(W, [[0, 0], [-3, 4]]), *NOT_VALID),
+    "huge global shape": (
+        _set(W, [[0, 0], [2**62, 2**62]]),
+        CheckpointCorruptError,
+        f"the rank checkpoint places {W!r} (shape [3, 4]) at offsets [0, 0] of a tensor of "
+        f"shape [{2**62}, {2**62}], which has shape [{2**62}, {2**62}], too large for any "
+        "tensor (its size overflows int64)",
+    ),
+    "huge offset": (
+        _set(W, [[10**30, 0], [3, 4]]),
+        CheckpointCorruptError,
+        f"the rank checkpoint places {W!r} (shape [3, 4]) at offsets [{10**30}, 0] of a "
+        "tensor of shape [3, 4], which does not hold it",
+    ),
+    "float": (_set(W, [[0.0, 0], [3, 4]]), *NOT_VALID),
+    "string": (_set(W, [["0", 0], [3, 4]]), *NOT_VALID),
+    "bool": (_set(W, [[False, 0], [3, 4]]), *NOT_VALID),
+    "null": (_set(W, None), *NOT_VALID),
+    "three lists": (_set(W, [[0, 0], [3, 4], [3, 4]]), *NOT_VALID),
+    "a dict": (_set(W, {"offsets": [0, 0], "shape": [3, 4]}), *NOT_VALID),
+    "missing key": (lambda info: info["placements"].pop("model/bias"), *NOT_EXACT),
+    "extra key": (_set("model/ghost", [[0], [3]]), *NOT_EXACT),
+    "placements not a dict": (lambda info: info.__setitem__("placements", []), *NOT_EXACT),
+    "no placements": (lambda info: info.pop("placements"), *NOT_EXACT),
+    "other rank and world": (
+        lambda info: info.update(rank=1, world_size=2),
+        CheckpointMismatchError,
+        "this rank checkpoint was saved by rank 1 of 2, not rank 0 of 1",
+    ),
+    "other world": (
+        lambda info: info.update(world_size=4),
+        CheckpointMismatchError,
+        "this rank checkpoint was saved by rank 0 of 4, not rank 0 of 1",
+    ),
+    "rank outside its world": (
+        lambda info: info.update(rank=2, world_size=2),
+        CheckpointCorruptError,
+        "rank 2 is outside its world size 2",
+    ),
+    "rank not an int": (lambda info: info.update(rank="0"), *NOT_RANK),
+    "rank a bool": (lambda info: info.update(rank=False), *NOT_RANK),
+    "negative step": (lambda info: info.update(step=-3), *NOT_RANK),
+    "no world size": (lambda info: info.pop("world_size"), *NOT_RANK),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED))
+def test_a_forged_placement_is_refused_and_nothing_is_restored(
+    rank_ckpt: tuple[Path, list[torch.Tensor]], case: str
+) -> None:
+    path, _ = rank_ckpt
+    edit, error, message = FORGED[case]
+    doc = forge.read_manifest(path)
+    edit(doc["info"]["rank_checkpoint"])
+    forge.write_manifest(path, doc)
+    state = trained(1)
+    before = snapshot(state)
+    with pytest.raises(error) as caught:
+        load_view(path, state)
+    assert str(caught.value) == message
+    assert same(snapshot(state), before)
+
+
+def test_no_rank_checkpoint_info_is_refused(rank_ckpt: tuple[Path, list[torch.Tensor]]) -> None:
+    path, _ = rank_ckpt
+    doc = forge.read_manifest(path)
+    del doc["info"]["rank_checkpoint"]
+    forge.write_manifest(path, doc)
+    state = trained(1)
+    before = snapshot(state)
+    with pytest.raises(CheckpointCorruptError) as caught:
+        load_view(path, state)
+    assert str(caught.value) == "the manifest is not a rank checkpoint's (no 'rank_checkpoint')"
+    assert same(snapshot(state), before)
+
+
+MALFORMED = {
+    "module metadata not an object": ("model", "x", "TypeError"),
+    "module metadata without its names": ("model", {"extra": {}}, "KeyError"),
+    "a name both a tensor and extra state": (
+        "model",
+        {"tensors": ["weight", "bias"], "extra": {"weight": 1}},
+        "CheckpointError",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_forged_entry_metadata_is_refused_as_corrupt_before_anything_is_restored(
+    rank_ckpt: tuple[Path, list[torch.Tensor]], case: str
+) -> None:
+    """The view merges each entry's metadata (read from disk) through its adapter before
+    the planner has validated it: what the adapter cannot make sense of is corruption,
+    named by its entry, as the planner names it."""
+    path, _ = rank_ckpt
+    name, meta, error = MALFORMED[case]
+    doc = forge.read_manifest(path)
+    doc["values"][name]["meta"] = meta
+    forge.write_manifest(path, doc)
+    state = trained(1)
+    before = snapshot(state)
+    with pytest.raises(CheckpointCorruptError) as caught:
+        load_view(path, state)
+    assert str(caught.value).startswith(
+        f"the manifest entry for {name!r} (a 'module' value) is malformed: "
+        f"ModuleAdapter.merge failed with {error}: "
+    )
+    assert same(snapshot(state), before)
+
+
+def test_an_entry_saved_as_another_kind_is_a_mismatch_naming_both(
+    rank_ckpt: tuple[Path, list[torch.Tensor]],
+) -> None:
+    path, _ = rank_ckpt
+    doc = forge.read_manifest(path)
+    doc["values"]["model"]["kind"] = "rng"
+    forge.write_manifest(path, doc)
+    state = trained(1)
+    before = snapshot(state)
+    with pytest.raises(CheckpointMismatchError) as caught:
+        load_view(path, state)
+    assert "state['model'] was saved as a 'rng' value but is loaded into a Linear ('module')" in (
+        str(caught.value)
+    )
+    assert same(snapshot(state), before)
+
+
+def test_the_unforged_rank_checkpoint_loads_bitwise(
+    rank_ckpt: tuple[Path, list[torch.Tensor]],
+) -> None:
+    path, saved = rank_ckpt
+    state = trained(1)
+    assert not same(snapshot(state), saved)
+    assert load_view(path, state) == {}
+    assert same(snapshot(state), saved)
+
+
+def test_a_valid_placement_in_a_larger_tensor_does_not_fit_a_whole_object(
+    rank_ckpt: tuple[Path, list[torch.Tensor]],
+) -> None:
+    """The piece may be the first rows of a [6, 4] tensor; this rank holds all of a [3, 4]
+    one, so the objects do not match (the manager then turns to the persistent tier)."""
+    path, _ = rank_ckpt
+    doc = forge.read_manifest(path)
+    doc["info"]["rank_checkpoint"]["placements"][W] = [[0, 0], [6, 4]]
+    forge.write_manifest(path, doc)
+    state = trained(1)
+    before = snapshot(state)
+    with pytest.raises(CheckpointMismatchError) as caught:
+        load_view(path, state)
+    assert str(caught.value) == (
+        "the checkpoint does not match the objects being loaded:\n"
+        "  shape/dtype mismatch (1): model/weight: checkpoint float32[6, 4], live float32[3, 4]"
+    )
+    assert same(snapshot(state), before)
+
+
+def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path) -> None:
+    state = trained(0)
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    manager.save(7, state)
+    ckpt = tmp_path / "l" / STEP7 / RANK0
+    doc = forge.read_manifest(ckpt)
+    doc["info"]["rank_checkpoint"]["placements"][W] = [[0, 1], [3, 4]]
+    forge.write_manifest(ckpt, doc)
+    live = trained(1)
+    before = snapshot(live)
+    with pytest.raises(CheckpointCorruptError) as caught:
+        manager.load_latest(live)
+    manager.close()
+    assert str(caught.value) == (
+        f"the rank checkpoint places {W!r} (shape [3, 4]) at offsets [0, 1] of a tensor of "
+        "shape [3, 4], which does not hold it"
+    )
+    assert same(snapshot(live), before)
+
+
+# ------------------------------------------------------- a damaged only copy
+
+
+def flip_last_byte(ckpt: Path) -> None:
+    (data,) = ckpt.glob("*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
+def test_a_damaged_only_copy_is_an_error_never_nothing_to_restore(tmp_path: Path) -> None:
+    """Local loads copy each tensor into its object as they read it (verify='inline'),
+    so a damaged copy found half-way leaves the objects partly restored: with no other
+    source to overwrite them, ``load_latest`` must say so, not return ``None`` (nothing
+    there) for the run to train on from a half-restored state."""
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    manager.save(1, trained(0))
+    flip_last_byte(tmp_path / "l" / "step-000000001" / RANK0)
+    with (
+        pytest.warns(UserWarning, match="a local checkpoint of step 1 was damaged"),
+        pytest.raises(CheckpointCorruptError) as caught,
+    ):
+        manager.load_latest(trained(1))
+    manager.close()
+    message = str(caught.value)
+    assert message.startswith(
+        "no complete step is left in any tier to restore after a damaged local checkpoint: "
+        "checksum mismatch in shard-00000-of-00001.safetensors, tensor "
+    )
+    assert message.endswith("Load a good checkpoint before using these objects.")
+    assert tree(tmp_path / "l") == {"step-000000001": "dir"}  # the damaged copy is gone
+
+
+def test_a_damaged_newest_copy_falls_back_to_the_older_step_bitwise(tmp_path: Path) -> None:
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    older = trained(0)
+    manager.save(1, older)
+    manager.save(2, trained(2))
+    flip_last_byte(tmp_path / "l" / "step-000000002" / RANK0)
+    live = trained(1)
+    with pytest.warns(UserWarning, match="a local checkpoint of step 2 was damaged"):
+        assert manager.load_latest(live) == {}
+    manager.close()
+    assert manager.restored is not None and manager.restored.step == 1
+    assert manager.restored.tiers == ["local"]
+    assert same(snapshot(live), snapshot(older))
+
+
+def test_local_checkpoints_that_do_not_fit_with_no_persistent_one_are_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    """Objects that do not fit the local checkpoints (a changed model) are reloaded from
+    the persistent tier, which can reshard; with none there, the mismatch is the answer,
+    never ``None`` (nothing saved: a silent fresh start)."""
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    manager.save(1, {"model": nn.Linear(4, 3)})
+    other = nn.Linear(5, 3)
+    before = other.weight.detach().clone()
+    with (
+        pytest.warns(UserWarning, match="the local checkpoints of step 1 do not fit this run"),
+        pytest.raises(CheckpointMismatchError) as caught,
+    ):
+        manager.load_latest({"model": other})
+    manager.close()
+    assert str(caught.value) == (
+        "the checkpoint does not match the objects being loaded:\n"
+        "  shape/dtype mismatch (1): model/weight: checkpoint float32[3, 4], live float32[3, 5]"
+    )
+    assert torch.equal(other.weight, before)
+    assert manager.restored is None
+
+
+def test_a_newer_persistent_step_that_will_not_load_falls_back_to_the_local_tier(
+    tmp_path: Path,
+) -> None:
+    """The survey takes the persistent tier's newest step from its ``latest`` pointer
+    without validating it; if that step then does not load (a data file gone) and the
+    persistent tier has no other, the complete local step is restored, not ``None``."""
+    local, persistent = tmp_path / "l", tmp_path / "p"
+    manager = TieredCheckpointManager(persistent, local, replicas=0, persist_every=4)
+    states = {}
+    for step in range(1, 5):
+        states[step] = trained(step)
+        manager.save(step, states[step])
+    manager.close()
+    assert tree(local).keys() >= {"step-000000003", "step-000000004"}
+    shutil.rmtree(local / "step-000000004")  # say, the node's newest write was lost
+    (data,) = (persistent / "step-000000004").glob("*.safetensors")
+    data.unlink()
+    manager = TieredCheckpointManager(persistent, local, replicas=0, persist_every=4)
+    live = trained(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the persistent manager's "passing over ..."
+        assert manager.load_latest(live) == {}
+    manager.close()
+    assert manager.restored is not None
+    assert (manager.restored.step, manager.restored.tiers) == (3, ["local"])
+    assert same(snapshot(live), snapshot(states[3]))
+
+
+# ------------------------------------------------------------------------ budget
+
+
+MIB = 1 << 20
+
+
+def test_a_node_without_room_is_named_with_the_bytes_and_the_fixes() -> None:
+    roomy, tight = budget.Report(100 * MIB, 10 << 30, 0), budget.Report(100 * MIB, 500 * MIB, 0)
+    reports = [roomy, roomy, tight, tight]
+    with pytest.raises(CheckpointError) as caught:
+        budget.check(reports, two_by_two(), 1, 2, ["/shm/a"] * 2 + ["/shm/b"] * 2)
+    assert type(caught.value) is CheckpointError
+    assert str(caught.value) == (
+        "the local tier needs 1.17 GiB on the node of ranks [2, 3] (/shm/b): 0.39 GiB "
+        "per step (its ranks' checkpoints and the replicas it keeps) x (keep_local=2 + 1 being "
+        "written), but only 0.49 GiB is free there. Lower keep_local or replicas, save "
+        "locally less state, or give the local path more room (a larger /dev/shm: docker "
+        "--shm-size, or an NVMe path)"
+    )
+
+
+def test_the_space_older_steps_take_counts_as_free_and_uneven_nodes_add_up() -> None:
+    reports = [budget.Report(100 * MIB, 10 << 30, 0)] * 2 + [
+        budget.Report(100 * MIB, 500 * MIB, 400 * MIB)
+    ] * 2
+    assert budget.check(reports, two_by_two(), 1, 2, ["x"] * 4) == budget.Budget([400 * MIB] * 2, 2)
+
+    topo = Topology.of(["a", "a", "a", "b"])  # b keeps the replicas of all three of a's ranks
+    reports = [budget.Report(n * MIB, 1 << 40, 0) for n in (1, 2, 3, 4)]
+    assert budget.check(reports, topo, 1, 1, ["x"] * 4).step_bytes == [10 * MIB, 10 * MIB]
+    assert budget.check(reports, topo, 0, 1, ["x"] * 4).step_bytes == [6 * MIB, 4 * MIB]
+    small = [*reports[:3], budget.Report(4 * MIB, 19 * MIB, 0)]
+    with pytest.raises(CheckpointError, match=r"needs 20\.0 MiB on the node of ranks \[3\] \(b\):"):
+        budget.check(small, topo, 1, 1, ["a", "a", "a", "b"])
+
+
+def test_a_huge_keep_local_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0, keep_local=10**15)
+    with pytest.raises(CheckpointError, match=r"^the local tier needs .* \(keep_local=10+ \+ 1 "):
+        manager.save(1, trained(0))
+    manager.wait()
+    manager.close()
+    assert manager.budget is None
+    assert os.listdir(tmp_path / "l") == []
+    assert not (tmp_path / "p").exists() or os.listdir(tmp_path / "p") == []
+
+
+# ------------------------------------------------------------------------ node_dir
+
+
+def tree(root: Path) -> dict[str, bytes | str]:
+    """Every entry under ``root`` (links as their target, files as their bytes)."""
+    out: dict[str, bytes | str] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = f"-> {os.readlink(path)}"
+            elif path.is_file():
+                out[rel] = path.read_bytes()
+            elif path.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = "other"
+    return out
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path) -> Path:
+    """A committed rank checkpoint of step 7, outside the node directory ``tmp_path/l``."""
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "elsewhere", replicas=0)
+    manager.save(7, trained(0))
+    manager.close()
+    return tmp_path / "elsewhere"
+
+
+def the_same_outside(elsewhere: Path, before: dict[str, Any]) -> None:
+    assert tree(elsewhere) == before
+
+
+@pytest.mark.parametrize("link", ["step", "rank"])
+def test_a_link_in_place_of_a_step_or_rank_directory_is_never_followed_or_deleted_through(
+    tmp_path: Path, elsewhere: Path, link: str
+) -> None:
+    local = tmp_path / "l"
+    if link == "step":
+        local.mkdir()
+        (local / STEP7).symlink_to(elsewhere / STEP7)
+    else:
+        (local / STEP7).mkdir(parents=True)
+        (local / STEP7 / RANK0).symlink_to(elsewhere / STEP7 / RANK0)
+    outside, inside = tree(elsewhere), tree(local)
+
+    node = NodeDir(str(local))
+    assert node.steps() == ([7] if link == "rank" else [])
+    assert node.ranks_in(7) == []
+    assert list(node.held()) == []
+    assert not node.committed(7, 0)
+    assert node.used_bytes({0}) == 0
+    node.clear_partial(7, 0)
+    node.remove(7, 0, prune=True)
+    assert tree(local) == inside
+    the_same_outside(elsewhere, outside)
+
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    assert manager.load_latest(trained(1)) is None
+    with pytest.warns(UserWarning, match="rank 0 could not write its local checkpoint of step 7"):
+        manager.save(7, trained(2))  # writing into the link is refused
+    with pytest.raises(CheckpointCorruptError) as caught:
+        manager.wait()
+    manager.close()
+    where = local / STEP7 if link == "step" else local / STEP7 / RANK0
+    assert str(caught.value) == (
+        f"{where} is a symbolic link, not a directory; shardsafe does not follow it"
+    )
+    assert tree(local) == inside
+    the_same_outside(elsewhere, outside)
+
+
+def test_a_rank_directory_without_a_manifest_is_not_held_and_is_cleared(tmp_path: Path) -> None:
+    local = tmp_path / "l"
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    manager.save(7, trained(0))
+    (local / STEP7 / RANK0 / "manifest.json").unlink()
+    node = NodeDir(str(local))
+    assert node.ranks_in(7) == [0]
+    assert not node.committed(7, 0)
+    assert list(node.held()) == []
+    assert manager.load_latest(trained(1)) is None
+    node.clear_partial(7, 0)
+    assert tree(local) == {STEP7: "dir"}
+    manager.save(8, trained(0))
+    manager.close()
+    assert list(NodeDir(str(local)).held()) == [Held(8, 0, 1)]
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "shard-00000-of-00001.safetensors"])
+def test_a_fifo_in_place_of_a_file_is_never_opened(tmp_path: Path, name: str) -> None:
+    local = tmp_path / "l"
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    manager.save(7, trained(0))
+    manager.close()
+    fifo = local / STEP7 / RANK0 / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    node = NodeDir(str(local))
+    with fifo_reader_probe(fifo) as probe:
+        assert list(node.held()) == []
+        assert node.committed(7, 0) == (name != "manifest.json")
+        node.used_bytes({0})  # a stat, never an open
+        manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+        assert manager.load_latest(trained(1)) is None
+        manager.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            node.remove(7, 0, prune=True)  # a FIFO is not shardsafe's: left, with a warning
+    assert probe["readers_seen"] == 0
+    assert fifo.exists()
+    assert [str(w.message) for w in caught] == [
+        f"shardsafe: left {local / STEP7 / RANK0} in place: it holds [{name!r}], which "
+        "shardsafe did not write; delete it yourself if it is no longer needed"
+    ]
+
+
+def test_a_fifo_in_place_of_a_step_directory_is_passed_over(tmp_path: Path) -> None:
+    local = tmp_path / "l"
+    local.mkdir()
+    os.mkfifo(local / STEP7)
+    node = NodeDir(str(local))
+    with fifo_reader_probe(local / STEP7) as probe:
+        assert node.steps() == [] and node.ranks_in(7) == [] and list(node.held()) == []
+        node.remove(7, 0, prune=True)
+        with pytest.raises(CheckpointCorruptError, match="is a named pipe"):
+            node.rank_storage(7, 0, create=True)
+    assert probe["readers_seen"] == 0
+    assert sorted(os.listdir(local)) == [STEP7]
