@@ -10,7 +10,9 @@ MLP of 16 ``Linear(d, d)`` layers wrapped in DDP and its AdamW, one training ste
 taken, about ``--mib`` MiB per rank (``d`` = 1024 at 192 MiB: the 16x1024x1024 MLP of
 ``async_checkpoint.py``). The manager runs with ``local_every=1``, ``replicas=1``
 (each rank's checkpoint is also kept by the rank in the same position on the other
-node) and ``keep_local=2``; loads use the default ``verify="first"``.
+node) and ``keep_local=2``; loads use the manager's defaults: one read from a local
+copy (``verify="inline"``: a damaged one is followed by a whole load from the next
+source), ``verify="first"`` from the persistent tier.
 
 Timed, in one launch of 4 ranks (each row's slowest rank counts):
 
@@ -510,8 +512,8 @@ def report(got: dict[str, Any], where: str, repeat: int) -> tuple[str, list[Targ
         f"4 ranks as 2 nodes x 2 (SHARDSAFE_NODE), DDP MLP of {LAYERS} Linear({d}, {d}) + "
         f"AdamW, one step taken: {mib(per_rank)} of model + optimizer state per rank (every "
         f"rank holds all of it). Local directories: {local_root} ({kind}), one per node; "
-        f"persistent tier: {where}. replicas=1, keep_local={KEEP_LOCAL}, loads with "
-        f'verify="first".'
+        f"persistent tier: {where}. replicas=1, keep_local={KEEP_LOCAL}; local copies load "
+        f'with verify="inline", the persistent tier with verify="first" (the defaults).'
     )
     persistent_s = loads["persistent"].median
     dcp_s = loads["dcp"].median

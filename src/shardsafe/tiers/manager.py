@@ -113,11 +113,9 @@ class TieredCheckpointManager:
                 f"for {self.replicas}; a lost node loses its local checkpoints",
                 stacklevel=2,
             )
-        self._group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-            if self.world_size > 1
-            else None
-        )
+        self._group: Any = None
+        """The transfers' own gloo group, made on first need (:meth:`_transfers`), so that
+        a restore from the local tier does not wait for it."""
         peers = Peers(
             self.topology.targets(self.rank, self.replicas),
             self.topology.sources(self.rank, self.replicas),
@@ -174,7 +172,16 @@ class TieredCheckpointManager:
         staged.ready()
         if not self._budget_checked:
             self._check_budget(budget.staged_bytes(staged.items))
+            if self.replicas:
+                self._replicator.group = self._transfers()
         self._replicator.submit(step, staged.items)
+
+    def _transfers(self) -> Any:
+        """The transfers' gloo group (collective the first time: every rank reaches this
+        at the same point, the first local save or a restore that needs a peer)."""
+        if self._group is None and self.world_size > 1:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        return self._group
 
     def _check_budget(self, own_bytes: int) -> None:
         """Before the first local write: every node must have room for its steps."""
@@ -303,6 +310,8 @@ class TieredCheckpointManager:
         excluded) if one did not arrive whole."""
         step = choice.step
         assert step is not None
+        if choice.sends:
+            self._transfers()
         mine = [r for r, sender in choice.sends.items() if sender == self.rank]
         needed = choice.sends.get(self.rank)
         ok = True
