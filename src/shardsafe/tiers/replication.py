@@ -22,6 +22,8 @@ from the same source.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,8 +71,12 @@ class Replicator:
         self.node, self.rank, self.world_size = node, rank, world_size
         self.peers, self.group, self.keep_local = peers, group, keep_local
         self.record = Record()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-local-write")
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-replicate")
+        self._writer = ThreadPoolExecutor(
+            1, thread_name_prefix="shardsafe-local-write", initializer=_yield_to_training
+        )
+        self._sender = ThreadPoolExecutor(
+            1, thread_name_prefix="shardsafe-replicate", initializer=_yield_to_training
+        )
         self._write: Future[None] | None = None
         self._replications: list[Future[None]] = []
         self._broken = False
@@ -134,7 +140,8 @@ class Replicator:
     def _replicate(self, step: int) -> None:
         own = step in self.record.written
         jobs: list[tuple[str, int, Future[bool]]] = []
-        with ThreadPoolExecutor(len(self.peers.targets) + len(self.peers.sources)) as pool:
+        transfers = len(self.peers.targets) + len(self.peers.sources)
+        with ThreadPoolExecutor(transfers, initializer=_yield_to_training) as pool:
             for target in self.peers.targets:
                 jobs.append(("send", target, pool.submit(self._send, step, target, own)))
             for source in self.peers.sources:
@@ -192,3 +199,17 @@ def _drop_older(node: NodeDir, rank: int, safe: list[int], keep: int) -> None:
     for step in node.steps():
         if step < oldest_kept and rank in node.ranks_in(step):
             node.remove(step, rank, prune=True)
+
+
+BACKGROUND_NICENESS = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this background thread's scheduling priority (Linux: niceness is per thread),
+    so that where cores are scarce the training loop's threads run first and the writes
+    and transfers take the time left over."""
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICENESS)
+        )
