@@ -98,6 +98,8 @@ class LocalTier:
             self.directory,
             local_every=self.every,
             persist_every=None,
+            # Not the path: a node-local directory may be spelt differently on each node.
+            name="lightning-local-tier",
         )
         self.chosen, self.restored, self._saved_step = None, None, -1
         if not any(isinstance(c, LocalSaves) for c in trainer.callbacks):

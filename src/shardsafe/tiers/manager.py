@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,11 +41,12 @@ from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.staging import Stager
-from ..distributed import Coordinator, Phase, world
+from ..distributed import Coordinator, Phase, clients, world
+from ..distributed.group import default_store
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from . import budget, rank_checkpoint, recovery, transfer
 from .node_dir import NodeDir
-from .replication import Peers, Replicator
+from .replication import Peers, Replicator, Tally
 from .topology import Topology, node_name
 
 
@@ -71,7 +73,8 @@ class TieredCheckpointManager:
     (``None``: never); ``replicas``: how many other nodes keep a copy of each rank's
     local checkpoint (at most the number of other nodes); ``keep_local``: local steps
     kept per rank; ``keep_last``: persistent checkpoints kept. ``timeout``: seconds a
-    rank waits for the others (and a transfer for its peer).
+    rank waits for the others (and a transfer for its peer). ``name``: what the ranks
+    agree under (default: the persistent root, which every rank spells the same).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class TieredCheckpointManager:
         keep_last: int | None = None,
         timeout: float = 300.0,
         storage_options: dict[str, Any] | None = None,
+        name: str | None = None,
     ) -> None:
         for name, value in (("local_every", local_every), ("persist_every", persist_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -102,9 +106,15 @@ class TieredCheckpointManager:
         )
         self.node = NodeDir(os.fspath(local))
         self.rank, self.world_size = world()
-        self._tag = f"tiers:{self.persistent.root}"
-        names = self._exchange(Phase.SURVEY, node_name())
-        self.topology = Topology.of([str(n) for n in names])
+        self._tag = f"tiers:{name if name is not None else self.persistent.root}"
+        names = self._exchange(Phase.SURVEY, [node_name(), uuid.uuid4().hex])
+        self.topology = Topology.of([str(n[0]) for n in names])
+        self._store = clients.acquire(default_store()) if self.world_size > 1 else None
+        tally = (
+            Tally(self._store, f"shardsafe/{self._tag}/{names[0][1]}/replicated", self.world_size)
+            if self._store is not None
+            else None
+        )
         self.replicas = min(replicas, self.topology.max_replicas())
         if self.replicas < replicas and self.rank == 0:
             warnings.warn(
@@ -121,7 +131,7 @@ class TieredCheckpointManager:
             self.topology.sources(self.rank, self.replicas),
         )
         self._replicator = Replicator(
-            self.node, self.rank, self.world_size, peers, self._group, keep_local
+            self.node, self.rank, self.world_size, peers, self._group, keep_local, tally
         )
         self._stager = Stager()
         self._budget_checked = False
@@ -167,9 +177,14 @@ class TieredCheckpointManager:
             raise ValueError(f"step={step!r} must be a non-negative int")
         check_state(state)
         self._replicator.wait_written()  # its staging buffers are about to be reused
-        items = collect(state, self.rank, self.world_size)
-        staged = self._stager.stage(items)
-        staged.ready()
+        try:
+            items = collect(state, self.rank, self.world_size)
+            staged = self._stager.stage(items)
+            staged.ready()
+        except BaseException:
+            if self._budget_checked:  # the others replicate this step: take part, empty
+                self._replicator.submit(step, None)
+            raise
         if not self._budget_checked:
             self._check_budget(budget.staged_bytes(staged.items))
             if self.replicas:
@@ -217,6 +232,9 @@ class TieredCheckpointManager:
             self._replicator.close()
         finally:
             self.persistent.close()
+            if self._store is not None:
+                clients.release(default_store(), self._store)
+                self._store = None
 
     # -- restoring
 
@@ -242,11 +260,17 @@ class TieredCheckpointManager:
                 return _or_damaged(None, damaged)
             if recovery.PERSISTENT in choice.tiers:
                 values = self._from_persistent(state, options, started)
-                if values is None and persistent:
-                    # The survey's step was not validated and nothing there loads: the
-                    # newest complete local step, if any, is next.
-                    persistent = False
-                    continue
+                loaded = self.restored.step if values is not None and self.restored else None
+                if persistent and (loaded is None or loaded < (choice.step or 0)):
+                    # The survey's step was not validated, and it did not load (nothing
+                    # there did, or an older one did): a complete local step newer than
+                    # what was loaded is next, and overwrites it whole.
+                    local = self._survey(excluded, persistent=False)
+                    if local.step is not None and (loaded is None or local.step > loaded):
+                        persistent = False
+                        continue
+                if loaded is not None:
+                    self._drop_newer(loaded)
                 return _or_damaged(values, damaged)
             if not self._fetch(choice, excluded):
                 continue
@@ -262,8 +286,9 @@ class TieredCheckpointManager:
                         stacklevel=2,
                     )
                 values = self._from_persistent(state, options, started)
-                if values is None:  # none there: the mismatch is the answer, not "nothing"
+                if values is None or self.restored is None:  # the mismatch is the answer
                     raise e
+                self._drop_newer(self.restored.step)
                 return values
             if values is not None:
                 self._drop_newer(choice.step)
@@ -318,16 +343,21 @@ class TieredCheckpointManager:
         with ThreadPoolExecutor(max(1, len(mine) + 1)) as pool:
             jobs = [pool.submit(self._send_copy, step, r) for r in mine]
             if needed is not None:
-                self.node.remove(step, self.rank)
-                ok = transfer.receive(
-                    self._group,
-                    needed,
-                    rank=self.rank,
-                    step=step,
-                    target=lambda: self.node.rank_storage(step, self.rank, create=True),
-                )
+                try:
+                    self.node.remove(step, self.rank)
+                    ok = transfer.receive(
+                        self._group,
+                        needed,
+                        rank=self.rank,
+                        step=step,
+                        target=lambda: self.node.rank_storage(step, self.rank, create=True),
+                    )
+                except Exception as e:  # agreed below, as a copy that did not arrive
+                    warnings.warn(f"shardsafe: receiving step {step} failed: {e}", stacklevel=3)
+                    ok = False
             for job in jobs:
-                job.result()
+                with contextlib.suppress(Exception):  # the receiver reports it
+                    job.result()
         outcomes = self._exchange(Phase.FETCH, ok)
         for rank, arrived in enumerate(outcomes):
             if not arrived:
@@ -399,7 +429,6 @@ class TieredCheckpointManager:
             self.restored = Restored(
                 step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
             )
-            self._drop_newer(step)
         return values
 
     def _drop_newer(self, step: int) -> None:

@@ -14,10 +14,12 @@ always match; a rank whose write failed still takes part, sending "none". A fail
 transfer (a peer gone) is recorded and replication stops with a warning: training goes
 on, and recovery uses what was replicated before.
 
-Retention, after each step: this rank's own checkpoints older than the ``keep_local``
-newest *replicated* ones are deleted (so an old step goes only once a newer one is safe
-on another node), and so are replicas older than the ``keep_local`` newest received
-from the same source.
+Retention, after each step: this rank's own checkpoints but the ``keep_local`` newest
+are deleted, and so are the replicas it keeps but the ``keep_local`` newest from each
+source; the newest step that *every* rank has replicated (counted in the job's store,
+:class:`Tally`) is always kept, on its owner and on its replica's node, so an old step
+goes only once a newer one is safe on other nodes, and a replication that fails for
+good still leaves at most ``keep_local + 1`` steps.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Record:
     """Steps every target has committed (all written steps, without targets)."""
     received: dict[int, list[int]] = field(default_factory=dict)
     """Per source rank: the steps of its replicas committed here."""
+    everywhere: int | None = None
+    """The newest step every rank has replicated, once the store has counted it."""
     errors: list[BaseException] = field(default_factory=list)
 
 
@@ -67,9 +71,11 @@ class Replicator:
         peers: Peers,
         group: Any,
         keep_local: int,
+        tally: Tally | None = None,
     ) -> None:
         self.node, self.rank, self.world_size = node, rank, world_size
         self.peers, self.group, self.keep_local = peers, group, keep_local
+        self.tally = tally
         self.record = Record()
         self._writer = ThreadPoolExecutor(
             1, thread_name_prefix="shardsafe-local-write", initializer=_yield_to_training
@@ -82,10 +88,12 @@ class Replicator:
         self._broken = False
         self._lock = threading.Lock()
 
-    def submit(self, step: int, items: Collected) -> Future[None]:
+    def submit(self, step: int, items: Collected | None) -> Future[None]:
         """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
         replicate it. Waits first for the previous write (whose staging buffers these
-        are) and for all but the last replication (so that they cannot pile up)."""
+        are) and for all but the last replication (so that they cannot pile up).
+        ``None``: this rank has nothing for the step (its snapshot failed), but takes part
+        in the step's transfers, saying so, so that every pair stays in step."""
         self.wait_written()
         while len(self._replications) > 1:
             self._replications.pop(0).result()
@@ -111,7 +119,9 @@ class Replicator:
 
     # -- the threads
 
-    def _write_step(self, step: int, items: Collected) -> None:
+    def _write_step(self, step: int, items: Collected | None) -> None:
+        if items is None:
+            return
         try:
             self.node.remove(step, self.rank)  # an earlier attempt at this step
             with self.node.rank_storage(step, self.rank, create=True) as storage:
@@ -135,6 +145,9 @@ class Replicator:
             self._replicate(step)
         elif not self.peers.targets and step in self.record.written:
             self.record.replicated.append(step)
+        if self.tally is not None and step in self.record.replicated:
+            with contextlib.suppress(Exception):  # the store gone: retention keeps more
+                self.tally.mark(step)
         self._retain()
 
     def _replicate(self, step: int) -> None:
@@ -184,20 +197,59 @@ class Replicator:
 
     def _retain(self) -> None:
         try:
-            _drop_older(self.node, self.rank, self.record.replicated, self.keep_local)
+            everywhere = self._replicated_everywhere()
+            _drop_older(self.node, self.rank, self.record.written, self.keep_local, everywhere)
             for source, steps in self.record.received.items():
-                _drop_older(self.node, source, steps, self.keep_local)
+                _drop_older(self.node, source, steps, self.keep_local, everywhere)
         except (CheckpointError, OSError) as e:
             warnings.warn(f"shardsafe: local retention failed: {e}", stacklevel=1)
 
+    def _replicated_everywhere(self) -> int | None:
+        """The newest step every rank has replicated (all its targets committed it), as
+        the job's store counts them; without a store (one rank), this rank's newest."""
+        if self.tally is None:
+            return max(self.record.replicated, default=None)
+        for step in sorted(self.record.written, reverse=True)[: self.keep_local + 2]:
+            with contextlib.suppress(Exception):
+                if self.tally.everywhere(step):
+                    self.record.everywhere = max(self.record.everywhere or -1, step)
+                    break
+        return self.record.everywhere
 
-def _drop_older(node: NodeDir, rank: int, safe: list[int], keep: int) -> None:
-    """Delete ``rank``'s checkpoints here older than the ``keep`` newest of ``safe``."""
-    if len(safe) < keep:
+
+class Tally:
+    """Counts, in the job's store, the ranks that have replicated each step: retention
+    keeps the newest step every rank replicated, so that a lost node never leaves only
+    steps some rank lacks. Counting never blocks (a rank that never replicates a step
+    simply leaves it uncounted). ``run`` (agreed at construction) keeps a restarted job's
+    counts apart from an earlier attempt's in a store that outlived it."""
+
+    def __init__(self, store: Any, prefix: str, world_size: int) -> None:
+        self._store, self._prefix, self._world_size = store, prefix, world_size
+
+    def mark(self, step: int) -> None:
+        self._store.add(f"{self._prefix}/{step}", 1)
+
+    def everywhere(self, step: int) -> bool:
+        return int(self._store.add(f"{self._prefix}/{step}", 0)) >= self._world_size
+
+
+def _drop_older(
+    node: NodeDir, rank: int, written: list[int], keep: int, everywhere: int | None
+) -> None:
+    """Delete ``rank``'s checkpoints here but the ``keep`` newest of ``written`` (its steps
+    this run wrote or received) and ``everywhere`` (the newest step every rank
+    replicated), once there are ``keep`` of them: a replication that fails for good then
+    still leaves at most ``keep + 1`` steps, and the last step complete on other nodes
+    is never the one deleted."""
+    if len(written) < keep:
         return
-    oldest_kept = sorted(safe)[-keep]
+    kept = set(sorted(written)[-keep:])
+    if everywhere is not None:
+        kept.add(everywhere)
+    newest = max(kept)
     for step in node.steps():
-        if step < oldest_kept and rank in node.ranks_in(step):
+        if step not in kept and step < newest and rank in node.ranks_in(step):
             node.remove(step, rank, prune=True)
 
 
