@@ -107,17 +107,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.layers, args.repeat = 2, 1
-    from moto.server import ThreadedMotoServer
+    from _s3 import start_moto
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
+    server, env = start_moto()
     os.environ.update(env)
     import boto3
 

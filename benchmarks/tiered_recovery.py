@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import math
 import os
 import shutil
@@ -449,21 +448,14 @@ def s3_server() -> Iterator[tuple[str, dict[str, str]] | None]:
     """A moto S3 server on loopback with a bucket: its URL prefix and the environment the
     ranks need; ``None`` without moto or s3fs (the persistent tier is a directory then)."""
     try:
+        import moto.server  # noqa: F401
         import s3fs  # noqa: F401
-        from moto.server import ThreadedMotoServer
     except ImportError:
         yield None
         return
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
+    from _s3 import start_moto
+
+    server, env = start_moto()
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,26 @@ def test_a_replica_that_cannot_be_received_is_refused_and_training_goes_on(
 # ------------------------------------------------------------- FSDP2 and ZeRO
 
 
+def save_or_restore(
+    base: str, rank: int, state: dict[str, Any], save: bool, train: Callable[[], object]
+) -> list[str] | None:
+    """Train 3 steps and save them to the local tier (``save``), or restore them; the
+    tiers restored from."""
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+    )
+    try:
+        if save:
+            train()
+            manager.save(3, state)
+            return None
+        manager.load_latest(state)
+        assert manager.restored is not None
+        return manager.restored.tiers
+    finally:
+        manager.close()
+
+
 def fsdp_run(rank: int, world: int, base: str, save: bool) -> Any:
     """Train 3 steps and save them locally, or restore them; the full state and the
     next two losses."""
@@ -229,22 +250,11 @@ def fsdp_run(rank: int, world: int, base: str, save: bool) -> Any:
     model = test_fsdp.fsdp(0 if save else 1)
     opt = test_fsdp.adamw(model)
     state = {"model": model, "optimizer": opt}
-    manager = TieredCheckpointManager(
-        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+    tiers = save_or_restore(
+        base, rank, state, save, lambda: test_fsdp.train(model, opt, 0, 3, rank)
     )
-    try:
-        if save:
-            test_fsdp.train(model, opt, 0, 3, rank)
-            manager.save(3, state)
-            tiers = None
-        else:
-            manager.load_latest(state)
-            assert manager.restored is not None
-            tiers = manager.restored.tiers
-        msd, osd = test_fsdp.full_state(model, opt)
-        return msd, osd, test_fsdp.train(model, opt, 3, 2, rank), tiers
-    finally:
-        manager.close()
+    msd, osd = test_fsdp.full_state(model, opt)
+    return msd, osd, test_fsdp.train(model, opt, 3, 2, rank), tiers
 
 
 @pytest.mark.parametrize("lost", [None, 1])
@@ -270,23 +280,12 @@ def zero_run(rank: int, world: int, base: str, save: bool) -> Any:
     os.environ["SHARDSAFE_NODE"] = str(rank)
     _, wrapped, opt = zero_setup.build("zero", seed=0 if save else 1)
     state = {"model": wrapped, "optimizer": opt}
-    manager = TieredCheckpointManager(
-        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+    tiers = save_or_restore(
+        base, rank, state, save, lambda: zero_setup.train(wrapped, opt, 0, 3, rank)
     )
-    try:
-        if save:
-            zero_setup.train(wrapped, opt, 0, 3, rank)
-            manager.save(3, state)
-            tiers = None
-        else:
-            manager.load_latest(state)
-            assert manager.restored is not None
-            tiers = manager.restored.tiers
-        weights = {k: v.clone() for k, v in wrapped.module.state_dict().items()}
-        reference = zero_setup.torch_consolidated(opt, rank)
-        return weights, reference, zero_setup.train(wrapped, opt, 3, 2, rank), tiers
-    finally:
-        manager.close()
+    weights = {k: v.clone() for k, v in wrapped.module.state_dict().items()}
+    reference = zero_setup.torch_consolidated(opt, rank)
+    return weights, reference, zero_setup.train(wrapped, opt, 3, 2, rank), tiers
 
 
 def test_zero_state_restores_bitwise_from_the_local_tier(tmp_path: Path) -> None:

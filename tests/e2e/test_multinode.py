@@ -8,15 +8,11 @@ and resumes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.trainer_helpers import TORCHRUN
-from tests.harness import free_port
+from tests.e2e.agents import node_env, two_agents
 from tests.s3server import S3Server
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,47 +21,7 @@ WORKER = Path(__file__).with_name("multinode_save.py")
 
 def two_nodes(tmp_path: Path, env: dict[str, str], *args: str) -> list[tuple[int, str]]:
     """Run the worker on two agents; each agent's (exit status, output)."""
-    if not TORCHRUN.exists():
-        pytest.skip(f"torchrun is not installed at {TORCHRUN}")
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        cwd = tmp_path / f"node{node}"
-        cwd.mkdir(exist_ok=True)
-        command = [
-            str(TORCHRUN),
-            *("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)),
-            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-            *("--local-addr", "127.0.0.1", "--max-restarts", "0"),
-            str(WORKER),
-            *args,
-        ]
-        procs.append(
-            subprocess.Popen(
-                command,
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=180)
-        results.append((proc.returncode, out))
-    return results
-
-
-def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])
-    return {
-        **os.environ,
-        **(extra or {}),
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": os.pathsep.join([*sys.path, root]),
-    }
+    return two_agents(tmp_path, env, str(WORKER), *args)
 
 
 def test_a_node_local_path_fails_on_every_rank_and_commits_nothing(tmp_path: Path) -> None:

@@ -6,14 +6,11 @@ must continue bitwise as in an uninterrupted run."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_multinode import node_env
-from tests.e2e.trainer_helpers import TORCHRUN
-from tests.harness import free_port
+from tests.e2e.agents import node_env, two_agents
 from tests.s3server import S3Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,31 +22,7 @@ def run_nodes(
     tmp_path: Path, env: dict[str, str], *args: str, restarts: int = 0
 ) -> list[tuple[int, str]]:
     """Both agents' (exit status, output)."""
-    if not TORCHRUN.exists():
-        pytest.skip(f"torchrun is not installed at {TORCHRUN}")
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                str(TORCHRUN),
-                *("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)),
-                *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-                *("--local-addr", "127.0.0.1", "--max-restarts", str(restarts)),
-                "--monitor-interval",
-                "0.5",
-                str(WORKER),
-                *args,
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+    return two_agents(tmp_path, env, str(WORKER), *args, restarts=restarts, timeout=240)
 
 
 def losses(out: str) -> dict[int, str]:

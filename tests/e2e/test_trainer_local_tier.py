@@ -29,8 +29,9 @@ import torch
 
 from shardsafe import CheckpointManager, Trainer
 from shardsafe.trainer.example import ExampleModule
+from tests.e2e.agents import node_env, two_agents
 from tests.e2e.trainer_helpers import ROOT, TORCHRUN, kill_after_step, losses, python
-from tests.harness import free_port, run_ranks
+from tests.harness import run_ranks
 
 SCRIPT = Path(__file__).with_name("local_tier_train.py")
 STEPS = ("--max-steps", "10", "--checkpoint-every", "5")
@@ -136,36 +137,8 @@ def test_a_node_that_lost_its_local_tier_gets_it_from_its_peer(
 def two_nodes(tmp_path: Path, *args: str) -> list[tuple[int, str]]:
     """Two torchrun agents (``--nnodes 2``, one worker each), each in ``tmp_path/node<N>``;
     each agent's (exit status, output)."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    env["PYTHONPATH"] = os.pathsep.join([*sys.path, str(ROOT)])
-    procs = []
-    for node in (0, 1):
-        cwd = tmp_path / f"node{node}"
-        cwd.mkdir(exist_ok=True)
-        command = [
-            str(TORCHRUN),
-            *("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)),
-            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-            *("--local-addr", "127.0.0.1", "--max-restarts", "0"),
-            *args,
-            *("--checkpoint-every", "5", "--local-dir", "local"),
-        ]
-        procs.append(
-            subprocess.Popen(
-                command,
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=100)
-        results.append((proc.returncode, out))
-    return results
+    worker = (*args, "--checkpoint-every", "5", "--local-dir", "local")
+    return two_agents(tmp_path, node_env(), *worker, timeout=100)
 
 
 def persistent(run_dir: Path) -> CheckpointManager:

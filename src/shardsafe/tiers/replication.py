@@ -86,7 +86,6 @@ class Replicator:
         self._write: Future[None] | None = None
         self._replications: list[Future[None]] = []
         self._broken = False
-        self._lock = threading.Lock()
 
     def submit(self, step: int, items: Collected | None) -> Future[None]:
         """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
