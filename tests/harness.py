@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.popen_forkserver
@@ -93,6 +94,10 @@ def _child(
     import torch
     import torch.distributed as dist
 
+    # A rank that dies of a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints
+    # every thread's Python stack to the test's captured stderr: the one clue such a
+    # crash leaves on a CI machine.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank),
