@@ -227,7 +227,11 @@ def test_the_heartbeat_tells_a_beating_rank_from_a_dead_one() -> None:
 # ----------------------------------------------------------- a new user's papercuts
 
 
-def test_a_root_with_checkpoints_is_announced_and_a_save_behind_says_what_is_there(
+def _shardsafe_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in seen if str(w.message).startswith("shardsafe:")]
+
+
+def test_the_resume_pattern_is_not_warned_and_a_save_behind_says_what_is_there(
     tmp_path: Path,
 ) -> None:
     first = shardsafe.CheckpointManager(tmp_path)
@@ -235,18 +239,51 @@ def test_a_root_with_checkpoints_is_announced_and_a_save_behind_says_what_is_the
     first.close()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
+        resumed = shardsafe.CheckpointManager(tmp_path)  # the documented pattern:
+        assert resumed.load_latest({}) == {"x": 1}  # load_latest on the next line
+        resumed.save(60, {"x": 2})
+        resumed.close()
         fresh = shardsafe.CheckpointManager(tmp_path)
-    assert any("already holds checkpoints up to step 50; call load_latest" in str(w.message)
-               for w in seen)  # fmt: skip
-    with pytest.raises(CheckpointError) as info:
-        fresh.save(10, {"x": 2})
+    assert _shardsafe_warnings(seen) == []  # constructing a manager warns about nothing
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(CheckpointError) as info:
+        warnings.simplefilter("always")
+        fresh.save(10, {"x": 3})
+    assert _shardsafe_warnings(seen) == []  # the error says it all
     text = str(info.value)
-    assert "already holds step 50, newer than step 10 that this run is at" in text
+    assert "already holds step 60, newer than step 10 that this run is at" in text
     assert "this run did not resume from them" in text and "resumed from an older" not in text
     assert "load_latest(state)" in text and "save into another root" in text
-    assert fresh.load_latest({}) == {"x": 1}
-    fresh.save(60, {"x": 3})
-    assert fresh.complete_steps() == [50, 60]
+    assert fresh.load_latest({}) == {"x": 2}
+    fresh.save(70, {"x": 4})
+    assert fresh.complete_steps() == [50, 60, 70]
+
+
+def test_a_fresh_run_saving_into_a_used_root_is_warned_once(tmp_path: Path) -> None:
+    first = shardsafe.CheckpointManager(tmp_path)
+    first.save(5, {"x": 1})
+    first.close()
+    fresh = shardsafe.CheckpointManager(tmp_path)
+    with pytest.warns(UserWarning) as seen:
+        fresh.save(10, {"x": 2})
+    assert _shardsafe_warnings(seen.list) == [
+        f"shardsafe: {tmp_path} already holds checkpoints up to step 5 that this run did not "
+        "resume from; saving step 10 beside them. To continue that run, call "
+        "load_latest(state) before training; to start afresh, use another root"
+    ]
+    assert seen.list[0].filename == __file__  # points at the user's save, not at shardsafe
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        fresh.save(20, {"x": 3})  # once per manager
+        fresh.close()
+        looked = shardsafe.CheckpointManager(tmp_path)
+        assert looked.latest() is not None  # looked for a checkpoint: not a fresh run
+        looked.save(30, {"x": 4})
+        looked.close()
+        quiet = shardsafe.CheckpointManager(tmp_path, warn_if_not_empty=False)
+        quiet.async_save(40, {"x": 5}).wait()
+        quiet.close()
+    assert _shardsafe_warnings(again) == []
+    assert quiet.complete_steps() == [5, 10, 20, 30, 40]
 
 
 def test_inspect_on_a_trainer_run_directory_names_the_newest_checkpoint(tmp_path: Path) -> None:

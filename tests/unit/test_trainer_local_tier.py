@@ -83,7 +83,6 @@ def fit_example(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.filterwarnings("ignore:.*already holds checkpoints")
 def test_an_async_run_resumes_from_the_local_tier_exactly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -104,7 +103,6 @@ def test_an_async_run_resumes_from_the_local_tier_exactly(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.filterwarnings("ignore:.*already holds checkpoints")
 def test_a_run_behind_the_local_tier_is_refused(tmp_path: Path) -> None:
     local: dict[str, Any] = {"local_checkpoint_dir": str(tmp_path / "local")}
     fit_example(tmp_path / "a", 7, **local)  # persistent 5, 7; local 6, 7

@@ -76,9 +76,13 @@ def step_of(name: str) -> int | None:
 class CheckpointManager:
     """Saves ``root/step-<step>`` checkpoints, keeps the newest ``keep_last`` of them.
 
-    A root that already holds checkpoints is announced with a warning (on rank 0), since
-    saving an older step than they hold will be refused: call :meth:`load_latest` to
-    continue from them, or use another root. ``warn_if_not_empty=False`` silences it.
+    A fresh run (no :meth:`load_latest` or :meth:`latest` on this manager) whose first
+    save goes into a root that already holds older checkpoints is warned once, on rank
+    0: it is probably a second run over the first one's directory, whose retention would
+    count the first run's steps as its own. Not at construction: the documented resume
+    pattern calls ``load_latest`` on the next line, and a save behind the newest step is
+    refused anyway, by an error that says what to do. ``warn_if_not_empty=False``
+    silences the warning (the Trainer checks for itself before its first step).
     """
 
     def __init__(
@@ -98,16 +102,11 @@ class CheckpointManager:
             ObjectRootLock(self._root_storage) if is_url(self.root) else RootLock(self.root)
         )
         self._resumed_from: int | None = None
+        self._fresh = warn_if_not_empty
+        """Whether the next save is this run's first and the run has not looked for a
+        checkpoint to continue from (``latest``, ``load_latest``): see ``_warn_if_fresh``."""
         self._handle: SaveHandle | None = None
         self._stager = Stager()
-        if warn_if_not_empty and world()[0] == 0:
-            steps = self.complete_steps()
-            if steps:
-                _warn(
-                    f"{self.root} already holds checkpoints up to step {steps[-1]}; call "
-                    "load_latest(state) to continue from them (saving a lower step here will "
-                    "be refused), or use another root to start afresh"
-                )
 
     def close(self) -> None:
         """Wait for a save in flight, then give up this process's claim on the root (also
@@ -183,6 +182,7 @@ class CheckpointManager:
         path = self.path_for(step)
         if world()[0] == 0 and not is_url(self.root):
             os.makedirs(self.root, exist_ok=True)
+        self._warn_if_fresh(step)
         mine = SaveHooks(
             before_write=lambda: self._before_write(step, opts.hooks.before_write),
             after_commit=lambda: self._after_commit(step, opts.hooks.after_commit),
@@ -190,6 +190,24 @@ class CheckpointManager:
         options = opts.storage_options or self.storage_options
         storage = functools.partial(storage_factory(opts.storage, options), follow=False)
         return path, SaveOptions.of(opts, storage=storage, hooks=mine, storage_options=options)
+
+    def _warn_if_fresh(self, step: int) -> None:
+        """On a fresh run's first save, warn (rank 0) if the root holds older checkpoints.
+
+        Newer or equal ones are not warned about: that save is refused, and its error says
+        what to do. Once per manager, and never after ``latest``/``load_latest``.
+        """
+        fresh, self._fresh = self._fresh, False
+        if not fresh or world()[0] != 0:
+            return
+        steps = self.complete_steps()
+        if steps and steps[-1] < step:
+            _warn(
+                f"{self.root} already holds checkpoints up to step {steps[-1]} that this run "
+                f"did not resume from; saving step {step} beside them. To continue that run, "
+                "call load_latest(state) before training; to start afresh, use another root",
+                stacklevel=6,  # the caller of save or async_save
+            )
 
     def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
         """Runs on rank 0 before any data is written: own the root, and never go back in time."""
@@ -288,6 +306,7 @@ class CheckpointManager:
         Newer step directories that would not (a damaged or symlinked manifest, a missing
         or resized data file) are passed over with a warning saying why.
         """
+        self._fresh = False  # the caller is looking for a checkpoint to continue from
         for path in self._loadable():
             return path
         return None
@@ -315,6 +334,7 @@ class CheckpointManager:
         instead, with a warning; if every one is damaged, the newest one's error is raised.
         """
         opts = LoadOptions.of(**options)
+        self._fresh = False
         first: CheckpointCorruptError | None = None
         for path in self._loadable():
             name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -359,8 +379,8 @@ def problem_with(storage: Storage) -> str | None:
     return None
 
 
-def _warn(message: str) -> None:
-    warnings.warn(f"shardsafe: {message}", stacklevel=3)
+def _warn(message: str, stacklevel: int = 3) -> None:
+    warnings.warn(f"shardsafe: {message}", stacklevel=stacklevel)
 
 
 def _older_than(root: LocalStorage, name: str, seconds: float) -> bool:
