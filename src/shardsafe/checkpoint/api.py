@@ -122,6 +122,9 @@ def load(
     with. Returns the plain values (JSON data, tensors) the checkpoint holds, as saved.
     ``strict=True``: keys the live objects have and the checkpoint lacks, or the reverse,
     are an error; ``strict=False`` loads what both have. Shapes and dtypes must match.
+    An entry of ``state`` the checkpoint does not have at all is an error naming the
+    entries it has and the closest one; with ``strict=False`` it is left as it is, with a
+    warning, unless no entry of ``state`` is in the checkpoint (nothing would load).
     With the default verify="first", nothing is restored on any rank unless every rank
     has read and verified its data.
 

@@ -8,6 +8,8 @@ manifest and each request's size against what live objects bound.
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +22,11 @@ from ..protocol import Adapter, LoadContext, ReadRequest, SavedValue, param_name
 from .manifest import Manifest, TensorRecord
 
 _SHOWN = 5
+_LISTED = 10
+"""Entry names an error lists when the asked one is not in the checkpoint."""
+_COMPARED_CHARS = 256
+"""Longer entry names are not compared for "did you mean" (a hostile manifest's names
+would make the comparison quadratic in their length)."""
 LIVE_MULTIPLE = 8
 """Tensors only the checkpoint sizes may take this many times the live tensors' bytes."""
 
@@ -44,6 +51,9 @@ class LoadPlan:
     """Keys in the checkpoint this rank holds no object for (strict loads, more than one
     rank). Another rank may hold them (pipeline stages, per-rank experts): the load
     refuses only those no rank holds (``loading.agree_unexpected``)."""
+    absent: list[str] = field(default_factory=list)
+    """Entries of ``state`` the checkpoint does not have, left as they are (``strict=False``
+    only, and only when some other entry loads): the load warns about each."""
 
     @property
     def requests(self) -> list[ReadRequest]:
@@ -65,6 +75,11 @@ def plan_load(
     Raises :class:`CheckpointMismatchError` listing every mismatch, and
     :class:`CheckpointCorruptError` for metadata an adapter cannot make sense of or a
     load that would allocate more than live objects bound (see ``_check_allocation``).
+
+    An entry of ``state`` the checkpoint lacks altogether (a misspelled ``"modle"``) is
+    named with the entries the checkpoint has and the closest one. ``strict=False`` does
+    not excuse it when no entry asked for is in the checkpoint: that load would restore
+    nothing, silently; when others are, it is left as it is (``LoadPlan.absent``).
     """
     names = param_names(state)
     saved_tensors = {k: (r.dtype, r.shape) for k, r in manifest.tensors.items()}
@@ -81,7 +96,7 @@ def plan_load(
         )
 
     entries = _unasked(manifest, state, context)
-    problems = _Problems([], [], [])
+    problems = _Problems([], [], [], known=list(manifest.values))
     for name, obj in state.items():
         entry = _asked(name, obj, manifest, context, problems)
         if entry is not None:
@@ -89,9 +104,12 @@ def plan_load(
     unexpected: list[str] = []
     if world_size > 1:  # refused only if no rank holds them (see LoadPlan.unexpected)
         unexpected, problems.unexpected = problems.unexpected, []
-    if problems.missing or problems.unexpected or problems.mismatched:
+    absent: list[str] = []
+    if not strict and len(problems.absent) < len(state):  # something else loads
+        absent, problems.absent = problems.absent, []
+    if problems.missing or problems.unexpected or problems.mismatched or problems.absent:
         raise CheckpointMismatchError(problems.message(strict))
-    plan = LoadPlan(entries, unexpected)
+    plan = LoadPlan(entries, unexpected, absent)
     _check_allocation(manifest, plan, rank, untrusted_bytes_limit)
     return plan
 
@@ -128,8 +146,7 @@ def _asked(
     """The plan for ``state[name]``, its problems added to ``problems``."""
     found = manifest.values.get(name)
     if found is None:
-        if context(name).strict:
-            problems.missing.append(f"state[{name!r}]")
+        problems.absent.append(name)
         return None
     adapter = find_adapter(obj, name)
     if found.kind != adapter.kind:
@@ -191,9 +208,13 @@ class _Problems:
     unexpected: list[str]
     mismatched: list[str]
     unexpected_title: str = "unexpected in the checkpoint"
+    absent: list[str] = field(default_factory=list)
+    """Entries of the state the checkpoint does not have at all."""
+    known: list[str] = field(default_factory=list)
+    """The checkpoint's entries, to name in place of an absent one."""
 
     def message(self, strict: bool) -> str:
-        lines = ["the checkpoint does not match the objects being loaded:"]
+        lines = [no_entry(name, self.known) for name in self.absent]
         for title, keys in (
             ("missing from the checkpoint", self.missing),
             (self.unexpected_title, self.unexpected),
@@ -202,10 +223,33 @@ class _Problems:
             if keys:
                 shown = "; ".join(keys[:_SHOWN])
                 more = f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
-                lines.append(f"  {title} ({len(keys)}): {shown}{more}")
-        if strict and not self.mismatched:
-            lines.append("  Pass strict=False to load only the keys both sides have.")
-        return "\n".join(lines)
+                lines.append(f"{title} ({len(keys)}): {shown}{more}")
+        if self.absent and not strict:
+            lines.append("strict=False loads what both sides have: here, nothing at all.")
+        elif strict and not self.absent and not self.mismatched:
+            # Only where strict=False would load something: an entry that is not there at
+            # all is a wrong name (or a wrong checkpoint), which strict=False would hide.
+            lines.append("Pass strict=False to load only the keys both sides have.")
+        if len(lines) == 1 and self.absent:  # a misspelled entry alone: one line
+            return lines[0]
+        return "\n  ".join(["the checkpoint does not match the objects being loaded:", *lines])
+
+
+def no_entry(name: str, known: list[str]) -> str:
+    """``the checkpoint has no entry "modle" (it has: "model", "optimizer"); did you
+    mean "model"?``"""
+    shown = ", ".join(_quoted(k) for k in known[:_LISTED])
+    more = f", ... and {len(known) - _LISTED} more" if len(known) > _LISTED else ""
+    has = f"it has: {shown}{more}" if known else "it has no entries"
+    candidates = [k for k in known if len(k) <= _COMPARED_CHARS]
+    close = difflib.get_close_matches(name, candidates, n=1)
+    guess = f"; did you mean {_quoted(close[0])}?" if close else ""
+    return f"the checkpoint has no entry {_quoted(name)} ({has}){guess}"
+
+
+def _quoted(name: str) -> str:
+    """``"name"``, escaped where it holds characters a terminal would not show as they are."""
+    return json.dumps(name, ensure_ascii=not name.isprintable())
 
 
 def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,7 +31,14 @@ from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
 from . import geometry, in_place
-from .load_plan import LoadPlan, guarded, plan_load, request_bytes, unexpected_everywhere
+from .load_plan import (
+    LoadPlan,
+    guarded,
+    no_entry,
+    plan_load,
+    request_bytes,
+    unexpected_everywhere,
+)
 from .locations import open_storage
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
@@ -112,6 +120,12 @@ def load_chosen(
             )
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
             planned.payload = plan.unexpected
+            for name in plan.absent:  # strict=False: others load, this one stays as it is
+                warnings.warn(
+                    f"shardsafe: strict=False leaves state[{name!r}] as it is: "
+                    f"{no_entry(name, list(manifest.values))}",
+                    stacklevel=4,  # the caller of shardsafe.load (or of load_latest)
+                )
         pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
         spool = _spool(storage, options, routes, manifest)
         reader = CheckpointReader(storage, manifest, piece_bytes=pieces, spool=spool)
