@@ -71,8 +71,8 @@ def build(path: str, ranks: int, params: int, version: int = 2) -> int:
 
 def measure(path: str) -> dict[str, float]:
     """In this (fresh) process: parse time, inspect time, peak extra RSS."""
+    import shardsafe
     from shardsafe.checkpoint.manifest import parse
-    from shardsafe.commands import inspect
 
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         raw = f.read()
@@ -82,7 +82,7 @@ def measure(path: str) -> dict[str, float]:
     parsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    inspect.describe(path)
+    shardsafe.inspect(path)
     described = time.perf_counter() - start
     return {"parse_s": parsed, "inspect_s": described, "peak_extra": peak - base}
 

@@ -204,9 +204,9 @@ def alternate(
 
 def writer_bytes(path: str) -> dict[int, int]:
     """shardsafe: bytes each rank wrote, from the manifest (as ``shardsafe inspect``)."""
-    from shardsafe.commands.inspect import describe
+    import shardsafe
 
-    return {w["rank"]: w["bytes"] for w in describe(path)["writers"]}
+    return {w.rank: w.bytes for w in shardsafe.inspect(path).writers if w.rank is not None}
 
 
 def dcp_writer_bytes(path: str) -> dict[int, int]:

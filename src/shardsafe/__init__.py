@@ -6,6 +6,8 @@ Public API (everything else is private and may change)::
     shardsafe.async_save(path, state) -> SaveHandle (staged now, written in the background)
     shardsafe.load(path, state, strict=True) -> dict of plain values
     shardsafe.read_manifest(path) -> what a checkpoint holds, without reading data
+    shardsafe.verify(path) -> VerifyReport: every byte against its checksum
+    shardsafe.inspect(path) -> InspectReport: values, tensors, files, writers, sizes
     shardsafe.CheckpointManager(root, keep_last=k)
     shardsafe.TieredCheckpointManager(persistent, local, local_every=.., persist_every=..)
     shardsafe.RNGState()
@@ -20,7 +22,9 @@ from __future__ import annotations
 from ._version import __version__
 from .adapters import Adapter, RNGState, register_adapter
 from .checkpoint.api import SaveHandle, async_save, load, read_manifest, save
+from .checkpoint.inspecting import InspectReport, inspect
 from .checkpoint.manager import CheckpointManager
+from .checkpoint.verifying import VerifyReport, verify
 from .converters import convert
 from .errors import (
     CheckpointCorruptError,
@@ -40,16 +44,20 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "InspectReport",
     "RNGState",
     "SaveHandle",
     "TieredCheckpointManager",
     "Trainer",
     "TrainingModule",
+    "VerifyReport",
     "__version__",
     "async_save",
     "convert",
+    "inspect",
     "load",
     "read_manifest",
     "register_adapter",
     "save",
+    "verify",
 ]

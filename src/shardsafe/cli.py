@@ -23,8 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol, cast
 
+from ._text import terminal_safe
 from ._version import __version__
-from .commands._format import terminal_safe
 from .errors import CheckpointError
 
 COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify", "convert")

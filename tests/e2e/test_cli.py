@@ -24,7 +24,7 @@ import torch
 
 import shardsafe
 from shardsafe import cli
-from shardsafe.commands._format import human_bytes
+from shardsafe._text import human_bytes
 from tests import forge
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")

@@ -42,7 +42,7 @@ import torch
 import shardsafe
 from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.manager import step_dir_name
-from shardsafe.commands.verify import find_problems
+from shardsafe.checkpoint.verifying import find_problems
 from tests.e2e import kill_target as target
 from tests.e2e.kills import SURVIVOR_EXIT_S, kill_during_a_save, survivor_error
 from tests.harness import free_port

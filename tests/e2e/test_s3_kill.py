@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.commands.verify import find_problems
+from shardsafe.checkpoint.verifying import find_problems
 from tests.e2e.kills import (
     SURVIVOR_EXIT_S,
     kill_during_a_save,

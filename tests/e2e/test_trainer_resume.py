@@ -23,7 +23,7 @@ import torch
 
 from shardsafe import CheckpointManager, Trainer
 from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.commands.verify import find_problems
+from shardsafe.checkpoint.verifying import find_problems
 from shardsafe.trainer.example import ExampleModule
 from tests.e2e.trainer_helpers import (
     FAULTY,

@@ -60,7 +60,7 @@ from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.manager import step_of
 from shardsafe.checkpoint.manifest import parse
 from shardsafe.checkpoint.storage import LocalStorage
-from shardsafe.commands.verify import find_problems
+from shardsafe.checkpoint.verifying import find_problems
 from tests import forge
 from tests.opens import outside, recorded_opens
 

@@ -41,7 +41,7 @@ from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.manifest import crc_block_count
 from shardsafe.checkpoint.reader import CheckpointReader
 from shardsafe.checkpoint.storage import LocalStorage
-from shardsafe.commands.verify import find_problems
+from shardsafe.checkpoint.verifying import find_problems
 from tests import forge
 from tests.opens import outside, recorded_opens
 

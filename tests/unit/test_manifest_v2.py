@@ -34,8 +34,7 @@ from shardsafe.checkpoint.manifest import (
     crc_block_count,
     parse,
 )
-from shardsafe.commands.inspect import describe
-from shardsafe.commands.verify import find_problems
+from shardsafe.checkpoint.verifying import find_problems
 from shardsafe.errors import CheckpointCorruptError
 from shardsafe.protocol import SavedValue
 from tests import forge
@@ -517,5 +516,6 @@ def test_a_version_1_checkpoint_still_loads_inspects_and_verifies(
     assert fresh_opt.state_dict()["state"][0]["exp_avg"].equal(
         opt.state_dict()["state"][0]["exp_avg"]
     )
-    assert describe(str(tmp_path / "c"))["format_version"] == 1
+    assert shardsafe.inspect(tmp_path / "c").format_version == 1
+    assert shardsafe.verify(tmp_path / "c").ok
     assert find_problems(str(tmp_path / "c"), read_manifest(tmp_path / "c")) == []

@@ -17,18 +17,22 @@ PUBLIC = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "InspectReport",
     "RNGState",
     "SaveHandle",
     "TieredCheckpointManager",
     "Trainer",
     "TrainingModule",
+    "VerifyReport",
     "__version__",
     "async_save",
     "convert",
+    "inspect",
     "load",
     "read_manifest",
     "register_adapter",
     "save",
+    "verify",
 ]
 
 

@@ -3,7 +3,9 @@
 Save and load are mirrors. Modules, save side | load side:
 
 * the phases: ``saving`` | ``loading``; public entry points in ``api``, their options in
-  ``options``, the step-directory manager in ``manager``;
+  ``options``, the step-directory manager in ``manager``; the read-only reports
+  ``verifying`` and ``inspecting`` (``shardsafe.verify``/``inspect``, which the command
+  line prints), with ``finding`` (the checkpoint a user's path names, or where to look);
 * planning (pure): ``collecting`` + ``offer`` -> ``save_plan`` (+ ``transfers`` for the
   consolidated layout) | ``load_plan``;
 * bytes: ``writing`` (+ ``consolidate_sender``, ``consolidate_receiver``,

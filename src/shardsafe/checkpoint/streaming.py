@@ -27,6 +27,7 @@ from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
 from . import target_directory
+from .loading import read_manifest_from
 from .manifest import Manifest
 from .manifest_format import CRC_BLOCK_BYTES
 from .offer import ChunkOffer
@@ -35,6 +36,7 @@ from .safetensors_io import byte_view, memory
 from .save_plan import plan_save
 from .saving import BACKGROUND_PIECE_BYTES, commit
 from .storage import Storage
+from .verifying import find_problems
 from .writing import WriteOptions, write_own_files
 
 
@@ -158,10 +160,7 @@ def write_unverified(
 
 
 def verify_committed(storage: Storage) -> Manifest:
-    """Read the committed manifest back and check every byte, as ``shardsafe verify`` does."""
-    from ..commands.verify import find_problems
-    from .loading import read_manifest_from
-
+    """Read the committed manifest back and check every byte, as ``shardsafe.verify`` does."""
     manifest = read_manifest_from(storage)
     problems = find_problems(storage, manifest)
     if problems:

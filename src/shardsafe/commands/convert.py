@@ -93,9 +93,9 @@ def _byte_count(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
+    from .._text import terminal_safe
     from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
     from ..converters import convert, describe
-    from ._format import terminal_safe
 
     limit = args.untrusted_bytes_limit  # None: convert's default, as load's
     try:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._text import human_bytes
 from ..checkpoint.locations import open_storage
 from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
 from ..errors import CheckpointError
@@ -256,8 +257,6 @@ def _progress(enabled: bool | None, total: int, what: str) -> Iterator[Callable[
 
 def describe(result: Conversion) -> str:
     """Lines for the command line: the files and their sizes."""
-    from ..commands._format import human_bytes
-
     verb = "would write" if result.dry_run else "wrote"
     lines = [
         f"{result.source_format} -> {result.destination_format}: {verb} {result.tensors} "

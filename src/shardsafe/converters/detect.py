@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..checkpoint.finding import where_checkpoints_are
 from ..checkpoint.locations import is_url, local_path, open_storage
 from ..checkpoint.manifest_format import MANIFEST_NAME
 from ..checkpoint.storage import Storage
@@ -77,11 +78,9 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
     storage.close()
     more = f" and {len(names) - 5} more" if len(names) > 5 else ""
     shown = ", ".join(names[:5]) + more if names else "nothing"
-    from ..commands._common import _where_checkpoints_are
-
     raise CheckpointNotFoundError(
         f"{path} is no checkpoint shardsafe can convert: it has no {MANIFEST_NAME} "
         f"(shardsafe), {METADATA_NAME} (DCP), {INDEX_NAME} or {SINGLE_NAME} (Hugging Face); "
         f"it holds {shown}. For a torch.save or Lightning file, pass the file itself"
-        f"{_where_checkpoints_are(path)}."
+        f"{where_checkpoints_are(path)}."
     )

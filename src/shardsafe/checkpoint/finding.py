@@ -1,0 +1,53 @@
+"""The checkpoint a user's path names: its manifest, or an error that says where to look.
+
+Users often pass a run's checkpoint *root* (the directory holding ``step-*`` and
+``latest``), or a Trainer's run directory, instead of one checkpoint. That stays an error,
+because guessing which checkpoint they meant could verify or convert the wrong one, but
+the message names the newest committed checkpoint so the fix is one copy-paste away.
+Shared by ``verify``, ``inspect`` and the converters' source detection.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CheckpointNotFoundError
+from .loading import read_manifest_from
+from .locations import is_url
+from .manifest import Manifest
+from .storage import Storage
+
+
+def manifest_at(path: str, storage: Storage) -> Manifest:
+    """The validated manifest of the checkpoint at ``path``, already opened as ``storage``;
+    a missing one's error says where a real checkpoint is (see the module docstring)."""
+    if not is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointNotFoundError(
+            f"{path} is a file; pass the checkpoint directory (the one holding manifest.json)"
+        )
+    try:
+        return read_manifest_from(storage)
+    except CheckpointNotFoundError as e:
+        raise CheckpointNotFoundError(f"{e}{where_checkpoints_are(path)}") from None
+
+
+def where_checkpoints_are(path: str) -> str:
+    """A hint for a local path that is a checkpoint root or a Trainer's run directory
+    (``". It looks like ..."``), else ``""``."""
+    if is_url(path) or not os.path.isdir(path):
+        return ""
+    from .manager import CheckpointManager  # the error path only: it imports the save side
+
+    latest = CheckpointManager(path, warn_if_not_empty=False).latest()
+    if latest is not None:
+        return (
+            f". It looks like a checkpoint root; the newest committed checkpoint in it is {latest}"
+        )
+    run_root = os.path.join(path, "checkpoints")
+    if os.path.isdir(run_root):
+        latest = CheckpointManager(run_root, warn_if_not_empty=False).latest()
+        newest = f"; the newest is {latest}" if latest else ", but none is committed yet"
+        return (
+            f". It looks like a Trainer run directory: its checkpoints are under {run_root}{newest}"
+        )
+    return ""
