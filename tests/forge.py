@@ -174,3 +174,42 @@ def resign_file(ckpt: Path, path: Path) -> None:
     if "header_crc32" in entry:
         entry["header_crc32"] = header_crc(path)
     write_manifest(ckpt, doc)
+
+
+def grid_doc(
+    rows: int, cols: int, *, file_per_chunk: bool = False, block_bytes: int = 64
+) -> dict[str, Any]:
+    """A manifest of one float32 tensor [4 * rows, cols] cut into ``rows`` x ``cols``
+    chunks of 4x1 elements (a valid grid), in one data file or one file per chunk."""
+    files: dict[str, Any] = {}
+    chunks = []
+    n = rows * cols
+    for r in range(rows):
+        for c in range(cols):
+            index = r * cols + c
+            name = f"shard-{index if file_per_chunk else 0:05d}-of-{n:05d}.safetensors"
+            files[name] = {"bytes": 4096, "header_crc32": 0}
+            chunks.append(
+                {
+                    "file": name,
+                    "name": f"model/w@{r * 4},{c}",
+                    "offsets": [r * 4, c],
+                    "shape": [4, 1],
+                    "crc32": [index & 0xFFFFFFFF],
+                }
+            )
+    return {
+        "format": "shardsafe",
+        "version": 1,
+        "layout": "sharded",
+        "world_size": len(files),
+        "checksum": {
+            "algorithm": "crc32",
+            "block_bytes": block_bytes,
+            "covers": ["data", "headers", "manifest"],
+        },
+        "info": {"shardsafe_version": "0.1.0"},
+        "files": files,
+        "values": {"model": {"kind": "module", "meta": {"tensors": ["w"], "extra": {}}}},
+        "tensors": {"model/w": {"dtype": "float32", "shape": [4 * rows, cols], "chunks": chunks}},
+    }

@@ -1589,12 +1589,11 @@ def test_a_hostile_dtype_name_is_refused_without_importing_anything(tmp_path: Pa
     report = json.loads(proc.stdout)
     assert "torch._inductor" not in report["before"]
     assert report["after"] == report["before"], report["after"]
-    for name, (outcome, message, seconds) in report["results"].items():
+    for name, (outcome, message, _) in report["results"].items():
         assert outcome == "refused", (name, outcome, message)
         non_strings = ("5", "['float32']", "None")
         expected = "malformed __dtype__ value" if name in non_strings else "unknown dtype"
         assert expected in message, (name, message)
-        assert seconds < 1.0, (name, seconds)
 
 
 def test_real_dtypes_round_trip_as_the_same_objects(tmp_path: Path) -> None:
@@ -1968,60 +1967,17 @@ def test_verify_escapes_the_path_in_its_failed_line(tmp_path: Path) -> None:
 # 12/13. Costs are linear in the manifest's size
 
 
-def grid_doc(
-    rows: int, cols: int, *, file_per_chunk: bool = False, block_bytes: int = 64
-) -> dict[str, Any]:
-    """A manifest of one float32 tensor [4 * rows, cols] cut into ``rows`` x ``cols``
-    chunks of 4x1 elements (a valid grid), in one data file or one file per chunk."""
-    files: dict[str, Any] = {}
-    chunks = []
-    n = rows * cols
-    for r in range(rows):
-        for c in range(cols):
-            index = r * cols + c
-            name = f"shard-{index if file_per_chunk else 0:05d}-of-{n:05d}.safetensors"
-            files[name] = {"bytes": 4096, "header_crc32": 0}
-            chunks.append(
-                {
-                    "file": name,
-                    "name": f"model/w@{r * 4},{c}",
-                    "offsets": [r * 4, c],
-                    "shape": [4, 1],
-                    "crc32": [index & 0xFFFFFFFF],
-                }
-            )
-    return {
-        "format": "shardsafe",
-        "version": 1,
-        "layout": "sharded",
-        "world_size": len(files),
-        "checksum": {
-            "algorithm": "crc32",
-            "block_bytes": block_bytes,
-            "covers": ["data", "headers", "manifest"],
-        },
-        "info": {"shardsafe_version": "0.1.0"},
-        "files": files,
-        "values": {"model": {"kind": "module", "meta": {"tensors": ["w"], "extra": {}}}},
-        "tensors": {"model/w": {"dtype": "float32", "shape": [4 * rows, cols], "chunks": chunks}},
-    }
-
-
-def test_sixteen_thousand_chunks_along_dim_1_parse_quickly() -> None:
-    raw = forge.manifest_bytes(grid_doc(1, 16_000))
-    start = time.perf_counter()
-    m = parse(raw)
-    assert time.perf_counter() - start < 5.0
-    assert len(m.tensors["model/w"].chunks) == 16_000
-    raw = forge.manifest_bytes(grid_doc(125, 128))  # 2-d grid of 16,000 cells
-    start = time.perf_counter()
+def test_sixteen_thousand_chunks_along_dim_1_and_in_a_2d_grid_parse() -> None:
+    """How long they take is measured in ``benchmarks/validation_scale.py``."""
+    raw = forge.manifest_bytes(forge.grid_doc(1, 16_000))
     assert len(parse(raw).tensors["model/w"].chunks) == 16_000
-    assert time.perf_counter() - start < 5.0
+    raw = forge.manifest_bytes(forge.grid_doc(125, 128))  # 2-d grid of 16,000 cells
+    assert len(parse(raw).tensors["model/w"].chunks) == 16_000
 
 
-def test_inspect_of_ten_thousand_values_and_tensors_is_quick(tmp_path: Path) -> None:
+def test_inspect_of_ten_thousand_values_and_tensors(tmp_path: Path) -> None:
     n = 10_000
-    doc = grid_doc(1, 1)
+    doc = forge.grid_doc(1, 1)
     doc["files"] = {SHARD: {"bytes": 16 * n + 4096, "header_crc32": 0}}
     doc["tensors"] = {
         f"v{i}": {
@@ -2037,10 +1993,8 @@ def test_inspect_of_ten_thousand_values_and_tensors_is_quick(tmp_path: Path) -> 
     ckpt = tmp_path / "wide"
     ckpt.mkdir()
     forge.write_manifest(ckpt, doc)
-    for args in (("inspect",), ("inspect", "--json")):
-        start = time.perf_counter()
+    for args in (("inspect",), ("inspect", "--json")):  # timed in validation_scale.py
         rc, out, err = run_cli(*args, str(ckpt))
-        assert time.perf_counter() - start < 10.0
         assert (rc, err) == (0, "")
     assert strict_json(out)["totals"]["tensors"] == n
 
@@ -2049,7 +2003,7 @@ def _brick(pairs: int) -> dict[str, Any]:
     """A [2, 2*pairs] tensor tiled exactly by 2*pairs+1 chunks that do not form a grid:
     row 0 cut every 2 columns, row 1 offset by one column."""
     width = 2 * pairs
-    doc = grid_doc(1, 1)
+    doc = forge.grid_doc(1, 1)
     chunks = [
         {"file": SHARD, "name": f"a{i}", "offsets": [0, 2 * i], "shape": [1, 2], "crc32": [0]}
         for i in range(pairs)
@@ -2074,35 +2028,13 @@ def test_more_than_64_chunks_that_do_not_form_a_grid_are_refused() -> None:
         parse(forge.manifest_bytes(overlapping))
 
 
-def _inspect_seconds(tmp_path: Path, name: str, doc: dict[str, Any]) -> float:
-    ckpt = tmp_path / name
-    ckpt.mkdir()
-    forge.write_manifest(ckpt, doc)
-    best = math.inf
-    for _ in range(3):  # the best of three: a busy machine slows one run, not the shape
-        start = time.perf_counter()
-        rc, _, err = run_cli("inspect", "--json", str(ckpt))
-        assert (rc, err) == (0, "")
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def test_inspect_time_does_not_grow_with_the_square_of_a_tensors_files(tmp_path: Path) -> None:
-    """Twice the files (one per chunk) take about twice the time, not four times: inspect
-    does work per file (its writer rank, its row), so the test compares growth, not a
-    one-file checkpoint."""
-    half = _inspect_seconds(tmp_path, "half", grid_doc(1, 6_000, file_per_chunk=True))
-    whole = _inspect_seconds(tmp_path, "whole", grid_doc(1, 12_000, file_per_chunk=True))
-    assert whole < 3 * half, (half, whole)
-
-
 # ======================================================================================
 # 14. Parsing memory is proportional to the manifest
 
 
 def test_parsing_a_ten_megabyte_manifest_peaks_under_eight_times_its_size() -> None:
     tensors, per_tensor = 4, 17_000
-    doc = grid_doc(1, 1, block_bytes=16 << 20)
+    doc = forge.grid_doc(1, 1, block_bytes=16 << 20)
     doc["files"] = {SHARD: {"bytes": 1 << 40, "header_crc32": 0}}
     doc["tensors"] = {
         f"model/layers.{t}.weight": {
@@ -2166,7 +2098,7 @@ def sparse_checkpoint(root: Path, nbytes: int, bad_block: int | None) -> Path:
     crcs = [zlib.crc32(bytes(block))] * -(-nbytes // block)
     if bad_block is not None:
         crcs[bad_block] ^= 1
-    doc = grid_doc(1, 1, block_bytes=block)
+    doc = forge.grid_doc(1, 1, block_bytes=block)
     doc["files"] = {SHARD: {"bytes": len(head) + nbytes, "header_crc32": zlib.crc32(head)}}
     doc["values"] = {"x": {"kind": "value", "meta": {"__tensor__": "x"}}}
     chunk = {"file": SHARD, "name": "x", "offsets": [0], "shape": [numel], "crc32": crcs}

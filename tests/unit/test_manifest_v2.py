@@ -15,7 +15,6 @@ import copy
 import itertools
 import json
 import struct
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -294,10 +293,8 @@ def test_crc_counts_that_would_overflow_their_sum_are_refused_without_allocating
     doc["checksum"]["block_bytes"] = 8
     doc["chunks"]["offsets"] = forge.pack_column([0] * 16, "i64")
     doc["chunks"]["shape"] = forge.pack_column([2**62] * 16, "i64")
-    start = time.perf_counter()
     msg = refused(forge.manifest_bytes(doc))
     assert "'chunks.crc32' holds 16 values, not one per checksum block" in msg
-    assert time.perf_counter() - start < 5
 
 
 # ------------------------------------------------------------------------ tiling
@@ -454,7 +451,7 @@ def test_any_column_content_parses_or_is_refused_as_corruption(
 # ------------------------------------------------------------------- the writer
 
 
-def _fsdp_like(ranks: int, params: int) -> Manifest:
+def fsdp_like(ranks: int, params: int) -> Manifest:
     files = {f"shard-{r:05d}-of-{ranks:05d}.safetensors": 1 << 30 for r in range(ranks)}
     names = list(files)
     tensors = {
@@ -473,7 +470,7 @@ def _fsdp_like(ranks: int, params: int) -> Manifest:
 
 
 def test_a_large_manifest_round_trips_and_builds_records_only_when_asked() -> None:
-    m = _fsdp_like(64, 50)
+    m = fsdp_like(64, 50)
     raw = m.to_json()
     back = parse(raw)
     assert back == m
@@ -482,13 +479,11 @@ def test_a_large_manifest_round_trips_and_builds_records_only_when_asked() -> No
     assert doc["chunks"]["offsets"].startswith("u32:")
 
 
-def test_parsing_100_thousand_chunks_takes_well_under_a_second_per_100_thousand() -> None:
-    raw = _fsdp_like(100, 1000).to_json()
-    start = time.perf_counter()
-    m = parse(raw)
-    elapsed = time.perf_counter() - start
+def test_100_thousand_chunks_parse_into_every_record() -> None:
+    """How long it takes is measured in ``benchmarks/validation_scale.py``."""
+    m = parse(fsdp_like(100, 1000).to_json())
     assert len(m.tensors) == 1000 and len(m.tensors["model/p7"].chunks) == 100
-    assert elapsed < 2.0, elapsed  # about 0.1 s here; version 1 takes about 2 s
+    assert m.tensors["model/p7"].chunks[99].offsets == (198, 0)
 
 
 # ------------------------------------------------ checkpoints written as version 1
