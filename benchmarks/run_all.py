@@ -9,10 +9,12 @@ checkpoints on 2 simulated nodes x 2 ranks (recovery from the local, peer and pe
 tiers against DCP, and what local saves cost the training loop); ZeRO save time against
 state size at 2 and 4 ranks; coordination (time and store requests) of a tiny state at 2
 to 64 ranks; a summary table and every target, MET or MISSED. Prints markdown, then
-writes the same text to ``--results`` and the save-time plot to ``--plot``. A full run
-takes about 22 minutes on 2 cores; ``--quick`` is a tiny smoke run
-(about a minute) that writes its results under ``--dir`` unless ``--results``/``--plot``
-are given.
+writes the same text into ``--results`` (default ``docs/performance.md``, the one home of
+the figures) between its ``<!-- run_all: begin -->`` and ``<!-- run_all: end -->`` lines,
+keeping the hand-written rest of the page, and the save-time plot to ``--plot``. A full
+run takes about 22 minutes on 2 cores; ``--quick`` is a tiny smoke run (about a minute)
+that writes its results under ``--dir`` (``performance.md``, created with just the
+markers and the report) unless ``--results``/``--plot`` are given.
 
 Run:  python benchmarks/run_all.py [--quick] [--dir /tmp/shardsafe-bench]
 """
@@ -31,6 +33,7 @@ from dataclasses import dataclass, replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _coordination as coordination
 import _dcp_compare as dcp_compare
+import _results_page
 import async_checkpoint
 import lightning_strategy
 import manifest_scale
@@ -43,6 +46,7 @@ from _report import Section
 from _timed_notes import NOTES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 @dataclass(frozen=True)
@@ -186,20 +190,33 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
     return points
 
 
+def shown(path: str) -> str:
+    """A path inside the repository relative to its root, as the docs page links it."""
+    inside = os.path.abspath(path).startswith(ROOT + os.sep)
+    return os.path.relpath(path, ROOT) if inside else path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition")
     parser.add_argument("--dir", default="/tmp/shardsafe-bench", help="scratch directory")
     parser.add_argument("--repeat", type=int, help="repetitions up to 200 MB (default 5)")
-    parser.add_argument("--results", help="markdown results file (default benchmarks/results.md)")
+    parser.add_argument(
+        "--results",
+        help="markdown page whose run_all markers receive the report (default docs/performance.md)",
+    )
     parser.add_argument("--plot", help="PNG plot (default benchmarks/save_time_vs_size.png)")
     args = parser.parse_args()
     cfg = QUICK if args.quick else Config()
     if args.repeat:
         cfg = replace(cfg, repeat=args.repeat, scale_repeat=args.repeat)
-    out_dir = args.dir if args.quick else HERE
-    results = args.results or os.path.join(out_dir, "results.md")
-    plot = args.plot or os.path.join(out_dir, "save_time_vs_size.png")
+    results = args.results or (
+        os.path.join(args.dir, "performance.md")
+        if args.quick
+        else os.path.join(ROOT, "docs", "performance.md")
+    )
+    plot = args.plot or os.path.join(args.dir if args.quick else HERE, "save_time_vs_size.png")
+    _results_page.check(results)
     root = os.path.join(args.dir, "scratch")
     clean(root)
     os.makedirs(root)
@@ -218,12 +235,12 @@ def main() -> None:
     took = (time.perf_counter() - start) / 60
     report.add(f"## Summary\n\n{summary_table(report.summary)}")
     report.add(
-        f"## Targets\n\n{verdicts(report.targets)}\n\nplot: `{plot}`; total time {took:.1f} min"
+        f"## Targets\n\n{verdicts(report.targets)}\n\n"
+        f"plot: `{shown(plot)}`; total time {took:.1f} min"
     )
     report.add(NOTES)
-    with open(results, "w") as f:
-        f.write("\n\n".join(report.blocks) + "\n")
-    print(f"wrote {results} and {plot}")
+    _results_page.write(results, "\n\n".join(report.blocks))
+    print(f"wrote {results} (between its run_all markers) and {plot}")
     clean(root)
 
 

@@ -1,8 +1,10 @@
 """A smoke run of the benchmarks: ``run_all.py --quick`` at a tiny size, end to end.
 
 Benchmarks are not tests; this only checks that the one command still runs and prints
-its tables and verdicts. It needs the ``bench`` extra (pytorch-lightning, matplotlib),
-which the test extra does not install, so it is skipped without them.
+its tables and verdicts, and that it writes its report between the markers of the page it
+is given, keeping the rest (the repository's ``docs/performance.md`` is never touched).
+It needs the ``bench`` extra (pytorch-lightning, matplotlib), which the test extra does
+not install, so it is skipped without them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import pytest
 pytest.importorskip("pytorch_lightning", reason="needs the bench extra (pytorch-lightning)")
 pytest.importorskip("matplotlib", reason="needs the bench extra (matplotlib)")
 
-RUN_ALL = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
+ROOT = Path(__file__).resolve().parents[2]
+RUN_ALL = ROOT / "benchmarks" / "run_all.py"
+PAGE = (
+    "# Performance\n\nhand-written, kept\n\n"
+    "<!-- run_all: begin -->\nstale report\n<!-- run_all: end -->\n\nafter, kept\n"
+)
 SECTIONS = (
     "## ZeRO (user-wrapped",
     "## Peak memory of a consolidated ZeRO save",
@@ -65,8 +72,11 @@ VERDICT = re.compile(r"^- (.+): [\d.]+ \(target [<>]= [\d.]+\) (MET|MISSED)$", r
 
 @pytest.mark.timeout(540)
 def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
+    page = tmp_path / "performance.md"
+    page.write_text(PAGE)
+    docs_page = (ROOT / "docs" / "performance.md").read_bytes()
     proc = subprocess.run(
-        [sys.executable, str(RUN_ALL), "--quick", "--dir", str(tmp_path)],
+        [sys.executable, str(RUN_ALL), "--quick", "--dir", str(tmp_path), "--results", str(page)],
         capture_output=True,
         text=True,
         timeout=530,
@@ -88,6 +98,13 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
     assert any("busiest writer" in name for name in found)
     assert any("store requests per save" in name for name in found)
     assert any("FSDP2" in name for name in found) and any("RSS" in name for name in found)
-    results = (tmp_path / "results.md").read_text()
-    assert "## Targets" in results and "machine:" in results
+    results = page.read_text()
+    before, report = results.split("<!-- run_all: begin -->\n")
+    report, after = report.split("\n<!-- run_all: end -->\n")
+    assert before == "# Performance\n\nhand-written, kept\n\n"
+    assert after == "\nafter, kept\n"
+    assert "stale report" not in report and "machine:" in report
+    # Its headings sit under the page's own: "## Targets" printed is "#### Targets" there.
+    assert "\n#### Targets\n" in report and report.startswith("### shardsafe benchmarks")
+    assert (ROOT / "docs" / "performance.md").read_bytes() == docs_page
     assert (tmp_path / "save_time_vs_size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
