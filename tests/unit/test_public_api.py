@@ -86,3 +86,23 @@ def test_a_managers_save_refuses_storage_options_of_its_own(tmp_path: object) ->
     with pytest.raises(TypeError, match=r"pass them to CheckpointManager\(root, storage_options"):
         manager.save(1, {"x": 1}, storage_options={"endpoint_url": "http://elsewhere"})
     manager.close()
+
+
+def test_adapters_offer_the_protocols_names_and_no_deprecated_aliases() -> None:
+    import shardsafe.adapters as adapters
+
+    assert sorted(adapters.__all__) == [
+        "Adapter",
+        "Chunk",
+        "LoadContext",
+        "LoadRequests",
+        "PartitionedOptimizerAdapter",
+        "RNGState",
+        "ReadRequest",
+        "SaveContext",
+        "SaveItem",
+        "SavedValue",
+        "find_adapter",
+        "register_adapter",
+    ]
+    assert not hasattr(adapters, "Context") and not hasattr(adapters, "LoadPlan")

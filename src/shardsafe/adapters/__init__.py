@@ -24,11 +24,6 @@ from .rng import RNGAdapter, RNGState
 from .unknown import UnknownShardedOptimizer
 from .values import PlainDataAdapter, StatefulAdapter
 
-Context = LoadContext
-"""Deprecated name (shardsafe 0.1) for the contexts: use SaveContext or LoadContext."""
-LoadPlan = LoadRequests
-"""Deprecated name (shardsafe 0.1) for :class:`LoadRequests`."""
-
 
 def _register_builtins() -> None:
     builtins: list[Adapter] = [
@@ -50,9 +45,7 @@ _register_builtins()
 __all__ = [
     "Adapter",
     "Chunk",
-    "Context",
     "LoadContext",
-    "LoadPlan",
     "LoadRequests",
     "PartitionedOptimizerAdapter",
     "RNGState",
