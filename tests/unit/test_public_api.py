@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 
 import pytest
 
@@ -106,3 +107,47 @@ def test_adapters_offer_the_protocols_names_and_no_deprecated_aliases() -> None:
         "register_adapter",
     ]
     assert not hasattr(adapters, "Context") and not hasattr(adapters, "LoadPlan")
+
+
+def test_string_options_are_typed_by_one_literal_each_and_checked_at_run_time() -> None:
+    """Type checkers see the allowed strings (``Layout``, ``VerifyMode``, ``Format``,
+    ``DcpLayout``, each defined once); a wrong string still fails at once, naming them."""
+    from shardsafe.checkpoint import Layout, VerifyMode
+    from shardsafe.checkpoint.storage import EntryKind, LocalStorage
+    from shardsafe.converters import DcpLayout, Format
+
+    assert typing.get_args(Layout) == ("sharded", "consolidated")
+    assert typing.get_args(VerifyMode) == ("first", "inline")
+    assert typing.get_args(Format) == ("shardsafe", "dcp", "hf", "torch")
+    assert typing.get_args(DcpLayout) == ("nested", "flat")
+    assert typing.get_args(EntryKind) == ("file", "directory", "symlink", "other")
+    assert typing.get_type_hints(shardsafe.save)["layout"] == Layout
+    assert typing.get_type_hints(SaveOptions)["layout"] == Layout
+    assert typing.get_type_hints(shardsafe.load)["verify"] == VerifyMode
+    assert typing.get_type_hints(shardsafe.Trainer.__init__)["layout"] == Layout
+    convert = typing.get_type_hints(shardsafe.convert)
+    assert (convert["to"], convert["dcp_layout"]) == (Format, DcpLayout)
+    assert typing.get_type_hints(LocalStorage.kind)["return"] == EntryKind | None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"layout": "zip"}, r"layout='zip' is not one of \('sharded', 'consolidated'\)"),
+        ({"verify": "both"}, r"verify='both' is not one of \('first', 'inline'\)"),
+        ({"to": "zip"}, "to='zip' is not one of shardsafe, dcp, hf, torch"),
+        ({"dcp_layout": "tree"}, "dcp_layout='tree' is not 'nested' or 'flat'"),
+    ],
+)
+def test_a_wrong_string_option_fails_at_once_naming_the_allowed_ones(
+    options: dict[str, str], message: str
+) -> None:
+    from shardsafe.checkpoint import LoadOptions
+
+    with pytest.raises(ValueError, match=message):
+        if "layout" in options:
+            SaveOptions(**options)  # type: ignore[arg-type]
+        elif "verify" in options:
+            LoadOptions(**options)  # type: ignore[arg-type]
+        else:
+            shardsafe.convert("nowhere", "nothing", **options)  # type: ignore[arg-type]

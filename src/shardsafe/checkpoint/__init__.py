@@ -47,6 +47,7 @@ phase
 
 from __future__ import annotations
 
-from .options import LoadOptions, SaveHooks, SaveOptions
+from .manifest_format import Layout
+from .options import LoadOptions, SaveHooks, SaveOptions, VerifyMode
 
-__all__ = ["LoadOptions", "SaveHooks", "SaveOptions"]
+__all__ = ["Layout", "LoadOptions", "SaveHooks", "SaveOptions", "VerifyMode"]

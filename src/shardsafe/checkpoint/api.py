@@ -15,7 +15,15 @@ from . import background, loading, saving
 from .background import SaveHandle
 from .loading import read_manifest
 from .locations import open_storage
-from .options import LoadOptions, SaveHooks, SaveKeywords, SaveOptions, StorageFactory
+from .manifest_format import Layout
+from .options import (
+    LoadOptions,
+    SaveHooks,
+    SaveKeywords,
+    SaveOptions,
+    StorageFactory,
+    VerifyMode,
+)
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -30,7 +38,7 @@ def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
     *,
-    layout: str = _S.layout,
+    layout: Layout = _S.layout,
     entry_timeout: float = _S.entry_timeout,
     timeout: float = _S.timeout,
     buffer_bytes: int = _S.buffer_bytes,
@@ -113,7 +121,7 @@ def load(
     timeout: float = _L.timeout,
     untrusted_bytes_limit: int = _L.untrusted_bytes_limit,
     storage_options: Mapping[str, Any] | None = _L.storage_options,
-    verify: str = _L.verify,
+    verify: VerifyMode = _L.verify,
     buffer_bytes: int = _L.buffer_bytes,
 ) -> dict[str, Any]:
     """Restore the stateful values of ``state`` in place from ``path``. Call it on every rank.

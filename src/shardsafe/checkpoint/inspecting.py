@@ -27,6 +27,7 @@ from .chunk_table import chunk_files
 from .finding import manifest_at
 from .locations import is_url, open_storage
 from .manifest import Manifest, TensorRecord
+from .manifest_format import Layout
 
 _SHARD_NAME = re.compile(r"shard-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 
@@ -111,7 +112,7 @@ class InspectReport:
     """The checkpoint directory, absolute (a URL as given)."""
     format: str
     format_version: int
-    layout: str
+    layout: Layout
     world_size: int
     """Ranks that saved it."""
     created_unix: float | None

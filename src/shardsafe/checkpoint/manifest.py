@@ -57,6 +57,7 @@ from .manifest_format import (
     MAX_NDIM,
     VERSION,
     ChunkRecord,
+    Layout,
     TensorRecord,
     crc_block_count,
 )
@@ -86,7 +87,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Manifest:
-    layout: str
+    layout: Layout
     world_size: int
     block_bytes: int
     values: dict[str, SavedValue]

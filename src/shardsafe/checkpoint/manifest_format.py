@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -30,7 +31,10 @@ MAX_DEPTH = 100
 MAX_NAME_CHARS = 4096
 """Longest tensor key and stored-tensor name accepted (``save`` refuses longer keys)."""
 MAX_FILE_BYTES = 1 << 62
-LAYOUTS = ("sharded", "consolidated")
+Layout = Literal["sharded", "consolidated"]
+"""How a checkpoint's data files are split: one per writing rank, or one per state entry
+written by rank 0 (see ``shardsafe.save``)."""
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 COVERS = ("data", "headers", "manifest")
 CRC_KEY = "manifest_crc32"
 """The manifest's last key: the CRC32 of every byte before its line."""

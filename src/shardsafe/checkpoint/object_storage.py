@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
 from .object_reader import FsspecFileReader, ReadBudget
+from .storage import EntryKind
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -282,7 +283,7 @@ class FsspecStorage:
         except FileNotFoundError:
             return None
 
-    def kind(self, name: str) -> str | None:
+    def kind(self, name: str) -> EntryKind | None:
         info = self._info(name)
         if info is None:
             return None

@@ -10,17 +10,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import Any, Literal, Protocol, TypedDict, get_args
 
 from .locations import open_storage
-from .manifest_format import LAYOUTS
+from .manifest_format import LAYOUTS, Layout
 from .storage import Storage
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 1800.0
 DEFAULT_UNTRUSTED_BYTES = 1 << 30
-VERIFY_MODES = ("first", "inline")
+VerifyMode = Literal["first", "inline"]
 """How ``load`` checks checksums against restoring (see :class:`LoadOptions`)."""
+VERIFY_MODES: tuple[VerifyMode, ...] = get_args(VerifyMode)
 
 
 class StorageFactory(Protocol):
@@ -59,7 +60,7 @@ class SaveHooks:
 class SaveOptions:
     """How to save. See ``shardsafe.save`` for what each field does."""
 
-    layout: str = "sharded"
+    layout: Layout = "sharded"
     entry_timeout: float = 60.0
     timeout: float = DEFAULT_TIMEOUT_S
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
@@ -101,7 +102,7 @@ class SaveKeywords(TypedDict, total=False):
     those of :func:`shardsafe.save` (``async_save``, the manager's): typed once, here, and
     checked by :meth:`SaveOptions.of`, which refuses an unknown name."""
 
-    layout: str
+    layout: Layout
     entry_timeout: float
     timeout: float
     buffer_bytes: int
@@ -120,7 +121,7 @@ class LoadOptions:
     timeout: float = DEFAULT_TIMEOUT_S
     untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES
     storage_options: Mapping[str, Any] | None = None
-    verify: str = "first"
+    verify: VerifyMode = "first"
     """``"first"``: every byte this rank needs is read and CRC-checked before anything is
     restored, then read again straight into the live tensors, checked again (a second
     read, from the page cache locally; from an object store, from a local temporary file

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import dtypes
+from .manifest_format import Layout
 from .offer import ChunkOffer
 from .save_plan import FileEntry, FilePlan, SavePlan
 
@@ -32,7 +33,8 @@ def part_of(plan: SavePlan, rank: int) -> dict[str, Any]:
 def from_part(raw: dict[str, Any]) -> SavePlan:
     """The plan :func:`part_of` sent, as this rank uses it (no tensors table)."""
     files = [_file_from_json(f) for f in raw["files"]]
-    return SavePlan(str(raw["layout"]), int(raw["world_size"]), {}, files)
+    layout: Layout = raw["layout"]  # rank 0 wrote it from its validated SaveOptions
+    return SavePlan(layout, int(raw["world_size"]), {}, files)
 
 
 def _file_json(f: FilePlan) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from .. import dtypes
 from ..errors import CheckpointError
 from . import geometry
+from .manifest_format import Layout
 from .offer import ChunkOffer
 
 CONSOLIDATING_RANK = 0
@@ -56,7 +57,7 @@ class FilePlan:
 
 @dataclass
 class SavePlan:
-    layout: str
+    layout: Layout
     world_size: int
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
     files: list[FilePlan]
@@ -84,7 +85,7 @@ def entry_of(key: str) -> str:
     return key.split("/", 1)[0]
 
 
-def plan_save(offers: list[list[ChunkOffer]], layout: str, value_order: list[str]) -> SavePlan:
+def plan_save(offers: list[list[ChunkOffer]], layout: Layout, value_order: list[str]) -> SavePlan:
     """Decide the files of a checkpoint. ``offers[r]`` is what rank ``r`` holds."""
     world_size = len(offers)
     by_key: dict[str, list[ChunkOffer]] = {}

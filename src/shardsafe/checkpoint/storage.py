@@ -15,7 +15,7 @@ import contextlib
 import errno
 import os
 import stat
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .dir_sync import DirectorySync
@@ -31,6 +31,7 @@ from .files import (
 )
 
 __all__ = [
+    "EntryKind",
     "FileSink",
     "LocalFileReader",
     "LocalFileSink",
@@ -38,6 +39,11 @@ __all__ = [
     "Storage",
     "start_writeback",
 ]
+
+
+EntryKind = Literal["file", "directory", "symlink", "other"]
+"""What a name in a storage is (:meth:`Storage.kind`); an object store has only files
+and directories (prefixes)."""
 
 
 class FileSink(Protocol):
@@ -112,7 +118,7 @@ class Storage(Protocol):
     def remove(self, name: str) -> None: ...
     def touch(self, name: str) -> None: ...
     def names(self) -> list[str]: ...
-    def kind(self, name: str) -> str | None: ...
+    def kind(self, name: str) -> EntryKind | None: ...
     def describe(self, name: str) -> str: ...
     def exists(self, name: str) -> bool: ...
     def open_reader(self, name: str) -> FileReader: ...
@@ -285,7 +291,7 @@ class LocalStorage:
 
     # -- reading
 
-    def kind(self, name: str) -> str | None:
+    def kind(self, name: str) -> EntryKind | None:
         """``"file"``, ``"directory"``, ``"symlink"``, ``"other"``, or ``None`` if absent."""
         try:
             mode = os.stat(check_name(name), dir_fd=self.fd, follow_symlinks=False).st_mode

@@ -18,6 +18,7 @@ tensor at a time. One module per job::
     api.py             convert(): source -> narrowed, cast -> destination
 """
 
-from .api import Conversion, convert, describe, read_source
+from .api import Conversion, DcpLayout, convert, describe, read_source
+from .source import Format
 
-__all__ = ["Conversion", "convert", "describe", "read_source"]
+__all__ = ["Conversion", "DcpLayout", "Format", "convert", "describe", "read_source"]

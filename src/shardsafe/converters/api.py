@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -25,18 +25,21 @@ from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
 from .bounds import check_allocation
-from .detect import FORMATS, locate, split
-from .source import Source, cast, select
+from .detect import locate, split
+from .source import FORMATS, Format, Source, cast, select
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DcpLayout = Literal["nested", "flat"]
+"""How ``convert(..., to="dcp")`` names the keys (see :func:`convert`)."""
+DCP_LAYOUTS: tuple[DcpLayout, ...] = get_args(DcpLayout)
 
 
 @dataclass(frozen=True)
 class Conversion:
     """What a conversion wrote (or, with ``dry_run``, would write)."""
 
-    source_format: str
-    destination_format: str
+    source_format: Format
+    destination_format: Format
     destination: str
     files: list[tuple[str, int]]
     """``(name, bytes)`` of each file written. A dry run's are exact for shardsafe data
@@ -76,14 +79,14 @@ def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    to: str = "shardsafe",
+    to: Format = "shardsafe",
     only: Sequence[str] | None = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
     dry_run: bool = False,
-    dcp_layout: str = "nested",
+    dcp_layout: DcpLayout = "nested",
     progress: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
     untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES,
@@ -123,7 +126,7 @@ def convert(
         raise ValueError(
             f"untrusted_bytes_limit={untrusted_bytes_limit!r} must be a number of bytes, 0 or more"
         )
-    if dcp_layout not in ("nested", "flat"):
+    if dcp_layout not in DCP_LAYOUTS:
         raise ValueError(f"dcp_layout={dcp_layout!r} is not 'nested' or 'flat'")
     target_dtype = _dtype(dtype)
     dst_text = os.fspath(dst)
@@ -268,4 +271,4 @@ def describe(result: Conversion) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Conversion", "convert", "describe", "read_source"]
+__all__ = ["Conversion", "DcpLayout", "convert", "describe", "read_source"]

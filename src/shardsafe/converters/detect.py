@@ -21,15 +21,14 @@ from ..checkpoint.storage import Storage
 from ..errors import CheckpointNotFoundError
 from .dcp_metadata import METADATA_NAME
 from .hf import INDEX_NAME, SINGLE_NAME
-
-FORMATS = ("shardsafe", "dcp", "hf", "torch")
+from .source import Format
 
 
 @dataclass
 class Located:
     """A source: its format, the storage of its directory, and the file in it (if any)."""
 
-    format: str
+    format: Format
     storage: Storage
     name: str | None
 
@@ -58,19 +57,20 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
         directory, name = split(path)
         storage = open_storage(directory, storage_options=storage_options)
         ext = os.path.splitext(name)[1].lower()
-        fmt = "hf" if ext in (".safetensors", ".json") else "torch"
+        fmt: Format = "hf" if ext in (".safetensors", ".json") else "torch"
         return Located(fmt, storage, name)
     storage = open_storage(path, storage_options=storage_options)
     try:
         storage.require_directory()
-        for name, fmt, file in (
+        candidates: tuple[tuple[str, Format, str | None], ...] = (
             (MANIFEST_NAME, "shardsafe", None),
             (METADATA_NAME, "dcp", None),
             (INDEX_NAME, "hf", INDEX_NAME),
             (SINGLE_NAME, "hf", SINGLE_NAME),
-        ):
+        )
+        for name, found, file in candidates:
             if storage.exists(name):
-                return Located(fmt, storage, file)
+                return Located(found, storage, file)
         names = storage.names()
     except BaseException:
         storage.close()

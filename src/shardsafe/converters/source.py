@@ -14,13 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from .. import _names, _tree, dtypes
 from ..errors import CheckpointError
 from ..protocol import SavedValue
+
+Format = Literal["shardsafe", "dcp", "hf", "torch"]
+"""A checkpoint format ``convert`` reads and writes (see ``shardsafe.convert``)."""
+FORMATS: tuple[Format, ...] = get_args(Format)
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def checked(
 class Source:
     """A checkpoint of some format, described (see the module docstring)."""
 
-    format: str
+    format: Format
     where: str
     values: dict[str, SavedValue]
     tensors: dict[str, SourceTensor]

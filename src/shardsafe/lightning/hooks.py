@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.optim import Optimizer
 
+from ..checkpoint.manifest_format import Layout
 from ..checkpoint.options import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, LoadOptions, SaveOptions
 from ..checkpoint.placement import save_replacing
 from ..errors import CheckpointError
@@ -76,7 +77,7 @@ class ShardsafeCheckpointing(Strategy):
     def __init__(
         self,
         *,
-        layout: str = "sharded",
+        layout: Layout = "sharded",
         entry_timeout: float = 60.0,
         checkpoint_timeout: float = DEFAULT_TIMEOUT_S,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ..checkpoint.locations import is_url, scheme
-from ..checkpoint.manifest_format import LAYOUTS
+from ..checkpoint.manifest_format import LAYOUTS, Layout
 from ..checkpoint.options import SaveOptions
 from ..strategies import STRATEGIES
 
@@ -26,7 +26,7 @@ class TrainerConfig:
     """Processes to train on. Under torchrun it must equal the world size torchrun set."""
     checkpoint_every: int | None = None
     """Save every this many steps and at the last step; ``None``: never save."""
-    layout: str = "sharded"
+    layout: Layout = "sharded"
     seed: int = 0
     keep_last: int | None = None
     """Keep this many newest checkpoints; ``None`` keeps all."""

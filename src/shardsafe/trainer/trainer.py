@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..checkpoint.manifest_format import Layout
 from ..strategies import STRATEGIES
 from .config import TrainerConfig
 from .data import loader_spec
@@ -43,7 +44,7 @@ class Trainer:
         strategy: str = "single",
         devices: int = 1,
         checkpoint_every: int | None = None,
-        layout: str = "sharded",
+        layout: Layout = "sharded",
         seed: int = 0,
         keep_last: int | None = None,
         batch_size: int | None = None,
