@@ -40,6 +40,7 @@ import manifest_scale
 import parallel_layouts
 import scaling
 import tiered_recovery
+import validation_scale
 import zero_checkpoint as zero
 from _common import Target, clean, disk, machine, mib, table, verdicts
 from _report import Section
@@ -67,12 +68,13 @@ class Config:
     tiers_mib: float = 192  # model + AdamW per rank: tiered checkpoints, 2 nodes x 2 ranks
     tiers_repeat: int = 3
     tiers_steps: int = 8  # training steps per loop, with and without a local save each
+    validation_repeat: int = 3
 
 
 QUICK = Config(
     2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),),
     async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
-    tiers_mib=1, tiers_repeat=1, tiers_steps=3,
+    tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1,
 )  # fmt: skip
 
 
@@ -186,6 +188,10 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
     report.section(
         "Parsing and validating a large manifest",
         lambda: manifest_scale.section(cfg.manifest_sizes),
+    )
+    report.section(
+        "Hostile-input validation at scale",
+        lambda: validation_scale.section(cfg.validation_repeat),
     )
     return points
 
