@@ -11,7 +11,7 @@ shardsafe reads that local optimizer directly, so the user never calls
   to the global groups and are synced to the local optimizer, as the wrappers do.
 
 Supporting another partitioned optimizer with the same shape takes a subclass naming
-its type (see ``README.md``, "ZeRO, OSS and your own sharded optimizer").
+its type (``docs/saving-and-loading.md``, "ZeRO, OSS and your own sharded optimizer").
 """
 
 from __future__ import annotations

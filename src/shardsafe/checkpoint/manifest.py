@@ -11,7 +11,7 @@ chunks that overlap or leave holes, two chunks naming the same stored tensor (wh
 let a small file fill a huge tensor), unknown dtypes, duplicate JSON keys, non-UTF-8
 text, absurd nesting. Everything downstream may trust a :class:`Manifest`.
 
-Checksums (see ``README.md``, Guarantees): the manifest's own bytes end in a CRC32 of
+Checksums (see ``docs/guarantees.md``): the manifest's own bytes end in a CRC32 of
 everything before it (``"manifest_crc32"``, always the last key), every data file's
 safetensors header has a CRC32 in ``files``, and every block of tensor data has one in
 its chunk. ``checksum.covers`` lists what a manifest's checksums cover, so that one

@@ -144,7 +144,7 @@ def _load(storage: Storage, name: str, where: str) -> tuple[Any, bool]:
         path = reader.mapping_path()
         if path is not None:
             return load_torch_mapped(path, where)
-        if reader.size > MAX_IN_MEMORY_BYTES:  # an object: read whole (see README)
+        if reader.size > MAX_IN_MEMORY_BYTES:  # an object: read whole (docs/converting.md)
             raise CheckpointError(f"{where} is too large to read from an object store")
         return load_torch(_whole(reader), where), False
 

@@ -12,8 +12,8 @@
 Needs ``pytorch-lightning>=2.2,<3`` (``pip install "shardsafe[lightning]"``) or the
 ``lightning`` package (``lightning.pytorch``); see :mod:`._namespace` for which is used.
 ``ShardsafeModelParallelStrategy`` does the same for Lightning's ``ModelParallelStrategy``
-(FSDP2 / tensor parallelism in ``configure_model``; Lightning 2.3+). The README's "PyTorch
-Lightning" section says what is saved, what resumes exactly, and why there is no variant
+(FSDP2 / tensor parallelism in ``configure_model``; Lightning 2.3+). ``docs/lightning.md``
+says what is saved, what resumes exactly, and why there is no variant
 of Lightning's ``FSDPStrategy``.
 """
 

@@ -67,7 +67,7 @@ class Restored:
 
 class TieredCheckpointManager:
     """Node-local checkpoints replicated to peers, over a persistent tier (see the module
-    docstring and the README's "Tiered checkpoints").
+    docstring and docs/async-and-tiers.md, "Tiered checkpoints").
 
     ``local_every``/``persist_every``: which steps :meth:`save` writes to each tier
     (``None``: never); ``replicas``: how many other nodes keep a copy of each rank's
