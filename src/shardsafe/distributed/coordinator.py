@@ -22,7 +22,9 @@ waits until all have posted or one has failed. So
 The store serves O(ranks) requests per phase, not O(ranks²) (issue 17): ranks do not
 poll. Each blocks (on a connection of its own, ``clients``) on the phase's ``wake`` key,
 which the last rank to post, a failing rank, or a watcher that saw a rank die bumps; the
-value says which. With ``only_rank0_reads`` only rank 0 reads the payloads; with
+value says which. No wait is left to time out in torch (which would print its own
+warnings ahead of shardsafe's message): when the time is up, an alarm creates the key
+(``waiting.py``). With ``only_rank0_reads`` only rank 0 reads the payloads; with
 ``decide`` rank 0 alone turns them into one part per rank (the save plan) and each rank
 reads its own part. Only rank 0 watches every rank's heartbeat; the others watch rank 0.
 
@@ -47,9 +49,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from . import clients
+from . import clients, waiting
 from .group import default_store, world
-from .heartbeat import BEAT_S, DEAD_AFTER_S, WATCH_OTHERS_S, Heartbeat
+from .heartbeat import BEAT_S, DEAD_AFTER_S, Heartbeat
 from .phases import Phase
 from .reports import (
     RankFailure,
@@ -63,8 +65,8 @@ from .reports import (
 from .store_requests import CountingStore
 
 _ACK_TIMEOUT_S = 30.0
-_POLL_S = 0.005
-"""Between two looks at a store that cannot block on a key (the unit tests' dict stores)."""
+_LATE = json.dumps({"late": True})
+"""What an alarm writes into a decision this rank waited for too long (see _part)."""
 REPORTS_READ = 8
 """How many failing ranks' reports a rank reads to agree on an error (see _failures)."""
 AGREE_WAIT_S = 1.0
@@ -153,6 +155,11 @@ class Coordinator:
         self._connection: Any = None
         self._lost = False
         """The store failed us: this connection is not handed on."""
+        self._alarm: Any = None
+        """A connection other than the one this rank blocks on, for the alarms that end
+        its waits (``waiting.block``); ``None`` where there is only one."""
+        self._awaiting: str | None = None
+        """The key of rank 0's decision while this rank waits for it (see _part)."""
         if group is not None:
             self._store = self._beat_store = CountingStore(group[2])
         elif self.world_size > 1:
@@ -162,6 +169,8 @@ class Coordinator:
             prefixed = dist.distributed_c10d.PrefixStore
             self._store = CountingStore(prefixed(prefix, self._connection))
             self._beat_store = CountingStore(prefixed(prefix, self._shared))
+            if self._connection is not self._shared:
+                self._alarm = self._beat_store
 
     # -- the operation's lifetime
 
@@ -333,23 +342,41 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         if check_first and self._settled(phase, own_error):
             return
+        woke = self._woken(f"{phase}/wake", deadline)
+        if woke // FAILED % (DEAD // FAILED):
+            raise self._agreed_error(phase) from own_error
+        if woke % FAILED:
+            return
+        if woke:
+            raise self._dead_error(phase, json.loads(self._store.get("dead")))
+        if self._settled(phase, own_error):
+            return  # the last rank arrived just as the wait ran out
+        missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
+        if phase == Phase.ENTRY.value and not self._withdraw():
+            return
+        raise CheckpointError(
+            missing_message(self.operation, phase, missing, timeout, self.rank, self.world_size)
+        )
+
+    def _woken(self, key: str, deadline: float) -> int:
+        """The counter ``key`` once something bumps it, or 0 when ``deadline`` passes.
+
+        An alarm creates the key at 0: this rank's own when its time is up, or, the key
+        being every rank's, that of a rank whose time ran out first (a missing rank, a
+        retried entry). A rank whose own time is not up then looks at the key every so
+        often instead of blocking: only ever while some rank is missing or stuck.
+        """
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._block(key, left):
+            return 0
+        pause = waiting.POLL_S
         while True:
+            woke = int(self._store.add(key, 0))
             left = deadline - time.monotonic()
-            if left > 0 and self._block(f"{phase}/wake", left):
-                woke = int(self._store.add(f"{phase}/wake", 0))
-                if woke // FAILED % (DEAD // FAILED):
-                    raise self._agreed_error(phase) from own_error
-                if woke % FAILED:
-                    return
-                raise self._dead_error(phase, json.loads(self._store.get("dead")))
-            if self._settled(phase, own_error):
-                return  # the last rank arrived just as the wait ran out
-            missing = [r for r in range(self.world_size) if not self._posted(phase, r)]
-            if phase == Phase.ENTRY.value and not self._withdraw():
-                return
-            raise CheckpointError(
-                missing_message(self.operation, phase, missing, timeout, self.rank, self.world_size)
-            )
+            if woke or left <= 0:
+                return woke
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.25)
 
     def _settled(self, phase: str, own_error: BaseException | None) -> bool:
         """Whether every rank has posted ``phase``; raise the agreed error if one failed."""
@@ -360,17 +387,10 @@ class Coordinator:
             raise self._agreed_error(phase) from own_error
         return bool(everyone)
 
-    def _block(self, key: str, timeout: float) -> bool:
-        """Wait until ``key`` exists (True) or ``timeout`` seconds pass (False)."""
-        store = self._store
-        if getattr(store, "can_wait", hasattr(store, "wait")):
-            return bool(store.wait([key], timeout))
-        deadline = time.monotonic() + timeout
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
+    def _block(self, key: str, timeout: float, ring: Callable[[], Any] | None = None) -> bool:
+        """Wait until ``key`` exists (True) or ``timeout`` seconds pass (False, or True
+        after an alarm created the key: see ``waiting.block``)."""
+        return waiting.block(self._store, key, timeout, self._alarm, ring)
 
     def _decide(self, phase: str, outcome: PhaseOutcome, decide: Decide) -> Any:
         """Rank 0 decides from every payload and posts each rank its part; the others
@@ -391,23 +411,35 @@ class Coordinator:
                 raise agreed_error([failure], self.operation) from e
             self._store.multi_set(keys, [json.dumps({"ok": part}) for part in parts[1:]])
             return parts[0]
-        key = keys[self.rank - 1]
-        deadline = time.monotonic() + self.timeout
-        while not self._block(key, min(WATCH_OTHERS_S, max(deadline - time.monotonic(), 0))):
-            if self._dead:
-                raise self._dead_error(phase, self._dead)
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    missing_message(
-                        self.operation, phase, [0], self.timeout, self.rank, self.world_size
-                    )
-                )
-        raw = json.loads(self._store.get(key))
-        self._store.delete_key(key)
+        raw = self._part(phase, keys[self.rank - 1])
         if "error" in raw:
             failure = RankFailure(0, raw["error"]["type"], raw["error"]["message"])
             raise agreed_error([failure], self.operation)
         return raw["ok"]
+
+    def _part(self, phase: str, key: str) -> dict[str, Any]:
+        """Rank 0's decision for this rank, from ``key``: ``{"ok": part}`` or ``{"error":
+        report}``. Rank 0's death (this rank's heartbeat writes ``{"dead": ranks}`` into
+        the key, see _publish_dead) or the phase's timeout (an alarm writes ``_LATE``) are
+        raised, without a wait that torch would report as timed out."""
+        self._awaiting = key
+        try:
+            arrived = not self._dead and self._block(
+                key, self.timeout, ring=lambda: self._alarm.set(key, _LATE)
+            )
+        finally:
+            self._awaiting = None
+        raw: dict[str, Any] = {}
+        if arrived:
+            raw = json.loads(self._store.get(key))
+            self._store.delete_key(key)
+        if "ok" in raw or "error" in raw:
+            return raw
+        if self._dead or "dead" in raw:
+            raise self._dead_error(phase, self._dead or raw["dead"])
+        raise CheckpointError(
+            missing_message(self.operation, phase, [0], self.timeout, self.rank, self.world_size)
+        )
 
     def _acknowledge(self) -> None:
         """Rank 0 stays until every rank that posted the last phase has seen its outcome.
@@ -423,6 +455,7 @@ class Coordinator:
             return
         deadline = time.monotonic() + _ACK_TIMEOUT_S
         last = self._last_posted or str(Phase.ENTRY)
+        exists = False
         while True:
             posted = int(store.add(f"{last}/posted", 0))
             if int(store.add("closed", 0)) >= posted - 1 or self._dead:
@@ -432,7 +465,10 @@ class Coordinator:
                 return
             if self._heartbeat is not None and self._heartbeat.dead(now, lambda r: False):
                 return  # a dead rank never acknowledges; its own operation reports it
-            self._block("closed_all", min(deadline - now, BEAT_S))
+            if exists:  # bumped or created by the alarm, yet not all closed: look again
+                time.sleep(min(deadline - now, BEAT_S / 4))
+            else:  # the usual case: the last rank to close bumps closed_all at once
+                exists = self._block("closed_all", min(deadline - now, BEAT_S))
 
     def _withdraw(self) -> bool:
         """Take back this rank's arrival after the entry wait ran out; False if too late.
@@ -460,11 +496,17 @@ class Coordinator:
         self._dead = dead
         store = self._beat_store
         store.set("dead", json.dumps(dead))
+        awaiting = self._awaiting
+        if awaiting is not None:  # waiting for rank 0's decision: end that wait (_part)
+            store.set(awaiting, json.dumps({"dead": dead}))
         for phase in Phase:
             store.add(f"{phase}/wake", DEAD)
 
     def _has_posted_current(self, rank: int) -> bool:
-        """A rank that posted the phase under way may have finished and stopped beating."""
+        """A rank that posted the phase under way may have finished and stopped beating;
+        but not rank 0 while this rank waits for its decision (it has not finished)."""
+        if self._awaiting is not None:
+            return False
         return self._posted(self._current, rank, self._beat_store)
 
     def _dead_error(self, phase: str, dead: list[int]) -> CheckpointError:
@@ -507,8 +549,8 @@ class Coordinator:
             ranks = [int(raw) for raw in store.multi_get(keys)] if keys else []
             reports = store.multi_get([f"{phase}/error/{r}" for r in ranks]) if ranks else []
         else:  # a rank may be between taking its slot and writing it
-            if keys:
-                self._block(keys[0], AGREE_WAIT_S)
+            if keys:  # short and rare: a poll, with no store wait to time out in torch
+                waiting.poll(store, keys[0], AGREE_WAIT_S)
             ranks = [int(store.get(key)) for key in keys if store.check([key])]
             reports = [store.get(f"{phase}/error/{r}") for r in ranks]
         failures = []
@@ -532,7 +574,7 @@ class Coordinator:
         deadline = time.monotonic() + _ACK_TIMEOUT_S
         failures = self._failures(phase)
         while not failures and time.monotonic() < deadline:
-            time.sleep(_POLL_S)  # only if every rank read about is still writing its slot
+            time.sleep(waiting.POLL_S)  # only if every rank read about is still writing its slot
             failures = self._failures(phase)
         if not failures:
             return CheckpointError(f"{self.operation} failed on some rank during '{phase}'")
