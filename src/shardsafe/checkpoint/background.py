@@ -13,9 +13,10 @@ every rank's handle (an error of a collect phase run at the call too: the call n
 raises it), nothing is committed, and ``latest`` stays where it was.
 
 One save is in flight per process: the next ``save`` or ``async_save`` waits for it
-first, and raises its error if nobody has seen it yet. The thread is not a daemon, so at
-interpreter exit a save in flight is finished; killed, it leaves a directory without a
-manifest, never a half-visible checkpoint.
+first, and raises its error if nobody has seen it yet. Raised by a later call, an error
+must say which save it was: it names the save's path (and a manager's step). The thread
+is not a daemon, so at interpreter exit a save in flight is finished; killed, it leaves
+a directory without a manifest, never a half-visible checkpoint.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ class SaveHandle:
     """A save running in the background. ``wait()`` for it; it is committed when it returns.
 
     Every rank's handle ends the same way: committed, or raising the same
-    :class:`CheckpointError`.
+    :class:`CheckpointError`, which starts with ``the background save of step <step> to
+    <path> failed:`` (no step outside a manager).
     """
 
-    def __init__(self, path: str, run: SaveRun, staged: Staged) -> None:
+    def __init__(self, path: str, run: SaveRun, staged: Staged, step: int | None = None) -> None:
         self.path = path
+        self.step = step
         self._run: SaveRun | None = run
         self._hurry = run.hurry
         self._staged: Staged | None = staged
@@ -124,13 +127,23 @@ class SaveHandle:
             assert self._run is not None and self._staged is not None
             self._staged.ready()
             persist(self._run)
-        except CheckpointError as e:
-            self._error = e
         except BaseException as e:
-            self._error = CheckpointError(f"the background save failed: {type(e).__name__}: {e}")
+            self._error = self._failed(e)
         finally:
             self._run = self._staged = None  # the staged copies belong to the next save
             self._finished.set()
+
+    def _failed(self, error: BaseException) -> CheckpointError:
+        """``error`` as this save's error, of the same class, saying which save failed:
+        it may be raised by a later call (the next save, ``close``), far from this one."""
+        step = "" if self.step is None else f" of step {self.step}"
+        what = f"the background save{step} to {self.path} failed"
+        if isinstance(error, CheckpointError):
+            named = type(error)(f"{what}: {error}")
+        else:
+            named = CheckpointError(f"{what}: {type(error).__name__}: {error}")
+        named.__cause__ = error
+        return named
 
 
 def drain() -> None:
@@ -153,12 +166,13 @@ def async_save(
     stager: Stager | None = None,
     *,
     overlap: bool = False,
+    step: int | None = None,
 ) -> SaveHandle:
     """Stage ``state`` and save it in the background (see the module docstring).
 
     ``overlap``: return before device-to-host copies have finished (the caller must call
     ``handle.wait_staged()`` before changing the tensors; the Trainer does, before its next
-    optimizer step).
+    optimizer step). ``step``: the manager's step, named in the save's error.
     """
     drain()
     run = begin(path, state, options)
@@ -169,7 +183,7 @@ def async_save(
             run.group = _transfer_group()
         if not overlap:
             staged.ready()
-        handle = SaveHandle(path, run, staged)
+        handle = SaveHandle(path, run, staged, step)
     except BaseException:  # an interrupt at the call: no thread will ever end this run
         run.coord.close()
         run.storage.close()

@@ -25,6 +25,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -177,6 +178,26 @@ def _kind_at(path: str, dir_fd: int | None) -> str:
         return "not a directory"
 
 
+def with_path(error: OSError, path: str) -> OSError:
+    """``error`` naming ``path``: ``os.write`` and ``fsync`` say only "[Errno 28] No space
+    left on device", and which file of which checkpoint (so which disk) is what a user
+    needs to act on. Same class and errno (``OSError`` picks the subclass by errno)."""
+    if error.errno is None:
+        return error
+    named = OSError(error.errno, error.strerror, path)
+    named.__cause__ = error
+    return named.with_traceback(error.__traceback__)  # still "at" the failing call
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Re-raise an ``OSError`` from inside as :func:`with_path` of ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise with_path(e, path) from e
+
+
 def create_new(dir_fd: int, name: str) -> int:
     """A write descriptor of a *new* file ``name``; an existing name of any kind is refused."""
     check_name(name)
@@ -250,6 +271,11 @@ class LocalFileSink:
         return self._direct is not None and self._direct.active()
 
     def write(self, data: memoryview) -> None:
+        """Append ``data``; an ``OSError`` (a full disk) names this file."""
+        with naming(self.path):
+            self._write(data)
+
+    def _write(self, data: memoryview) -> None:
         assert self._fd is not None
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         if self._direct is not None:
@@ -285,6 +311,11 @@ class LocalFileSink:
             self._kicked = self.written
 
     def finish(self) -> int:
+        """Write what is left, fsync and close; an ``OSError`` names this file."""
+        with naming(self.path):
+            return self._finish()
+
+    def _finish(self) -> int:
         assert self._fd is not None
         try:
             self._end_direct()

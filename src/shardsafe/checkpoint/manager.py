@@ -167,7 +167,9 @@ class CheckpointManager:
         """:meth:`async_save` with one :class:`SaveOptions`; ``overlap`` as in
         ``background.async_save`` (the Trainer overlaps copies with its next step)."""
         path, options = self._prepared(step, opts)
-        self._handle = background.async_save(path, state, options, self._stager, overlap=overlap)
+        self._handle = background.async_save(
+            path, state, options, self._stager, overlap=overlap, step=step
+        )
         return self._handle
 
     def wait(self) -> str | None:

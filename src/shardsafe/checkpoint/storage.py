@@ -25,9 +25,11 @@ from .files import (
     check_name,
     create_new,
     describe_mode,
+    naming,
     open_directory,
     open_regular,
     start_writeback,
+    with_path,
 )
 
 __all__ = [
@@ -230,6 +232,8 @@ class LocalStorage:
                 f"{self.where(name)} appeared while the checkpoint was being written; "
                 "shardsafe never writes over a file it did not create"
             ) from None
+        except OSError as e:  # no room for one more name (ENOSPC): say where
+            raise with_path(e, self.where(name)) from e
         try:
             return LocalFileSink(fd, self.where(name), directory=DirectorySync(self.fd))
         except BaseException:
@@ -240,7 +244,9 @@ class LocalStorage:
         """Write ``data`` under ``name`` atomically: temp file, fsync, rename, fsync dir."""
         tmp = commit_temp_name(check_name(name))
         self.remove(tmp)  # a stale one from a dead process that had this pid
-        sink = LocalFileSink(create_new(self.fd, tmp), self.where(tmp))
+        with naming(self.where(tmp)):
+            fd = create_new(self.fd, tmp)
+        sink = LocalFileSink(fd, self.where(tmp))
         try:
             sink.write(memoryview(data))
             sink.finish()
@@ -276,7 +282,8 @@ class LocalStorage:
     def touch(self, name: str) -> None:
         """Create an empty marker file (not fsynced: a marker, not data)."""
         try:
-            os.close(create_new(self.fd, name))
+            with naming(self.where(name)):
+                os.close(create_new(self.fd, name))
         except FileExistsError:
             if self.kind(name) != "file":
                 raise CheckpointCorruptError(
