@@ -477,6 +477,14 @@ def test_generated_opcode_streams_end_in_a_result_or_a_corrupt_error(
     assert outcome.result == 250 and outcome.changed == [], outcome.describe()
 
 
+@pytest.mark.parametrize("tail", [b"\x8c", b"\x8c\x05ab"], ids=["no length", "short"])
+def test_a_short_string_cut_off_at_the_end_is_corrupt(tail: bytes) -> None:
+    """SHORT_BINUNICODE as the last byte (its length missing) is refused as corrupt, not an
+    ``IndexError`` out of the scan's fast path."""
+    with pytest.raises(shardsafe.CheckpointCorruptError, match="runs past the end"):
+        parse_metadata(P.PROTO2 + P.i(3) + tail, "cut/.metadata")
+
+
 # -------------------------------------------------- memory-mapping only where torch won't write
 
 

@@ -4,7 +4,11 @@ the ``torch.save`` items inside ``.distcp`` files).
 
 * ``policy.py``: what one kind of pickle may contain (fixed tables) and the limits;
 * ``nodes.py``: the stand-ins the machine works on;
-* ``machine.py``: the pickle machine run on stand-ins, opcode by opcode;
+* ``machine.py``: the pickle machine run on stand-ins, opcode by opcode: its state, its
+  stream and stack, its run loop;
+* ``opcodes.py``: which handler each opcode runs; ``values.py`` (numbers, strings,
+  containers, the memo), ``objects.py`` (globals, calls, ``BUILD``: the policy enforced)
+  and ``hot.py`` (the common opcodes in one step) hold the handlers;
 * ``calls.py``: what each allowed callable may be given;
 * ``hashing.py``: keys crafted to share a hash;
 * ``scan.py``: the verdict: the machine run to ``STOP``, its graph measured;
