@@ -408,6 +408,17 @@ def test_a_valid_placement_in_a_larger_tensor_does_not_fit_a_whole_object(
     assert same(snapshot(state), before)
 
 
+def test_the_ranks_agree_under_the_name_given_else_the_persistent_root(tmp_path: Path) -> None:
+    """``name=`` (documented for ranks that spell paths differently) was shadowed by a loop
+    variable, so every manager agreed under ``tiers:persist_every``."""
+    named = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0, name="run-7")
+    named.close()
+    assert named._tag == "tiers:run-7"
+    default = TieredCheckpointManager(tmp_path / "q", tmp_path / "m", replicas=0)
+    default.close()
+    assert default._tag == f"tiers:{tmp_path / 'q'}"
+
+
 def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path) -> None:
     state = trained(0)
     manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)

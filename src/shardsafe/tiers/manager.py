@@ -91,9 +91,9 @@ class TieredCheckpointManager:
         storage_options: dict[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
-        for name, value in (("local_every", local_every), ("persist_every", persist_every)):
+        for field, value in (("local_every", local_every), ("persist_every", persist_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive int, or None for never")
+                raise ValueError(f"{field}={value!r} must be a positive int, or None for never")
         if not isinstance(replicas, int) or replicas < 0:
             raise ValueError(f"replicas={replicas!r} must be a non-negative int")
         if not isinstance(keep_local, int) or keep_local < 1:
