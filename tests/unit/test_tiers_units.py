@@ -413,10 +413,10 @@ def test_the_ranks_agree_under_the_name_given_else_the_persistent_root(tmp_path:
     variable, so every manager agreed under ``tiers:persist_every``."""
     named = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0, name="run-7")
     named.close()
-    assert named._tag == "tiers:run-7"
+    assert named._ranks.tag == "tiers:run-7"
     default = TieredCheckpointManager(tmp_path / "q", tmp_path / "m", replicas=0)
     default.close()
-    assert default._tag == f"tiers:{tmp_path / 'q'}"
+    assert default._ranks.tag == f"tiers:{tmp_path / 'q'}"
 
 
 def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path) -> None:

@@ -12,57 +12,33 @@ Tiers, fastest first:
    checkpoint under ``persistent`` (a path or an object-store URL), through a
    :class:`~shardsafe.CheckpointManager`.
 
-``load_latest`` restores the newest step available in full (``recovery.py``): from the
-node's own directory, else from a peer's replica (sent over first), else from the
-persistent tier, and records which tier each rank used in :attr:`restored`.
+``load_latest`` restores the newest step available in full (``recovery.py`` chooses,
+``restore.py`` restores): from the node's own directory, else from a peer's replica (sent
+over first), else from the persistent tier, and records which tier each rank used in
+:attr:`restored`. The ranks agree and send through ``ranks.py``.
 
 Every method is collective (call it on every rank), as ``CheckpointManager``'s are.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 import uuid
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
-from ..checkpoint import loading
 from ..checkpoint.collecting import check_state, collect
-from ..checkpoint.locations import open_storage
-from ..checkpoint.manager import LATEST, CheckpointManager, step_of
-from ..checkpoint.manifest import MANIFEST_NAME
-from ..checkpoint.options import LoadOptions
-from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import Stager
-from ..distributed import Coordinator, Phase, clients, world
+from ..distributed import Phase, clients
 from ..distributed.group import default_store
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from . import budget, rank_checkpoint, recovery, transfer
+from ..errors import CheckpointError
+from . import budget
 from .node_dir import NodeDir
+from .ranks import Ranks
 from .replication import Peers, Replicator, Tally
+from .restore import Restored, Restorer
 from .topology import Topology, node_name
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What :meth:`TieredCheckpointManager.load_latest` restored: the step, each rank's
-    tier (``"local"``, ``"peer"`` or ``"persistent"``) and the seconds it took."""
-
-    step: int
-    tiers: list[str]
-    seconds: float
-
-    @property
-    def tier(self) -> str:
-        """This rank's tier."""
-        return self.tiers[world()[0]]
 
 
 class TieredCheckpointManager:
@@ -91,53 +67,58 @@ class TieredCheckpointManager:
         storage_options: dict[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
-        for field, value in (("local_every", local_every), ("persist_every", persist_every)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{field}={value!r} must be a positive int, or None for never")
-        if not isinstance(replicas, int) or replicas < 0:
-            raise ValueError(f"replicas={replicas!r} must be a non-negative int")
-        if not isinstance(keep_local, int) or keep_local < 1:
-            raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+        _check(local_every, persist_every, replicas, keep_local)
         self.local_every, self.persist_every = local_every, persist_every
         self.keep_local, self.timeout = keep_local, timeout
-        self._options = storage_options
         self.persistent = CheckpointManager(
             persistent, keep_last, warn_if_not_empty=False, storage_options=storage_options
         )
         self.node = NodeDir(os.fspath(local))
-        self.rank, self.world_size = world()
-        self._tag = f"tiers:{name if name is not None else self.persistent.root}"
-        names = self._exchange(Phase.SURVEY, [node_name(), uuid.uuid4().hex])
+        self._ranks = Ranks(f"tiers:{name if name is not None else self.persistent.root}", timeout)
+        self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
+        names = self._ranks.exchange(Phase.SURVEY, [node_name(), uuid.uuid4().hex])
         self.topology = Topology.of([str(n[0]) for n in names])
         self._store = clients.acquire(default_store()) if self.world_size > 1 else None
-        tally = (
-            Tally(self._store, f"shardsafe/{self._tag}/{names[0][1]}/replicated", self.world_size)
-            if self._store is not None
-            else None
-        )
-        self.replicas = min(replicas, self.topology.max_replicas())
-        if self.replicas < replicas and self.rank == 0:
-            warnings.warn(
-                f"shardsafe: replicas={replicas}, but the job runs on "
-                f"{len(self.topology.nodes)} node(s), so a replica on another node is possible "
-                f"for {self.replicas}; a lost node loses its local checkpoints",
-                stacklevel=2,
-            )
-        self._group: Any = None
-        """The transfers' own gloo group, made on first need (:meth:`_transfers`), so that
-        a restore from the local tier does not wait for it."""
+        self.replicas = self._possible_replicas(replicas)
         peers = Peers(
             self.topology.targets(self.rank, self.replicas),
             self.topology.sources(self.rank, self.replicas),
         )
         self._replicator = Replicator(
-            self.node, self.rank, self.world_size, peers, self._group, keep_local, tally
+            self.node, self.rank, self.world_size, peers, None, keep_local, self._tally(names)
         )
         self._stager = Stager()
         self._budget_checked = False
         self.budget: budget.Budget | None = None
         """The local tier's disk use per node, once the first local save has measured it."""
-        self.restored: Restored | None = None
+        self._restorer = Restorer(
+            self._ranks,
+            self.topology,
+            self.node,
+            self.persistent,
+            storage_options,
+            self._replicator,
+        )
+
+    def _possible_replicas(self, replicas: int) -> int:
+        """``replicas``, or as many as the job's other nodes allow (rank 0 warns)."""
+        possible = min(replicas, self.topology.max_replicas())
+        if possible < replicas and self.rank == 0:
+            warnings.warn(
+                f"shardsafe: replicas={replicas}, but the job runs on "
+                f"{len(self.topology.nodes)} node(s), so a replica on another node is possible "
+                f"for {possible}; a lost node loses its local checkpoints",
+                stacklevel=3,  # the caller of TieredCheckpointManager(...)
+            )
+        return possible
+
+    def _tally(self, names: list[Any]) -> Tally | None:
+        """The count, in the job's store, of the ranks that replicated each step (under
+        rank 0's id for this manager, so that two managers never share one)."""
+        if self._store is None:
+            return None
+        prefix = f"shardsafe/{self._ranks.tag}/{names[0][1]}/replicated"
+        return Tally(self._store, prefix, self.world_size)
 
     # -- saving
 
@@ -188,15 +169,8 @@ class TieredCheckpointManager:
         if not self._budget_checked:
             self._check_budget(budget.staged_bytes(staged.items))
             if self.replicas:
-                self._replicator.group = self._transfers()
+                self._replicator.group = self._ranks.transfers()
         self._replicator.submit(step, staged.items)
-
-    def _transfers(self) -> Any:
-        """The transfers' gloo group (collective the first time: every rank reaches this
-        at the same point, the first local save or a restore that needs a peer)."""
-        if self._group is None and self.world_size > 1:
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-        return self._group
 
     def _check_budget(self, own_bytes: int) -> None:
         """Before the first local write: every node must have room for its steps."""
@@ -204,7 +178,7 @@ class TieredCheckpointManager:
         report = budget.Report(
             own_bytes, self.node.free_bytes(), self.node.used_bytes(owned)
         ).to_json()
-        docs = self._exchange(Phase.SURVEY, {"report": report, "root": self.node.root})
+        docs = self._ranks.exchange(Phase.SURVEY, {"report": report, "root": self.node.root})
         self.budget = budget.check(
             [budget.Report.from_json(d["report"]) for d in docs],
             self.topology,
@@ -238,237 +212,33 @@ class TieredCheckpointManager:
 
     # -- restoring
 
+    @property
+    def restored(self) -> Restored | None:
+        """What the last :meth:`load_latest` that restored something restored."""
+        return self._restorer.restored
+
     def latest(self) -> int | None:
         """The step :meth:`load_latest` would restore now (collective), or ``None``."""
-        self._replicator.drain()
-        return self._survey(set()).step
+        return self._restorer.latest()
 
     def load_latest(self, state: Any, **options: Any) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get (see the module docstring);
         ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
-        started = time.monotonic()
-        self._replicator.drain()
-        # A failed load from a local copy is followed by a whole load from the next
-        # source, which overwrites everything: one read ("inline") suffices there.
-        opts = LoadOptions.of(**{"verify": "inline", **options})
-        excluded: set[tuple[int, int, int]] = set()
-        damaged: list[CheckpointCorruptError] = []
-        persistent = True
-        for _ in range(3 * self.world_size + 3):
-            choice = self._survey(excluded, persistent)
-            if choice.step is None:
-                return _or_damaged(None, damaged)
-            if recovery.PERSISTENT in choice.tiers:
-                values = self._from_persistent(state, options, started)
-                loaded = self.restored.step if values is not None and self.restored else None
-                if persistent and (loaded is None or loaded < (choice.step or 0)):
-                    # The survey's step was not validated, and it did not load (nothing
-                    # there did, or an older one did): a complete local step newer than
-                    # what was loaded is next, and overwrites it whole.
-                    local = self._survey(excluded, persistent=False)
-                    if local.step is not None and (loaded is None or local.step > loaded):
-                        persistent = False
-                        continue
-                if loaded is not None:
-                    self._drop_newer(loaded)
-                return _or_damaged(values, damaged)
-            if not self._fetch(choice, excluded):
-                continue
-            try:
-                values = self._from_local(choice, state, opts, excluded, damaged)
-            except CheckpointMismatchError as e:
-                # Same world size, other sharding (or other objects): only the persistent
-                # tier can reshard; if the objects are wrong it says so too.
-                if self.rank == 0:
-                    warnings.warn(
-                        f"shardsafe: the local checkpoints of step {choice.step} do not fit "
-                        f"this run ({e}); loading from the persistent tier",
-                        stacklevel=2,
-                    )
-                values = self._from_persistent(state, options, started)
-                if values is None or self.restored is None:  # the mismatch is the answer
-                    raise e
-                self._drop_newer(self.restored.step)
-                return values
-            if values is not None:
-                self._drop_newer(choice.step)
-                self.restored = Restored(choice.step, choice.tiers, time.monotonic() - started)
-                return values
-        raise CheckpointError("the local tiers kept failing; load from the persistent tier")
-
-    def _survey(
-        self, excluded: set[tuple[int, int, int]], persistent: bool = True
-    ) -> recovery.Choice:
-        held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
-        persisted = self._persisted_step() if self.rank == 0 and persistent else None
-        payloads = self._exchange(Phase.SURVEY, {"held": held, "persistent": persisted})
-        choice = recovery.choose(
-            [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
-            self.topology,
-            payloads[0]["persistent"],
-            excluded,
-        )
-        return choice
-
-    def _persisted_step(self) -> int | None:
-        """The persistent tier's newest step, cheaply: its ``latest`` pointer (one small
-        read) if it names a committed step, else the newest committed step directory.
-        Not validated here (``CheckpointManager.latest`` opens every data file's header, a
-        round trip each on an object store, which a restore from the local tier would pay
-        for nothing); ``load_latest`` validates it if it is chosen, and passes over a
-        damaged one as ``CheckpointManager`` does."""
-        with (
-            contextlib.suppress(CheckpointError, OSError, UnicodeDecodeError),
-            open_storage(self.persistent.root, storage_options=self._options) as root,
-        ):
-            named = root.read_small(LATEST, 64).decode("ascii").strip()
-            step = step_of(named)
-            if step is not None:
-                with root.child(named) as step_dir:
-                    if step_dir.kind(MANIFEST_NAME) == "file":
-                        return step
-        steps = self.persistent.complete_steps()
-        return steps[-1] if steps else None
-
-    def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> bool:
-        """Send the peers' copies to the ranks that need them; False (and the failed copies
-        excluded) if one did not arrive whole."""
-        step = choice.step
-        assert step is not None
-        if choice.sends:
-            self._transfers()
-        mine = [r for r, sender in choice.sends.items() if sender == self.rank]
-        needed = choice.sends.get(self.rank)
-        ok = True
-        with ThreadPoolExecutor(max(1, len(mine) + 1)) as pool:
-            jobs = [pool.submit(self._send_copy, step, r) for r in mine]
-            if needed is not None:
-                try:
-                    self.node.remove(step, self.rank)
-                    ok = transfer.receive(
-                        self._group,
-                        needed,
-                        rank=self.rank,
-                        step=step,
-                        target=lambda: self.node.rank_storage(step, self.rank, create=True),
-                    )
-                except Exception as e:  # agreed below, as a copy that did not arrive
-                    warnings.warn(f"shardsafe: receiving step {step} failed: {e}", stacklevel=3)
-                    ok = False
-            for job in jobs:
-                with contextlib.suppress(Exception):  # the receiver reports it
-                    job.result()
-        outcomes = self._exchange(Phase.FETCH, ok)
-        for rank, arrived in enumerate(outcomes):
-            if not arrived:
-                excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
-        return all(outcomes)
-
-    def _send_copy(self, step: int, rank: int) -> bool:
-        with self.node.rank_storage(step, rank, create=False) as storage:
-            return transfer.send(self._group, rank, storage)
-
-    def _from_local(
-        self,
-        choice: recovery.Choice,
-        state: Any,
-        opts: LoadOptions,
-        excluded: set[tuple[int, int, int]],
-        damaged: list[CheckpointCorruptError],
-    ) -> dict[str, Any] | None:
-        """Load this rank's checkpoint of the chosen step from the node's directory; on a
-        damaged copy (anywhere) ``None``, the bad copies deleted and excluded, the error
-        added to ``damaged``."""
-        step = choice.step
-        assert step is not None
-        storage = self.node.rank_storage(step, self.rank, create=False)
-        try:
-            with storage:
-                return loading.load_chosen(
-                    storage,
-                    lambda manifest: state,
-                    opts,
-                    agree_as=f"{self._tag}/step-{step}",
-                    view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
-                )
-        except CheckpointCorruptError as e:
-            bad = not self._verifies(step)
-            if bad:
-                self.node.remove(step, self.rank)
-            flags = self._exchange(Phase.FETCH, bad)
-            for rank, was_bad in enumerate(flags):
-                if was_bad:
-                    excluded.add((self.topology.node_of[rank], step, rank))
-            if not any(flags):
-                raise e
-            damaged.append(e)
-            if self.rank == 0:
-                warnings.warn(
-                    f"shardsafe: a local checkpoint of step {step} was damaged ({e}); trying "
-                    "the next copy",
-                    stacklevel=3,
-                )
-            return None
-
-    def _verifies(self, step: int) -> bool:
-        with (
-            contextlib.suppress(CheckpointError, OSError),
-            self.node.rank_storage(step, self.rank, create=False) as storage,
-        ):
-            manifest = loading.read_manifest_from(storage)
-            with CheckpointReader(storage, manifest) as reader:
-                return not reader.check_files() and not reader.verify_all()
-        return False
-
-    def _from_persistent(
-        self, state: Any, options: dict[str, Any], started: float
-    ) -> dict[str, Any] | None:
-        values = self.persistent.load_latest(state, **options)
-        step = self.persistent._resumed_from
-        if values is not None and step is not None:
-            self.restored = Restored(
-                step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
-            )
-        return values
+        return self._restorer.load_latest(state, options)
 
     def _drop_newer(self, step: int) -> None:
-        """After restoring ``step``, the local checkpoints this rank owns of later steps
-        are of a run that no longer exists: delete them, so that they never mix with the
-        steps this run writes next."""
-        owned = {self.rank, *self._replicator.peers.sources}
-        for later in self.node.steps():
-            if later > step:
-                for rank in set(self.node.ranks_in(later)) & owned:
-                    self.node.remove(later, rank)
-
-    # -- agreement
-
-    def _exchange(self, phase: Phase, payload: Any) -> list[Any]:
-        """Every rank's JSON ``payload`` (errors agreed, missing ranks named)."""
-        coord = Coordinator("tiers", self._tag, timeout=self.timeout)
-        coord.enter(self.timeout)
-        try:
-            with coord.phase(phase) as outcome:
-                outcome.payload = payload
-            # A rank deletes its payload when it leaves; a last phase without one keeps
-            # the payloads until every rank has read them.
-            with coord.phase(Phase.DONE):
-                pass
-            return outcome.payloads
-        finally:
-            coord.close()
+        """What :meth:`load_latest` does after any restore (``Restorer.drop_newer``)."""
+        self._restorer.drop_newer(step)
 
 
-def _or_damaged(
-    values: dict[str, Any] | None, damaged: list[CheckpointCorruptError]
-) -> dict[str, Any] | None:
-    """``values``; but ``None`` ("nothing to restore") after a damaged local copy was found
-    while restoring (``verify="inline"`` copies each tensor into its object as it is read)
-    would hide that the objects may hold part of it, and that no other source overwrote
-    them: raise instead."""
-    if values is None and damaged:
-        raise CheckpointCorruptError(
-            f"no complete step is left in any tier to restore after a damaged local "
-            f"checkpoint: {damaged[-1]}"
-        ) from damaged[-1]
-    return values
+def _check(
+    local_every: int | None, persist_every: int | None, replicas: int, keep_local: int
+) -> None:
+    """Refuse a value the manager cannot work with, naming the argument."""
+    for field, value in (("local_every", local_every), ("persist_every", persist_every)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{field}={value!r} must be a positive int, or None for never")
+    if not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"replicas={replicas!r} must be a non-negative int")
+    if not isinstance(keep_local, int) or keep_local < 1:
+        raise ValueError(f"keep_local={keep_local!r} must be at least 1")

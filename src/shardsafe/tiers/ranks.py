@@ -1,0 +1,50 @@
+"""How the ranks of one tiered manager talk to each other.
+
+Small JSON payloads (what each node holds, the free space, whether a copy arrived) are
+exchanged through the coordinator, so that an error on one rank is agreed and a missing
+rank is named; checkpoints travel over the tiers' own gloo group (``transfer.py``), made
+on first need, so that a restore from the local tier does not wait for it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..distributed import Coordinator, Phase, world
+
+
+class Ranks:
+    """This rank, the world, and the two ways the ranks of one manager agree and send."""
+
+    def __init__(self, tag: str, timeout: float) -> None:
+        self.rank, self.world_size = world()
+        self.tag = tag
+        """What the ranks agree under (``tiers:<name>``)."""
+        self.timeout = timeout
+        self.group: Any = None
+        """The transfers' own gloo group, once :meth:`transfers` has made it."""
+
+    def exchange(self, phase: Phase, payload: Any) -> list[Any]:
+        """Every rank's JSON ``payload`` (errors agreed, missing ranks named)."""
+        coord = Coordinator("tiers", self.tag, timeout=self.timeout)
+        coord.enter(self.timeout)
+        try:
+            with coord.phase(phase) as outcome:
+                outcome.payload = payload
+            # A rank deletes its payload when it leaves; a last phase without one keeps
+            # the payloads until every rank has read them.
+            with coord.phase(Phase.DONE):
+                pass
+            return outcome.payloads
+        finally:
+            coord.close()
+
+    def transfers(self) -> Any:
+        """The transfers' gloo group (collective the first time: every rank reaches this
+        at the same point, the first local save or a restore that needs a peer)."""
+        if self.group is None and self.world_size > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        return self.group

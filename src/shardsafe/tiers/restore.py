@@ -1,0 +1,300 @@
+"""Restoring a tiered manager's newest step, from the fastest tier that holds it.
+
+``load_latest`` restores the newest step available in full (``recovery.py`` chooses): from
+the node's own directory, else from a peer's replica (sent over first), else from the
+persistent tier. A damaged local copy is deleted and passed over for the next source; a
+local step that does not fit the run (other sharding at the same world size) sends the
+restore to the persistent tier, which can reshard. After a restore, the local
+checkpoints of later steps (of a run that no longer exists) are deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import loading
+from ..checkpoint.locations import open_storage
+from ..checkpoint.manager import LATEST, CheckpointManager, step_of
+from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.options import LoadOptions
+from ..checkpoint.reader import CheckpointReader
+from ..distributed import Phase, world
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from . import rank_checkpoint, recovery, transfer
+from .node_dir import NodeDir
+from .ranks import Ranks
+from .replication import Replicator
+from .topology import Topology
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`TieredCheckpointManager.load_latest` restored: the step, each rank's
+    tier (``"local"``, ``"peer"`` or ``"persistent"``) and the seconds it took."""
+
+    step: int
+    tiers: list[str]
+    seconds: float
+
+    @property
+    def tier(self) -> str:
+        """This rank's tier."""
+        return self.tiers[world()[0]]
+
+
+class Restorer:
+    """The restore path of one tiered manager (see the module docstring); every method is
+    collective, as the manager's are."""
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        topology: Topology,
+        node: NodeDir,
+        persistent: CheckpointManager,
+        storage_options: dict[str, Any] | None,
+        replicator: Replicator,
+    ) -> None:
+        self.ranks, self.topology, self.node = ranks, topology, node
+        self.persistent, self._options = persistent, storage_options
+        self._replicator = replicator
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.restored: Restored | None = None
+
+    def latest(self) -> int | None:
+        """The step :meth:`load_latest` would restore now, or ``None``."""
+        self._replicator.drain()
+        return self._survey(set()).step
+
+    def load_latest(self, state: Any, options: dict[str, Any]) -> dict[str, Any] | None:
+        """Restore the newest step that every rank can get; ``None`` if there is none in
+        any tier. ``options`` are :func:`shardsafe.load`'s."""
+        started = time.monotonic()
+        self._replicator.drain()
+        # A failed load from a local copy is followed by a whole load from the next
+        # source, which overwrites everything: one read ("inline") suffices there.
+        opts = LoadOptions.of(**{"verify": "inline", **options})
+        excluded: set[tuple[int, int, int]] = set()
+        damaged: list[CheckpointCorruptError] = []
+        persistent = True
+        for _ in range(3 * self.world_size + 3):
+            choice = self._survey(excluded, persistent)
+            if choice.step is None:
+                return _or_damaged(None, damaged)
+            if recovery.PERSISTENT in choice.tiers:
+                values = self._from_persistent(state, options, started)
+                loaded = self.restored.step if values is not None and self.restored else None
+                if persistent and (loaded is None or loaded < (choice.step or 0)):
+                    # The survey's step was not validated, and it did not load (nothing
+                    # there did, or an older one did): a complete local step newer than
+                    # what was loaded is next, and overwrites it whole.
+                    local = self._survey(excluded, persistent=False)
+                    if local.step is not None and (loaded is None or local.step > loaded):
+                        persistent = False
+                        continue
+                if loaded is not None:
+                    self.drop_newer(loaded)
+                return _or_damaged(values, damaged)
+            if not self._fetch(choice, excluded):
+                continue
+            try:
+                values = self._from_local(choice, state, opts, excluded, damaged)
+            except CheckpointMismatchError as e:
+                return self._after_mismatch(e, choice.step, state, options, started)
+            if values is not None:
+                self.drop_newer(choice.step)
+                self.restored = Restored(choice.step, choice.tiers, time.monotonic() - started)
+                return values
+        raise CheckpointError("the local tiers kept failing; load from the persistent tier")
+
+    def _after_mismatch(
+        self,
+        e: CheckpointMismatchError,
+        step: int,
+        state: Any,
+        options: dict[str, Any],
+        started: float,
+    ) -> dict[str, Any] | None:
+        """Same world size, other sharding (or other objects): only the persistent tier
+        can reshard; if the objects are wrong it says so too."""
+        if self.rank == 0:
+            warnings.warn(
+                f"shardsafe: the local checkpoints of step {step} do not fit "
+                f"this run ({e}); loading from the persistent tier",
+                stacklevel=4,  # the caller of TieredCheckpointManager.load_latest
+            )
+        values = self._from_persistent(state, options, started)
+        if values is None or self.restored is None:  # the mismatch is the answer
+            raise e
+        self.drop_newer(self.restored.step)
+        return values
+
+    def _survey(
+        self, excluded: set[tuple[int, int, int]], persistent: bool = True
+    ) -> recovery.Choice:
+        held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
+        persisted = self._persisted_step() if self.rank == 0 and persistent else None
+        payloads = self.ranks.exchange(Phase.SURVEY, {"held": held, "persistent": persisted})
+        choice = recovery.choose(
+            [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
+            self.topology,
+            payloads[0]["persistent"],
+            excluded,
+        )
+        return choice
+
+    def _persisted_step(self) -> int | None:
+        """The persistent tier's newest step, cheaply: its ``latest`` pointer (one small
+        read) if it names a committed step, else the newest committed step directory.
+        Not validated here (``CheckpointManager.latest`` opens every data file's header, a
+        round trip each on an object store, which a restore from the local tier would pay
+        for nothing); ``load_latest`` validates it if it is chosen, and passes over a
+        damaged one as ``CheckpointManager`` does."""
+        with (
+            contextlib.suppress(CheckpointError, OSError, UnicodeDecodeError),
+            open_storage(self.persistent.root, storage_options=self._options) as root,
+        ):
+            named = root.read_small(LATEST, 64).decode("ascii").strip()
+            step = step_of(named)
+            if step is not None:
+                with root.child(named) as step_dir:
+                    if step_dir.kind(MANIFEST_NAME) == "file":
+                        return step
+        steps = self.persistent.complete_steps()
+        return steps[-1] if steps else None
+
+    def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> bool:
+        """Send the peers' copies to the ranks that need them; False (and the failed copies
+        excluded) if one did not arrive whole."""
+        step = choice.step
+        assert step is not None
+        if choice.sends:
+            self.ranks.transfers()
+        mine = [r for r, sender in choice.sends.items() if sender == self.rank]
+        needed = choice.sends.get(self.rank)
+        ok = True
+        with ThreadPoolExecutor(max(1, len(mine) + 1)) as pool:
+            jobs = [pool.submit(self._send_copy, step, r) for r in mine]
+            if needed is not None:
+                ok = self._receive_copy(step, needed)
+            for job in jobs:
+                with contextlib.suppress(Exception):  # the receiver reports it
+                    job.result()
+        outcomes = self.ranks.exchange(Phase.FETCH, ok)
+        for rank, arrived in enumerate(outcomes):
+            if not arrived:
+                excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
+        return all(outcomes)
+
+    def _receive_copy(self, step: int, sender: int) -> bool:
+        """This rank's checkpoint of ``step`` from ``sender``, verified before commit; False
+        if it did not arrive whole (agreed by :meth:`_fetch`)."""
+        try:
+            self.node.remove(step, self.rank)
+            return transfer.receive(
+                self.ranks.group,
+                sender,
+                rank=self.rank,
+                step=step,
+                target=lambda: self.node.rank_storage(step, self.rank, create=True),
+            )
+        except Exception as e:  # agreed by the caller, as a copy that did not arrive
+            warnings.warn(f"shardsafe: receiving step {step} failed: {e}", stacklevel=5)
+            return False
+
+    def _send_copy(self, step: int, rank: int) -> bool:
+        with self.node.rank_storage(step, rank, create=False) as storage:
+            return transfer.send(self.ranks.group, rank, storage)
+
+    def _from_local(
+        self,
+        choice: recovery.Choice,
+        state: Any,
+        opts: LoadOptions,
+        excluded: set[tuple[int, int, int]],
+        damaged: list[CheckpointCorruptError],
+    ) -> dict[str, Any] | None:
+        """Load this rank's checkpoint of the chosen step from the node's directory; on a
+        damaged copy (anywhere) ``None``, the bad copies deleted and excluded, the error
+        added to ``damaged``."""
+        step = choice.step
+        assert step is not None
+        storage = self.node.rank_storage(step, self.rank, create=False)
+        try:
+            with storage:
+                return loading.load_chosen(
+                    storage,
+                    lambda manifest: state,
+                    opts,
+                    agree_as=f"{self.ranks.tag}/step-{step}",
+                    view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
+                )
+        except CheckpointCorruptError as e:
+            bad = not self._verifies(step)
+            if bad:
+                self.node.remove(step, self.rank)
+            flags = self.ranks.exchange(Phase.FETCH, bad)
+            for rank, was_bad in enumerate(flags):
+                if was_bad:
+                    excluded.add((self.topology.node_of[rank], step, rank))
+            if not any(flags):
+                raise e
+            damaged.append(e)
+            if self.rank == 0:
+                warnings.warn(
+                    f"shardsafe: a local checkpoint of step {step} was damaged ({e}); trying "
+                    "the next copy",
+                    stacklevel=4,  # the caller of TieredCheckpointManager.load_latest
+                )
+            return None
+
+    def _verifies(self, step: int) -> bool:
+        with (
+            contextlib.suppress(CheckpointError, OSError),
+            self.node.rank_storage(step, self.rank, create=False) as storage,
+        ):
+            manifest = loading.read_manifest_from(storage)
+            with CheckpointReader(storage, manifest) as reader:
+                return not reader.check_files() and not reader.verify_all()
+        return False
+
+    def _from_persistent(
+        self, state: Any, options: dict[str, Any], started: float
+    ) -> dict[str, Any] | None:
+        values = self.persistent.load_latest(state, **options)
+        step = self.persistent._resumed_from
+        if values is not None and step is not None:
+            self.restored = Restored(
+                step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
+            )
+        return values
+
+    def drop_newer(self, step: int) -> None:
+        """After restoring ``step``, the local checkpoints this rank owns of later steps
+        are of a run that no longer exists: delete them, so that they never mix with the
+        steps this run writes next."""
+        owned = {self.rank, *self._replicator.peers.sources}
+        for later in self.node.steps():
+            if later > step:
+                for rank in set(self.node.ranks_in(later)) & owned:
+                    self.node.remove(later, rank)
+
+
+def _or_damaged(
+    values: dict[str, Any] | None, damaged: list[CheckpointCorruptError]
+) -> dict[str, Any] | None:
+    """``values``; but ``None`` ("nothing to restore") after a damaged local copy was found
+    while restoring (``verify="inline"`` copies each tensor into its object as it is read)
+    would hide that the objects may hold part of it, and that no other source overwrote
+    them: raise instead."""
+    if values is None and damaged:
+        raise CheckpointCorruptError(
+            f"no complete step is left in any tier to restore after a damaged local "
+            f"checkpoint: {damaged[-1]}"
+        ) from damaged[-1]
+    return values
