@@ -26,7 +26,7 @@ from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
 from shardsafe.tiers.topology import Topology
 from tests import forge
-from tests.unit.test_attacks import fifo_reader_probe
+from tests.unit.attacks.common import fifo_reader_probe
 
 pytestmark = pytest.mark.timeout(60)
 

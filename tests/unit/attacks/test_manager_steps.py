@@ -1,0 +1,206 @@
+"""CheckpointManager: only its own names, and only checkpoints that would load."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardsafe
+from shardsafe import CheckpointCorruptError, CheckpointManager
+from shardsafe.checkpoint.manager import step_of
+from tests.unit.attacks.common import (
+    SHARD,
+    _small_state,
+    assert_bitwise,
+    flip_bit,
+    header_span,
+    listing,
+    make_model,
+    weights,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+IGNORED_NAMES = [
+    "step-" + "\u0660" * 8 + "\u0663",  # Arabic-Indic digits: int() reads them as 3
+    "step-1",
+    "step-0000000005",
+    "step-00000000\u0667",
+    "step-0000_0009",
+    "step-000000009 ",
+    "step-+00000008",
+    "Step-000000009",
+    "step-000000009.tmp",
+]
+
+
+def test_the_manager_ignores_names_it_does_not_write(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    manager = CheckpointManager(root, keep_last=1)
+    manager.save(1, _small_state(1))
+    p2 = manager.save(2, _small_state(2))
+    for name in IGNORED_NAMES:
+        assert step_of(name) is None, name
+        shutil.copytree(p2, root / name)
+    assert manager.complete_steps() == [2]
+    assert manager.latest() == p2 and os.path.isdir(p2)
+    state = {"model": make_model(0)}
+    assert manager.load_latest(state) == {"step": 2}
+    assert_bitwise(weights(state["model"]), weights(make_model(2)))
+    before = {name: listing(root / name) for name in IGNORED_NAMES}
+    p3 = manager.save(3, _small_state(3))  # not "older than" a 10-digit step 5
+    manager.close()
+    assert manager.latest() == p3
+    assert {name: listing(root / name) for name in IGNORED_NAMES} == before
+    assert not os.path.exists(p2)
+
+
+def _break_manifest_symlink(step: Path, elsewhere: Path) -> str:
+    shutil.copyfile(step / "manifest.json", elsewhere / "manifest.json")
+    (step / "manifest.json").unlink()
+    os.symlink(elsewhere / "manifest.json", step / "manifest.json")
+    return "manifest.json is a symbolic link"
+
+
+def _break_manifest_fifo(step: Path, elsewhere: Path) -> str:
+    (step / "manifest.json").unlink()
+    os.mkfifo(step / "manifest.json")
+    return "manifest.json is not a regular file (a named pipe (FIFO))"
+
+
+def _break_manifest_byte(step: Path, elsewhere: Path) -> str:
+    flip_bit(step / "manifest.json", 100, 2)
+    return "does not match its CRC32"
+
+
+def _break_missing_data(step: Path, elsewhere: Path) -> str:
+    (step / SHARD).unlink()
+    return f"data file {SHARD} is missing"
+
+
+def _break_truncated_data(step: Path, elsewhere: Path) -> str:
+    os.truncate(step / SHARD, (step / SHARD).stat().st_size - 1)
+    return "bytes but the manifest recorded"
+
+
+def _break_data_header(step: Path, elsewhere: Path) -> str:
+    flip_bit(step / SHARD, 20, 0)
+    return "damaged safetensors header"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _break_manifest_symlink,
+        _break_manifest_fifo,
+        _break_manifest_byte,
+        _break_missing_data,
+        _break_truncated_data,
+        _break_data_header,
+    ],
+    ids=["manifest symlink", "manifest fifo", "manifest byte", "data missing", "truncated", "hdr"],
+)
+def test_a_broken_newest_checkpoint_is_passed_over(
+    tmp_path: Path, damage: Callable[[Path, Path], str]
+) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    manager = CheckpointManager(root)
+    p1 = manager.save(1, _small_state(1))
+    p2 = Path(manager.save(2, _small_state(2)))
+    why = damage(p2, elsewhere)
+    pattern = f"passing over .*step-000000002: .*{re.escape(why)}"
+    with pytest.warns(UserWarning, match=pattern):
+        assert manager.latest() == p1
+    state = {"model": make_model(0)}
+    with pytest.warns(UserWarning, match=pattern):
+        assert manager.load_latest(state) == {"step": 1}
+    manager.close()
+    assert_bitwise(weights(state["model"]), weights(make_model(1)))
+    assert os.path.isdir(p1)
+
+
+def test_damaged_tensor_bytes_make_load_latest_fall_back(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    manager = CheckpointManager(root)
+    p1 = manager.save(1, _small_state(1))
+    p2 = Path(manager.save(2, _small_state(2)))
+    path = p2 / SHARD
+    start, size = header_span(path), path.stat().st_size
+    flip_bit(path, (start + size) // 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # latest()'s cheap checks pass: no warning at all
+        assert manager.latest() == str(p2)
+    state = {"model": make_model(0)}
+    pattern = r"could not load .*step-000000002, trying the previous checkpoint: checksum mismatch"
+    with pytest.warns(UserWarning, match=pattern):
+        assert manager.load_latest(state) == {"step": 1}
+    assert_bitwise(weights(state["model"]), weights(make_model(1)))
+    # Both damaged: the newest one's error, and nothing restored.
+    path = Path(p1) / SHARD
+    flip_bit(path, (header_span(path) + path.stat().st_size) // 2, 3)
+    state = {"model": make_model(0)}
+    with pytest.warns(UserWarning), pytest.raises(CheckpointCorruptError, match="checksum"):
+        manager.load_latest(state)
+    manager.close()
+    assert_bitwise(weights(state["model"]), weights(make_model(0)))
+
+
+@pytest.fixture(scope="module")
+def one_good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("one-good") / "ckpt"
+    shardsafe.save(path, _small_state(4))
+    return path
+
+
+ENTRY_KINDS = ["good", "no manifest", "bad manifest", "symlink", "fifo manifest", "file"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    entries=st.dictionaries(
+        st.integers(0, 40), st.sampled_from(ENTRY_KINDS), min_size=0, max_size=6
+    ),
+    extra=st.lists(st.sampled_from(IGNORED_NAMES), max_size=3, unique=True),
+)
+def test_latest_is_the_newest_loadable_step_and_exists(
+    one_good: Path, tmp_path_factory: pytest.TempPathFactory, entries: dict[int, str], extra: list
+) -> None:
+    root = tmp_path_factory.mktemp("latest")
+    for step, kind in entries.items():
+        path = root / f"step-{step:09d}"
+        if kind == "symlink":
+            os.symlink(one_good, path)
+        elif kind == "file":
+            path.write_text("not a directory")
+        else:
+            shutil.copytree(one_good, path)
+            if kind == "no manifest":
+                (path / "manifest.json").unlink()
+            elif kind == "bad manifest":
+                flip_bit(path / "manifest.json", 10, 0)
+            elif kind == "fifo manifest":
+                (path / "manifest.json").unlink()
+                os.mkfifo(path / "manifest.json")
+    for name in extra:
+        shutil.copytree(one_good, root / name)
+    good = [s for s, kind in entries.items() if kind == "good"]
+    manager = CheckpointManager(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = manager.latest()
+    if not good:
+        assert found is None
+        return
+    assert found == str(root / f"step-{max(good):09d}")
+    assert os.path.isdir(found) and not os.path.islink(found)
+    assert (Path(found) / "manifest.json").is_file()
