@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -13,44 +12,12 @@ from torch import nn
 import shardsafe
 from shardsafe.checkpoint.leftovers import marker_bytes
 from shardsafe.distributed import Coordinator
-
-
-class _Store:
-    """A dict-backed key-value store with the five calls the Coordinator makes.
-
-    ``on_first_read`` runs inside the first counter read of the waiting rank: that is where
-    a slow rank's posts can land between two reads of a real TCPStore.
-    """
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {}
-        self.on_first_read: Any = None
-
-    def add(self, key: str, n: int) -> int:
-        if n == 0 and self.on_first_read is not None:
-            hook, self.on_first_read = self.on_first_read, None
-            value = self.data.get(key, 0)
-            hook()
-            return int(value)
-        self.data[key] = self.data.get(key, 0) + n
-        return int(self.data[key])
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value
-
-    def get(self, key: str) -> bytes:
-        return str(self.data[key]).encode()
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
+from tests.fake_store import FakeStore
 
 
 def test_a_failure_posted_between_two_reads_is_never_missed() -> None:
     """Rank 1 waits; rank 0 posts an error between rank 1's reads of the two counters."""
-    store = _Store()
+    store = FakeStore(multi_get=True)
     coord = Coordinator("save", "/x", timeout=5)
     coord.rank, coord.world_size, coord._store = 1, 2, store
     store.set("commit/ok/1", "null")

@@ -23,30 +23,7 @@ from shardsafe.checkpoint.offer import ChunkOffer, Offer
 from shardsafe.distributed import Coordinator, Phase
 from shardsafe.distributed.heartbeat import Heartbeat
 from shardsafe.protocol import Chunk, SaveItem
-
-
-class Store:
-    """A dict-backed key-value store with the calls the Coordinator makes."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def add(self, key: str, n: int) -> int:
-        self.data[key] = self.data.get(key, 0) + n
-        return int(self.data[key])
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value
-
-    def get(self, key: str) -> bytes:
-        return str(self.data[key]).encode()
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self.data.pop(key, None) is not None
-
+from tests.fake_store import FakeStore
 
 # ----------------------------------------------------------------------- the load plan
 
@@ -183,7 +160,7 @@ def test_an_offer_round_trips_through_json_with_named_fields() -> None:
 
 
 def test_a_phase_block_posts_its_payload_or_its_exception() -> None:
-    store = Store()
+    store = FakeStore()
     rank1 = Coordinator("save", "/x", timeout=5, group=(1, 2, store))
     store.set("write/ok/0", json.dumps({"from": 0}))  # rank 0 already posted
     store.add("write/posted", 1)
@@ -191,7 +168,7 @@ def test_a_phase_block_posts_its_payload_or_its_exception() -> None:
         phase.payload = {"from": 1}
     assert phase.payloads == [{"from": 0}, {"from": 1}]
 
-    store2 = Store()
+    store2 = FakeStore()
     rank0 = Coordinator("save", "/y", timeout=5, group=(0, 2, store2))
     store2.set("commit/ok/1", "null")
     store2.add("commit/posted", 1)
@@ -205,7 +182,7 @@ def test_a_phase_block_posts_its_payload_or_its_exception() -> None:
 
 
 def test_a_dead_rank_is_named_with_what_the_engine_says_it_means() -> None:
-    store = Store()
+    store = FakeStore()
     coord = Coordinator(
         "save", "/z", timeout=5, dead_after=0.0, group=(0, 2, store), aftermath={None: "AFTER."}
     )
@@ -218,7 +195,7 @@ def test_a_dead_rank_is_named_with_what_the_engine_says_it_means() -> None:
 
 
 def test_the_heartbeat_tells_a_beating_rank_from_a_dead_one() -> None:
-    store = Store()
+    store = FakeStore()
     watch = Heartbeat(store, 0, 3, dead_after=10.0)
     assert watch.dead(0.0, lambda r: False) == []
     store.add("beat/1", 1)  # rank 1 beats, rank 2 does not
