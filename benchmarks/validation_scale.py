@@ -1,6 +1,6 @@
 """Hostile-input validation stays near-linear: the timings the unit tests used to assert.
 
-The tests in ``tests/unit/test_attacks.py`` and ``tests/unit/test_manifest_v2.py`` check
+The tests in ``tests/unit/attacks/`` and ``tests/unit/test_manifest_v2.py`` check
 that these inputs are parsed or refused correctly; how long that takes is measured here,
 where a loaded machine cannot fail the suite (a wall-clock assertion failed two full test
 runs on a busy 2-core machine and passed alone). Cases, each the best of ``--repeat``:
