@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from ..checkpoint.strict_json import int_parser, why_not_json
@@ -76,31 +77,62 @@ def _drop_after(path: str, step: int) -> None:
     os.replace(temporary, path)
 
 
-class ProgressBar:
-    """tqdm's bar (step, loss, it/s) on rank 0; silent when stderr is not a terminal.
+PROGRESS_EVERY_S = 5.0
+"""Without a bar: a progress line at the first step, then at most this often."""
 
-    tqdm is optional: without it the bar is simply absent.
+
+class ProgressBar:
+    """Rank 0's progress: tqdm's bar (step, loss, it/s) on a terminal with tqdm installed;
+    otherwise (no tqdm, or stderr is a log or a pipe) plain lines on stdout, at the first
+    step and then at most every ``every_s`` seconds, so that a run is never silent.
     """
 
-    def __init__(self, *, total: int, initial: int, enabled: bool) -> None:
+    def __init__(
+        self, *, total: int, initial: int, enabled: bool, every_s: float = PROGRESS_EVERY_S
+    ) -> None:
         self._bar: Any = None
+        self._lines = False
+        self._total, self._step, self._every_s = total, initial, every_s
+        self._last: tuple[int, float] | None = None
+        """The step and time of the last line printed."""
         if not enabled:
             return
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm is an optional dependency
-            return
-        # disable=None: tqdm turns itself off when stderr is not a TTY (logs, CI).
-        self._bar = tqdm(total=total, initial=initial, unit="step", disable=None)
+        if _is_terminal(sys.stderr):
+            try:
+                from tqdm import tqdm
+            except ImportError:  # tqdm is optional: plain lines instead
+                pass
+            else:
+                self._bar = tqdm(total=total, initial=initial, unit="step")
+                return
+        self._lines = True
 
     def update(self, loss: float) -> None:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
             self._bar.update(1)
+        if not self._lines:
+            return
+        self._step += 1
+        now = time.monotonic()
+        if self._last is not None and now - self._last[1] < self._every_s:
+            return
+        rate = ""
+        if self._last is not None and now > self._last[1]:
+            rate = f", {(self._step - self._last[0]) / (now - self._last[1]):.3g} steps/s"
+        say(f"step {self._step}/{self._total}, loss {loss:.4g}{rate}")
+        self._last = (self._step, now)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
 
 
 def say(message: str) -> None:
