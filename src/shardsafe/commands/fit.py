@@ -8,6 +8,9 @@
 With ``--devices N`` (N > 1) this process only launches: it runs
 ``python -m shardsafe fit`` with the same options as N workers, as torchrun would, and
 exits with their status. Under torchrun it is one of the workers itself.
+
+Ctrl-C stops the run and says which checkpoint is the last good one (step and path) and
+that ``--resume latest`` continues from it; the status is then 130.
 """
 
 from __future__ import annotations
@@ -91,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..trainer import Trainer
-    from ..trainer.launcher import current_environment, launch
-    from ..trainer.resuming import find_checkpoint
+    from ..trainer.failures import say_interrupted
+    from ..trainer.launcher import INTERRUPTED, current_environment, launch
+    from ..trainer.resuming import find_checkpoint, interrupted_message
 
     try:
         module_class = _module_class(args)
@@ -120,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
     if env is None:
         find_checkpoint(trainer.config, args.resume)  # refuse a bad --resume before launching
         command = [sys.executable, "-m", "shardsafe", "fit", *worker_arguments(args)]
-        return launch(command, args.devices)
+        status = launch(command, args.devices)
+        if status == INTERRUPTED:  # the workers are gone: what they left is final
+            say_interrupted(lambda: interrupted_message(trainer.config))
+        return status
 
     import torch
 
@@ -131,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
         module = ExampleModule(seed=args.seed, optimizer=args.example_optimizer)
     else:
         module = module_class()
-    trainer.fit(module, resume=args.resume)
+    try:
+        trainer.fit(module, resume=args.resume)
+    except KeyboardInterrupt:
+        return INTERRUPTED  # rank 0 has said where the run stands (Trainer.fit)
     return 0
 
 

@@ -6,6 +6,10 @@ rank's traceback buries the cause, so the first rank to fail claims "first failu
 the process group's key-value store (an atomic ``compare_set``) and prints its
 traceback; a rank that fails later prints one line naming the rank that failed first.
 
+Ctrl-C stops every process: rank 0 of a run no shardsafe launcher watches (one process,
+or torchrun's workers) says which checkpoint is the last good one (a shardsafe launcher
+says it itself, once its workers are gone).
+
 Then the worker exits with status 1 (a rank that failed second a second later, so that
 the launcher names the first) without unwinding further: its peers may be blocked
 in a collective it will never join, and the launcher (or torchrun's agent) stops them as
@@ -21,22 +25,29 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
 from ..strategies.base import Environment
+from .launcher import LAUNCHER_VARIABLE
 
 _KEY = "shardsafe/trainer/first-failure/{attempt}"
 _DEFER_S = 1.0
 
 
 @contextlib.contextmanager
-def reported_and_fatal(env: Environment) -> Iterator[None]:
-    """In a launched worker, turn an exception into one report and ``exit(1)``."""
+def reported_and_fatal(
+    env: Environment, interrupted: Callable[[], str] | None = None
+) -> Iterator[None]:
+    """In a launched worker, turn an exception into one report and ``exit(1)``.
+
+    On Ctrl-C, rank 0 prints ``interrupted()`` unless a shardsafe launcher will."""
     try:
         yield
     except KeyboardInterrupt:
+        if interrupted is not None and env.rank == 0 and LAUNCHER_VARIABLE not in os.environ:
+            say_interrupted(interrupted)
         if not env.launched:
             raise
         _exit(130)
@@ -45,6 +56,16 @@ def reported_and_fatal(env: Environment) -> Iterator[None]:
             raise
         _report(env.rank, error)
         _exit(1)
+
+
+def say_interrupted(message: Callable[[], str]) -> None:
+    """Print ``message()`` on stderr; a second Ctrl-C or a failure while it is made is
+    not worth a traceback over the one the user asked for."""
+    try:
+        text = message()
+    except (Exception, KeyboardInterrupt) as e:
+        text = f"interrupted (the last checkpoint could not be looked up: {e})"
+    print(f"shardsafe: {text}", file=sys.stderr, flush=True)
 
 
 def _report(rank: int, error: BaseException) -> None:

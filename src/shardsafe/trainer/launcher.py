@@ -35,6 +35,8 @@ LAUNCHER_VARIABLE = "SHARDSAFE_LAUNCHER"
 """Set in every worker this launcher starts (torchrun's workers have ``TORCHELASTIC_RUN_ID``)."""
 
 _GRACE_S = 5.0
+INTERRUPTED = 130
+"""What :func:`launch` returns after Ctrl-C (SIGINT), as a shell reports it."""
 
 
 def current_environment(devices: int) -> Environment | None:
@@ -86,7 +88,7 @@ def launch(command: Sequence[str], nprocs: int) -> int:
             )
         return _supervise(workers)
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
     except _Stop:
         return 128 + signal.SIGTERM
     finally:

@@ -15,11 +15,12 @@ checkpoint is: going on would leave two histories in one directory, and a later
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, step_of
 from ..errors import CheckpointError, CheckpointMismatchError
 from ..tiers import Restored, TieredCheckpointManager
 from .config import TrainerConfig
@@ -43,6 +44,25 @@ def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
         return manager.latest()
     read_manifest(resume)  # a clear error now, before any process has built a model
     return resume
+
+
+def interrupted_message(config: TrainerConfig) -> str:
+    """What a run stopped by Ctrl-C tells its user: the newest checkpoint that would load
+    (found on disk now, so an interrupted save is not it) and how to continue from it."""
+    latest = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False).latest()
+    if latest is None:
+        none = "" if config.checkpoint_every else " (this run saves none: --checkpoint-every N)"
+        return (
+            f"interrupted before any checkpoint was saved in {config.checkpoint_dir}{none}; "
+            "running the same command again starts at step 0"
+        )
+    local = config.local_checkpoint_dir
+    newer = "" if local is None else f" (or from a newer step in the local tier, {local})"
+    return (
+        f"interrupted. The last good checkpoint is step {step_of(os.path.basename(latest))}: "
+        f"{latest}. To continue from it{newer}, run the same command with --resume latest "
+        "(Trainer.fit: resume='latest')"
+    )
 
 
 def restore(

@@ -6,11 +6,11 @@ from ..checkpoint.manifest_format import Layout
 from ..strategies import STRATEGIES
 from .config import TrainerConfig
 from .data import loader_spec
-from .failures import reported_and_fatal
-from .launcher import current_environment, launch, script_command
+from .failures import reported_and_fatal, say_interrupted
+from .launcher import INTERRUPTED, current_environment, launch, script_command
 from .loop import FitResult, train
 from .module import TrainingModule
-from .resuming import find_checkpoint
+from .resuming import find_checkpoint, interrupted_message
 
 
 class Trainer:
@@ -88,10 +88,17 @@ class Trainer:
         env = current_environment(self.config.devices)
         if env is None:
             find_checkpoint(self.config, resume)  # refuse a bad resume once, before launching
-            raise SystemExit(launch(script_command(), self.config.devices))
+            status = launch(script_command(), self.config.devices)
+            if status == INTERRUPTED:
+                say_interrupted(self._interrupted)
+            raise SystemExit(status)
         strategy = STRATEGIES[self.config.strategy](env)
-        with reported_and_fatal(env):
+        with reported_and_fatal(env, self._interrupted):
             strategy.setup()
             result = train(module, data, strategy, self.config, resume)
             strategy.teardown()
         return result
+
+    def _interrupted(self) -> str:
+        """What a run stopped by Ctrl-C says: the last good checkpoint, and how to go on."""
+        return interrupted_message(self.config)
