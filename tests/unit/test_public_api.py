@@ -61,6 +61,21 @@ def test_save_and_load_options_are_keyword_only() -> None:
     assert save_options == list(SaveOptions.__dataclass_fields__)
 
 
+def test_converts_keywords_are_exactly_convert_options_fields_with_its_defaults() -> None:
+    """``convert`` takes one options object the way ``save`` does: its keyword arguments
+    are :class:`ConvertOptions`' fields, defaults written once (there), validated there."""
+    from shardsafe.converters import ConvertOptions
+
+    params = list(inspect.signature(shardsafe.convert).parameters.values())
+    assert [p.name for p in params[:2]] == ["src", "dst"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:])
+    assert [p.name for p in params[2:]] == list(ConvertOptions.__dataclass_fields__)
+    defaults = ConvertOptions()
+    assert all(p.default == getattr(defaults, p.name) for p in params[2:])
+    hints, fields = typing.get_type_hints(shardsafe.convert), typing.get_type_hints(ConvertOptions)
+    assert all(hints[p.name] == fields[p.name] for p in params[2:])
+
+
 def test_async_save_and_the_managers_saves_take_exactly_saves_options() -> None:
     """They take ``**options: Unpack[SaveKeywords]``: the same names as ``save``, refused
     if unknown (by ``SaveOptions.of``), typed by one TypedDict."""

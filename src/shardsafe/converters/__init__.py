@@ -15,10 +15,20 @@ tensor at a time. One module per job::
     hf.py              Hugging Face safetensors files and index
     torch_file.py      torch.save / Lightning .ckpt files
     shardsafe_format.py  shardsafe checkpoints (the engine's reader and streaming writer)
+    options.py         ConvertOptions: what convert() takes, validated once
     api.py             convert(): source -> narrowed, cast -> destination
 """
 
-from .api import Conversion, DcpLayout, convert, describe, read_source
+from .api import Conversion, convert, describe, read_source
+from .options import ConvertOptions, DcpLayout
 from .source import Format
 
-__all__ = ["Conversion", "DcpLayout", "Format", "convert", "describe", "read_source"]
+__all__ = [
+    "Conversion",
+    "ConvertOptions",
+    "DcpLayout",
+    "Format",
+    "convert",
+    "describe",
+    "read_source",
+]

@@ -9,29 +9,27 @@ checkpoint's size, and the output is verified before ``convert`` returns.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from .._text import human_bytes
 from ..checkpoint.locations import open_storage
-from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
 from .bounds import check_allocation
 from .detect import locate, split
-from .source import FORMATS, Format, Source, cast, select
+from .options import ConvertOptions, DcpLayout
+from .source import Format, Source, cast, select
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DcpLayout = Literal["nested", "flat"]
-"""How ``convert(..., to="dcp")`` names the keys (see :func:`convert`)."""
-DCP_LAYOUTS: tuple[DcpLayout, ...] = get_args(DcpLayout)
+_C = ConvertOptions()
 
 
 @dataclass(frozen=True)
@@ -79,17 +77,17 @@ def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    to: Format = "shardsafe",
-    only: Sequence[str] | None = None,
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: str | int = "5GB",
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    dry_run: bool = False,
-    dcp_layout: DcpLayout = "nested",
-    progress: bool | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES,
+    to: Format = _C.to,
+    only: Sequence[str] | None = _C.only,
+    dtype: str | torch.dtype | None = _C.dtype,
+    max_shard_size: str | int = _C.max_shard_size,
+    strip_prefix: str | None = _C.strip_prefix,
+    add_prefix: str | None = _C.add_prefix,
+    dry_run: bool = _C.dry_run,
+    dcp_layout: DcpLayout = _C.dcp_layout,
+    progress: bool | None = _C.progress,
+    storage_options: Mapping[str, Any] | None = _C.storage_options,
+    untrusted_bytes_limit: int = _C.untrusted_bytes_limit,
 ) -> Conversion:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
@@ -105,75 +103,71 @@ def convert(
     ``only`` keeps the named entries (``["model"]``); ``dtype`` casts the floating-point
     weights of modules (``"bfloat16"``; optimizer state keeps its dtype);
     ``strip_prefix``/``add_prefix`` rename Hugging Face weight names. ``dcp_layout``
-    (``to="dcp"``): ``"nested"`` (``model.<fqn>``, ``optimizer.state.<fqn>.<name>``: what
-    ``dcp.save`` makes of ``get_state_dict``'s dicts) or ``"flat"`` (torchtitan's: weights
-    at the top level, optimizer state as ``flatten_optimizer_state_dict=True`` gives it).
-    ``dry_run`` writes nothing and returns what would be written. ``progress``: a tqdm bar on stderr
-    (default: when stderr is a terminal and tqdm is installed).
-    Memory: the largest tensor plus fixed buffers. Paths may be object-store URLs.
+    (``to="dcp"``): ``"nested"`` (``model.<fqn>``, ``optimizer.state.<fqn>.<name>``) or
+    ``"flat"`` (torchtitan's). ``dry_run`` writes nothing and returns what would be
+    written. ``progress``: a tqdm bar on stderr (default: when stderr is a terminal and
+    tqdm is installed). Memory: the largest tensor plus fixed buffers. Paths may be
+    object-store URLs, with fsspec's ``storage_options``.
 
     ``untrusted_bytes_limit`` (as ``shardsafe.load``'s) bounds what the source can make
-    the conversion allocate beyond the bytes it holds: tensors whose size only the file
-    gives (an expanded view, ``torch.zeros(1).expand(n)``, which ``torch.save`` stores as
-    one element; a DCP chunk declared larger than its bytes in the file) are materialized
-    in full when written, and together they may take at most this many bytes. A source
-    asking for more is refused with a ``CheckpointCorruptError`` before anything is read
-    or written (also with ``dry_run``); pass a larger limit for a file you trust.
+    the conversion allocate beyond the bytes it holds (expanded views, DCP chunks larger
+    than their bytes in the file: see :class:`~shardsafe.converters.ConvertOptions`).
+    The keyword arguments are ``ConvertOptions``' fields, with its defaults.
     """
-    if to not in FORMATS:
-        raise ValueError(f"to={to!r} is not one of {', '.join(FORMATS)}")
-    if type(untrusted_bytes_limit) is not int or untrusted_bytes_limit < 0:
-        raise ValueError(
-            f"untrusted_bytes_limit={untrusted_bytes_limit!r} must be a number of bytes, 0 or more"
-        )
-    if dcp_layout not in DCP_LAYOUTS:
-        raise ValueError(f"dcp_layout={dcp_layout!r} is not 'nested' or 'flat'")
-    target_dtype = _dtype(dtype)
-    dst_text = os.fspath(dst)
-    with read_source(src, storage_options) as source:
-        chosen = cast(select(source, list(only) if only else None), target_dtype)
-        if to == "hf":
-            shards = hf.plan(chosen, max_shard_size, strip_prefix, add_prefix)
-            chosen = _only_weights(chosen, shards)
-        check_allocation(chosen, untrusted_bytes_limit)
-        files = _planned(chosen, to, dst_text, max_shard_size, strip_prefix, add_prefix)
-        notes = [torch_file.PICKLE_WARNING] if to == "torch" else []
-        result = Conversion(
+    options = ConvertOptions(
+        to=to,
+        only=only,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        strip_prefix=strip_prefix,
+        add_prefix=add_prefix,
+        dry_run=dry_run,
+        dcp_layout=dcp_layout,
+        progress=progress,
+        storage_options=storage_options,
+        untrusted_bytes_limit=untrusted_bytes_limit,
+    )
+    return _convert(src, os.fspath(dst), options)
+
+
+def _convert(src: str | os.PathLike[str], dst: str, options: ConvertOptions) -> Conversion:
+    """:func:`convert` with its options validated: plan, then (unless a dry run) write."""
+    with read_source(src, options.storage_options) as source:
+        chosen = _chosen(source, options)
+        planned = Conversion(
             source.format,
-            to,
-            dst_text,
-            files,
+            options.to,
+            dst,
+            _planned(chosen, dst, options),
             len(chosen.tensors),
             chosen.total_bytes,
             chosen.largest_tensor_bytes(),
-            dry_run,
-            notes,
+            options.dry_run,
+            [torch_file.PICKLE_WARNING] if options.to == "torch" else [],
         )
-        if dry_run:
-            return result
-        with _progress(progress, chosen.total_bytes, f"{source.format} -> {to}") as on_bytes:
-            written = _write(
-                chosen,
-                to,
-                dst_text,
-                on_bytes,
-                storage_options,
-                max_shard_size,
-                strip_prefix,
-                add_prefix,
-                dcp_layout == "flat",
-            )
-    if to == "torch":
-        warnings.warn(f"{dst_text}: {torch_file.PICKLE_WARNING}", UserWarning, stacklevel=2)
-    return Conversion(**{**result.__dict__, "files": written})
+        if options.dry_run:
+            return planned
+        what = f"{source.format} -> {options.to}"
+        with _progress(options.progress, chosen.total_bytes, what) as on_bytes:
+            written = _write(chosen, dst, on_bytes, options)
+    if options.to == "torch":
+        # stacklevel 3: the caller of convert
+        warnings.warn(f"{dst}: {torch_file.PICKLE_WARNING}", UserWarning, stacklevel=3)
+    return dataclasses.replace(planned, files=written)
 
 
-def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+def _chosen(source: Source, options: ConvertOptions) -> Source:
+    """What is converted: ``only``'s entries, cast to ``dtype``, for Hugging Face output
+    the weights alone; refused if it would allocate more than ``untrusted_bytes_limit``."""
+    chosen = cast(select(source, list(options.only) if options.only else None), options.torch_dtype)
+    if options.to == "hf":
+        chosen = _only_weights(chosen, _hf_plan(chosen, options))
+    check_allocation(chosen, options.untrusted_bytes_limit)
+    return chosen
+
+
+def _hf_plan(source: Source, options: ConvertOptions) -> list[hf.Shard]:
+    return hf.plan(source, options.max_shard_size, options.strip_prefix, options.add_prefix)
 
 
 def _only_weights(source: Source, shards: list[hf.Shard]) -> Source:
@@ -187,53 +181,38 @@ def _only_weights(source: Source, shards: list[hf.Shard]) -> Source:
     )
 
 
-def _planned(
-    source: Source,
-    to: str,
-    dst: str,
-    max_shard_size: str | int,
-    strip_prefix: str | None,
-    add_prefix: str | None,
-) -> list[tuple[str, int]]:
-    if to == "shardsafe":
+def _planned(source: Source, dst: str, options: ConvertOptions) -> list[tuple[str, int]]:
+    if options.to == "shardsafe":
         return shardsafe_format.planned_files(source)
-    if to == "dcp":
+    if options.to == "dcp":
         return dcp_write.planned_files(source)
-    if to == "hf":
-        return hf.planned_files(source, hf.plan(source, max_shard_size, strip_prefix, add_prefix))
+    if options.to == "hf":
+        return hf.planned_files(source, _hf_plan(source, options))
     return [(split(dst)[1], source.total_bytes)]
 
 
 def _write(
-    source: Source,
-    to: str,
-    dst: str,
-    on_bytes: Callable[[int], None],
-    storage_options: Mapping[str, Any] | None,
-    max_shard_size: str | int,
-    strip_prefix: str | None,
-    add_prefix: str | None,
-    flat: bool,
+    source: Source, dst: str, on_bytes: Callable[[int], None], options: ConvertOptions
 ) -> list[tuple[str, int]]:
-    if to == "torch":
+    if options.to == "torch":
         directory, name = split(dst)
         if not name:
             raise CheckpointError(f"{dst} names no file for the torch.save output")
-        with open_storage(directory, storage_options=storage_options) as storage:
+        with open_storage(directory, storage_options=options.storage_options) as storage:
             return [(name, torch_file.write(source, storage, name, on_bytes))]
-    with open_storage(dst, storage_options=storage_options) as storage:
-        if to == "shardsafe":
+    with open_storage(dst, storage_options=options.storage_options) as storage:
+        if options.to == "shardsafe":
             manifest = shardsafe_format.write(source, storage, on_bytes)
             return [*sorted(manifest.files.items()), ("manifest.json", manifest.manifest_bytes)]
-        if to == "dcp":
-            size = dcp_write.write(source, storage, on_bytes, flat=flat)
+        if options.to == "dcp":
+            size = dcp_write.write(source, storage, on_bytes, flat=options.dcp_layout == "flat")
             return [(dcp_write.DATA_FILE, size)]
         return hf.write(
             source,
             storage,
-            max_shard_size=max_shard_size,
-            strip_prefix=strip_prefix,
-            add_prefix=add_prefix,
+            max_shard_size=options.max_shard_size,
+            strip_prefix=options.strip_prefix,
+            add_prefix=options.add_prefix,
             on_bytes=on_bytes,
         )
 
@@ -271,4 +250,4 @@ def describe(result: Conversion) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Conversion", "DcpLayout", "convert", "describe", "read_source"]
+__all__ = ["Conversion", "ConvertOptions", "DcpLayout", "convert", "describe", "read_source"]

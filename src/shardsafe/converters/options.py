@@ -1,0 +1,74 @@
+"""What ``convert`` takes, in one place: a keyword-only, validated dataclass.
+
+``shardsafe.convert``'s keyword arguments are :class:`ConvertOptions`' fields, with the
+defaults taken from here (written once), as ``shardsafe.save``'s are ``SaveOptions``'; the
+steps of a conversion then take the one object. A wrong value fails here, before anything
+is read, naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+
+from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
+from .source import FORMATS, Format
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DcpLayout = Literal["nested", "flat"]
+"""How ``convert(..., to="dcp")`` names the keys (see :func:`shardsafe.convert`)."""
+DCP_LAYOUTS: tuple[DcpLayout, ...] = get_args(DcpLayout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """How to convert. See ``shardsafe.convert`` for what each field does."""
+
+    to: Format = "shardsafe"
+    only: Sequence[str] | None = None
+    dtype: str | torch.dtype | None = None
+    max_shard_size: str | int = "5GB"
+    strip_prefix: str | None = None
+    add_prefix: str | None = None
+    dry_run: bool = False
+    dcp_layout: DcpLayout = "nested"
+    """``"nested"``: ``model.<fqn>``, ``optimizer.state.<fqn>.<name>`` (what ``dcp.save``
+    makes of ``get_state_dict``'s dicts); ``"flat"``: torchtitan's, weights at the top
+    level, optimizer state as ``flatten_optimizer_state_dict=True`` gives it."""
+    progress: bool | None = None
+    storage_options: Mapping[str, Any] | None = None
+    untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES
+    """Tensors whose size only the source gives (an expanded view,
+    ``torch.zeros(1).expand(n)``, which ``torch.save`` stores as one element; a DCP chunk
+    declared larger than its bytes in the file) are materialized in full when written,
+    and together they may take at most this many bytes. A source asking for more is
+    refused with a ``CheckpointCorruptError`` before anything is read or written (also
+    with ``dry_run``); pass a larger limit for a file you trust."""
+
+    def __post_init__(self) -> None:
+        if self.to not in FORMATS:
+            raise ValueError(f"to={self.to!r} is not one of {', '.join(FORMATS)}")
+        limit = self.untrusted_bytes_limit
+        if type(limit) is not int or limit < 0:
+            raise ValueError(
+                f"untrusted_bytes_limit={limit!r} must be a number of bytes, 0 or more"
+            )
+        if self.dcp_layout not in DCP_LAYOUTS:
+            raise ValueError(f"dcp_layout={self.dcp_layout!r} is not 'nested' or 'flat'")
+        _torch_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a ``torch.dtype`` (``None``: every tensor keeps its own)."""
+        return _torch_dtype(self.dtype)
+
+
+def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
