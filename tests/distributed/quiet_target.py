@@ -1,10 +1,12 @@
 """One rank of a two-rank job whose other rank goes missing, dies or hangs during a save,
 for ``test_quiet_failures.py``. The store is hosted outside the ranks (by the test, as
-torchrun's agent hosts it), so that the surviving rank still reaches it when rank 0 dies.
+torchrun's agent hosts it), so that the surviving rank still reaches it when rank 0 dies;
+but by rank 0 itself in mode ``host-dies`` (as ``shardsafe fit``'s launcher has it).
 
 ``python quiet_target.py RANK PORT ROOT MODE`` (``missing``: rank 1 never calls the
-second save; ``dies``/``hangs``: rank 0 dies or hangs while it plans it); prints the
-``CheckpointError`` it gets to stderr and exits 3, or exits 0 when it has none.
+second save; ``dies``/``hangs``: rank 0 dies or hangs while it plans it; ``host-dies``:
+rank 0, hosting the store, dies while it writes); prints the ``CheckpointError`` it gets
+to stderr and exits 3, or exits 0 when it has none.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from shardsafe.distributed import Coordinator
 
 
 def main(rank: int, port: int, root: str, mode: str) -> int:
-    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=60))
+    hosts = mode == "host-dies" and rank == 0
+    world = 2 if mode == "host-dies" else 3
+    store = dist.TCPStore("127.0.0.1", port, world, hosts, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     # A dead rank is named after 3 s of silence instead of 15: the same code, sooner.
     Coordinator.__init__.__kwdefaults__["dead_after"] = 3.0
@@ -41,6 +45,10 @@ def main(rank: int, port: int, root: str, mode: str) -> int:
             os._exit(0)
 
         saving.plan_save = plan_save  # type: ignore[assignment]
+    if mode == "host-dies" and rank == 0:
+        import shardsafe.checkpoint.saving as saving
+
+        saving.write_plan = lambda *args, **kwargs: os._exit(9)  # type: ignore[assignment]
     try:
         shardsafe.save(os.path.join(root, "two"), state, entry_timeout=3, timeout=4)
     except shardsafe.CheckpointError as e:

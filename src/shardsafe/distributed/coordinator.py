@@ -206,9 +206,12 @@ class Coordinator:
         """
         if self._entered:
             self._entered = False
+            # Once the store is gone there is nobody to acknowledge to: each request would
+            # only fail, and torch would log each failure with a C++ stack.
             with contextlib.suppress(Exception):  # the error being raised matters more
-                self._acknowledge()
-                self.release()
+                if not self._lost:
+                    self._acknowledge()
+                    self.release()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -290,6 +293,8 @@ class Coordinator:
             raise
         except (RuntimeError, OSError) as lost:  # the store itself is gone
             self._lost = True
+            if self._heartbeat is not None:  # its next beat would fail too, logged by torch
+                self._heartbeat.stop()
             raise CheckpointError(
                 f"lost contact with the process group's store during the '{phase}' phase of "
                 f"{self.operation} (this is rank {self.rank}): {lost}. Another rank, usually "
