@@ -14,7 +14,6 @@ from typing import Any
 from . import background, loading, saving
 from .background import SaveHandle
 from .loading import read_manifest
-from .locations import open_storage
 from .manifest_format import Layout
 from .options import (
     LoadOptions,
@@ -23,6 +22,7 @@ from .options import (
     SaveOptions,
     StorageFactory,
     VerifyMode,
+    storage_factory,
 )
 
 if sys.version_info >= (3, 11):
@@ -120,6 +120,7 @@ def load(
     entry_timeout: float = _L.entry_timeout,
     timeout: float = _L.timeout,
     untrusted_bytes_limit: int = _L.untrusted_bytes_limit,
+    storage: StorageFactory | None = _L.storage,
     storage_options: Mapping[str, Any] | None = _L.storage_options,
     verify: VerifyMode = _L.verify,
     buffer_bytes: int = _L.buffer_bytes,
@@ -147,18 +148,22 @@ def load(
     then reads it again into place, checked again; ``verify="inline"`` reads once,
     checking each piece as it is copied in, so a corrupt byte is found with live
     tensors partly restored (the error names them).
+
+    ``path`` and ``storage_options`` are as :func:`save` takes them, and so is ``storage``
+    (advanced): what makes the storage layer for the directory.
     """
     options = LoadOptions(
         strict=strict,
         entry_timeout=entry_timeout,
         timeout=timeout,
         untrusted_bytes_limit=untrusted_bytes_limit,
+        storage=storage,
         storage_options=storage_options,
         verify=verify,
         buffer_bytes=buffer_bytes,
     )
-    with open_storage(os.fspath(path), storage_options=storage_options) as storage:
-        return loading.load(storage, state, options)
+    with storage_factory(storage, storage_options)(os.fspath(path)) as opened:
+        return loading.load(opened, state, options)
 
 
 __all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save"]

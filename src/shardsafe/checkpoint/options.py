@@ -120,6 +120,8 @@ class LoadOptions:
     entry_timeout: float = 60.0
     timeout: float = DEFAULT_TIMEOUT_S
     untrusted_bytes_limit: int = DEFAULT_UNTRUSTED_BYTES
+    storage: StorageFactory | None = None
+    """Makes the storage layer for the directory, as :attr:`SaveOptions.storage` does."""
     storage_options: Mapping[str, Any] | None = None
     verify: VerifyMode = "first"
     """``"first"``: every byte this rank needs is read and CRC-checked before anything is
