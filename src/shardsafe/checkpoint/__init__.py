@@ -14,8 +14,9 @@ Save and load are mirrors. Modules, save side | load side:
 * the manifest: ``manifest`` (writes it, builds it, parses it), ``manifest_format``,
   ``manifest_checks``, ``strict_json``; ``geometry`` for boxes and tilings; ``crc``;
 * the directory a save writes: ``target_directory`` (+ ``leftovers``: what a save may
-  delete, by its marker's record); a root's writer: ``lock`` | ``object_lock`` (+
-  ``lock_owner``: the owner record both check).
+  delete, by its marker's record); a root's writer: ``lock`` (the rules, once) over
+  ``lock_backends`` (a hard link on a filesystem, a conditional PUT on an object store;
+  a root's ``Storage.lock_backend()``), + ``lock_owner`` (the owner record it checks).
 
 Glossary (a tensor piece, stage by stage):
 

@@ -33,7 +33,6 @@ from ..errors import CheckpointError
 from .options import SaveOptions
 from .saving import SaveRun, begin, persist, plan
 from .staging import Staged, Stager
-from .storage import LocalStorage
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: list[SaveHandle] = []
@@ -236,7 +235,7 @@ def _plans_first(run: SaveRun) -> bool:
     """
     if run.error is not None or run.options.layout != "sharded" or run.coord.world_size == 1:
         return False
-    if not isinstance(run.storage, LocalStorage):
+    if not run.storage.cheap_metadata:
         return False
     total = replicated = 0
     for _, item in run.items.values():

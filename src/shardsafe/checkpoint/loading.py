@@ -44,7 +44,7 @@ from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .options import LoadOptions
 from .reader import CACHE_PIECE_BYTES, CheckpointReader, box_of
 from .spool import Spool, spool_for
-from .storage import LocalStorage, Storage
+from .storage import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",
@@ -157,7 +157,7 @@ def _spool(
 ) -> Spool | None:
     """A spool if the second read of ``verify="first"`` would be a second download (an
     object store); a local file's comes from the page cache."""
-    if options.verify != "first" or isinstance(storage, LocalStorage):
+    if options.verify != "first" or storage.cheap_rereads:
         return None
     return spool_for(sum(request_bytes(manifest.tensors[r.key], r) for r, _ in routes.in_place))
 

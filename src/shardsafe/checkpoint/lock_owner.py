@@ -1,10 +1,10 @@
 """The owner record of a root lock (``.shardsafe.lock``), read as hostile input.
 
-Both locks (``lock.py`` on a local filesystem, ``object_lock.py`` on an object store)
-write ``{"pid", "host", "started", "token", "since"}`` and read it back to decide whether
-a root is theirs, whether its owner is alive, and what to tell the user. Anyone who can
+The root lock (``lock.py``, on a local filesystem or an object store alike) writes
+``{"pid", "host", "started", "token", "since"}`` and reads it back to decide whether
+a root is its own, whether its owner is alive, and what to tell the user. Anyone who can
 write the root can also write this file, so it is parsed strictly (``strict_json``:
-bounded depth and digits) and every field is checked here, once, for both locks: a pid
+bounded depth and digits) and every field is checked here, once, for every medium: a pid
 that ``os.kill`` cannot take, a ``since`` that ``time.localtime`` cannot format or a host
 that is not text would otherwise fail deep inside the lock as an ``OverflowError`` or a
 ``TypeError`` that names no file. A lock that fails these checks is *damaged*: the save

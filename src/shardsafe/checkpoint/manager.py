@@ -28,7 +28,6 @@ import functools
 import os
 import re
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,15 +37,14 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
 from .locations import is_url, open_storage
-from .lock import LOCK_NAME, RootLock
+from .lock import RootLock
 from .manifest import MANIFEST_NAME
-from .object_lock import ObjectRootLock
 from .options import LoadOptions, SaveHooks, SaveKeywords, SaveOptions, storage_factory
 from .reader import CheckpointReader
 from .removal import delete_checkpoint
 from .saving import save as _save
 from .staging import Stager
-from .storage import LocalStorage, Storage
+from .storage import Storage
 from .target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):
@@ -98,9 +96,7 @@ class CheckpointManager:
         self.root = os.fspath(root).rstrip("/") if is_url(root) else os.fspath(root)
         self.keep_last = keep_last
         self.storage_options = storage_options
-        self._lock: RootLock | ObjectRootLock = (
-            ObjectRootLock(self._root_storage) if is_url(self.root) else RootLock(self.root)
-        )
+        self._lock = RootLock(self._root_storage)
         self._resumed_from: int | None = None
         self._fresh = warn_if_not_empty
         """Whether the next save is this run's first and the run has not looked for a
@@ -256,11 +252,7 @@ class CheckpointManager:
             for name in root.names():
                 if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
                     root.remove(name)
-                if (
-                    name.startswith(f"{LOCK_NAME}.")
-                    and isinstance(root, LocalStorage)
-                    and _older_than(root, name, 60.0)
-                ):
+                if self._lock.is_stale_claim(root, name):
                     root.remove(name)  # a lock claim killed before its link
             for found, name in self._step_dirs():
                 if found not in keep and found != step:
@@ -383,11 +375,3 @@ def problem_with(storage: Storage) -> str | None:
 
 def _warn(message: str, stacklevel: int = 3) -> None:
     warnings.warn(f"shardsafe: {message}", stacklevel=stacklevel)
-
-
-def _older_than(root: LocalStorage, name: str, seconds: float) -> bool:
-    try:
-        mtime = os.stat(name, dir_fd=root.fd, follow_symlinks=False).st_mtime
-    except OSError:
-        return False
-    return time.time() - mtime > seconds

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
+from .lock_backends import ObjectLockBackend
 from .object_reader import FsspecFileReader, ReadBudget
 from .storage import EntryKind
 
@@ -111,6 +112,11 @@ class FsspecStorage:
 
     ``follow`` is accepted for the ``StorageFactory`` signature; object stores have no links.
     """
+
+    cheap_rereads = False
+    """A second read is a second download (``load`` keeps the first in a spool)."""
+    cheap_metadata = False
+    """Every name made, listed or removed is a request to the server."""
 
     def __init__(
         self,
@@ -318,3 +324,12 @@ class FsspecStorage:
             storage_options=self.storage_options,
             fs=self.fs,
         )
+
+    def remove_child(self, name: str) -> None:
+        """A prefix goes with its last object; where directories exist, remove it."""
+        self.child(name).remove_directory()
+
+    def lock_backend(self) -> ObjectLockBackend:
+        """The lock as an object, created conditionally where the store can
+        (``lock_backends.py``)."""
+        return ObjectLockBackend(self)

@@ -9,13 +9,12 @@ half-way leaves a directory that is plainly not a checkpoint, never a broken one
 
 from __future__ import annotations
 
-import os
 import warnings
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .leftovers import INCOMPLETE_MARKER, OURS, record
 from .manifest import MANIFEST_NAME
-from .storage import LocalStorage, Storage
+from .storage import Storage
 
 
 def foreign_entries(step: Storage) -> list[str]:
@@ -49,13 +48,8 @@ def delete_checkpoint(root: Storage, name: str) -> None:
                 if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
                     step.remove(entry)
             step.remove(INCOMPLETE_MARKER)
-            if not isinstance(root, LocalStorage):
-                abort_pending = getattr(step, "abort_pending_uploads", None)
-                if abort_pending is not None:
-                    abort_pending()
-                step.remove_directory()
-        if isinstance(root, LocalStorage):
-            os.rmdir(name, dir_fd=root.fd)
+            step.abort_pending_uploads()  # an object store's, invisible in listings
+        root.remove_child(name)
     except CheckpointNotFoundError:
         return
     except (OSError, CheckpointError) as e:

@@ -15,7 +15,8 @@ import contextlib
 import errno
 import os
 import stat
-from typing import Literal, Protocol, runtime_checkable
+import threading
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .dir_sync import DirectorySync
@@ -32,7 +33,11 @@ from .files import (
     with_path,
 )
 
+if TYPE_CHECKING:
+    from .lock_backends import LocalLockBackend, LockBackend
+
 __all__ = [
+    "CacheAvoidingSink",
     "EntryKind",
     "FileSink",
     "LocalFileReader",
@@ -49,11 +54,8 @@ and directories (prefixes)."""
 
 
 class FileSink(Protocol):
-    """A new file or object, written front to back. A sink may also have
-    ``avoid_page_cache(until: threading.Event, piece_bytes: int)``, called before the
-    first write of a background save: keep the bytes out of the page cache until
-    ``until`` is set (a local file: ``O_DIRECT``). It is optional, so a storage written
-    before it existed still works."""
+    """A new file or object, written front to back. A sink that can keep its bytes out
+    of the page cache is also a :class:`CacheAvoidingSink`."""
 
     def write(self, data: memoryview) -> None: ...
 
@@ -62,6 +64,18 @@ class FileSink(Protocol):
         ...
 
     def abort(self) -> None: ...
+
+
+@runtime_checkable
+class CacheAvoidingSink(FileSink, Protocol):
+    """A sink that can write around the page cache (a local file: ``O_DIRECT``), so that
+    a background save does not evict the training's pages. A capability: a sink without
+    it (an upload, or a user's sink older than it) is written the usual way."""
+
+    def avoid_page_cache(self, until: threading.Event, piece_bytes: int) -> None:
+        """Keep the bytes out of the page cache, in pieces of ``piece_bytes``, until
+        ``until`` is set; called before the first write."""
+        ...
 
 
 class FileReader(Protocol):
@@ -96,10 +110,38 @@ class Storage(Protocol):
     * reading: ``open_reader`` (ranged reads), ``read_small``, ``names``, ``kind``,
       ``exists``, ``describe``;
     * the directory: ``is_directory``, ``require_directory``, ``make_directory``,
-      ``remove_directory`` (once empty), ``child``, ``where`` (for messages), ``close``.
+      ``remove_directory`` (once empty), ``child``, ``remove_child`` (a child directory,
+      once empty, never through a link), ``where`` (for messages), ``close``;
+    * capabilities, what callers decide by instead of by the class:
+      ``cheap_rereads``, ``cheap_metadata``, ``abort_pending_uploads`` and
+      ``lock_backend`` (and, on a sink, :class:`CacheAvoidingSink`).
     """
 
     directory: str
+
+    @property
+    def cheap_rereads(self) -> bool:
+        """Whether reading the same bytes a second time costs no second transfer (a local
+        file comes from the page cache). ``load(verify="first")`` reads every byte twice:
+        where this is False it keeps the first read in a local spool (``spool.py``)."""
+        ...
+
+    @property
+    def cheap_metadata(self) -> bool:
+        """Whether creating, listing and removing small files costs no round trip to a
+        server (a local or shared filesystem). A background save then prepares its
+        directory at the call, to plan before staging (``background._plan_first``)."""
+        ...
+
+    def abort_pending_uploads(self) -> int:
+        """Abort uploads a killed save left unfinished under this directory (invisible
+        but billed on an object store); return how many. Nothing to do on a filesystem."""
+        ...
+
+    def lock_backend(self) -> LockBackend:
+        """How a lock file is created and replaced atomically on this medium
+        (``lock_backends.py``), for the one lock that holds the rules (``lock.RootLock``)."""
+        ...
 
     def is_directory(self) -> bool: ...
     def require_directory(self) -> None: ...
@@ -126,6 +168,7 @@ class Storage(Protocol):
     def open_reader(self, name: str) -> FileReader: ...
     def read_small(self, name: str, limit: int) -> bytes: ...
     def child(self, name: str) -> Storage: ...
+    def remove_child(self, name: str) -> None: ...
 
 
 def commit_temp_name(name: str, pid: int | None = None) -> str:
@@ -143,6 +186,9 @@ class LocalStorage:
     and is followed. The directory is opened on first use and stays open until
     :meth:`close`.
     """
+
+    cheap_rereads = True  # a second read comes from the page cache
+    cheap_metadata = True  # names are made and removed without a server round trip
 
     def __init__(self, directory: str, *, follow: bool = True) -> None:
         self.directory = os.fspath(directory)
@@ -337,3 +383,17 @@ class LocalStorage:
     def child(self, name: str) -> LocalStorage:
         """The subdirectory ``name``, never followed if it is a link."""
         return type(self)(os.path.join(self.directory, check_name(name)), follow=False)
+
+    def remove_child(self, name: str) -> None:
+        """Remove the empty subdirectory ``name`` (relative to the open directory: a link
+        in its place is refused by ``rmdir`` itself, never followed)."""
+        os.rmdir(check_name(name), dir_fd=self.fd)
+
+    def abort_pending_uploads(self) -> int:
+        return 0  # a killed write leaves a file, cleared by name
+
+    def lock_backend(self) -> LocalLockBackend:
+        """The lock on a filesystem: claimed by a hard link (``lock_backends.py``)."""
+        from .lock_backends import LocalLockBackend
+
+        return LocalLockBackend(self)

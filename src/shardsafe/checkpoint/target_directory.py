@@ -56,11 +56,9 @@ def prepare(storage: Storage) -> str:
     storage.make_directory()
     names = storage.names()
     leftovers = own_leftovers(storage, names) if names else []  # refuses anything not ours
-    abort_pending = getattr(storage, "abort_pending_uploads", None)
-    if abort_pending is not None:
-        # An object store's uploads under a prefix that is empty or ours: a killed save's
-        # (a survivor may have removed its objects, leaving the dead rank's upload).
-        abort_pending()
+    # An object store's uploads under a prefix that is empty or ours: a killed save's
+    # (a survivor may have removed its objects, leaving the dead rank's upload).
+    storage.abort_pending_uploads()
     if names:
         _clear(storage, leftovers)
         storage.remove(INCOMPLETE_MARKER)  # the old record: this save writes its own

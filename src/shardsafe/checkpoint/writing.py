@@ -21,7 +21,7 @@ from ..protocol import Chunk
 from .chunk_bytes import ChunkBytes
 from .safetensors_io import StreamWriter
 from .save_plan import CONSOLIDATING_RANK, FileEntry, FilePlan, SavePlan
-from .storage import Storage
+from .storage import CacheAvoidingSink, Storage
 
 
 class WrittenFile(TypedDict):
@@ -50,7 +50,7 @@ class WriteOptions:
     0: checksum on a helper thread in parallel (``StreamWriter``)."""
     direct_until: threading.Event | None = None
     """A background save: keep files out of the page cache until this is set (someone
-    waits for the save), in pieces of ``cache_bytes`` (``FileSink.avoid_page_cache``)."""
+    waits for the save), in pieces of ``cache_bytes`` (``CacheAvoidingSink``)."""
 
 
 def write_plan(
@@ -119,11 +119,14 @@ def open_file(
     header = [(e.name, e.dtype, e.shape) for e in fplan.entries]
     data_bytes = sum(e.nbytes for e in fplan.entries)
     sink = storage.create(fplan.name, size_hint=data_bytes)
-    # Optional in a sink: a user's storage (``storage=``) may not have it.
-    avoid = getattr(sink, "avoid_page_cache", None)
-    if options.direct_until is not None and options.cache_bytes and avoid is not None:
+    # A capability, not a requirement: a user's storage (``storage=``) may not have it.
+    if (
+        options.direct_until is not None
+        and options.cache_bytes
+        and isinstance(sink, CacheAvoidingSink)
+    ):
         try:
-            avoid(options.direct_until, options.cache_bytes)
+            sink.avoid_page_cache(options.direct_until, options.cache_bytes)
         except BaseException:
             sink.abort()
             raise
