@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import typing
 
 import pytest
 
 import shardsafe
-from shardsafe.checkpoint.options import SaveKeywords, SaveOptions
+from shardsafe.checkpoint.options import LoadKeywords, LoadOptions, SaveKeywords, SaveOptions
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # a dependency of torch's
+    from typing_extensions import Unpack
 
 PUBLIC = [
     "Adapter",
@@ -91,6 +97,36 @@ def test_async_save_and_the_managers_saves_take_exactly_saves_options() -> None:
         SaveOptions.of(layuot="sharded")
     assert inspect.signature(shardsafe.save).parameters["layout"].default == "sharded"
     assert inspect.signature(shardsafe.load).parameters["strict"].default is True
+
+
+def test_the_managers_saves_take_one_options_object_or_saves_keywords() -> None:
+    """One way each: ``save``/``async_save`` take a :class:`SaveOptions` (the Trainer's
+    way) or ``save``'s keywords, which override it."""
+    for fn in (shardsafe.CheckpointManager.save, shardsafe.CheckpointManager.async_save):
+        params = inspect.signature(fn).parameters
+        assert list(params)[:4] == ["self", "step", "state", "options"], fn
+        assert params["options"].default is None
+        hints = typing.get_type_hints(fn)
+        assert hints["options"] == SaveOptions | None
+        assert hints["keywords"] == Unpack[SaveKeywords]
+
+
+def test_load_latest_takes_exactly_loads_options_typed_like_save() -> None:
+    """Both managers' ``load_latest`` take ``**options: Unpack[LoadKeywords]``: ``load``'s
+    names, typed by one TypedDict, refused if unknown (by ``LoadOptions.of``)."""
+    assert list(LoadKeywords.__annotations__) == list(LoadOptions.__dataclass_fields__)
+    assert (
+        list(LoadKeywords.__annotations__) == list(inspect.signature(shardsafe.load).parameters)[2:]
+    )
+    for fn in (
+        shardsafe.CheckpointManager.load_latest,
+        shardsafe.TieredCheckpointManager.load_latest,
+    ):
+        kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
+        assert kinds[-1] is inspect.Parameter.VAR_KEYWORD, fn
+        assert typing.get_type_hints(fn)["options"] == Unpack[LoadKeywords], fn
+    with pytest.raises(TypeError, match=r"unknown load option\(s\) \['strcit'\]"):
+        LoadOptions.of(strcit=True)
 
 
 def test_version_is_a_string() -> None:

@@ -39,7 +39,14 @@ from .background import SaveHandle
 from .locations import is_url, open_storage
 from .lock import RootLock
 from .manifest import MANIFEST_NAME
-from .options import LoadOptions, SaveHooks, SaveKeywords, SaveOptions, storage_factory
+from .options import (
+    LoadKeywords,
+    LoadOptions,
+    SaveHooks,
+    SaveKeywords,
+    SaveOptions,
+    storage_factory,
+)
 from .reader import CheckpointReader
 from .removal import delete_checkpoint
 from .saving import save as _save
@@ -124,49 +131,70 @@ class CheckpointManager:
     def _root_storage(self) -> Storage:
         return open_storage(self.root, storage_options=self.storage_options)
 
-    def save(self, step: int, state: Any, **options: Unpack[SaveKeywords]) -> str:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        options: SaveOptions | None = None,
+        **keywords: Unpack[SaveKeywords],
+    ) -> str:
         """Save ``state`` as step ``step`` on every rank; return the checkpoint's path.
 
         The keyword arguments are those of :func:`shardsafe.save` (``SaveOptions``)
-        but ``storage_options``, which is the manager's; ``hooks`` run after the
-        manager's own. The first save takes ``root/.shardsafe.lock`` for this process (see
-        ``lock.py``): a second run saving into the same root gets a
-        :class:`CheckpointError`.
+        but ``storage_options``, which is the manager's; ``options`` gives them as one
+        :class:`SaveOptions` instead (the Trainer's way), the keywords overriding it.
+        ``hooks`` run after the manager's own. The first save takes
+        ``root/.shardsafe.lock`` for this process (see ``lock.py``): a second run saving
+        into the same root gets a :class:`CheckpointError`.
         """
-        return self.save_with(step, state, self._options(options))
-
-    def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
-        """:meth:`save` with its options as one :class:`SaveOptions` (the Trainer's way)."""
-        path, options = self._prepared(step, opts)
+        path, opts = self._prepared(step, self._options(options, keywords))
         background.drain()  # one save in flight: an asynchronous one finishes first
-        _save(path, state, options)
+        _save(path, state, opts)
         return path
 
-    def async_save(self, step: int, state: Any, **options: Unpack[SaveKeywords]) -> SaveHandle:
+    def async_save(
+        self,
+        step: int,
+        state: Any,
+        options: SaveOptions | None = None,
+        *,
+        overlap: bool = False,
+        **keywords: Unpack[SaveKeywords],
+    ) -> SaveHandle:
         """:meth:`save` in the background (see :func:`shardsafe.async_save`): returns once
-        the state is staged; ``latest`` moves and retention runs after the commit."""
-        return self.async_save_with(step, state, self._options(options))
+        the state is staged; ``latest`` moves and retention runs after the commit.
 
-    def _options(self, options: SaveKeywords) -> SaveOptions:
-        if "storage_options" in options:
+        ``overlap=True`` returns before the copies to host memory have landed: call the
+        handle's ``wait_staged()`` before changing the tensors (the Trainer overlaps the
+        copies with its next step).
+        """
+        path, opts = self._prepared(step, self._options(options, keywords))
+        self._handle = background.async_save(
+            path, state, opts, self._stager, overlap=overlap, step=step
+        )
+        return self._handle
+
+    def _options(self, options: SaveOptions | None, keywords: SaveKeywords) -> SaveOptions:
+        if "storage_options" in keywords:
             # The lock, latest and retention use the manager's: a save elsewhere would
             # make latest name a step that is not there.
             raise TypeError(
                 "storage_options are the CheckpointManager's own; pass them to "
                 "CheckpointManager(root, storage_options=...), not to each save"
             )
-        return SaveOptions.of(**options)
+        return SaveOptions.of(options, **keywords)
+
+    def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
+        """Deprecated: :meth:`save` takes ``opts`` itself. Kept only until the Trainer
+        (``trainer/saving.py``) calls ``save(step, state, opts)``; then removed."""
+        return self.save(step, state, opts)
 
     def async_save_with(
         self, step: int, state: Any, opts: SaveOptions, *, overlap: bool = False
     ) -> SaveHandle:
-        """:meth:`async_save` with one :class:`SaveOptions`; ``overlap`` as in
-        ``background.async_save`` (the Trainer overlaps copies with its next step)."""
-        path, options = self._prepared(step, opts)
-        self._handle = background.async_save(
-            path, state, options, self._stager, overlap=overlap, step=step
-        )
-        return self._handle
+        """Deprecated: :meth:`async_save` takes ``opts`` itself. Kept only until the Trainer
+        calls ``async_save(step, state, opts, overlap=True)``; then removed."""
+        return self.async_save(step, state, opts, overlap=overlap)
 
     def wait(self) -> str | None:
         """Wait for this manager's save in flight; return its path (``None`` if none), or
@@ -204,7 +232,7 @@ class CheckpointManager:
                 f"{self.root} already holds checkpoints up to step {steps[-1]} that this run "
                 f"did not resume from; saving step {step} beside them. To continue that run, "
                 "call load_latest(state) before training; to start afresh, use another root",
-                stacklevel=6,  # the caller of save or async_save
+                stacklevel=5,  # the caller of save or async_save
             )
 
     def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
@@ -317,11 +345,11 @@ class CheckpointManager:
             else:
                 _warn(f"passing over {storage.directory}: {problem}")
 
-    def load_latest(self, state: Any, **options: Any) -> dict[str, Any] | None:
+    def load_latest(self, state: Any, **options: Unpack[LoadKeywords]) -> dict[str, Any] | None:
         """Load the newest checkpoint into ``state``; ``None`` if there is none yet.
 
         ``options`` are those of :func:`shardsafe.load` (``strict``, ``entry_timeout``,
-        ``timeout``, ``untrusted_bytes_limit``). Returns what :func:`shardsafe.load`
+        ``timeout``, ``untrusted_bytes_limit``, ...). Returns what :func:`shardsafe.load`
         returns: the plain values the checkpoint holds (for the Trainer's checkpoints,
         ``{"trainer": {"step": ..., ...}}``). If the newest checkpoint turns out to be
         damaged while loading (nothing is restored then), the next older one is loaded

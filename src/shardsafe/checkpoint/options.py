@@ -164,6 +164,21 @@ class LoadOptions:
         return cls(**overrides)
 
 
+class LoadKeywords(TypedDict, total=False):
+    """:class:`LoadOptions`' fields as keyword arguments, for the entry points that take
+    those of :func:`shardsafe.load` (the managers' ``load_latest``): typed once, here, and
+    checked by :meth:`LoadOptions.of`, which refuses an unknown name."""
+
+    strict: bool
+    entry_timeout: float
+    timeout: float
+    untrusted_bytes_limit: int
+    storage: StorageFactory | None
+    storage_options: Mapping[str, Any] | None
+    verify: VerifyMode
+    buffer_bytes: int
+
+
 def _positive(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"{name}={value!r} must be a positive number of seconds")

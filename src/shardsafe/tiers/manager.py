@@ -23,12 +23,14 @@ Every method is collective (call it on every rank), as ``CheckpointManager``'s a
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 import warnings
 from typing import Any
 
 from ..checkpoint.collecting import check_state, collect
 from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.options import LoadKeywords
 from ..checkpoint.staging import Stager
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
@@ -39,6 +41,11 @@ from .ranks import Ranks
 from .replication import Peers, Replicator, Tally
 from .restore import Restored, Restorer
 from .topology import Topology, node_name
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # a dependency of torch's
+    from typing_extensions import Unpack
 
 
 class TieredCheckpointManager:
@@ -221,7 +228,7 @@ class TieredCheckpointManager:
         """The step :meth:`load_latest` would restore now (collective), or ``None``."""
         return self._restorer.latest()
 
-    def load_latest(self, state: Any, **options: Any) -> dict[str, Any] | None:
+    def load_latest(self, state: Any, **options: Unpack[LoadKeywords]) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get (see the module docstring);
         ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
         return self._restorer.load_latest(state, options)

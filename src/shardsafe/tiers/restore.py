@@ -21,7 +21,7 @@ from ..checkpoint import loading
 from ..checkpoint.locations import open_storage
 from ..checkpoint.manager import LATEST, CheckpointManager, step_of
 from ..checkpoint.manifest import MANIFEST_NAME
-from ..checkpoint.options import LoadOptions
+from ..checkpoint.options import LoadKeywords, LoadOptions
 from ..checkpoint.reader import CheckpointReader
 from ..distributed import Phase, world
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -71,7 +71,7 @@ class Restorer:
         self._replicator.drain()
         return self._survey(set()).step
 
-    def load_latest(self, state: Any, options: dict[str, Any]) -> dict[str, Any] | None:
+    def load_latest(self, state: Any, options: LoadKeywords) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get; ``None`` if there is none in
         any tier. ``options`` are :func:`shardsafe.load`'s."""
         started = time.monotonic()
@@ -117,7 +117,7 @@ class Restorer:
         e: CheckpointMismatchError,
         step: int,
         state: Any,
-        options: dict[str, Any],
+        options: LoadKeywords,
         started: float,
     ) -> dict[str, Any] | None:
         """Same world size, other sharding (or other objects): only the persistent tier
@@ -264,7 +264,7 @@ class Restorer:
         return False
 
     def _from_persistent(
-        self, state: Any, options: dict[str, Any], started: float
+        self, state: Any, options: LoadKeywords, started: float
     ) -> dict[str, Any] | None:
         values = self.persistent.load_latest(state, **options)
         step = self.persistent._resumed_from
