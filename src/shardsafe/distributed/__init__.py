@@ -1,9 +1,13 @@
 """Coordination of ranks: phases, the timed entry barrier, error agreement, heartbeats.
 
-``coordinator`` (the phase blocks), ``heartbeat`` (dead-rank detection), ``reports``
-(how a failure is told to every rank), ``phases`` (their names), ``group`` (the default
-process group as shardsafe sees it), ``clients`` (store connections for blocking waits),
-``store_requests`` (counting what the store serves).
+``coordinator`` (the phase blocks: the face the engine sees), by job below it:
+``store_keys`` (every key in the store, built in one place), ``agreement`` (publishing
+an outcome, deciding the error every rank raises), ``lifecycle`` (entering, heartbeats,
+closing), ``payloads`` (kept until every rank has read them), ``link`` (what they
+share); ``heartbeat`` (dead-rank detection), ``reports`` (how a failure is told to every
+rank), ``phases`` (their names), ``group`` (the default process group as shardsafe sees
+it), ``clients`` (store connections for blocking waits), ``waiting`` (waits without a
+store timeout), ``store_requests`` (counting what the store serves).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import store_keys as keys
+
 BEAT_S = 1.0
 """How often the heartbeat thread wakes (to beat or to watch)."""
 BEATS_EVERY_S = 3.0
@@ -45,7 +47,7 @@ class Heartbeat:
         self._stop: threading.Event | None = None
 
     def beat(self) -> None:
-        self.store.add(f"beat/{self.rank}", 1)
+        self.store.add(keys.beat(self.rank), 1)
 
     def start(
         self,
@@ -115,9 +117,9 @@ class Heartbeat:
         return dead
 
     def _beats(self) -> dict[int, int]:
-        keys = [f"beat/{r}" for r in self.watch]
-        if len(keys) > 1 and hasattr(self.store, "multi_get"):
+        beats = [keys.beat(r) for r in self.watch]
+        if len(beats) > 1 and hasattr(self.store, "multi_get"):
             # Every watched rank beat once before entering (Coordinator.enter), so every
             # key exists and multi_get does not block.
-            return {r: int(v) for r, v in zip(self.watch, self.store.multi_get(keys))}
-        return {r: int(self.store.add(k, 0)) for r, k in zip(self.watch, keys)}
+            return {r: int(v) for r, v in zip(self.watch, self.store.multi_get(beats))}
+        return {r: int(self.store.add(k, 0)) for r, k in zip(self.watch, beats)}

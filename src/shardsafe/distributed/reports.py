@@ -6,6 +6,7 @@ import traceback
 from dataclasses import dataclass
 
 from ..errors import ERROR_CLASSES, CheckpointError
+from .phases import Phase
 
 
 @dataclass
@@ -53,10 +54,10 @@ def agreed_error(failures: list[RankFailure], operation: str, *, total: int = 0)
 
 
 def missing_message(
-    operation: str, phase: str, missing: list[int], timeout: float, rank: int, world_size: int
+    operation: str, phase: Phase, missing: list[int], timeout: float, rank: int, world_size: int
 ) -> str:
     ranks = ", ".join(map(str, missing))
-    if phase == "entry":
+    if phase is Phase.ENTRY:
         return (
             f"shardsafe.{operation} must be called on all ranks, but rank(s) {ranks} "
             f"never arrived within entry_timeout={timeout:g}s (this is rank {rank} of "
@@ -64,16 +65,18 @@ def missing_message(
             "`if rank == 0:` block, with the same path. Nothing was written."
         )
     return (
-        f"rank(s) {ranks} did not finish the '{phase}' phase of {operation} within "
+        f"rank(s) {ranks} did not finish the '{phase.value}' phase of {operation} within "
         f"{timeout:g}s (this is rank {rank}); they may have died or hung. "
         "The previous checkpoint is untouched."
     )
 
 
-def dead_message(operation: str, phase: str, dead: list[int], dead_after: float, rank: int) -> str:
+def dead_message(
+    operation: str, phase: Phase, dead: list[int], dead_after: float, rank: int
+) -> str:
     ranks = ", ".join(map(str, dead))
     return (
-        f"rank(s) {ranks} stopped responding during the '{phase}' phase of {operation} (no "
+        f"rank(s) {ranks} stopped responding during the '{phase.value}' phase of {operation} (no "
         f"heartbeat for {dead_after:g}s; this is rank {rank}): they have probably died "
         "(killed, out of memory)."
     )

@@ -1,0 +1,88 @@
+"""What the parts of one coordinated operation share: this rank's line to the others.
+
+The coordinator's jobs (``agreement``: deciding and publishing outcomes; ``lifecycle``:
+entering, heartbeats, closing; ``payloads``: when a payload may go) each read and
+update the same few facts: who this rank is, its connections to the store, and what it
+has learnt of the other ranks (which died, which phase is under way). They are kept
+here, in one object, so that no part holds a copy another part cannot see change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError
+from . import store_keys as keys
+from . import waiting
+from .heartbeat import Heartbeat
+from .phases import Phase
+from .reports import dead_message
+
+
+@dataclass
+class Link:
+    """One operation's view of the ranks: identity, store connections, what it learnt."""
+
+    operation: str
+    rank: int
+    world_size: int
+    timeout: float
+    dead_after: float
+    aftermath: dict[Phase | None, str]
+    """Per phase (``None``: any other), what a rank dying there means for the caller."""
+    store: Any = None
+    """This operation's own connection (a ``CountingStore``), for its blocking waits;
+    ``None`` on a single rank."""
+    beat_store: Any = None
+    """The heartbeat's connection: never blocked by this operation's waits."""
+    alarm: Any = None
+    """A connection other than the one this rank blocks on, for the alarms that end its
+    waits (``waiting.block``); ``None`` where there is only one."""
+    heartbeat: Heartbeat | None = None
+    dead: list[int] = field(default_factory=list)
+    """Ranks this rank's heartbeat watch saw die."""
+    awaiting: str | None = None
+    """The key of rank 0's decision while this rank waits for it (``agreement.part``)."""
+    current: Phase = Phase.ENTRY
+    """The phase under way."""
+    last_posted: Phase | None = None
+    lost: bool = False
+    """The store failed us: this connection is not handed on."""
+
+    def guarded(self, phase: Phase, step: Callable[[], Any], error: Any = None) -> Any:
+        """Run ``step``; a store that went away becomes a :class:`CheckpointError`."""
+        try:
+            return step()
+        except CheckpointError:
+            raise
+        except (RuntimeError, OSError) as lost:  # the store itself is gone
+            self.lost = True
+            if self.heartbeat is not None:  # its next beat would fail too, logged by torch
+                self.heartbeat.stop()
+            raise CheckpointError(
+                f"lost contact with the process group's store during the '{phase.value}' "
+                f"phase of {self.operation} (this is rank {self.rank}): {lost}. Another rank, "
+                "usually rank 0 which hosts the store, has probably exited or crashed."
+            ) from (error or lost)
+
+    def block(self, key: str, timeout: float, ring: Callable[[], Any] | None = None) -> bool:
+        """Wait until ``key`` exists (True) or ``timeout`` seconds pass (False, or True
+        after an alarm created the key: see ``waiting.block``)."""
+        return waiting.block(self.store, key, timeout, self.alarm, ring)
+
+    def posted(self, phase: Phase, rank: int, store: Any = None) -> bool:
+        """Whether ``rank`` has posted ``phase`` (read through ``store``, default this
+        operation's connection)."""
+        store = self.store if store is None else store
+        if any(store.check([k]) for k in (keys.payload(phase, rank), keys.error(phase, rank))):
+            return True
+        progress = keys.progress(rank)
+        return bool(store.check([progress])) and store.get(progress) == phase.value.encode()
+
+    def dead_error(self, phase: Phase, dead: list[int]) -> CheckpointError:
+        """The error for ranks that died during ``phase``, ended by what it means."""
+        what = self.aftermath.get(phase, self.aftermath.get(None, ""))
+        message = dead_message(self.operation, phase, dead, self.dead_after, self.rank)
+        return CheckpointError(f"{message} {what}".rstrip())
