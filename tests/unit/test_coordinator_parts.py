@@ -1,5 +1,6 @@
 """The coordinator by job (issue 28, item 4): its parts stay small, every store key is
-built by ``store_keys``, and a phase's payloads leave the store once read.
+built by ``store_keys``, and a phase's payloads stay in the store until every rank has
+read them, the last phase's too.
 
 Two ranks run in threads over one locked ``FakeStore`` (``group=``): the Coordinator's
 real code, no process group.
@@ -13,8 +14,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import shardsafe
-from shardsafe.distributed import Coordinator, Phase
+from shardsafe.distributed import Coordinator, Phase, agreement
 from shardsafe.distributed import store_keys as keys
 from tests.fake_store import FakeStore
 
@@ -50,6 +53,38 @@ def _run_two_ranks(rank: Any) -> dict[int, Any]:
         t.join(30)
     assert not any(t.is_alive() for t in threads), "a rank hung"
     return results
+
+
+def test_the_last_phases_payloads_stay_until_every_rank_has_read_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 closes before rank 0 reads the last phase's payloads: rank 1's payload is
+    still there for rank 0 (before, rank 1 deleted it as it closed), and rank 0 deletes
+    every rank's once both have closed, so nothing is left behind."""
+    store = _LockedStore()
+    rank1_closed = threading.Event()
+    read = agreement.read_payloads
+
+    def read_late(link: Any, phase: Phase) -> list[Any]:
+        if link.rank == 0:
+            assert rank1_closed.wait(10)
+        return read(link, phase)
+
+    monkeypatch.setattr(agreement, "read_payloads", read_late)
+
+    def rank(r: int) -> list[Any]:
+        coord = Coordinator("tiers", "/t", timeout=10, group=(r, 2, store))
+        coord.enter(10)
+        try:
+            return coord.exchange(Phase.SURVEY, {"from": r}, None)
+        finally:
+            coord.close()
+            if r == 1:
+                rank1_closed.set()
+
+    results = _run_two_ranks(rank)
+    assert results == {0: [{"from": 0}, {"from": 1}], 1: [{"from": 0}, {"from": 1}]}
+    assert [k for k in store.data if "/ok/" in k] == []
 
 
 def test_earlier_payloads_go_once_every_rank_posted_the_next_phase() -> None:

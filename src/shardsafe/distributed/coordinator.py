@@ -23,8 +23,8 @@ waits until all have posted or one has failed. So
 module of its own: ``store_keys`` (every key in the store, built in one place),
 ``agreement`` (publishing an outcome, waiting, deciding the error every rank raises,
 rank 0's decisions), ``lifecycle`` (connections, the entry, heartbeats, withdrawal,
-the acknowledgement at close), ``payloads`` (when a payload may go) and ``link`` (what
-they share). With ``only_rank0_reads`` only rank 0 reads the
+the acknowledgement at close), ``payloads`` (a payload stays until every rank has read
+it) and ``link`` (what they share). With ``only_rank0_reads`` only rank 0 reads the
 payloads; with ``decide`` rank 0 alone turns them into one part per rank (the save
 plan) and each rank reads its own part.
 
@@ -151,7 +151,8 @@ class Coordinator:
         self._life.start_heartbeat()
 
     def close(self) -> None:
-        """Rank 0 stays until the others have seen the last outcome; stop the heartbeat.
+        """Rank 0 stays until the others have seen the last outcome; stop the heartbeat;
+        the last phase's payloads go once every rank has read them.
 
         Call when the operation ends, however it ends.
         """
@@ -161,10 +162,20 @@ class Coordinator:
             # only fail, and torch would log each failure with a C++ stack.
             with contextlib.suppress(Exception):  # the error being raised matters more
                 if not self._link.lost:
-                    self._life.acknowledge()
-                    self._payloads.release_own(self._link.store)
+                    self._release_at_close(self._life.acknowledge())
         self._life.stop_heartbeat()
         self._life.give_back()
+
+    def _release_at_close(self, everyone_closed: bool) -> None:
+        """The keys this rank may delete now: rank 0, once every rank has closed, every
+        rank's last payloads; another rank, only what nobody reads any more."""
+        store = self._link.store
+        if self.rank != 0:
+            self._payloads.release(store)
+        elif everyone_closed:
+            self._payloads.release_everyones(store, self.world_size)
+        else:
+            self._payloads.release_own(store)
 
     @contextlib.contextmanager
     def phase(
@@ -246,7 +257,7 @@ class Coordinator:
             self._payloads.failed(own)
             raise
         # Every rank has posted this phase, so every rank has read the earlier payloads.
-        self._payloads.agreed(own)
+        self._payloads.agreed(phase, own)
         self.release()
         if payload is None or skip_reading:
             return [None] * link.world_size

@@ -7,7 +7,7 @@ once every rank has arrived, each beats until close, rank 0 watching every rank 
 others rank 0. A rank whose entry timed out takes its arrival back (:meth:`withdraw`),
 so that a retry on every rank meets in the same place. Closing: rank 0 stays until
 every rank has seen the last outcome (:meth:`acknowledge`), since it usually hosts the
-store.
+store; then the last phase's payloads go (``payloads``).
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ class Lifecycle:
         self.withdrawn = True
         return True
 
-    def acknowledge(self) -> None:
-        """Rank 0 stays until every rank that posted the last phase has seen its outcome.
+    def acknowledge(self) -> bool:
+        """Rank 0 stays until every rank that posted the last phase has seen its outcome;
+        True once they all have (on the other ranks: once this one has said so).
 
         Rank 0 usually hosts the store: if it returned (and its program exited) while
         another rank was still reading, that rank would crash on a dead socket instead
@@ -133,19 +134,19 @@ class Lifecycle:
         if link.rank != 0:
             if store.add(keys.CLOSED, 1) == link.world_size - 1:
                 store.add(keys.CLOSED_ALL, 1)
-            return
+            return True
         deadline = time.monotonic() + ACK_TIMEOUT_S
         last = link.last_posted or Phase.ENTRY
         exists = False
         while True:
             posted = int(store.add(keys.posted(last), 0))
-            if int(store.add(keys.CLOSED, 0)) >= posted - 1 or link.dead:
-                return
+            if int(store.add(keys.CLOSED, 0)) >= posted - 1:
+                return posted >= link.world_size
             now = time.monotonic()
-            if now > deadline:
-                return
+            if link.dead or now > deadline:
+                return False
             if link.heartbeat is not None and link.heartbeat.dead(now, lambda r: False):
-                return  # a dead rank never acknowledges; its own operation reports it
+                return False  # a dead rank never acknowledges; its own operation reports it
             if exists:  # bumped or created by the alarm, yet not all closed: look again
                 time.sleep(min(deadline - now, BEAT_S / 4))
             else:  # the usual case: the last rank to close bumps closed_all at once
