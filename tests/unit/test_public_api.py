@@ -109,6 +109,8 @@ def test_the_managers_saves_take_one_options_object_or_saves_keywords() -> None:
         hints = typing.get_type_hints(fn)
         assert hints["options"] == SaveOptions | None
         assert hints["keywords"] == Unpack[SaveKeywords]
+    assert not hasattr(shardsafe.CheckpointManager, "save_with")
+    assert not hasattr(shardsafe.CheckpointManager, "async_save_with")
 
 
 def test_load_latest_takes_exactly_loads_options_typed_like_save() -> None:

@@ -184,18 +184,6 @@ class CheckpointManager:
             )
         return SaveOptions.of(options, **keywords)
 
-    def save_with(self, step: int, state: Any, opts: SaveOptions) -> str:
-        """Deprecated: :meth:`save` takes ``opts`` itself. Kept only until the Trainer
-        (``trainer/saving.py``) calls ``save(step, state, opts)``; then removed."""
-        return self.save(step, state, opts)
-
-    def async_save_with(
-        self, step: int, state: Any, opts: SaveOptions, *, overlap: bool = False
-    ) -> SaveHandle:
-        """Deprecated: :meth:`async_save` takes ``opts`` itself. Kept only until the Trainer
-        calls ``async_save(step, state, opts, overlap=True)``; then removed."""
-        return self.async_save(step, state, opts, overlap=overlap)
-
     def wait(self) -> str | None:
         """Wait for this manager's save in flight; return its path (``None`` if none), or
         raise its error."""

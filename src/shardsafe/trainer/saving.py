@@ -42,11 +42,9 @@ class Saving:
     def save(self, step: int, state: dict[str, Any]) -> str | None:
         """Save ``step``; return the newest committed checkpoint, if this call knows one."""
         if not self.config.async_save:
-            return self.manager.save_with(step, state, self.config.save_options)
+            return self.manager.save(step, state, self.config.save_options)
         done = self.manager.wait() if self.pending is not None else None  # one in flight
-        self.pending = self.manager.async_save_with(
-            step, state, self.config.save_options, overlap=True
-        )
+        self.pending = self.manager.async_save(step, state, self.config.save_options, overlap=True)
         return done
 
     def staged(self) -> None:
