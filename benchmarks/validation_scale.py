@@ -100,24 +100,6 @@ def refused(raw: bytes) -> None:
     raise RuntimeError("the manifest was accepted")
 
 
-def wide(n: int) -> dict[str, Any]:
-    """``n`` values, each a tensor of its own (what a very wide state dict gives)."""
-    doc = forge.grid_doc(1, 1)
-    doc["files"] = {SHARD: {"bytes": 16 * n + 4096, "header_crc32": 0}}
-    doc["tensors"] = {
-        f"v{i}": {
-            "dtype": "float32",
-            "shape": [4],
-            "chunks": [
-                {"file": SHARD, "name": f"v{i}", "offsets": [0], "shape": [4], "crc32": [i]}
-            ],
-        }
-        for i in range(n)
-    }
-    doc["values"] = {f"v{i}": {"kind": "value", "meta": {"__tensor__": f"v{i}"}} for i in range(n)}
-    return doc
-
-
 def written(root: Path, name: str, doc: dict[str, Any]) -> str:
     ckpt = root / name
     ckpt.mkdir()
@@ -146,7 +128,7 @@ def measure(repeat: int, root: Path) -> tuple[list[list[str]], list[Target]]:
     along = forge.manifest_bytes(forge.grid_doc(1, 16_000))
     grid = forge.manifest_bytes(forge.grid_doc(125, 128))
     overflow = overflowing_crc_counts()
-    wide_ckpt = written(root, "wide", wide(10_000))
+    wide_ckpt = written(root, "wide", forge.wide_doc(10_000, SHARD))
     half = written(root, "half", forge.grid_doc(1, 6_000, file_per_chunk=True))
     whole = written(root, "whole", forge.grid_doc(1, 12_000, file_per_chunk=True))
     dtype = hostile_dtype(root)

@@ -213,3 +213,22 @@ def grid_doc(
         "values": {"model": {"kind": "module", "meta": {"tensors": ["w"], "extra": {}}}},
         "tensors": {"model/w": {"dtype": "float32", "shape": [4 * rows, cols], "chunks": chunks}},
     }
+
+
+def wide_doc(n: int, shard: str = "shard-00000-of-00001.safetensors") -> dict[str, Any]:
+    """A manifest of ``n`` values, each a 4-element tensor of its own in one data file
+    (what a very wide state dict gives)."""
+    doc = grid_doc(1, 1)
+    doc["files"] = {shard: {"bytes": 16 * n + 4096, "header_crc32": 0}}
+    doc["tensors"] = {
+        f"v{i}": {
+            "dtype": "float32",
+            "shape": [4],
+            "chunks": [
+                {"file": shard, "name": f"v{i}", "offsets": [0], "shape": [4], "crc32": [i]}
+            ],
+        }
+        for i in range(n)
+    }
+    doc["values"] = {f"v{i}": {"kind": "value", "meta": {"__tensor__": f"v{i}"}} for i in range(n)}
+    return doc

@@ -31,19 +31,7 @@ def test_sixteen_thousand_chunks_along_dim_1_and_in_a_2d_grid_parse() -> None:
 
 def test_inspect_of_ten_thousand_values_and_tensors(tmp_path: Path) -> None:
     n = 10_000
-    doc = forge.grid_doc(1, 1)
-    doc["files"] = {SHARD: {"bytes": 16 * n + 4096, "header_crc32": 0}}
-    doc["tensors"] = {
-        f"v{i}": {
-            "dtype": "float32",
-            "shape": [4],
-            "chunks": [
-                {"file": SHARD, "name": f"v{i}", "offsets": [0], "shape": [4], "crc32": [i]}
-            ],
-        }
-        for i in range(n)
-    }
-    doc["values"] = {f"v{i}": {"kind": "value", "meta": {"__tensor__": f"v{i}"}} for i in range(n)}
+    doc = forge.wide_doc(n, SHARD)
     ckpt = tmp_path / "wide"
     ckpt.mkdir()
     forge.write_manifest(ckpt, doc)
