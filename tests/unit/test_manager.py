@@ -99,3 +99,15 @@ def test_keep_last_must_be_positive(keep_last: int) -> None:
 def test_step_must_be_a_non_negative_int(tmp_path: Path, step: object) -> None:
     with pytest.raises(ValueError, match="must be a non-negative int"):
         CheckpointManager(tmp_path).save(step, {"x": 1})  # type: ignore[arg-type]
+
+
+def test_load_latest_refuses_storage_settings_it_would_ignore(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "root")
+    manager.save(1, {"t": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"pass them to CheckpointManager\(root, storage_options"):
+        manager.load_latest({"t": torch.zeros(2)}, storage_options={"anon": True})
+    with pytest.raises(TypeError, match=r"call shardsafe.load\(path, state, storage=\.\.\.\)"):
+        manager.load_latest({"t": torch.zeros(2)}, storage=lambda path: None)  # type: ignore[arg-type]
+    t = torch.zeros(2)
+    manager.load_latest({"t": t})
+    assert torch.equal(t, torch.ones(2))

