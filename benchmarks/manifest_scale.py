@@ -47,8 +47,8 @@ def build(path: str, ranks: int, params: int, version: int = 2) -> int:
     ``path``; its size."""
     import torch
 
-    from shardsafe.checkpoint.manifest import ChunkRecord, Manifest, TensorRecord
-    from shardsafe.checkpoint.save_plan import shard_file_name
+    from shardsafe.checkpoint.format.manifest import ChunkRecord, Manifest, TensorRecord
+    from shardsafe.checkpoint.plan.save_plan import shard_file_name
     from shardsafe.protocol import SavedValue
 
     files = {shard_file_name(r, ranks): 1 << 40 for r in range(ranks)}
@@ -72,7 +72,7 @@ def build(path: str, ranks: int, params: int, version: int = 2) -> int:
 def measure(path: str) -> dict[str, float]:
     """In this (fresh) process: parse time, inspect time, peak extra RSS."""
     import shardsafe
-    from shardsafe.checkpoint.manifest import parse
+    from shardsafe.checkpoint.format.manifest import parse
 
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         raw = f.read()

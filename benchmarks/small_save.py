@@ -39,7 +39,8 @@ TARGET = 1.2
 def instrument(spans: dict[str, float]) -> None:
     """Wrap the parts of a save (in this process) so that each call adds its duration to
     ``spans``."""
-    from shardsafe.checkpoint import saving, storage
+    from shardsafe.checkpoint import saving
+    from shardsafe.checkpoint.storage import protocol as storage
     from shardsafe.distributed import coordinator
 
     def timed(owner: Any, attr: str, label: Callable[..., str]) -> None:

@@ -45,7 +45,7 @@ import shardsafe  # noqa: E402
 from _common import Target, machine, table, verdicts  # noqa: E402
 from _report import Section  # noqa: E402
 from shardsafe import cli  # noqa: E402
-from shardsafe.checkpoint.manifest import parse  # noqa: E402
+from shardsafe.checkpoint.format.manifest import parse  # noqa: E402
 
 SHARD = "shard-00000-of-00001.safetensors"
 

@@ -30,7 +30,7 @@ from torch import nn
 from . import _tree, dtypes
 from .adapters.optimizer import GROUPS
 from .adapters.registry import find_adapter
-from .checkpoint.files import open_named_file
+from .checkpoint.storage.files import open_named_file
 from .distributed import Coordinator, Phase, comm_device, world
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .pickles import load_torch

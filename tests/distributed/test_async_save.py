@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointManager
-from shardsafe.checkpoint.files import create_new
-from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
+from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
+from shardsafe.checkpoint.storage.local import LocalStorage
 from tests.distributed import test_fsdp, zero_setup
 from tests.harness import run_ranks
 
@@ -180,7 +180,7 @@ def test_a_failure_while_planning_at_the_call_is_raised_by_every_handle(tmp_path
 def staging_error_run(rank: int, world: int, root: str) -> dict[str, Any]:
     """Staging fails on rank 1 after the plan was made at the call: the failure is
     agreed in the write phase, and every handle raises it."""
-    from shardsafe.checkpoint.staging import Stager
+    from shardsafe.checkpoint.io.staging import Stager
 
     if rank == 1:
 

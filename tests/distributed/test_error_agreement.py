@@ -32,11 +32,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointManager
-from shardsafe.checkpoint.files import create_new
+from shardsafe.checkpoint.io.reader import CheckpointReader
 from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.options import SaveOptions
-from shardsafe.checkpoint.reader import CheckpointReader
-from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
+from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
+from shardsafe.checkpoint.storage.local import LocalStorage
 from tests.harness import run_ranks
 
 AGREEMENT_S = 10.0

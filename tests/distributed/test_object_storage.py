@@ -153,7 +153,7 @@ BLOCK = 16 << 10
 
 def load_fsdp_counting_gets(rank: int, world: int, url: str, verify: str) -> Any:
     """Load with small read-ahead blocks, recording the bytes fetched from each object."""
-    from shardsafe.checkpoint import object_reader
+    from shardsafe.checkpoint.storage import object_reader
 
     fetched: dict[str, int] = {}
     get, get_parallel = (

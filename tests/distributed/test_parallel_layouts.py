@@ -155,7 +155,7 @@ def _load_pp_counting_reads(rank: int, world: int, path: str) -> tuple[dict[str,
     """A PP stage's load through a storage that records every ranged read it makes."""
     from shardsafe.checkpoint import loading
     from shardsafe.checkpoint.options import LoadOptions
-    from shardsafe.checkpoint.storage import LocalStorage
+    from shardsafe.checkpoint.storage.local import LocalStorage
 
     reads: list[tuple[str, int, int]] = []
 

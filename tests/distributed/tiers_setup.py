@@ -184,7 +184,7 @@ def _die() -> None:
 
 def _arm(point: str, step: int, rank: int) -> None:
     """Make this process kill both ranks at ``point`` of ``step`` (see :data:`DIE_AT`)."""
-    from shardsafe.checkpoint.files import LocalFileSink
+    from shardsafe.checkpoint.storage.files import LocalFileSink
     from shardsafe.tiers import rank_checkpoint, transfer
 
     if point == "write" and rank == 0:

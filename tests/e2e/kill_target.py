@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardsafe
-from shardsafe.checkpoint.files import create_new
-from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
+from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
+from shardsafe.checkpoint.storage.local import LocalStorage
 
 KEEP_LAST = 3
 FIRST_STEP = 1

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from shardsafe.checkpoint.lock import LOCK_NAME
 from shardsafe.checkpoint.manager import step_dir_name
+from shardsafe.checkpoint.storage.lock import LOCK_NAME
 
 RUN = r"""
 import json, os, sys, time

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.checkpoint import crc, reader, safetensors_io
+from shardsafe.checkpoint.format import crc
+from shardsafe.checkpoint.io import reader, safetensors_io
 
 
 def test_accelerated_crc_equals_zlib_including_continuation() -> None:

@@ -111,9 +111,9 @@ def test_gpu_memory_does_not_grow_during_a_load(tmp_path: Path, layout: str, mod
 
 
 def test_cuda_targets_are_filled_through_one_reused_pinned_buffer(tmp_path: Path) -> None:
+    from shardsafe.checkpoint.io.reader import CheckpointReader
     from shardsafe.checkpoint.loading import read_manifest_from
-    from shardsafe.checkpoint.reader import CheckpointReader
-    from shardsafe.checkpoint.storage import LocalStorage
+    from shardsafe.checkpoint.storage.local import LocalStorage
 
     model, _ = _trained("cuda")
     shardsafe.save(tmp_path / "ckpt", {"model": model})
@@ -136,8 +136,8 @@ def test_cuda_targets_are_filled_through_one_reused_pinned_buffer(tmp_path: Path
 
 def test_async_save_stages_into_pinned_host_memory(tmp_path: Path) -> None:
     from shardsafe.checkpoint.background import async_save
+    from shardsafe.checkpoint.io.staging import Stager
     from shardsafe.checkpoint.options import SaveOptions
-    from shardsafe.checkpoint.staging import Stager
 
     model, opt = _trained("cuda")
     stager = Stager()

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from shardsafe.checkpoint.background import async_save
-from shardsafe.checkpoint.direct_writes import DirectWrites
-from shardsafe.checkpoint.files import LocalFileSink, create_new
 from shardsafe.checkpoint.options import SaveOptions
-from shardsafe.checkpoint.storage import LocalStorage
+from shardsafe.checkpoint.storage.direct_writes import DirectWrites
+from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
+from shardsafe.checkpoint.storage.local import LocalStorage
 
 PIECE = 256 << 10
 PAGE = mmap.PAGESIZE

@@ -23,7 +23,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from shardsafe.checkpoint.leftovers import marker_bytes
+from shardsafe.checkpoint.storage.leftovers import marker_bytes
 
 LAYOUTS = ["sharded", "consolidated"]
 

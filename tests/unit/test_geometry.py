@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardsafe.checkpoint import geometry
-from shardsafe.checkpoint.geometry import Box
+from shardsafe.checkpoint.format import geometry
+from shardsafe.checkpoint.format.geometry import Box
 
 _shapes = st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple)
 

@@ -37,10 +37,10 @@ from torch import nn
 
 import shardsafe
 from shardsafe import CheckpointCorruptError, CheckpointError
+from shardsafe.checkpoint.format.manifest import crc_block_count
+from shardsafe.checkpoint.io.reader import CheckpointReader
 from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.checkpoint.manifest import crc_block_count
-from shardsafe.checkpoint.reader import CheckpointReader
-from shardsafe.checkpoint.storage import LocalStorage
+from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.checkpoint.verifying import find_problems
 from tests import forge
 from tests.opens import outside, recorded_opens

@@ -26,9 +26,9 @@ import torch
 
 import shardsafe
 from shardsafe import CheckpointManager
-from shardsafe.checkpoint import leftovers
-from shardsafe.checkpoint.lock import LOCK_NAME
-from shardsafe.checkpoint.object_storage import FsspecStorage
+from shardsafe.checkpoint.storage import leftovers
+from shardsafe.checkpoint.storage.lock import LOCK_NAME
+from shardsafe.checkpoint.storage.object_storage import FsspecStorage
 from shardsafe.converters import convert
 from shardsafe.errors import CheckpointCorruptError
 from shardsafe.trainer.metrics import MetricsLog
@@ -427,6 +427,6 @@ def test_an_object_store_lock_damaged_while_held_stops_the_next_save(
 def test_damaged_lock_errors_are_not_corrupt_checkpoint_errors() -> None:
     """A damaged lock is not a damaged checkpoint: ``load_latest``'s fallback to an older
     checkpoint (which catches CheckpointCorruptError) must never swallow it."""
-    from shardsafe.checkpoint.lock_owner import damaged_lock
+    from shardsafe.checkpoint.storage.lock_owner import damaged_lock
 
     assert not isinstance(damaged_lock("x", "y"), CheckpointCorruptError)

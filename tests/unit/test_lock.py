@@ -23,7 +23,7 @@ import torch
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointManager
-from shardsafe.checkpoint.lock import LOCK_NAME, _start_time
+from shardsafe.checkpoint.storage.lock import LOCK_NAME, _start_time
 
 STATE = {"w": torch.arange(12.0).reshape(3, 4)}
 HOST = socket.gethostname()

@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardsafe.checkpoint import geometry
-from shardsafe.checkpoint.manifest import (
+from shardsafe.checkpoint.format import geometry
+from shardsafe.checkpoint.format.manifest import (
     ChunkRecord,
     Manifest,
     TensorRecord,

@@ -1,4 +1,4 @@
-"""Format version 2: the chunk table (``chunk_table.py``) is hostile input like the rest.
+"""Format version 2: the chunk table (``manifest_table.py``) is hostile input like the rest.
 
 Each defect of ``test_manifest.CASES`` is applied again to the same manifest written as
 version 2 (its chunk table packed by ``tests/forge.py``, independently of the writer), and
@@ -25,14 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardsafe
-from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.checkpoint.manifest import (
+from shardsafe.checkpoint.format.manifest import (
     ChunkRecord,
     Manifest,
     TensorRecord,
     crc_block_count,
     parse,
 )
+from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.verifying import find_problems
 from shardsafe.errors import CheckpointCorruptError
 from shardsafe.protocol import SavedValue
@@ -408,7 +408,7 @@ def test_versions_1_and_2_accept_and_refuse_the_same_arrangements(
 ) -> None:
     """Grids, and grids with one defect (overlaps, holes, chunks outside the tensor, empty
     ones), with 1 to ~150 chunks: version 2's column checks (and its vectorised grid
-    check, from ``chunk_tiling.GRID_VECTOR_MIN`` chunks) decide exactly as version 1's
+    check, from ``table_tiling.GRID_VECTOR_MIN`` chunks) decide exactly as version 1's
     per-record checks."""
     shape, boxes = drawn
     v2 = _one_tensor(shape, boxes)

@@ -24,7 +24,7 @@ from torch import nn
 import shardsafe
 from shardsafe import _names
 from shardsafe.adapters import registry
-from shardsafe.checkpoint.locations import open_storage
+from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.converters import dcp_write, entries, flat_layout
 from shardsafe.converters.api import read_source
 from shardsafe.converters.source import Source

@@ -22,9 +22,13 @@ import torch
 import shardsafe
 from shardsafe import cli
 from shardsafe.checkpoint import loading
-from shardsafe.checkpoint.locations import open_storage
-from shardsafe.checkpoint.object_storage import MAX_PARTS, FsspecStorage, check_object_name
 from shardsafe.checkpoint.options import LoadOptions
+from shardsafe.checkpoint.storage.locations import open_storage
+from shardsafe.checkpoint.storage.object_storage import (
+    MAX_PARTS,
+    FsspecStorage,
+    check_object_name,
+)
 from shardsafe.errors import CheckpointCorruptError, CheckpointError
 from tests import forge
 from tests.harness import run_ranks
@@ -456,7 +460,7 @@ def test_no_spool_in_a_temporary_directory_in_memory(
     s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A spool on tmpfs would hold the rank's state in RAM: the load downloads twice."""
-    from shardsafe.checkpoint.spool import _filesystem_type
+    from shardsafe.checkpoint.storage.spool import _filesystem_type
 
     if _filesystem_type("/dev/shm") != "tmpfs":
         pytest.skip("needs /dev/shm on tmpfs")

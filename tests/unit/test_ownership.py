@@ -14,8 +14,8 @@ from shardsafe.adapters.module import ModuleAdapter
 from shardsafe.adapters.optimizer import match_groups
 from shardsafe.adapters.optimizer_merge import merge_optimizer_metas
 from shardsafe.adapters.values import PER_RANK, StatefulAdapter, merge_per_rank, own_record
-from shardsafe.checkpoint.offer import ChunkOffer, replica_checksum
-from shardsafe.checkpoint.save_plan import plan_save
+from shardsafe.checkpoint.plan.offer import ChunkOffer, replica_checksum
+from shardsafe.checkpoint.plan.save_plan import plan_save
 from shardsafe.errors import CheckpointError, CheckpointMismatchError
 from shardsafe.protocol import LoadContext, SavedValue
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.checkpoint import SaveOptions, placement
-from shardsafe.checkpoint.placement import save_replacing
+from shardsafe.checkpoint import SaveOptions
+from shardsafe.checkpoint.replacing import save_replacing
+from shardsafe.checkpoint.storage import placement
 
 
 def save(path: Path, value: float) -> None:

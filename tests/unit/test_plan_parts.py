@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from shardsafe.checkpoint import plan_parts
-from shardsafe.checkpoint.save_plan import plan_save
+from shardsafe.checkpoint.plan import plan_parts
+from shardsafe.checkpoint.plan.save_plan import plan_save
 from tests.unit.test_planner import offers_of
 
 

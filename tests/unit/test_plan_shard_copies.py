@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardsafe.checkpoint.offer import ChunkOffer
-from shardsafe.checkpoint.save_plan import plan_save
+from shardsafe.checkpoint.plan.offer import ChunkOffer
+from shardsafe.checkpoint.plan.save_plan import plan_save
 from shardsafe.errors import CheckpointError
 
 F32 = torch.float32

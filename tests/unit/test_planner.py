@@ -12,15 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardsafe.checkpoint.offer import ChunkOffer
-from shardsafe.checkpoint.save_plan import (
+from shardsafe.checkpoint.plan.offer import ChunkOffer
+from shardsafe.checkpoint.plan.save_plan import (
     FilePlan,
     SavePlan,
     consolidated_file_name,
     plan_save,
     shard_file_name,
 )
-from shardsafe.checkpoint.transfers import Assemble, LocalBytes, Received, plan_transfers
+from shardsafe.checkpoint.plan.transfers import Assemble, LocalBytes, Received, plan_transfers
 from shardsafe.errors import CheckpointError
 
 F32 = torch.float32

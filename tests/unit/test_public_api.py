@@ -166,7 +166,8 @@ def test_string_options_are_typed_by_one_literal_each_and_checked_at_run_time() 
     """Type checkers see the allowed strings (``Layout``, ``VerifyMode``, ``Format``,
     ``DcpLayout``, each defined once); a wrong string still fails at once, naming them."""
     from shardsafe.checkpoint import Layout, VerifyMode
-    from shardsafe.checkpoint.storage import EntryKind, LocalStorage
+    from shardsafe.checkpoint.storage.local import LocalStorage
+    from shardsafe.checkpoint.storage.protocol import EntryKind
     from shardsafe.converters import DcpLayout, Format
 
     assert typing.get_args(Layout) == ("sharded", "consolidated")

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 import shardsafe
 from shardsafe.checkpoint import saving
-from shardsafe.checkpoint.manifest import ChunkRecord, Manifest, TensorRecord, parse
-from shardsafe.checkpoint.reader import CheckpointReader
-from shardsafe.checkpoint.safetensors_io import StreamWriter, byte_view, memory
-from shardsafe.checkpoint.storage import LocalStorage
+from shardsafe.checkpoint.format.manifest import ChunkRecord, Manifest, TensorRecord, parse
+from shardsafe.checkpoint.format.tensor_bytes import byte_view, memory
+from shardsafe.checkpoint.io.reader import CheckpointReader
+from shardsafe.checkpoint.io.safetensors_io import StreamWriter
+from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.errors import CheckpointCorruptError
 
 BLOCK = 64

@@ -4,7 +4,6 @@ engine and the converters use them without the command line."""
 
 from __future__ import annotations
 
-import ast
 import json
 import shutil
 from pathlib import Path
@@ -179,18 +178,3 @@ def test_verify_and_inspect_on_s3_use_the_storage_options_given(
     s3_server.put(s3_bucket, f"ck/{name}", bytes(raw))
     (problem,) = shardsafe.verify(url, storage_options=options).problems
     assert "checksum mismatch" in problem and name in problem and "'model/" in problem
-
-
-@pytest.mark.parametrize("package", ["checkpoint", "converters"])
-def test_the_engine_and_the_converters_never_import_the_command_line(package: str) -> None:
-    """``commands/`` prints what the library returns; nothing below it may need it."""
-    for file in sorted((SRC / package).rglob("*.py")):
-        for node in ast.walk(ast.parse(file.read_text(), str(file))):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [a.name for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            parts = {part for name in names for part in name.split(".")}
-            assert "commands" not in parts, f"{file.relative_to(SRC)}:{node.lineno}"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe.checkpoint.leftovers import marker_bytes
+from shardsafe.checkpoint.storage.leftovers import marker_bytes
 from shardsafe.distributed import Coordinator
 from tests.fake_store import FakeStore
 

@@ -20,16 +20,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shardsafe.checkpoint.safetensors_io import (
-    BlockCrc,
-    StreamWriter,
-    build_header,
-    byte_view,
-    memory,
-    parse_header,
-    read_header,
-)
-from shardsafe.checkpoint.storage import LocalFileReader, LocalStorage
+from shardsafe.checkpoint.format.crc import BlockCrc
+from shardsafe.checkpoint.format.safetensors_header import build_header, parse_header
+from shardsafe.checkpoint.format.tensor_bytes import byte_view, memory
+from shardsafe.checkpoint.io.safetensors_io import StreamWriter, read_header
+from shardsafe.checkpoint.storage.files import LocalFileReader
+from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.errors import CheckpointCorruptError
 
 

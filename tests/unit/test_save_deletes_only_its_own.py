@@ -23,10 +23,11 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.checkpoint import leftovers
-from shardsafe.checkpoint.object_storage import FsspecFileSink, FsspecStorage
-from shardsafe.checkpoint.storage import LocalFileSink, LocalStorage
-from shardsafe.checkpoint.target_directory import INCOMPLETE_MARKER
+from shardsafe.checkpoint.storage import leftovers
+from shardsafe.checkpoint.storage.files import LocalFileSink
+from shardsafe.checkpoint.storage.local import LocalStorage
+from shardsafe.checkpoint.storage.object_storage import FsspecFileSink, FsspecStorage
+from shardsafe.checkpoint.storage.target_directory import INCOMPLETE_MARKER
 from shardsafe.converters import convert
 from shardsafe.errors import CheckpointError
 from tests.isolated import run_isolated
@@ -319,7 +320,7 @@ def test_a_retention_killed_half_way_leaves_what_the_next_save_clears(tmp_path: 
     step = tmp_path / "step-000000001"
     shardsafe.save(step, {**state(), "more": torch.ones(3)}, layout="consolidated")
     files = sorted(os.listdir(step))
-    from shardsafe.checkpoint.removal import delete_checkpoint
+    from shardsafe.checkpoint.storage.removal import delete_checkpoint
 
     with pytest.raises(_Crash), _RootOfDyingSteps(str(tmp_path)) as root:
         delete_checkpoint(root, step.name)

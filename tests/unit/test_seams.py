@@ -17,9 +17,9 @@ from torch import nn
 import shardsafe
 from shardsafe import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from shardsafe.checkpoint import LoadOptions, SaveHooks, SaveOptions
-from shardsafe.checkpoint.load_plan import plan_load
 from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.checkpoint.offer import ChunkOffer, Offer
+from shardsafe.checkpoint.plan.load_plan import plan_load
+from shardsafe.checkpoint.plan.offer import ChunkOffer, Offer
 from shardsafe.distributed import Coordinator, Phase
 from shardsafe.distributed.heartbeat import Heartbeat
 from shardsafe.protocol import Chunk, SaveItem

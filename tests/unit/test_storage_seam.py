@@ -20,11 +20,12 @@ import torch
 
 import shardsafe
 from shardsafe.checkpoint import loading
-from shardsafe.checkpoint.files import LocalFileSink, create_new
-from shardsafe.checkpoint.lock import LOCK_NAME, RootLock
-from shardsafe.checkpoint.lock_backends import LocalLockBackend, ObjectLockBackend
-from shardsafe.checkpoint.object_storage import FsspecFileSink, FsspecStorage
-from shardsafe.checkpoint.storage import CacheAvoidingSink, LocalStorage, Storage
+from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
+from shardsafe.checkpoint.storage.local import LocalStorage
+from shardsafe.checkpoint.storage.lock import LOCK_NAME, RootLock
+from shardsafe.checkpoint.storage.lock_backends import LocalLockBackend, ObjectLockBackend
+from shardsafe.checkpoint.storage.object_storage import FsspecFileSink, FsspecStorage
+from shardsafe.checkpoint.storage.protocol import CacheAvoidingSink, Storage
 
 SRC = Path(shardsafe.__file__).parent
 STORAGE_MODULES = {"storage.py", "object_storage.py", "locations.py", "lock_backends.py"}

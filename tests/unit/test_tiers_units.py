@@ -18,9 +18,9 @@ from torch import nn
 
 from shardsafe import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from shardsafe.checkpoint import loading
-from shardsafe.checkpoint.collecting import collect
 from shardsafe.checkpoint.options import LoadOptions
-from shardsafe.checkpoint.storage import LocalStorage
+from shardsafe.checkpoint.plan.collecting import collect
+from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose

@@ -1,22 +1,20 @@
 """The checkpoint engine: format, planning, I/O and the save/load phases.
 
-Save and load are mirrors. Modules, save side | load side:
+Four layers under the phases, each importing only those below it (``docs/design.md``
+draws them; ``tests/unit/test_layering.py`` pins them):
 
-* the phases: ``saving`` | ``loading``; public entry points in ``api``, their options in
-  ``options``, the step-directory manager in ``manager``; the read-only reports
-  ``verifying`` and ``inspecting`` (``shardsafe.verify``/``inspect``, which the command
-  line prints), with ``finding`` (the checkpoint a user's path names, or where to look);
-* planning (pure): ``collecting`` + ``offer`` -> ``save_plan`` (+ ``transfers`` for the
-  consolidated layout) | ``load_plan``;
-* bytes: ``writing`` (+ ``consolidate_sender``, ``consolidate_receiver``,
-  ``chunk_bytes``) | ``reader``; both through ``safetensors_io`` and ``storage``
-  (``files``: opening names inside a directory safely);
-* the manifest: ``manifest`` (writes it, builds it, parses it), ``manifest_format``,
-  ``manifest_checks``, ``strict_json``; ``geometry`` for boxes and tilings; ``crc``;
-* the directory a save writes: ``target_directory`` (+ ``leftovers``: what a save may
-  delete, by its marker's record); a root's writer: ``lock`` (the rules, once) over
-  ``lock_backends`` (a hard link on a filesystem, a conditional PUT on an object store;
-  a root's ``Storage.lock_backend()``), + ``lock_owner`` (the owner record it checks).
+* ``format/``: what the bytes mean, checked as hostile input (the manifest, its version-2
+  table, safetensors headers, CRCs, geometry);
+* ``storage/``: bytes in and out of one directory or object-store prefix (the ``Storage``
+  protocol and its capabilities, local files, object stores, locks, removal, placement);
+* ``plan/``: pure decisions (``collecting`` + ``offer`` -> ``save_plan``, ``plan_parts``,
+  ``transfers`` | ``load_plan``);
+* ``io/``: carrying a plan out (``writing``, ``consolidate_*``, ``staging`` | ``reader``,
+  ``in_place``);
+* the phases on top: ``saving`` | ``loading``, ``background`` (a save on a thread),
+  ``manager`` (step directories), ``replacing`` (a save into a taken name), ``streaming``
+  (the converters' writer); ``api`` and ``options`` (the public entry points); the
+  read-only reports ``verifying`` and ``inspecting`` with ``finding``.
 
 Glossary (a tensor piece, stage by stage):
 
@@ -29,10 +27,10 @@ tensor key
 chunk
     a piece of a tensor, placed in the global tensor by offsets. An adapter yields
     :class:`~shardsafe.protocol.Chunk` s (with the tensor); a rank's *offer* describes
-    them (:class:`~shardsafe.checkpoint.offer.ChunkOffer`, shapes only); the *save plan*
-    puts each in a data file (:class:`~shardsafe.checkpoint.save_plan.FileEntry`); the
-    manifest records where it landed (:class:`~shardsafe.checkpoint.manifest.ChunkRecord`,
-    with its CRC32s; format version 2 keeps them all in one *chunk table*, ``chunk_table``);
+    them (:class:`~shardsafe.checkpoint.plan.offer.ChunkOffer`, shapes only); the *save plan*
+    puts each in a data file (:class:`~shardsafe.checkpoint.plan.save_plan.FileEntry`); the
+    manifest records where it landed (:class:`~shardsafe.checkpoint.format.manifest.ChunkRecord`,
+    with its CRC32s; format version 2 keeps them all in one *chunk table*, ``manifest_table``);
     a data file's header describes its bytes (``HeaderEntry``).
 save plan / load plan
     the whole of what a save writes (every data file, which rank writes it, which chunk
@@ -48,7 +46,7 @@ phase
 
 from __future__ import annotations
 
-from .manifest_format import Layout
+from .format.manifest_format import Layout
 from .options import LoadOptions, SaveHooks, SaveOptions, VerifyMode
 
 __all__ = ["Layout", "LoadOptions", "SaveHooks", "SaveOptions", "VerifyMode"]

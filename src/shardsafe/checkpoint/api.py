@@ -13,8 +13,8 @@ from typing import Any
 
 from . import background, loading, saving
 from .background import SaveHandle
+from .format.manifest_format import Layout
 from .loading import read_manifest
-from .manifest_format import Layout
 from .options import (
     LoadOptions,
     SaveHooks,
@@ -67,7 +67,7 @@ def save(
     standard environment: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
 
     ``storage`` (advanced) makes the storage layer for a directory: a subclass of
-    ``shardsafe.checkpoint.storage.LocalStorage``, e.g. to inject faults in tests.
+    ``shardsafe.checkpoint.storage.local.LocalStorage``, e.g. to inject faults in tests.
     ``hooks`` (advanced, :class:`shardsafe.checkpoint.SaveHooks`) runs code on rank 0
     inside the save, its failures agreed like any other (``CheckpointManager`` uses it).
 

@@ -30,9 +30,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from .io.staging import Staged, Stager
 from .options import SaveOptions
 from .saving import SaveRun, begin, persist, plan
-from .staging import Staged, Stager
 
 _LOCK = threading.Lock()
 _IN_FLIGHT: list[SaveHandle] = []

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 
 from ..errors import CheckpointNotFoundError
+from .format.manifest import Manifest
 from .loading import read_manifest_from
-from .locations import is_url
-from .manifest import Manifest
-from .storage import Storage
+from .storage.locations import is_url
+from .storage.protocol import Storage
 
 
 def manifest_at(path: str, storage: Storage) -> Manifest:

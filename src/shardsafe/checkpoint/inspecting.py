@@ -23,11 +23,11 @@ from typing import Any
 from .. import dtypes
 from .._text import natural_key
 from ..protocol import SavedValue
-from .chunk_table import chunk_files
 from .finding import manifest_at
-from .locations import is_url, open_storage
-from .manifest import Manifest, TensorRecord
-from .manifest_format import Layout
+from .format.manifest import Manifest, TensorRecord
+from .format.manifest_format import Layout
+from .format.manifest_table import chunk_files
+from .storage.locations import is_url, open_storage
 
 _SHARD_NAME = re.compile(r"shard-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 

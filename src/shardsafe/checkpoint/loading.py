@@ -30,8 +30,12 @@ import torch
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
-from . import geometry, in_place
-from .load_plan import (
+from .format import geometry
+from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
+from .io import in_place
+from .io.reader import CACHE_PIECE_BYTES, CheckpointReader, box_of
+from .options import LoadOptions
+from .plan.load_plan import (
     LoadPlan,
     guarded,
     no_entry,
@@ -39,12 +43,9 @@ from .load_plan import (
     request_bytes,
     unexpected_everywhere,
 )
-from .locations import open_storage
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
-from .options import LoadOptions
-from .reader import CACHE_PIECE_BYTES, CheckpointReader, box_of
-from .spool import Spool, spool_for
-from .storage import Storage
+from .storage.locations import open_storage
+from .storage.protocol import Storage
+from .storage.spool import Spool, spool_for
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",

@@ -36,9 +36,9 @@ from ..distributed import world
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
-from .locations import is_url, open_storage
-from .lock import RootLock
-from .manifest import MANIFEST_NAME
+from .format.manifest import MANIFEST_NAME
+from .io.reader import CheckpointReader
+from .io.staging import Stager
 from .options import (
     LoadKeywords,
     LoadOptions,
@@ -47,12 +47,12 @@ from .options import (
     SaveOptions,
     storage_factory,
 )
-from .reader import CheckpointReader
-from .removal import delete_checkpoint
 from .saving import save as _save
-from .staging import Stager
-from .storage import Storage
-from .target_directory import INCOMPLETE_MARKER
+from .storage.locations import is_url, open_storage
+from .storage.lock import RootLock
+from .storage.protocol import Storage
+from .storage.removal import delete_checkpoint
+from .storage.target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):
     from typing import Unpack

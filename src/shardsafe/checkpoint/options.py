@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict, get_args
 
-from .locations import open_storage
-from .manifest_format import LAYOUTS, Layout
-from .storage import Storage
+from .format.manifest_format import LAYOUTS, Layout
+from .storage.locations import open_storage
+from .storage.protocol import Storage
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_TIMEOUT_S = 1800.0

@@ -24,15 +24,17 @@ from .._version import __version__
 from ..distributed import Coordinator, Phase
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import Adapter, SavedValue
-from . import plan_parts, target_directory
-from .collecting import Collected, check_state, collect
-from .manifest import MANIFEST_NAME, Manifest, parse
-from .manifest_format import CRC_BLOCK_BYTES
-from .offer import Offer, check_same_entries, chunks_of
+from .format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, TensorRecord, parse
+from .format.manifest_format import CRC_BLOCK_BYTES
+from .io.writing import write_plan
+from .io.written import WriteOptions, WrittenFile, remove_quietly
 from .options import SaveOptions, storage_factory
-from .save_plan import SavePlan, plan_save
-from .storage import Storage
-from .writing import WriteOptions, WrittenFile, remove_quietly, write_plan
+from .plan import plan_parts
+from .plan.collecting import Collected, check_state, collect
+from .plan.offer import Offer, check_same_entries, chunks_of
+from .plan.save_plan import SavePlan, plan_save
+from .storage import target_directory
+from .storage.protocol import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was committed; the previous checkpoint is untouched.",
@@ -266,7 +268,7 @@ def commit(
         "created_unix": time.time(),
         **(extra_info or {}),
     }
-    raw = loadable(Manifest.build(plan, entries, written, info, CRC_BLOCK_BYTES))
+    raw = loadable(manifest_of(plan, entries, written, info, CRC_BLOCK_BYTES))
     # The data files' directory entries must be durable before the manifest that names
     # them is (a power loss must not leave a manifest without its files): each writer's
     # file was finished, so its name is durable (Storage.create; dir_sync.py), before
@@ -288,3 +290,36 @@ def loadable(manifest: Manifest) -> bytes:
             f"refusing to commit a checkpoint that shardsafe could not load back: {e}"
         ) from None
     return raw
+
+
+def manifest_of(
+    plan: SavePlan,
+    values: dict[str, SavedValue],
+    written: list[dict[str, WrittenFile]],
+    info: dict[str, Any],
+    block_bytes: int,
+) -> Manifest:
+    """The manifest of a save: its plan, every entry's merged metadata, and what each
+    rank reports it wrote (file sizes and header CRCs from the writer; tensor CRCs from
+    whichever rank computed them, the writer or a sender)."""
+    files: dict[str, int] = {}
+    header_crcs: dict[str, int] = {}
+    crcs: dict[tuple[str, str], tuple[int, ...]] = {}
+    for per_rank in written:
+        for name, res in per_rank.items():
+            files[name] = max(files.get(name, 0), res["bytes"])
+            if res["header_crc32"] >= 0:
+                header_crcs[name] = res["header_crc32"]
+            crcs.update(((name, t), tuple(v)) for t, v in res["crc"].items())
+    chunks: dict[str, list[ChunkRecord]] = {key: [] for key in plan.tensors}
+    for fplan in plan.files:
+        for e in fplan.entries:
+            record = ChunkRecord(fplan.name, e.name, e.offsets, e.shape, crcs[fplan.name, e.name])
+            chunks[e.key].append(record)
+    tensors = {
+        key: TensorRecord(dtype, shape, tuple(chunks[key]))
+        for key, (dtype, shape) in plan.tensors.items()
+    }
+    return Manifest(
+        plan.layout, plan.world_size, block_bytes, values, tensors, files, info, header_crcs
+    )

@@ -26,18 +26,19 @@ import torch
 from .. import dtypes
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
-from . import target_directory
+from .format.manifest import Manifest
+from .format.manifest_format import CRC_BLOCK_BYTES
+from .format.tensor_bytes import byte_view, memory
+from .io.writing import write_own_files
+from .io.written import WriteOptions
 from .loading import read_manifest_from
-from .manifest import Manifest
-from .manifest_format import CRC_BLOCK_BYTES
-from .offer import ChunkOffer
 from .options import DEFAULT_BUFFER_BYTES
-from .safetensors_io import byte_view, memory
-from .save_plan import plan_save
+from .plan.offer import ChunkOffer
+from .plan.save_plan import plan_save
 from .saving import BACKGROUND_PIECE_BYTES, commit
-from .storage import Storage
+from .storage import target_directory
+from .storage.protocol import Storage
 from .verifying import find_problems
-from .writing import WriteOptions, write_own_files
 
 
 @dataclass(frozen=True)

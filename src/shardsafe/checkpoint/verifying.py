@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from .._text import natural_key, plural
 from .finding import manifest_at
-from .locations import open_storage
+from .storage.locations import open_storage
 
 if TYPE_CHECKING:
-    from .manifest import Manifest
-    from .reader import CheckpointReader
-    from .safetensors_io import HeaderEntry
-    from .storage import Storage
+    from .format.manifest import Manifest
+    from .format.safetensors_header import HeaderEntry
+    from .io.reader import CheckpointReader
+    from .storage.protocol import Storage
 
 _KEYS_SHOWN = 5
 _OUT_OF_MEMORY = "os error 12"
@@ -115,7 +115,7 @@ def find_problems(
     ``notes`` collects what could not be checked here without being a problem with the
     checkpoint (safetensors' own reader unable to map a large file under a memory limit).
     """
-    from .reader import CheckpointReader
+    from .io.reader import CheckpointReader
 
     if isinstance(storage, str):
         with open_storage(storage) as opened:
@@ -152,7 +152,7 @@ def _check_with_safetensors(reader: CheckpointReader, name: str, notes: list[str
     """
     from safetensors import safe_open
 
-    from .safetensors_io import parse_header
+    from .format.safetensors_header import parse_header
 
     raw = reader.header_bytes[name]
     size = reader.manifest.files[name]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._text import human_bytes
-from ..checkpoint.locations import open_storage
+from ..checkpoint.storage.locations import open_storage
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
 from .bounds import check_allocation

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import dtypes
-from ..checkpoint.manifest_format import shape_problem
+from ..checkpoint.format.manifest_format import shape_problem
 from ..errors import CheckpointCorruptError, CheckpointError
 from .source import Source, SourceTensor, Unbacked, one_chunk
 

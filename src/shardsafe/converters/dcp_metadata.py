@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .. import _tree, dtypes
-from ..checkpoint.manifest_format import shape_problem
+from ..checkpoint.format.manifest_format import shape_problem
 from ..errors import CheckpointCorruptError
 from ..pickles import ANY_FIELDS, MAX_PICKLE_BYTES, Policy, calls, scan
 

@@ -21,8 +21,8 @@ from typing import IO, Any, cast
 import torch
 
 from .. import dtypes
-from ..checkpoint.geometry import tiling_problem
-from ..checkpoint.storage import FileReader, Storage
+from ..checkpoint.format.geometry import tiling_problem
+from ..checkpoint.storage.protocol import FileReader, Storage
 from ..errors import CheckpointCorruptError
 from ..pickles import load_torch
 from .bounds import loaded, require_dense

@@ -28,9 +28,9 @@ from typing import IO, Any, cast
 import torch
 
 from .. import dtypes
-from ..checkpoint.crc import crc32
-from ..checkpoint.safetensors_io import byte_view, memory
-from ..checkpoint.storage import FileSink, Storage
+from ..checkpoint.format.crc import crc32
+from ..checkpoint.format.tensor_bytes import byte_view, memory
+from ..checkpoint.storage.protocol import FileSink, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import flat_layout
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata

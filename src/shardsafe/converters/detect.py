@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.finding import where_checkpoints_are
-from ..checkpoint.locations import is_url, local_path, open_storage
-from ..checkpoint.manifest_format import MANIFEST_NAME
-from ..checkpoint.storage import Storage
+from ..checkpoint.format.manifest_format import MANIFEST_NAME
+from ..checkpoint.storage.locations import is_url, local_path, open_storage
+from ..checkpoint.storage.protocol import Storage
 from ..errors import CheckpointNotFoundError
 from .dcp_metadata import METADATA_NAME
 from .hf import INDEX_NAME, SINGLE_NAME

@@ -28,17 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import _names
-from ..checkpoint.safetensors_io import (
-    BlockCrc,
-    HeaderEntry,
-    StreamWriter,
-    build_header,
-    byte_view,
-    memory,
-    read_header,
-)
-from ..checkpoint.storage import FileReader, Storage
-from ..checkpoint.strict_json import load_json_bytes
+from ..checkpoint.format.crc import BlockCrc
+from ..checkpoint.format.safetensors_header import HeaderEntry, build_header
+from ..checkpoint.format.strict_json import load_json_bytes
+from ..checkpoint.format.tensor_bytes import byte_view, memory
+from ..checkpoint.io.safetensors_io import StreamWriter, read_header
+from ..checkpoint.storage.protocol import FileReader, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
 from .dcp_write import refuse_non_empty, remove_if_created

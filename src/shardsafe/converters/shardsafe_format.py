@@ -1,6 +1,6 @@
 """shardsafe checkpoints as a converter's source and destination.
 
-Reading goes through :class:`~shardsafe.checkpoint.reader.CheckpointReader`: byte-range
+Reading goes through :class:`~shardsafe.checkpoint.io.reader.CheckpointReader`: byte-range
 reads, every block CRC-checked, a tensor assembled from the chunks of however many ranks
 wrote it (FSDP2, ZeRO, any world size). Writing goes through
 ``checkpoint.streaming.write_checkpoint``: ``save``'s planner, writer and commit
@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from ..checkpoint.format.manifest import Manifest
+from ..checkpoint.format.safetensors_header import build_header
+from ..checkpoint.io.reader import CheckpointReader
 from ..checkpoint.loading import read_manifest_from
-from ..checkpoint.manifest import Manifest
-from ..checkpoint.offer import ChunkOffer
-from ..checkpoint.reader import CheckpointReader
-from ..checkpoint.safetensors_io import build_header
-from ..checkpoint.save_plan import plan_save
-from ..checkpoint.storage import Storage
+from ..checkpoint.plan.offer import ChunkOffer
+from ..checkpoint.plan.save_plan import plan_save
+from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
 from .source import Source, SourceChunk, SourceTensor
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checkpoint.storage import FileSink
+from ..checkpoint.storage.protocol import FileSink
 
 
 class SinkStream:

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from .. import dtypes
-from ..checkpoint.locations import is_url
-from ..checkpoint.safetensors_io import byte_view, memory
-from ..checkpoint.storage import Storage
+from ..checkpoint.format.tensor_bytes import byte_view, memory
+from ..checkpoint.storage.locations import is_url
+from ..checkpoint.storage.protocol import Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..pickles import load_torch, load_torch_mapped
 from .bounds import loaded, view_span

@@ -2,7 +2,7 @@
 
 Lightning's own removal is ``fs.rm(path, recursive=True)``: whatever is at the path goes.
 Here a checkpoint directory loses only what shardsafe wrote, by the same rules as
-``CheckpointManager``'s retention (:mod:`shardsafe.checkpoint.removal`); a symbolic link
+``CheckpointManager``'s retention (:mod:`shardsafe.checkpoint.storage.removal`); a symbolic link
 (what ``save_last="link"`` makes) is removed itself, never what it points at; anything
 else (a ``.ckpt`` file from before, a directory holding files of yours) is left in place
 with a warning. A failure to delete is a warning too: the new checkpoint is committed by
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-from ..checkpoint.removal import delete_checkpoint, warn
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.storage.local import LocalStorage
+from ..checkpoint.storage.removal import delete_checkpoint, warn
 from ..errors import CheckpointError
 
 

@@ -15,7 +15,7 @@ puts it on ``DDPStrategy`` and ``ModelParallelStrategy``):
 * ``lightning_module_state_dict``: the module's own ``state_dict()`` (no gathering),
   recorded, so that the save can tell whether a hook edited it.
 * ``save_checkpoint``: ``shardsafe.save`` on every rank, replacing a checkpoint of the
-  same name atomically (``last.ckpt``; :mod:`shardsafe.checkpoint.placement`).
+  same name atomically (``last.ckpt``; :mod:`shardsafe.checkpoint.storage.placement`).
 * ``setup``: checks that the checkpoints can be saved (:mod:`.checks`) and makes
   Lightning's gathering agree its errors (:func:`.state.guard_dump`).
 * ``restore_checkpoint_after_setup``/``load_checkpoint``/``load_model_state_dict``/
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.optim import Optimizer
 
-from ..checkpoint.manifest_format import Layout
+from ..checkpoint.format.manifest_format import Layout
 from ..checkpoint.options import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, LoadOptions, SaveOptions
-from ..checkpoint.placement import save_replacing
+from ..checkpoint.replacing import save_replacing
 from ..errors import CheckpointError
 from ..tiers import Restored as TierRestored
 from . import checks, cleanup, restore, state

@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError
 from ..tiers import Restored, TieredCheckpointManager
 from . import restore, state

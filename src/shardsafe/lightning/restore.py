@@ -25,9 +25,9 @@ from torch.optim import Optimizer
 
 from .. import interop
 from ..checkpoint import loading
-from ..checkpoint.manifest import MANIFEST_NAME, Manifest
+from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, optimizer_names
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checkpoint.collecting import Collected
+from ..checkpoint.plan.collecting import Collected
 from ..errors import CheckpointError
 from .topology import Topology
 

@@ -28,10 +28,10 @@ import uuid
 import warnings
 from typing import Any
 
-from ..checkpoint.collecting import check_state, collect
+from ..checkpoint.io.staging import Stager
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadKeywords
-from ..checkpoint.staging import Stager
+from ..checkpoint.plan.collecting import check_state, collect
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError

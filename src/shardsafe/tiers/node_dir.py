@@ -19,12 +19,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..checkpoint.files import check_name, open_directory
+from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import problem_with, step_dir_name, step_of
-from ..checkpoint.manifest import MANIFEST_NAME
-from ..checkpoint.removal import delete_checkpoint
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.storage.files import check_name, open_directory
+from ..checkpoint.storage.local import LocalStorage
+from ..checkpoint.storage.removal import delete_checkpoint
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import rank_checkpoint
 

@@ -25,10 +25,10 @@ from dataclasses import replace
 from typing import Any
 
 from ..adapters.registry import find_adapter
-from ..checkpoint.collecting import Collected
-from ..checkpoint.manifest import ChunkRecord, Manifest, TensorRecord
-from ..checkpoint.manifest_format import shape_problem
-from ..checkpoint.storage import Storage
+from ..checkpoint.format.manifest import ChunkRecord, Manifest, TensorRecord
+from ..checkpoint.format.manifest_format import shape_problem
+from ..checkpoint.plan.collecting import Collected
+from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_unverified
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue

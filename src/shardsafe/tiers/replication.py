@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.collecting import Collected
+from ..checkpoint.plan.collecting import Collected
 from ..errors import CheckpointError
 from . import rank_checkpoint, transfer
 from .node_dir import NodeDir

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import loading
-from ..checkpoint.locations import open_storage
+from ..checkpoint.format.manifest import MANIFEST_NAME
+from ..checkpoint.io.reader import CheckpointReader
 from ..checkpoint.manager import LATEST, CheckpointManager, step_of
-from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.options import LoadKeywords, LoadOptions
-from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.storage.locations import open_storage
 from ..distributed import Phase, world
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from . import rank_checkpoint, recovery, transfer

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
-from ..checkpoint.reader import CheckpointReader
-from ..checkpoint.safetensors_io import memory
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
+from ..checkpoint.format.tensor_bytes import memory
+from ..checkpoint.io.reader import CheckpointReader
+from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError
 from . import rank_checkpoint
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..checkpoint.locations import is_url, scheme
-from ..checkpoint.manifest_format import LAYOUTS, Layout
+from ..checkpoint.format.manifest_format import LAYOUTS, Layout
 from ..checkpoint.options import SaveOptions
+from ..checkpoint.storage.locations import is_url, scheme
 from ..strategies import STRATEGIES
 
 

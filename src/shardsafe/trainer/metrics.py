@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ..checkpoint.strict_json import int_parser, why_not_json
+from ..checkpoint.format.strict_json import int_parser, why_not_json
 from ..errors import CheckpointCorruptError
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..checkpoint.manifest_format import Layout
+from ..checkpoint.format.manifest_format import Layout
 from ..strategies import STRATEGIES
 from .config import TrainerConfig
 from .data import loader_spec

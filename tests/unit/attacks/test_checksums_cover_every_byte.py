@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import shardsafe
 from shardsafe import CheckpointCorruptError
+from shardsafe.checkpoint.format.manifest import parse
 from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.checkpoint.manifest import parse
 from tests import forge
 from tests.unit.attacks.common import (
     CFG,

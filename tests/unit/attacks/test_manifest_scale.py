@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from shardsafe import CheckpointCorruptError
-from shardsafe.checkpoint.manifest import parse
+from shardsafe.checkpoint.format.manifest import parse
 from tests import forge
 from tests.unit.attacks.common import SHARD, run_cli, strict_json
 

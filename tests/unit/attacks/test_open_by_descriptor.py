@@ -13,7 +13,7 @@ import pytest
 import shardsafe
 from shardsafe import CheckpointCorruptError
 from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.checkpoint.storage import LocalStorage
+from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.checkpoint.verifying import find_problems
 from tests.opens import outside, recorded_opens
 from tests.unit.attacks.common import (

@@ -1,0 +1,36 @@
+"""A tensor's bytes as the format stores them: raw, contiguous, in the machine's order.
+
+Views only, never copies: what is written, sent and checksummed is the tensor's own
+memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's bytes (no copy)."""
+    flat = tensor.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return flat.view(torch.uint8)
+
+
+def memory(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy, no numpy).
+
+    The view keeps the tensor alive, so it stays valid however long it is held.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("memory() needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    array._shardsafe_owner = tensor  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")

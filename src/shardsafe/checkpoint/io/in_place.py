@@ -1,0 +1,120 @@
+"""Loading straight into the live tensors the bytes belong in, so a load holds no copy.
+
+Most of what a load reads replaces tensors that already exist: a module's parameters and
+buffers, the state of an optimizer that has stepped. Adapters name them (``targets``);
+:func:`route` keeps those that fit their request exactly (dtype, shape, a real device,
+no overlapping memory) and leaves the rest (a fresh optimizer's state, RNG state,
+plain values) to be read into new tensors, which the objects then adopt. :func:`fill`
+reads each target's box into it, checksums checked piece by piece, and, when a
+checksum fails, says exactly what state the live objects were left in.
+
+The verify modes (``LoadOptions.verify``) differ only in when :func:`fill` runs: with
+``"first"`` every targeted byte has already been read and checked once (``check``), so
+a failure here means the file changed during the load; with ``"inline"`` this is the
+only read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ...adapters import dtensor
+from ...errors import CheckpointCorruptError, CheckpointError
+from ...protocol import ReadRequest
+from ..format.manifest import Manifest
+from ..plan.load_plan import LoadPlan, guarded
+from .reader import CheckpointReader
+
+_NAMED = 3
+"""How many restored keys an error lists by name."""
+
+
+@dataclass
+class Routes:
+    """This rank's requests: those read into new tensors, and those read in place."""
+
+    fresh: list[ReadRequest] = field(default_factory=list)
+    in_place: list[tuple[ReadRequest, torch.Tensor]] = field(default_factory=list)
+
+
+def route(plan: LoadPlan, manifest: Manifest) -> Routes:
+    """Split ``plan``'s requests by whether a live tensor offered for the key fits it."""
+    offered: dict[str, torch.Tensor | None] = {}
+    for item in plan.entries:
+        if item.obj is None:  # a value nobody passed: no live object to fill
+            continue
+        found = guarded(item, "targets", item.adapter.targets, item.obj, item.saved)
+        for key, target in found.items():
+            # Two entries offering different tensors for one key: read it fresh.
+            offered[key] = target if offered.get(key, target) is target else None
+    requests = plan.requests
+    asked = Counter(req.key for req in requests)
+    routes = Routes()
+    for req in requests:
+        target = offered.get(req.key)
+        if target is not None and asked[req.key] == 1 and _fits(target, req, manifest):
+            routes.in_place.append((req, target))
+        else:
+            routes.fresh.append(req)
+    return routes
+
+
+def _fits(target: object, req: ReadRequest, manifest: Manifest) -> bool:
+    """A plain tensor of exactly the box's dtype and shape, whose elements are distinct."""
+    if not isinstance(target, torch.Tensor) or dtensor.is_dtensor(target):
+        return False
+    rec = manifest.tensors[req.key]
+    shape = req.shape if req.shape is not None else rec.shape
+    return (
+        target.dtype == rec.dtype
+        and tuple(target.shape) == tuple(shape)
+        and target.device.type in ("cpu", "cuda")
+        and all(stride != 0 or n <= 1 for stride, n in zip(target.stride(), target.shape))
+    )
+
+
+def fill(
+    reader: CheckpointReader,
+    in_place: Sequence[tuple[ReadRequest, torch.Tensor]],
+    *,
+    verify: str,
+    rank: int,
+) -> None:
+    """Read every box into its target; on a bad byte (or an I/O error), raise saying what
+    was restored."""
+    for done, (req, target) in enumerate(in_place):
+        try:
+            reader.read_into(req.key, req.offsets, req.shape, target)
+        except (CheckpointCorruptError, OSError) as e:
+            keys = [r.key for r, _ in in_place]
+            corrupt = isinstance(e, CheckpointCorruptError)
+            cls = CheckpointCorruptError if corrupt else CheckpointError
+            raise cls(partly_restored(e, verify, rank, keys, done)) from e
+
+
+def partly_restored(
+    error: Exception, verify: str, rank: int, keys: Sequence[str], done: int
+) -> str:
+    """The message for a failure while filling ``keys[done]``, the ones before it filled."""
+    why = (
+        "every byte had passed its checksum before restoring began (verify='first'), so "
+        "the file was modified during the load"
+        if verify == "first"
+        else "with verify='inline' each tensor is copied into its live object as it is read"
+    )
+    named = ", ".join(repr(k) for k in keys[: min(done, _NAMED)])
+    more = f" and {done - _NAMED} more" if done > _NAMED else ""
+    restored = f" ({named}{more})" if done else ""
+    rest = len(keys) - done - 1
+    return (
+        f"{error}. This was found while restoring: {why}. On rank {rank}, {done} of the "
+        f"{len(keys)} tensors loaded in place hold the checkpoint's values{restored}, "
+        f"{keys[done]!r} is partly overwritten, and the other {rest} keep their previous "
+        "values; no object's restore step had run, so everything else (param groups, "
+        "module extra state, RNG, tensors not loaded in place) is unchanged. Load a good "
+        "checkpoint before using these objects."
+    )

@@ -1,0 +1,328 @@
+"""The load plan: for this rank, every state entry to restore and the tensor regions it
+needs, with every mismatch found and the allocation it implies bounded.
+
+Pure: no process group, no I/O; the mirror of ``save_plan.py``. Adapters answer "what
+do you need?" (their :class:`LoadRequests`); the plan checks each request against the
+manifest and each request's size against what live objects bound.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ... import dtypes
+from ...adapters.registry import find_adapter, returning_adapter
+from ...errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ...protocol import Adapter, LoadContext, ReadRequest, SavedValue, param_names
+from ..format.manifest import Manifest, TensorRecord
+
+_SHOWN = 5
+_LISTED = 10
+"""Entry names an error lists when the asked one is not in the checkpoint."""
+_COMPARED_CHARS = 256
+"""Longer entry names are not compared for "did you mean" (a hostile manifest's names
+would make the comparison quadratic in their length)."""
+LIVE_MULTIPLE = 8
+"""Tensors only the checkpoint sizes may take this many times the live tensors' bytes."""
+
+
+@dataclass
+class PlannedEntry:
+    """One state entry to restore: who restores it and what it needs."""
+
+    obj: Any
+    adapter: Adapter
+    saved: SavedValue
+    ctx: LoadContext
+    requests: list[ReadRequest] = field(default_factory=list)
+
+
+@dataclass
+class LoadPlan:
+    """Every entry this rank restores, in order, with the regions each needs."""
+
+    entries: list[PlannedEntry]
+    unexpected: list[str] = field(default_factory=list)
+    """Keys in the checkpoint this rank holds no object for (strict loads, more than one
+    rank). Another rank may hold them (pipeline stages, per-rank experts): the load
+    refuses only those no rank holds (``loading.agree_unexpected``)."""
+    absent: list[str] = field(default_factory=list)
+    """Entries of ``state`` the checkpoint does not have, left as they are (``strict=False``
+    only, and only when some other entry loads): the load warns about each."""
+
+    @property
+    def requests(self) -> list[ReadRequest]:
+        """Each request once: metadata may refer to one tensor any number of times."""
+        return list(dict.fromkeys(req for item in self.entries for req in item.requests))
+
+
+def plan_load(
+    manifest: Manifest,
+    state: Mapping[str, Any],
+    *,
+    strict: bool,
+    rank: int,
+    world_size: int,
+    untrusted_bytes_limit: int,
+) -> LoadPlan:
+    """Plan restoring ``state`` from ``manifest`` on ``rank`` of ``world_size``.
+
+    Raises :class:`CheckpointMismatchError` listing every mismatch, and
+    :class:`CheckpointCorruptError` for metadata an adapter cannot make sense of or a
+    load that would allocate more than live objects bound (see ``_check_allocation``).
+
+    An entry of ``state`` the checkpoint lacks altogether (a misspelled ``"modle"``) is
+    named with the entries the checkpoint has and the closest one. ``strict=False`` does
+    not excuse it when no entry asked for is in the checkpoint: that load would restore
+    nothing, silently; when others are, it is left as it is (``LoadPlan.absent``).
+    """
+    names = param_names(state)
+    saved_tensors = {k: (r.dtype, r.shape) for k, r in manifest.tensors.items()}
+
+    def context(name: str) -> LoadContext:
+        return LoadContext(
+            name=name,
+            rank=rank,
+            world_size=world_size,
+            param_names=names,
+            saved_world_size=manifest.world_size,
+            strict=strict,
+            saved_tensors=saved_tensors,
+        )
+
+    entries = _unasked(manifest, state, context)
+    problems = _Problems([], [], [], known=list(manifest.values))
+    for name, obj in state.items():
+        entry = _asked(name, obj, manifest, context, problems)
+        if entry is not None:
+            entries.append(entry)
+    unexpected: list[str] = []
+    if world_size > 1:  # refused only if no rank holds them (see LoadPlan.unexpected)
+        unexpected, problems.unexpected = problems.unexpected, []
+    absent: list[str] = []
+    if not strict and len(problems.absent) < len(state):  # something else loads
+        absent, problems.absent = problems.absent, []
+    if problems.missing or problems.unexpected or problems.mismatched or problems.absent:
+        raise CheckpointMismatchError(problems.message(strict))
+    plan = LoadPlan(entries, unexpected, absent)
+    _check_allocation(manifest, plan, rank, untrusted_bytes_limit)
+    return plan
+
+
+def _unasked(
+    manifest: Manifest, state: Mapping[str, Any], context: Callable[[str], LoadContext]
+) -> list[PlannedEntry]:
+    """Entries of a kind that load returns (plain values), restored even when not asked."""
+    entries = []
+    for name, saved in manifest.values.items():
+        adapter = returning_adapter(saved.kind)
+        if name in state or adapter is None:
+            continue
+        item = PlannedEntry(None, adapter, saved, context(name))
+        wanted = guarded(item, "plan_load", adapter.plan_load, None, saved)
+        for req in wanted.requests:
+            if req.key not in manifest.tensors:
+                raise CheckpointCorruptError(
+                    f"the manifest's value {name!r} refers to tensor {req.key!r}, "
+                    "which the manifest does not list"
+                )
+        item.requests = wanted.requests
+        entries.append(item)
+    return entries
+
+
+def _asked(
+    name: str,
+    obj: Any,
+    manifest: Manifest,
+    context: Callable[[str], LoadContext],
+    problems: _Problems,
+) -> PlannedEntry | None:
+    """The plan for ``state[name]``, its problems added to ``problems``."""
+    found = manifest.values.get(name)
+    if found is None:
+        problems.absent.append(name)
+        return None
+    adapter = find_adapter(obj, name)
+    if found.kind != adapter.kind:
+        problems.mismatched.append(
+            f"state[{name!r}] was saved as a {found.kind!r} value but is loaded into a "
+            f"{type(obj).__qualname__} ({adapter.kind!r})"
+        )
+        return None
+    item = PlannedEntry(obj, adapter, found, context(name))
+    wanted = guarded(item, "plan_load", adapter.plan_load, obj, found)
+    problems.missing += wanted.missing
+    problems.mismatched += wanted.mismatched
+    if item.ctx.strict:
+        problems.unexpected += wanted.unexpected
+    for req in wanted.requests:
+        issue = _check_request(req, manifest)
+        if issue == "missing":
+            if not req.optional:
+                problems.missing.append(req.key)
+        elif issue:
+            problems.mismatched.append(issue)
+        else:
+            item.requests.append(req)
+    return item
+
+
+def guarded(item: PlannedEntry, step: str, call: Callable[..., Any], *args: Any) -> Any:
+    """Run an adapter's ``plan_load``/``validate``: an unexpected exception there comes from
+    metadata the adapter could not make sense of, so it is corruption, named as such."""
+    try:
+        return call(*args, item.ctx)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointCorruptError(
+            f"the manifest entry for {item.saved.name!r} (a {item.saved.kind!r} value) is "
+            f"malformed: {type(item.adapter).__name__}.{step} failed with "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def unexpected_everywhere(per_rank: list[list[str]], strict: bool) -> None:
+    """Refuse a load whose checkpoint holds keys that no rank holds an object for:
+    ``per_rank[r]`` lists rank ``r``'s unexpected keys, so those are the keys every rank
+    lists."""
+    common = set(per_rank[0]).intersection(*per_rank[1:])
+    if common:
+        keys = [key for key in per_rank[0] if key in common]
+        problems = _Problems([], keys, [], unexpected_title=_HELD_BY_NO_RANK)
+        raise CheckpointMismatchError(problems.message(strict))
+
+
+_HELD_BY_NO_RANK = "unexpected in the checkpoint (held by no rank)"
+
+
+@dataclass
+class _Problems:
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[str]
+    unexpected_title: str = "unexpected in the checkpoint"
+    absent: list[str] = field(default_factory=list)
+    """Entries of the state the checkpoint does not have at all."""
+    known: list[str] = field(default_factory=list)
+    """The checkpoint's entries, to name in place of an absent one."""
+
+    def message(self, strict: bool) -> str:
+        lines = [no_entry(name, self.known) for name in self.absent]
+        for title, keys in (
+            ("missing from the checkpoint", self.missing),
+            (self.unexpected_title, self.unexpected),
+            ("shape/dtype mismatch", self.mismatched),
+        ):
+            if keys:
+                shown = "; ".join(keys[:_SHOWN])
+                more = f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+                lines.append(f"{title} ({len(keys)}): {shown}{more}")
+        if self.absent and not strict:
+            lines.append("strict=False loads what both sides have: here, nothing at all.")
+        elif strict and not self.absent and not self.mismatched:
+            # Only where strict=False would load something: an entry that is not there at
+            # all is a wrong name (or a wrong checkpoint), which strict=False would hide.
+            lines.append("Pass strict=False to load only the keys both sides have.")
+        if len(lines) == 1 and self.absent:  # a misspelled entry alone: one line
+            return lines[0]
+        return "\n  ".join(["the checkpoint does not match the objects being loaded:", *lines])
+
+
+def no_entry(name: str, known: list[str]) -> str:
+    """``the checkpoint has no entry "modle" (it has: "model", "optimizer"); did you
+    mean "model"?``"""
+    shown = ", ".join(_quoted(k) for k in known[:_LISTED])
+    more = f", ... and {len(known) - _LISTED} more" if len(known) > _LISTED else ""
+    has = f"it has: {shown}{more}" if known else "it has no entries"
+    candidates = [k for k in known if len(k) <= _COMPARED_CHARS]
+    close = difflib.get_close_matches(name, candidates, n=1)
+    guess = f"; did you mean {_quoted(close[0])}?" if close else ""
+    return f"the checkpoint has no entry {_quoted(name)} ({has}){guess}"
+
+
+def _quoted(name: str) -> str:
+    """``"name"``, escaped where it holds characters a terminal would not show as they are."""
+    return json.dumps(name, ensure_ascii=not name.isprintable())
+
+
+def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:
+    rec = manifest.tensors.get(req.key)
+    if rec is None:
+        return "missing"
+    saved = f"{dtypes.dtype_name(rec.dtype)}{list(rec.shape)}"
+    dtype = req.dtype or rec.dtype
+    shape = req.global_shape if req.global_shape is not None else rec.shape
+    if dtype != rec.dtype or shape != rec.shape:
+        return f"{req.key}: checkpoint {saved}, live {dtypes.dtype_name(dtype)}{list(shape)}"
+    if req.within is not None and not _fits(rec.shape, req.within, req.factored):
+        return (
+            f"{req.key}: checkpoint {saved}, but it belongs to a live tensor of shape "
+            f"{list(req.within)}: it must be a scalar or shaped like it"
+        )
+    if (
+        req.offsets is not None
+        and req.shape is not None
+        and not (
+            len(req.offsets) == len(req.shape) == len(rec.shape)
+            and all(o + n <= s for o, n, s in zip(req.offsets, req.shape, rec.shape))
+        )
+    ):
+        return f"{req.key}: requested region lies outside the saved shape {list(rec.shape)}"
+    return None
+
+
+def _fits(shape: tuple[int, ...], target: tuple[int, ...], factored: bool) -> bool:
+    """True for a 0-d shape or ``target`` itself; with ``factored`` also ``target`` with
+    some dimensions 1 (``[rows, 1]``, ``[1, cols]``)."""
+    if not shape or shape == target:
+        return True
+    return (
+        factored and len(shape) == len(target) and all(n in (1, m) for n, m in zip(shape, target))
+    )
+
+
+def _check_allocation(manifest: Manifest, plan: LoadPlan, rank: int, limit: int) -> None:
+    """Refuse, before allocating anything, a load whose sizes only the checkpoint vouches for
+    beyond ``limit`` plus :data:`LIVE_MULTIPLE` times the live tensors being filled.
+
+    Tensors checked against a live tensor (module weights, tensors passed in) cannot be
+    larger than it. Everything else (a fresh optimizer's state, returned plain tensors,
+    RNG and scheduler state) takes the size the manifest says: a hostile checkpoint of a
+    few KiB (sparse files) could otherwise make a load allocate terabytes.
+    """
+    live = untrusted = 0
+    largest: list[tuple[int, str]] = []
+    for req in plan.requests:
+        nbytes = request_bytes(manifest.tensors[req.key], req)
+        if req.checked_against_live:
+            live += nbytes
+        else:
+            untrusted += nbytes
+            largest.append((nbytes, req.key))
+    allowed = limit + LIVE_MULTIPLE * live
+    if untrusted > allowed:
+        top = ", ".join(f"{key!r} ({_gib(n)})" for n, key in sorted(largest, reverse=True)[:3])
+        raise CheckpointCorruptError(
+            f"loading this checkpoint would make rank {rank} allocate {_gib(untrusted)} for "
+            f"tensors whose size only the checkpoint gives (largest: {top}), more than the "
+            f"{_gib(allowed)} allowed ({LIVE_MULTIPLE}x the {_gib(live)} of live tensors being "
+            f"loaded, plus untrusted_bytes_limit={limit}). If the checkpoint is trusted, pass "
+            "a larger untrusted_bytes_limit to load()."
+        )
+
+
+def request_bytes(rec: TensorRecord, req: ReadRequest) -> int:
+    """The bytes of tensor ``rec`` that ``req`` reads."""
+    shape = req.shape if req.shape is not None else rec.shape
+    return math.prod(shape) * dtypes.itemsize(rec.dtype)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

@@ -1,0 +1,159 @@
+"""What a rank offers to save: each state entry's kind and metadata, and the shapes of
+the chunks it holds (not their bytes). Every rank posts its offer in the collect phase;
+the save plan is made from all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import dtypes
+from ...errors import CheckpointError
+from ...protocol import JSON, Chunk, SaveItem
+from ..format.crc import crc32
+from ..format.tensor_bytes import memory
+
+
+@dataclass(frozen=True)
+class ChunkOffer:
+    """The shape of a chunk one rank offers; ``index`` is its place in that rank's list."""
+
+    rank: int
+    index: int
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    replicated: bool
+    lowest_rank_wins: bool = False
+    checksum: int | None = None
+    """CRC32 of this rank's copy of the chunk, with ``verify_replicas`` (or
+    ``Chunk.always_verify``)."""
+    copies_allowed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        raw = {
+            "key": self.key,
+            "dtype": dtypes.dtype_name(self.dtype),
+            "global_shape": list(self.global_shape),
+            "offsets": list(self.offsets),
+            "shape": list(self.shape),
+            "replicated": self.replicated,
+        }
+        if self.lowest_rank_wins:
+            raw["lowest"] = True
+        if self.checksum is not None:
+            raw["crc"] = self.checksum
+        if self.copies_allowed:
+            raw["copies"] = True
+        return raw
+
+    @staticmethod
+    def from_json(rank: int, index: int, raw: dict[str, Any]) -> ChunkOffer:
+        dtype = dtypes.from_name(raw["dtype"])
+        assert dtype is not None
+        return ChunkOffer(
+            rank,
+            index,
+            raw["key"],
+            dtype,
+            tuple(raw["global_shape"]),
+            tuple(raw["offsets"]),
+            tuple(raw["shape"]),
+            bool(raw["replicated"]),
+            bool(raw.get("lowest", False)),
+            raw.get("crc"),
+            bool(raw.get("copies", False)),
+        )
+
+
+@dataclass(frozen=True)
+class OfferedEntry:
+    """One state entry as one rank saw it."""
+
+    kind: str
+    meta: JSON
+
+
+@dataclass
+class Offer:
+    """Everything one rank offers, in the form that travels between ranks (JSON)."""
+
+    rank: int
+    entries: dict[str, OfferedEntry]
+    chunks: list[ChunkOffer]
+
+    @staticmethod
+    def of(rank: int, items: dict[str, SaveItem], *, checksums: bool = False) -> Offer:
+        """This rank's offer; with ``checksums``, the CRC32 of each chunk's bytes but
+        buffers' (``verify_replicas``), which costs one read of those bytes."""
+        entries = {name: OfferedEntry(item.kind, item.meta) for name, item in items.items()}
+        chunks = [
+            ChunkOffer(
+                rank, i, c.key, c.tensor.dtype, c.global_shape, c.offsets, tuple(c.tensor.shape),
+                c.replicated, c.lowest_rank_wins,
+                replica_checksum(c.tensor)
+                if (checksums and _compared(c)) or c.always_verify
+                else None,
+                c.copies_allowed,
+            )
+            for i, c in enumerate(chunks_of(items))
+        ]  # fmt: skip
+        return Offer(rank, entries, chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entries": {n: {"kind": e.kind, "meta": e.meta} for n, e in self.entries.items()},
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+
+    @staticmethod
+    def from_json(rank: int, raw: dict[str, Any]) -> Offer:
+        entries = {n: OfferedEntry(e["kind"], e["meta"]) for n, e in raw["entries"].items()}
+        chunks = [ChunkOffer.from_json(rank, i, c) for i, c in enumerate(raw["chunks"])]
+        return Offer(rank, entries, chunks)
+
+
+def _compared(chunk: Chunk) -> bool:
+    """Whether ``verify_replicas`` compares this chunk's copies across ranks: every chunk
+    but a buffer's, since other ranks may hold copies of a shard too (``copies_of``)."""
+    return not chunk.lowest_rank_wins
+
+
+def replica_checksum(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes in row-major order, wherever it lives."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return crc32(memory(flat.contiguous()), 0)
+
+
+def chunks_of(items: dict[str, SaveItem]) -> list[Chunk]:
+    """This rank's chunks in offer order (a chunk offer's ``index`` is its place here)."""
+    return [c for item in items.values() for c in item.chunks]
+
+
+def check_same_entries(offers: list[Offer], names: list[str], rank: int) -> None:
+    """Every rank must save the same state keys, each of the same kind; say which differ."""
+    for offer in offers:
+        if sorted(offer.entries) != sorted(names):
+            raise CheckpointError(
+                f"rank {offer.rank} saved state keys {sorted(offer.entries)}, rank "
+                f"{rank} {sorted(names)}; every rank must pass the same keys"
+            )
+    for name in names:
+        kinds = {offer.entries[name].kind for offer in offers}
+        if len(kinds) > 1:
+            raise CheckpointError(
+                f"state[{name!r}] is saved as different kinds of value on different ranks "
+                f"({', '.join(sorted(kinds))}); every rank must pass the same kind of object"
+            )

@@ -1,0 +1,76 @@
+"""Where a checkpoint path points: a local directory or an object-store URL.
+
+A path with a scheme (``s3://bucket/run``, ``gs://...``, ``memory://...``) is never
+treated as a local path (``s3:`` would otherwise become a directory in the working
+directory, silently). URLs go to :class:`~.object_storage.FsspecStorage`, which needs the
+``s3`` extra; without it, the error says which package to install. ``file://`` URLs are
+local paths and keep every guarantee of :class:`~.storage.LocalStorage`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import CheckpointError
+from .local import LocalStorage
+from .protocol import Storage
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+INSTALL_HINT = 'pip install "shardsafe[s3]"'
+
+
+def scheme(path: str | os.PathLike[str]) -> str | None:
+    """The URL scheme of ``path`` (``"s3"``), or ``None`` for a local path."""
+    found = _URL.match(os.fspath(path))
+    return found.group(1).lower() if found else None
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for an object-store URL (anything with a scheme except ``file://``)."""
+    return scheme(path) not in (None, "file")
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a local path (``file://`` stripped); refuses an object-store URL."""
+    text = os.fspath(path)
+    if scheme(text) == "file":
+        return text[len("file://") :] or "/"
+    if is_url(text):
+        raise CheckpointError(f"{text} is a URL, not a local path")
+    return text
+
+
+def open_storage(
+    path: str | os.PathLike[str],
+    *,
+    follow: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Storage:
+    """The storage of the checkpoint at ``path``: local directory or object-store prefix."""
+    text = os.fspath(path)
+    if not is_url(text):
+        if storage_options:
+            raise ValueError(
+                f"storage_options were given for {text!r}, which is a local path; they "
+                "apply to object-store URLs (s3://..., gs://...) only"
+            )
+        return LocalStorage(local_path(text), follow=follow)
+    try:
+        from .object_storage import FsspecStorage
+
+        return FsspecStorage(text, follow=follow, storage_options=storage_options)
+    except ImportError as e:
+        hint = 'pip install "shardsafe[gcs]"' if scheme(text) == "gs" else INSTALL_HINT
+        raise CheckpointError(
+            f"{text} is an object-store URL, which needs fsspec and the store's driver "
+            f"(s3fs for s3://, gcsfs for gs://): {hint} ({e})"
+        ) from None
+    except ValueError as e:
+        if "not known" in str(e) or "protocol" in str(e).lower():
+            raise CheckpointError(
+                f"{text}: fsspec does not know the scheme {scheme(text)!r} ({e})"
+            ) from None
+        raise

@@ -1,0 +1,183 @@
+"""One writer per checkpoint root: ``root/.shardsafe.lock``, on a filesystem or an object store.
+
+Two runs saving into the same root would interleave step directories, and each run's
+retention would delete the other's checkpoints. The first run to save creates the lock
+holding its pid, host and process start time (atomically: exactly one run wins); the
+lock lasts as long as the process. A later run on the same host takes over a lock whose
+process is gone (killed, crashed); on another host it cannot tell, so it refuses and
+says which file to delete once the other run is known to be dead. A lock that names no
+valid owner (damaged or forged: ``lock_owner.py`` checks every field) is never taken over
+either: the save stops with an error naming the file and saying what is wrong with it.
+
+These rules are :class:`RootLock`'s, written once. What differs between media is only
+how a lock file is created, replaced and aged atomically: the root's
+``Storage.lock_backend()`` (``lock_backends.py``: a hard link on a filesystem, a
+conditional PUT on an object store) does that, and says what its medium guarantees.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import CheckpointError
+from .lock_backends import LockBackend
+from .lock_owner import read_owner
+from .protocol import Storage
+
+LOCK_NAME = ".shardsafe.lock"
+_UNWRITTEN_GRACE_S = 10.0
+_CLAIM_LEFT_S = 60.0
+"""A lock claim (a private file not yet linked into place) older than this was left by a
+run killed between writing it and linking it."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (guards against pid reuse), if readable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    started = owner.get("started")
+    return started is None or _start_time(pid) in (None, started)
+
+
+class RootLock:
+    """The lock on one root (opened by ``open_root``), held by this process once
+    :meth:`acquire` returns."""
+
+    def __init__(self, open_root: Callable[[], Storage]) -> None:
+        self._open_root = open_root
+        self.me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": _start_time(os.getpid()),
+            "token": uuid.uuid4().hex,
+            "since": time.time(),
+        }
+        self.held = False
+        self.conditional: bool | None = None
+        """Whether the medium's create was atomic (known after ``acquire``): False where a
+        store has no conditional create and the lock was checked, then written."""
+        self._recheck = False
+        """Whether every later save re-reads the lock (see :meth:`_confirm`)."""
+
+    def acquire(self) -> None:
+        """Own the root (before each save's first write): take the lock the first time;
+        on a medium that may not keep it exclusive, check at every later save that it
+        still names this run."""
+        if self.held:
+            if self._recheck:
+                self._confirm()
+            return
+        with self._open_root() as root:
+            backend = root.lock_backend()
+            raw = json.dumps(self.me).encode()
+            if not self._create(root, backend, raw):
+                self._take_over_or_refuse(root, backend, raw)
+            self._recheck = not backend.holds_exclusive
+        self.held = True
+        atexit.register(self.release)
+
+    def _create(self, root: Storage, backend: LockBackend, raw: bytes) -> bool:
+        created = backend.create(LOCK_NAME, raw)
+        self.conditional = backend.conditional
+        if created and not backend.conditional:  # checked, then written: a race may
+            return self._owner(root, backend).get("token") == self.me["token"]  # be lost
+        return created
+
+    def _take_over_or_refuse(self, root: Storage, backend: LockBackend, raw: bytes) -> None:
+        owner = self._owner(root, backend)
+        if not owner and backend.empty_is_unwritten and backend.age(LOCK_NAME) > _UNWRITTEN_GRACE_S:
+            owner = {"host": self.me["host"]}  # a writer died between create and write
+        same_host = owner.get("host") == self.me["host"]
+        if same_host and owner.get("pid") == self.me["pid"]:
+            return  # this process already owns the root (another manager object)
+        if same_host and not _alive(owner):
+            backend.replace(LOCK_NAME, raw)
+            if self._owner(root, backend).get("token") == self.me["token"]:
+                return
+            owner = self._owner(root, backend)  # lost a race with another process taking over
+        raise self._taken(root, backend, owner)
+
+    def _taken(self, root: Storage, backend: LockBackend, owner: dict[str, Any]) -> CheckpointError:
+        """The error for a root another run owns: who, since when, and what to do."""
+        where = root.where(LOCK_NAME)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
+        host = "this host" if owner.get("host") == self.me["host"] else f"host {owner.get('host')}"
+        who = f"pid {owner.get('pid')} on {host}, since {since}"
+        if not owner:  # created moments ago by a run that has not written its name yet
+            who = f"its lock file is empty or unreadable, {backend.age(LOCK_NAME):.0f}s old"
+        return CheckpointError(
+            f"{os.path.dirname(where)} is being written by another run ({who}). "
+            "Two runs saving into one root "
+            "would interleave checkpoints and delete each other's. Use another root or stop "
+            f"the other run; if it is already gone, delete {where}."
+        )
+
+    def _confirm(self) -> None:
+        """Refuse to go on if the lock no longer names this run: a store that ignores
+        conditional creates let another run overwrite it, or someone replaced or deleted
+        it. Detection, not prevention (the other run may have saved already), but it
+        stops this run before it writes over, or retention deletes, the other's
+        checkpoints. One small read per save."""
+        with self._open_root() as root:
+            owner = self._owner(root, root.lock_backend())
+            if owner.get("token") == self.me["token"]:
+                return
+            self.held = False
+            who = (
+                f"another run (pid {owner.get('pid')} on host {owner.get('host')})"
+                if owner
+                else "nobody: it was deleted"
+            )
+            raise CheckpointError(
+                f"the lock {root.where(LOCK_NAME)} this run took at its first save now names "
+                f"{who}. The store did not keep it exclusive (some S3-compatible stores, "
+                "and GCS emulators, ignore conditional creates), or it was replaced by hand. "
+                "Two runs saving into one root interleave checkpoints and delete each "
+                "other's: stop one, and give each run its own root."
+            )
+
+    def _owner(self, root: Storage, backend: LockBackend) -> dict[str, Any]:
+        """Who the lock names, every field checked (``lock_owner``); ``{}`` if there is
+        none (or, where the medium may leave one, an empty one). A damaged lock (or a
+        symlink, FIFO: never opened) raises."""
+        where = root.where(LOCK_NAME)
+        return read_owner(root, LOCK_NAME, where, empty_ok=backend.empty_is_unwritten)
+
+    def is_stale_claim(self, root: Storage, name: str) -> bool:
+        """Whether ``name`` in ``root`` is a lock claim left by a run killed before it
+        took the lock (the manager removes it)."""
+        if not name.startswith(f"{LOCK_NAME}."):
+            return False
+        return root.lock_backend().claim_left_behind(name, _CLAIM_LEFT_S)
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        # At exit too: a lock damaged or replaced since is not this run's to remove.
+        with contextlib.suppress(Exception), self._open_root() as root:
+            if self._owner(root, root.lock_backend()).get("token") == self.me["token"]:
+                root.remove(LOCK_NAME)

@@ -1,0 +1,335 @@
+"""A checkpoint under an fsspec URL (``s3://``, ``gs://``, ``memory://``): the object-store
+backend of the ``Storage`` protocol (see ``storage.py``). Nothing here knows about tensors.
+
+Object stores have no rename and no directories, but a single PUT is atomic, which is all
+the manifest-last commit needs: data objects are streamed first (s3fs turns a file opened
+for writing into a multipart upload of ``part_bytes`` parts, so a rank holds about two
+parts whatever the object's size), and ``manifest.json`` is written last in one PUT. An
+upload that fails is aborted, so no half object becomes visible.
+
+Every name is checked by ``files.check_name`` plus the characters some stores or fsspec
+give a meaning to (``?``, ``#``, ``*``, ``[``, ``\\``), so no name, from a hostile manifest
+or anywhere else, addresses an object outside this checkpoint's prefix.
+
+Listings and metadata are read with fsspec's caches invalidated first: other ranks and
+other processes write the same prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .files import check_name
+from .lock_backends import ObjectLockBackend
+from .object_reader import FsspecFileReader, ReadBudget
+from .protocol import EntryKind
+
+DEFAULT_PART_BYTES = 8 << 20
+"""Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
+N}`` sets another. An object too large for 10,000 parts of it gets larger parts."""
+MAX_PARTS = 10_000
+"""S3's limit on the parts of one multipart upload."""
+_UNSAFE = frozenset("?#*[]\\")
+
+_ENV_ENDPOINT = "AWS_ENDPOINT_URL"
+
+
+def check_object_name(name: str) -> str:
+    """``name`` if it is a plain file name with no character a store or fsspec interprets."""
+    check_name(name)
+    if _UNSAFE.intersection(name) or any(ord(c) < 32 for c in name):
+        raise CheckpointCorruptError(
+            f"refusing object name {name!r}: not a plain file name inside the checkpoint"
+        )
+    return name
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path inside it.
+
+    For ``s3://`` the standard environment applies (botocore reads the keys and region);
+    ``AWS_ENDPOINT_URL`` is passed to s3fs explicitly, since older botocore ignores it.
+    """
+    import fsspec.core
+
+    options = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")) and os.environ.get(_ENV_ENDPOINT):
+        client = dict(options.get("client_kwargs") or {})
+        if "endpoint_url" not in options and "endpoint_url" not in client:
+            client["endpoint_url"] = os.environ[_ENV_ENDPOINT]
+            options["client_kwargs"] = client
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs, path
+
+
+class FsspecFileSink:
+    """A new object streamed front to back; visible only once :meth:`finish` returns."""
+
+    def __init__(self, fs: Any, path: str, where: str, part_bytes: int) -> None:
+        self.path = where
+        self._fs, self._key = fs, path
+        self._file: Any = fs.open(path, "wb", block_size=part_bytes)
+        self._part = part_bytes
+        self.written = 0
+
+    def write(self, data: memoryview) -> None:
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        # In part-sized slices, so that the file's buffer never holds more than about two
+        # parts whatever the size of one write.
+        for start in range(0, view.nbytes, self._part):
+            self._file.write(view[start : start + self._part])
+        self.written += view.nbytes
+
+    def finish(self) -> int:
+        try:
+            self._file.close()  # completes the multipart upload (or the single PUT)
+        except BaseException:
+            self.abort()
+            raise
+        self._file = None
+        return self.written
+
+    def abort(self) -> None:
+        if self._file is None:
+            return
+        file, self._file = self._file, None
+        with contextlib.suppress(Exception):
+            discard = getattr(file, "discard", None)
+            if discard is not None:
+                discard()  # s3fs: aborts the multipart upload
+            file.closed = True  # so that its finaliser does not try to complete it
+        with contextlib.suppress(Exception):
+            if self._fs.exists(self._key):  # a store that shows objects while written
+                self._fs.rm_file(self._key)
+
+
+class FsspecStorage:
+    """A checkpoint "directory" that is a prefix in an fsspec filesystem (see module doc).
+
+    ``follow`` is accepted for the ``StorageFactory`` signature; object stores have no links.
+    """
+
+    cheap_rereads = False
+    """A second read is a second download (``load`` keeps the first in a spool)."""
+    cheap_metadata = False
+    """Every name made, listed or removed is a request to the server."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        follow: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        fs: Any = None,
+    ) -> None:
+        self.directory = url.rstrip("/")
+        self.follow = follow
+        self.storage_options = dict(storage_options or {})
+        if fs is None:
+            fs, path = filesystem(self.directory, self.storage_options)
+        else:
+            path = fs._strip_protocol(self.directory)
+        self.fs, self.path = fs, path.rstrip("/")
+        self._budget = ReadBudget()  # one reader at a time holds read-ahead blocks
+        self._part = int(self.storage_options.get("default_block_size", DEFAULT_PART_BYTES))
+
+    def _key(self, name: str) -> str:
+        return f"{self.path}/{check_object_name(name)}"
+
+    def _fresh(self, path: str | None = None) -> None:
+        self.fs.invalidate_cache(path or self.path)
+
+    # -- the directory itself
+
+    def is_directory(self) -> bool:
+        self._fresh()
+        try:
+            return bool(self.fs.isdir(self.path))
+        except FileNotFoundError:
+            return False
+
+    def require_directory(self) -> None:
+        if not self.is_directory():
+            raise CheckpointNotFoundError(f"{self.directory} does not exist")
+
+    def make_directory(self) -> None:
+        """Object stores need none; filesystems with directories (``memory://``) do."""
+        with contextlib.suppress(FileExistsError):
+            self.fs.makedirs(self.path, exist_ok=True)
+
+    def remove_directory(self) -> None:
+        """Remove the (empty) prefix where directories exist; never a bucket."""
+        if "/" not in self.path.strip("/"):
+            return
+        with contextlib.suppress(Exception):
+            self.fs.rmdir(self.path)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> FsspecStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def where(self, name: str) -> str:
+        return f"{self.directory}/{name}"
+
+    # -- writing
+
+    def part_bytes(self, size_hint: int) -> int:
+        """The configured part size, or the smallest whole MiB that fits ``size_hint``
+        bytes into S3's 10,000 parts (with room for the header): memory stays about two
+        parts, and a part is never larger than an object of that size needs."""
+        needed = -(-max(size_hint, 0) * 101 // 100 // MAX_PARTS)
+        return max(self._part, -(-needed // (1 << 20)) << 20)
+
+    def create(self, name: str, size_hint: int = 0) -> FsspecFileSink:
+        if self.exists(name):
+            raise CheckpointError(
+                f"{self.where(name)} appeared while the checkpoint was being written; "
+                "shardsafe never writes over an object it did not create"
+            )
+        part = self.part_bytes(size_hint)
+        return FsspecFileSink(self.fs, self._key(name), self.where(name), part)
+
+    def commit(self, name: str, data: bytes) -> None:
+        """Write ``data`` under ``name`` in one PUT: atomic on object stores."""
+        self.fs.pipe_file(self._key(name), bytes(data))
+        self._fresh()
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Write ``name`` only if it does not exist (S3's ``If-None-Match: *``), atomically.
+
+        Returns False if it existed. Raises ``NotImplementedError`` where the filesystem
+        has no conditional create.
+        """
+        try:
+            self.fs.pipe_file(self._key(name), bytes(data), mode="create")
+        except FileExistsError:
+            return False
+        except TypeError as e:
+            raise NotImplementedError(f"{type(self.fs).__name__} has no conditional create") from e
+        finally:
+            self._fresh()
+        return True
+
+    def abort_pending_uploads(self) -> int:
+        """Abort multipart uploads left under this prefix by a killed save (S3 only): they
+        are invisible in listings but billed. Called before a save writes, when every
+        upload under the prefix is stale. Returns how many were aborted."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None or "/" not in self.path:
+            return 0
+        bucket, prefix = self.path.split("/", 1)
+        aborted = 0
+        with contextlib.suppress(Exception):
+            found = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+            for upload in found.get("Uploads", []):
+                call(
+                    "abort_multipart_upload",
+                    Bucket=bucket,
+                    Key=upload["Key"],
+                    UploadId=upload["UploadId"],
+                )
+                aborted += 1
+        return aborted
+
+    def sync_directory(self) -> None:
+        """Nothing to do: an object is durable once its upload completed."""
+
+    def remove(self, name: str) -> None:
+        kind = self.kind(name)
+        if kind is None:
+            return
+        if kind == "directory":
+            raise CheckpointError(
+                f"{self.where(name)} is a directory (a prefix with objects under it), which "
+                "shardsafe did not create; it is left in place"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._key(name))
+        self._fresh()
+
+    def touch(self, name: str) -> None:
+        kind = self.kind(name)
+        if kind is None:
+            self.fs.pipe_file(self._key(name), b"")
+            self._fresh()
+        elif kind != "file":
+            raise CheckpointCorruptError(f"{self.where(name)} exists and is not an object")
+
+    def names(self) -> list[str]:
+        self._fresh()
+        try:
+            entries = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return []
+        found = set()
+        for entry in entries:
+            full = str(entry["name"]).rstrip("/")
+            base = full.rsplit("/", 1)[-1]
+            if full.strip("/") != self.path.strip("/") and base:
+                found.add(base)
+        return sorted(found)
+
+    # -- reading
+
+    def _info(self, name: str) -> dict[str, Any] | None:
+        key = self._key(name)
+        self._fresh(key)
+        try:
+            info: dict[str, Any] = self.fs.info(key)
+            return info
+        except FileNotFoundError:
+            return None
+
+    def kind(self, name: str) -> EntryKind | None:
+        info = self._info(name)
+        if info is None:
+            return None
+        return "directory" if info.get("type") == "directory" else "file"
+
+    def describe(self, name: str) -> str:
+        kind = self.kind(name)
+        return {"file": "an object", "directory": "a prefix"}.get(kind or "", "missing")
+
+    def exists(self, name: str) -> bool:
+        return self.kind(name) is not None
+
+    def open_reader(self, name: str) -> FsspecFileReader:
+        info = self._info(name)
+        if info is None:
+            raise CheckpointCorruptError(f"data object {self.where(name)} is missing")
+        if info.get("type") == "directory":
+            raise CheckpointCorruptError(f"{self.where(name)} is a prefix, not an object")
+        return FsspecFileReader(self.fs, self._key(name), int(info["size"]), name, self._budget)
+
+    def read_small(self, name: str, limit: int) -> bytes:
+        reader = self.open_reader(name)
+        if reader.size > limit:
+            raise CheckpointCorruptError(f"{name} is {reader.size} bytes, over the {limit} limit")
+        out = bytearray(reader.size)
+        reader.read_into(0, memoryview(out))
+        return bytes(out)
+
+    def child(self, name: str) -> FsspecStorage:
+        return FsspecStorage(
+            self.where(check_object_name(name)),
+            storage_options=self.storage_options,
+            fs=self.fs,
+        )
+
+    def remove_child(self, name: str) -> None:
+        """A prefix goes with its last object; where directories exist, remove it."""
+        self.child(name).remove_directory()
+
+    def lock_backend(self) -> ObjectLockBackend:
+        """The lock as an object, created conditionally where the store can
+        (``lock_backends.py``)."""
+        return ObjectLockBackend(self)

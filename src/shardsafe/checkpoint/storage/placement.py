@@ -1,0 +1,197 @@
+"""Saving under a name that may already hold a checkpoint: stage, commit, then swap in.
+
+``shardsafe.save`` never overwrites a committed checkpoint, yet some callers must reuse a
+name: PyTorch Lightning writes ``last.ckpt`` again at every save, and
+``trainer.save_checkpoint(path)`` overwrites ``path``. So the save (``replacing.py``,
+which runs it) goes to a hidden
+staging directory next to the target, ``.<name>.shardsafe-partial``, is committed there
+(manifest last), and only then takes the target's name:
+
+* with no checkpoint under the name, by one ``rename``;
+* over an older checkpoint, by an atomic exchange of the two names (Linux
+  ``renameat2(RENAME_EXCHANGE)``), so the name always holds a complete checkpoint, the old
+  or the new; where the exchange is unavailable, by two renames (the name is absent for
+  the instant between them; both checkpoints stay complete on disk throughout);
+* over a symbolic link (Lightning's ``save_last="link"``), by removing the link itself,
+  never what it points at.
+
+A name holding anything else (a file, a directory with files shardsafe did not write) is
+refused before anything is written. The replaced checkpoint is deleted by the rules of
+:mod:`.removal`. A staging directory left committed by a crash between the commit and
+the rename is skipped by every rank alike (each picks the first staging name without a
+manifest, which needs no communication) and deleted after the next successful save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...errors import CheckpointError
+from ..format.manifest import MANIFEST_NAME
+from .local import LocalStorage
+from .removal import delete_checkpoint, foreign_entries
+
+STAGING_SUFFIX = ".shardsafe-partial"
+_RENAME_EXCHANGE = 2
+_MAX_STAGING = 100
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a checkpoint goes (``parent/name``) and where it is staged meanwhile."""
+
+    parent: str
+    name: str
+    staging: str
+
+    @classmethod
+    def of(cls, path: str) -> Placement:
+        """The placement of ``path``; every rank computes the same one from the filesystem."""
+        parent, name = os.path.split(os.path.abspath(path))
+        if not name or name in (".", ".."):
+            raise ValueError(f"{path!r} does not name a checkpoint directory")
+        return cls(parent, name, _free_staging_name(parent, name))
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.parent, self.name)
+
+    @property
+    def staging_path(self) -> str:
+        return os.path.join(self.parent, self.staging)
+
+    def check(self) -> None:
+        """Refuse, before anything is written, a target that is not ours to replace."""
+        with LocalStorage(self.parent) as parent:
+            problem = _not_replaceable(parent, self.name)
+        if problem is not None:
+            raise CheckpointError(
+                f"{self.path} {problem}, so shardsafe will not replace it with the new "
+                "checkpoint (it only ever replaces a checkpoint it wrote). Move it away, or "
+                "save under another name."
+            )
+
+    def publish(self) -> None:
+        """Give the committed staging directory the target's name (rank 0, after commit)."""
+        with LocalStorage(self.parent) as parent:
+            kind = parent.kind(self.name)
+            if kind is None:
+                _rename(parent, self.staging, self.name)
+            elif kind == "symlink":
+                parent.remove(self.name)  # the link itself, never its target
+                _rename(parent, self.staging, self.name)
+            elif _exchange(parent.fd, self.staging, self.name):
+                parent.sync_directory()
+                delete_checkpoint(parent, self.staging)  # now the replaced checkpoint
+            else:
+                _replace_in_two_renames(parent, self.staging, self.name)
+            _delete_committed_leftovers(parent, self.name)
+
+
+def _staging_names(name: str) -> list[str]:
+    first = f".{name}{STAGING_SUFFIX}"
+    return [first] + [f"{first}-{i}" for i in range(1, _MAX_STAGING)]
+
+
+def _free_staging_name(parent: str, name: str) -> str:
+    """The first staging name that holds no committed checkpoint (a crash's leftover)."""
+    try:
+        root = LocalStorage(parent)
+        root.fd  # noqa: B018 - opens it
+    except (FileNotFoundError, NotADirectoryError):
+        return _staging_names(name)[0]  # nothing there yet: rank 0 creates it while saving
+    with root:
+        for candidate in _staging_names(name):
+            if not _taken(root, candidate):
+                return candidate
+    raise CheckpointError(
+        f"{parent} holds {_MAX_STAGING} committed leftovers .{name}{STAGING_SUFFIX}*; delete them"
+    )
+
+
+def _taken(root: LocalStorage, name: str) -> bool:
+    """True if ``root/name`` is taken: a committed checkpoint, a link, or not a directory."""
+    kind = root.kind(name)
+    if kind is None:
+        return False
+    if kind != "directory":
+        return True
+    try:
+        with root.child(name) as staged:
+            return staged.kind(MANIFEST_NAME) is not None
+    except (OSError, CheckpointError):
+        return True
+
+
+def _not_replaceable(parent: LocalStorage, name: str) -> str | None:
+    """Why ``parent/name`` may not be replaced, or ``None`` if it may (absent, a link, or
+    a directory holding only what shardsafe writes)."""
+    kind = parent.kind(name)
+    if kind in (None, "symlink"):
+        return None
+    if kind == "file":
+        return "is a file (a checkpoint saved without shardsafe?), not a checkpoint directory"
+    if kind != "directory":
+        return f"is {parent.describe(name)}, not a checkpoint directory"
+    with parent.child(name) as existing:
+        foreign = foreign_entries(existing)
+    if foreign:
+        return f"holds {foreign[:3]}, which shardsafe did not write"
+    return None
+
+
+def _rename(parent: LocalStorage, source: str, target: str) -> None:
+    os.rename(source, target, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+    parent.sync_directory()
+
+
+def _replace_in_two_renames(parent: LocalStorage, staging: str, name: str) -> None:
+    old = f".{name}.shardsafe-old"
+    if parent.kind(old) == "directory":
+        delete_checkpoint(parent, old)  # a leftover of a crash between the two renames
+    _rename(parent, name, old)
+    _rename(parent, staging, name)
+    delete_checkpoint(parent, old)
+
+
+def _delete_committed_leftovers(parent: LocalStorage, name: str) -> None:
+    for candidate in _staging_names(name):
+        if parent.kind(candidate) == "directory":
+            with contextlib.suppress(CheckpointError):
+                delete_checkpoint(parent, candidate)
+
+
+def _exchange(fd: int, a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` in one atomic step; False where the system cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(fd, os.fsencode(a), fd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # an old kernel, or a filesystem without exchange
+    raise OSError(err, os.strerror(err), b)
+
+
+_Renameat2 = Callable[[int, bytes, int, bytes, int], int]
+
+
+def _renameat2() -> _Renameat2 | None:
+    """glibc's ``renameat2`` (Linux 3.15+, glibc 2.28+), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn

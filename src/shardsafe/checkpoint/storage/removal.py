@@ -1,0 +1,64 @@
+"""Deleting a checkpoint directory: only what shardsafe wrote, never through a link.
+
+Shared by :class:`~shardsafe.checkpoint.manager.CheckpointManager` (retention) and the
+Lightning strategy (``ModelCheckpoint``'s ``save_top_k``), so that both delete by the same
+rules: a directory holding anything shardsafe does not write (a file of yours, a
+subdirectory, a symlink) is left in place with a warning, and a deletion interrupted
+half-way leaves a directory that is plainly not a checkpoint, never a broken one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ...errors import CheckpointError, CheckpointNotFoundError
+from ..format.manifest import MANIFEST_NAME
+from .leftovers import INCOMPLETE_MARKER, OURS, record
+from .protocol import Storage
+
+
+def foreign_entries(step: Storage) -> list[str]:
+    """The entries of ``step`` that shardsafe did not write (anything but its regular files)."""
+    return [n for n in step.names() if not (OURS.fullmatch(n) and step.kind(n) == "file")]
+
+
+def delete_checkpoint(root: Storage, name: str) -> None:
+    """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
+
+    A directory holding anything else is left untouched, with a warning. Otherwise it is
+    marked first with a record of its files (so that a crash mid-way leaves a directory
+    the next save recognises as its own leftover, and may clear), then loses the
+    manifest, then the data files, then itself.
+    """
+    try:
+        with root.child(name) as step:
+            foreign = foreign_entries(step)
+            if foreign:
+                warn(
+                    f"left {step.directory} in place: it holds {foreign[:3]}, which shardsafe "
+                    "did not write; delete it yourself if it is no longer needed"
+                )
+                return
+            names = step.names()
+            record(step, names)  # what a save into it may clear, if this is interrupted
+            if MANIFEST_NAME in names:
+                step.remove(MANIFEST_NAME)
+                step.sync_directory()
+            for entry in names:
+                if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
+                    step.remove(entry)
+            step.remove(INCOMPLETE_MARKER)
+            step.abort_pending_uploads()  # an object store's, invisible in listings
+        root.remove_child(name)
+    except CheckpointNotFoundError:
+        return
+    except (OSError, CheckpointError) as e:
+        raise CheckpointError(
+            f"the new checkpoint is committed, but deleting the old checkpoint "
+            f"{root.where(name)} failed: {e}"
+        ) from e
+
+
+def warn(message: str) -> None:
+    """A warning attributed to the caller of the public function that led here."""
+    warnings.warn(f"shardsafe: {message}", stacklevel=3)
