@@ -25,7 +25,8 @@ from ..distributed import Coordinator, Phase
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import Adapter, SavedValue
 from .format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, TensorRecord, parse
-from .format.manifest_format import CRC_BLOCK_BYTES
+from .format.manifest_format import CRC_BLOCK_BYTES, crc_block_count
+from .format.safetensors_header import build_header
 from .io.writing import write_plan
 from .io.written import WriteOptions, WrittenFile, remove_quietly
 from .options import SaveOptions, storage_factory
@@ -174,6 +175,8 @@ def _collect_phase(run: SaveRun) -> Planned:
         check_same_entries(offers, names, coord.rank)
         entries.update(_merged({name: adapter for name, (adapter, _) in items.items()}, offers))
         whole = plan_save([o.chunks for o in offers], options.layout, names)
+        if not run.background:  # a background save checks behind the training (_write)
+            check_loadable(whole, entries)
         # Before any rank writes a data file (the parts are sent after this returns): what
         # the next save may clear if this one is interrupted, and nothing else.
         target_directory.record_plan(storage, token, [f.name for f in whole.files])
@@ -240,6 +243,8 @@ def _write(run: SaveRun, planned: Planned) -> list[dict[str, WrittenFile]]:
                     raise run.error
                 if coord.rank != 0:
                     target_directory.check_shared(storage, planned.token, coord.rank)
+                elif run.background:  # off the caller's stall, before rank 0 writes a byte
+                    check_loadable(planned.plan, planned.entries)
                 chunks = chunks_of({name: item for name, (_, item) in items.items()})
                 written = write_plan(planned.plan, coord.rank, chunks, storage, options, run.group)
                 phase.payload = written
@@ -262,13 +267,9 @@ def commit(
     """Write the manifest of ``plan`` last, once the data files are durable (also the
     converters' commit, see ``streaming.py``). ``extra_info`` joins the manifest's
     ``info`` (a rank checkpoint's placements, ``tiers/rank_checkpoint.py``)."""
-    info = {
-        "shardsafe_version": __version__,
-        "torch_version": torch.__version__,
-        "created_unix": time.time(),
-        **(extra_info or {}),
-    }
-    raw = loadable(manifest_of(plan, entries, written, info, CRC_BLOCK_BYTES))
+    # Not parsed again: check_loadable parsed this manifest, but for its checksums, before
+    # any data was written, and the writers report what the plan said they would write.
+    raw = manifest_of(plan, entries, written, _info(extra_info), CRC_BLOCK_BYTES).to_json()
     # The data files' directory entries must be durable before the manifest that names
     # them is (a power loss must not leave a manifest without its files): each writer's
     # file was finished, so its name is durable (Storage.create; dir_sync.py), before
@@ -279,17 +280,47 @@ def commit(
         after_commit()
 
 
-def loadable(manifest: Manifest) -> bytes:
-    """The manifest's bytes, once the parser ``load`` uses has accepted them: what save
-    writes, load, inspect and verify accept."""
-    raw = manifest.to_json()
+def check_loadable(
+    plan: SavePlan, entries: dict[str, SavedValue], extra_info: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse, before any data is written, a save whose manifest ``load`` would refuse.
+
+    The manifest ``commit`` will write is built now, with the file sizes the plan implies
+    and zeros for the checksums the writers have yet to compute, and given to the very
+    parser ``load``, ``inspect`` and ``verify`` use: what it refuses (metadata nested too
+    deeply for the reader, a data file's header over safetensors' limit, ...) is refused
+    here, with nothing written, and ``commit`` need not parse its manifest again. (A
+    background save checks at the start of its write phase instead, to keep the few
+    milliseconds off the training's stall: rank 0 then writes nothing, and the files
+    other ranks began are removed when the failure is agreed.)
+    """
+    planned: dict[str, WrittenFile] = {}
+    for fplan in plan.files:
+        header = build_header([(e.name, e.dtype, e.shape) for e in fplan.entries])
+        planned[fplan.name] = {
+            "bytes": len(header) + sum(e.nbytes for e in fplan.entries),
+            "crc": {
+                e.name: [0] * crc_block_count(e.nbytes, CRC_BLOCK_BYTES) for e in fplan.entries
+            },
+            "header_crc32": 0,
+        }
+    manifest = manifest_of(plan, entries, [planned], _info(extra_info), CRC_BLOCK_BYTES)
     try:
-        parse(raw)
+        parse(manifest.to_json())
     except CheckpointCorruptError as e:
         raise CheckpointError(
-            f"refusing to commit a checkpoint that shardsafe could not load back: {e}"
+            f"refusing to save a checkpoint that shardsafe could not load back: {e} "
+            "(nothing was written)"
         ) from None
-    return raw
+
+
+def _info(extra_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {
+        "shardsafe_version": __version__,
+        "torch_version": torch.__version__,
+        "created_unix": time.time(),
+        **(extra_info or {}),
+    }
 
 
 def manifest_of(

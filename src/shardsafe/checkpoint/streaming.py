@@ -35,7 +35,7 @@ from .loading import read_manifest_from
 from .options import DEFAULT_BUFFER_BYTES
 from .plan.offer import ChunkOffer
 from .plan.save_plan import plan_save
-from .saving import BACKGROUND_PIECE_BYTES, commit
+from .saving import BACKGROUND_PIECE_BYTES, check_loadable, commit
 from .storage import target_directory
 from .storage.protocol import Storage
 from .verifying import find_problems
@@ -145,6 +145,7 @@ def write_unverified(
             for i, c in enumerate(chunks)
         ]
         plan = plan_save([offers], "sharded", list(values))
+        check_loadable(plan, values, extra_info)
         target_directory.record_plan(storage, token, [f.name for f in plan.files])
         cache_bytes = BACKGROUND_PIECE_BYTES if background else 0
         options = WriteOptions(CRC_BLOCK_BYTES, buffer_bytes, cache_bytes)

@@ -1,0 +1,82 @@
+"""A save checks its manifest once, before any data is written, and commits without
+parsing it again: what ``load`` would refuse is refused with nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe.checkpoint import saving
+from shardsafe.checkpoint.storage.local import LocalStorage
+
+
+class _Recording(LocalStorage):
+    """Records every file a save creates (class-wide: a factory makes one per directory)."""
+
+    created: list[str] = []
+
+    def create(self, name: str, size_hint: int = 0) -> Any:
+        _Recording.created.append(name)
+        return super().create(name, size_hint)
+
+
+def _deep(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = (value,)
+    return value
+
+
+def test_what_load_would_refuse_is_refused_before_any_data_file_is_created(
+    tmp_path: Path,
+) -> None:
+    _Recording.created = []
+    state = {"model": nn.Linear(4, 4), "deep": _deep(60)}
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        shardsafe.save(tmp_path / "c", state, storage=_Recording)
+    assert "refusing to save a checkpoint that shardsafe could not load back" in str(refused.value)
+    assert str(refused.value).endswith("(nothing was written)")
+    assert [n for n in _Recording.created if n.endswith(".safetensors")] == []
+
+
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_a_save_parses_its_manifest_once_and_writes_what_it_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    parsed: list[bytes] = []
+    real = saving.parse
+
+    def counting(raw: bytes, where: str = "manifest.json") -> Any:
+        parsed.append(raw)
+        return real(raw, where)
+
+    monkeypatch.setattr(saving, "parse", counting)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    shardsafe.save(tmp_path / "c", {"model": model, "step": 3}, layout=layout)
+    assert len(parsed) == 1
+    checked = real(parsed[0])
+    written = shardsafe.read_manifest(tmp_path / "c")
+    # The same manifest but for what only the writers know: the checksums.
+    assert written.files == checked.files
+    assert written.values == checked.values
+    assert {k: (r.dtype, r.shape) for k, r in written.tensors.items()} == {
+        k: (r.dtype, r.shape) for k, r in checked.tensors.items()
+    }
+    assert all(c.crc32 == (0,) for r in checked.tensors.values() for c in r.chunks)
+    loaded = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    assert shardsafe.load(tmp_path / "c", {"model": loaded}) == {"step": 3}
+    for a, b in zip(model.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_background_save_refuses_it_too_and_commits_nothing(tmp_path: Path) -> None:
+    handle = shardsafe.async_save(tmp_path / "c", {"model": nn.Linear(4, 4), "deep": _deep(60)})
+    with pytest.raises(shardsafe.CheckpointError, match="could not load back"):
+        handle.wait()
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    assert not (tmp_path / "c").exists() or list((tmp_path / "c").iterdir()) == []
