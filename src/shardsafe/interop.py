@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _tree, dtypes
 from .adapters.optimizer import GROUPS
-from .adapters.registry import find_adapter
+from .adapters.registry import adapter_for
 from .checkpoint.storage.files import open_named_file
 from .distributed import Coordinator, Phase, comm_device, world
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -39,11 +39,12 @@ from .protocol import Adapter, LoadContext, SavedValue, param_names
 _NAME = "optimizer"
 
 
-def _adapter_and_context(optimizer: Any, model: nn.Module) -> tuple[Adapter, LoadContext]:
-    """The optimizer's adapter, and a context that serves both its save and load sides
+def _adapter_and_context(optimizer: Any, model: nn.Module) -> tuple[Adapter, Any, LoadContext]:
+    """The optimizer's adapter, the optimizer it works on (inside a wrapper that only
+    delegates, ``adapter_for``), and a context that serves both its save and load sides
     (the state dict handled here is whole: every rank's view of it is the same)."""
     rank, world_size = world()
-    adapter = find_adapter(optimizer, _NAME)
+    adapter, optimizer = adapter_for(optimizer, _NAME)
     if adapter.kind != "optimizer":
         raise TypeError(f"expected an optimizer, got {type(optimizer).__qualname__}")
     ctx = LoadContext(
@@ -53,7 +54,7 @@ def _adapter_and_context(optimizer: Any, model: nn.Module) -> tuple[Adapter, Loa
         param_names=param_names({"model": model}),
         saved_world_size=world_size,
     )
-    return adapter, ctx
+    return adapter, optimizer, ctx
 
 
 def gather_optimizer_state_dict(
@@ -64,7 +65,7 @@ def gather_optimizer_state_dict(
     Call it on every rank. Returns the dict on rank ``to`` and ``None`` elsewhere. Other
     ranks send their state as raw tensors (no pickling) to ``to`` alone.
     """
-    adapter, ctx = _adapter_and_context(optimizer, model)
+    adapter, optimizer, ctx = _adapter_and_context(optimizer, model)
     if not 0 <= to < ctx.world_size:
         raise ValueError(f"to={to} is not a rank of this job (world size {ctx.world_size})")
     coord = Coordinator("gather_optimizer_state_dict", "<interop>", timeout=timeout)
@@ -147,7 +148,7 @@ def load_optimizer_state_dict(
     rule), then by name internally, so ZeRO/OSS ranks each keep only what they own. No
     collective is needed; call it on every rank that holds a part of the optimizer.
     """
-    adapter, ctx = _adapter_and_context(optimizer, model)
+    adapter, optimizer, ctx = _adapter_and_context(optimizer, model)
     groups = list(optimizer.param_groups)
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):

@@ -6,6 +6,8 @@ change to shardsafe. The engine finds adapters only here.
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import CheckpointError
 from ..protocol import Adapter
 
@@ -37,6 +39,60 @@ def find_adapter(obj: object, name: str) -> Adapter:
         "state_dict()/load_state_dict(). Register an adapter for it with "
         "shardsafe.register_adapter()."
     )
+
+
+def adapter_for(obj: object, name: str) -> tuple[Adapter, object]:
+    """The adapter for ``state[name]`` and the object it works on.
+
+    That is ``obj`` itself, except for a wrapper that only delegates to an optimizer inside
+    it (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, any
+    object whose ``optimizer`` shares its ``state`` and ``param_groups``): a built-in
+    optimizer adapter would save the wrapper through its ``state_dict()``, which for a
+    wrapped ZeRO or OSS optimizer raises on every rank, so the optimizer inside is saved
+    and loaded as if it had been passed bare. A wrapper with state of its own beside the
+    inner optimizer's (a Lookahead's slow weights) is refused: saved as one optimizer it
+    would lose one of the two. A user's adapter registered for a wrapper's class gets the
+    wrapper.
+    """
+    seen: set[int] = set()
+    while True:
+        adapter = find_adapter(obj, name)
+        inner = _wrapped_optimizer(obj)
+        if inner is None or id(inner) in seen or not _built_in_optimizer(adapter):
+            return adapter, obj
+        if not _delegates(obj, inner):
+            raise CheckpointError(
+                f"state[{name!r}] (a {type(obj).__qualname__}) wraps an optimizer "
+                f"({type(inner).__qualname__}, at .optimizer) whose state it does not share: "
+                f"saved as one optimizer, either the {type(obj).__qualname__}'s state or the "
+                f"{type(inner).__qualname__}'s would be lost. Register an adapter for "
+                f"{type(obj).__qualname__} that saves both (shardsafe.register_adapter)."
+            )
+        seen.add(id(obj))
+        obj = inner
+
+
+def _built_in_optimizer(adapter: Adapter) -> bool:
+    built_in = type(adapter).__module__.startswith("shardsafe.adapters.")
+    return built_in and adapter.kind == "optimizer"
+
+
+def _wrapped_optimizer(obj: object) -> torch.optim.Optimizer | None:
+    """The optimizer at ``obj.optimizer``, if there is one (other than ``obj``)."""
+    try:
+        inner = getattr(obj, "optimizer", None)
+    except Exception:  # a property of a user's object that raises: no wrapped optimizer
+        return None
+    return inner if isinstance(inner, torch.optim.Optimizer) and inner is not obj else None
+
+
+def _delegates(obj: object, inner: torch.optim.Optimizer) -> bool:
+    """Whether ``obj``'s state and groups are ``inner``'s own (the same objects)."""
+    try:
+        same_state = getattr(obj, "state", None) is inner.state
+        return same_state and getattr(obj, "param_groups", None) is inner.param_groups
+    except Exception:
+        return False
 
 
 def returning_adapter(kind: str) -> Adapter | None:

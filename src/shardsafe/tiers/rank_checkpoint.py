@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..adapters.registry import find_adapter
+from ..adapters.registry import adapter_for
 from ..checkpoint.format.manifest import ChunkRecord, Manifest, TensorRecord
 from ..checkpoint.format.manifest_format import shape_problem
 from ..checkpoint.plan.collecting import Collected
@@ -144,7 +144,7 @@ def _as_merged(saved: SavedValue, state: Mapping[str, Any], rank: int) -> SavedV
     obj = state.get(saved.name) if saved.name in state else None
     if obj is None:
         return saved
-    adapter = find_adapter(obj, saved.name)
+    adapter, obj = adapter_for(obj, saved.name)
     if adapter.kind != saved.kind:
         return saved  # the planner refuses it, naming both kinds
     try:  # metadata read from disk, not yet validated: a failure is corruption

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ... import _names, dtypes
-from ...adapters.registry import find_adapter
+from ...adapters.registry import adapter_for
 from ...errors import CheckpointError
 from ...protocol import Adapter, Chunk, SaveContext, SaveItem, param_names
 from ..format import geometry
@@ -43,7 +43,7 @@ def collect(state: Mapping[str, Any], rank: int, world_size: int) -> Collected:
     names = param_names(state)
     items: Collected = {}
     for name, obj in state.items():
-        adapter = find_adapter(obj, name)
+        adapter, obj = adapter_for(obj, name)
         ctx = SaveContext(name=name, rank=rank, world_size=world_size, param_names=names)
         item = adapter.save(obj, ctx)
         for chunk in item.chunks:

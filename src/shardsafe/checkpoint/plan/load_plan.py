@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import dtypes
-from ...adapters.registry import find_adapter, returning_adapter
+from ...adapters.registry import adapter_for, returning_adapter
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ...protocol import Adapter, LoadContext, ReadRequest, SavedValue, param_names
 from ..format.manifest import Manifest, TensorRecord
@@ -148,7 +148,7 @@ def _asked(
     if found is None:
         problems.absent.append(name)
         return None
-    adapter = find_adapter(obj, name)
+    adapter, obj = adapter_for(obj, name)
     if found.kind != adapter.kind:
         problems.mismatched.append(
             f"state[{name!r}] was saved as a {found.kind!r} value but is loaded into a "
