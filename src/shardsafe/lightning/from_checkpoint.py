@@ -1,0 +1,114 @@
+"""``LightningModule.load_from_checkpoint`` for shardsafe checkpoints.
+
+Lightning's own classmethod opens its path as one file (``torch.load``), so it fails on
+the directory a shardsafe strategy saves (``IsADirectoryError``), and Lightning has no
+hook to hand it another loader. :func:`load_from_checkpoint` does what it does, the same
+way: the module is built from the saved hyper-parameters (updated by the keyword
+arguments given, filtered to what ``__init__`` takes unless it takes ``**kwargs``), its
+``on_load_checkpoint`` hook sees the rest of Lightning's checkpoint, and the weights are
+loaded with ``strict`` (default: the module's ``strict_loading``). Differences, both for
+the better or unavoidable: the weights are read straight into the new module, by name,
+with every byte's checksum verified, and never unpickled; so edits an
+``on_load_checkpoint`` hook makes to ``checkpoint["state_dict"]`` are not applied (the
+hook sees the new module's own state dict). One process, no process group; any path
+``shardsafe.load`` takes, ``s3://`` included. A ``.ckpt`` file is handed to Lightning's
+own ``load_from_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from typing import Any, TypeVar
+
+import torch
+
+from ..checkpoint.api import load
+from ..checkpoint.storage.locations import is_url
+from ..errors import CheckpointError
+from ._namespace import lightning
+from .restore import is_shardsafe_checkpoint
+from .state import LIGHTNING, MODEL, STATE_DICT
+
+Module = TypeVar("Module")
+_HPARAMS = "hyper_parameters"
+_HPARAMS_NAME = "hparams_name"
+
+
+def load_from_checkpoint(
+    cls: type[Module],
+    checkpoint_path: str | os.PathLike[str],
+    map_location: str | torch.device | None = None,
+    hparams_file: str | os.PathLike[str] | None = None,
+    strict: bool | None = None,
+    **kwargs: Any,
+) -> Module:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` that also reads shardsafe
+    checkpoint directories: ``MyModule`` built from the saved hyper-parameters, with the
+    saved weights; ``map_location`` moves it to a device (``"cuda:0"``)."""
+    path = os.fspath(checkpoint_path)
+    if not (is_url(path) or is_shardsafe_checkpoint(path)):
+        loader = getattr(cls, "load_from_checkpoint", None)
+        if loader is None:
+            raise TypeError(f"{cls.__qualname__} is not a LightningModule")
+        loaded: Module = loader(
+            path, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs
+        )
+        return loaded
+    if map_location is not None and not isinstance(map_location, (str, torch.device)):
+        raise TypeError(
+            "map_location must be a device (a string such as 'cuda:0' or a torch.device) for a "
+            "shardsafe checkpoint: its tensors are read into the new module, then moved"
+        )
+    checkpoint = _lightning_part(path)
+    hparams = dict(checkpoint.get(_HPARAMS) or {})
+    if hparams_file is not None:
+        hparams = _hparams_from_file(os.fspath(hparams_file))
+    hparams.update(kwargs)
+    checkpoint[_HPARAMS] = hparams
+    module: Any = cls(**_init_kwargs(cls, hparams, checkpoint.get(_HPARAMS_NAME)))
+    strict = getattr(module, "strict_loading", True) if strict is None else strict
+    edited = checkpoint.pop(STATE_DICT, None)
+    checkpoint[STATE_DICT] = module.state_dict()
+    module.on_load_checkpoint(checkpoint)
+    if edited is None:  # the usual case: the module itself was saved, as entry "model"
+        load(path, {MODEL: module}, strict=strict)
+    else:  # an on_save_checkpoint hook had edited the state dict: it was saved as edited
+        module.load_state_dict(edited, strict=strict)
+    result: Module = module.to(map_location) if map_location is not None else module
+    return result
+
+
+def _lightning_part(path: str) -> dict[str, Any]:
+    """Lightning's checkpoint dict without the module and optimizers (plain values only)."""
+    values = load(path, {})
+    part = values.get(LIGHTNING)
+    if not isinstance(part, dict):
+        raise CheckpointError(
+            f"{path} is a shardsafe checkpoint, but not one a Lightning strategy saved (it has "
+            f"no {LIGHTNING!r} entry); load it with shardsafe.load(path, {{'model': module}})"
+        )
+    return dict(part)
+
+
+def _hparams_from_file(path: str) -> dict[str, Any]:
+    saving = importlib.import_module(f"{lightning().__name__}.core.saving")
+    if path.lower().endswith(".csv"):
+        return dict(saving.load_hparams_from_tags_csv(path))
+    if path.lower().endswith((".yml", ".yaml")):
+        return dict(saving.load_hparams_from_yaml(path))
+    raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
+
+
+def _init_kwargs(cls: type[Any], hparams: dict[str, Any], name: Any) -> dict[str, Any]:
+    """What Lightning passes to ``cls.__init__``: every hyper-parameter, or those it names;
+    all under one argument if the module saved them as one (``hparams_name``)."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = {p.name for p in parameters if p.kind not in variadic}
+    if isinstance(name, str) and name in named:
+        return {name: hparams}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return hparams
+    return {k: v for k, v in hparams.items() if k in named}

@@ -1,0 +1,117 @@
+"""``shardsafe.lightning.load_from_checkpoint``: Lightning's way to get a trained module
+back, on the directories the shardsafe strategies save, in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import shardsafe
+from shardsafe.lightning import load_from_checkpoint
+from tests.lightning.lightning_script import Regression
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def newest(root: Path) -> Path:
+    """The step-15 checkpoint of the uninterrupted run: a shardsafe directory."""
+    (path,) = (root / "ckpts").glob("epoch=*-step=15.ckpt")
+    assert path.is_dir()
+    return path
+
+
+def saved_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights in the checkpoint, read by shardsafe into a module built by hand."""
+    reference = Regression("plain")
+    shardsafe.load(path, {"model": reference})
+    return reference.state_dict()
+
+
+def assert_same(module: torch.nn.Module, weights: dict[str, Any]) -> None:
+    state = module.state_dict()
+    assert list(state) == list(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(state[name], tensor), name
+
+
+class Recording(Regression):
+    """Records what ``on_load_checkpoint`` saw."""
+
+    seen: dict[str, Any] = {}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        Recording.seen = dict(checkpoint)
+
+
+def test_a_module_comes_back_with_its_hyper_parameters_and_weights(
+    uninterrupted: Callable[[str], Path],
+) -> None:
+    path = newest(uninterrupted("plain"))
+    module = load_from_checkpoint(Recording, path)
+    assert isinstance(module, Recording)
+    assert dict(module.hparams) == {
+        "optimizer": "plain",
+        "lr": 0.05,
+        "activation": None,
+        "fsdp": False,
+    }
+    assert_same(module, saved_weights(path))
+    assert not torch.equal(module.net[0].weight, Regression("plain").net[0].weight)
+    assert Recording.seen["global_step"] == 15
+    assert Recording.seen["hyper_parameters"]["lr"] == 0.05
+    assert set(Recording.seen["state_dict"]) == set(module.state_dict())
+
+
+def test_keyword_arguments_override_the_saved_hyper_parameters(
+    uninterrupted: Callable[[str], Path],
+) -> None:
+    path = newest(uninterrupted("plain"))
+    module = load_from_checkpoint(Regression, path, lr=0.5)
+    assert module.hparams["lr"] == 0.5
+    assert_same(module, saved_weights(path))
+
+
+def test_strict_loading_refuses_a_module_that_does_not_match(
+    uninterrupted: Callable[[str], Path],
+) -> None:
+    class Wider(Regression):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.extra = torch.nn.Linear(2, 2)
+
+    path = newest(uninterrupted("plain"))
+    with pytest.raises(shardsafe.CheckpointMismatchError, match=r"model/extra\.weight"):
+        load_from_checkpoint(Wider, path)
+    module = load_from_checkpoint(Wider, path, strict=False)
+    assert torch.equal(module.net[2].bias, saved_weights(path)["net.2.bias"])
+
+
+def test_an_ordinary_ckpt_file_goes_to_lightnings_own_loader(tmp_path: Path) -> None:
+    trained = Regression("plain", lr=0.2)
+    with torch.no_grad():
+        trained.net[0].weight.add_(1.0)
+    checkpoint = {
+        "state_dict": trained.state_dict(),
+        "hyper_parameters": dict(trained.hparams),
+        "pytorch-lightning_version": pl.__version__,
+    }
+    torch.save(checkpoint, tmp_path / "plain.ckpt")
+    module = load_from_checkpoint(Regression, tmp_path / "plain.ckpt")
+    assert module.hparams["lr"] == 0.2
+    assert_same(module, trained.state_dict())
+
+
+def test_a_shardsafe_checkpoint_that_lightning_did_not_save_is_named(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "plain", {"model": Regression("plain")})
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        load_from_checkpoint(Regression, tmp_path / "plain")
+    assert str(refused.value) == (
+        f"{tmp_path / 'plain'} is a shardsafe checkpoint, but not one a Lightning strategy "
+        "saved (it has no 'lightning' entry); load it with shardsafe.load(path, "
+        "{'model': module})"
+    )
