@@ -115,3 +115,68 @@ def test_a_shardsafe_checkpoint_that_lightning_did_not_save_is_named(tmp_path: P
         "saved (it has no 'lightning' entry); load it with shardsafe.load(path, "
         "{'model': module})"
     )
+
+
+@pytest.mark.filterwarnings("ignore:.*the result is a pickle")
+def test_convert_to_torch_gives_a_ckpt_that_lightning_itself_loads_and_resumes(
+    uninterrupted: Callable[[str], Path], tmp_path: Path
+) -> None:
+    path = newest(uninterrupted("plain"))
+    out = tmp_path / "converted.ckpt"
+    shardsafe.convert(path, out, to="torch")
+    ckpt = torch.load(out, weights_only=True)
+    assert ckpt["pytorch-lightning_version"] == pl.__version__
+    assert ckpt["global_step"] == 15 and "model" not in ckpt and "lightning" not in ckpt
+
+    module = Regression.load_from_checkpoint(out)  # Lightning's own classmethod
+    assert_same(module, saved_weights(path))
+    assert module.hparams["lr"] == 0.05
+
+    # The optimizer state in torch's numbered form, as Adam itself reads it.
+    model = Regression("plain")
+    adam = torch.optim.Adam(model.parameters(), lr=0.05)
+    adam.load_state_dict(ckpt["optimizer_states"][0])
+    reference = Regression("plain")
+    expected = torch.optim.Adam(reference.parameters(), lr=0.05)
+    shardsafe.load(path, {"model": reference, "optimizer": expected})
+    got, want = adam.state_dict(), expected.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"]) == list(range(4))
+    for i, state in want["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["state"][i][name], value), (i, name)
+
+    # Lightning's default strategy resumes from it at step 15 and trains on.
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=17,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Regression("plain"), ckpt_path=out)
+    assert trainer.global_step == 17
+
+
+@pytest.mark.filterwarnings("ignore:.*the result is a pickle")
+def test_a_ckpt_converted_to_shardsafe_and_back_is_a_lightning_ckpt_again(tmp_path: Path) -> None:
+    trained = Regression("plain", lr=0.2)
+    with torch.no_grad():
+        trained.net[0].weight.add_(1.0)
+    original = {
+        "epoch": 1,
+        "global_step": 7,
+        "pytorch-lightning_version": pl.__version__,
+        "state_dict": trained.state_dict(),
+        "hyper_parameters": dict(trained.hparams),
+    }
+    torch.save(original, tmp_path / "a.ckpt")
+    shardsafe.convert(tmp_path / "a.ckpt", tmp_path / "dir", to="shardsafe")
+    shardsafe.convert(tmp_path / "dir", tmp_path / "b.ckpt", to="torch")
+    back = torch.load(tmp_path / "b.ckpt", weights_only=True)
+    assert sorted(back) == sorted(original)
+    module = Regression.load_from_checkpoint(tmp_path / "b.ckpt")
+    assert_same(module, trained.state_dict())

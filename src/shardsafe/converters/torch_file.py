@@ -9,10 +9,11 @@ optimizer state into a live optimizer, see ``shardsafe.interop.import_torch_chec
 A file holding only tensors (a model's ``state_dict()``) becomes the module ``model``.
 
 Writing produces one file that ``torch.load(weights_only=True)`` reads: modules as
-``{fqn: tensor}``, optimizers as FQN-keyed state dicts. ``torch.save`` itself needs every
-tensor in memory at once, so the archive is written here instead: the pickle of the
-structure first (tensors as references to storage records, exactly the form torch.save
-pickles them in), then each tensor's bytes as its own stored (uncompressed) record,
+``{fqn: tensor}``, optimizers as FQN-keyed state dicts; a Lightning checkpoint in
+Lightning's own layout (``lightning_layout.py``), which Lightning loads. ``torch.save``
+itself needs every tensor in memory at once, so the archive is written here instead: the
+pickle of the structure first (tensors as references to storage records, exactly the
+form torch.save pickles them in), then each tensor's bytes as its own stored (uncompressed) record,
 aligned to 64 bytes as torch aligns them, one tensor in memory at a time. The result is
 a pickle: the converter warns that loading it with ``weights_only=False`` runs code.
 """
@@ -42,6 +43,7 @@ from ..pickles import load_torch, load_torch_mapped
 from .bounds import loaded, view_span
 from .dcp_read import RangeFile
 from .entries import is_module, nested, to_entries
+from .lightning_layout import lightning_layout
 from .sink_stream import SinkStream
 from .source import Source, SourceTensor, TensorRef
 
@@ -201,7 +203,7 @@ def write(
     storage.make_directory()
     buf = io.BytesIO()
     pickler = _Pickler(buf, source)
-    pickler.dump(nested(source))
+    pickler.dump(torch_tree(source))
     sink = storage.create(name, size_hint=source.total_bytes)
     stream = SinkStream(sink)
     try:
@@ -221,6 +223,13 @@ def write(
         raise
     verify(storage, name, source, pickler.storages)
     return size
+
+
+def torch_tree(source: Source) -> dict[str, Any]:
+    """What the file holds: ``source``'s nested entries, in Lightning's own layout for a
+    Lightning checkpoint (``lightning_layout.py``), so that Lightning loads the file."""
+    tree = nested(source)
+    return lightning_layout(tree, source.where) or tree
 
 
 def _write_tensor(
@@ -279,7 +288,7 @@ def _whole(reader: Any) -> io.BufferedReader:
 
 
 def _check_structure(loaded: Any, source: Source, where: str) -> None:
-    expected = nested(source)
+    expected = torch_tree(source)
 
     def walk(a: Any, b: Any, path: str) -> None:
         if isinstance(b, TensorRef):
