@@ -96,3 +96,20 @@ def test_an_ordinary_lightning_ckpt_file_resumes_with_the_same_losses(
     resumed = losses(ours, "resumed.jsonl")
     assert sorted(resumed) == list(range(11, 16))
     assert [resumed[s] for s in range(11, 16)] == [whole[s] for s in range(11, 16)]
+
+
+def test_a_run_switched_from_lightnings_strategy_keeps_going_in_the_same_directory(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    """Resumed from Lightning's own last.ckpt file, the run replaces that file with its
+    next last.ckpt directory instead of dying five steps later."""
+    whole = losses(uninterrupted("zero"))
+    root = tmp_path / "switched"
+    run(root, "--lightning-ddp", "--save-last", "--max-steps", "10")
+    assert (root / "ckpts" / "last.ckpt").is_file()
+    run(root, "--resume", root / "ckpts" / "last.ckpt", "--save-last", "--log", "resumed.jsonl")
+    resumed = losses(root, "resumed.jsonl")
+    assert [resumed[s] for s in range(11, 16)] == [whole[s] for s in range(11, 16)]
+    last = root / "ckpts" / "last.ckpt"
+    assert last.is_dir() and (last / "manifest.json").is_file()
+    assert shardsafe.load(last, {})["lightning"]["global_step"] == 15

@@ -86,3 +86,30 @@ def test_a_committed_leftover_staging_directory_is_skipped_then_deleted(tmp_path
 def test_a_parent_directory_is_created(tmp_path: Path) -> None:
     save(tmp_path / "a" / "b" / "model.ckpt", 4.0)
     assert loaded(tmp_path / "a" / "b" / "model.ckpt") == 4.0
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_lightning_ckpt_file_under_the_name_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """A run switched from Lightning's own strategy finds its last.ckpt file there, which
+    Lightning itself overwrites at every save."""
+    if not exchange:
+        monkeypatch.setattr(placement, "_renameat2", lambda: None)
+    torch.save({"state_dict": {"w": torch.ones(3)}}, tmp_path / "last.ckpt")
+    save(tmp_path / "last.ckpt", 2.0)
+    assert loaded(tmp_path / "last.ckpt") == 2.0
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("last.ckpt", b"not a zip file"), ("weights.pt", b"PK\x03\x04 a zip, but not a .ckpt")],
+)
+def test_other_files_under_the_name_are_still_refused(
+    tmp_path: Path, name: str, content: bytes
+) -> None:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(shardsafe.CheckpointError, match="is a file"):
+        save(tmp_path / name, 1.0)
+    assert (tmp_path / name).read_bytes() == content

@@ -15,8 +15,12 @@ staging directory next to the target, ``.<name>.shardsafe-partial``, is committe
 * over a symbolic link (Lightning's ``save_last="link"``), by removing the link itself,
   never what it points at.
 
-A name holding anything else (a file, a directory with files shardsafe did not write) is
-refused before anything is written. The replaced checkpoint is deleted by the rules of
+* over a Lightning ``.ckpt`` file (``torch.save``'s zip format; a run switched from
+  Lightning's own strategy finds one under ``last.ckpt``), as over an older checkpoint:
+  Lightning's own save would overwrite it too.
+
+A name holding anything else (another file, a directory with files shardsafe did not
+write) is refused before anything is written. The replaced checkpoint is deleted by the rules of
 :mod:`.removal`. A staging directory left committed by a crash between the commit and
 the rename is skipped by every rank alike (each picks the first staging name without a
 manifest, which needs no communication) and deleted after the next successful save.
@@ -38,6 +42,8 @@ from .local import LocalStorage
 from .removal import delete_checkpoint, foreign_entries
 
 STAGING_SUFFIX = ".shardsafe-partial"
+LIGHTNING_SUFFIX = ".ckpt"
+_ZIP_MAGIC = b"PK\x03\x04"
 _RENAME_EXCHANGE = 2
 _MAX_STAGING = 100
 
@@ -69,7 +75,10 @@ class Placement:
     def check(self) -> None:
         """Refuse, before anything is written, a target that is not ours to replace."""
         with LocalStorage(self.parent) as parent:
-            problem = _not_replaceable(parent, self.name)
+            self._refuse_foreign(parent)
+
+    def _refuse_foreign(self, parent: LocalStorage) -> None:
+        problem = _not_replaceable(parent, self.name)
         if problem is not None:
             raise CheckpointError(
                 f"{self.path} {problem}, so shardsafe will not replace it with the new "
@@ -80,6 +89,7 @@ class Placement:
     def publish(self) -> None:
         """Give the committed staging directory the target's name (rank 0, after commit)."""
         with LocalStorage(self.parent) as parent:
+            self._refuse_foreign(parent)  # again: it may have changed since check()
             kind = parent.kind(self.name)
             if kind is None:
                 _rename(parent, self.staging, self.name)
@@ -88,9 +98,9 @@ class Placement:
                 _rename(parent, self.staging, self.name)
             elif _exchange(parent.fd, self.staging, self.name):
                 parent.sync_directory()
-                delete_checkpoint(parent, self.staging)  # now the replaced checkpoint
+                _delete_replaced(parent, self.staging, kind)  # now the replaced one
             else:
-                _replace_in_two_renames(parent, self.staging, self.name)
+                _replace_in_two_renames(parent, self.staging, self.name, kind)
             _delete_committed_leftovers(parent, self.name)
 
 
@@ -136,6 +146,8 @@ def _not_replaceable(parent: LocalStorage, name: str) -> str | None:
     if kind in (None, "symlink"):
         return None
     if kind == "file":
+        if _lightning_file(parent, name):
+            return None  # Lightning's own save would overwrite it too
         return "is a file (a checkpoint saved without shardsafe?), not a checkpoint directory"
     if kind != "directory":
         return f"is {parent.describe(name)}, not a checkpoint directory"
@@ -151,13 +163,47 @@ def _rename(parent: LocalStorage, source: str, target: str) -> None:
     parent.sync_directory()
 
 
-def _replace_in_two_renames(parent: LocalStorage, staging: str, name: str) -> None:
+def _replace_in_two_renames(parent: LocalStorage, staging: str, name: str, kind: str) -> None:
     old = f".{name}.shardsafe-old"
     if parent.kind(old) == "directory":
         delete_checkpoint(parent, old)  # a leftover of a crash between the two renames
+    elif parent.kind(old) == "file" and _zip_file(parent, old):
+        parent.remove(old)  # a replaced .ckpt file, left by the same crash
     _rename(parent, name, old)
     _rename(parent, staging, name)
-    delete_checkpoint(parent, old)
+    _delete_replaced(parent, old, kind)
+
+
+def _delete_replaced(parent: LocalStorage, name: str, kind: str) -> None:
+    """Delete what the new checkpoint replaced: an older checkpoint directory, by the
+    rules of :mod:`.removal`, or the Lightning ``.ckpt`` file ``_lightning_file`` vouched
+    for."""
+    if kind == "file":
+        if _zip_file(parent, name):  # still: never delete what was swapped in since
+            parent.remove(name)
+    else:
+        delete_checkpoint(parent, name)
+
+
+def _lightning_file(parent: LocalStorage, name: str) -> bool:
+    """``parent/name`` is a checkpoint file Lightning wrote (a ``.ckpt`` in ``torch.save``'s
+    zip format): what a run switched to the shardsafe strategy finds under
+    ``last.ckpt``, which Lightning's own strategies overwrite at every save."""
+    return name.endswith(LIGHTNING_SUFFIX) and _zip_file(parent, name)
+
+
+def _zip_file(parent: LocalStorage, name: str) -> bool:
+    """``parent/name`` is a regular file in ``torch.save``'s zip format (never opened if
+    it is not a regular file)."""
+    head = bytearray(len(_ZIP_MAGIC))
+    try:
+        with parent.open_reader(name) as reader:
+            if reader.size < len(head):
+                return False
+            reader.read_into(0, memoryview(head))
+    except (OSError, CheckpointError):
+        return False
+    return bytes(head) == _ZIP_MAGIC
 
 
 def _delete_committed_leftovers(parent: LocalStorage, name: str) -> None:
