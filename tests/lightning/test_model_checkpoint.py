@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.checkpoint.storage.leftovers import INCOMPLETE_MARKER, marker_bytes
 from tests.lightning.helpers import Net, losses, run
 
 STEP10, STEP15, LAST = "epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt", "last.ckpt"
@@ -113,3 +114,17 @@ def test_a_run_switched_from_lightnings_strategy_keeps_going_in_the_same_directo
     last = root / "ckpts" / "last.ckpt"
     assert last.is_dir() and (last / "manifest.json").is_file()
     assert shardsafe.load(last, {})["lightning"]["global_step"] == 15
+
+
+def test_what_an_interrupted_save_left_is_cleared_when_the_next_fit_starts(
+    tmp_path: Path,
+) -> None:
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    leftover = ckpts / ".epoch=0-step=5.ckpt.shardsafe-partial"
+    shardsafe.save(leftover, {"w": torch.ones(3)})  # then made uncommitted, as a kill leaves it
+    (leftover / "manifest.json").unlink()
+    data = sorted(p.name for p in leftover.iterdir())
+    (leftover / INCOMPLETE_MARKER).write_bytes(marker_bytes(data))
+    run(tmp_path, "--max-steps", "3")
+    assert sorted(os.listdir(ckpts)) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import shardsafe
 from shardsafe.checkpoint import SaveOptions
 from shardsafe.checkpoint.replacing import save_replacing
 from shardsafe.checkpoint.storage import placement
+from shardsafe.checkpoint.storage.local import LocalStorage
 
 
 def save(path: Path, value: float) -> None:
@@ -113,3 +115,35 @@ def test_other_files_under_the_name_are_still_refused(
     with pytest.raises(shardsafe.CheckpointError, match="is a file"):
         save(tmp_path / name, 1.0)
     assert (tmp_path / name).read_bytes() == content
+
+
+class _Interrupted(LocalStorage):
+    """Ctrl-C while the first data file is written."""
+
+    def create(self, name: str, size_hint: int = 0) -> Any:
+        if name.endswith(".safetensors"):
+            raise KeyboardInterrupt
+        return super().create(name, size_hint)
+
+
+def test_what_an_interrupted_save_left_is_cleared_and_nothing_else(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        save_replacing(
+            str(tmp_path / "epoch=0-step=5.ckpt"),
+            {"w": torch.ones(3)},
+            SaveOptions(storage=_Interrupted),
+        )
+    assert sorted(os.listdir(tmp_path)) == [".epoch=0-step=5.ckpt.shardsafe-partial"]
+    save(tmp_path / "last.ckpt", 1.0)
+    os.rename(tmp_path / "last.ckpt", tmp_path / ".last.ckpt.shardsafe-partial")  # committed
+    (tmp_path / ".cache.shardsafe-partial").write_text("a file of yours")
+    (tmp_path / ".mine").mkdir()
+
+    cleared = placement.clear_interrupted(str(tmp_path))
+    assert cleared == [".epoch=0-step=5.ckpt.shardsafe-partial"]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".cache.shardsafe-partial",
+        ".last.ckpt.shardsafe-partial",
+        ".mine",
+    ]
+    assert placement.clear_interrupted(str(tmp_path / "absent")) == []

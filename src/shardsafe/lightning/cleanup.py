@@ -7,12 +7,18 @@ Here a checkpoint directory loses only what shardsafe wrote, by the same rules a
 else (a ``.ckpt`` file from before, a directory holding files of yours) is left in place
 with a warning. A failure to delete is a warning too: the new checkpoint is committed by
 then, and an old one left behind must not end the run.
+
+And, when a fit starts, clearing what a run interrupted mid-save left (its hidden
+``.<name>.shardsafe-partial`` staging directory, never committed), which would otherwise
+stay until that very name is saved again.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from ..checkpoint.storage import placement
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.removal import delete_checkpoint, warn
 from ..errors import CheckpointError
@@ -36,3 +42,12 @@ def remove(path: str) -> None:
                 )
     except (OSError, CheckpointError) as e:
         warn(f"could not remove the old checkpoint {path}: {e}")
+
+
+def clear_interrupted(trainer: Any) -> None:
+    """Delete the uncommitted staging directories in every ``ModelCheckpoint``'s directory
+    (rank 0, when a fit starts, before any save of this run)."""
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath:
+            placement.clear_interrupted(os.fspath(dirpath))

@@ -116,6 +116,8 @@ class ShardsafeCheckpointing(Strategy):
         state.guard_dump(trainer._checkpoint_connector)
         if trainer.state.fn == TrainerFn.FITTING:
             checks.check_savable(trainer)
+            if trainer.is_global_zero:
+                cleanup.clear_interrupted(trainer)
             if self._local is not None:
                 self._local.open(trainer)
 

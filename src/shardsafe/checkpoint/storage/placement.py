@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ from ...errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from .local import LocalStorage
 from .removal import delete_checkpoint, foreign_entries
+from .target_directory import remove_uncommitted
 
 STAGING_SUFFIX = ".shardsafe-partial"
+_STAGING = re.compile(r"\..+" + re.escape(STAGING_SUFFIX) + r"(-[0-9]+)?")
 LIGHTNING_SUFFIX = ".ckpt"
 _ZIP_MAGIC = b"PK\x03\x04"
 _RENAME_EXCHANGE = 2
@@ -102,6 +105,32 @@ class Placement:
             else:
                 _replace_in_two_renames(parent, self.staging, self.name, kind)
             _delete_committed_leftovers(parent, self.name)
+
+
+def clear_interrupted(parent: str) -> list[str]:
+    """Delete the staging directories of saves into ``parent`` that never committed (a run
+    interrupted mid-save, by Ctrl-C or a kill), by the rules of ``target_directory``: only
+    what such a save wrote, and the directory only if that empties it. Committed ones (a
+    crash between the commit and the rename) are kept: each is a whole checkpoint, deleted
+    after the next successful save of its name. Returns the names deleted."""
+    cleared: list[str] = []
+    try:
+        root = LocalStorage(parent, follow=True)
+        names = root.names()
+    except (OSError, CheckpointError):
+        return cleared  # no directory yet: nothing was interrupted there
+    with root:
+        for name in names:
+            if _STAGING.fullmatch(name) is None or root.kind(name) != "directory":
+                continue
+            with contextlib.suppress(OSError, CheckpointError):
+                with root.child(name) as staged:
+                    if staged.exists(MANIFEST_NAME):
+                        continue
+                    remove_uncommitted(staged)
+                if root.kind(name) is None:
+                    cleared.append(name)
+    return cleared
 
 
 def _staging_names(name: str) -> list[str]:
