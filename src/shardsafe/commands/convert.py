@@ -56,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--add-prefix", metavar="P", help="--to hf: put P in front of weight names")
     parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="--to hf: the model's config.json (or a folder holding it, with "
+        "generation_config.json if there), written beside the weights for from_pretrained",
+    )
+    parser.add_argument(
+        "--generation-config", metavar="PATH", help="--to hf: a generation_config.json to write"
+    )
+    parser.add_argument(
         "--dcp-layout",
         choices=("nested", "flat"),
         default="nested",
@@ -112,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
                 add_prefix=args.add_prefix,
                 dry_run=args.dry_run,
                 dcp_layout=args.dcp_layout,
+                config=args.config,
+                generation_config=args.generation_config,
                 untrusted_bytes_limit=DEFAULT_UNTRUSTED_BYTES if limit is None else limit,
             )
     except ValueError as e:  # a bad option value (a size, a dtype): a usage problem

@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
 from .bounds import check_allocation
 from .detect import locate, split
+from .hf_config import config_files
 from .options import ConvertOptions, DcpLayout
 from .source import Format, Source, cast, select
 
@@ -88,6 +89,8 @@ def convert(
     progress: bool | None = _C.progress,
     storage_options: Mapping[str, Any] | None = _C.storage_options,
     untrusted_bytes_limit: int = _C.untrusted_bytes_limit,
+    config: Any = _C.config,
+    generation_config: Any = _C.generation_config,
 ) -> Conversion:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
@@ -102,7 +105,11 @@ def convert(
 
     ``only`` keeps the named entries (``["model"]``); ``dtype`` casts the floating-point
     weights of modules (``"bfloat16"``; optimizer state keeps its dtype);
-    ``strip_prefix``/``add_prefix`` rename Hugging Face weight names. ``dcp_layout``
+    ``strip_prefix``/``add_prefix`` rename Hugging Face weight names; ``config`` and
+    ``generation_config`` (``to="hf"``) are written beside the weights as ``config.json``
+    and ``generation_config.json``, so that ``from_pretrained(dst)`` loads it (a
+    transformers config object such as ``model.config``, a dict, or the path of a
+    ``.json`` file or of a folder holding ``config.json``). ``dcp_layout``
     (``to="dcp"``): ``"nested"`` (``model.<fqn>``, ``optimizer.state.<fqn>.<name>``) or
     ``"flat"`` (torchtitan's). ``dry_run`` writes nothing and returns what would be
     written. ``progress``: a tqdm bar on stderr (default: when stderr is a terminal and
@@ -126,6 +133,8 @@ def convert(
         progress=progress,
         storage_options=storage_options,
         untrusted_bytes_limit=untrusted_bytes_limit,
+        config=config,
+        generation_config=generation_config,
     )
     return _convert(src, os.fspath(dst), options)
 
@@ -187,7 +196,8 @@ def _planned(source: Source, dst: str, options: ConvertOptions) -> list[tuple[st
     if options.to == "dcp":
         return dcp_write.planned_files(source)
     if options.to == "hf":
-        return hf.planned_files(source, _hf_plan(source, options))
+        extra = config_files(options.config, options.generation_config)
+        return hf.planned_files(source, _hf_plan(source, options), extra)
     return [(split(dst)[1], source.total_bytes)]
 
 
@@ -214,6 +224,7 @@ def _write(
             strip_prefix=options.strip_prefix,
             add_prefix=options.add_prefix,
             on_bytes=on_bytes,
+            extra=config_files(options.config, options.generation_config),
         )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -131,8 +131,10 @@ def write(
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    extra: Mapping[str, bytes] | None = None,
 ) -> list[tuple[str, int]]:
-    """Write the model weights of ``source`` in Hugging Face's layout (module docstring);
+    """Write the model weights of ``source`` in Hugging Face's layout (module docstring),
+    and ``extra`` files beside them (``config.json``: ``hf_config.py``), before the index;
     return each file written and its size."""
     shards = plan(source, max_shard_size, strip_prefix, add_prefix)
     created = refuse_non_empty(storage)
@@ -144,6 +146,10 @@ def write(
             written.append(shard.name)
             size, expected[shard.name] = _write_shard(source, storage, shard, on_bytes)
             sizes.append((shard.name, size))
+        for name, raw in (extra or {}).items():
+            written.append(name)
+            storage.commit(name, raw)
+            sizes.append((name, len(raw)))
         if len(shards) > 1:
             index = index_json(shards)
             written.append(INDEX_NAME)
@@ -280,10 +286,13 @@ def _reading(reader: FileReader, entry: HeaderEntry) -> Callable[[], torch.Tenso
     return load
 
 
-def planned_files(source: Source, shards: list[Shard]) -> list[tuple[str, int]]:
+def planned_files(
+    source: Source, shards: list[Shard], extra: Mapping[str, bytes] | None = None
+) -> list[tuple[str, int]]:
     """Each file :func:`write` would write and its exact size (``--dry-run``)."""
     files = []
     for shard in shards:
         header = [(n, source.tensors[k].dtype, source.tensors[k].shape) for n, k in shard.keys]
         files.append((shard.name, len(build_header(header)) + shard.nbytes))
+    files += [(name, len(raw)) for name, raw in (extra or {}).items()]
     return files + ([(INDEX_NAME, len(index_json(shards)))] if len(shards) > 1 else [])

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
+from .hf_config import config_files
 from .source import FORMATS, Format
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,6 +48,12 @@ class ConvertOptions:
     and together they may take at most this many bytes. A source asking for more is
     refused with a ``CheckpointCorruptError`` before anything is read or written (also
     with ``dry_run``); pass a larger limit for a file you trust."""
+    config: Any = None
+    """``to="hf"``: the model's configuration, written as ``config.json`` beside the
+    weights (a transformers config object, a dict, or the path of a ``.json`` file or of
+    a folder holding ``config.json``; see ``hf_config.py``)."""
+    generation_config: Any = None
+    """``to="hf"``: written as ``generation_config.json`` (the same forms)."""
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:
@@ -56,6 +63,13 @@ class ConvertOptions:
             raise ValueError(
                 f"untrusted_bytes_limit={limit!r} must be a number of bytes, 0 or more"
             )
+        if (self.config, self.generation_config) != (None, None):
+            if self.to != "hf":
+                raise ValueError(
+                    f"config and generation_config are written beside Hugging Face weights: "
+                    f"they apply to to='hf', not to={self.to!r}"
+                )
+            config_files(self.config, self.generation_config)  # refused before anything is read
         if self.dcp_layout not in DCP_LAYOUTS:
             raise ValueError(f"dcp_layout={self.dcp_layout!r} is not 'nested' or 'flat'")
         _torch_dtype(self.dtype)
