@@ -167,10 +167,12 @@ def test_lightning_ckpt_to_shardsafe_and_shardsafe_to_torch_file(tmp_path: Path)
         back["epoch"] == 3
         and back["optimizer_states"][0]["param_groups"] == (opt.state_dict()["param_groups"])
     )
+    # A Lightning checkpoint goes back to Lightning's layout: state_dict, not model.
+    assert sorted(back) == sorted(ckpt)
     for k, v in model.state_dict().items():
-        assert torch.equal(back["model"][k], v), k
+        assert torch.equal(back["state_dict"][k], v), k
     mapped = torch.load(tmp_path / "back.pt", weights_only=True, mmap=True)
-    assert torch.equal(mapped["model"]["0.weight"], model.state_dict()["0.weight"])
+    assert torch.equal(mapped["state_dict"]["0.weight"], model.state_dict()["0.weight"])
 
 
 def test_shardsafe_to_torch_file_has_fqn_keyed_optimizer_state(tmp_path: Path) -> None:

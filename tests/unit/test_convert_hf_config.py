@@ -133,3 +133,36 @@ def test_a_config_that_is_not_a_json_object_is_refused(tmp_path: Path) -> None:
         shardsafe.convert(
             tmp_path / "absent", tmp_path / "out", to="hf", config=tmp_path / "config.json"
         )
+
+
+def test_a_tied_model_from_save_pretrained_loads_strictly(tmp_path: Path) -> None:
+    """GPT-2's save_pretrained leaves out lm_head.weight (tied to the embedding): the tie
+    fills it, so a strict load does not call it missing."""
+    model = gpt2()
+    model.save_pretrained(tmp_path / "hf")
+    shardsafe.convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert "model/lm_head.weight" not in shardsafe.read_manifest(tmp_path / "ckpt").tensors
+    fresh = transformers.GPT2LMHeadModel(model.config).eval()
+    shardsafe.load(tmp_path / "ckpt", {"model": fresh})
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(logits(fresh), logits(model))
+
+
+def test_weights_of_another_dtype_are_refused_with_the_cast_that_loads_them(
+    tmp_path: Path,
+) -> None:
+    model = llama()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    shardsafe.convert(tmp_path / "hf", tmp_path / "ckpt")
+    live = transformers.LlamaForCausalLM(model.config).eval()  # float32
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        shardsafe.load(tmp_path / "ckpt", {"model": live})
+    assert str(refused.value).endswith(
+        "shardsafe never casts as it loads; to load weights saved in another dtype, cast them "
+        'once as you convert: shardsafe.convert(path, new_path, dtype="float32")'
+    )
+    shardsafe.convert(tmp_path / "hf", tmp_path / "cast", dtype="float32")
+    shardsafe.load(tmp_path / "cast", {"model": live})
+    cast = model.to(torch.float32)  # the bfloat16 weights, widened
+    for (name, got), (_, want) in zip(live.named_parameters(), cast.named_parameters()):
+        assert got.dtype == torch.float32 and torch.equal(got, want), name

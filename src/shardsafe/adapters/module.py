@@ -85,7 +85,8 @@ class ModuleAdapter(Adapter):
         return {"tensors": list(names), "extra": extra}
 
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        live = unwrap(obj).state_dict()
+        module = unwrap(obj)
+        live = module.state_dict()
         saved_names = set(_saved_names(saved))
         extra = _extra(saved)
         for name, raw in extra.items():
@@ -98,11 +99,12 @@ class ModuleAdapter(Adapter):
             )
         key = _keys(saved, ctx)
         plan = LoadRequests()
+        tied = _tied_names(module)
         for name, value in live.items():
             if not isinstance(value, torch.Tensor):
                 continue
             if name not in saved_names:
-                if ctx.strict:
+                if ctx.strict and not tied.get(name, set()) & saved_names:
                     plan.missing.append(key(name))
                 continue
             plan.requests.append(_request(key(name), value))
@@ -141,6 +143,19 @@ class ModuleAdapter(Adapter):
             if name in live:
                 state[name] = _tree.decode(raw, {})
         module.load_state_dict(state, strict=False)
+
+
+def _tied_names(module: nn.Module) -> dict[str, set[str]]:
+    """For each parameter shared under several names (tied weights: a language model's
+    output layer and its embedding), the other names. A checkpoint that holds one of them
+    fills them all, so the others are not missing from it: ``save_pretrained`` writes
+    GPT-2 without ``lm_head.weight``."""
+    by_param: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(param), []).append(name)
+    return {
+        name: set(names) - {name} for names in by_param.values() if len(names) > 1 for name in names
+    }
 
 
 def _keys(saved: SavedValue, ctx: LoadContext) -> Callable[[str], str]:

@@ -22,6 +22,8 @@ from ...protocol import Adapter, LoadContext, ReadRequest, SavedValue, param_nam
 from ..format.manifest import Manifest, TensorRecord
 
 _SHOWN = 5
+CASTS = ("bfloat16", "float16", "float32")
+"""The dtypes ``convert(dtype=...)`` casts weights to (``converters/options.py``)."""
 _LISTED = 10
 """Entry names an error lists when the asked one is not in the checkpoint."""
 _COMPARED_CHARS = 256
@@ -168,6 +170,10 @@ def _asked(
                 problems.missing.append(req.key)
         elif issue:
             problems.mismatched.append(issue)
+            saved_dtype = manifest.tensors[req.key].dtype
+            if req.dtype is not None and req.dtype != saved_dtype and saved_dtype.is_floating_point:
+                live = dtypes.dtype_name(req.dtype)
+                problems.castable = live if live in CASTS else problems.castable
         else:
             item.requests.append(req)
     return item
@@ -212,6 +218,8 @@ class _Problems:
     """Entries of the state the checkpoint does not have at all."""
     known: list[str] = field(default_factory=list)
     """The checkpoint's entries, to name in place of an absent one."""
+    castable: str | None = None
+    """A live floating-point dtype some saved weights differ in: the way out is a cast."""
 
     def message(self, strict: bool) -> str:
         lines = [no_entry(name, self.known) for name in self.absent]
@@ -224,6 +232,12 @@ class _Problems:
                 shown = "; ".join(keys[:_SHOWN])
                 more = f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
                 lines.append(f"{title} ({len(keys)}): {shown}{more}")
+        if self.castable is not None:
+            lines.append(
+                "shardsafe never casts as it loads; to load weights saved in another dtype, "
+                f"cast them once as you convert: shardsafe.convert(path, new_path, "
+                f'dtype="{self.castable}")'
+            )
         if self.absent and not strict:
             lines.append("strict=False loads what both sides have: here, nothing at all.")
         elif strict and not self.absent and not self.mismatched:
