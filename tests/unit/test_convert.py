@@ -78,6 +78,24 @@ def test_dcp_to_shardsafe_loads_and_verifies(tmp_path: Path) -> None:
     assert_same_optimizer(fresh_opt, opt)
 
 
+def test_a_dcp_dict_of_scalar_tensors_comes_back_as_a_value(tmp_path: Path) -> None:
+    """Older torchtitan saved ``train_state={"step": tensor}``: plain data, not a module."""
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = trained()
+    step, tokens = torch.tensor(5), torch.tensor(123456)
+    state = {"model": model.state_dict(), "train_state": {"step": step, "tokens": tokens}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    shardsafe.convert(tmp_path / "dcp", tmp_path / "out", progress=False)
+    manifest = shardsafe.read_manifest(tmp_path / "out")
+    assert [manifest.values[n].kind for n in ("model", "train_state")] == ["module", "value"]
+    fresh, _ = trained(seed=1)
+    plain = shardsafe.load(tmp_path / "out", {"model": fresh})
+    assert list(plain) == ["train_state"]
+    assert plain["train_state"] == {"step": step, "tokens": tokens}
+    assert_same(fresh, model)
+
+
 class _Payload:
     def __init__(self, marker: str) -> None:
         self.marker = marker

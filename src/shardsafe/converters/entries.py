@@ -37,10 +37,14 @@ MakeTensor = Callable[[str, torch.Tensor], SourceTensor]
 
 
 def is_module(sub: Any) -> bool:
+    """A module's state dict: tensors by name, one at least not a scalar. A dict of scalars
+    alone (``train_state={"step": tensor(5)}``, as older torchtitan saved it) is plain data,
+    which ``load`` returns as a value, not weights to load into a module."""
     return (
         isinstance(sub, Mapping)
         and bool(sub)
         and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sub.items())
+        and any(v.dim() > 0 for v in sub.values())
     )
 
 
