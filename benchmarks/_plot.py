@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import matplotlib
 
@@ -11,8 +11,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullFormatter
 
-if TYPE_CHECKING:
-    from scaling import Point
+
+class Point(Protocol):
+    """One measured size (``scaling.Point``): what the plot reads of it."""
+
+    world: int
+    results: Any
+
+    @property
+    def total(self) -> int: ...
+
 
 STYLES = {
     "torch": ("torch: consolidate_state_dict + torch.save", "tab:red", "o"),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from . import opcodes
 from .nodes import GLOBAL, NAMES, OBJECT, STR, Refused
 from .policy import Policy
 
@@ -45,35 +44,6 @@ class Machine:
         self.stack: list[int] = []
         self.marks: list[int] = []
         self.memo: dict[int, int] = {}
-
-    def run(self) -> int:
-        """Run to ``STOP``; the node it returns. The opcodes that make up most of a real
-        pickle (memo traffic, short strings, small ints) take one step each, without the
-        general handlers' checks and calls (``opcodes.HOT``): the scan then costs about
-        what torch's own ``weights_only`` unpickler does."""
-        data, hot, general = self.data, opcodes.HOT, opcodes.GENERAL
-        end, pos = len(data), self.pos
-        while pos < end:
-            op = data[pos]
-            step = hot[op]
-            if step is not None:
-                after = step(self, pos)
-                if after > pos:
-                    pos = after
-                    continue
-                self.pos = pos + 1  # it found a problem: the general handler says which
-                general[op](self)
-                raise AssertionError("unreachable: the handler refuses")
-            self.pos = pos + 1
-            if op == 0x2E:  # STOP
-                return self.pop()
-            handler = general.get(op)
-            if handler is None:
-                raise Refused(f"it uses opcode {op:#04x} (at byte {pos}), which is refused")
-            handler(self)
-            pos = self.pos
-        self.pos = pos
-        raise Refused("it ends without a STOP")
 
     # -- the stream
 

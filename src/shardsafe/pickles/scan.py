@@ -35,6 +35,7 @@ in ``policy.py``.
 from __future__ import annotations
 
 from ..errors import CheckpointCorruptError
+from . import opcodes
 from .hashing import worst_collision
 from .machine import Machine
 from .nodes import FROZENSET, OBJECT, TUPLE, Refused
@@ -87,7 +88,7 @@ def scan(data: bytes, where: str, policy: Policy) -> None:
         if len(data) > MAX_PICKLE_BYTES:
             raise Refused(f"it is {len(data)} bytes long (at most {MAX_PICKLE_BYTES})")
         machine = Machine(data, policy)
-        root = machine.run()
+        root = opcodes.run(machine)
         if machine.pos != len(machine.data):
             raise Refused(f"{len(machine.data) - machine.pos} bytes follow its STOP")
         cap = EXPANSION * len(machine.kinds) + BASE_NODES

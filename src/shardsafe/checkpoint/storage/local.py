@@ -14,7 +14,6 @@ import contextlib
 import errno
 import os
 import stat
-from typing import TYPE_CHECKING
 
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .dir_sync import DirectorySync
@@ -29,10 +28,8 @@ from .files import (
     open_regular,
     with_path,
 )
+from .lock_backends import LocalLockBackend
 from .protocol import EntryKind, FileSink
-
-if TYPE_CHECKING:
-    from .lock_backends import LocalLockBackend
 
 
 def commit_temp_name(name: str, pid: int | None = None) -> str:
@@ -258,6 +255,4 @@ class LocalStorage:
 
     def lock_backend(self) -> LocalLockBackend:
         """The lock on a filesystem: claimed by a hard link (``lock_backends.py``)."""
-        from .lock_backends import LocalLockBackend
-
         return LocalLockBackend(self)

@@ -25,13 +25,9 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .files import create_new
-
-if TYPE_CHECKING:
-    from .local import LocalStorage
-    from .object_storage import FsspecStorage
 
 
 class LockBackend(Protocol):
@@ -65,6 +61,22 @@ class LockBackend(Protocol):
         ...
 
 
+class _OpenDirectory(Protocol):
+    """What the local backend needs of its storage (``LocalStorage``): the directory's
+    descriptor, every name opened relative to it."""
+
+    @property
+    def fd(self) -> int: ...
+
+
+class _ObjectPrefix(Protocol):
+    """What the object-store backend needs of its storage (``FsspecStorage``)."""
+
+    def create_exclusive(self, name: str, raw: bytes) -> bool: ...
+    def exists(self, name: str) -> bool: ...
+    def commit(self, name: str, raw: bytes) -> None: ...
+
+
 class LocalLockBackend:
     """A lock file in a directory, claimed by a hard link (see module doc)."""
 
@@ -72,7 +84,7 @@ class LocalLockBackend:
     empty_is_unwritten = True
     conditional: bool | None = True
 
-    def __init__(self, root: LocalStorage) -> None:
+    def __init__(self, root: _OpenDirectory) -> None:
         self.root = root
 
     def create(self, name: str, raw: bytes) -> bool:
@@ -118,7 +130,7 @@ class ObjectLockBackend:
     empty_is_unwritten = False
     """One PUT writes it whole, so an empty lock object is damaged."""
 
-    def __init__(self, root: FsspecStorage) -> None:
+    def __init__(self, root: _ObjectPrefix) -> None:
         self.root = root
         self.conditional: bool | None = None
 

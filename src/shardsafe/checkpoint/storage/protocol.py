@@ -12,10 +12,9 @@ object-store prefix, through fsspec).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from .lock_backends import LockBackend
+from .lock_backends import LockBackend
 
 __all__ = [
     "CacheAvoidingSink",
