@@ -286,13 +286,14 @@ def check_loadable(
     """Refuse, before any data is written, a save whose manifest ``load`` would refuse.
 
     The manifest ``commit`` will write is built now, with the file sizes the plan implies
-    and zeros for the checksums the writers have yet to compute, and given to the very
-    parser ``load``, ``inspect`` and ``verify`` use: what it refuses (metadata nested too
-    deeply for the reader, a data file's header over safetensors' limit, ...) is refused
-    here, with nothing written, and ``commit`` need not parse its manifest again. (A
-    background save checks at the start of its write phase instead, to keep the few
-    milliseconds off the training's stall: rank 0 then writes nothing, and the files
-    other ranks began are removed when the failure is agreed.)
+    and the widest value for each checksum the writers have yet to compute (so that it is
+    at least as large as the one committed, and its size limit holds for that too), and
+    given to the very parser ``load``, ``inspect`` and ``verify`` use: what it refuses
+    (metadata nested too deeply for the reader, a data file's header over safetensors'
+    limit, ...) is refused here, with nothing written, and ``commit`` need not parse its
+    manifest again. (A background save checks at the start of its write phase instead, to
+    keep the few milliseconds off the training's stall: rank 0 then writes nothing, and
+    the files other ranks began are removed when the failure is agreed.)
     """
     planned: dict[str, WrittenFile] = {}
     for fplan in plan.files:
@@ -300,9 +301,10 @@ def check_loadable(
         planned[fplan.name] = {
             "bytes": len(header) + sum(e.nbytes for e in fplan.entries),
             "crc": {
-                e.name: [0] * crc_block_count(e.nbytes, CRC_BLOCK_BYTES) for e in fplan.entries
+                e.name: [_WIDEST_CRC] * crc_block_count(e.nbytes, CRC_BLOCK_BYTES)
+                for e in fplan.entries
             },
-            "header_crc32": 0,
+            "header_crc32": _WIDEST_CRC,
         }
     manifest = manifest_of(plan, entries, [planned], _info(extra_info), CRC_BLOCK_BYTES)
     try:
@@ -312,6 +314,10 @@ def check_loadable(
             f"refusing to save a checkpoint that shardsafe could not load back: {e} "
             "(nothing was written)"
         ) from None
+
+
+_WIDEST_CRC = 0xFFFFFFFF
+"""A CRC32 as large as any: the placeholder ``check_loadable`` gives the checksums."""
 
 
 def _info(extra_info: Mapping[str, Any] | None) -> dict[str, Any]:
