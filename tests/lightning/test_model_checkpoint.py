@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 import shardsafe
 from shardsafe.checkpoint.storage.leftovers import INCOMPLETE_MARKER, marker_bytes
+from shardsafe.checkpoint.storage.placement import QUIET_S
 from tests.lightning.helpers import Net, losses, run
 
 STEP10, STEP15, LAST = "epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt", "last.ckpt"
@@ -126,5 +128,8 @@ def test_what_an_interrupted_save_left_is_cleared_when_the_next_fit_starts(
     (leftover / "manifest.json").unlink()
     data = sorted(p.name for p in leftover.iterdir())
     (leftover / INCOMPLETE_MARKER).write_bytes(marker_bytes(data))
+    then = time.time() - QUIET_S - 1  # long enough ago not to be another run's save
+    for entry in [*leftover.iterdir(), leftover]:
+        os.utime(entry, (then, then))
     run(tmp_path, "--max-steps", "3")
     assert sorted(os.listdir(ckpts)) == []

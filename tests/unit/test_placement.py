@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,9 @@ def test_what_an_interrupted_save_left_is_cleared_and_nothing_else(tmp_path: Pat
     (tmp_path / ".cache.shardsafe-partial").write_text("a file of yours")
     (tmp_path / ".mine").mkdir()
 
+    interrupted = tmp_path / ".epoch=0-step=5.ckpt.shardsafe-partial"
+    assert placement.clear_interrupted(str(tmp_path)) == []  # just written: maybe in progress
+    _age(interrupted, placement.QUIET_S + 1)
     cleared = placement.clear_interrupted(str(tmp_path))
     assert cleared == [".epoch=0-step=5.ckpt.shardsafe-partial"]
     assert sorted(os.listdir(tmp_path)) == [
@@ -147,3 +151,27 @@ def test_what_an_interrupted_save_left_is_cleared_and_nothing_else(tmp_path: Pat
         ".mine",
     ]
     assert placement.clear_interrupted(str(tmp_path / "absent")) == []
+
+
+def test_a_staging_directory_written_to_lately_is_another_runs_save_and_is_kept(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        save_replacing(
+            str(tmp_path / "a.ckpt"), {"w": torch.ones(3)}, SaveOptions(storage=_Interrupted)
+        )
+    staged = tmp_path / ".a.ckpt.shardsafe-partial"
+    _age(staged, placement.QUIET_S + 1)
+    newest = sorted(staged.iterdir())[0]
+    os.utime(newest)  # one file changed now: a save still writing it
+    assert placement.clear_interrupted(str(tmp_path)) == []
+    assert placement.clear_interrupted(str(tmp_path), quiet_for=0) == [staged.name]
+    assert os.listdir(tmp_path) == []
+
+
+def _age(directory: Path, seconds: float) -> None:
+    """Set the modification time of ``directory`` and what is in it ``seconds`` back."""
+    then = time.time() - seconds
+    for entry in directory.iterdir():
+        os.utime(entry, (then, then), follow_symlinks=False)
+    os.utime(directory, (then, then))

@@ -34,6 +34,7 @@ import errno
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ from .removal import delete_checkpoint, foreign_entries
 from .target_directory import remove_uncommitted
 
 STAGING_SUFFIX = ".shardsafe-partial"
+QUIET_S = 300.0
+"""A staging directory unchanged this long is not a save in progress (``clear_interrupted``)."""
 _STAGING = re.compile(r"\..+" + re.escape(STAGING_SUFFIX) + r"(-[0-9]+)?")
 LIGHTNING_SUFFIX = ".ckpt"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -107,30 +110,40 @@ class Placement:
             _delete_committed_leftovers(parent, self.name)
 
 
-def clear_interrupted(parent: str) -> list[str]:
+def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
     """Delete the staging directories of saves into ``parent`` that never committed (a run
     interrupted mid-save, by Ctrl-C or a kill), by the rules of ``target_directory``: only
-    what such a save wrote, and the directory only if that empties it. Committed ones (a
-    crash between the commit and the rename) are kept: each is a whole checkpoint, deleted
-    after the next successful save of its name. Returns the names deleted."""
+    what such a save wrote, and the directory only if that empties it. One whose files
+    changed in the last ``quiet_for`` seconds is left alone: it may be another run's save
+    in progress (two runs sharing a directory). Committed ones (a crash between the commit
+    and the rename) are kept: each is a whole checkpoint, deleted after the next
+    successful save of its name. Returns the names deleted."""
     cleared: list[str] = []
-    try:
-        root = LocalStorage(parent, follow=True)
-        names = root.names()
-    except (OSError, CheckpointError):
-        return cleared  # no directory yet: nothing was interrupted there
+    root = LocalStorage(parent, follow=True)
     with root:
+        try:
+            names = root.names()
+        except (OSError, CheckpointError):
+            return cleared  # no directory yet: nothing was interrupted there
         for name in names:
             if _STAGING.fullmatch(name) is None or root.kind(name) != "directory":
                 continue
             with contextlib.suppress(OSError, CheckpointError):
                 with root.child(name) as staged:
-                    if staged.exists(MANIFEST_NAME):
+                    if staged.exists(MANIFEST_NAME) or _changed_within(staged, quiet_for):
                         continue
                     remove_uncommitted(staged)
                 if root.kind(name) is None:
                     cleared.append(name)
     return cleared
+
+
+def _changed_within(directory: LocalStorage, seconds: float) -> bool:
+    """Whether the directory or a name in it was modified in the last ``seconds``."""
+    newest = os.stat(".", dir_fd=directory.fd).st_mtime
+    for name in directory.names():
+        newest = max(newest, os.stat(name, dir_fd=directory.fd, follow_symlinks=False).st_mtime)
+    return time.time() - newest < seconds
 
 
 def _staging_names(name: str) -> list[str]:
