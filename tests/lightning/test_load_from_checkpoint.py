@@ -180,3 +180,49 @@ def test_a_ckpt_converted_to_shardsafe_and_back_is_a_lightning_ckpt_again(tmp_pa
     assert sorted(back) == sorted(original)
     module = Regression.load_from_checkpoint(tmp_path / "b.ckpt")
     assert_same(module, trained.state_dict())
+
+
+class Renaming(Regression):
+    """Saved its weights under other names (an ``on_save_checkpoint`` edit) and renames
+    them back when loading, as a module migrating its checkpoints does."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["state_dict"]
+        checkpoint["state_dict"] = {k.removeprefix("old."): v for k, v in state.items()}
+
+
+def test_a_state_dict_a_hook_edited_is_loaded_after_on_load_checkpoint(tmp_path: Path) -> None:
+    trained = Regression("plain", lr=0.2)
+    with torch.no_grad():
+        trained.net[0].weight.add_(1.0)
+    edited = {f"old.{k}": v for k, v in trained.state_dict().items()}
+    lightning_part = {"hyper_parameters": dict(trained.hparams), "state_dict": edited}
+    shardsafe.save(tmp_path / "c", {"lightning": lightning_part})
+    module = load_from_checkpoint(Renaming, tmp_path / "c")
+    assert_same(module, trained.state_dict())
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "old\.net'):
+        load_from_checkpoint(Regression, tmp_path / "c")  # no hook to rename them back
+
+
+class Grouped(pl.LightningModule):
+    """Keeps its hyper-parameters as one argument (``hparams_name`` = "config")."""
+
+    def __init__(self, config: dict[str, Any], width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(2, width)
+
+
+def test_keyword_arguments_reach_init_beside_hyper_parameters_kept_as_one(
+    tmp_path: Path,
+) -> None:
+    saved = Grouped({"lr": 0.1}, width=3)
+    lightning_part = {
+        "hyper_parameters": {"lr": 0.1},
+        "hparams_name": "config",
+    }
+    shardsafe.save(tmp_path / "c", {"model": saved, "lightning": lightning_part})
+    module = load_from_checkpoint(Grouped, tmp_path / "c", width=3)
+    assert module.layer.out_features == 3
+    assert module.hparams["config"]["lr"] == 0.1
+    assert torch.equal(module.layer.weight, saved.layer.weight)

@@ -10,9 +10,13 @@ loaded with ``strict`` (default: the module's ``strict_loading``). Differences, 
 the better or unavoidable: the weights are read straight into the new module, by name,
 with every byte's checksum verified, and never unpickled; so edits an
 ``on_load_checkpoint`` hook makes to ``checkpoint["state_dict"]`` are not applied (the
-hook sees the new module's own state dict). One process, no process group; any path
-``shardsafe.load`` takes, ``s3://`` included. A ``.ckpt`` file is handed to Lightning's
-own ``load_from_checkpoint``.
+hook sees the new module's own state dict), except for a checkpoint whose state dict an
+``on_save_checkpoint`` hook edited: that one is saved as a dict, and loaded as Lightning
+does, after the hook. One process, no process group; any path
+``shardsafe.load`` takes, ``s3://`` included. The module stays on the CPU unless
+``map_location`` names a device (Lightning's moves it to the device its tensors were saved
+from); hyper-parameters LightningCLI wrote for its instantiator (``_instantiator``) are
+not followed. A ``.ckpt`` file is handed to Lightning's own ``load_from_checkpoint``.
 """
 
 from __future__ import annotations
@@ -67,15 +71,17 @@ def load_from_checkpoint(
         hparams = _hparams_from_file(os.fspath(hparams_file))
     hparams.update(kwargs)
     checkpoint[_HPARAMS] = hparams
-    module: Any = cls(**_init_kwargs(cls, hparams, checkpoint.get(_HPARAMS_NAME)))
+    init = _init_kwargs(cls, hparams, checkpoint.get(_HPARAMS_NAME), kwargs)
+    module: Any = cls(**init)
     strict = getattr(module, "strict_loading", True) if strict is None else strict
-    edited = checkpoint.pop(STATE_DICT, None)
-    checkpoint[STATE_DICT] = module.state_dict()
+    edited = STATE_DICT in checkpoint  # an on_save_checkpoint hook edited it: saved as such
+    if not edited:
+        checkpoint[STATE_DICT] = module.state_dict()  # what the hook sees; loaded in place
     module.on_load_checkpoint(checkpoint)
-    if edited is None:  # the usual case: the module itself was saved, as entry "model"
+    if edited:  # as Lightning does: what the hook left in the dict
+        module.load_state_dict(checkpoint[STATE_DICT], strict=strict)
+    else:  # the usual case: the module itself was saved, as entry "model"
         load(path, {MODEL: module}, strict=strict)
-    else:  # an on_save_checkpoint hook had edited the state dict: it was saved as edited
-        module.load_state_dict(edited, strict=strict)
     result: Module = module.to(map_location) if map_location is not None else module
     return result
 
@@ -101,14 +107,17 @@ def _hparams_from_file(path: str) -> dict[str, Any]:
     raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
 
 
-def _init_kwargs(cls: type[Any], hparams: dict[str, Any], name: Any) -> dict[str, Any]:
-    """What Lightning passes to ``cls.__init__``: every hyper-parameter, or those it names;
-    all under one argument if the module saved them as one (``hparams_name``)."""
+def _init_kwargs(
+    cls: type[Any], hparams: dict[str, Any], name: Any, given: dict[str, Any]
+) -> dict[str, Any]:
+    """What Lightning passes to ``cls.__init__``: every hyper-parameter (all under one
+    argument if the module saved them as one, ``hparams_name``), then the keyword
+    arguments given; only those ``__init__`` names unless it takes ``**kwargs``."""
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     named = {p.name for p in parameters if p.kind not in variadic}
-    if isinstance(name, str) and name in named:
-        return {name: hparams}
+    init = {name: hparams} if isinstance(name, str) and name in named else dict(hparams)
+    init.update(given)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return hparams
-    return {k: v for k, v in hparams.items() if k in named}
+        return init
+    return {k: v for k, v in init.items() if k in named}
