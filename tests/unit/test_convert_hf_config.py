@@ -135,6 +135,21 @@ def test_a_config_that_is_not_a_json_object_is_refused(tmp_path: Path) -> None:
         )
 
 
+class ListConfig:
+    """A config object whose ``to_dict`` does not give a dict."""
+
+    def to_dict(self) -> list[str]:
+        return ["a", "list"]
+
+
+def test_a_config_object_that_gives_no_json_object_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"the config\.json to write is not a JSON object but list"
+    ):
+        shardsafe.convert(tmp_path / "absent", tmp_path / "out", to="hf", config=ListConfig())
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tied_model_from_save_pretrained_loads_strictly(tmp_path: Path) -> None:
     """GPT-2's save_pretrained leaves out lm_head.weight (tied to the embedding): the tie
     fills it, so a strict load does not call it missing."""

@@ -89,6 +89,8 @@ def _read(path: str, name: str) -> bytes:
 
 
 def _dumped(doc: Any, name: str) -> bytes:
+    if not isinstance(doc, dict):
+        raise ValueError(f"the {name} to write is not a JSON object but {type(doc).__name__}")
     try:
         text = json.dumps(doc, indent=2, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
