@@ -1,0 +1,51 @@
+"""Where a prepared dataloader is in its data: what decides the order of its next batches.
+
+Accelerate's ``save_state`` keeps a dataloader's sampler only for iterable datasets, and
+its ``state_dict`` only with ``use_stateful_dataloader``. Kept here, for every prepared
+dataloader: its epoch counter (``iteration``, which reseeds the shuffle at each epoch), a
+``SeedableRandomSampler``'s seed and epoch, and with a stateful dataloader its own
+``state_dict`` (the position inside the epoch). Without a stateful dataloader, skip the
+batches already seen inside the epoch with ``accelerator.skip_first_batches``, as with
+Accelerate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DataLoaderPosition:
+    """A prepared dataloader's position, as a stateful object shardsafe saves."""
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"iteration": int(getattr(self.dataloader, "iteration", 0))}
+        sampler = _seedable_sampler(self.dataloader)
+        if sampler is not None:
+            state["sampler"] = {"epoch": int(sampler.epoch), "seed": int(sampler.initial_seed)}
+        if getattr(self.dataloader, "use_stateful_dataloader", False):
+            state["dataloader"] = self.dataloader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if hasattr(self.dataloader, "set_epoch"):
+            self.dataloader.set_epoch(int(state["iteration"]))
+        sampler = _seedable_sampler(self.dataloader)
+        if sampler is not None and "sampler" in state:
+            sampler.initial_seed = int(state["sampler"]["seed"])
+            sampler.epoch = int(state["sampler"]["epoch"])
+        if "dataloader" in state and getattr(self.dataloader, "use_stateful_dataloader", False):
+            self.dataloader.load_state_dict(state["dataloader"])
+
+    def __repr__(self) -> str:
+        return f"DataLoaderPosition({type(self.dataloader).__name__})"
+
+
+def _seedable_sampler(dataloader: Any) -> Any:
+    from accelerate.data_loader import SeedableRandomSampler
+
+    get = getattr(dataloader, "get_sampler", None)
+    sampler = get() if callable(get) else None
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None

@@ -1,0 +1,191 @@
+"""The state an ``Accelerator`` holds, as one shardsafe state dict, and its save and load.
+
+Accelerate keeps what ``prepare`` and ``register_for_checkpointing`` gave it in lists
+(``_models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``, ``_custom_objects``);
+its own ``save_state`` reads the same lists, so this module follows them in the same
+order and names the entries as Accelerate names its files (``model``, ``model_1``, ...).
+Each object goes to the adapter shardsafe has for it: a prepared model (DDP, or FSDP2
+through Accelerate's FSDP plugin) is saved by parameter name, each rank writing its part;
+an ``AcceleratedOptimizer`` is looked through to the optimizer inside it (a wrapped
+``ZeroRedundancyOptimizer`` saves sharded); schedulers and the scaler by their
+``state_dict``; every rank's RNGs with :class:`shardsafe.RNGState`.
+
+Accelerate's ``register_save_state_pre_hook``/``register_load_state_pre_hook`` hooks are
+refused, not skipped: they write and read files in Accelerate's own directory layout, so
+running them beside a shardsafe save would write files the manifest does not cover, and
+not running them would lose what they save without a word.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any, Literal, overload
+
+from ..adapters import RNGState
+from ..checkpoint import api
+from ..checkpoint.background import SaveHandle
+from ..checkpoint.manager import CheckpointManager
+from ..errors import CheckpointNotFoundError
+from .positions import DataLoaderPosition
+
+STEP = "accelerator_step"
+"""The entry holding ``accelerator.step`` (gradient-accumulation steps taken)."""
+
+
+def state_of(accelerator: Any) -> dict[str, Any]:
+    """Everything ``accelerator.save_state()`` would save, as a shardsafe state dict (the
+    live objects, not copies): pass it to ``shardsafe.save``, ``async_save``, a
+    ``CheckpointManager`` or a ``TieredCheckpointManager``, on every process, and to their
+    loads to restore it; then set ``accelerator.step`` from the ``"accelerator_step"``
+    value ``load`` returns (``load_state`` does all of this)."""
+    _refuse_fsdp1(accelerator)
+    state: dict[str, Any] = {}
+    state.update(_numbered("model", accelerator._models))
+    state.update(_numbered("optimizer", accelerator._optimizers))
+    state.update(_numbered("scheduler", accelerator._schedulers))
+    state.update(_numbered("dataloader", [DataLoaderPosition(d) for d in accelerator._dataloaders]))
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    state.update({f"custom_checkpoint_{i}": o for i, o in enumerate(accelerator._custom_objects)})
+    state["rng"] = RNGState()
+    state[STEP] = int(accelerator.step)
+    return state
+
+
+@overload
+def save_state(
+    accelerator: Any,
+    output_dir: str | os.PathLike[str] | None = None,
+    *,
+    async_save: Literal[False] = False,
+    **options: Any,
+) -> str: ...
+
+
+@overload
+def save_state(
+    accelerator: Any,
+    output_dir: str | os.PathLike[str] | None = None,
+    *,
+    async_save: Literal[True],
+    **options: Any,
+) -> SaveHandle: ...
+
+
+def save_state(
+    accelerator: Any,
+    output_dir: str | os.PathLike[str] | None = None,
+    *,
+    async_save: bool = False,
+    **options: Any,
+) -> str | SaveHandle:
+    """``accelerator.save_state(output_dir)`` as a shardsafe checkpoint; on every process.
+
+    ``output_dir`` may be a local path or a URL (``s3://bucket/run/step-100``). Without
+    one, and with ``ProjectConfiguration(automatic_checkpoint_naming=True)``, the
+    checkpoint is step ``iteration`` of a :class:`shardsafe.CheckpointManager` over
+    ``project_dir/checkpoints`` that keeps ``total_limit`` of them (all if unset), and
+    ``iteration`` goes up by one, as Accelerate's does. ``async_save=True`` stages the
+    state now, writes it in the background and returns the ``SaveHandle`` (its
+    ``wait()`` gives the path); otherwise the path is returned once committed.
+    ``options`` are ``shardsafe.save``'s (``layout``, ``storage_options``, ...)."""
+    _refuse_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook")
+    state = state_of(accelerator)
+    if output_dir is None:
+        manager = _manager(accelerator)
+        config = accelerator.project_configuration
+        step = int(config.iteration)
+        if async_save:
+            handle = manager.async_save(step, state, **options)
+        else:
+            manager.save(step, state, **options)
+        config.iteration = step + 1
+        return handle if async_save else manager.path_for(step)
+    path = os.fspath(output_dir)
+    if async_save:
+        return api.async_save(path, state, **options)
+    api.save(path, state, **options)
+    return path
+
+
+def load_state(
+    accelerator: Any, input_dir: str | os.PathLike[str] | None = None, **options: Any
+) -> dict[str, Any]:
+    """``accelerator.load_state(input_dir)`` for a checkpoint :func:`save_state` wrote, on
+    every process, at any number of processes (models and optimizers are resharded; each
+    process's RNGs come back at the same number of processes). Sets ``accelerator.step``.
+    Without ``input_dir``, and with automatic checkpoint naming, loads the newest complete
+    checkpoint in ``project_dir/checkpoints`` and sets ``iteration`` to the one after it,
+    so that the next save does not collide with it. ``options`` are ``shardsafe.load``'s
+    (``strict``, ``verify``, ...). Returns the plain values saved."""
+    _refuse_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook")
+    state = state_of(accelerator)
+    if input_dir is None:
+        manager = _manager(accelerator)
+        values = manager.load_latest(state, **options)
+        if values is None:
+            raise CheckpointNotFoundError(
+                f"no complete checkpoint in {manager.root} to load: save one first, or pass "
+                "input_dir"
+            )
+        newest = manager.latest()
+        assert newest is not None  # load_latest just loaded it
+        accelerator.project_configuration.iteration = _step_of(newest) + 1
+    else:
+        values = api.load(os.fspath(input_dir), state, **options)
+    accelerator.step = int(values.get(STEP, 0))
+    return values
+
+
+_MANAGERS: weakref.WeakKeyDictionary[Any, CheckpointManager] = weakref.WeakKeyDictionary()
+
+
+def _manager(accelerator: Any) -> CheckpointManager:
+    """The accelerator's manager of ``project_dir/checkpoints``, one per accelerator (it
+    holds the root's lock, and the save in flight, for the run)."""
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        raise ValueError(
+            "no output_dir given and automatic checkpoint naming is off: pass a directory, "
+            "or build the Accelerator with ProjectConfiguration(project_dir=..., "
+            "automatic_checkpoint_naming=True)"
+        )
+    manager = _MANAGERS.get(accelerator)
+    if manager is None:
+        root = os.path.join(accelerator.project_dir, "checkpoints")
+        manager = CheckpointManager(root, keep_last=config.total_limit)
+        _MANAGERS[accelerator] = manager
+    return manager
+
+
+def _step_of(path: str) -> int:
+    return int(path.rstrip("/").rsplit("-", 1)[-1])
+
+
+def _numbered(name: str, objects: Sequence[Any]) -> dict[str, Any]:
+    """``model``, ``model_1``, ...: Accelerate's names for its files, as entry names."""
+    return {name if i == 0 else f"{name}_{i}": o for i, o in enumerate(objects)}
+
+
+def _refuse_hooks(hooks: Any, registered_with: str) -> None:
+    if hooks:
+        raise ValueError(
+            f"the accelerator has {len(hooks)} hook(s) registered with {registered_with}: "
+            "they save or load files in Accelerate's own layout, which a shardsafe "
+            "checkpoint does not have. Register what they save with "
+            "accelerator.register_for_checkpointing (any object with state_dict and "
+            "load_state_dict), and remove the hooks"
+        )
+
+
+def _refuse_fsdp1(accelerator: Any) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for model in accelerator._models:
+        if isinstance(model, FullyShardedDataParallel):
+            raise ValueError(
+                "a model is wrapped in FSDP1 (FullyShardedDataParallel), which shardsafe "
+                "does not save: use FSDP2, FullyShardedDataParallelPlugin(fsdp_version=2)"
+            )

@@ -1,0 +1,166 @@
+"""An Accelerate training script saved and resumed with ``shardsafe.accelerate``; run by
+``accelerate launch`` on 2 CPU processes from ``test_accelerate.py``.
+
+It trains a small regression for ``--steps`` steps over a shuffled dataloader (seedable
+sampler, 8 batches per epoch per process), an ``AdamW`` (optionally inside a
+``ZeroRedundancyOptimizer``), a ``StepLR`` and a registered custom object, and writes
+each step's loss. ``--save-at K`` saves after step K (``--async-save``: in the
+background); ``--resume DIR`` loads DIR first and continues from its step, skipping the
+batches already seen in that epoch, as Accelerate's examples do. ``--dump FILE`` writes
+(rank 0, safetensors) the model's and the whole optimizer's tensors and the scheduler's
+learning rate right after the first save, or right after the load: what the tests compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import ProjectConfiguration, set_seed
+from safetensors.torch import save_file
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from shardsafe.accelerate import load_state, save_state
+
+BATCHES_PER_EPOCH = 8
+
+
+class Counter:
+    """A registered custom object: Accelerate's ``register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"]
+
+
+def dump(path: str, accelerator: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
+    """The state a resumed run must have, as tensors named by parameter (``model.``) and
+    by parameter index (``optimizer.``, the whole optimizer's, consolidated from ZeRO)."""
+    inner = optimizer.optimizer
+    if isinstance(inner, ZeroRedundancyOptimizer):
+        inner.consolidate_state_dict(to=0)
+    if not accelerator.is_main_process:
+        return
+    tensors = {
+        f"model.{k}": v.detach().clone()
+        for k, v in accelerator.unwrap_model(model).state_dict().items()
+    }
+    for index, state in inner.state_dict()["state"].items():
+        for name, value in state.items():
+            tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).clone()
+    tensors["scheduler.lr"] = torch.tensor(scheduler.get_last_lr())
+    save_file(tensors, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--save-at", type=int, action="append", default=[])
+    parser.add_argument("--save-dir")
+    parser.add_argument("--resume")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--zero", action="store_true")
+    parser.add_argument("--project-dir")
+    parser.add_argument("--total-limit", type=int)
+    parser.add_argument("--dump")
+    args = parser.parse_args()
+
+    project = ProjectConfiguration(
+        project_dir=args.project_dir,
+        automatic_checkpoint_naming=args.project_dir is not None,
+        total_limit=args.total_limit,
+    )
+    accelerator = Accelerator(
+        cpu=True,
+        # Accelerate's own device placement reads optimizer.state_dict(), which a ZeRO
+        # optimizer refuses on every rank; on the CPU there is nothing to place anyway.
+        device_placement=not args.zero,
+        project_config=project,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    train(accelerator, args)
+    # The model (its DDP reducer) goes before the process group: dropped after it, the
+    # reducer would destroy the gloo group while holding the GIL that the group's worker
+    # thread waits for (a torch deadlock at exit, seen here 1 run in 3).
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
+
+
+def train(accelerator: Any, args: argparse.Namespace) -> None:
+    set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if args.zero:
+        optimizer: Any = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=0.01, weight_decay=0.1
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator)
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+
+    step = 0
+    if args.resume is not None:
+        values = load_state(accelerator, None if args.resume == "auto" else args.resume)
+        step = counter.seen
+        accelerator.print(f"resumed at step {step}: {sorted(values)}")
+        if args.dump:
+            dump(args.dump, accelerator, model, optimizer, scheduler)
+    losses: dict[int, float] = {}
+    handles = []
+    while step < args.steps:
+        skip = step % BATCHES_PER_EPOCH
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        for x, y in batches:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            counter.seen = step
+            losses[step] = loss.item()
+            if step in args.save_at:
+                where = None if args.save_dir is None else f"{args.save_dir}/step-{step}"
+                saved = save_state(accelerator, where, async_save=args.async_save)
+                handles.append(saved)
+                if args.dump and len(handles) == 1:
+                    dump(args.dump, accelerator, model, optimizer, scheduler)
+            if step == args.steps:
+                break
+        if skip:  # the skipping loader does not move the epoch on: the loader it wraps does
+            loader.set_epoch(loader.iteration + 1)
+    for handle in handles:
+        if not isinstance(handle, str):
+            handle.wait()
+    if accelerator.is_main_process:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "losses": losses,
+                    "step": accelerator.step,
+                    "processes": accelerator.num_processes,
+                },
+                f,
+            )
+
+
+if __name__ == "__main__":
+    main()

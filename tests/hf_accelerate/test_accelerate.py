@@ -1,0 +1,150 @@
+"""``shardsafe.accelerate``: an Accelerate script saved and resumed under ``accelerate
+launch`` on 2 CPU processes (gloo), checked as Accelerate's own checkpoint tests check
+``save_state``/``load_state``: the training continues with bitwise-equal losses; models,
+optimizers, schedulers, registered objects and the dataloader's epoch come back; the
+automatic naming keeps ``total_limit`` checkpoints and ``load_state()`` finds the newest;
+an object that cannot be saved is refused. Beyond Accelerate: a ZeRO optimizer prepared
+by Accelerate saves sharded, the save can run in the background, nothing is pickled, and
+a checkpoint loads at another number of processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from tests.harness import free_port
+
+accelerate = pytest.importorskip("accelerate")
+from safetensors.torch import load_file  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 28  # three epochs and a half of 8 batches per process
+SAVE_AT = 11  # inside the second epoch
+
+
+def launch(tmp_path: Path, name: str, *args: str | Path, processes: int = 2) -> dict[str, Any]:
+    """``accelerate launch`` of the script on ``processes`` CPU processes; what rank 0 wrote."""
+    out = tmp_path / f"{name}.json"
+    argv = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu" if processes > 1 else "--cpu",
+        "--num_processes", str(processes), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        "-m", "tests.hf_accelerate.accelerate_script",
+        "--out", str(out), "--steps", str(STEPS), *map(str, args),
+    ]  # fmt: skip
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        argv, cwd=root, env=env, capture_output=True, text=True, timeout=200, check=False
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["log"] = done.stdout + done.stderr
+    return result
+
+
+def assert_continues(whole: dict[str, Any], resumed: dict[str, Any], after: int) -> None:
+    """The resumed run's losses are the uninterrupted run's, bit for bit, for every step."""
+    expected = {k: v for k, v in whole["losses"].items() if int(k) > after}
+    assert resumed["losses"] == expected
+    assert sorted(map(int, resumed["losses"])) == list(range(after + 1, STEPS + 1))
+
+
+def assert_same_tensors(actual: Path, expected: Path) -> None:
+    a, e = load_file(actual), load_file(expected)
+    assert sorted(a) == sorted(e)
+    for name in e:
+        assert torch.equal(a[name], e[name]), name
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """An uninterrupted 2-process run with plain AdamW that saved at step 11."""
+    root = tmp_path_factory.mktemp("plain")
+    whole = launch(
+        root, "whole", "--save-at", str(SAVE_AT), "--save-dir", root / "ckpts",
+        "--dump", root / "saved.safetensors",
+    )  # fmt: skip
+    return root, whole
+
+
+def test_a_resumed_run_continues_bitwise_and_nothing_is_pickled(
+    plain_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, whole = plain_run
+    path = root / "ckpts" / f"step-{SAVE_AT}"
+    report = shardsafe.inspect(path)
+    assert sorted(v.name for v in report.values) == sorted(
+        [
+            "model", "optimizer", "scheduler", "dataloader", "custom_checkpoint_0", "rng",
+            "accelerator_step",
+        ]
+    )  # fmt: skip
+    assert not [p for p in path.iterdir() if p.suffix in {".bin", ".pkl", ".pt"}]
+    assert shardsafe.verify(path).ok
+    resumed = launch(
+        tmp_path, "resumed", "--resume", path, "--dump", tmp_path / "loaded.safetensors"
+    )
+    assert_same_tensors(tmp_path / "loaded.safetensors", root / "saved.safetensors")
+    assert_continues(whole, resumed, SAVE_AT)
+
+
+def test_a_two_process_checkpoint_loads_into_one_process(
+    plain_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, _ = plain_run
+    launch(
+        tmp_path, "one", "--resume", root / "ckpts" / f"step-{SAVE_AT}",
+        "--dump", tmp_path / "loaded.safetensors", "--steps", str(SAVE_AT), processes=1,
+    )  # fmt: skip
+    assert_same_tensors(tmp_path / "loaded.safetensors", root / "saved.safetensors")
+
+
+def test_a_zero_optimizer_accelerate_prepared_saves_sharded_in_the_background(
+    tmp_path: Path,
+) -> None:
+    whole = launch(
+        tmp_path, "whole", "--zero", "--async-save", "--save-at", str(SAVE_AT),
+        "--save-dir", tmp_path / "ckpts", "--dump", tmp_path / "saved.safetensors",
+    )  # fmt: skip
+    path = tmp_path / "ckpts" / f"step-{SAVE_AT}"
+    report = shardsafe.inspect(path)
+    moments = [t for t in report.tensors if t.key.startswith("optimizer/") and "exp_avg" in t.key]
+    assert {t.writers for t in moments} == {(0,), (1,)}  # each wrote its own ZeRO partition
+    resumed = launch(tmp_path, "resumed", "--zero", "--resume", path)
+    assert_continues(whole, resumed, SAVE_AT)
+    launch(
+        tmp_path, "plain", "--resume", path, "--dump", tmp_path / "plain.safetensors",
+        "--steps", str(SAVE_AT), processes=1,
+    )  # fmt: skip
+    assert_same_tensors(tmp_path / "plain.safetensors", tmp_path / "saved.safetensors")
+
+
+def test_automatic_naming_keeps_total_limit_and_load_state_finds_the_newest(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    whole = launch(
+        tmp_path, "whole", "--project-dir", project, "--total-limit", "2",
+        *[a for step in (4, 8, SAVE_AT) for a in ("--save-at", str(step))],
+    )  # fmt: skip
+    checkpoints = project / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["latest", "step-000000001", "step-000000002"]
+    resumed = launch(
+        tmp_path, "resumed", "--project-dir", project, "--total-limit", "2", "--resume", "auto",
+        "--save-at", "20",
+    )  # fmt: skip
+    assert f"resumed at step {SAVE_AT}" in resumed["log"]
+    assert_continues(whole, resumed, SAVE_AT)
+    assert sorted(os.listdir(checkpoints))[-2:] == ["step-000000002", "step-000000003"]

@@ -1,0 +1,102 @@
+"""``shardsafe.accelerate`` in one process: what it refuses, and how, before anything is
+written; and objects registered for checkpointing saved by the adapter that fits them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from shardsafe.accelerate import load_state, save_state, state_of  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def accelerator() -> Iterator[Any]:
+    """A one-process CPU Accelerator, its process-wide singletons reset afterwards."""
+    made = accelerate.Accelerator(cpu=True)
+    yield made
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def prepared(accelerator: Any) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_state_hooks_are_refused_with_the_way_out(accelerator: Any, tmp_path: Path) -> None:
+    prepared(accelerator)
+    handle = accelerator.register_save_state_pre_hook(lambda models, weights, out: None)
+    with pytest.raises(ValueError) as refused:
+        save_state(accelerator, tmp_path / "c")
+    assert str(refused.value) == (
+        "the accelerator has 1 hook(s) registered with register_save_state_pre_hook: they "
+        "save or load files in Accelerate's own layout, which a shardsafe checkpoint does "
+        "not have. Register what they save with accelerator.register_for_checkpointing (any "
+        "object with state_dict and load_state_dict), and remove the hooks"
+    )
+    assert not (tmp_path / "c").exists()
+    handle.remove()
+    save_state(accelerator, tmp_path / "c")
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: None)
+    with pytest.raises(ValueError, match="1 hook\\(s\\) registered with register_load_state"):
+        load_state(accelerator, tmp_path / "c")
+
+
+def test_no_directory_and_no_automatic_naming_is_refused(accelerator: Any) -> None:
+    prepared(accelerator)
+    with pytest.raises(ValueError, match="no output_dir given and automatic checkpoint naming"):
+        save_state(accelerator)
+    with pytest.raises(ValueError, match="no output_dir given and automatic checkpoint naming"):
+        load_state(accelerator)
+
+
+def test_a_registered_module_is_saved_by_parameter_name_and_restored(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    """A model registered rather than prepared (one sharded by hand, say) is a module to
+    shardsafe: its tensors by name, resharded on load, not one pickled state dict."""
+    model, _ = prepared(accelerator)
+    extra = torch.nn.Linear(2, 2)
+    accelerator.register_for_checkpointing(extra)
+    saved = {k: v.clone() for k, v in extra.state_dict().items()}
+    save_state(accelerator, tmp_path / "c")
+    keys = {t.key for t in shardsafe.inspect(tmp_path / "c").tensors}
+    assert {"custom_checkpoint_0/weight", "custom_checkpoint_0/bias"} <= keys
+    assert "optimizer/model.weight/momentum_buffer" in keys  # by parameter name, not index
+    with torch.no_grad():
+        extra.weight.zero_()
+        model.weight.zero_()
+    accelerator.step = 7
+    values = load_state(accelerator, tmp_path / "c")
+    assert values == {"accelerator_step": 0}
+    assert accelerator.step == 0
+    assert torch.equal(extra.weight, saved["weight"])
+    assert not torch.equal(model.weight, torch.zeros_like(model.weight))
+
+
+def test_the_state_lists_what_accelerate_saves_in_its_order(accelerator: Any) -> None:
+    model, optimizer = prepared(accelerator)
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer, 2))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
+    state = state_of(accelerator)
+    assert list(state) == [
+        "model", "optimizer", "scheduler", "dataloader", "rng", "accelerator_step",
+    ]  # fmt: skip
+    assert state["model"] is model and state["optimizer"] is optimizer
+    assert state["scheduler"] is scheduler and state["dataloader"].dataloader is loader
