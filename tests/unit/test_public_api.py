@@ -205,3 +205,19 @@ def test_a_wrong_string_option_fails_at_once_naming_the_allowed_ones(
             LoadOptions(**options)  # type: ignore[arg-type]
         else:
             shardsafe.convert("nowhere", "nothing", **options)  # type: ignore[arg-type]
+
+
+def test_the_integrations_offer_exactly_their_entry_points() -> None:
+    """Each integration's surface is its ``__all__``, pinned here (imported lazily: the
+    integration's own package is needed only by those who use it)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("pytorch_lightning")
+    import shardsafe.accelerate as accelerate_integration
+    import shardsafe.lightning as lightning_integration
+
+    assert sorted(accelerate_integration.__all__) == ["load_state", "save_state", "state_of"]
+    assert sorted(lightning_integration.__all__) == [
+        "ShardsafeDDPStrategy",
+        "ShardsafeModelParallelStrategy",
+        "load_from_checkpoint",
+    ]
