@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe.lightning import ShardsafeDDPStrategy, _namespace, checks, cleanup, state
+from shardsafe.checkpoint import LoadOptions
+from shardsafe.lightning import ShardsafeDDPStrategy, _namespace, checks, cleanup, restore, state
 
 
 def lightning_dict(model_state: Any, optimizers: int = 1) -> dict[str, Any]:
@@ -55,6 +56,33 @@ def test_a_state_dict_edited_by_a_hook_is_saved_as_edited(tmp_path: Path) -> Non
     shardsafe.save(tmp_path / "ckpt", saved)
     loaded = shardsafe.load(tmp_path / "ckpt", {})["lightning"]["state_dict"]
     assert list(loaded) == ["weight"] and torch.equal(loaded["weight"], module.weight)
+
+
+def test_an_edited_state_dict_beside_an_optimizer_saves_and_restores(tmp_path: Path) -> None:
+    """The optimizer's state is keyed by the module's parameter names, so the module is
+    saved too; on load the module is restored, but left for Lightning to load the edited
+    dict into after on_load_checkpoint (``Restored.model`` false)."""
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.ones(3, 2)).sum().backward()
+    optimizer.step()
+    record = state.StateDictRecord()
+    model_state = {f"renamed.{k}": v for k, v in record.record(module.state_dict()).items()}
+    saved = state.save_state(lightning_dict(model_state), module, [optimizer], record)
+    assert list(saved) == ["model", "optimizer", "lightning"]
+    shardsafe.save(tmp_path / "ckpt", saved)
+    fresh = nn.Linear(2, 1)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    checkpoint, restored = restore.load_directory(
+        str(tmp_path / "ckpt"), fresh, [fresh_optimizer], LoadOptions()
+    )
+    assert restored == restore.Restored(model=False, optimizers=True)
+    assert sorted(checkpoint["state_dict"]) == ["renamed.bias", "renamed.weight"]
+    moments = [optimizer.state[p]["exp_avg"] for p in module.parameters()]
+    assert all(
+        torch.equal(fresh_optimizer.state[p]["exp_avg"], m)
+        for p, m in zip(fresh.parameters(), moments)
+    )
 
 
 def test_a_weights_only_checkpoint_saves_no_optimizer() -> None:

@@ -29,7 +29,7 @@ from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, optimizer_names
+from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, STATE_DICT, optimizer_names
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,10 @@ def load_directory(
     if saved_optimizers:  # Lightning checks that a full checkpoint has them
         checkpoint[OPTIMIZER_STATES] = [{} for _ in saved_optimizers]
     restored_optimizers = len(chosen) > (MODEL in chosen)
-    return checkpoint, Restored(model=MODEL in chosen, optimizers=restored_optimizers)
+    # An edited state dict (saved beside the module for the optimizers' names) is what
+    # Lightning loads into the module after on_load_checkpoint: the module is not done.
+    model_done = MODEL in chosen and STATE_DICT not in checkpoint
+    return checkpoint, Restored(model=model_done, optimizers=restored_optimizers)
 
 
 def _check_count(path: str, saved: int, live: int) -> None:

@@ -131,11 +131,17 @@ def save_state(
     rest = dict(checkpoint)
     state: dict[str, Any] = {}
     model_state = rest.pop(STATE_DICT, None)
-    if record.unchanged(model_state):
+    edited = not record.unchanged(model_state)
+    if not edited:
         state[MODEL] = module
     elif model_state is not None:
         rest[STATE_DICT] = model_state  # edited by a hook: saved as it now is
     if rest.pop(OPTIMIZER_STATES, None) is not None:  # absent from weights-only checkpoints
+        if edited and optimizers:
+            # The optimizers' state is keyed by the module's parameter names, so the module
+            # is saved too; a load restores it, then applies the edited dict over it after
+            # on_load_checkpoint, as Lightning does (restore.load_directory).
+            state[MODEL] = module
         state.update(zip(optimizer_names(len(optimizers)), optimizers))
     state[LIGHTNING] = rest
     return state
