@@ -204,7 +204,7 @@ def strategy(args: argparse.Namespace) -> Any:
         return ShardsafeModelParallelStrategy(
             layout=args.layout, data_parallel_size=args.devices, tensor_parallel_size=1
         )
-    return ShardsafeDDPStrategy(layout=args.layout)
+    return ShardsafeDDPStrategy(layout=args.layout, async_save=args.async_save)
 
 
 def callbacks(args: argparse.Namespace, root: Path) -> list[Callback]:
@@ -244,6 +244,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-at-end")
     p.add_argument("--lightning-ddp", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--async-save", action="store_true")
     return p.parse_args()
 
 

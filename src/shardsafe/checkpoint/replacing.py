@@ -9,6 +9,9 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from . import background
+from .background import SaveHandle
+from .io.staging import Stager
 from .options import SaveHooks, SaveOptions
 from .saving import save
 from .storage.locations import open_storage
@@ -20,9 +23,24 @@ def save_replacing(path: str, state: Mapping[str, Any], options: SaveOptions) ->
 
     ``options.hooks`` must be the defaults: the placement uses both.
     """
+    placement, placed = _placed(path, options)
+    save(placement.staging_path, state, placed)
+
+
+def async_save_replacing(
+    path: str, state: Mapping[str, Any], options: SaveOptions, stager: Stager | None = None
+) -> SaveHandle:
+    """:func:`save_replacing` in the background (``shardsafe.async_save``): returns once
+    the state is staged; the name is taken (or replaced) only after the commit, by the
+    writer thread, so ``path`` never shows a checkpoint that is not complete."""
+    placement, placed = _placed(path, options)
+    return background.async_save(placement.staging_path, state, placed, stager)
+
+
+def _placed(path: str, options: SaveOptions) -> tuple[Placement, SaveOptions]:
     if options.hooks != SaveHooks():
         raise ValueError("save_replacing() runs its own save hooks; pass SaveOptions without")
     placement = Placement.of(path)
     hooks = SaveHooks(before_write=placement.check, after_commit=placement.publish)
     storage = functools.partial(options.storage or open_storage, follow=False)
-    save(placement.staging_path, state, SaveOptions.of(options, hooks=hooks, storage=storage))
+    return placement, SaveOptions.of(options, hooks=hooks, storage=storage)

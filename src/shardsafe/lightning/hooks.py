@@ -22,6 +22,11 @@ puts it on ``DDPStrategy`` and ``ModelParallelStrategy``):
   ``load_optimizer_state_dict``: one shardsafe load once the optimizers exist, or an
   ordinary ``.ckpt`` file (:mod:`.restore`).
 * ``remove_checkpoint``: deletes only what shardsafe wrote (:mod:`.cleanup`).
+* with ``async_save=True``: ``save_checkpoint`` during a fit stages the state and returns;
+  the checkpoint is written, committed and given its name in the background. The next
+  save, a load, and the fit's end wait for it (raising its error on every rank), and a
+  ``remove_checkpoint`` that arrives meanwhile (``save_top_k`` rotating out the previous
+  best) waits until the new checkpoint is committed, so a complete one always exists.
 * with ``local_checkpoint_dir``: ``setup`` opens the local tier (:mod:`.local_tier`: a
   callback that saves every ``local_every`` steps, and the choice of what a fit resumes
   from), ``load_checkpoint`` restores from it when chosen, ``teardown`` closes it.
@@ -30,14 +35,17 @@ puts it on ``DDPStrategy`` and ``ModelParallelStrategy``):
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.optim import Optimizer
 
+from ..checkpoint.background import SaveHandle
 from ..checkpoint.format.manifest_format import Layout
+from ..checkpoint.io.staging import Stager
 from ..checkpoint.options import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, LoadOptions, SaveOptions
-from ..checkpoint.replacing import save_replacing
+from ..checkpoint.replacing import async_save_replacing, save_replacing
 from ..errors import CheckpointError
 from ..tiers import Restored as TierRestored
 from . import checks, cleanup, restore, state
@@ -69,6 +77,9 @@ class ShardsafeCheckpointing(Strategy):
     the background, and a fit resumes from it when it holds a newer step than the
     checkpoint Lightning would resume from (``None`` or ``"last"``; never instead of an
     explicit path). See :mod:`.local_tier` for the exact rules.
+
+    ``async_save=True`` writes the checkpoints a fit saves in the background (see the
+    module docstring): training waits only for the copy of the state to host memory.
     """
 
     reads_ckpt_files: ClassVar[bool] = True
@@ -83,6 +94,7 @@ class ShardsafeCheckpointing(Strategy):
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         local_checkpoint_dir: str | os.PathLike[str] | None = None,
         local_every: int = 1,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("checkpoint_io") is not None:
@@ -108,6 +120,12 @@ class ShardsafeCheckpointing(Strategy):
         super().__init__(**kwargs)
         self._state_dict_record = state.StateDictRecord()
         self._restored = restore.Restored()
+        self.async_save = bool(async_save)
+        self._fitting = False
+        self._in_flight: SaveHandle | None = None
+        self._removals: list[str] = []
+        """Checkpoints to remove once the save in flight has committed (rank 0)."""
+        self._stager = Stager()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -115,6 +133,7 @@ class ShardsafeCheckpointing(Strategy):
         super().setup(trainer)
         state.guard_dump(trainer._checkpoint_connector)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._fitting = True
             checks.check_savable(trainer)
             if trainer.is_global_zero:
                 cleanup.clear_interrupted(trainer)
@@ -122,9 +141,33 @@ class ShardsafeCheckpointing(Strategy):
                 self._local.open(trainer)
 
     def teardown(self) -> None:
-        if self._local is not None:
-            self._local.close()
-        super().teardown()
+        self._fitting = False
+        # Lightning tears down from its exception handler when a fit fails: then the
+        # background save's own error must not replace the one that ended the fit.
+        failing = sys.exc_info()[0] is not None
+        try:
+            self._finish_in_flight()
+        except Exception as e:
+            if not failing:
+                raise
+            rank_zero_info(f"shardsafe: the checkpoint being written also failed: {e}")
+        finally:
+            if self._local is not None:
+                self._local.close()
+            super().teardown()
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the background save, then remove what ``remove_checkpoint`` deferred."""
+        handle, self._in_flight = self._in_flight, None
+        if handle is not None:
+            try:
+                handle.wait()
+            except BaseException:
+                self._removals.clear()  # the older checkpoints are all there is: keep them
+                raise
+        removals, self._removals = self._removals, []
+        for path in removals:
+            cleanup.remove(path)
 
     @property
     def local_restored(self) -> TierRestored | None:
@@ -152,18 +195,26 @@ class ShardsafeCheckpointing(Strategy):
                 "its save options (layout, timeouts) as its own arguments"
             )
         path = local_path(filepath)
+        self._finish_in_flight()  # one save at a time; its error, if any, is raised here
         if isinstance(checkpoint, state.FailedDump):
             to_save = state.failed_state(checkpoint.error)
         else:
             module = self.lightning_module
             assert module is not None
             to_save = state.save_state(checkpoint, module, self.optimizers, self._state_dict_record)
-        save_replacing(path, to_save, self.save_options)
+        if self.async_save and self._fitting and not isinstance(checkpoint, state.FailedDump):
+            self._in_flight = async_save_replacing(path, to_save, self.save_options, self._stager)
+        else:
+            save_replacing(path, to_save, self.save_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete an old checkpoint (``ModelCheckpoint``'s ``save_top_k``), on rank 0."""
+        """Delete an old checkpoint (``ModelCheckpoint``'s ``save_top_k``), on rank 0; with
+        a save in flight, once that one has committed."""
         if self.is_global_zero:
-            cleanup.remove(local_path(filepath))
+            if self._in_flight is not None:
+                self._removals.append(local_path(filepath))
+            else:
+                cleanup.remove(local_path(filepath))
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -179,6 +230,7 @@ class ShardsafeCheckpointing(Strategy):
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        self._finish_in_flight()
         path = local_path(checkpoint_path)
         module = self.lightning_module
         assert module is not None
