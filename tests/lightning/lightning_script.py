@@ -90,11 +90,28 @@ class Regression(pl.LightningModule):
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> Any:
+        return batch[0], self.net(batch[0])
+
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
         g = torch.Generator().manual_seed(1)
         x = torch.randn(SAMPLES, 16, generator=g)
         y = x @ torch.randn(16, 1, generator=g)
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+def evaluation_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """16 held-out samples of the same rule: what validate, test and predict run on."""
+    g = torch.Generator().manual_seed(1)
+    rule = torch.randn(SAMPLES, 16, generator=g), torch.randn(16, 1, generator=g)
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    return x, x @ rule[1]
 
 
 class LossLog(Callback):
@@ -178,7 +195,10 @@ def main() -> None:
     )
     outcome = root / f"outcome-{int(os.environ.get('LOCAL_RANK', 0))}.json"
     try:
-        trainer.fit(module, ckpt_path=args.resume)
+        if args.evaluate is not None:
+            evaluate(trainer, module, args, root)
+        else:
+            trainer.fit(module, ckpt_path=args.resume)
         if args.save_at_end:
             for _ in range(2):
                 trainer.save_checkpoint(root / args.save_at_end)
@@ -195,6 +215,19 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(1)
     outcome.write_text(json.dumps({"pid": os.getpid(), "error": None}))
+
+
+def evaluate(trainer: pl.Trainer, module: Any, args: argparse.Namespace, root: Path) -> None:
+    """``trainer.validate/test/predict(ckpt_path=args.resume)``; each rank writes what it got."""
+    rank = trainer.global_rank
+    loader = DataLoader(TensorDataset(*evaluation_data()), batch_size=BATCH)
+    if args.evaluate == "predict":
+        batches = trainer.predict(module, loader, ckpt_path=args.resume)
+        torch.save(batches, root / f"predicted-{rank}.pt")
+        return
+    run = trainer.validate if args.evaluate == "validate" else trainer.test
+    metrics = run(module, loader, ckpt_path=args.resume, verbose=False)
+    (root / f"{args.evaluate}-{rank}.json").write_text(json.dumps(metrics))
 
 
 def strategy(args: argparse.Namespace) -> Any:
@@ -245,6 +278,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lightning-ddp", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--evaluate", choices=["validate", "test", "predict"])
     return p.parse_args()
 
 

@@ -1,0 +1,60 @@
+"""``Trainer.validate``, ``test`` and ``predict`` with ``ckpt_path=`` a shardsafe checkpoint
+directory (or ``"last"``), on 2 processes under ``ShardsafeDDPStrategy``: they run on the
+checkpoint's weights, as Lightning's own do on a ``.ckpt`` file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from tests.lightning.helpers import Net, run
+from tests.lightning.lightning_script import evaluation_data
+
+pytestmark = pytest.mark.timeout(120)
+STEP15 = "epoch=2-step=15.ckpt"
+
+
+def saved_net(root: Path) -> Net:
+    net = Net()
+    shardsafe.load(root / "ckpts" / STEP15, {"model": net})
+    return net
+
+
+@pytest.mark.parametrize(("mode", "ckpt"), [("validate", "last"), ("test", STEP15)])
+def test_validate_and_test_run_on_the_checkpoints_weights(
+    tmp_path: Path, uninterrupted: Callable[[str], Path], mode: str, ckpt: str
+) -> None:
+    trained = uninterrupted("zero")
+    path = "last" if ckpt == "last" else str(trained / "ckpts" / ckpt)
+    # "last" is looked up where the run's ModelCheckpoint saves: run in the trained root.
+    out = trained if ckpt == "last" else tmp_path
+    run(out, "--optimizer", "zero", "--evaluate", mode, "--resume", path)
+    x, y = evaluation_data()
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(saved_net(trained).net(x), y).item()
+    for rank in (0, 1):
+        (metrics,) = json.loads((out / f"{mode}-{rank}.json").read_text())
+        name = "val_loss" if mode == "validate" else "test_loss"
+        assert metrics[name] == pytest.approx(expected, rel=1e-6)
+
+
+def test_predict_gives_the_checkpoints_outputs_bitwise(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    trained = uninterrupted("zero")
+    path = trained / "ckpts" / STEP15
+    run(tmp_path, "--optimizer", "zero", "--evaluate", "predict", "--resume", path)
+    net = saved_net(trained)
+    seen = 0
+    for rank in (0, 1):
+        for x, predicted in torch.load(tmp_path / f"predicted-{rank}.pt", weights_only=True):
+            with torch.no_grad():
+                assert torch.equal(predicted, net.net(x))
+            seen += len(x)
+    assert seen == len(evaluation_data()[0])
