@@ -216,6 +216,10 @@ def test_the_integrations_offer_exactly_their_entry_points() -> None:
     import shardsafe.lightning as lightning_integration
 
     assert sorted(accelerate_integration.__all__) == ["load_state", "save_state", "state_of"]
+    pytest.importorskip("transformers")
+    import shardsafe.transformers as transformers_integration
+
+    assert sorted(transformers_integration.__all__) == ["SHARDSAFE_DIR", "ShardsafeTrainer"]
     assert sorted(lightning_integration.__all__) == [
         "ShardsafeDDPStrategy",
         "ShardsafeModelParallelStrategy",

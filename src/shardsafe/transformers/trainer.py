@@ -1,0 +1,84 @@
+"""``ShardsafeTrainer``: ``transformers.Trainer`` with shardsafe for the optimizer state.
+
+The Trainer writes a checkpoint folder (``checkpoint-500/``) that ``from_pretrained`` and
+``resume_from_checkpoint`` read: the model as safetensors, the optimizer and scheduler as
+``torch.save`` pickles (``optimizer.pt`` is twice the model's size for Adam, written by
+the main process alone), the RNGs and the trainer's JSON state. This subclass replaces
+only the pickles: the optimizer, the scheduler and the gradient scaler go into
+``checkpoint-500/shardsafe/``, a shardsafe checkpoint written by every process (each
+replicated tensor once), checksummed and committed manifest last; the model is saved
+there too, because the optimizer's state is keyed by its parameter names. Everything
+else is the Trainer's own, so the folder still loads with ``from_pretrained``, and
+``save_total_limit`` and ``resume_from_checkpoint=True`` work as always.
+
+It overrides the Trainer's ``_save_optimizer_and_scheduler``, ``_save_scaler``,
+``_load_optimizer_and_scheduler`` and ``_load_scaler`` (private hooks: tested against
+transformers 5.24). Under DeepSpeed, FSDP, XLA or SageMaker the Trainer's own code runs
+(those save through their own engines); a folder without ``shardsafe/`` (one the plain
+Trainer wrote) is resumed by the Trainer's own code too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import Trainer
+
+from ..checkpoint.api import load
+from ..checkpoint.format.manifest import MANIFEST_NAME
+from ..checkpoint.options import SaveOptions
+from ..checkpoint.replacing import save_replacing
+
+SHARDSAFE_DIR = "shardsafe"
+"""The shardsafe checkpoint's folder inside each ``checkpoint-N`` folder."""
+
+
+class ShardsafeTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer, scheduler and scaler are saved by
+    shardsafe (see the module docstring); every argument is the Trainer's."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._handled():
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        # A resumed run saves its steps again: the Trainer overwrites its own files, and
+        # the shardsafe folder is replaced the same way, atomically (as Lightning's last.ckpt).
+        path = os.path.join(output_dir, SHARDSAFE_DIR)
+        save_replacing(path, self._checkpointed(), SaveOptions())
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if not self._handled():
+            super()._save_scaler(output_dir)  # with the optimizer otherwise
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        load(os.path.join(checkpoint, SHARDSAFE_DIR), self._checkpointed())
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
+            super()._load_scaler(checkpoint)
+
+    def _handled(self) -> bool:
+        """Whether this Trainer's optimizer is shardsafe's to save (DDP or one process)."""
+        engines = ("is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp_xla_enabled")
+        if any(getattr(self, flag, False) for flag in engines):
+            return False
+        from transformers.utils.import_utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+        return not (is_torch_xla_available() or is_sagemaker_mp_enabled())
+
+    def _checkpointed(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer}
+        if self.lr_scheduler is not None:
+            state["scheduler"] = self.lr_scheduler
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler
+        return state
+
+
+def _has_shardsafe(checkpoint: str) -> bool:
+    return os.path.isfile(os.path.join(checkpoint, SHARDSAFE_DIR, MANIFEST_NAME))

@@ -1,0 +1,69 @@
+"""``shardsafe.transformers.ShardsafeTrainer`` under ``torchrun`` on 2 CPU processes: the
+Trainer's checkpoint folders, with the optimizer and scheduler in ``shardsafe/`` instead of
+pickles; the run resumes with the losses of one never interrupted, bit for bit, and the
+folder still loads with ``from_pretrained``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from tests.harness import free_port
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(240)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train(out: Path, *args: str | Path) -> dict[str, float]:
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "tests.hf_transformers.trainer_script",
+        "--out", str(out), *map(str, args),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(out.parent / "hf-home")}
+    done = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    losses: dict[str, float] = json.loads((out / "losses.json").read_text())
+    return {int(k): v for k, v in losses.items()}  # type: ignore[misc]
+
+
+def test_a_resumed_run_continues_bitwise_and_the_optimizer_is_not_pickled(
+    tmp_path: Path,
+) -> None:
+    whole = train(tmp_path / "whole")
+    assert whole == train(tmp_path / "plain", "--trainer", "plain")  # training is unchanged
+    folders = sorted(os.listdir(tmp_path / "whole"))
+    assert [f for f in folders if f.startswith("checkpoint-")] == ["checkpoint-10", "checkpoint-12"]
+    checkpoint = tmp_path / "whole" / "checkpoint-10"
+    files = set(os.listdir(checkpoint))
+    assert {"model.safetensors", "trainer_state.json", "shardsafe"} <= files
+    assert not files & {"optimizer.pt", "scheduler.pt", "scaler.pt"}
+    assert shardsafe.verify(checkpoint / "shardsafe").ok
+    saved = {v.name for v in shardsafe.inspect(checkpoint / "shardsafe").values}
+    assert saved == {"model", "optimizer", "scheduler"}
+
+    resumed = train(tmp_path / "whole", "--resume", checkpoint)
+    assert {s: resumed[s] for s in (11, 12)} == {s: whole[s] for s in (11, 12)}
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    held = transformers.GPT2LMHeadModel(loaded.config)
+    shardsafe.load(checkpoint / "shardsafe", {"model": held}, strict=False)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), held.parameters()))
+
+
+def test_a_folder_the_plain_trainer_wrote_resumes_through_its_own_code(tmp_path: Path) -> None:
+    whole = train(tmp_path / "plain", "--trainer", "plain")
+    checkpoint = tmp_path / "plain" / "checkpoint-10"
+    assert "optimizer.pt" in os.listdir(checkpoint)
+    resumed = train(tmp_path / "plain", "--resume", checkpoint)  # ShardsafeTrainer
+    assert {s: resumed[s] for s in (11, 12)} == {s: whole[s] for s in (11, 12)}

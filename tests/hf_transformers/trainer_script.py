@@ -1,0 +1,53 @@
+"""A ``transformers.Trainer`` run on a tiny GPT-2 built from a config (nothing downloaded),
+started by ``torchrun`` from ``test_trainer.py``: ``--trainer shardsafe`` uses
+``ShardsafeTrainer``, ``plain`` the Trainer itself. Checkpoints every 5 steps (the newest
+2 kept); rank 0 writes the per-step losses to ``OUT/losses.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from shardsafe.transformers import ShardsafeTrainer
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 64, (64, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--trainer", choices=["shardsafe", "plain"], default="shardsafe")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--resume")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    training = TrainingArguments(
+        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4,
+        logging_steps=1, save_steps=5, save_total_limit=2, report_to=[], use_cpu=True,
+        seed=0, data_seed=0, learning_rate=1e-3, disable_tqdm=True,
+    )  # fmt: skip
+    kind = ShardsafeTrainer if args.trainer == "shardsafe" else Trainer
+    trainer = kind(model=GPT2LMHeadModel(config), args=training, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=args.resume)
+    if trainer.is_world_process_zero():
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    main()
