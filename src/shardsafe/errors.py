@@ -38,8 +38,12 @@ class CheckpointVersionError(CheckpointCorruptError):
     """
 
 
-class CheckpointNotFoundError(CheckpointError):
-    """There is no committed checkpoint (no ``manifest.json``) at the given path."""
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no committed checkpoint (no ``manifest.json``) at the given path.
+
+    Also a ``FileNotFoundError``, so that code written for files (``except
+    FileNotFoundError``, Lightning's own expectations of a missing checkpoint) catches it.
+    """
 
 
 ERROR_CLASSES: dict[str, type[CheckpointError]] = {

@@ -455,3 +455,12 @@ def test_bad_save_arguments_are_value_errors(
         shardsafe.save(tmp_path / "c", state, **kwargs)
     assert fragment in str(info.value)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> None:
+    """Code written for files (``except FileNotFoundError``, as Lightning's tests expect of
+    a missing checkpoint) catches it, with shardsafe's message."""
+    with pytest.raises(FileNotFoundError) as missing:
+        shardsafe.load(tmp_path / "absent", {"model": nn.Linear(2, 2)})
+    assert isinstance(missing.value, CheckpointNotFoundError)
+    assert str(missing.value) == f"{tmp_path / 'absent'} does not exist"
