@@ -5,6 +5,7 @@ checkpoint's weights, as Lightning's own do on a ``.ckpt`` file."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,14 +33,14 @@ def test_validate_and_test_run_on_the_checkpoints_weights(
 ) -> None:
     trained = uninterrupted("zero")
     path = "last" if ckpt == "last" else str(trained / "ckpts" / ckpt)
-    # "last" is looked up where the run's ModelCheckpoint saves: run in the trained root.
-    out = trained if ckpt == "last" else tmp_path
-    run(out, "--optimizer", "zero", "--evaluate", mode, "--resume", path)
+    if ckpt == "last":  # looked up where the run's ModelCheckpoint saves: a copy of them
+        shutil.copytree(trained / "ckpts", tmp_path / "ckpts", symlinks=True)
+    run(tmp_path, "--optimizer", "zero", "--evaluate", mode, "--resume", path)
     x, y = evaluation_data()
     with torch.no_grad():
         expected = nn.functional.mse_loss(saved_net(trained).net(x), y).item()
     for rank in (0, 1):
-        (metrics,) = json.loads((out / f"{mode}-{rank}.json").read_text())
+        (metrics,) = json.loads((tmp_path / f"{mode}-{rank}.json").read_text())
         name = "val_loss" if mode == "validate" else "test_loss"
         assert metrics[name] == pytest.approx(expected, rel=1e-6)
 
