@@ -221,6 +221,14 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(1)
     outcome.write_text(json.dumps({"pid": os.getpid(), "error": None}))
+    # After a successful fit too: in 2 of about 140 script runs across two CI runs, rank 1
+    # died of SIGABRT ("terminate called without an active exception") in the
+    # interpreter's teardown, after everything it had to do. Its cause is not established
+    # (torch's C++ threads destroyed at exit, as after a failed fit, is the likely one);
+    # the tests check what a run did, not how the interpreter ends.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def evaluate(trainer: pl.Trainer, module: Any, args: argparse.Namespace, root: Path) -> None:
