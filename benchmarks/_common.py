@@ -306,3 +306,10 @@ def disk(path: str) -> str:
     free = psutil.disk_usage(path).free / 2**30
     name = f"{best.device} ({best.fstype})" if best else "unknown device"
     return f"{path} on {name}, {free:.0f} GiB free"
+
+
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds``: a collective step takes its slowest rank's time."""
+    every: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(every, seconds)
+    return max(every)

@@ -40,20 +40,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Target, clean, launch, machine, verdicts
-
-
-def _slowest(seconds: float) -> float:
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    return max(every)
+from _common import Target, clean, launch, machine, slowest, verdicts
 
 
 def _timed(fn: Callable[[], Any]) -> float:
     dist.barrier()
     begun = time.perf_counter()
     fn()
-    return _slowest(time.perf_counter() - begun)
+    return slowest(time.perf_counter() - begun)
 
 
 def _fsync_tree(path: str) -> None:
@@ -104,9 +98,9 @@ def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[st
         dist.barrier()
         begun = time.perf_counter()
         handle = save_state(accelerator, path, async_save=True)
-        out["stall"].append(_slowest(time.perf_counter() - begun))
+        out["stall"].append(slowest(time.perf_counter() - begun))
         handle.wait()
-        out["durable"].append(_slowest(time.perf_counter() - begun))
+        out["durable"].append(slowest(time.perf_counter() - begun))
         fresh(f"shardsafe-async-{i}")
         path = fresh("shardsafe")
         step()

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-from _common import Target, clean, launch, machine, table, verdicts
+from _common import Target, clean, launch, machine, slowest, table, verdicts
 from _report import Section
 from _tools import scratch_path
 
@@ -248,17 +248,11 @@ def _tc_manager() -> Any:
     return CheckpointManager(config)
 
 
-def _slowest(seconds: float) -> float:
-    every: list[float] = [0.0] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    return max(every)
-
-
 def _timed(fn: Callable[[], Any]) -> float:
     dist.barrier()
     start = time.perf_counter()
     fn()
-    return _slowest(time.perf_counter() - start)
+    return slowest(time.perf_counter() - start)
 
 
 def bench(rank: int, world: int, tool: str, setup: str, layers: int, repeat: int, root: str) -> Any:
@@ -273,9 +267,9 @@ def bench(rank: int, world: int, tool: str, setup: str, layers: int, repeat: int
         dist.barrier()
         begun = time.perf_counter()
         saver.start()
-        stalls.append(_slowest(time.perf_counter() - begun))
+        stalls.append(slowest(time.perf_counter() - begun))
         saver.finish()
-        durables.append(_slowest(time.perf_counter() - begun))
+        durables.append(slowest(time.perf_counter() - begun))
         saver.cleanup()
         if blocking is not None:  # the same state, saved blocking, right after
             ratios.append(durables[-1] / _timed(blocking.start))
@@ -319,7 +313,7 @@ def _stepped(
         if not save:
             _all_done(saver)  # the same per-step agreement as the loop with a save
         taken += 1
-    seconds = _slowest(time.perf_counter() - begun) / taken
+    seconds = slowest(time.perf_counter() - begun) / taken
     if save:
         saver.finish()
         saver.cleanup()

@@ -27,13 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Target, clean, launch, machine, verdicts
-
-
-def _slowest(seconds: float) -> float:
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    return max(every)
+from _common import Target, clean, launch, machine, slowest, verdicts
 
 
 def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[str, Any]:
@@ -53,7 +47,7 @@ def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[st
             dist.barrier()
             begun = time.perf_counter()
             trainer.save_checkpoint(path)
-            stalls.append(_slowest(time.perf_counter() - begun))
+            stalls.append(slowest(time.perf_counter() - begun))
 
     strategy = ShardsafeDDPStrategy(async_save=True)
     trainer = make_trainer(world, root, strategy, max_steps=repeat + 1, callbacks=[TimedSaves()])
@@ -68,7 +62,7 @@ def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[st
         dist.barrier()
         begun = time.perf_counter()
         torch._foreach_copy_(buffers, held)
-        floors.append(_slowest(time.perf_counter() - begun))
+        floors.append(slowest(time.perf_counter() - begun))
     dist.barrier()
     if rank == 0:
         for i in range(repeat):

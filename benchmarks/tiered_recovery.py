@@ -82,6 +82,7 @@ from _common import (
     machine,
     measure,
     mib,
+    slowest,
     table,
     verdicts,
 )
@@ -139,12 +140,6 @@ def tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     for p in model.parameters():
         found += [v for _, v in sorted(opt.state[p].items()) if torch.is_tensor(v)]
     return found
-
-
-def _slowest(seconds: float) -> float:
-    every: list[float] = [0.0] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    return max(every)
 
 
 def _local_root(per_rank_bytes: int, scratch: str) -> str:
@@ -305,14 +300,14 @@ class Loop:
         while taken < 3 or not _all_done(self.manager):
             step(self.model, self.opt)
             taken += 1
-        during = _slowest(time.perf_counter() - begun) / taken
+        during = slowest(time.perf_counter() - begun) / taken
         self.manager.wait()
         dist.barrier()
         begun = time.perf_counter()
         for _ in range(taken):
             step(self.model, self.opt)
             _all_done(None)
-        alone = _slowest(time.perf_counter() - begun) / taken
+        alone = slowest(time.perf_counter() - begun) / taken
         return during, alone, taken
 
     def per_step(self, steps: int, saving: bool) -> float:
@@ -323,10 +318,10 @@ class Loop:
         for _ in range(steps):
             step(self.model, self.opt)
             if saving:
-                self.stalls.append(_slowest(self.save()))
+                self.stalls.append(slowest(self.save()))
         if saving:
             self.manager.wait()
-        return _slowest(time.perf_counter() - begun) / steps
+        return slowest(time.perf_counter() - begun) / steps
 
 
 def stalls(loop: Loop, root: str, repeat: int) -> dict[str, list[float]]:
@@ -369,7 +364,7 @@ def stalls(loop: Loop, root: str, repeat: int) -> dict[str, list[float]]:
     for i in range(repeat):
         for name, fn in calls[i % 3 :] + calls[: i % 3]:
             dist.barrier()
-            out[name].append(_slowest(fn()))
+            out[name].append(slowest(fn()))
     dist.barrier()
     if dist.get_rank() == 0:
         clean(path)
