@@ -13,6 +13,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from shardsafe.transformers import ShardsafeTrainer
+from tests.clean_exit import end_process
 
 
 class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -47,6 +48,7 @@ def main() -> None:
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         with open(os.path.join(args.out, "losses.json"), "w") as f:
             json.dump(losses, f)
+    end_process(0)  # the Trainer leaves its gloo group to the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ from tests.harness import free_port
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
 RUN_TIMEOUT_S = 120.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def script_environment() -> dict[str, str]:
+    """This environment, with the repository importable (the scripts use ``tests.*``)."""
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def command(root: Path, *args: str | Path) -> list[str]:
@@ -40,10 +47,10 @@ class Run:
         self.logs: list[IO[bytes]] = []
         argv = command(root, *args, "--devices", str(devices))
         if launched:
-            self.procs = [self._start(argv, dict(os.environ))]
+            self.procs = [self._start(argv, script_environment())]
             return
         port = str(free_port())
-        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        base = {**script_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         base.update(WORLD_SIZE=str(devices), NODE_RANK="0")
         self.procs = [self._start(argv, {**base, "LOCAL_RANK": str(r)}) for r in range(devices)]
 

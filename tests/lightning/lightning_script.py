@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 import traceback
 import warnings
@@ -47,6 +46,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from shardsafe.interop import gather_optimizer_state_dict
 from shardsafe.lightning import ShardsafeDDPStrategy, ShardsafeModelParallelStrategy
+from tests.clean_exit import end_process
 
 SAMPLES, BATCH = 40, 4
 
@@ -198,11 +198,7 @@ def main() -> None:
         if args.evaluate is not None:
             evaluate(trainer, module, args, root)
             outcome.write_text(json.dumps({"pid": os.getpid(), "error": None}))
-            # As after a failed fit (below): torch's teardown at exit, with the groups
-            # validate/test left alive, killed rank 1 with SIGABRT once in CI.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            end_process(0, wait_for_others=False)  # see tests/clean_exit.py
         else:
             trainer.fit(module, ckpt_path=args.resume)
         if args.save_at_end:
@@ -210,25 +206,12 @@ def main() -> None:
                 trainer.save_checkpoint(root / args.save_at_end)
     except BaseException as e:
         outcome.write_text(json.dumps({"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"}))
-        # End without the interpreter's teardown: after a failed fit, torch's C++ objects
-        # (the store rank 0 hosts, the groups DDP still holds) are destroyed at exit with a
-        # thread still running, and rank 0 dies of SIGABRT ("terminate called without an
-        # active exception") about 1 run in 15 here, even after destroy_process_group().
-        # A main thread with no Python frame left; not shardsafe's, and not what this
-        # script checks (the error every rank reports, and its exit status).
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        # After a failed fit, torch's teardown at exit aborted rank 0 about 1 run in 15
+        # here, even after destroy_process_group(): see tests/clean_exit.py.
+        end_process(1, wait_for_others=False)
     outcome.write_text(json.dumps({"pid": os.getpid(), "error": None}))
-    # After a successful fit too: in 2 of about 140 script runs across two CI runs, rank 1
-    # died of SIGABRT ("terminate called without an active exception") in the
-    # interpreter's teardown, after everything it had to do. Its cause is not established
-    # (torch's C++ threads destroyed at exit, as after a failed fit, is the likely one);
-    # the tests check what a run did, not how the interpreter ends.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process(0, wait_for_others=False)  # the strategy's teardown destroyed the group
 
 
 def evaluate(trainer: pl.Trainer, module: Any, args: argparse.Namespace, root: Path) -> None:

@@ -26,6 +26,7 @@ from lightning_script import LossLog, Regression  # type: ignore[import-not-foun
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from shardsafe.lightning import ShardsafeDDPStrategy, ShardsafeModelParallelStrategy
+from tests.clean_exit import end_process
 
 
 def main() -> None:
@@ -80,6 +81,7 @@ def main() -> None:
     outcome = None if restored is None else {"step": restored.step, "tiers": restored.tiers}
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (root / f"outcome-{rank}.json").write_text(json.dumps({"restored": outcome}))
+    end_process(0, wait_for_others=False)  # see tests/clean_exit.py
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.harness import free_port
-from tests.lightning.helpers import RUN_TIMEOUT_S, Run, logged_steps, losses
+from tests.lightning.helpers import RUN_TIMEOUT_S, Run, logged_steps, losses, script_environment
 
 SCRIPT = Path(__file__).with_name("local_tier_script.py")
 
@@ -39,7 +39,8 @@ class LocalRun(Run):
         self.logs = []
         argv = [sys.executable, str(SCRIPT), "--root", str(root), *map(str, args)]
         argv += ["--local-dir", str(root / "local"), "--devices", str(devices)]
-        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        base = {**script_environment(), "MASTER_ADDR": "127.0.0.1"}
+        base["MASTER_PORT"] = str(free_port())
         base.update(WORLD_SIZE=str(devices), NODE_RANK="0")
         self.procs = [self._start(argv, {**base, "LOCAL_RANK": str(r)}) for r in range(devices)]
 
