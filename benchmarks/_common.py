@@ -60,7 +60,11 @@ def _worker(
         MASTER_PORT=str(port),
         LOCAL_RANK=str(rank),
     )
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    threads = max(1, (os.cpu_count() or 2) // world)
+    torch.set_num_threads(threads)
+    # As torchrun and `accelerate launch` set it: without it, Accelerate's CPU setup
+    # resets torch's threads from psutil's core count (2 a rank here, on 2 cores).
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Target, clean, launch, machine, slowest, verdicts
+from _report import Section
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -125,23 +126,11 @@ def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[st
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    print(f"machine: {machine()}\n")
-    got = launch(bench, args.ranks, args.layers, args.repeat, args.dir)[0]
+def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
+    """The table and the targets (for this script and ``run_all.py``)."""
+    got = launch(bench, ranks, layers, repeat, root)[0]
     med = {k: statistics.median(v) for k, v in got.items()}
-    state_mib = args.layers * (1024 * 1024 + 1024) * 4 * 3 / 2**20
-    print(
-        f"Accelerate save_state/load_state against shardsafe.accelerate, {args.ranks} ranks, "
-        f"DDP + AdamW, {state_mib:.0f} MiB of state per rank, medians of {args.repeat} "
-        "(slowest rank, barrier to return)\n"
-    )
+    state_mib = layers * (1024 * 1024 + 1024) * 4 * 3 / 2**20
     rows = [
         ("Accelerate: accelerator.save_state (+ fsync)", med["acc"]),
         ("shardsafe.accelerate.save_state", med["ours"]),
@@ -150,11 +139,17 @@ def main() -> None:
         ("Accelerate: accelerator.load_state", med["acc load"]),
         ("shardsafe.accelerate.load_state", med["ours load"]),
     ]
-    print("| row | seconds | x Accelerate's save |")
-    print("|---|---|---|")
-    for label, seconds in rows:
-        print(f"| {label} | {seconds:.3f} | {seconds / med['acc']:.2f} |")
-    print()
+    text = "\n".join(
+        [
+            f"Accelerate save_state/load_state against shardsafe.accelerate, {ranks} ranks, "
+            f"DDP + AdamW, {state_mib:.0f} MiB of state per rank, medians of {repeat} "
+            "(slowest rank, barrier to return)",
+            "",
+            "| row | seconds | x Accelerate's save |",
+            "|---|---|---|",
+            *(f"| {label} | {s:.3f} | {s / med['acc']:.2f} |" for label, s in rows),
+        ]
+    )
     targets = [
         Target("accelerate: shardsafe save / Accelerate save_state", med["ours"] / med["acc"], 0.5),
         Target(
@@ -168,7 +163,20 @@ def main() -> None:
             None,
         ),
     ]
-    print(verdicts(targets))
+    return Section(text, targets, {})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
+    args = parser.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    print(f"machine: {machine()}\n")
+    done = section(args.layers, args.ranks, args.repeat, args.dir)
+    print(f"{done.text}\n\n{verdicts(done.targets)}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Target, clean, launch, machine, slowest, verdicts
+from _report import Section
 
 
 def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[str, Any]:
@@ -71,6 +72,22 @@ def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[st
     return {"stalls": stalls, "floors": floors, "held_mib": held_mib}
 
 
+def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
+    """The stall table and its target (for this script and ``run_all.py``)."""
+    got = launch(bench, ranks, layers, repeat, root)[0]
+    stall, floor = statistics.median(got["stalls"]), statistics.median(got["floors"])
+    text = (
+        f"ShardsafeDDPStrategy(async_save=True), ZeRO Adam, {ranks} ranks, "
+        f"{got['held_mib']:.0f} MiB held per rank, medians of {repeat}\n\n"
+        "| measure | seconds |\n|---|---|\n"
+        f"| trainer.save_checkpoint inside fit: stall | {stall:.3f} |\n"
+        f"| floor: one copy_ of what the rank holds | {floor:.3f} |\n\n"
+        f"stalls: {[round(s, 3) for s in got['stalls']]}"
+    )
+    target = Target("lightning async: stall / one copy of the state", stall / floor, 2.0)
+    return Section(text, [target], {})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=16)
@@ -80,18 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(f"machine: {machine()}\n")
-    got = launch(bench, args.ranks, args.layers, args.repeat, args.dir)[0]
-    stall, floor = statistics.median(got["stalls"]), statistics.median(got["floors"])
-    print(
-        f"ShardsafeDDPStrategy(async_save=True), ZeRO Adam, {args.ranks} ranks, "
-        f"{got['held_mib']:.0f} MiB held per rank, medians of {args.repeat}\n"
-    )
-    print("| measure | seconds |")
-    print("|---|---|")
-    print(f"| trainer.save_checkpoint inside fit: stall | {stall:.3f} |")
-    print(f"| floor: one copy_ of what the rank holds | {floor:.3f} |")
-    print(f"\nstalls: {[round(s, 3) for s in got['stalls']]}\n")
-    print(verdicts([Target("lightning async: stall / one copy of the state", stall / floor, 2.0)]))
+    done = section(args.layers, args.ranks, args.repeat, args.dir)
+    print(f"{done.text}\n\n{verdicts(done.targets)}")
 
 
 if __name__ == "__main__":

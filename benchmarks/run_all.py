@@ -4,7 +4,9 @@ Sections: ZeRO save/load against torch's consolidation, Lightning and the floors
 peak memory of a consolidated save; Lightning's save_checkpoint and resume with its own
 DDP strategy against ShardsafeDDPStrategy; plain DDP and FSDP2 against
 torch.distributed.checkpoint; pipeline x data parallel and expert parallel state on 4
-ranks against torch.distributed.checkpoint, with the bytes each rank wrote; tiered
+ranks against torch.distributed.checkpoint, with the bytes each rank wrote; the stall of
+``ShardsafeDDPStrategy(async_save=True)``, and Accelerate's ``save_state``/``load_state``
+against ``shardsafe.accelerate``'s (each when its package is installed); tiered
 checkpoints on 2 simulated nodes x 2 ranks (recovery from the local, peer and persistent
 tiers against DCP, and what local saves cost the training loop); ZeRO save time against
 state size at 2 and 4 ranks; coordination (time and store requests) of a tiny state at 2
@@ -34,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _coordination as coordination
 import _dcp_compare as dcp_compare
 import _results_page
+import accelerate_state
 import async_checkpoint
+import lightning_async
 import lightning_strategy
 import manifest_scale
 import parallel_layouts
@@ -69,12 +73,15 @@ class Config:
     tiers_repeat: int = 3
     tiers_steps: int = 8  # training steps per loop, with and without a local save each
     validation_repeat: int = 3
+    integration_layers: int = 16  # 192 MiB per rank: Lightning async, Accelerate
+    integration_repeat: int = 7
 
 
 QUICK = Config(
     2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),),
     async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
-    tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1,
+    tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1, integration_layers=2,
+    integration_repeat=1,
 )  # fmt: skip
 
 
@@ -166,6 +173,20 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
             async_checkpoint.SETUPS, cfg.async_layers, 2, cfg.repeat, root
         ),
     )
+    if lightning:
+        report.section(
+            "Lightning: ShardsafeDDPStrategy(async_save=True), the stall of a save in a fit",
+            lambda: lightning_async.section(
+                cfg.integration_layers, 2, cfg.integration_repeat, root
+            ),
+        )
+    if have_accelerate():
+        report.section(
+            "Accelerate: save_state and load_state, Accelerate's own against shardsafe's",
+            lambda: accelerate_state.section(
+                cfg.integration_layers, 2, cfg.integration_repeat, root
+            ),
+        )
     report.section(
         "Tiered checkpoints: recovery by tier and the cost of local saves, 2 nodes x 2 ranks",
         lambda: tiered_recovery.section(cfg.tiers_mib, cfg.tiers_repeat, cfg.tiers_steps, root),
@@ -194,6 +215,13 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
         lambda: validation_scale.section(cfg.validation_repeat),
     )
     return points
+
+
+def have_accelerate() -> bool:
+    """Whether Hugging Face Accelerate is installed (the ``accelerate`` extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
 
 
 def shown(path: str) -> str:
