@@ -1,21 +1,25 @@
 """``shardsafe.save`` under a name that may already hold a checkpoint (Lightning's
 ``last.ckpt``): the save goes to a staging directory, then takes the name
-(``storage/placement.py`` says how, and what is refused).
+(``storage/placement.py`` says how, and what is refused; on an object store, where there
+is no rename, ``storage/object_placement.py``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import background
 from .background import SaveHandle
 from .io.staging import Stager
 from .options import SaveHooks, SaveOptions
 from .saving import save
-from .storage.locations import open_storage
+from .storage.locations import is_url, open_storage
 from .storage.placement import Placement
+
+if TYPE_CHECKING:
+    from .storage.object_placement import ObjectPlacement
 
 
 def save_replacing(path: str, state: Mapping[str, Any], options: SaveOptions) -> None:
@@ -37,10 +41,16 @@ def async_save_replacing(
     return background.async_save(placement.staging_path, state, placed, stager)
 
 
-def _placed(path: str, options: SaveOptions) -> tuple[Placement, SaveOptions]:
+def _placed(path: str, options: SaveOptions) -> tuple[Placement | ObjectPlacement, SaveOptions]:
     if options.hooks != SaveHooks():
         raise ValueError("save_replacing() runs its own save hooks; pass SaveOptions without")
-    placement = Placement.of(path)
+    placement: Placement | ObjectPlacement
+    if is_url(path):
+        from .storage.object_placement import ObjectPlacement
+
+        placement = ObjectPlacement.of(path)
+    else:
+        placement = Placement.of(path)
     hooks = SaveHooks(before_write=placement.check, after_commit=placement.publish)
     storage = functools.partial(options.storage or open_storage, follow=False)
     return placement, SaveOptions.of(options, hooks=hooks, storage=storage)

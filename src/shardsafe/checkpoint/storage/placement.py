@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from ...errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from .local import LocalStorage
+from .protocol import Storage
 from .removal import delete_checkpoint, foreign_entries
 from .target_directory import remove_uncommitted
 
@@ -84,13 +85,7 @@ class Placement:
             self._refuse_foreign(parent)
 
     def _refuse_foreign(self, parent: LocalStorage) -> None:
-        problem = _not_replaceable(parent, self.name)
-        if problem is not None:
-            raise CheckpointError(
-                f"{self.path} {problem}, so shardsafe will not replace it with the new "
-                "checkpoint (it only ever replaces a checkpoint it wrote). Move it away, or "
-                "save under another name."
-            )
+        refuse_foreign(parent, self.name)
 
     def publish(self) -> None:
         """Give the committed staging directory the target's name (rank 0, after commit)."""
@@ -108,6 +103,18 @@ class Placement:
             else:
                 _replace_in_two_renames(parent, self.staging, self.name, kind)
             _delete_committed_leftovers(parent, self.name)
+
+
+def refuse_foreign(parent: Storage, name: str) -> None:
+    """Refuse, before anything is written, a target ``parent/name`` that is not ours to
+    replace (the rules in the module docstring)."""
+    problem = _not_replaceable(parent, name)
+    if problem is not None:
+        raise CheckpointError(
+            f"{parent.where(name)} {problem}, so shardsafe will not replace it with the new "
+            "checkpoint (it only ever replaces a checkpoint it wrote). Move it away, or "
+            "save under another name."
+        )
 
 
 def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
@@ -167,7 +174,7 @@ def _free_staging_name(parent: str, name: str) -> str:
     )
 
 
-def _taken(root: LocalStorage, name: str) -> bool:
+def _taken(root: Storage, name: str) -> bool:
     """True if ``root/name`` is taken: a committed checkpoint, a link, or not a directory."""
     kind = root.kind(name)
     if kind is None:
@@ -181,7 +188,7 @@ def _taken(root: LocalStorage, name: str) -> bool:
         return True
 
 
-def _not_replaceable(parent: LocalStorage, name: str) -> str | None:
+def _not_replaceable(parent: Storage, name: str) -> str | None:
     """Why ``parent/name`` may not be replaced, or ``None`` if it may (absent, a link, or
     a directory holding only what shardsafe writes)."""
     kind = parent.kind(name)
@@ -216,7 +223,7 @@ def _replace_in_two_renames(parent: LocalStorage, staging: str, name: str, kind:
     _delete_replaced(parent, old, kind)
 
 
-def _delete_replaced(parent: LocalStorage, name: str, kind: str) -> None:
+def _delete_replaced(parent: Storage, name: str, kind: str) -> None:
     """Delete what the new checkpoint replaced: an older checkpoint directory, by the
     rules of :mod:`.removal`, or the Lightning ``.ckpt`` file ``_lightning_file`` vouched
     for."""
@@ -227,14 +234,14 @@ def _delete_replaced(parent: LocalStorage, name: str, kind: str) -> None:
         delete_checkpoint(parent, name)
 
 
-def _lightning_file(parent: LocalStorage, name: str) -> bool:
+def _lightning_file(parent: Storage, name: str) -> bool:
     """``parent/name`` is a checkpoint file Lightning wrote (a ``.ckpt`` in ``torch.save``'s
     zip format): what a run switched to the shardsafe strategy finds under
     ``last.ckpt``, which Lightning's own strategies overwrite at every save."""
     return name.endswith(LIGHTNING_SUFFIX) and _zip_file(parent, name)
 
 
-def _zip_file(parent: LocalStorage, name: str) -> bool:
+def _zip_file(parent: Storage, name: str) -> bool:
     """``parent/name`` is a regular file in ``torch.save``'s zip format (never opened if
     it is not a regular file)."""
     head = bytearray(len(_ZIP_MAGIC))
@@ -248,7 +255,7 @@ def _zip_file(parent: LocalStorage, name: str) -> bool:
     return bytes(head) == _ZIP_MAGIC
 
 
-def _delete_committed_leftovers(parent: LocalStorage, name: str) -> None:
+def _delete_committed_leftovers(parent: Storage, name: str) -> None:
     for candidate in _staging_names(name):
         if parent.kind(candidate) == "directory":
             with contextlib.suppress(CheckpointError):
