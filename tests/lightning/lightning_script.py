@@ -4,6 +4,7 @@
         [--devices N] [--max-steps N] [--resume PATH|last] [--step-delay S] [--layout L]
         [--log NAME] [--fail-rank R --fail-step S] [--bad-hparam] [--save-last]
         [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp] [--fsdp]
+        [--dirpath NAME|URL] [--save-last [link]]
 
 ``Trainer(accelerator="cpu", devices=N, strategy=ShardsafeDDPStrategy(...))``: Lightning's
 launcher runs this script again for every other rank (``--lightning-ddp``: Lightning's
@@ -11,8 +12,9 @@ own ``"ddp"`` strategy and ``.ckpt`` files instead; ``--fsdp``: FSDP2 in ``confi
 under ``ShardsafeModelParallelStrategy``). A small regression with Adam
 (plain, or wrapped by the user in ZeroRedundancyOptimizer or fairscale OSS) and a StepLR
 schedule; ``ModelCheckpoint(every_n_train_steps=5, save_top_k=2, monitor="step",
-mode="max")`` into ``DIR/ckpts``. 40 samples, 4 per rank and batch: an epoch is 5 steps
-on 2 ranks, so every checkpoint falls on an epoch boundary.
+mode="max")`` into ``DIR/ckpts`` (``--dirpath``: another name, or a URL). 40 samples, 4
+per rank and batch: an epoch is 5 steps on 2 ranks, so every checkpoint falls on an epoch
+boundary.
 
 What it leaves for the tests: ``DIR/<NAME>`` (``--log``, default ``losses.jsonl``; rank 0:
 step and loss, one line per step, written as it goes), ``DIR/outcome-<rank>.json`` (how
@@ -203,7 +205,7 @@ def main() -> None:
             trainer.fit(module, ckpt_path=args.resume)
         if args.save_at_end:
             for _ in range(2):
-                trainer.save_checkpoint(root / args.save_at_end)
+                trainer.save_checkpoint(beside(root, args.save_at_end))
     except BaseException as e:
         outcome.write_text(json.dumps({"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"}))
         traceback.print_exc()
@@ -237,10 +239,15 @@ def strategy(args: argparse.Namespace) -> Any:
     return ShardsafeDDPStrategy(layout=args.layout, async_save=args.async_save)
 
 
+def beside(root: Path, name: str) -> str | Path:
+    """``root/name``, or ``name`` itself if it is a URL."""
+    return name if "://" in name else root / name
+
+
 def callbacks(args: argparse.Namespace, root: Path) -> list[Callback]:
     found: list[Callback] = [
         ModelCheckpoint(
-            dirpath=root / "ckpts",
+            dirpath=beside(root, args.dirpath),
             every_n_train_steps=5,
             save_top_k=2,
             monitor="step",
@@ -268,7 +275,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int)
     p.add_argument("--fail-step", type=int, default=10)
     p.add_argument("--bad-hparam", action="store_true")
-    p.add_argument("--save-last", action="store_true")
+    p.add_argument("--save-last", nargs="?", const=True, default=False)  # or "link"
+    p.add_argument("--dirpath", default="ckpts")  # under --root, or a URL (s3://...)
     p.add_argument("--dump-restored")
     p.add_argument("--log", default="losses.jsonl")
     p.add_argument("--save-at-end")

@@ -10,7 +10,10 @@ then, and an old one left behind must not end the run.
 
 And, when a fit starts, clearing what a run interrupted mid-save left (its hidden
 ``.<name>.shardsafe-partial`` staging directory, never committed), which would otherwise
-stay until that very name is saved again.
+stay until that very name is saved again. Under an object-store ``dirpath`` (``s3://``)
+nothing is cleared at the start: listing every staging prefix would cost requests at
+every fit, and an interrupted save's objects there are cleared by the next save of the
+same name (its staging prefix is reused, and the save clears what it left).
 """
 
 from __future__ import annotations
@@ -20,15 +23,22 @@ from typing import Any
 
 from ..checkpoint.storage import placement
 from ..checkpoint.storage.local import LocalStorage
+from ..checkpoint.storage.locations import is_url, open_storage
+from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.storage.removal import delete_checkpoint, warn
 from ..errors import CheckpointError
 
 
 def remove(path: str) -> None:
     """Remove the checkpoint ``path`` (rank 0 only), as described above."""
-    parent, name = os.path.split(os.path.abspath(path))
+    if is_url(path):
+        parent, _, name = path.rstrip("/").rpartition("/")
+        opened: Storage = open_storage(parent, follow=False)
+    else:
+        parent, name = os.path.split(os.path.abspath(path))
+        opened = LocalStorage(parent)
     try:
-        with LocalStorage(parent) as root:
+        with opened as root:
             kind = root.kind(name)
             if kind == "directory":
                 delete_checkpoint(root, name)
@@ -49,5 +59,5 @@ def clear_interrupted(trainer: Any) -> None:
     (rank 0, when a fit starts, before any save of this run)."""
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None)
-        if dirpath:
+        if dirpath and not is_url(os.fspath(dirpath)):  # see module docstring
             placement.clear_interrupted(os.fspath(dirpath))

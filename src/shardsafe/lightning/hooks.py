@@ -46,6 +46,8 @@ from ..checkpoint.format.manifest_format import Layout
 from ..checkpoint.io.staging import Stager
 from ..checkpoint.options import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, LoadOptions, SaveOptions
 from ..checkpoint.replacing import async_save_replacing, save_replacing
+from ..checkpoint.storage import locations
+from ..checkpoint.storage.locations import is_url
 from ..errors import CheckpointError
 from ..tiers import Restored as TierRestored
 from . import checks, cleanup, restore, state
@@ -194,7 +196,7 @@ class ShardsafeCheckpointing(Strategy):
                 f"storage_options are for CheckpointIO plugins; {type(self).__name__} takes "
                 "its save options (layout, timeouts) as its own arguments"
             )
-        path = local_path(filepath)
+        path = path_text(filepath)
         self._finish_in_flight()  # one save at a time; its error, if any, is raised here
         if isinstance(checkpoint, state.FailedDump):
             to_save = state.failed_state(checkpoint.error)
@@ -212,9 +214,9 @@ class ShardsafeCheckpointing(Strategy):
         a save in flight, once that one has committed."""
         if self.is_global_zero:
             if self._in_flight is not None:
-                self._removals.append(local_path(filepath))
+                self._removals.append(path_text(filepath))
             else:
-                cleanup.remove(local_path(filepath))
+                cleanup.remove(path_text(filepath))
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -231,7 +233,7 @@ class ShardsafeCheckpointing(Strategy):
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         self._finish_in_flight()
-        path = local_path(checkpoint_path)
+        path = path_text(checkpoint_path)
         module = self.lightning_module
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
@@ -254,7 +256,9 @@ class ShardsafeCheckpointing(Strategy):
         self, path: str, module: pl.LightningModule, options: LoadOptions, fitting: bool
     ) -> dict[str, Any]:
         """A shardsafe checkpoint directory, or a ``.ckpt`` file."""
-        if not restore.is_shardsafe_checkpoint(path):
+        if is_url(path):
+            path = restore.committed_url(path)
+        elif not restore.is_shardsafe_checkpoint(path):
             self._restored = restore.Restored()
             if not self.reads_ckpt_files:
                 raise CheckpointError(
@@ -289,12 +293,7 @@ class ShardsafeCheckpointing(Strategy):
         restore.load_optimizers_from_file(checkpoint, self.optimizers, module)
 
 
-def local_path(path: Any) -> str:
-    """``path`` as a local filesystem path; a URL (``s3://...``) is refused."""
+def path_text(path: Any) -> str:
+    """``path`` as text: a local path (``file://`` stripped) or an object-store URL."""
     text = str(os.fspath(path))
-    if "://" in text:
-        raise CheckpointError(
-            f"{text} is a URL; shardsafe's Lightning strategies save to and load from local "
-            "(or shared POSIX) paths only"
-        )
-    return text
+    return text if is_url(text) else locations.local_path(text)

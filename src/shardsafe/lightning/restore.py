@@ -16,6 +16,7 @@ consolidated ZeRO/OSS state into a ZeRO/OSS optimizer of any world size.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from .. import interop
 from ..checkpoint import loading
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage.local import LocalStorage
+from ..checkpoint.storage.locations import open_storage
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, STATE_DICT, optimizer_names
 
@@ -43,6 +44,34 @@ class Restored:
 def is_shardsafe_checkpoint(path: str) -> bool:
     """A directory (or a link to one) holding a ``manifest.json``: what the strategy writes."""
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, MANIFEST_NAME))
+
+
+def committed_url(url: str) -> str:
+    """The committed checkpoint at the object-store ``url``: the URL itself, or the staged
+    copy a crash left while it was being replaced (``object_placement``), said aloud."""
+    from ..checkpoint.storage.object_placement import committed_copy
+
+    copy = committed_copy(url)
+    if copy is None:
+        if _single_object(url):
+            raise CheckpointError(
+                f"{url} is a single object (a Lightning .ckpt file?), not a shardsafe "
+                "checkpoint; the shardsafe strategies read .ckpt files from local paths "
+                "only: download it, then pass its local path"
+            )
+        return url  # committed, or missing: the load says which
+    warnings.warn(
+        f"shardsafe: {url} has no manifest (the save that replaced it was interrupted while "
+        f"being published); loading its committed copy {copy}",
+        stacklevel=2,
+    )
+    return copy
+
+
+def _single_object(url: str) -> bool:
+    parent, _, name = url.rstrip("/").rpartition("/")
+    with open_storage(parent) as root:
+        return root.kind(name) == "file"
 
 
 def load_directory(
@@ -66,7 +95,7 @@ def load_directory(
             chosen.update(zip(optimizer_names(len(optimizers)), optimizers))
         return chosen
 
-    with LocalStorage(path) as storage:
+    with open_storage(path) as storage:  # a local directory (a link followed) or a URL
         values = loading.load_chosen(storage, choose, options)
     checkpoint = dict(values.get(LIGHTNING) or {})
     if saved_optimizers:  # Lightning checks that a full checkpoint has them

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from ...errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from .object_storage import FsspecStorage, check_object_name
-from .removal import delete_checkpoint
 from .placement import (
     _delete_replaced,
     _staging_names,
     _taken,
     refuse_foreign,
 )
+from .removal import delete_checkpoint
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,131 @@
+"""A Lightning fit whose ``ModelCheckpoint(dirpath=...)`` is an ``s3://`` URL, against a real
+S3 API server (moto on loopback), on 2 ranks: the same checkpoints as on a local disk
+(same tensors, same names kept by ``save_top_k``, ``last.ckpt`` replaced at every save),
+resumed with the same losses, in the background too; ``save_last="link"`` is refused (by
+Lightning itself) with nothing written."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe.checkpoint import SaveOptions
+from shardsafe.checkpoint.replacing import save_replacing
+from shardsafe.checkpoint.storage import object_placement
+from shardsafe.lightning import restore
+from tests.lightning.helpers import Net, Run, assert_same_optimizer_state, losses, run
+from tests.s3server import S3Server
+
+pytestmark = pytest.mark.timeout(150)
+
+KEPT = ["epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt", "last.ckpt"]
+
+
+def saved(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    net = Net()
+    adam = torch.optim.Adam(net.parameters(), lr=1.0)
+    shardsafe.load(path, {"model": net, "optimizer": adam})
+    return net.state_dict(), adam.state_dict()
+
+
+def checkpoints(server: S3Server, bucket: str) -> list[str]:
+    """The checkpoint names under ``ckpts/`` (each a prefix of objects)."""
+    return sorted({k.split("/")[1] for k in server.keys(bucket, "ckpts/")})
+
+
+def assert_same_checkpoint(url: str, local: Path) -> None:
+    model, optimizer = saved(url)
+    model_l, optimizer_l = saved(local)
+    assert all(torch.equal(model[k], model_l[k]) for k in model_l)
+    assert_same_optimizer_state(optimizer_l, optimizer)  # type: ignore[arg-type]
+    assert shardsafe.verify(url).ok
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "async_save"])
+def test_an_s3_dirpath_holds_what_a_local_one_holds_and_resumes_the_same(
+    tmp_path: Path,
+    s3_server: S3Server,
+    s3_bucket: str,
+    uninterrupted: Callable[[str], Path],
+    background: bool,
+) -> None:
+    local = uninterrupted("zero")
+    ckpts = f"s3://{s3_bucket}/ckpts"
+    flags = ("--async-save",) if background else ()
+    run(
+        tmp_path, "--optimizer", "zero", "--dirpath", ckpts, "--save-last", *flags,
+        "--save-at-end", f"s3://{s3_bucket}/final.ckpt",
+    )  # fmt: skip
+    assert losses(tmp_path) == losses(local)
+    assert checkpoints(s3_server, s3_bucket) == KEPT  # no staged copy left, nothing else
+    for name in KEPT:
+        assert_same_checkpoint(f"{ckpts}/{name}", local / "ckpts" / name)
+    assert_same_checkpoint(f"s3://{s3_bucket}/final.ckpt", local / "final.ckpt")
+    assert not (tmp_path / "ckpts").exists()  # nothing on the local disk instead
+
+    resumed = tmp_path / "resumed"
+    run(resumed, "--optimizer", "zero", "--resume", f"{ckpts}/epoch=1-step=10.ckpt", *flags)
+    whole = losses(local)
+    assert losses(resumed) == {s: whole[s] for s in range(11, 16)}
+
+
+def test_save_last_link_under_an_s3_dirpath_is_refused_before_the_first_step(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str
+) -> None:
+    ckpts = f"s3://{s3_bucket}/ckpts"
+    started = Run(tmp_path, "--optimizer", "plain", "--dirpath", ckpts, "--save-last", "link")
+    codes = started.wait()
+    assert codes == [1, 1], started.output()
+    for rank in (0, 1):
+        outcome = (tmp_path / f"outcome-{rank}.json").read_text()
+        assert (  # Lightning's own refusal, before the strategy is set up
+            "ValueError: `ModelCheckpoint(save_last='link')` is only supported for local file "
+            f"paths, got `dirpath={ckpts}`."
+        ) in outcome
+    assert losses(tmp_path) == {}
+    assert s3_server.keys(s3_bucket) == []
+    assert not any(n.startswith("s3:") for n in os.listdir(tmp_path))
+
+
+def test_a_resume_after_a_crash_while_last_ckpt_was_replaced_loads_its_staged_copy(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process: the crash window of ``object_placement`` (the old ``last.ckpt`` gone, the
+    new one committed only under its staging prefix), as the strategy's load resolves it."""
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    save_replacing(url, {"w": torch.full((2,), 1.0)}, SaveOptions())
+
+    def killed(*args: object) -> None:
+        raise OSError("killed while copying")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(object_placement, "_copy_checkpoint", killed)
+        with pytest.raises(shardsafe.CheckpointError):
+            save_replacing(url, {"w": torch.full((2,), 2.0)}, SaveOptions())
+    staged = f"s3://{s3_bucket}/ckpts/.last.ckpt.shardsafe-partial"
+    with pytest.warns(UserWarning) as warned:
+        assert restore.committed_url(url) == staged
+    assert str(warned[0].message) == (
+        f"shardsafe: {url} has no manifest (the save that replaced it was interrupted while "
+        f"being published); loading its committed copy {staged}"
+    )
+    assert torch.equal(shardsafe.load(staged, {})["w"], torch.full((2,), 2.0))
+
+
+def test_a_ckpt_object_on_s3_is_refused_with_the_way_out(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    s3_server.put(s3_bucket, "ckpts/old.ckpt", b"PK\x03\x04 a Lightning file")
+    url = f"s3://{s3_bucket}/ckpts/old.ckpt"
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        restore.committed_url(url)
+    assert str(info.value) == (
+        f"{url} is a single object (a Lightning .ckpt file?), not a shardsafe checkpoint; the "
+        "shardsafe strategies read .ckpt files from local paths only: download it, then pass "
+        "its local path"
+    )
