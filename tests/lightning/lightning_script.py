@@ -234,7 +234,10 @@ def strategy(args: argparse.Namespace) -> Any:
         return "ddp"
     if args.fsdp:
         return ShardsafeModelParallelStrategy(
-            layout=args.layout, data_parallel_size=args.devices, tensor_parallel_size=1
+            layout=args.layout,
+            data_parallel_size=args.devices,
+            tensor_parallel_size=1,
+            async_save=args.async_save,
         )
     return ShardsafeDDPStrategy(layout=args.layout, async_save=args.async_save)
 

@@ -49,3 +49,30 @@ def test_an_fsdp2_checkpoint_reshards_onto_3_ranks_bitwise(
     assert_same_optimizer_state(adam.state_dict(), live["optimizer"])
     assert all(torch.equal(v, live["model"][k]) for k, v in net.state_dict().items())
     assert sorted(losses(tmp_path)) == list(range(11, 16))
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_background_saves_hold_what_blocking_saves_hold_and_resume_the_same(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    """``ShardsafeModelParallelStrategy(async_save=True)``: the DTensor shards staged and
+    written in the background are the blocking run's, bit for bit, and resume the same."""
+    blocking = uninterrupted("fsdp")
+    run(tmp_path, *FSDP, "--async-save", "--save-last", "--step-delay", "0.05")
+    assert losses(tmp_path) == losses(blocking)
+    names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    assert names == ["epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt", "last.ckpt"]
+    for name in names:
+        background, reference = Net(), Net()
+        adam_b = torch.optim.Adam(background.parameters(), lr=1.0)
+        adam_r = torch.optim.Adam(reference.parameters(), lr=1.0)
+        shardsafe.load(tmp_path / "ckpts" / name, {"model": background, "optimizer": adam_b})
+        shardsafe.load(blocking / "ckpts" / name, {"model": reference, "optimizer": adam_r})
+        assert all(
+            torch.equal(v, background.state_dict()[k]) for k, v in reference.state_dict().items()
+        )
+        assert_same_optimizer_state(adam_r.state_dict(), adam_b.state_dict())
+    resumed = tmp_path / "resumed"
+    run(resumed, *FSDP, "--async-save", "--resume", tmp_path / "ckpts" / STEP10)
+    whole = losses(blocking)
+    assert losses(resumed) == {s: whole[s] for s in range(11, 16)}
