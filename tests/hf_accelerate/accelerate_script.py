@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--project-dir")
     parser.add_argument("--total-limit", type=int)
     parser.add_argument("--dump")
+    parser.add_argument("--expect-load-error", action="store_true")
     args = parser.parse_args()
 
     project = ProjectConfiguration(
@@ -97,6 +98,25 @@ def main() -> None:
     accelerator.end_training()
 
 
+def refused(accelerator: Any, path: str, model: Any, optimizer: Any) -> None:
+    """Load a checkpoint that must be refused; print, per process, the error and whether
+    the model and the optimizer are as they were."""
+    before = [t.clone() for t in model.state_dict().values()]
+    optimizer_before = repr(optimizer.state_dict())
+    try:
+        load_state(accelerator, path)
+    except Exception as e:  # the test reads which error, on every process
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = "no error"
+    after = list(model.state_dict().values())
+    same = all(torch.equal(a, b) for a, b in zip(before, after)) and (
+        repr(optimizer.state_dict()) == optimizer_before
+    )
+    state = "unchanged" if same else "CHANGED"
+    print(f"process {accelerator.process_index}: {error} | state {state}", flush=True)
+
+
 def train(accelerator: Any, args: argparse.Namespace) -> None:
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -117,6 +137,12 @@ def train(accelerator: Any, args: argparse.Namespace) -> None:
     accelerator.register_for_checkpointing(counter)
 
     step = 0
+    if args.resume is not None and args.expect_load_error:
+        refused(accelerator, args.resume, model, optimizer)
+        if accelerator.is_main_process:
+            with open(args.out, "w") as f:
+                json.dump({"refused": True}, f)
+        return
     if args.resume is not None:
         values = load_state(accelerator, None if args.resume == "auto" else args.resume)
         step = counter.seen

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,24 @@ def test_automatic_naming_keeps_total_limit_and_load_state_finds_the_newest(
     assert f"resumed at step {SAVE_AT}" in resumed["log"]
     assert_continues(whole, resumed, SAVE_AT)
     assert sorted(os.listdir(checkpoints))[-2:] == ["step-000000002", "step-000000003"]
+
+
+def test_a_corrupted_checkpoint_is_refused_on_every_process_and_changes_nothing(
+    plain_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """One byte flipped in one data file: ``load_state`` raises the same error on both
+    processes, no process hangs, and the model and optimizer are as they were."""
+    root, _ = plain_run
+    corrupted = tmp_path / "corrupted"
+    shutil.copytree(root / "ckpts" / f"step-{SAVE_AT}", corrupted)
+    shard = sorted(corrupted.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # in the last tensor's bytes, past the header
+    shard.write_bytes(bytes(data))
+    got = launch(tmp_path, "refused", "--resume", corrupted, "--expect-load-error")
+    lines = sorted(line for line in got["log"].splitlines() if line.startswith("process "))
+    assert len(lines) == 2, got["log"][-3000:]
+    assert lines[0].replace("process 0", "process 1") == lines[1]  # the same error on both
+    assert lines[0].startswith("process 0: CheckpointCorruptError: ")
+    assert shard.name in lines[0] and "checksum" in lines[0].lower()
+    assert lines[0].endswith("| state unchanged")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +24,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(out: Path, *args: str | Path) -> dict[str, float]:
+    done = launch(out, *args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    losses: dict[str, float] = json.loads((out / "losses.json").read_text())
+    return {int(k): v for k, v in losses.items()}  # type: ignore[misc]
+
+
+def launch(out: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), "-m", "tests.hf_transformers.trainer_script",
         "--out", str(out), *map(str, args),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(out.parent / "hf-home")}
-    done = subprocess.run(
+    return subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200, check=False
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    losses: dict[str, float] = json.loads((out / "losses.json").read_text())
-    return {int(k): v for k, v in losses.items()}  # type: ignore[misc]
 
 
 def test_a_resumed_run_continues_bitwise_and_the_optimizer_is_not_pickled(
@@ -67,3 +72,27 @@ def test_a_folder_the_plain_trainer_wrote_resumes_through_its_own_code(tmp_path:
     assert "optimizer.pt" in os.listdir(checkpoint)
     resumed = train(tmp_path / "plain", "--resume", checkpoint)  # ShardsafeTrainer
     assert {s: resumed[s] for s in (11, 12)} == {s: whole[s] for s in (11, 12)}
+
+
+def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(tmp_path: Path) -> None:
+    """One byte flipped in the shardsafe part of ``checkpoint-10``: both ranks stop with
+    shardsafe's error naming the file, none hangs, and the folder is left as it was."""
+    train(tmp_path / "whole", "--steps", "10")
+    part = tmp_path / "whole" / "checkpoint-10" / "shardsafe"
+    shard = sorted(part.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # in the last tensor's bytes, past the header
+    shard.write_bytes(bytes(data))
+    before = {p.name: p.read_bytes() for p in part.iterdir()}
+    done = launch(tmp_path / "whole", "--resume", part.parent, "--steps", "12")
+    assert done.returncode != 0
+    errors = [(tmp_path / "whole" / f"error-{r}.txt").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1], errors  # agreed: the same error on both ranks
+    assert re.fullmatch(
+        r"CheckpointCorruptError: load failed on rank ([01]) \(rank\(s\) (?!\1)[01] failed "
+        rf"too\): checksum mismatch in {re.escape(shard.name)}, tensor "
+        r"'optimizer/transformer\.wte\.weight/exp_avg' \(chunk at offsets \[0, 0\], block 0\): "
+        r"the data file is damaged",
+        errors[0],
+    ), errors[0]
+    assert {p.name: p.read_bytes() for p in part.iterdir()} == before

@@ -12,6 +12,7 @@ import os
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+import shardsafe
 from shardsafe.transformers import ShardsafeTrainer
 from tests.clean_exit import end_process
 
@@ -43,7 +44,17 @@ def main() -> None:
     )  # fmt: skip
     kind = ShardsafeTrainer if args.trainer == "shardsafe" else Trainer
     trainer = kind(model=GPT2LMHeadModel(config), args=training, train_dataset=Tokens())
-    trainer.train(resume_from_checkpoint=args.resume)
+    try:
+        trainer.train(resume_from_checkpoint=args.resume)
+    except shardsafe.CheckpointError as e:
+        # Each rank's error in a file: torchrun stops the other ranks as soon as one exits,
+        # so the tests could not read every rank's from the output. The barrier in
+        # end_process keeps both until both have written (an agreed error leaves the
+        # group working).
+        rank = int(os.environ.get("RANK", 0))
+        with open(os.path.join(args.out, f"error-{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        end_process(1)
     if trainer.is_world_process_zero():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         with open(os.path.join(args.out, "losses.json"), "w") as f:
