@@ -4,7 +4,7 @@
         [--devices N] [--max-steps N] [--resume PATH|last] [--step-delay S] [--layout L]
         [--log NAME] [--fail-rank R --fail-step S] [--bad-hparam] [--save-last]
         [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp] [--fsdp]
-        [--dirpath NAME|URL] [--save-last [link]]
+        [--dirpath NAME|URL] [--save-last [link]] [--fail-everywhere STEP]
 
 ``Trainer(accelerator="cpu", devices=N, strategy=ShardsafeDDPStrategy(...))``: Lightning's
 launcher runs this script again for every other rank (``--lightning-ddp``: Lightning's
@@ -39,7 +39,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -144,6 +144,17 @@ class FailingState(Callback):
         if trainer and trainer.global_rank == self.rank and trainer.global_step >= self.step:
             raise RuntimeError(f"state_dict failed on purpose on rank {self.rank}")
         return {"calls": 1}
+
+
+class FailEverywhere(Callback):
+    """Raises on every rank at the end of a given step: a bug in the training code."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"training failed on purpose at step {self.step}")
 
 
 class DumpRestored(Callback):
@@ -261,6 +272,8 @@ def callbacks(args: argparse.Namespace, root: Path) -> list[Callback]:
     ]
     if args.fail_rank is not None:
         found.append(FailingState(args.fail_rank, args.fail_step))
+    if args.fail_everywhere is not None:  # and Lightning's checkpoint on exception
+        found += [FailEverywhere(args.fail_everywhere), OnExceptionCheckpoint(root)]
     if args.dump_restored:
         found.append(DumpRestored(Path(args.dump_restored)))
     return found
@@ -277,6 +290,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layout", default="sharded")
     p.add_argument("--fail-rank", type=int)
     p.add_argument("--fail-step", type=int, default=10)
+    p.add_argument("--fail-everywhere", type=int)
     p.add_argument("--bad-hparam", action="store_true")
     p.add_argument("--save-last", nargs="?", const=True, default=False)  # or "link"
     p.add_argument("--dirpath", default="ckpts")  # under --root, or a URL (s3://...)

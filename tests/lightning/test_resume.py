@@ -26,6 +26,7 @@ import shardsafe
 from tests.lightning.conftest import OPTIMIZERS
 from tests.lightning.helpers import (
     Net,
+    Run,
     assert_same_optimizer_state,
     kill_after_step,
     losses,
@@ -78,3 +79,32 @@ def test_resuming_on_another_world_size_restores_the_optimizer_bitwise(
     assert adam.state_dict()["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.7**3)
     assert sorted(losses(tmp_path)) == list(range(11, 16))
     assert sorted(os.listdir(tmp_path / "ckpts"))[-1].endswith("step=15.ckpt")
+
+
+@pytest.mark.timeout(150)
+def test_lightnings_on_exception_checkpoint_is_a_committed_checkpoint_that_resumes(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    """``OnExceptionCheckpoint``: a fit that fails on every rank at step 10 leaves
+    ``on_exception.ckpt``, a committed checkpoint holding the state after step 10 (the
+    uninterrupted run's step-10 checkpoint, bit for bit); resumed, the losses go on."""
+    reference = uninterrupted("zero")
+    started = Run(tmp_path, "--optimizer", "zero", "--fail-everywhere", "10")
+    codes = started.wait()
+    assert codes == [1, 1], started.output()
+    saved = tmp_path / "on_exception.ckpt"
+    assert shardsafe.verify(saved).ok
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["epoch=0-step=5.ckpt"]  # 10 never saved
+    expected, got = Net(), Net()
+    adam_e = torch.optim.Adam(expected.parameters(), lr=1.0)
+    adam_g = torch.optim.Adam(got.parameters(), lr=1.0)
+    shardsafe.load(
+        reference / "ckpts" / "epoch=1-step=10.ckpt", {"model": expected, "optimizer": adam_e}
+    )
+    shardsafe.load(saved, {"model": got, "optimizer": adam_g})
+    assert all(torch.equal(v, got.state_dict()[k]) for k, v in expected.state_dict().items())
+    assert_same_optimizer_state(adam_e.state_dict(), adam_g.state_dict())
+    resumed = tmp_path / "resumed"
+    run(resumed, "--optimizer", "zero", "--resume", saved)
+    whole = losses(reference)
+    assert losses(resumed) == {s: whole[s] for s in range(11, 16)}
