@@ -5,7 +5,9 @@ loopback): the exact objects left, the replacement's crash window, and what is r
 from __future__ import annotations
 
 import io
+import time
 import zipfile
+from typing import Any
 
 import pytest
 import torch
@@ -129,3 +131,65 @@ def test_a_failed_save_under_a_free_name_leaves_nothing_and_the_next_one_saves(
     save(url, 2.0)
     assert loaded(url) == 2.0
     assert "ckpts/last.ckpt/manifest.json" in names(s3_server, s3_bucket)
+
+
+def test_a_crash_in_the_middle_of_the_copy_leaves_leftovers_the_next_save_clears(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after the data objects were copied, before the manifest: the name holds our
+    marked leftovers (not a checkpoint, not foreign), the staged copy is found, and the
+    next save of the name writes over the leftovers."""
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    save(url, 1.0)
+    real = object_placement._copy_one
+
+    def killed_at_the_manifest(staged: Any, named: Any, name: str, size: int) -> None:
+        if name == "manifest.json":
+            raise OSError("killed before the manifest was copied")
+        real(staged, named, name, size)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(object_placement, "_copy_one", killed_at_the_manifest)
+        with pytest.raises(shardsafe.CheckpointError) as info:
+            save(url, 2.0)
+    staged = f"s3://{s3_bucket}/ckpts/.last.ckpt.shardsafe-partial"
+    assert str(info.value).startswith(
+        f"the new checkpoint is committed under {staged}, but giving it the name {url} failed"
+    )
+    left = [k for k in names(s3_server, s3_bucket) if k.startswith("ckpts/last.ckpt/")]
+    assert "ckpts/last.ckpt/.shardsafe-incomplete" in left
+    assert "ckpts/last.ckpt/manifest.json" not in left
+    assert committed_copy(url) == staged
+    save(url, 3.0)
+    assert loaded(url) == 3.0
+    assert not any(
+        "shardsafe-partial" in k or "incomplete" in k for k in names(s3_server, s3_bucket)
+    )
+
+
+def test_names_with_pattern_characters_are_copied_as_they_are(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """``*``, ``?`` and ``[`` in the directory: copied object to object, never expanded."""
+    url = f"s3://{s3_bucket}/run*x[1]?/last.ckpt"
+    save(url, 1.0)
+    save(url, 2.0)
+    assert loaded(url) == 2.0
+    keys = s3_server.keys(s3_bucket, "run*x[1]?/")
+    assert "run*x[1]?/last.ckpt/manifest.json" in keys
+    assert not any("shardsafe-partial" in k or k.count("manifest.json") > 1 for k in keys)
+
+
+@pytest.mark.parametrize("newest_first", [False, True])
+def test_of_several_staged_copies_the_newest_is_found(
+    s3_server: S3Server, s3_bucket: str, newest_first: bool
+) -> None:
+    """Crashes can leave committed copies under more than one staging name; the one whose
+    manifest was written last is the newest, whichever name it has."""
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    first, second = ".last.ckpt.shardsafe-partial", ".last.ckpt.shardsafe-partial-1"
+    older, newer = (second, first) if newest_first else (first, second)
+    shardsafe.save(f"s3://{s3_bucket}/ckpts/{older}", {"w": torch.full((3,), 1.0)})
+    time.sleep(1.1)  # the store's clock counts whole seconds
+    shardsafe.save(f"s3://{s3_bucket}/ckpts/{newer}", {"w": torch.full((3,), 2.0)})
+    assert committed_copy(url) == f"s3://{s3_bucket}/ckpts/{newer}"

@@ -10,6 +10,7 @@ import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..distributed import Coordinator, Phase, world
 from . import background
 from .background import SaveHandle
 from .io.staging import Stager
@@ -44,13 +45,30 @@ def async_save_replacing(
 def _placed(path: str, options: SaveOptions) -> tuple[Placement | ObjectPlacement, SaveOptions]:
     if options.hooks != SaveHooks():
         raise ValueError("save_replacing() runs its own save hooks; pass SaveOptions without")
-    placement: Placement | ObjectPlacement
-    if is_url(path):
-        from .storage.object_placement import ObjectPlacement
-
-        placement = ObjectPlacement.of(path)
-    else:
-        placement = Placement.of(path)
+    placement = _object_placement(path, options) if is_url(path) else Placement.of(path)
     hooks = SaveHooks(before_write=placement.check, after_commit=placement.publish)
     storage = functools.partial(options.storage or open_storage, follow=False)
     return placement, SaveOptions.of(options, hooks=hooks, storage=storage)
+
+
+def _object_placement(path: str, options: SaveOptions) -> ObjectPlacement:
+    """Rank 0 reads the store and decides where the save goes; every rank uses its
+    decision (a rank reading the store on its own could see it differently, or fail, and
+    the ranks would then save to different places); its error is every rank's."""
+    from .storage.object_placement import ObjectPlacement, split
+
+    if world()[1] == 1:
+        return ObjectPlacement.of(path, options.storage_options)
+    parent, name = split(path)
+    coord = Coordinator("save", f"{path}#placement", timeout=options.timeout)
+    try:
+        coord.enter(options.entry_timeout)
+
+        def decide(payloads: list[Any]) -> list[str]:
+            return [ObjectPlacement.of(path, options.storage_options).staging] * len(payloads)
+
+        with coord.phase(Phase.PLACE, decide=decide) as chosen:
+            pass
+    finally:
+        coord.close()
+    return ObjectPlacement(parent, name, str(chosen.part), options.storage_options)

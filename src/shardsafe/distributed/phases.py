@@ -10,7 +10,8 @@ class Phase(str, Enum):
 
     save: ENTRY -> COLLECT -> WRITE -> COMMIT; load: ENTRY -> PLAN -> READ -> RESTORE;
     ``shardsafe.interop``'s gather: ENTRY -> OFFER -> DONE; the tiered manager:
-    ENTRY -> SURVEY (what each rank holds, or needs) -> FETCH (peer transfers).
+    ENTRY -> SURVEY (what each rank holds, or needs) -> FETCH (peer transfers); a save
+    replacing a name on an object store first agrees where it goes: ENTRY -> PLACE.
     """
 
     ENTRY = "entry"
@@ -24,6 +25,7 @@ class Phase(str, Enum):
     DONE = "done"
     SURVEY = "survey"
     FETCH = "fetch"
+    PLACE = "place"
 
     def __str__(self) -> str:
         return self.value

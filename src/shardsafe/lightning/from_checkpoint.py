@@ -32,7 +32,7 @@ from ..checkpoint.api import load
 from ..checkpoint.storage.locations import is_url
 from ..errors import CheckpointError
 from ._namespace import lightning
-from .restore import is_shardsafe_checkpoint
+from .restore import committed_url, is_shardsafe_checkpoint
 from .state import LIGHTNING, MODEL, STATE_DICT
 
 Module = TypeVar("Module")
@@ -65,6 +65,8 @@ def load_from_checkpoint(
             "map_location must be a device (a string such as 'cuda:0' or a torch.device) for a "
             "shardsafe checkpoint: its tensors are read into the new module, then moved"
         )
+    if is_url(path):
+        path = committed_url(path)  # the staged copy, if a crash interrupted a replacement
     checkpoint = _lightning_part(path)
     hparams = dict(checkpoint.get(_HPARAMS) or {})
     if hparams_file is not None:

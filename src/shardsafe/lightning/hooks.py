@@ -15,7 +15,9 @@ puts it on ``DDPStrategy`` and ``ModelParallelStrategy``):
 * ``lightning_module_state_dict``: the module's own ``state_dict()`` (no gathering),
   recorded, so that the save can tell whether a hook edited it.
 * ``save_checkpoint``: ``shardsafe.save`` on every rank, replacing a checkpoint of the
-  same name atomically (``last.ckpt``; :mod:`shardsafe.checkpoint.storage.placement`).
+  same name (``last.ckpt``): on a filesystem atomically
+  (:mod:`shardsafe.checkpoint.storage.placement`), on an object store by a staged save
+  and a copy (:mod:`shardsafe.checkpoint.storage.object_placement`).
 * ``setup``: checks that the checkpoints can be saved (:mod:`.checks`) and makes
   Lightning's gathering agree its errors (:func:`.state.guard_dump`).
 * ``restore_checkpoint_after_setup``/``load_checkpoint``/``load_model_state_dict``/

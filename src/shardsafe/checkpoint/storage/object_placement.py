@@ -10,32 +10,38 @@ leaves at least one complete checkpoint:
 1. the new checkpoint is saved and committed under the sibling prefix
    ``.<name>.shardsafe-partial`` (the first such name without a committed checkpoint);
 2. rank 0, once it is committed, deletes the old checkpoint under the name (its manifest
-   first, so a reader never finds a manifest whose objects are going) and has the store
-   copy the staged objects to the name (a server-side copy: no byte leaves the store),
-   data first, manifest last;
+   first, so a reader never finds a manifest whose objects are going), marks the name
+   with the record of what it is about to copy (``leftovers.record``: a crash mid-copy
+   leaves objects the next save recognises as its own and clears), and has the store
+   copy the staged objects there (server-side copies, several at once, no byte
+   downloaded; each copy's size checked), data first, manifest last, then the mark goes;
 3. the staged copy is deleted.
 
 A crash in step 2 leaves the name without a manifest and the staged copy committed;
-:func:`committed_copy` finds it, and loaders take it instead of the name, saying so. It is
-deleted after the next save of the name succeeds. Anything at the name that shardsafe did
-not write is refused before anything is written (:func:`.placement.refuse_foreign`).
+:func:`committed_copy` finds it (the newest, if crashes left several), and loaders take
+it instead of the name, saying so. It is deleted after the next save of the name
+succeeds. Anything at the name that shardsafe did not write is refused before anything
+is written (:func:`.placement.refuse_foreign`). Every rank must use the same placement:
+``replacing.py`` has rank 0 compute it and tell the others.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
+from .leftovers import INCOMPLETE_MARKER, record
 from .object_storage import FsspecStorage, check_object_name
-from .placement import (
-    _delete_replaced,
-    _staging_names,
-    _taken,
-    refuse_foreign,
-)
+from .placement import _delete_replaced, _staging_names, _taken, refuse_foreign
 from .removal import delete_checkpoint
+
+COPY_THREADS = 16
+"""Server-side copies in flight at once while publishing."""
 
 
 @dataclass(frozen=True)
@@ -46,16 +52,14 @@ class ObjectPlacement:
     parent: str
     name: str
     staging: str
+    storage_options: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, url: str) -> ObjectPlacement:
-        """The placement of ``url``; every rank computes the same one from the store."""
-        parent, _, name = url.rstrip("/").rpartition("/")
-        if not name or name in (".", "..") or "://" not in parent:
-            raise ValueError(f"{url!r} does not name a checkpoint under a bucket")
-        check_object_name(name)
-        with FsspecStorage(parent) as root:
-            return cls(parent, name, _staging_name(root, name))
+    def of(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> ObjectPlacement:
+        """The placement of ``url``, from what the store holds now."""
+        parent, name = split(url)
+        with FsspecStorage(parent, storage_options=storage_options) as root:
+            return cls(parent, name, _staging_name(root, name), storage_options)
 
     @property
     def path(self) -> str:
@@ -65,40 +69,81 @@ class ObjectPlacement:
     def staging_path(self) -> str:
         return f"{self.parent}/{self.staging}"
 
+    def _root(self) -> FsspecStorage:
+        return FsspecStorage(self.parent, storage_options=self.storage_options)
+
     def check(self) -> None:
         """Refuse, before anything is written, a target that is not ours to replace."""
-        with FsspecStorage(self.parent) as root:
+        with self._root() as root:
             refuse_foreign(root, self.name)
 
     def publish(self) -> None:
         """Give the committed staged checkpoint the target's name (rank 0, after commit)."""
-        with FsspecStorage(self.parent) as root:
+        with self._root() as root:
             if self.staging != self.name:
                 refuse_foreign(root, self.name)  # again: it may have changed since check()
-                kind = root.kind(self.name)
-                if kind is not None:
-                    _delete_replaced(root, self.name, kind)
-                _copy_checkpoint(root, self.staging, self.name)
+                try:
+                    kind = root.kind(self.name)
+                    if kind is not None:
+                        _delete_replaced(root, self.name, kind)
+                    _copy_checkpoint(root, self.staging, self.name)
+                except (OSError, CheckpointError) as e:
+                    raise CheckpointError(
+                        f"the new checkpoint is committed under {self.staging_path}, but "
+                        f"giving it the name {self.path} failed ({e}); the older checkpoint "
+                        f"under that name may be gone. Resume from {self.staging_path} "
+                        "(fit(ckpt_path=...) of the name finds it by itself); the next save "
+                        "of the name clears both."
+                    ) from e
             _delete_staged_leftovers(root, self.name)
 
 
-def committed_copy(url: str) -> str | None:
-    """The URL of the committed staged copy of ``url`` that an interrupted replacement
-    left (step 2 above), if ``url`` itself holds no manifest; else ``None``."""
-    placement_parent, _, name = url.rstrip("/").rpartition("/")
-    if not name or "://" not in placement_parent:
+def split(url: str) -> tuple[str, str]:
+    """``(parent URL, name)`` of a checkpoint URL; refuses one that names no object."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or name in (".", "..") or "://" not in parent:
+        raise ValueError(f"{url!r} does not name a checkpoint under a bucket")
+    check_object_name(name)
+    return parent, name
+
+
+def committed_copy(url: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The URL of the newest committed staged copy of ``url`` that an interrupted
+    replacement left (step 2 above), if ``url`` itself holds no manifest; else ``None``.
+    One listing of the parent, then one request per staged copy found."""
+    parent, name = split(url)
+    with FsspecStorage(parent, storage_options=storage_options) as root:
+        present = set(root.names())
+        if name in present and _has_manifest(root, name):
+            return None
+        found = []
+        for order, candidate in enumerate(_staging_names(name)):
+            if candidate in present:
+                stamp = _manifest_time(root, candidate)
+                if stamp is not None:
+                    found.append((stamp, order, candidate))
+    if not found:
         return None
-    with FsspecStorage(placement_parent) as root:
-        with contextlib.suppress(CheckpointError):
-            if root.kind(name) == "directory" and root.child(name).exists(MANIFEST_NAME):
-                return None
-        for candidate in _staging_names(name):
-            if root.kind(candidate) is None:
-                continue
-            with contextlib.suppress(CheckpointError):
-                if root.child(candidate).exists(MANIFEST_NAME):
-                    return root.where(candidate)
-    return None
+    return root.where(max(found)[2])
+
+
+def _has_manifest(root: FsspecStorage, name: str) -> bool:
+    with contextlib.suppress(CheckpointError):
+        return root.child(name).exists(MANIFEST_NAME)
+    return False
+
+
+def _manifest_time(root: FsspecStorage, name: str) -> float | None:
+    """When ``root/name``'s manifest was written (the store's own time), or ``None`` if
+    it has none."""
+    try:
+        info = root.child(name)._info(MANIFEST_NAME)
+    except CheckpointError:
+        return None
+    if info is None:
+        return None
+    when = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+    return float(when.timestamp()) if hasattr(when, "timestamp") else float(when)
 
 
 def _delete_staged_leftovers(root: FsspecStorage, name: str) -> None:
@@ -138,13 +183,31 @@ def _committed(root: FsspecStorage, name: str) -> bool:
 
 
 def _copy_checkpoint(root: FsspecStorage, source: str, target: str) -> None:
-    """Copy the checkpoint ``root/source`` to ``root/target`` inside the store, data first
-    and the manifest last (the copy's commit), then delete the source."""
+    """Copy the checkpoint ``root/source`` to ``root/target`` inside the store, marked as
+    a save in progress until the manifest (copied last) commits it, then delete the
+    source. ``cp_file``: one object to one object, no pattern expansion of the names."""
     with root.child(source) as staged, root.child(target) as named:
-        names = staged.names()
-        if MANIFEST_NAME not in names:
+        sizes = {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in staged.fs.ls(staged.path, detail=True)
+        }
+        if MANIFEST_NAME not in sizes:
             raise CheckpointError(f"{staged.directory} lost its manifest before it was published")
-        for entry in [n for n in names if n != MANIFEST_NAME] + [MANIFEST_NAME]:
-            root.fs.copy(staged._key(entry), named._key(entry))
-        named._fresh()
+        data = [n for n in sizes if n not in (MANIFEST_NAME, INCOMPLETE_MARKER)]
+        record(named, [*data, MANIFEST_NAME])  # a crash from here leaves our own leftovers
+        with ThreadPoolExecutor(min(COPY_THREADS, max(1, len(data)))) as pool:
+            list(pool.map(lambda n: _copy_one(staged, named, n, sizes[n]), data))
+        _copy_one(staged, named, MANIFEST_NAME, sizes[MANIFEST_NAME])
+        named.remove(INCOMPLETE_MARKER)
     _delete_replaced(root, source, "directory")
+
+
+def _copy_one(staged: FsspecStorage, named: FsspecStorage, name: str, size: int) -> None:
+    staged.fs.cp_file(staged._key(name), named._key(name))
+    copied = named._info(name)
+    if copied is None or int(copied.get("size") or 0) != size:
+        raise CheckpointError(
+            f"copying {staged.where(name)} to {named.where(name)} gave "
+            f"{'nothing' if copied is None else str(copied.get('size')) + ' bytes'}, not "
+            f"{size} bytes"
+        )
