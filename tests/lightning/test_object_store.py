@@ -1,7 +1,8 @@
 """A Lightning fit whose ``ModelCheckpoint(dirpath=...)`` is an ``s3://`` URL, against a real
 S3 API server (moto on loopback), on 2 ranks: the same checkpoints as on a local disk
 (same tensors, same names kept by ``save_top_k``, ``last.ckpt`` replaced at every save),
-resumed with the same losses, in the background too; ``save_last="link"`` is refused (by
+resumed with the same losses, in the background too (and, after a crash while
+``last.ckpt`` was being replaced, from its staged copy); ``save_last="link"`` is refused (by
 Lightning itself) with nothing written."""
 
 from __future__ import annotations
@@ -72,6 +73,22 @@ def test_an_s3_dirpath_holds_what_a_local_one_holds_and_resumes_the_same(
     run(resumed, "--optimizer", "zero", "--resume", f"{ckpts}/epoch=1-step=10.ckpt", *flags)
     whole = losses(local)
     assert losses(resumed) == {s: whole[s] for s in range(11, 16)}
+    if not background:
+        crashed_while_replacing_last(s3_server, s3_bucket)
+        after_crash = tmp_path / "after-crash"
+        run(after_crash, "--optimizer", "zero", "--resume", f"{ckpts}/last.ckpt")
+        assert losses(after_crash) == {s: whole[s] for s in range(11, 16)}
+
+
+def crashed_while_replacing_last(server: S3Server, bucket: str) -> None:
+    """What a crash in the middle of replacing ``last.ckpt`` leaves: the old one gone, the
+    new one (here: step 10's objects) committed only under the staging prefix."""
+    client = server.client()
+    for key in server.keys(bucket, "ckpts/last.ckpt/"):
+        client.delete_object(Bucket=bucket, Key=key)
+    for key in server.keys(bucket, "ckpts/epoch=1-step=10.ckpt/"):
+        staged = key.replace("epoch=1-step=10.ckpt", ".last.ckpt.shardsafe-partial", 1)
+        client.copy_object(Bucket=bucket, Key=staged, CopySource={"Bucket": bucket, "Key": key})
 
 
 def test_save_last_link_under_an_s3_dirpath_is_refused_before_the_first_step(

@@ -259,7 +259,7 @@ class ShardsafeCheckpointing(Strategy):
     ) -> dict[str, Any]:
         """A shardsafe checkpoint directory, or a ``.ckpt`` file."""
         if is_url(path):
-            path = restore.committed_url(path)
+            path = self._agreed_url(path)
         elif not restore.is_shardsafe_checkpoint(path):
             self._restored = restore.Restored()
             if not self.reads_ckpt_files:
@@ -271,6 +271,22 @@ class ShardsafeCheckpointing(Strategy):
         optimizers = self.optimizers if fitting else None
         checkpoint, self._restored = restore.load_directory(path, module, optimizers, options)
         return checkpoint
+
+    def _agreed_url(self, url: str) -> str:
+        """Rank 0 reads the store (:func:`.restore.committed_url`) and every rank loads
+        what it found, or raises its error: ranks probing on their own could disagree."""
+        found = ("", "")
+        if self.is_global_zero:
+            try:
+                found = ("ok", restore.committed_url(url))
+            except CheckpointError as e:
+                found = ("error", str(e))
+            except Exception as e:  # the store's own errors: every rank must hear of them
+                found = ("error", f"reading {url} failed: {type(e).__name__}: {e}")
+        kind, text = self.broadcast(found)
+        if kind == "error":
+            raise CheckpointError(text)
+        return str(text)
 
     def _say_restored(self, local: LocalTier) -> None:
         restored = local.restored
