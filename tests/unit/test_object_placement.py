@@ -143,10 +143,10 @@ def test_a_crash_in_the_middle_of_the_copy_leaves_leftovers_the_next_save_clears
     save(url, 1.0)
     real = object_placement._copy_one
 
-    def killed_at_the_manifest(staged: Any, named: Any, name: str, size: int) -> None:
+    def killed_at_the_manifest(staged: Any, named: Any, name: str) -> None:
         if name == "manifest.json":
             raise OSError("killed before the manifest was copied")
-        real(staged, named, name, size)
+        real(staged, named, name)
 
     with monkeypatch.context() as patched:
         patched.setattr(object_placement, "_copy_one", killed_at_the_manifest)
@@ -158,6 +158,7 @@ def test_a_crash_in_the_middle_of_the_copy_leaves_leftovers_the_next_save_clears
     )
     left = [k for k in names(s3_server, s3_bucket) if k.startswith("ckpts/last.ckpt/")]
     assert "ckpts/last.ckpt/.shardsafe-incomplete" in left
+    assert any(k.endswith(".safetensors") for k in left)  # the data did get copied
     assert "ckpts/last.ckpt/manifest.json" not in left
     assert committed_copy(url) == staged
     save(url, 3.0)
@@ -193,3 +194,33 @@ def test_of_several_staged_copies_the_newest_is_found(
     time.sleep(1.1)  # the store's clock counts whole seconds
     shardsafe.save(f"s3://{s3_bucket}/ckpts/{newer}", {"w": torch.full((3,), 2.0)})
     assert committed_copy(url) == f"s3://{s3_bucket}/ckpts/{newer}"
+
+
+def test_a_copy_that_lost_an_object_is_not_published_and_the_staged_copy_stays(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target's listing is checked against the manifest before the manifest is
+    copied: a data object the store did not copy stops the publish, and the staged
+    checkpoint (the only complete one) is kept and found."""
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    save(url, 1.0)
+    real = object_placement._copy_one
+
+    def loses_data(staged: Any, named: Any, name: str) -> None:
+        if name.endswith(".safetensors"):
+            return  # the store said it copied, but nothing arrived
+        real(staged, named, name)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(object_placement, "_copy_one", loses_data)
+        with pytest.raises(shardsafe.CheckpointError) as info:
+            save(url, 2.0)
+    assert "does not hold the files its manifest names after it was copied" in str(info.value)
+    assert "manifest.json" not in " ".join(
+        k for k in names(s3_server, s3_bucket) if k.startswith("ckpts/last.ckpt/")
+    )
+    staged = f"s3://{s3_bucket}/ckpts/.last.ckpt.shardsafe-partial"
+    assert committed_copy(url) == staged
+    assert loaded(staged) == 2.0
+    save(url, 3.0)
+    assert loaded(url) == 3.0

@@ -28,6 +28,7 @@ def save_replacing(path: str, state: Mapping[str, Any], options: SaveOptions) ->
 
     ``options.hooks`` must be the defaults: the placement uses both.
     """
+    background.drain()  # a save in flight to this name must publish before we look
     placement, placed = _placed(path, options)
     save(placement.staging_path, state, placed)
 
@@ -38,6 +39,7 @@ def async_save_replacing(
     """:func:`save_replacing` in the background (``shardsafe.async_save``): returns once
     the state is staged; the name is taken (or replaced) only after the commit, by the
     writer thread, so ``path`` never shows a checkpoint that is not complete."""
+    background.drain()  # a save in flight to this name must publish before we look
     placement, placed = _placed(path, options)
     return background.async_save(placement.staging_path, state, placed, stager)
 
@@ -60,7 +62,8 @@ def _object_placement(path: str, options: SaveOptions) -> ObjectPlacement:
     if world()[1] == 1:
         return ObjectPlacement.of(path, options.storage_options)
     parent, name = split(path)
-    coord = Coordinator("save", f"{path}#placement", timeout=options.timeout)
+    # '#' is never in an object name, so this tag is never a save's own
+    coord = Coordinator("save", f"{parent}/{name}#placement", timeout=options.timeout)
     try:
         coord.enter(options.entry_timeout)
 

@@ -275,15 +275,18 @@ class ShardsafeCheckpointing(Strategy):
     def _agreed_url(self, url: str) -> str:
         """Rank 0 reads the store (:func:`.restore.committed_url`) and every rank loads
         what it found, or raises its error: ranks probing on their own could disagree."""
-        found = ("", "")
+        found, interrupted = ("", ""), None
         if self.is_global_zero:
             try:
                 found = ("ok", restore.committed_url(url))
             except CheckpointError as e:
                 found = ("error", str(e))
-            except Exception as e:  # the store's own errors: every rank must hear of them
+            except BaseException as e:  # the store's, or Ctrl-C: the others must hear of it
                 found = ("error", f"reading {url} failed: {type(e).__name__}: {e}")
+                interrupted = e if not isinstance(e, Exception) else None
         kind, text = self.broadcast(found)
+        if interrupted is not None:
+            raise interrupted
         if kind == "error":
             raise CheckpointError(text)
         return str(text)

@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage.local import LocalStorage
+from ..checkpoint.storage.locations import is_url, open_storage
 from ..errors import CheckpointError
 from ..tiers import Restored, TieredCheckpointManager
 from . import restore, state
@@ -265,11 +265,12 @@ def _is_last(path: str, trainer: Any) -> bool:
 
 
 def _step_of(path: str) -> int | None:
-    """The global step a shardsafe checkpoint holds, from its manifest; else ``None``."""
-    if not restore.is_shardsafe_checkpoint(path):
+    """The global step a shardsafe checkpoint holds, from its manifest (on a disk or an
+    object store); else ``None``."""
+    if not (is_url(path) or restore.is_shardsafe_checkpoint(path)):
         return None
     try:
-        with LocalStorage(path) as storage:
+        with open_storage(path) as storage:
             saved = read_manifest_from(storage).values.get(state.LIGHTNING)
     except (CheckpointError, OSError):
         return None

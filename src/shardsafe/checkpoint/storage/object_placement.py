@@ -28,17 +28,18 @@ is written (:func:`.placement.refuse_foreign`). Every rank must use the same pla
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CheckpointError
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse
 from .leftovers import INCOMPLETE_MARKER, record
 from .object_storage import FsspecStorage, check_object_name
 from .placement import _delete_replaced, _staging_names, _taken, refuse_foreign
-from .removal import delete_checkpoint
+from .removal import delete_checkpoint, warn
 
 COPY_THREADS = 16
 """Server-side copies in flight at once while publishing."""
@@ -134,16 +135,25 @@ def _has_manifest(root: FsspecStorage, name: str) -> bool:
 
 
 def _manifest_time(root: FsspecStorage, name: str) -> float | None:
-    """When ``root/name``'s manifest was written (the store's own time), or ``None`` if
-    it has none."""
+    """When ``root/name``'s manifest was written (the store's own time; 0 where the store
+    gives none), or ``None`` if it has none."""
     try:
         info = root.child(name)._info(MANIFEST_NAME)
     except CheckpointError:
         return None
     if info is None:
         return None
-    when = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
-    return float(when.timestamp()) if hasattr(when, "timestamp") else float(when)
+    for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        when = info.get(key)
+        if when is None:
+            continue
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
+            if isinstance(when, str):
+                return datetime.datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+            if isinstance(when, datetime.datetime):
+                return when.timestamp()
+            return float(when)
+    return 0.0  # unknown: the staging order decides (see committed_copy)
 
 
 def _delete_staged_leftovers(root: FsspecStorage, name: str) -> None:
@@ -183,31 +193,52 @@ def _committed(root: FsspecStorage, name: str) -> bool:
 
 
 def _copy_checkpoint(root: FsspecStorage, source: str, target: str) -> None:
-    """Copy the checkpoint ``root/source`` to ``root/target`` inside the store, marked as
-    a save in progress until the manifest (copied last) commits it, then delete the
-    source. ``cp_file``: one object to one object, no pattern expansion of the names."""
+    """Copy the checkpoint ``root/source`` to ``root/target`` inside the store: exactly the
+    data files its manifest names, each checked against the source's listing first and
+    the target's after, the target marked as a save in progress until the manifest
+    (copied last) commits it; then delete the source (best effort: a staged copy left
+    behind is cleared by the next save). ``cp_file``: one object to one object, no
+    pattern expansion of the names."""
     with root.child(source) as staged, root.child(target) as named:
-        sizes = {
-            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-            for e in staged.fs.ls(staged.path, detail=True)
-        }
-        if MANIFEST_NAME not in sizes:
-            raise CheckpointError(f"{staged.directory} lost its manifest before it was published")
-        data = [n for n in sizes if n not in (MANIFEST_NAME, INCOMPLETE_MARKER)]
-        record(named, [*data, MANIFEST_NAME])  # a crash from here leaves our own leftovers
-        with ThreadPoolExecutor(min(COPY_THREADS, max(1, len(data)))) as pool:
-            list(pool.map(lambda n: _copy_one(staged, named, n, sizes[n]), data))
-        _copy_one(staged, named, MANIFEST_NAME, sizes[MANIFEST_NAME])
+        raw = staged.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        files = dict(parse(raw, staged.where(MANIFEST_NAME)).files)
+        _check_sizes(staged, files, "before it was published")
+        record(named, [*files, MANIFEST_NAME])  # a crash from here leaves our own leftovers
+        pool = ThreadPoolExecutor(min(COPY_THREADS, max(1, len(files))))
+        try:
+            copies = [pool.submit(_copy_one, staged, named, name) for name in files]
+            for copy in copies:
+                copy.result()
+        finally:
+            pool.shutdown(cancel_futures=True)  # after a failure, no copy still starts
+        _check_sizes(named, files, "after it was copied")
+        _copy_one(staged, named, MANIFEST_NAME)
         named.remove(INCOMPLETE_MARKER)
-    _delete_replaced(root, source, "directory")
+    try:
+        _delete_replaced(root, source, "directory")
+    except (OSError, CheckpointError) as e:
+        warn(
+            f"the checkpoint is published under {root.where(target)}; its staged copy "
+            f"{root.where(source)} could not be deleted ({e}): the next save of the name "
+            "deletes it"
+        )
 
 
-def _copy_one(staged: FsspecStorage, named: FsspecStorage, name: str, size: int) -> None:
+def _copy_one(staged: FsspecStorage, named: FsspecStorage, name: str) -> None:
     staged.fs.cp_file(staged._key(name), named._key(name))
-    copied = named._info(name)
-    if copied is None or int(copied.get("size") or 0) != size:
+
+
+def _check_sizes(where: FsspecStorage, files: dict[str, int], when: str) -> None:
+    """Every file the manifest names is under ``where`` with its size (one listing)."""
+    where._fresh()
+    listed = {
+        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+        for e in where.fs.ls(where.path, detail=True)
+    }
+    wrong = [n for n, size in files.items() if listed.get(n) != size]
+    if wrong:
+        got = ", ".join(f"{n}: {listed.get(n, 'missing')}" for n in wrong[:3])
         raise CheckpointError(
-            f"copying {staged.where(name)} to {named.where(name)} gave "
-            f"{'nothing' if copied is None else str(copied.get('size')) + ' bytes'}, not "
-            f"{size} bytes"
+            f"{where.directory} does not hold the files its manifest names {when} ({got}, "
+            f"expected {', '.join(str(files[n]) for n in wrong[:3])} bytes)"
         )
