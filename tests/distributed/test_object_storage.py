@@ -227,3 +227,60 @@ def _wide_fsdp(seed: int) -> torch.nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def replace_three_times(rank: int, world: int, url: str) -> list[float]:
+    """``save_replacing`` of the same name three times on every rank (Lightning's
+    ``last.ckpt``): the placement agreed each time (rank 0 decides)."""
+    from shardsafe.checkpoint import SaveOptions
+    from shardsafe.checkpoint.replacing import save_replacing
+
+    seen = []
+    for value in (1.0, 2.0, 3.0):
+        save_replacing(url, {"w": torch.full((4,), value)}, SaveOptions())
+        seen.append(float(shardsafe.load(url, {})["w"][0]))
+    return seen
+
+
+def placement_fails_on_rank_0(rank: int, world: int, url: str) -> str:
+    """Rank 0 cannot read the store while deciding where the save goes."""
+    from shardsafe.checkpoint import SaveOptions
+    from shardsafe.checkpoint.replacing import save_replacing
+    from shardsafe.checkpoint.storage import object_placement
+
+    save_replacing(url, {"w": torch.ones(4)}, SaveOptions())
+    if rank == 0:
+
+        def unreachable(*args: object, **kwargs: object) -> object:
+            raise OSError("the store is unreachable")
+
+        object_placement.ObjectPlacement.of = unreachable  # type: ignore[method-assign]
+    try:
+        save_replacing(url, {"w": torch.zeros(4)}, SaveOptions(entry_timeout=20))
+    except shardsafe.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replacing_a_name_on_2_ranks_agrees_where_each_save_goes(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    seen = run_ranks(with_env, 2, s3_server.env, replace_three_times, url)
+    assert seen == [[1.0, 2.0, 3.0]] * 2
+    keys = s3_server.keys(s3_bucket)
+    assert all(k.startswith("ckpts/last.ckpt/") for k in keys), keys  # no staged copy left
+    expected = {"manifest.json", *shardsafe.read_manifest(url).files}
+    assert {k.rsplit("/", 1)[1] for k in keys} == expected  # exactly what the manifest names
+
+
+def test_a_placement_rank_0_cannot_decide_is_every_ranks_error_and_writes_nothing(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    errors = run_ranks(with_env, 2, s3_server.env, placement_fails_on_rank_0, url)
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("save failed on rank 0: OSError: the store is unreachable")
+    keys = s3_server.keys(s3_bucket)
+    assert not any("shardsafe-partial" in k for k in keys), keys
+    assert torch.equal(shardsafe.load(url, {})["w"], torch.ones(4))  # the old one stands
