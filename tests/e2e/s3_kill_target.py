@@ -56,7 +56,9 @@ def main() -> None:
         if args.world_size > 1:
             dist.all_reduce(torch.ones(1))
         print(f"saving {step} {time.monotonic()}", flush=True)
-        manager.save(step, state_of(step))
+        # As kill_target.py: a rank killed between two saves is named at the next save's
+        # entry within the survivor's deadline (kills.SURVIVOR_EXIT_S), not the 60 s default.
+        manager.save(step, state_of(step), entry_timeout=10.0)
         print(f"saved {step} {time.monotonic()}", flush=True)
         step += 1
 
