@@ -1,10 +1,15 @@
 """Hugging Face Accelerate's save_state/load_state against shardsafe.accelerate's.
 
 Setup: N ranks (2) joined by Accelerate (``Accelerator(cpu=True)`` over the gloo group
-the launcher made), an MLP of ``--layers`` Linear(1024, 1024) under DDP and AdamW,
-prepared by Accelerate and stepped once so that Adam's state exists: 16 layers is 64 MiB
-of weights + 128 MiB of optimizer state, 192 MiB per rank (every rank holds all of it).
-Accelerate's FSDP plugin runs only on GPUs, so this CPU benchmark is DDP.
+the launcher made), an MLP of ``--layers`` Linear(1024, 1024) and AdamW, prepared by
+Accelerate and stepped once so that Adam's state exists. ``--layout ddp``: 16 layers is
+64 MiB of weights + 128 MiB of optimizer state, 192 MiB per rank (every rank holds all of
+it). ``--layout fsdp2`` (the issue's layout): Accelerate's
+``FullyShardedDataParallelPlugin(fsdp_version=2)`` shards 32 layers, 192 MiB per rank;
+Accelerate's save_state then writes through torch.distributed.checkpoint (its default
+``SHARDED_STATE_DICT``). Accelerate enables that plugin only on accelerator devices; on
+the CPU its shared state is switched to FSDP as it would be on GPUs, and its own
+``prepare`` does the sharding.
 
 Rows, each timed on the slowest rank from a barrier to the call's return on every rank,
 each right after a training step; shardsafe's rows first, then Accelerate's (interleaved,
@@ -22,7 +27,7 @@ freshly unpickled tensors, stalled every other time for 0.11-0.16 s instead of 0
 Targets (issue 30): shardsafe's save at most 0.5x Accelerate's time; the async stall at
 most 0.2x Accelerate's save (which stalls for all of it).
 
-Run:  python benchmarks/accelerate_state.py [--layers 16] [--repeat 7] [--dir D]
+Run:  python benchmarks/accelerate_state.py [--layout fsdp2|ddp] [--layers N] [--repeat 7] [--dir D]
 """
 
 from __future__ import annotations
@@ -65,13 +70,29 @@ def _fsync_tree(path: str) -> None:
         os.close(fd)
 
 
-def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[str, list[float]]:
-    warnings.simplefilter("ignore")
+def _accelerator(layout: str) -> Any:
+    """Accelerate's accelerator for ``layout`` (see the docstring for FSDP2 on the CPU)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    if layout == "ddp":
+        return Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    return accelerator
+
+
+def bench(
+    rank: int, world: int, layers: int, repeat: int, root: str, layout: str
+) -> dict[str, list[float]]:
+    warnings.simplefilter("ignore")
     from shardsafe.accelerate import load_state, save_state
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = _accelerator(layout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -126,11 +147,14 @@ def bench(rank: int, world: int, layers: int, repeat: int, root: str) -> dict[st
     return out
 
 
-def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
+def section(layers: int, ranks: int, repeat: int, root: str, layout: str = "ddp") -> Section:
     """The table and the targets (for this script and ``run_all.py``)."""
-    got = launch(bench, ranks, layers, repeat, root)[0]
+    got = launch(bench, ranks, layers, repeat, root, layout)[0]
     med = {k: statistics.median(v) for k, v in got.items()}
     state_mib = layers * (1024 * 1024 + 1024) * 4 * 3 / 2**20
+    if layout == "fsdp2":
+        state_mib /= ranks
+    what = "DDP + AdamW" if layout == "ddp" else "FSDP2 (Accelerate's plugin) + AdamW"
     rows = [
         ("Accelerate: accelerator.save_state (+ fsync)", med["acc"]),
         ("shardsafe.accelerate.save_state", med["ours"]),
@@ -142,7 +166,7 @@ def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
     text = "\n".join(
         [
             f"Accelerate save_state/load_state against shardsafe.accelerate, {ranks} ranks, "
-            f"DDP + AdamW, {state_mib:.0f} MiB of state per rank, medians of {repeat} "
+            f"{what}, {state_mib:.0f} MiB of state per rank, medians of {repeat} "
             "(slowest rank, barrier to return)",
             "",
             "| row | seconds | x Accelerate's save |",
@@ -151,14 +175,18 @@ def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
         ]
     )
     targets = [
-        Target("accelerate: shardsafe save / Accelerate save_state", med["ours"] / med["acc"], 0.5),
         Target(
-            "accelerate: shardsafe async stall / Accelerate save_state",
+            f"accelerate {layout}: shardsafe save / Accelerate save_state",
+            med["ours"] / med["acc"],
+            0.5,
+        ),
+        Target(
+            f"accelerate {layout}: shardsafe async stall / Accelerate save_state",
             med["stall"] / med["acc"],
             0.2,
         ),
         Target(
-            "accelerate: shardsafe load / Accelerate load_state",
+            f"accelerate {layout}: shardsafe load / Accelerate load_state",
             med["ours load"] / med["acc load"],
             None,
         ),
@@ -168,14 +196,16 @@ def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layout", choices=("ddp", "fsdp2"), default="fsdp2")
+    parser.add_argument("--layers", type=int, help="default: 192 MiB per rank (16 / 32)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--dir", default="/tmp/shardsafe-bench")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     print(f"machine: {machine()}\n")
-    done = section(args.layers, args.ranks, args.repeat, args.dir)
+    layers = args.layers or (16 if args.layout == "ddp" else 16 * args.ranks)
+    done = section(layers, args.ranks, args.repeat, args.dir, args.layout)
     print(f"{done.text}\n\n{verdicts(done.targets)}")
 
 

@@ -182,9 +182,15 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
         )
     if have_accelerate():
         report.section(
-            "Accelerate: save_state and load_state, Accelerate's own against shardsafe's",
+            "Accelerate: save_state and load_state, Accelerate's own against shardsafe's, FSDP2",
             lambda: accelerate_state.section(
-                cfg.integration_layers, 2, cfg.integration_repeat, root
+                cfg.integration_layers * 2, 2, cfg.integration_repeat, root, "fsdp2"
+            ),
+        )
+        report.section(
+            "Accelerate: save_state and load_state, Accelerate's own against shardsafe's, DDP",
+            lambda: accelerate_state.section(
+                cfg.integration_layers, 2, cfg.integration_repeat, root, "ddp"
             ),
         )
     report.section(

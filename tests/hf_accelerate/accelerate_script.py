@@ -4,9 +4,10 @@
 It trains a small regression for ``--steps`` steps over a shuffled dataloader (seedable
 sampler, 8 batches per epoch per process), an ``AdamW`` (optionally inside a
 ``ZeroRedundancyOptimizer``), a ``StepLR`` and a registered custom object, and writes
-each step's loss. ``--save-at K`` saves after step K (``--async-save``: in the
-background); ``--resume DIR`` loads DIR first and continues from its step, skipping the
-batches already seen in that epoch, as Accelerate's examples do. ``--dump FILE`` writes
+each step's loss; ``--fsdp2`` prepares the model through Accelerate's FSDP2 plugin.
+``--save-at K`` saves after step K (``--async-save``: in the background); ``--resume DIR``
+loads DIR first and continues from its step, skipping the batches already seen in that
+epoch, as Accelerate's examples do. ``--dump FILE`` writes
 (rank 0, safetensors) the model's and the whole optimizer's tensors and the scheduler's
 learning rate right after the first save, or right after the load: what the tests compare.
 """
@@ -20,9 +21,16 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    ProjectConfiguration,
+    set_seed,
+)
 from safetensors.torch import save_file
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from shardsafe.accelerate import load_state, save_state
 
@@ -48,17 +56,40 @@ def dump(path: str, accelerator: Any, model: Any, optimizer: Any, scheduler: Any
     inner = optimizer.optimizer
     if isinstance(inner, ZeroRedundancyOptimizer):
         inner.consolidate_state_dict(to=0)
-    if not accelerator.is_main_process:
-        return
+        if not accelerator.is_main_process:
+            return
+    # FSDP2's tensors are gathered whole on every process (a collective) before rank 0
+    # writes them.
     tensors = {
-        f"model.{k}": v.detach().clone()
-        for k, v in accelerator.unwrap_model(model).state_dict().items()
+        f"model.{k}": whole(v) for k, v in accelerator.unwrap_model(model).state_dict().items()
     }
     for index, state in inner.state_dict()["state"].items():
         for name, value in state.items():
-            tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).clone()
+            tensors[f"optimizer.{index}.{name}"] = whole(torch.as_tensor(value))
     tensors["scheduler.lr"] = torch.tensor(scheduler.get_last_lr())
-    save_file(tensors, path)
+    if accelerator.is_main_process:
+        save_file(tensors, path)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor (an FSDP2 shard gathered from every process)."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach().clone()
+    return tensor.detach().clone()
+
+
+def fsdp2_on_cpu(plugin: FullyShardedDataParallelPlugin) -> None:
+    """Switch the launched CPU processes to Accelerate's FSDP2 path.
+
+    Accelerate enables its FSDP plugin only for accelerator devices (under ``--cpu`` the
+    distributed type stays ``MULTI_CPU``), although its FSDP2 preparation
+    (``fully_shard`` over the process group) runs on gloo as it is. Setting the shared
+    state is the one step Accelerate would take on GPUs; everything after it, ``prepare``
+    included, is Accelerate's own code.
+    """
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
 
 
 def main() -> None:
@@ -70,6 +101,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--zero", action="store_true")
+    parser.add_argument("--fsdp2", action="store_true")
     parser.add_argument("--project-dir")
     parser.add_argument("--total-limit", type=int)
     parser.add_argument("--dump")
@@ -81,6 +113,7 @@ def main() -> None:
         automatic_checkpoint_naming=args.project_dir is not None,
         total_limit=args.total_limit,
     )
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if args.fsdp2 else None
     accelerator = Accelerator(
         cpu=True,
         # Accelerate's own device placement reads optimizer.state_dict(), which a ZeRO
@@ -88,7 +121,10 @@ def main() -> None:
         device_placement=not args.zero,
         project_config=project,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        fsdp_plugin=plugin,
     )
+    if plugin is not None:
+        fsdp2_on_cpu(plugin)
     train(accelerator, args)
     # The model (its DDP reducer) goes before the process group: dropped after it, the
     # reducer would destroy the gloo group while holding the GIL that the group's worker

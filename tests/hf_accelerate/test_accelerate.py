@@ -170,3 +170,33 @@ def test_a_corrupted_checkpoint_is_refused_on_every_process_and_changes_nothing(
     assert lines[0].startswith("process 0: CheckpointCorruptError: ")
     assert shard.name in lines[0] and "checksum" in lines[0].lower()
     assert lines[0].endswith("| state unchanged")
+
+
+def test_fsdp2_through_accelerates_plugin_saves_shards_resumes_bitwise_and_reshards(
+    tmp_path: Path,
+) -> None:
+    """``FullyShardedDataParallelPlugin(fsdp_version=2)``: Accelerate's own ``prepare``
+    shards the model with ``fully_shard``; each process writes its own shards in the
+    background; the run resumes bitwise under FSDP2, and the checkpoint loads into one
+    plain process and into DDP on 2, the whole tensors equal to those saved."""
+    whole = launch(
+        tmp_path, "whole", "--fsdp2", "--async-save", "--save-at", str(SAVE_AT),
+        "--save-dir", tmp_path / "ckpts", "--dump", tmp_path / "saved.safetensors",
+    )  # fmt: skip
+    path = tmp_path / "ckpts" / f"step-{SAVE_AT}"
+    report = shardsafe.inspect(path)
+    weight = [t for t in report.tensors if t.key == "model/0.weight"]
+    assert [t.writers for t in weight] == [(0, 1)]  # each process its half of the rows
+    assert shardsafe.verify(path).ok
+    resumed = launch(
+        tmp_path, "resumed", "--fsdp2", "--resume", path,
+        "--dump", tmp_path / "loaded.safetensors",
+    )  # fmt: skip
+    assert_same_tensors(tmp_path / "loaded.safetensors", tmp_path / "saved.safetensors")
+    assert_continues(whole, resumed, SAVE_AT)
+    for name, processes in (("plain", 1), ("ddp", 2)):
+        launch(
+            tmp_path, name, "--resume", path, "--dump", tmp_path / f"{name}.safetensors",
+            "--steps", str(SAVE_AT), processes=processes,
+        )  # fmt: skip
+        assert_same_tensors(tmp_path / f"{name}.safetensors", tmp_path / "saved.safetensors")
