@@ -9,6 +9,7 @@ depend on the disk.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.util
 import multiprocessing as mp
@@ -281,6 +282,28 @@ class Target:
 
 def verdicts(targets: Sequence[Target]) -> str:
     return "\n".join(f"- {t.line()}" for t in targets)
+
+
+def standalone_parser(
+    doc: str | None, *, repeat: int, layers: int | None = 16
+) -> argparse.ArgumentParser:
+    """The options of a benchmark script run on its own: ``--layers`` (of
+    ``Linear(1024, 1024)``), ``--ranks``, ``--repeat`` and ``--dir``; add the script's own."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
+    return parser
+
+
+def print_standalone(directory: str, make: Callable[[], Any]) -> None:
+    """Print the machine, then the section ``make()`` measures (in ``directory``): its
+    table and its targets' verdicts, as ``run_all.py`` reports them."""
+    os.makedirs(directory, exist_ok=True)
+    print(f"machine: {machine()}\n")
+    done = make()
+    print(f"{done.text}\n\n{verdicts(done.targets)}")
 
 
 def machine() -> str:

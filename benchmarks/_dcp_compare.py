@@ -19,8 +19,6 @@ during a load at most the largest tensor plus the 64 MiB of read buffers (68 MiB
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
@@ -30,7 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import Target, machine, mib, verdicts
+from _common import Target, mib, print_standalone, standalone_parser
 from _report import Section, results_table
 from _tools import Results, Tool, dcp_tool, run_fresh, run_tools, shardsafe_tool, state_nbytes
 from _tools import write_floor as floor_tool
@@ -185,14 +183,7 @@ def section(wrap: str, layers: int, world: int, repeat: int, root: str) -> Secti
 
 def cli(wrap: str, doc: str | None) -> None:
     """The command line of ddp_checkpoint.py and fsdp_checkpoint.py."""
-    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    print(f"machine: {machine()}\n")
-    done = section(wrap, args.layers, args.ranks, args.repeat, args.dir)
-    print(done.text)
-    print(verdicts(done.targets))
+    args = standalone_parser(doc, repeat=3).parse_args()
+    print_standalone(
+        args.dir, lambda: section(wrap, args.layers, args.ranks, args.repeat, args.dir)
+    )

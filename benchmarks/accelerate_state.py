@@ -32,7 +32,6 @@ Run:  python benchmarks/accelerate_state.py [--layout fsdp2|ddp] [--layers N] [-
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Target, clean, launch, machine, slowest, verdicts
+from _common import Target, clean, launch, print_standalone, slowest, standalone_parser
 from _report import Section
 
 
@@ -195,18 +194,13 @@ def section(layers: int, ranks: int, repeat: int, root: str, layout: str = "ddp"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = standalone_parser(__doc__, repeat=7, layers=None)  # default: 192 MiB per rank
     parser.add_argument("--layout", choices=("ddp", "fsdp2"), default="fsdp2")
-    parser.add_argument("--layers", type=int, help="default: 192 MiB per rank (16 / 32)")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
     args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    print(f"machine: {machine()}\n")
     layers = args.layers or (16 if args.layout == "ddp" else 16 * args.ranks)
-    done = section(layers, args.ranks, args.repeat, args.dir, args.layout)
-    print(f"{done.text}\n\n{verdicts(done.targets)}")
+    print_standalone(
+        args.dir, lambda: section(layers, args.ranks, args.repeat, args.dir, args.layout)
+    )
 
 
 if __name__ == "__main__":

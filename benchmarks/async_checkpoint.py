@@ -33,7 +33,6 @@ Run:  python benchmarks/async_checkpoint.py [--repeat 5] [--setups ddp,fsdp,zero
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import os
@@ -49,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-from _common import Target, clean, launch, machine, slowest, table, verdicts
+from _common import Target, clean, launch, print_standalone, slowest, standalone_parser, table
 from _report import Section
 from _tools import scratch_path
 
@@ -383,17 +382,13 @@ def _targets(setup: str, got: dict[str, Any]) -> list[Target]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser = standalone_parser(__doc__, repeat=5)
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
     args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    print(f"machine: {machine()}\n")
-    done = section(tuple(args.setups.split(",")), args.layers, args.ranks, args.repeat, args.dir)
-    print(done.text + "\n\n" + verdicts(done.targets))
+    setups = tuple(args.setups.split(","))
+    print_standalone(
+        args.dir, lambda: section(setups, args.layers, args.ranks, args.repeat, args.dir)
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Run:  python benchmarks/lightning_async.py [--layers 16] [--repeat 5] [--dir D]
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Target, clean, launch, machine, slowest, verdicts
+from _common import Target, clean, launch, print_standalone, slowest, standalone_parser
 from _report import Section
 
 
@@ -89,16 +88,8 @@ def section(layers: int, ranks: int, repeat: int, root: str) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    print(f"machine: {machine()}\n")
-    done = section(args.layers, args.ranks, args.repeat, args.dir)
-    print(f"{done.text}\n\n{verdicts(done.targets)}")
+    args = standalone_parser(__doc__, repeat=5).parse_args()
+    print_standalone(args.dir, lambda: section(args.layers, args.ranks, args.repeat, args.dir))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Run:  python benchmarks/lightning_strategy.py [--layers 16] [--repeat 3] [--dir 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -32,7 +31,16 @@ from typing import Any
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Measurement, PeakRSS, Target, clean, fsync_file, machine, mib, verdicts
+from _common import (
+    Measurement,
+    PeakRSS,
+    Target,
+    clean,
+    fsync_file,
+    mib,
+    print_standalone,
+    standalone_parser,
+)
 from _report import Section, results_table
 from _tools import Results, Tool, run_fresh, run_tool, scratch_path
 
@@ -168,17 +176,8 @@ def section(layers: int, world: int, repeat: int, root: str) -> Section:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dir", default="/tmp/shardsafe-bench")
-    args = parser.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    print(f"machine: {machine()}\n")
-    done = section(args.layers, args.ranks, args.repeat, args.dir)
-    print(done.text)
-    print(verdicts(done.targets))
+    args = standalone_parser(__doc__, repeat=3).parse_args()
+    print_standalone(args.dir, lambda: section(args.layers, args.ranks, args.repeat, args.dir))
 
 
 if __name__ == "__main__":
