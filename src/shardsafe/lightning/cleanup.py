@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..checkpoint.storage import placement
+from ..checkpoint.storage import object_placement, placement
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.locations import is_url, open_storage
 from ..checkpoint.storage.protocol import Storage
@@ -32,7 +32,7 @@ from ..errors import CheckpointError
 def remove(path: str) -> None:
     """Remove the checkpoint ``path`` (rank 0 only), as described above."""
     if is_url(path):
-        parent, _, name = path.rstrip("/").rpartition("/")
+        parent, name = object_placement.split(path)
         opened: Storage = open_storage(parent, follow=False)
     else:
         parent, name = os.path.split(os.path.abspath(path))

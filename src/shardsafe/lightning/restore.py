@@ -69,7 +69,9 @@ def committed_url(url: str) -> str:
 
 
 def _single_object(url: str) -> bool:
-    parent, _, name = url.rstrip("/").rpartition("/")
+    from ..checkpoint.storage.object_placement import split
+
+    parent, name = split(url)
     with open_storage(parent) as root:
         return root.kind(name) == "file"
 
