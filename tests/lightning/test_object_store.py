@@ -18,7 +18,8 @@ import shardsafe
 from shardsafe.checkpoint import SaveOptions
 from shardsafe.checkpoint.replacing import save_replacing
 from shardsafe.checkpoint.storage import object_placement
-from shardsafe.lightning import restore
+from shardsafe.lightning import cleanup, local_tier, restore
+from tests.harness import free_port
 from tests.lightning.helpers import Net, Run, assert_same_optimizer_state, losses, run
 from tests.s3server import S3Server
 
@@ -115,7 +116,10 @@ def test_a_resume_after_a_crash_while_last_ckpt_was_replaced_loads_its_staged_co
     """One process: the crash window of ``object_placement`` (the old ``last.ckpt`` gone, the
     new one committed only under its staging prefix), as the strategy's load resolves it."""
     url = f"s3://{s3_bucket}/ckpts/last.ckpt"
-    save_replacing(url, {"w": torch.full((2,), 1.0)}, SaveOptions())
+    save_replacing(
+        url, {"w": torch.full((2,), 1.0), "lightning": {"global_step": 5}}, SaveOptions()
+    )
+    assert local_tier._step_of(url) == 5
 
     def killed(*args: object) -> None:
         raise OSError("killed while copying")
@@ -123,7 +127,11 @@ def test_a_resume_after_a_crash_while_last_ckpt_was_replaced_loads_its_staged_co
     with monkeypatch.context() as patched:
         patched.setattr(object_placement, "_copy_checkpoint", killed)
         with pytest.raises(shardsafe.CheckpointError):
-            save_replacing(url, {"w": torch.full((2,), 2.0)}, SaveOptions())
+            state = {"w": torch.full((2,), 2.0), "lightning": {"global_step": 10}}
+            save_replacing(url, state, SaveOptions())
+    # The local tier compares its newest step with the committed copy's, not "unknown"
+    # (which would resume from an older local step, and the next save would delete step 10).
+    assert local_tier._step_of(url) == 10
     staged = f"s3://{s3_bucket}/ckpts/.last.ckpt.shardsafe-partial"
     with pytest.warns(UserWarning) as warned:
         assert restore.committed_url(url) == staged
@@ -146,3 +154,30 @@ def test_a_ckpt_object_on_s3_is_refused_with_the_way_out(
         "shardsafe strategies read .ckpt files from local paths only: download it, then pass "
         "its local path"
     )
+
+
+def test_an_unreachable_store_is_a_warning_where_rank_0_acts_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 removes old checkpoints and reads ``last.ckpt``'s step on its own (the others
+    wait for it in a broadcast or go on training): a store's connection error, which is
+    not an ``OSError``, must not escape there; each is a warning saying what was not done."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    url = "s3://bucket/ckpts/epoch=0-step=5.ckpt"
+    with pytest.warns(UserWarning) as warned:
+        cleanup.remove(url)
+        assert local_tier._step_of(url) is None
+    messages = [str(w.message) for w in warned]
+    assert messages[0].startswith(
+        f"shardsafe: could not remove the old checkpoint {url}: EndpointConnectionError: "
+    )
+    assert messages[1].startswith(
+        f"shardsafe: could not read which step {url} holds (CheckpointError: the object "
+        f"store failed at {url}: EndpointConnectionError: "
+    )
+    assert messages[1].endswith("resuming from the local tier's newest step")

@@ -18,6 +18,7 @@ from shardsafe.checkpoint.replacing import save_replacing
 from shardsafe.checkpoint.storage import object_placement
 from shardsafe.checkpoint.storage.object_placement import ObjectPlacement, committed_copy
 from shardsafe.checkpoint.storage.object_storage import FsspecStorage
+from tests.harness import free_port
 from tests.s3server import S3Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -224,3 +225,101 @@ def test_a_copy_that_lost_an_object_is_not_published_and_the_staged_copy_stays(
     assert loaded(staged) == 2.0
     save(url, 3.0)
     assert loaded(url) == 3.0
+
+
+def test_a_url_the_store_would_read_as_other_keys_is_refused() -> None:
+    """``a//b`` and ``a/./b`` are other keys than ``a/b`` in a bucket: a save and the lookups
+    of its name would miss each other, so the URL is refused, naming the fix."""
+    for url in ("s3://b/ckpts//last.ckpt", "s3://b/ckpts/./last.ckpt", "s3://b/x/../last.ckpt"):
+        with pytest.raises(shardsafe.CheckpointError) as info:
+            object_placement.split(url)
+        assert str(info.value) == (
+            f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
+            "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
+            "and no dot segments"
+        )
+    for url in ("s3://bucket", "s3://bucket/", "ckpts/last.ckpt"):
+        with pytest.raises(shardsafe.CheckpointError) as info:
+            object_placement.split(url)
+        assert str(info.value) == (
+            f"{url!r} does not name a checkpoint under a bucket (scheme://bucket/.../name)"
+        )
+    assert object_placement.split("s3://b/ckpts/last.ckpt/") == ("s3://b/ckpts", "last.ckpt")
+
+
+@pytest.fixture
+def unreachable(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Storage options for an S3 endpoint nothing listens on (loopback, a closed port)."""
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask for credentials
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {
+            "endpoint_url": f"http://127.0.0.1:{free_port()}",
+            "region_name": "us-east-1",
+        },
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+
+
+def test_a_store_that_cannot_be_reached_is_a_checkpoint_error_naming_the_url(
+    unreachable: dict[str, Any],
+) -> None:
+    """botocore's connection errors are not ``OSError``s; they come out as the
+    ``CheckpointError`` that the ranks agree on (or a single process reads)."""
+    url = "s3://bucket/ckpts/last.ckpt"
+    for call in (ObjectPlacement.of, committed_copy):
+        with pytest.raises(shardsafe.CheckpointError) as info:
+            call(url, unreachable)
+        assert str(info.value).startswith(
+            f"the object store failed at {url}: EndpointConnectionError: Could not connect"
+        )
+
+
+def test_a_failure_to_clear_staged_copies_after_publishing_only_warns(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    save(url, 1.0)
+
+    def throttled(*args: object) -> None:
+        raise OSError("SlowDown: please reduce your request rate")
+
+    monkeypatch.setattr(object_placement, "_delete_staged_leftovers", throttled)
+    with pytest.warns(UserWarning) as warned:
+        save(url, 2.0)  # succeeds: the new checkpoint has its name
+    assert loaded(url) == 2.0
+    assert [str(w.message) for w in warned] == [
+        f"shardsafe: the checkpoint is published under {url}; older staged copies beside it "
+        "could not be listed or deleted (OSError: SlowDown: please reduce your request "
+        "rate): the next save of the name deletes them"
+    ]
+
+
+def test_what_is_left_under_the_name_after_deleting_the_old_checkpoint_stops_the_copy(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object that appears under the name after the check makes the deletion leave the
+    old checkpoint in place (it is not all shardsafe's): nothing is copied beside it, the old
+    checkpoint still loads, and the new one stays committed under its staging prefix."""
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    save(url, 1.0)
+    real = object_placement._delete_replaced
+
+    def then_someone_writes(root: FsspecStorage, name: str, kind: str) -> None:
+        s3_server.put(s3_bucket, "ckpts/last.ckpt/notes.txt", b"mine")
+        with pytest.warns(UserWarning):  # the deletion leaves what is not shardsafe's
+            real(root, name, kind)
+
+    monkeypatch.setattr(object_placement, "_delete_replaced", then_someone_writes)
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        save(url, 2.0)
+    staged = f"s3://{s3_bucket}/ckpts/.last.ckpt.shardsafe-partial"
+    assert str(info.value).startswith(f"the new checkpoint is committed under {staged}")
+    assert (
+        f"(CheckpointError: {url} still holds ['manifest.json', 'notes.txt', "
+        "'shard-00000-of-00001.safetensors'] after the checkpoint it held was deleted; nothing "
+        "was copied there)"
+    ) in str(info.value)
+    assert loaded(url) == 1.0  # the deletion kept it whole, beside the foreign object
+    assert loaded(staged) == 2.0

@@ -51,7 +51,8 @@ from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import is_url, open_storage
-from ..errors import CheckpointError
+from ..checkpoint.storage.object_placement import committed_copy
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..tiers import Restored, TieredCheckpointManager
 from . import restore, state
 from ._namespace import lightning
@@ -266,13 +267,23 @@ def _is_last(path: str, trainer: Any) -> bool:
 
 def _step_of(path: str) -> int | None:
     """The global step a shardsafe checkpoint holds, from its manifest (on a disk or an
-    object store); else ``None``."""
+    object store: the committed copy an interrupted replacement left, if the name has
+    none); else ``None``. Rank 0 alone calls it, before a broadcast: it never raises."""
     if not (is_url(path) or restore.is_shardsafe_checkpoint(path)):
         return None
     try:
+        if is_url(path):
+            path = committed_copy(path) or path
         with open_storage(path) as storage:
             saved = read_manifest_from(storage).values.get(state.LIGHTNING)
-    except (CheckpointError, OSError):
+    except CheckpointNotFoundError:
+        return None
+    except Exception as e:  # a store's client raises more than OSError: the step is unknown
+        warnings.warn(
+            f"shardsafe: could not read which step {path} holds ({type(e).__name__}: {e}); "
+            "resuming from the local tier's newest step",
+            stacklevel=2,
+        )
         return None
     meta = saved.meta if saved is not None else None
     step = meta.get("global_step") if isinstance(meta, dict) else None

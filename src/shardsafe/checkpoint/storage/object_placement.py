@@ -18,10 +18,19 @@ leaves at least one complete checkpoint:
 3. the staged copy is deleted.
 
 A crash in step 2 leaves the name without a manifest and the staged copy committed;
-:func:`committed_copy` finds it (the newest, if crashes left several), and loaders take
-it instead of the name, saying so. It is deleted after the next save of the name
-succeeds. Anything at the name that shardsafe did not write is refused before anything
-is written (:func:`.placement.refuse_foreign`). Every rank must use the same placement:
+:func:`committed_copy` finds it (the newest, if crashes left several), and the Lightning
+strategies' loaders (and their local tier, comparing steps) take it instead of the name,
+saying so; ``shardsafe.load`` of the name reports it missing and names neither. It is
+deleted after the next save of the name succeeds. Once the new checkpoint has its name,
+a failure to clear what it replaced only warns: the save has succeeded.
+
+Errors: a store's client raises more than ``OSError`` (botocore's connection, timeout
+and credential errors are not); every call into the store here turns them into a
+:class:`~shardsafe.CheckpointError` naming the URL (:func:`store_errors`), so a caller
+that agrees errors across ranks, or warns, sees one kind.
+
+Anything at the name that shardsafe did not write is refused before anything is written
+(:func:`.placement.refuse_foreign`). Every rank must use the same placement:
 ``replacing.py`` has rank 0 compute it and tell the others.
 """
 
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +68,7 @@ class ObjectPlacement:
     def of(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> ObjectPlacement:
         """The placement of ``url``, from what the store holds now."""
         parent, name = split(url)
-        with FsspecStorage(parent, storage_options=storage_options) as root:
+        with store_errors(url), FsspecStorage(parent, storage_options=storage_options) as root:
             return cls(parent, name, _staging_name(root, name), storage_options)
 
     @property
@@ -75,37 +84,74 @@ class ObjectPlacement:
 
     def check(self) -> None:
         """Refuse, before anything is written, a target that is not ours to replace."""
-        with self._root() as root:
+        with store_errors(self.path), self._root() as root:
             refuse_foreign(root, self.name)
 
     def publish(self) -> None:
         """Give the committed staged checkpoint the target's name (rank 0, after commit)."""
-        with self._root() as root:
+        with store_errors(self.path), self._root() as root:
             if self.staging != self.name:
                 refuse_foreign(root, self.name)  # again: it may have changed since check()
                 try:
                     kind = root.kind(self.name)
                     if kind is not None:
                         _delete_replaced(root, self.name, kind)
+                        _require_cleared(root, self.name)
                     _copy_checkpoint(root, self.staging, self.name)
-                except (OSError, CheckpointError) as e:
+                except Exception as e:  # any store error: the message says where it is
                     raise CheckpointError(
                         f"the new checkpoint is committed under {self.staging_path}, but "
-                        f"giving it the name {self.path} failed ({e}); the older checkpoint "
-                        f"under that name may be gone. Resume from {self.staging_path} "
-                        "(fit(ckpt_path=...) of the name finds it by itself); the next save "
-                        "of the name clears both."
+                        f"giving it the name {self.path} failed ({_described(e)}); the older "
+                        f"checkpoint under that name may be gone. Resume from "
+                        f"{self.staging_path} (fit(ckpt_path=...) of the name finds it by "
+                        "itself); the next save of the name clears both."
                     ) from e
-            _delete_staged_leftovers(root, self.name)
+            try:
+                _delete_staged_leftovers(root, self.name)
+            except Exception as e:  # published: what is left is cleared by the next save
+                warn(
+                    f"the checkpoint is published under {self.path}; older staged copies "
+                    f"beside it could not be listed or deleted ({_described(e)}): the next "
+                    "save of the name deletes them"
+                )
 
 
 def split(url: str) -> tuple[str, str]:
-    """``(parent URL, name)`` of a checkpoint URL; refuses one that names no object."""
-    parent, _, name = url.rstrip("/").rpartition("/")
-    if not name or name in (".", "..") or "://" not in parent:
-        raise ValueError(f"{url!r} does not name a checkpoint under a bucket")
-    check_object_name(name)
-    return parent, name
+    """``(parent URL, name)`` of a checkpoint URL (a trailing ``/`` allowed); refuses one
+    that names no object under a bucket, or whose path has an empty or a dot segment: an
+    object store keeps ``a//b``, ``a/./b`` and ``a/b`` as different keys, where a path
+    would name one place, so the save and the lookups would miss each other."""
+    scheme, found, rest = url.rstrip("/").partition("://")
+    segments = rest.split("/")
+    if not found or not scheme or len(segments) < 2:
+        raise CheckpointError(
+            f"{url!r} does not name a checkpoint under a bucket (scheme://bucket/.../name)"
+        )
+    if any(s in ("", ".", "..") for s in segments):
+        raise CheckpointError(
+            f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
+            "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
+            "and no dot segments"
+        )
+    check_object_name(segments[-1])
+    return f"{scheme}://{'/'.join(segments[:-1])}", segments[-1]
+
+
+@contextlib.contextmanager
+def store_errors(url: str) -> Iterator[None]:
+    """Turn an error of the store's client that is neither an ``OSError`` nor a
+    ``CheckpointError`` (botocore's ``EndpointConnectionError``, ``NoCredentialsError``,
+    ...) into a ``CheckpointError`` naming ``url``."""
+    try:
+        yield
+    except (OSError, CheckpointError):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"the object store failed at {url}: {_described(e)}") from e
+
+
+def _described(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def committed_copy(url: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
@@ -113,7 +159,7 @@ def committed_copy(url: str, storage_options: Mapping[str, Any] | None = None) -
     replacement left (step 2 above), if ``url`` itself holds no manifest; else ``None``.
     One listing of the parent, then one request per staged copy found."""
     parent, name = split(url)
-    with FsspecStorage(parent, storage_options=storage_options) as root:
+    with store_errors(url), FsspecStorage(parent, storage_options=storage_options) as root:
         present = set(root.names())
         if name in present and _has_manifest(root, name):
             return None
@@ -166,6 +212,18 @@ def _delete_staged_leftovers(root: FsspecStorage, name: str) -> None:
                 delete_checkpoint(root, candidate)
 
 
+def _require_cleared(root: FsspecStorage, name: str) -> None:
+    """Nothing may be left under the name before the copy starts: the deletion leaves in
+    place (with a warning) what is not shardsafe's, e.g. an object that appeared after the
+    check, and copying beside it would put new data under what remains of the old."""
+    if root.kind(name) is not None:
+        with root.child(name) as left:
+            raise CheckpointError(
+                f"{root.where(name)} still holds {sorted(left.names())[:5]} after the "
+                "checkpoint it held was deleted; nothing was copied there"
+            )
+
+
 def _staging_name(root: FsspecStorage, name: str) -> str:
     """``name`` if nothing committed is there; else the first free staging name."""
     if not _committed(root, name):
@@ -213,10 +271,13 @@ def _copy_checkpoint(root: FsspecStorage, source: str, target: str) -> None:
             pool.shutdown(cancel_futures=True)  # after a failure, no copy still starts
         _check_sizes(named, files, "after it was copied")
         _copy_one(staged, named, MANIFEST_NAME)
-        named.remove(INCOMPLETE_MARKER)
+        try:  # committed: the marker left behind is cleared by the next save of the name
+            named.remove(INCOMPLETE_MARKER)
+        except Exception as e:
+            warn(f"the checkpoint is published under {root.where(target)}; {_described(e)}")
     try:
         _delete_replaced(root, source, "directory")
-    except (OSError, CheckpointError) as e:
+    except Exception as e:
         warn(
             f"the checkpoint is published under {root.where(target)}; its staged copy "
             f"{root.where(source)} could not be deleted ({e}): the next save of the name "
