@@ -3,8 +3,8 @@
 Benchmarks are not tests; this only checks that the one command still runs and prints
 its tables and verdicts, and that it writes its report between the markers of the page it
 is given, keeping the rest (the repository's ``docs/performance.md`` is never touched).
-It needs the ``bench`` extra (pytorch-lightning, matplotlib), which the test extra does
-not install, so it is skipped without them.
+It needs pytorch-lightning and matplotlib, which the test extra installs (CI runs it);
+it is skipped without them.
 """
 
 from __future__ import annotations
