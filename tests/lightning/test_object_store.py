@@ -172,7 +172,14 @@ def test_an_unreachable_store_is_a_warning_where_rank_0_acts_alone(
     with pytest.warns(UserWarning) as warned:
         cleanup.remove(url)
         assert local_tier._step_of(url) is None
+        cleanup.remove("s3://bucket/ckpts//last.ckpt")  # refused by the URL check: warned
     messages = [str(w.message) for w in warned]
+    assert messages[2] == (
+        "shardsafe: could not remove the old checkpoint s3://bucket/ckpts//last.ckpt: "
+        "CheckpointError: 's3://bucket/ckpts//last.ckpt' has an empty, '.' or '..' segment in "
+        "its path; an object store keeps 'a//b', 'a/./b' and 'a/b' as different keys: write "
+        "the URL with single slashes and no dot segments"
+    )
     assert messages[0].startswith(
         f"shardsafe: could not remove the old checkpoint {url}: EndpointConnectionError: "
     )

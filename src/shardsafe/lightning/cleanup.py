@@ -29,14 +29,15 @@ from ..checkpoint.storage.removal import delete_checkpoint, warn
 
 
 def remove(path: str) -> None:
-    """Remove the checkpoint ``path`` (rank 0 only), as described above."""
-    if is_url(path):
-        parent, name = object_placement.split(path)
-        opened: Storage = open_storage(parent, follow=False)
-    else:
-        parent, name = os.path.split(os.path.abspath(path))
-        opened = LocalStorage(parent)
+    """Remove the checkpoint ``path`` (rank 0 only, so it never raises), as described
+    above."""
     try:
+        if is_url(path):
+            parent, name = object_placement.split(path)
+            opened: Storage = open_storage(parent, follow=False)
+        else:
+            parent, name = os.path.split(os.path.abspath(path))
+            opened = LocalStorage(parent)
         with opened as root:
             kind = root.kind(name)
             if kind == "directory":

@@ -92,20 +92,13 @@ class ObjectPlacement:
         with store_errors(self.path), self._root() as root:
             if self.staging != self.name:
                 refuse_foreign(root, self.name)  # again: it may have changed since check()
-                try:
+                with self._naming_failed():
                     kind = root.kind(self.name)
                     if kind is not None:
                         _delete_replaced(root, self.name, kind)
-                        _require_cleared(root, self.name)
+                self._require_cleared(root)
+                with self._naming_failed():
                     _copy_checkpoint(root, self.staging, self.name)
-                except Exception as e:  # any store error: the message says where it is
-                    raise CheckpointError(
-                        f"the new checkpoint is committed under {self.staging_path}, but "
-                        f"giving it the name {self.path} failed ({_described(e)}); the older "
-                        f"checkpoint under that name may be gone. Resume from "
-                        f"{self.staging_path} (fit(ckpt_path=...) of the name finds it by "
-                        "itself); the next save of the name clears both."
-                    ) from e
             try:
                 _delete_staged_leftovers(root, self.name)
             except Exception as e:  # published: what is left is cleared by the next save
@@ -115,19 +108,57 @@ class ObjectPlacement:
                     "save of the name deletes them"
                 )
 
+    @contextlib.contextmanager
+    def _naming_failed(self) -> Iterator[None]:
+        """Any failure while the name is cleared or copied to: say where the new
+        checkpoint is, and that the name's lookups find it."""
+        try:
+            yield
+        except Exception as e:  # any store error: the message says where the checkpoint is
+            raise CheckpointError(
+                f"the new checkpoint is committed under {self.staging_path}, but giving it "
+                f"the name {self.path} failed ({_described(e)}); the older checkpoint under "
+                f"that name may be gone. Resume from {self.staging_path} (fit(ckpt_path=...) "
+                "of the name finds it by itself); the next save of the name clears both."
+            ) from e
+
+    def _require_cleared(self, root: FsspecStorage) -> None:
+        """Nothing may be left under the name before the copy starts. The deletion leaves
+        what shardsafe wrote in place when it finds objects it did not write (they appeared
+        after the check): copying beside them would mix new data with the old."""
+        if root.kind(self.name) is None:
+            return
+        with root.child(self.name) as left:
+            names = sorted(left.names())
+        older = (
+            "the older checkpoint, whole, which the name's lookups still find"
+            if MANIFEST_NAME in names
+            else "no committed checkpoint"
+        )
+        raise CheckpointError(
+            f"the new checkpoint is committed under {self.staging_path} only: objects "
+            f"shardsafe did not write appeared under {self.path} while it was being replaced "
+            f"(it holds {names[:5]}), so nothing there was deleted past them and nothing was "
+            f"copied; the name holds {older}. Load the new checkpoint by passing "
+            f"{self.staging_path} itself, and move the foreign objects away before the next "
+            "save of the name (which refuses them)."
+        )
+
 
 def split(url: str) -> tuple[str, str]:
     """``(parent URL, name)`` of a checkpoint URL (a trailing ``/`` allowed); refuses one
     that names no object under a bucket, or whose path has an empty or a dot segment: an
     object store keeps ``a//b``, ``a/./b`` and ``a/b`` as different keys, where a path
-    would name one place, so the save and the lookups would miss each other."""
+    would name one place, so the save and the lookups would miss each other. An empty
+    authority (``hdfs:///user/x/name``) is allowed."""
     scheme, found, rest = url.rstrip("/").partition("://")
     segments = rest.split("/")
-    if not found or not scheme or len(segments) < 2:
+    if not found or not scheme or len(segments) < 2 or not any(segments[:-1]):
         raise CheckpointError(
             f"{url!r} does not name a checkpoint under a bucket (scheme://bucket/.../name)"
         )
-    if any(s in ("", ".", "..") for s in segments):
+    # An empty first segment is an empty authority (hdfs:///user/x), not a doubled slash.
+    if segments[0] in (".", "..") or any(s in ("", ".", "..") for s in segments[1:]):
         raise CheckpointError(
             f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
             "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
@@ -210,18 +241,6 @@ def _delete_staged_leftovers(root: FsspecStorage, name: str) -> None:
         if candidate in present and root.kind(candidate) == "directory":
             with contextlib.suppress(CheckpointError):
                 delete_checkpoint(root, candidate)
-
-
-def _require_cleared(root: FsspecStorage, name: str) -> None:
-    """Nothing may be left under the name before the copy starts: the deletion leaves in
-    place (with a warning) what is not shardsafe's, e.g. an object that appeared after the
-    check, and copying beside it would put new data under what remains of the old."""
-    if root.kind(name) is not None:
-        with root.child(name) as left:
-            raise CheckpointError(
-                f"{root.where(name)} still holds {sorted(left.names())[:5]} after the "
-                "checkpoint it held was deleted; nothing was copied there"
-            )
 
 
 def _staging_name(root: FsspecStorage, name: str) -> str:
