@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
 import threading
 import traceback
 from collections.abc import Callable
@@ -80,6 +81,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def launched(argv: list[str], cwd: str | os.PathLike[str], timeout: float = 200) -> str:
+    """Run a launcher's command line (``torchrun``, ``accelerate launch``) in ``cwd``, with
+    a Hugging Face cache of its own there (nothing downloaded, nothing shared); its
+    output, once it has succeeded (else the tails of both streams)."""
+    env = {**os.environ, "HF_HOME": os.path.join(cwd, "hf-home")}
+    done = subprocess.run(
+        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
 
 
 def _child(

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import free_port, launched
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(300)
@@ -28,12 +27,7 @@ def run(tmp_path: Path, run_dir: str, steps: int) -> str:
         "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(EXAMPLE), "--run-dir", run_dir, "--steps", str(steps),
     ]  # fmt: skip
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home")}
-    done = subprocess.run(
-        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200, check=False
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout
+    return launched(argv, tmp_path)
 
 
 def losses(log: str) -> dict[int, str]:

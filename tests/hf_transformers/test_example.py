@@ -4,16 +4,14 @@ and logs the losses an uninterrupted run logs, bit for bit, ending with the same
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import free_port
+from tests.harness import free_port, launched
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -27,12 +25,7 @@ def run(tmp_path: Path, out: str, *args: str) -> str:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), str(EXAMPLE), "--out", out, *args,
     ]  # fmt: skip
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home")}
-    done = subprocess.run(
-        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200, check=False
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout
+    return launched(argv, tmp_path)
 
 
 def losses(log: str) -> dict[int, str]:
