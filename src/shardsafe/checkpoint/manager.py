@@ -36,7 +36,7 @@ from ..distributed import world
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
-from .format.manifest import MANIFEST_NAME
+from .format.manifest import MANIFEST_NAME, Manifest
 from .io.reader import CheckpointReader
 from .io.staging import Stager
 from .options import (
@@ -382,22 +382,29 @@ class CheckpointManager:
         return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)
 
 
-def problem_with(storage: Storage) -> str | None:
-    """Why the checkpoint in ``storage`` would not load, from cheap checks, or ``None``.
+def loadable_manifest(storage: Storage) -> Manifest:
+    """The manifest of the checkpoint in ``storage``, once cheap checks say it would load;
+    else a ``CheckpointError`` (or ``OSError``) saying why.
 
     The manifest is read, checksummed and validated; every data file must be a regular
     file of the recorded size whose header matches its checksum. Tensor bytes are not
     read (``load`` checks those, and ``shardsafe verify`` checks all of them).
     """
+    manifest = loading.read_manifest_from(storage)
+    with CheckpointReader(storage, manifest) as reader:
+        problems = reader.check_files()
+    if problems:
+        raise CheckpointCorruptError(problems[min(problems)])
+    return manifest
+
+
+def problem_with(storage: Storage) -> str | None:
+    """Why the checkpoint in ``storage`` would not load (:func:`loadable_manifest`), or
+    ``None``."""
     try:
-        manifest = loading.read_manifest_from(storage)
-        with CheckpointReader(storage, manifest) as reader:
-            problems = reader.check_files()
+        loadable_manifest(storage)
     except (CheckpointError, OSError) as e:
         return str(e)
-    if problems:
-        name = min(problems)
-        return problems[name]
     return None
 
 

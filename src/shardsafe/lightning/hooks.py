@@ -55,6 +55,7 @@ from ..tiers import Restored as TierRestored
 from . import checks, cleanup, restore, state
 from ._namespace import lightning
 from .local_tier import LocalTier, describe_tiers
+from .rank_zero import rank_zero_decides
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -275,21 +276,7 @@ class ShardsafeCheckpointing(Strategy):
     def _agreed_url(self, url: str) -> str:
         """Rank 0 reads the store (:func:`.restore.committed_url`) and every rank loads
         what it found, or raises its error: ranks probing on their own could disagree."""
-        found, interrupted = ("", ""), None
-        if self.is_global_zero:
-            try:
-                found = ("ok", restore.committed_url(url))
-            except CheckpointError as e:
-                found = ("error", str(e))
-            except BaseException as e:  # the store's, or Ctrl-C: the others must hear of it
-                found = ("error", f"reading {url} failed: {type(e).__name__}: {e}")
-                interrupted = e if not isinstance(e, Exception) else None
-        kind, text = self.broadcast(found)
-        if interrupted is not None:
-            raise interrupted
-        if kind == "error":
-            raise CheckpointError(text)
-        return str(text)
+        return str(rank_zero_decides(self, lambda: restore.committed_url(url), f"reading {url}"))
 
     def _say_restored(self, local: LocalTier) -> None:
         restored = local.restored

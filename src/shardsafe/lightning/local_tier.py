@@ -56,6 +56,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..tiers import Restored, TieredCheckpointManager
 from . import restore, state
 from ._namespace import lightning
+from .rank_zero import rank_zero_decides
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -151,23 +152,13 @@ class LocalTier:
         assert self.manager is not None
         newest = self.manager.latest()
         use_local = newest is not None
-        interrupted: BaseException | None = None
         if newest is not None and path is not None and _is_last(path, trainer):
-            saved = None
-            if strategy.is_global_zero:
-                try:
-                    saved = _step_of(path)
-                except BaseException as e:  # Ctrl-C: the others wait in the broadcast
-                    interrupted = e
+            # The same branch on every rank (``latest`` is agreed, ``path`` is Lightning's).
+            last = path
+            saved = rank_zero_decides(strategy, lambda: _step_of(last), f"reading {last}")
             use_local = saved is None or newest >= saved
         elif path is not None:
             use_local = False
-        stopped = "" if interrupted is None else f"{type(interrupted).__name__} on rank 0"
-        use_local, stopped = strategy.broadcast((use_local, stopped))
-        if interrupted is not None:
-            raise interrupted
-        if stopped:
-            raise CheckpointError(f"the resume was stopped ({stopped}, reading {path})")
         if not use_local:
             return path
         assert newest is not None
@@ -279,8 +270,8 @@ def _is_last(path: str, trainer: Any) -> bool:
 def _step_of(path: str) -> int | None:
     """The global step a shardsafe checkpoint holds, from its manifest (on a disk or an
     object store: the committed copy an interrupted replacement left, if the name has
-    none); else ``None``. Rank 0 alone calls it, before a broadcast: it raises nothing
-    but ``BaseException``s (Ctrl-C), which the caller holds until after the broadcast."""
+    none); else ``None``, with a warning if it could not be read. Rank 0 alone calls it
+    (:func:`.rank_zero.rank_zero_decides`)."""
     if not (is_url(path) or restore.is_shardsafe_checkpoint(path)):
         return None
     try:

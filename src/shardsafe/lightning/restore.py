@@ -29,6 +29,7 @@ from ..checkpoint import loading
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import open_storage
+from ..checkpoint.storage.object_placement import committed_copy, split
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, STATE_DICT, optimizer_names
 
@@ -49,8 +50,6 @@ def is_shardsafe_checkpoint(path: str) -> bool:
 def committed_url(url: str) -> str:
     """The committed checkpoint at the object-store ``url``: the URL itself, or the staged
     copy a crash left while it was being replaced (``object_placement``), said aloud."""
-    from ..checkpoint.storage.object_placement import committed_copy
-
     copy = committed_copy(url)
     if copy is None:
         if _single_object(url):
@@ -69,8 +68,6 @@ def committed_url(url: str) -> str:
 
 
 def _single_object(url: str) -> bool:
-    from ..checkpoint.storage.object_placement import split
-
     parent, name = split(url)
     with open_storage(parent) as root:
         return root.kind(name) == "file"

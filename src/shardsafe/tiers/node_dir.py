@@ -20,9 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..checkpoint.format.manifest import MANIFEST_NAME
-from ..checkpoint.io.reader import CheckpointReader
-from ..checkpoint.loading import read_manifest_from
-from ..checkpoint.manager import step_dir_name, step_of
+from ..checkpoint.manager import loadable_manifest, step_dir_name, step_of
 from ..checkpoint.storage.files import check_name, open_directory
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.removal import delete_checkpoint
@@ -152,10 +150,8 @@ class NodeDir:
         ):
             if storage.kind(MANIFEST_NAME) != "file":
                 return None
-            manifest = read_manifest_from(storage)  # parsed once: a survey reads them all
-            with CheckpointReader(storage, manifest) as reader:
-                if reader.check_files():  # a data file missing, cut short or damaged
-                    return None
+            # Checked and parsed once (a survey reads them all); a problem is suppressed.
+            manifest = loadable_manifest(storage)
             saved_rank, world_size, saved_step = rank_checkpoint.saved_by(manifest)
             if (saved_rank, saved_step) == (rank, step):
                 return Held(step, rank, world_size)
