@@ -83,6 +83,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Launch an example through this script, not directly: see its docstring.
+RUN_EXAMPLE_THEN_EXIT = os.path.join(os.path.dirname(__file__), "run_example_then_exit.py")
+
+
 def launched(argv: list[str], cwd: str | os.PathLike[str], timeout: float = 200) -> str:
     """Run a launcher's command line (``torchrun``, ``accelerate launch``) in ``cwd``, with
     a Hugging Face cache of its own there (nothing downloaded, nothing shared); its

@@ -20,12 +20,11 @@ import pytest
 import torch
 
 import shardsafe
+from tests.harness import RUN_EXAMPLE_THEN_EXIT
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline_parallel.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-# The example runs through a wrapper that skips torch's teardown at exit (see its docstring).
-WRAPPER = Path(__file__).resolve().parent / "run_example_then_exit.py"
 LOSS = re.compile(r"^step\s+(\d+)\s+loss (\d+\.\d+)\s+\((.+)\)$", re.M)
 SAVE_AT, STEPS = 3, 6
 
@@ -38,8 +37,9 @@ def torchrun(nproc: int, *args: str) -> str:
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     )
+    argv = [*launcher, "--standalone", f"--nproc-per-node={nproc}", RUN_EXAMPLE_THEN_EXIT]
     proc = subprocess.run(
-        [*launcher, "--standalone", f"--nproc-per-node={nproc}", str(WRAPPER), str(EXAMPLE), *args],
+        [*argv, str(EXAMPLE), *args],
         capture_output=True,
         text=True,
         timeout=100,

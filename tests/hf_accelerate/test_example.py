@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, launched
+from tests.harness import RUN_EXAMPLE_THEN_EXIT, free_port, launched
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +25,7 @@ def run(tmp_path: Path, run_dir: str, steps: int) -> str:
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(EXAMPLE), "--run-dir", run_dir, "--steps", str(steps),
+        RUN_EXAMPLE_THEN_EXIT, str(EXAMPLE), "--run-dir", run_dir, "--steps", str(steps),
     ]  # fmt: skip
     return launched(argv, tmp_path)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import free_port, launched
+from tests.harness import RUN_EXAMPLE_THEN_EXIT, free_port, launched
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -23,7 +23,7 @@ EXAMPLE = ROOT / "examples" / "transformers_trainer.py"
 def run(tmp_path: Path, out: str, *args: str) -> str:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), str(EXAMPLE), "--out", out, *args,
+        "--master-port", str(free_port()), RUN_EXAMPLE_THEN_EXIT, str(EXAMPLE), "--out", out, *args,
     ]  # fmt: skip
     return launched(argv, tmp_path)
 
