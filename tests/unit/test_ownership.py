@@ -163,13 +163,27 @@ def test_module_names_are_the_union_of_the_stages() -> None:
     merged = ModuleAdapter().merge(
         [
             {"tensors": ["tok.weight", "layers.0.w"], "extra": {"x": 1}},
-            {"tensors": ["layers.1.w", "out.weight"], "extra": {"x": 2, "y": 3}},
+            {"tensors": ["layers.1.w", "out.weight"], "extra": {"x": 1, "y": 3}},
         ]
     )
     assert merged == {
         "tensors": ["tok.weight", "layers.0.w", "layers.1.w", "out.weight"],
         "extra": {"x": 1, "y": 3},
     }
+    # Extra state is recorded once: two stages holding it with different values would
+    # each get rank 0's back, so the save is refused, naming the entry, ranks and values.
+    with pytest.raises(
+        CheckpointError,
+        match=r"non-tensor state 'x' differs between ranks 0 and 2 \(\{\"tag\": \"a\"\} and "
+        r"\{\"tag\": \"b\"\}\); it is recorded once",
+    ):
+        ModuleAdapter().merge(
+            [
+                {"tensors": [], "extra": {"x": {"tag": "a"}}},
+                {"tensors": [], "extra": {}},
+                {"tensors": [], "extra": {"x": {"tag": "b"}}},
+            ]
+        )
     with pytest.raises(CheckpointError, match="'w' is a tensor on some ranks"):
         ModuleAdapter().merge([{"tensors": ["w"], "extra": {}}, {"tensors": [], "extra": {"w": 1}}])
 

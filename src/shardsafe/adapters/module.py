@@ -19,6 +19,7 @@ theirs, and the manifest records the union (:meth:`ModuleAdapter.merge`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import _names, _tree
+from .._text import terminal_safe
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import (
     JSON,
@@ -68,14 +70,27 @@ class ModuleAdapter(Adapter):
 
     def merge(self, metas: list[JSON]) -> JSON:
         """Every rank's names, in order of first appearance (ranks may hold different
-        parts of the model: pipeline stages, per-rank experts); extra state from the
-        lowest rank holding it, as buffers are."""
+        parts of the model: pipeline stages, per-rank experts); each extra-state entry
+        once, which every rank holding it must hold with the same value: one record
+        cannot give two stages their own, and unlike a buffer (which DDP takes from rank
+        0) there is no copy that is right for every rank."""
         names: dict[str, None] = {}
         extra: dict[str, Any] = {}
-        for meta in metas:
+        held_by: dict[str, int] = {}
+        for rank, meta in enumerate(metas):
             names.update(dict.fromkeys(meta["tensors"]))
             for name, value in meta["extra"].items():
-                extra.setdefault(name, value)
+                if name not in extra:
+                    extra[name], held_by[name] = value, rank
+                elif value != extra[name]:
+                    raise CheckpointError(
+                        f"the module's non-tensor state {name!r} differs between ranks "
+                        f"{held_by[name]} and {rank} ({_shown(extra[name])} and "
+                        f"{_shown(value)}); it is recorded once, so one rank would get "
+                        "the other's back. Make it the same on every rank that holds it, or "
+                        "keep rank-specific state out of the module's state_dict (nothing "
+                        "was written)"
+                    )
         both = sorted(set(names) & set(extra))
         if both:
             raise CheckpointError(
@@ -215,3 +230,9 @@ def _state_of(module: nn.Module) -> dict[str, Any]:
     if type(module).state_dict is nn.Module.state_dict:
         return module.state_dict(keep_vars=True)
     return module.state_dict()
+
+
+def _shown(value: JSON, limit: int = 60) -> str:
+    """An encoded value as an error message shows it: its JSON, cut short."""
+    text = json.dumps(value, sort_keys=True)
+    return terminal_safe(text if len(text) <= limit else text[: limit - 3] + "...")

@@ -4,16 +4,19 @@ Both are usually identical on every rank, as they are in data-parallel training:
 copy is recorded and each tensor is written once. Where the ranks' stateful objects differ
 (one learning-rate scheduler per pipeline stage, each with its own groups), every rank's
 state is recorded as it is (``merge_per_rank``) and each rank gets its own back on load,
-at the same world size; states that differ and hold tensors are refused at save. Plain
-values keep rank 0's, as they always have: ``load`` returns them even unasked, at any
-world size, so a per-rank record (a rank's own loss) would make a checkpoint unloadable
-elsewhere.
+at the same world size; states that differ and hold tensors are refused at save: their
+metadata is compared here, and their tensors' bytes by the save plan (``always_verify``),
+since a per-rank generator or counter has the same structure on every rank. Plain
+values keep rank 0's, tensors included (rank 0 writes them: ``lowest_rank_wins``), as
+they always have: ``load`` returns them even unasked, at any world size, so a per-rank
+record (a rank's own loss) would make a checkpoint unloadable elsewhere.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
 
@@ -35,13 +38,23 @@ from . import dtensor
 _PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
 
 
-def encode_replicated(value: Any, ctx: SaveContext, kind: str) -> SaveItem:
-    """Encode a tree whose tensors are the same on every rank (DTensors: their shards)."""
+def encode_replicated(
+    value: Any, ctx: SaveContext, kind: str, copies: Literal["rank 0's", "compared"]
+) -> SaveItem:
+    """Encode a tree whose tensors are expected to be the same on every rank (DTensors:
+    their shards). ``copies`` says what happens when they are not: rank 0's copy is
+    saved (plain values), or the copies are compared at every save and a difference
+    refuses it (stateful objects; see the module docstring)."""
     chunks: list[Chunk] = []
 
     def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         key = ctx.key(*path)
-        chunks.extend(dtensor.chunks_of(key, tensor, replicated=True))
+        for chunk in dtensor.chunks_of(key, tensor, replicated=True):
+            if copies == "compared":
+                chunk = replace(chunk, always_verify=True)
+            elif chunk.replicated:
+                chunk = replace(chunk, lowest_rank_wins=True)
+            chunks.append(chunk)
         return key
 
     meta = _tree.encode(value, f"state[{ctx.name!r}]", sink)
@@ -104,7 +117,7 @@ class PlainDataAdapter(Adapter):
         return isinstance(obj, _PLAIN)
 
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
-        return encode_replicated(obj, ctx, self.kind)
+        return encode_replicated(obj, ctx, self.kind, "rank 0's")
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         plan = full_requests(saved)
@@ -150,7 +163,7 @@ class StatefulAdapter(Adapter):
         )
 
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
-        return encode_replicated(obj.state_dict(), ctx, self.kind)
+        return encode_replicated(obj.state_dict(), ctx, self.kind, "compared")
 
     def merge(self, metas: list[JSON]) -> JSON:
         return merge_per_rank(metas)

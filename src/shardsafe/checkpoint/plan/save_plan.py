@@ -168,7 +168,9 @@ def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
     if len(by_crc) > 1:
         groups = sorted(by_crc.values())
         holders = [("ranks " if len(r) > 1 else "rank ") + ", ".join(map(str, r)) for r in groups]
-        shown = f"{holders[0]} hold one version, " + ", ".join(f"{h} another" for h in holders[1:])
+        verb = "hold" if len(groups[0]) > 1 else "holds"
+        others = ", ".join(f"{h} another" for h in holders[1:])
+        shown = f"{holders[0]} {verb} one version, {others}"
         first = chunks[0]
         what = (
             "one tensor replicated on all of them"
@@ -178,8 +180,10 @@ def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
         )
         raise CheckpointError(
             f"the copies of {key!r} differ between ranks: {shown}. It is "
-            f"saved as {what}, so the replicas have diverged (e.g. a gradient not "
-            "all-reduced, or a rank-dependent update); nothing was written"
+            f"saved as {what}, so either the replicas have diverged (e.g. a gradient not "
+            "all-reduced, or a rank-dependent update), or it is state each rank keeps "
+            "for itself (a sampler's generator, a per-stage counter), which must be saved "
+            "under a key of each rank's own; nothing was written"
         )
 
 
