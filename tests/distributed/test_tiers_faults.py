@@ -8,6 +8,8 @@ bitwise the uninterrupted run's state of that step, and go on exactly as it did.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import random
 import re
@@ -16,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.tiers import TieredCheckpointManager
+from shardsafe.tiers import TieredCheckpointManager, rank_checkpoint
 from tests.distributed import test_fsdp, zero_setup
 from tests.distributed.tiers_setup import (
     DIE_AT,
@@ -333,7 +336,9 @@ def test_a_budget_no_node_meets_is_the_same_error_on_every_rank_and_writes_nothi
         re.escape(
             f"the local tier needs 536.44 GiB on the node of ranks [0, 1] ({local_dir(base, 0)}): "
             "576 bytes per step (its ranks' checkpoints and the replicas it keeps) x "
-            "(keep_local=1000000000 + 1 being written), but only "
+            "(keep_local=1000000000 + 1 being written + the newest step every rank has "
+            "replicated), plus 288 bytes (its ranks' previous step, until it is replicated), "
+            "but only "
         )
         + r"[0-9.]+ [GM]iB"
         + re.escape(
@@ -457,3 +462,196 @@ def test_a_kill_in_each_narrow_window_of_a_local_write_or_a_replication(
         assert step in (die_step, die_step + 1)
     assert tiers == ["local", "local"]
     print(f"{point} of step {die_step}: {where}; restored {step} {tiers}")
+
+
+# ------------------------------------------------ restarts, retention and fallbacks
+
+
+def valued(step: float) -> dict[str, Any]:
+    """A small model holding its seeded weights plus ``step``: a checkpoint of a step
+    holds exactly these values."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(step)
+    return {"model": model}
+
+
+def holds(state: dict[str, Any], step: int) -> bool:
+    expected = valued(step)["model"].state_dict()
+    return all(torch.equal(v, expected[k]) for k, v in state["model"].state_dict().items())
+
+
+def _fail_own_write_of(failing_step: int) -> None:
+    """This process's local write of ``failing_step`` fails as on a full disk."""
+    write = rank_checkpoint.write
+
+    def failing(storage: Any, items: Any, *, rank: int, world_size: int, step: int) -> int:
+        if step == failing_step:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return write(storage, items, rank=rank, world_size=world_size, step=step)
+
+    rank_checkpoint.write = failing  # type: ignore[assignment]
+
+
+def session(
+    rank: int,
+    world: int,
+    base: str,
+    saves: list[tuple[int, float]],
+    options: dict[str, Any],
+    fail: dict[int, int] | None = None,
+) -> dict[str, Any]:
+    """One run of 2 ranks as 2 nodes of 1: restore (what, from where, whether exactly
+    its values), then save ``(step, value)``s locally (rank ``r``'s own write of step
+    ``fail[r]`` fails); every warning's text."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    if fail and rank in fail:
+        _fail_own_write_of(fail[rank])
+    kwargs = {"local_every": 1, "persist_every": None, "replicas": 1, "timeout": 30.0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, rank), **{**kwargs, **options}
+        )
+        try:
+            state = valued(-1.0)
+            manager.load_latest(state)
+            restored = manager.restored
+            step = restored.step if restored else None
+            out = {
+                "step": step,
+                "tiers": restored.tiers if restored else None,
+                "exact": step is not None and holds(state, step),
+            }
+            for at, value in saves:
+                manager.save(at, valued(value))
+            with contextlib.suppress(shardsafe.CheckpointError):  # a local write's
+                manager.wait()
+        finally:
+            manager.close()
+    return {**out, "warnings": [str(w.message) for w in caught]}
+
+
+def committed(base: str, node: int) -> dict[str, list[str]]:
+    """``step-...: [rank-...]`` of the rank checkpoints with a manifest on a node."""
+    root = Path(local_dir(base, node))
+    return {
+        s.name: found
+        for s in sorted(root.iterdir())
+        if (found := sorted(r.name for r in s.iterdir() if (r / "manifest.json").is_file()))
+    }
+
+
+def test_after_a_restart_retention_keeps_the_restored_step_until_a_newer_one_is_complete(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1. Run 1 saves steps 1-3; run 2 restores step 3 and saves step 4, but
+    rank 1's write of it fails: step 4 is complete nowhere, so step 3 (restored by run 2,
+    counted by no store of run 2's) must stay on both nodes, and run 3 restore it."""
+    base, keep = str(tmp_path), {"keep_local": 1}
+    run_ranks(session, 2, base, [(1, 1.0), (2, 2.0), (3, 3.0)], keep, timeout=60)
+    second = run_ranks(session, 2, base, [(4, 4.0)], keep, {1: 4}, timeout=60)
+    assert [(r["step"], r["exact"]) for r in second] == [(3, True)] * 2
+    both = ["rank-00000", "rank-00001"]
+    assert committed(base, 0) == {"step-000000003": both, "step-000000004": ["rank-00000"]}
+    assert committed(base, 1) == {"step-000000003": both, "step-000000004": ["rank-00000"]}
+    third = run_ranks(session, 2, base, [], keep, timeout=60)
+    assert [(r["step"], r["tiers"], r["exact"]) for r in third] == [(3, ["local"] * 2, True)] * 2
+
+
+def test_after_a_restart_retention_still_bounds_the_older_steps_found_on_disk(
+    tmp_path: Path,
+) -> None:
+    """keep_local=2: run 2 restores step 3 of steps 2-3 and saves step 4; retention
+    counts the steps it found, so step 2 goes as soon as step 4 is kept."""
+    base, keep = str(tmp_path), {"keep_local": 2}
+    run_ranks(session, 2, base, [(1, 1.0), (2, 2.0), (3, 3.0)], keep, timeout=60)
+    both = ["rank-00000", "rank-00001"]
+    assert committed(base, 0) == {"step-000000002": both, "step-000000003": both}
+    second = run_ranks(session, 2, base, [(4, 4.0)], keep, timeout=60)
+    assert [(r["step"], r["exact"]) for r in second] == [(3, True)] * 2
+    for node in (0, 1):
+        assert committed(base, node) == {"step-000000003": both, "step-000000004": both}
+
+
+FALLBACKS = {
+    # steps saved (local every 40th, persistent every 50th; then persistent 100, damaged),
+    # the local step damaged on rank 1, what is restored
+    "a complete local step": ([80], None, (80, "local")),
+    "a damaged local step": ([50, 80], 80, (50, "persistent")),
+    "a damaged and an older local step": ([40, 50, 80], 80, (50, "persistent")),
+}
+
+
+def fallback_setup(rank: int, world: int, base: str, steps: list[int]) -> None:
+    """Local steps ``steps`` (and persistent 50, if among them), then persistent 100."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"),
+        local_dir(base, rank),
+        local_every=40,
+        persist_every=50,
+        replicas=0,
+        keep_local=len(steps),
+        timeout=30.0,
+    )
+    try:
+        for step in steps:
+            manager.save(step, valued(step))
+        manager.persistent.save(100, valued(100))
+        manager.wait()
+    finally:
+        manager.close()
+
+
+def flip_first_data_file(directory: Path) -> None:
+    data = sorted(directory.glob("*.safetensors"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_a_damaged_newest_persistent_step_falls_back_to_the_newest_complete_one(
+    tmp_path: Path, case: str
+) -> None:
+    """The persistent tier's newest step (100, newer than every local one) is damaged:
+    ``load_latest`` restores the newest step that does load, in either tier, exactly;
+    never raising, never an older local step below a persistent step that loaded."""
+    saved, damaged_local, (step, tier) = FALLBACKS[case]
+    base = str(tmp_path)
+    run_ranks(fallback_setup, 2, base, saved, timeout=60)
+    flip_first_data_file(tmp_path / "persistent" / "step-000000100")
+    if damaged_local is not None:
+        flip_first_data_file(rank_ckpt(base, 1, damaged_local, 1))
+    restored = run_ranks(session, 2, base, [], {"replicas": 0, "persist_every": 50}, timeout=60)
+    assert [(r["step"], r["tiers"], r["exact"]) for r in restored] == [(step, [tier] * 2, True)] * 2
+    assert any("step-000000100" in w for w in restored[0]["warnings"])
+    for node in (0, 1):  # later local steps (of a run that no longer exists) are gone
+        kept = [s for s in saved if s % 40 == 0 and s <= step]
+        assert sorted(committed(base, node)) == [f"step-{s:09d}" for s in kept]
+    assert (tmp_path / "persistent" / "step-000000100").is_dir()  # left for the user
+
+
+def test_a_stale_copy_that_cannot_be_deleted_is_never_restored(tmp_path: Path) -> None:
+    """Run 1 saves steps 1-5; step 5 is incomplete (rank 0's copies gone, as after a
+    kill), and rank 1's own copy of it holds a file of the user's, so it cannot be
+    deleted. Run 2 restores step 4 and saves a new step 5: the old copy must lose its
+    manifest (the user's file kept), so that run 3 never mixes the two runs' step 5."""
+    base, keep = str(tmp_path), {"keep_local": 2}
+    run_ranks(session, 2, base, [(s, float(s)) for s in range(1, 6)], keep, timeout=60)
+    for node in (0, 1):
+        shutil.rmtree(rank_ckpt(base, node, 5, 0))
+    stale = rank_ckpt(base, 1, 5, 1)
+    (stale / "notes.txt").write_text("mine")
+    second = run_ranks(session, 2, base, [(5, 500.0)], keep, timeout=60)
+    assert [(r["step"], r["exact"]) for r in second] == [(4, True)] * 2
+    assert any(
+        w.startswith(f"shardsafe: removed the manifest of {stale} ") for w in second[1]["warnings"]
+    ), second[1]["warnings"]
+    assert not (stale / "manifest.json").exists()
+    assert (stale / "notes.txt").read_text() == "mine"
+    third = run_ranks(session, 2, base, [], keep, timeout=60)
+    assert [(r["step"], r["tiers"], r["exact"]) for r in third] == [(4, ["local"] * 2, True)] * 2

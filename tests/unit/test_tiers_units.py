@@ -24,6 +24,7 @@ from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
+from shardsafe.tiers.replication import Peers, Replicator, retained
 from shardsafe.tiers.topology import Topology
 from tests import forge
 from tests.unit.attacks.common import fifo_reader_probe
@@ -552,26 +553,44 @@ def test_a_node_without_room_is_named_with_the_bytes_and_the_fixes() -> None:
         budget.check(reports, two_by_two(), 1, 2, ["/shm/a"] * 2 + ["/shm/b"] * 2)
     assert type(caught.value) is CheckpointError
     assert str(caught.value) == (
-        "the local tier needs 1.17 GiB on the node of ranks [2, 3] (/shm/b): 0.39 GiB "
+        "the local tier needs 1.76 GiB on the node of ranks [2, 3] (/shm/b): 0.39 GiB "
         "per step (its ranks' checkpoints and the replicas it keeps) x (keep_local=2 + 1 being "
-        "written), but only 0.49 GiB is free there. Lower keep_local or replicas, save "
-        "locally less state, or give the local path more room (a larger /dev/shm: docker "
-        "--shm-size, or an NVMe path)"
+        "written + the newest step every rank has replicated), plus 200.0 MiB (its ranks' "
+        "previous step, until it is replicated), but only 0.49 GiB is free there. Lower "
+        "keep_local or replicas, save locally less state, or give the local path more room "
+        "(a larger /dev/shm: docker --shm-size, or an NVMe path)"
     )
+
+
+def test_the_budget_reserves_every_step_that_can_be_on_disk_at_once() -> None:
+    """keep_local steps, the newest step every rank replicated (older than those while
+    the count lags), the step being written, and the node's own step before it (written,
+    its replication in flight): 2 own and 2 replica checkpoints of 100 MiB a step."""
+    reports = [budget.Report(100 * MIB, 10 << 30, 0)] * 4
+    result = budget.check(reports, two_by_two(), 1, 1, ["x"] * 4)
+    assert result == budget.Budget([400 * MIB] * 2, 1, [200 * MIB] * 2)
+    assert result.required(0) == (1 + 2) * 400 * MIB + 200 * MIB
+    exact = [budget.Report(100 * MIB, 1400 * MIB, 0)] * 4
+    budget.check(exact, two_by_two(), 1, 1, ["x"] * 4)
+    short = [budget.Report(100 * MIB, 1400 * MIB - 1, 0)] * 4
+    with pytest.raises(CheckpointError, match=r"needs 1\.37 GiB on the node of ranks \[0, 1\]"):
+        budget.check(short, two_by_two(), 1, 1, ["x"] * 4)
 
 
 def test_the_space_older_steps_take_counts_as_free_and_uneven_nodes_add_up() -> None:
     reports = [budget.Report(100 * MIB, 10 << 30, 0)] * 2 + [
-        budget.Report(100 * MIB, 500 * MIB, 400 * MIB)
+        budget.Report(100 * MIB, 500 * MIB, 650 * MIB)
     ] * 2
-    assert budget.check(reports, two_by_two(), 1, 2, ["x"] * 4) == budget.Budget([400 * MIB] * 2, 2)
+    assert budget.check(reports, two_by_two(), 1, 2, ["x"] * 4) == budget.Budget(
+        [400 * MIB] * 2, 2, [200 * MIB] * 2
+    )
 
     topo = Topology.of(["a", "a", "a", "b"])  # b keeps the replicas of all three of a's ranks
     reports = [budget.Report(n * MIB, 1 << 40, 0) for n in (1, 2, 3, 4)]
     assert budget.check(reports, topo, 1, 1, ["x"] * 4).step_bytes == [10 * MIB, 10 * MIB]
     assert budget.check(reports, topo, 0, 1, ["x"] * 4).step_bytes == [6 * MIB, 4 * MIB]
     small = [*reports[:3], budget.Report(4 * MIB, 19 * MIB, 0)]
-    with pytest.raises(CheckpointError, match=r"needs 20\.0 MiB on the node of ranks \[3\] \(b\):"):
+    with pytest.raises(CheckpointError, match=r"needs 34\.0 MiB on the node of ranks \[3\] \(b\):"):
         budget.check(small, topo, 1, 1, ["a", "a", "a", "b"])
 
 
@@ -698,10 +717,22 @@ def test_a_fifo_in_place_of_a_file_is_never_opened(tmp_path: Path, name: str) ->
             node.remove(7, 0, prune=True)  # a FIFO is not shardsafe's: left, with a warning
     assert probe["readers_seen"] == 0
     assert fifo.exists()
+    # a regular manifest beside the FIFO is removed, so that the copy is never restored
+    uncommitted = (
+        []
+        if name == "manifest.json"
+        else [
+            f"shardsafe: removed the manifest of {local / STEP7 / RANK0} so that it is never "
+            "restored, but left the directory in place: it holds files shardsafe did not write; "
+            "delete it yourself"
+        ]
+    )
     assert [str(w.message) for w in caught] == [
         f"shardsafe: left {local / STEP7 / RANK0} in place: it holds [{name!r}], which "
-        "shardsafe did not write; delete it yourself if it is no longer needed"
+        "shardsafe did not write; delete it yourself if it is no longer needed",
+        *uncommitted,
     ]
+    assert not node.committed(7, 0)
 
 
 def test_a_fifo_in_place_of_a_step_directory_is_passed_over(tmp_path: Path) -> None:
@@ -716,3 +747,67 @@ def test_a_fifo_in_place_of_a_step_directory_is_passed_over(tmp_path: Path) -> N
             node.rank_storage(7, 0, create=True)
     assert probe["readers_seen"] == 0
     assert sorted(os.listdir(local)) == [STEP7]
+
+
+# ------------------------------------------------------------------ retention
+
+
+class Counted:
+    """A store's count of the ranks that replicated each step: ``steps`` are complete."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def everywhere(self, step: int) -> bool:
+        return step in self.steps
+
+    def mark(self, step: int) -> None:
+        pass
+
+
+def test_a_written_step_not_yet_replicated_never_pushes_a_replicated_one_out(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1: the writer has written step 3 while step 2 is being replicated, and
+    step 1 is the newest every rank counted. Retention after step 2 keeps step 2 (its
+    window ends at the step it follows); only retention after step 3 may delete it."""
+    node = NodeDir(str(tmp_path))
+    for step in (1, 2, 3):
+        node.rank_storage(step, 0, create=True).close()
+    replicator = Replicator(node, 0, 2, Peers([1], []), None, 1, Counted({1}))
+    replicator.record.written[:] = [1, 2, 3]
+    replicator.record.replicated[:] = [1, 2]
+    try:
+        replicator._retain(2)
+        assert node.steps() == [1, 2, 3]
+        replicator._retain(3)
+        assert node.steps() == [1, 3]
+    finally:
+        replicator.close()
+    assert retained([1, 2, 3], 1, 1, upto=2) == {1, 2}
+    assert retained([1, 2, 3], 2, None, upto=3) == {2, 3}
+    assert retained([3], 2, None, upto=3) is None
+
+
+def test_after_a_restore_the_restored_step_is_kept_until_a_newer_one_is_counted(
+    tmp_path: Path,
+) -> None:
+    """Steps 2 and 3 found at a restore of step 3 (keep_local=1): a new step 4 the store
+    has not counted everywhere leaves step 3 in place and deletes step 2; once step 5 is
+    counted, step 3 goes too."""
+    node = NodeDir(str(tmp_path))
+    for step in (2, 3, 4, 5):
+        node.rank_storage(step, 0, create=True).close()
+    replicator = Replicator(node, 0, 2, Peers([1], []), None, 1, Counted(set()))
+    try:
+        replicator.resumed_from(3)
+        assert replicator.record.everywhere == 3
+        replicator.record.written.append(4)
+        replicator._retain(4)
+        assert node.steps() == [3, 4, 5]
+        replicator.tally = Counted({5})
+        replicator.record.written.append(5)
+        replicator._retain(5)
+        assert node.steps() == [5]
+    finally:
+        replicator.close()

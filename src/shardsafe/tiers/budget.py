@@ -2,10 +2,14 @@
 
 A node keeps, for each of ``keep_local`` steps, the rank checkpoints of its own ranks and
 the replicas it receives (``replicas`` other nodes' worth, for evenly sized nodes):
-``(1 + replicas) x the node's shards x keep_local`` bytes. While a new step is written,
-the oldest kept one is still there (it goes only once the new one is replicated), so
-the check asks for room for ``keep_local + 1`` steps: free space plus what the tier's
-older steps already take (they are replaced).
+``(1 + replicas) x the node's shards x keep_local`` bytes once retention has run. At its
+peak it holds more: the newest step every rank has replicated, kept until a newer one
+is counted (it may be older than the ``keep_local`` newest); the step being written (or
+received); and, of its own ranks' checkpoints, the step before it, written but still
+being replicated (retention counts a step only once it is replicated). The check asks
+for room for all of it, ``keep_local + 2`` steps plus one step of the node's own ranks'
+checkpoints: free space plus what the tier's older steps already take (they are
+replaced).
 """
 
 from __future__ import annotations
@@ -50,10 +54,14 @@ class Budget:
     step_bytes: list[int]
     """Per node: its ranks' checkpoints plus the replicas it keeps, one step."""
     keep_local: int
+    own_bytes: list[int]
+    """Per node: its ranks' checkpoints, one step."""
 
     def required(self, node: int) -> int:
-        """``keep_local`` steps, plus the one being written."""
-        return self.step_bytes[node] * (self.keep_local + 1)
+        """``keep_local`` steps, the newest step every rank has replicated and the one
+        being written; and the node's own checkpoints of the step before, until it is
+        replicated (see the module docstring)."""
+        return self.step_bytes[node] * (self.keep_local + 2) + self.own_bytes[node]
 
 
 def check(
@@ -62,11 +70,12 @@ def check(
     """The budget of every node; a :class:`CheckpointError` naming the first node without
     room for it (by its ranks and ``where[rank]``, each rank's local directory), the same
     on every rank."""
-    step_bytes = []
+    step_bytes, own_bytes = [], []
     for ranks in topology.nodes:
         kept = set(ranks) | {s for r in ranks for s in topology.sources(r, replicas)}
         step_bytes.append(sum(reports[r].own_bytes for r in kept))
-    result = Budget(step_bytes, keep_local)
+        own_bytes.append(sum(reports[r].own_bytes for r in ranks))
+    result = Budget(step_bytes, keep_local, own_bytes)
     for node, ranks in enumerate(topology.nodes):
         available = reports[ranks[0]].free_bytes + sum(reports[r].used_bytes for r in ranks)
         if result.required(node) > available:
@@ -74,9 +83,11 @@ def check(
                 f"the local tier needs {_gib(result.required(node))} on the node of ranks "
                 f"{list(ranks)[:8]} ({where[ranks[0]]}): {_gib(step_bytes[node])} per step "
                 f"(its ranks' checkpoints and the replicas it keeps) x (keep_local={keep_local} "
-                f"+ 1 being written), but only {_gib(available)} is free there. Lower "
-                "keep_local or replicas, save locally less state, or give the local path more "
-                "room (a larger /dev/shm: docker --shm-size, or an NVMe path)"
+                "+ 1 being written + the newest step every rank has replicated), plus "
+                f"{_gib(own_bytes[node])} (its ranks' previous step, until it is replicated), "
+                f"but only {_gib(available)} is free there. Lower keep_local or replicas, save "
+                "locally less state, or give the local path more room (a larger /dev/shm: "
+                "docker --shm-size, or an NVMe path)"
             )
     return result
 

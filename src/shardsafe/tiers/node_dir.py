@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -165,10 +166,29 @@ class NodeDir:
                 return
             if step_dir.kind(rank_dir_name(rank)) == "directory":
                 delete_checkpoint(step_dir, rank_dir_name(rank))
+                if step_dir.kind(rank_dir_name(rank)) == "directory":
+                    self._uncommit(step_dir, step, rank)
             if prune and not step_dir.names():
                 step_dir.close()
                 with contextlib.suppress(OSError):  # another rank just wrote into it
                     os.rmdir(step_dir_name(step), dir_fd=root.fd)
+
+    def _uncommit(self, step_dir: LocalStorage, step: int, rank: int) -> None:
+        """``delete_checkpoint`` left ``rank``'s copy of ``step`` in place (it holds what
+        shardsafe did not write): remove its manifest at least, so that it is never
+        restored as a step it no longer is (a rank of a run restored to an older step, or
+        a copy retention gave up), and say so."""
+        with step_dir.child(rank_dir_name(rank)) as rank_dir:
+            if rank_dir.kind(MANIFEST_NAME) != "file":
+                return
+            rank_dir.remove(MANIFEST_NAME)
+            rank_dir.sync_directory()
+        warnings.warn(
+            f"shardsafe: removed the manifest of {rank_dir.directory} so that it is never "
+            "restored, but left the directory in place: it holds files shardsafe did not "
+            "write; delete it yourself",
+            stacklevel=2,
+        )
 
     def clear_partial(self, step: int, rank: int) -> None:
         """Remove an interrupted write or receipt of ``rank``'s checkpoint of ``step``."""

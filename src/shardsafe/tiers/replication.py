@@ -14,12 +14,16 @@ always match; a rank whose write failed still takes part, sending "none". A fail
 transfer (a peer gone) is recorded and replication stops with a warning: training goes
 on, and recovery uses what was replicated before.
 
-Retention, after each step: this rank's own checkpoints but the ``keep_local`` newest
-are deleted, and so are the replicas it keeps but the ``keep_local`` newest from each
-source; the newest step that *every* rank has replicated (counted in the job's store,
-:class:`Tally`) is always kept, on its owner and on its replica's node, so an old step
-goes only once a newer one is safe on other nodes, and a replication that fails for
-good still leaves at most ``keep_local + 1`` steps.
+Retention, after each step's replication: this rank's own checkpoints but the
+``keep_local`` newest up to that step are deleted (a later step the writer is done with
+is not replicated yet, and never pushes a replicated one out), and so are the replicas
+it keeps but the ``keep_local`` newest from each source; the newest step that *every*
+rank has replicated (counted in the job's store, :class:`Tally`) is always kept, on its
+owner and on its replica's node, so an old step goes only once a newer one is safe on
+other nodes, and a replication that fails for good still leaves at most
+``keep_local + 1`` steps. After a restore (:meth:`Replicator.resumed_from`) the restored
+step counts as replicated everywhere until a newer one is counted, and the older steps
+found on disk count among the ``keep_local``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import contextlib
 import os
 import threading
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +61,11 @@ class Record:
     received: dict[int, list[int]] = field(default_factory=dict)
     """Per source rank: the steps of its replicas committed here."""
     everywhere: int | None = None
-    """The newest step every rank has replicated, once the store has counted it."""
+    """The newest step every rank has replicated, once the store has counted it (or the
+    step this run restored, until a newer one is counted)."""
+    found: dict[int, list[int]] = field(default_factory=dict)
+    """Per rank (this one and its sources): its committed checkpoints found here at the
+    restore, of the restored step and older ones (retention counts them as written)."""
     errors: list[BaseException] = field(default_factory=list)
 
 
@@ -122,6 +131,7 @@ class Replicator:
         if items is None:
             return
         try:
+            self._forget_found(step, self.rank)
             self.node.remove(step, self.rank)  # an earlier attempt at this step
             with self.node.rank_storage(step, self.rank, create=True) as storage:
                 rank_checkpoint.write(
@@ -147,7 +157,7 @@ class Replicator:
         if self.tally is not None and step in self.record.replicated:
             with contextlib.suppress(Exception):  # the store gone: retention keeps more
                 self.tally.mark(step)
-        self._retain()
+        self._retain(step)
 
     def _replicate(self, step: int) -> None:
         own = step in self.record.written
@@ -185,6 +195,7 @@ class Replicator:
             return transfer.send(self.group, target, storage)
 
     def _receive(self, step: int, source: int) -> bool:
+        self._forget_found(step, source)
         self.node.remove(step, source)  # an interrupted receipt, or an earlier attempt
         return transfer.receive(
             self.group,
@@ -194,26 +205,60 @@ class Replicator:
             target=lambda: self.node.rank_storage(step, source, create=True),
         )
 
-    def _retain(self) -> None:
+    def _retain(self, step: int) -> None:
+        """Retention after replicating ``step``: its keep window holds steps up to
+        ``step`` only (the writer may be done with later ones, not yet replicated)."""
         try:
             everywhere = self._replicated_everywhere()
-            _drop_older(self.node, self.rank, self.record.written, self.keep_local, everywhere)
-            for source, steps in self.record.received.items():
-                _drop_older(self.node, source, steps, self.keep_local, everywhere)
+            for owner in sorted({self.rank, *self.record.received, *self.record.found}):
+                done = (
+                    self.record.written
+                    if owner == self.rank
+                    else self.record.received.get(owner, [])
+                )
+                steps = {*done, *self.record.found.get(owner, [])}
+                kept = retained(steps, self.keep_local, everywhere, upto=step)
+                if kept is not None:
+                    _drop_older(self.node, owner, kept)
         except (CheckpointError, OSError) as e:
             warnings.warn(f"shardsafe: local retention failed: {e}", stacklevel=1)
 
+    def resumed_from(self, step: int) -> None:
+        """After a restore of ``step``: count it complete everywhere (every rank just
+        restored it; the store counts this run's steps only), so that retention never
+        deletes it before a newer step is counted; and count the committed checkpoints of
+        it and older steps found here (this rank's and its sources') in the keep window,
+        so that retention bounds them too. (Never seeded from the disk without a restore:
+        newer steps of an abandoned run would then push this run's first steps out.)"""
+        self.record.everywhere = max(self.record.everywhere or -1, step)
+        self.record.found = {}
+        for held in self.node.steps():
+            for owner in (self.rank, *self.peers.sources):
+                if held <= step and self.node.committed(held, owner):
+                    self.record.found.setdefault(owner, []).append(held)
+
+    def _forget_found(self, step: int, owner: int) -> None:
+        """``owner``'s checkpoint of ``step`` found at the restore is about to be replaced:
+        from now on it counts only if this run writes or receives it."""
+        found = self.record.found.get(owner, [])
+        if step in found:
+            found.remove(step)
+
     def _replicated_everywhere(self) -> int | None:
         """The newest step every rank has replicated (all its targets committed it), as
-        the job's store counts them; without a store (one rank), this rank's newest."""
+        the job's store counts them (or restored, :meth:`resumed_from`); without a store
+        (one rank), this rank's newest."""
         if self.tally is None:
-            return max(self.record.replicated, default=None)
+            return max([*self.record.replicated, *self._restored()], default=None)
         for step in sorted(self.record.written, reverse=True)[: self.keep_local + 2]:
             with contextlib.suppress(Exception):
                 if self.tally.everywhere(step):
                     self.record.everywhere = max(self.record.everywhere or -1, step)
                     break
         return self.record.everywhere
+
+    def _restored(self) -> list[int]:
+        return [] if self.record.everywhere is None else [self.record.everywhere]
 
 
 class Tally:
@@ -233,19 +278,28 @@ class Tally:
         return int(self._store.add(f"{self._prefix}/{step}", 0)) >= self._world_size
 
 
-def _drop_older(
-    node: NodeDir, rank: int, written: list[int], keep: int, everywhere: int | None
-) -> None:
-    """Delete ``rank``'s checkpoints here but the ``keep`` newest of ``written`` (its steps
-    this run wrote or received) and ``everywhere`` (the newest step every rank
-    replicated), once there are ``keep`` of them: a replication that fails for good then
+def retained(
+    steps: Iterable[int], keep: int, everywhere: int | None, *, upto: int
+) -> set[int] | None:
+    """The steps of one rank's checkpoints that retention keeps here: the ``keep`` newest
+    of ``steps`` (its steps this run wrote or received, and those found at a restore)
+    up to ``upto`` (the step just replicated: a later one the writer has done is not
+    replicated yet, and must not push a replicated one out) and ``everywhere`` (the
+    newest step every rank replicated, or the restored one), once there are ``keep`` of
+    them; ``None`` (keep everything) before. A replication that fails for good then
     still leaves at most ``keep + 1`` steps, and the last step complete on other nodes
     is never the one deleted."""
-    if len(written) < keep:
-        return
-    kept = set(sorted(written)[-keep:])
+    window = sorted(s for s in set(steps) if s <= upto)
+    if len(window) < keep:
+        return None
+    kept = set(window[-keep:])
     if everywhere is not None:
         kept.add(everywhere)
+    return kept
+
+
+def _drop_older(node: NodeDir, rank: int, kept: set[int]) -> None:
+    """Delete ``rank``'s checkpoints here older than the newest of ``kept`` but those."""
     newest = max(kept)
     for step in node.steps():
         if step not in kept and step < newest and rank in node.ranks_in(step):

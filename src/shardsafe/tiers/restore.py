@@ -20,7 +20,7 @@ from typing import Any
 from ..checkpoint import loading
 from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.io.reader import CheckpointReader
-from ..checkpoint.manager import LATEST, CheckpointManager, step_of
+from ..checkpoint.manager import LATEST, CheckpointManager, step_dir_name, step_of
 from ..checkpoint.options import LoadKeywords, LoadOptions
 from ..checkpoint.storage.locations import open_storage
 from ..distributed import Phase, world
@@ -82,20 +82,36 @@ class Restorer:
         excluded: set[tuple[int, int, int]] = set()
         damaged: list[CheckpointCorruptError] = []
         persistent = True
+        floor: int | None = None  # a persistent step that loaded, then was overwritten
         for _ in range(3 * self.world_size + 3):
             choice = self._survey(excluded, persistent)
+            if floor is not None and (choice.step is None or choice.step <= floor):
+                # No complete local step newer than the persistent one that loaded is
+                # left: load that one again (a local load overwrote it, or began to).
+                values = self._from_persistent_step(floor, state, options, started)
+                self.drop_newer(floor)
+                return values
             if choice.step is None:
                 return _or_damaged(None, damaged)
             if recovery.PERSISTENT in choice.tiers:
-                values = self._from_persistent(state, options, started)
+                try:
+                    values = self._from_persistent(state, options, started)
+                except CheckpointCorruptError as e:  # every persistent step is damaged
+                    if self._survey(excluded, persistent=False).step is None:
+                        raise
+                    self._warn_persistent_damaged(e)
+                    damaged.append(e)
+                    persistent = False
+                    continue
                 loaded = self.restored.step if values is not None and self.restored else None
                 if persistent and (loaded is None or loaded < (choice.step or 0)):
                     # The survey's step was not validated, and it did not load (nothing
                     # there did, or an older one did): a complete local step newer than
-                    # what was loaded is next, and overwrites it whole.
+                    # what was loaded is next, and overwrites it whole; if none loads,
+                    # the persistent step that did is loaded again.
                     local = self._survey(excluded, persistent=False)
                     if local.step is not None and (loaded is None or local.step > loaded):
-                        persistent = False
+                        persistent, floor = False, loaded
                         continue
                 if loaded is not None:
                     self.drop_newer(loaded)
@@ -110,7 +126,19 @@ class Restorer:
                 self.drop_newer(choice.step)
                 self.restored = Restored(choice.step, choice.tiers, time.monotonic() - started)
                 return values
+        if floor is not None:
+            values = self._from_persistent_step(floor, state, options, started)
+            self.drop_newer(floor)
+            return values
         raise CheckpointError("the local tiers kept failing; load from the persistent tier")
+
+    def _warn_persistent_damaged(self, e: CheckpointCorruptError) -> None:
+        if self.rank == 0:
+            warnings.warn(
+                f"shardsafe: no checkpoint of the persistent tier would load ({e}); "
+                "restoring the newest complete local step",
+                stacklevel=5,  # the caller of TieredCheckpointManager.load_latest
+            )
 
     def _after_mismatch(
         self,
@@ -274,15 +302,30 @@ class Restorer:
             )
         return values
 
+    def _from_persistent_step(
+        self, step: int, state: Any, options: LoadKeywords, started: float
+    ) -> dict[str, Any] | None:
+        """Load the persistent tier's ``step`` (one that loaded before in this restore)."""
+        with self.persistent._open(step_dir_name(step)) as storage:
+            values = loading.load(storage, state, LoadOptions.of(**options))
+        self.persistent._resumed_from = step
+        self.restored = Restored(
+            step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
+        )
+        return values
+
     def drop_newer(self, step: int) -> None:
         """After restoring ``step``, the local checkpoints this rank owns of later steps
         are of a run that no longer exists: delete them, so that they never mix with the
-        steps this run writes next."""
+        steps this run writes next. Then retention learns of the restored step (never to
+        be deleted before a newer one is complete everywhere) and of the older ones here
+        (``Replicator.resumed_from``)."""
         owned = {self.rank, *self._replicator.peers.sources}
         for later in self.node.steps():
             if later > step:
                 for rank in set(self.node.ranks_in(later)) & owned:
                     self.node.remove(later, rank)
+        self._replicator.resumed_from(step)
 
 
 def _or_damaged(
