@@ -440,6 +440,18 @@ def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path
     assert same(snapshot(live), before)
 
 
+@pytest.mark.parametrize("step", ["5", 5.0, True, -1])
+def test_a_step_that_is_not_a_non_negative_int_is_refused_by_name(
+    tmp_path: Path, step: object
+) -> None:
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    for verb in (manager.save, manager.async_save):
+        with pytest.raises(ValueError, match=rf"^step={step!r} must be a non-negative int$"):
+            verb(step, trained(0))  # type: ignore[arg-type]
+    manager.close()
+    assert not (tmp_path / "l").exists() or not list((tmp_path / "l").glob("step-*"))
+
+
 # ------------------------------------------------------- a damaged only copy
 
 

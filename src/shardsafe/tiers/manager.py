@@ -131,6 +131,8 @@ class TieredCheckpointManager:
 
     def due(self, step: int) -> tuple[bool, bool]:
         """Whether ``step`` goes to the local tier, and to the persistent tier."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
         return (
             self.local_every is not None and step % self.local_every == 0,
             self.persist_every is not None and step % self.persist_every == 0,
@@ -161,11 +163,11 @@ class TieredCheckpointManager:
         return [name for name, due in (("local", local), ("persistent", persist)) if due]
 
     def _local_save(self, step: int, state: Any) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int")
-        check_state(state)
         self._replicator.wait_written()  # its staging buffers are about to be reused
         try:
+            # Inside: a state refused on one rank only must still take part in the
+            # others' replication of this step (as "none"), or the pairs fall out of step.
+            check_state(state)
             items = collect(state, self.rank, self.world_size)
             staged = self._stager.stage(items)
             staged.ready()
