@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -655,3 +656,56 @@ def test_a_stale_copy_that_cannot_be_deleted_is_never_restored(tmp_path: Path) -
     assert (stale / "notes.txt").read_text() == "mine"
     third = run_ranks(session, 2, base, [], keep, timeout=60)
     assert [(r["step"], r["tiers"], r["exact"]) for r in third] == [(4, ["local"] * 2, True)] * 2
+
+
+def _one_node_fails(rank: int, world: int, base: str, case: str) -> tuple[str, str, float]:
+    """Each rank a node of its own; node 1's local path is a file, or rank 1's first
+    local save holds a value shardsafe refuses (a plain object)."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), replicas=1, timeout=30
+    )
+    model, opt = build()
+    state: dict[str, Any] = {"model": model, "optimizer": opt}
+    if case == "staging" and rank == 1:
+        state["sampler"] = object()
+    began = time.monotonic()
+    try:
+        if case == "restore":
+            manager.load_latest(state)
+        else:
+            manager.save(1, state)
+        outcome = ("ok", "")
+    except Exception as e:  # what each rank raised, compared by the test
+        outcome = (type(e).__name__, str(e))
+    finally:
+        manager.close()
+    return (*outcome, time.monotonic() - began)
+
+
+@pytest.mark.parametrize("case", ["restore", "save", "staging"])
+def test_one_nodes_local_failure_is_the_same_error_on_every_rank_at_once(
+    tmp_path: Path, case: str
+) -> None:
+    """Before, the failing rank raised alone (a raw FileExistsError for the path) and the
+    other waited in the next exchange for the whole timeout, then blamed it for never
+    arriving."""
+    base = str(tmp_path)
+    if case != "staging":
+        Path(local_dir(base, 1)).parent.mkdir(parents=True, exist_ok=True)
+        Path(local_dir(base, 1)).write_text("not a directory")
+    (kind0, said0, took0), (kind1, said1, took1) = run_ranks(
+        _one_node_fails, 2, base, case, timeout=100
+    )
+    assert max(took0, took1) < 15, (took0, took1)  # not the 30 s timeout
+    assert kind0 == kind1 == "CheckpointError", (said0, said1)
+    if case == "staging":
+        assert said1.startswith("state['sampler'] is a object, which shardsafe does not know")
+        assert said0 == f"tiers failed on rank 1: {said1}"
+    else:
+        assert said0 == said1
+        assert said0.startswith(
+            f"tiers failed on rank 1: the local tier's directory {local_dir(base, 1)} cannot "
+            "be made or opened: File exists. Give each node a local path it can write"
+        )

@@ -22,11 +22,12 @@ Every method is collective (call it on every rank), as ``CheckpointManager``'s a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import uuid
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 from ..checkpoint.io.staging import Stager
 from ..checkpoint.manager import CheckpointManager
@@ -171,9 +172,13 @@ class TieredCheckpointManager:
             items = collect(state, self.rank, self.world_size)
             staged = self._stager.stage(items)
             staged.ready()
-        except BaseException:
+        except BaseException as e:
             if self._budget_checked:  # the others replicate this step: take part, empty
                 self._replicator.submit(step, None)
+            elif isinstance(e, Exception):  # the others wait in the budget's exchange:
+                failure = e  # they raise it, agreed; this rank raises its own, as before
+                with contextlib.suppress(CheckpointError):
+                    self._ranks.exchange(Phase.SURVEY, lambda: _raise(failure))
             raise
         if not self._budget_checked:
             self._check_budget(budget.staged_bytes(staged.items))
@@ -184,10 +189,13 @@ class TieredCheckpointManager:
     def _check_budget(self, own_bytes: int) -> None:
         """Before the first local write: every node must have room for its steps."""
         owned = {self.rank, *self._replicator.peers.sources}
-        report = budget.Report(
-            own_bytes, self.node.free_bytes(), self.node.used_bytes(owned)
-        ).to_json()
-        docs = self._ranks.exchange(Phase.SURVEY, {"report": report, "root": self.node.root})
+
+        def report() -> dict[str, Any]:
+            free, used = self.node.free_bytes(), self.node.used_bytes(owned)
+            own = budget.Report(own_bytes, free, used).to_json()
+            return {"report": own, "root": self.node.root}
+
+        docs = self._ranks.exchange(Phase.SURVEY, report)
         self.budget = budget.check(
             [budget.Report.from_json(d["report"]) for d in docs],
             self.topology,
@@ -251,3 +259,8 @@ def _check(
         raise ValueError(f"replicas={replicas!r} must be a non-negative int")
     if not isinstance(keep_local, int) or keep_local < 1:
         raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+
+
+def _raise(error: Exception) -> NoReturn:
+    """Raise ``error`` where an agreed exchange expects this rank's payload."""
+    raise error

@@ -93,7 +93,15 @@ class NodeDir:
 
     def _root(self) -> LocalStorage:
         storage = LocalStorage(self.root)
-        storage.make_directory()
+        try:
+            storage.make_directory()
+        except OSError as e:
+            storage.close()
+            raise CheckpointError(
+                f"the local tier's directory {self.root} cannot be made or opened: "
+                f"{e.strerror or e}. Give each node a local path it can write (a directory, "
+                "or nothing yet, on a tmpfs or NVMe disk)"
+            ) from e
         return storage
 
     def rank_storage(self, step: int, rank: int, *, create: bool) -> LocalStorage:

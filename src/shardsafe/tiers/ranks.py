@@ -8,6 +8,7 @@ on first need, so that a restore from the local tier does not wait for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,13 +28,16 @@ class Ranks:
         self.group: Any = None
         """The transfers' own gloo group, once :meth:`transfers` has made it."""
 
-    def exchange(self, phase: Phase, payload: Any) -> list[Any]:
-        """Every rank's JSON ``payload`` (errors agreed, missing ranks named)."""
+    def exchange(self, phase: Phase, payload: Any | Callable[[], Any]) -> list[Any]:
+        """Every rank's JSON ``payload`` (errors agreed, missing ranks named). A callable
+        is called inside the agreed phase: what it reads from this rank's local directory
+        (and the error if it cannot) reaches every rank, instead of one rank raising
+        alone while the others wait for it until the timeout."""
         coord = Coordinator("tiers", self.tag, timeout=self.timeout)
         coord.enter(self.timeout)
         try:
             with coord.phase(phase) as outcome:
-                outcome.payload = payload
+                outcome.payload = payload() if callable(payload) else payload
             return outcome.payloads  # kept in the store until every rank has read them
         finally:
             coord.close()

@@ -165,9 +165,12 @@ class Restorer:
     def _survey(
         self, excluded: set[tuple[int, int, int]], persistent: bool = True
     ) -> recovery.Choice:
-        held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
-        persisted = self._persisted_step() if self.rank == 0 and persistent else None
-        payloads = self.ranks.exchange(Phase.SURVEY, {"held": held, "persistent": persisted})
+        def report() -> dict[str, Any]:
+            held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
+            persisted = self._persisted_step() if self.rank == 0 and persistent else None
+            return {"held": held, "persistent": persisted}
+
+        payloads = self.ranks.exchange(Phase.SURVEY, report)
         choice = recovery.choose(
             [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
             self.topology,
