@@ -1,11 +1,13 @@
 """Values whose structure is the same on every rank but whose contents are not, on real
-gloo ranks: a per-rank sampler's generator, a plain tensor, a module's extra state.
+gloo ranks: a per-rank sampler's generator, a model wrapper's BatchNorm statistics, a
+plain tensor, a module's extra state.
 
-shardsafe records such a value once. Each must either come back as documented (a plain
-value: rank 0's, whichever rank the plan balances writes to) or be refused at save with
-nothing written (a stateful object or module extra state that differs between ranks,
-which one record would give back wrong to every rank but one). Before, all three saved,
-and the sampler and extra state came back as one rank's on every rank.
+shardsafe records such a value once. A plain value comes back as rank 0's, whichever
+rank the plan balances writes to; module extra state that differs between ranks is
+refused at save, nothing written (before, it came back as the lowest rank's on every
+rank). A stateful object's tensors are stored once: a per-rank generator is refused only
+with ``verify_replicas=True`` (its bytes look like a model wrapper's buffers, which must
+save: DCP's ``AppState`` pattern around a DDP model with BatchNorm).
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ def _save_samplers(rank: int, world: int, path: str, per_rank: bool) -> Any:
     sampler.draw()
     model = nn.Linear(2, 2)
     if per_rank:
-        return _refused(path, {"model": model, "sampler": sampler})
+        try:
+            shardsafe.save(path, {"model": model, "sampler": sampler}, verify_replicas=True)
+        except CheckpointError as e:
+            return str(e)
+        return "saved"
     shardsafe.save(path, {"model": model, "sampler": sampler})
     return sampler.draw()
 
@@ -81,7 +87,7 @@ def _load_sampler(rank: int, world: int, path: str) -> list[int]:
     return sampler.draw()
 
 
-def test_a_per_rank_sampler_generator_is_refused_at_save_and_nothing_is_written(
+def test_verify_replicas_refuses_a_per_rank_sampler_generator_and_says_what_to_do(
     tmp_path: Any,
 ) -> None:
     path = str(tmp_path / "ckpt")
@@ -102,6 +108,46 @@ def test_a_sampler_seeded_alike_on_every_rank_saves_once_and_every_rank_gets_it_
     assert after_save[0] == after_save[1]
     assert run_ranks(_load_sampler, 2, path) == after_save
     assert _load_sampler(0, 1, path) == after_save[0]
+
+
+class AppState:
+    """DCP's tutorial wrapper: model and optimizer behind one state_dict()."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def _save_app(rank: int, world: int, path: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank)  # each rank its own batch: BatchNorm's statistics differ
+    ddp(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    shardsafe.save(path, {"app": AppState(ddp, opt)})
+    return ddp.module.state_dict()["1.running_mean"].clone()
+
+
+def test_a_model_wrapper_whose_batchnorm_statistics_differ_per_rank_saves(tmp_path: Any) -> None:
+    """The pattern of DCP's tutorial and torchtitan: refusing it (as a first version of
+    the per-rank check did) would break every such run."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_app, 2, path)
+    assert not torch.equal(saved[0], saved[1])  # each rank's own statistics
+    assert os.path.exists(os.path.join(path, "manifest.json"))
 
 
 def _save_plain(rank: int, world: int, path: str, layout: str) -> None:

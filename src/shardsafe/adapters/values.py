@@ -4,12 +4,15 @@ Both are usually identical on every rank, as they are in data-parallel training:
 copy is recorded and each tensor is written once. Where the ranks' stateful objects differ
 (one learning-rate scheduler per pipeline stage, each with its own groups), every rank's
 state is recorded as it is (``merge_per_rank``) and each rank gets its own back on load,
-at the same world size; states that differ and hold tensors are refused at save: their
-metadata is compared here, and their tensors' bytes by the save plan (``always_verify``),
-since a per-rank generator or counter has the same structure on every rank. Plain
-values keep rank 0's, tensors included (rank 0 writes them: ``lowest_rank_wins``), as
-they always have: ``load`` returns them even unasked, at any world size, so a per-rank
-record (a rank's own loss) would make a checkpoint unloadable elsewhere.
+at the same world size; states whose metadata differs and that hold tensors are refused
+at save. A stateful object's tensors are stored once and compared only with
+``verify_replicas``: the same structure with other values is both a per-rank generator
+(which one copy restores wrong) and a model wrapper's buffers (DCP's ``AppState``
+around a DDP model with BatchNorm, where rank 0's copy is the intended one), and the
+bytes cannot tell them apart. Plain values keep rank 0's, tensors included (rank 0
+writes them: ``lowest_rank_wins``), as they always have: ``load`` returns them even
+unasked, at any world size, so a per-rank record (a rank's own loss) would make a
+checkpoint unloadable elsewhere.
 """
 
 from __future__ import annotations
@@ -39,20 +42,18 @@ _PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
 
 
 def encode_replicated(
-    value: Any, ctx: SaveContext, kind: str, copies: Literal["rank 0's", "compared"]
+    value: Any, ctx: SaveContext, kind: str, copies: Literal["rank 0's", "any holder's"]
 ) -> SaveItem:
     """Encode a tree whose tensors are expected to be the same on every rank (DTensors:
-    their shards). ``copies`` says what happens when they are not: rank 0's copy is
-    saved (plain values), or the copies are compared at every save and a difference
-    refuses it (stateful objects; see the module docstring)."""
+    their shards). ``copies`` says which copy is saved: rank 0's (plain values), or the
+    least-loaded holder's, compared with the others under ``verify_replicas`` (stateful
+    objects; see the module docstring)."""
     chunks: list[Chunk] = []
 
     def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         key = ctx.key(*path)
         for chunk in dtensor.chunks_of(key, tensor, replicated=True):
-            if copies == "compared":
-                chunk = replace(chunk, always_verify=True)
-            elif chunk.replicated:
+            if copies == "rank 0's" and chunk.replicated:
                 chunk = replace(chunk, lowest_rank_wins=True)
             chunks.append(chunk)
         return key
@@ -163,7 +164,7 @@ class StatefulAdapter(Adapter):
         )
 
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
-        return encode_replicated(obj.state_dict(), ctx, self.kind, "compared")
+        return encode_replicated(obj.state_dict(), ctx, self.kind, "any holder's")
 
     def merge(self, metas: list[JSON]) -> JSON:
         return merge_per_rank(metas)

@@ -22,7 +22,6 @@ Every method is collective (call it on every rank), as ``CheckpointManager``'s a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import uuid
@@ -175,10 +174,11 @@ class TieredCheckpointManager:
         except BaseException as e:
             if self._budget_checked:  # the others replicate this step: take part, empty
                 self._replicator.submit(step, None)
-            elif isinstance(e, Exception):  # the others wait in the budget's exchange:
-                failure = e  # they raise it, agreed; this rank raises its own, as before
-                with contextlib.suppress(CheckpointError):
-                    self._ranks.exchange(Phase.SURVEY, lambda: _raise(failure))
+            elif isinstance(e, Exception) and self.world_size > 1:
+                # The others wait in the budget's exchange: every rank raises the same
+                # CheckpointError (from this one's error here).
+                failure = e
+                self._ranks.exchange(Phase.SURVEY, lambda: _raise(failure))
             raise
         if not self._budget_checked:
             self._check_budget(budget.staged_bytes(staged.items))
