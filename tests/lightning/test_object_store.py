@@ -173,7 +173,10 @@ def test_an_unreachable_store_is_a_warning_where_rank_0_acts_alone(
         cleanup.remove(url)
         assert local_tier._step_of(url) is None
         cleanup.remove("s3://bucket/ckpts//last.ckpt")  # refused by the URL check: warned
-    messages = [str(w.message) for w in warned]
+    # pytest.warns records every warning raised meanwhile (in CI once a third-party one,
+    # or one a garbage-collected object of an earlier test gave): only shardsafe's count.
+    messages = [str(w.message) for w in warned if str(w.message).startswith("shardsafe: ")]
+    assert len(messages) == 3, messages
     assert messages[2] == (
         "shardsafe: could not remove the old checkpoint s3://bucket/ckpts//last.ckpt: "
         "CheckpointError: 's3://bucket/ckpts//last.ckpt' has an empty, '.' or '..' segment in "
