@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -658,7 +657,7 @@ def test_a_stale_copy_that_cannot_be_deleted_is_never_restored(tmp_path: Path) -
     assert [(r["step"], r["tiers"], r["exact"]) for r in third] == [(4, ["local"] * 2, True)] * 2
 
 
-def _one_node_fails(rank: int, world: int, base: str, case: str) -> tuple[str, str, float]:
+def _one_node_fails(rank: int, world: int, base: str, case: str) -> tuple[str, str]:
     """Each rank a node of its own; node 1's local path is a file, or rank 1's first
     local save holds a value shardsafe refuses (a plain object)."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
@@ -670,7 +669,6 @@ def _one_node_fails(rank: int, world: int, base: str, case: str) -> tuple[str, s
     state: dict[str, Any] = {"model": model, "optimizer": opt}
     if case == "staging" and rank == 1:
         state["sampler"] = object()
-    began = time.monotonic()
     try:
         if case == "restore":
             manager.load_latest(state)
@@ -681,7 +679,7 @@ def _one_node_fails(rank: int, world: int, base: str, case: str) -> tuple[str, s
         outcome = (type(e).__name__, str(e))
     finally:
         manager.close()
-    return (*outcome, time.monotonic() - began)
+    return outcome
 
 
 @pytest.mark.parametrize("case", ["restore", "save", "staging"])
@@ -695,10 +693,8 @@ def test_one_nodes_local_failure_is_the_same_error_on_every_rank_at_once(
     if case != "staging":
         Path(local_dir(base, 1)).parent.mkdir(parents=True, exist_ok=True)
         Path(local_dir(base, 1)).write_text("not a directory")
-    (kind0, said0, took0), (kind1, said1, took1) = run_ranks(
-        _one_node_fails, 2, base, case, timeout=100
-    )
-    assert max(took0, took1) < 15, (took0, took1)  # not the 30 s timeout
+    (kind0, said0), (kind1, said1) = run_ranks(_one_node_fails, 2, base, case, timeout=100)
+    assert "never arrived" not in said0  # the other rank's old error, after the timeout
     assert kind0 == kind1 == "CheckpointError", (said0, said1)
     assert said0 == said1
     if case == "staging":

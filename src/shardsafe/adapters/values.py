@@ -8,11 +8,11 @@ at the same world size; states whose metadata differs and that hold tensors are 
 at save. A stateful object's tensors are stored once and compared only with
 ``verify_replicas``: the same structure with other values is both a per-rank generator
 (which one copy restores wrong) and a model wrapper's buffers (DCP's ``AppState``
-around a DDP model with BatchNorm, where rank 0's copy is the intended one), and the
-bytes cannot tell them apart. Plain values keep rank 0's, tensors included (rank 0
-writes them: ``lowest_rank_wins``), as they always have: ``load`` returns them even
-unasked, at any world size, so a per-rank record (a rank's own loss) would make a
-checkpoint unloadable elsewhere.
+around a DDP model with BatchNorm, whose per-rank statistics must save, one rank's, as
+module buffers do), and the bytes cannot tell them apart. Plain values keep rank 0's,
+tensors included (rank 0 writes them: ``lowest_rank_wins``), as they always have:
+``load`` returns them even unasked, at any world size, so a per-rank record (a rank's
+own loss) would make a checkpoint unloadable elsewhere.
 """
 
 from __future__ import annotations

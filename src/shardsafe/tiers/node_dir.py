@@ -175,14 +175,14 @@ class NodeDir:
             if step_dir.kind(rank_dir_name(rank)) == "directory":
                 delete_checkpoint(step_dir, rank_dir_name(rank))
                 if step_dir.kind(rank_dir_name(rank)) == "directory":
-                    self._uncommit(step_dir, step, rank)
+                    self._uncommit(step_dir, rank)
             if prune and not step_dir.names():
                 step_dir.close()
                 with contextlib.suppress(OSError):  # another rank just wrote into it
                     os.rmdir(step_dir_name(step), dir_fd=root.fd)
 
-    def _uncommit(self, step_dir: LocalStorage, step: int, rank: int) -> None:
-        """``delete_checkpoint`` left ``rank``'s copy of ``step`` in place (it holds what
+    def _uncommit(self, step_dir: LocalStorage, rank: int) -> None:
+        """``delete_checkpoint`` left ``rank``'s copy (in ``step_dir``) in place (it holds what
         shardsafe did not write): remove its manifest at least, so that it is never
         restored as a step it no longer is (a rank of a run restored to an older step, or
         a copy retention gave up), and say so."""

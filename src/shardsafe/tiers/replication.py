@@ -249,16 +249,16 @@ class Replicator:
         the job's store counts them (or restored, :meth:`resumed_from`); without a store
         (one rank), this rank's newest."""
         if self.tally is None:
-            return max([*self.record.replicated, *self._restored()], default=None)
+            steps = list(self.record.replicated)
+            if self.record.everywhere is not None:  # the step resumed_from restored
+                steps.append(self.record.everywhere)
+            return max(steps, default=None)
         for step in sorted(self.record.written, reverse=True)[: self.keep_local + 2]:
             with contextlib.suppress(Exception):
                 if self.tally.everywhere(step):
                     self.record.everywhere = max(self.record.everywhere or -1, step)
                     break
         return self.record.everywhere
-
-    def _restored(self) -> list[int]:
-        return [] if self.record.everywhere is None else [self.record.everywhere]
 
 
 class Tally:

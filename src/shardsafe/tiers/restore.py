@@ -86,11 +86,7 @@ class Restorer:
         for _ in range(3 * self.world_size + 3):
             choice = self._survey(excluded, persistent)
             if floor is not None and (choice.step is None or choice.step <= floor):
-                # No complete local step newer than the persistent one that loaded is
-                # left: load that one again (a local load overwrote it, or began to).
-                values = self._from_persistent_step(floor, state, options, started)
-                self.drop_newer(floor)
-                return values
+                break  # no local step newer than the persistent one that loaded is left
             if choice.step is None:
                 return _or_damaged(None, damaged)
             if recovery.PERSISTENT in choice.tiers:
@@ -126,7 +122,7 @@ class Restorer:
                 self.drop_newer(choice.step)
                 self.restored = Restored(choice.step, choice.tiers, time.monotonic() - started)
                 return values
-        if floor is not None:
+        if floor is not None:  # load it again: a local load overwrote it, or began to
             values = self._from_persistent_step(floor, state, options, started)
             self.drop_newer(floor)
             return values
@@ -300,9 +296,7 @@ class Restorer:
         values = self.persistent.load_latest(state, **options)
         step = self.persistent._resumed_from
         if values is not None and step is not None:
-            self.restored = Restored(
-                step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
-            )
+            self._restored_persistent(step, started)
         return values
 
     def _from_persistent_step(
@@ -312,10 +306,13 @@ class Restorer:
         with self.persistent._open(step_dir_name(step)) as storage:
             values = loading.load(storage, state, LoadOptions.of(**options))
         self.persistent._resumed_from = step
+        self._restored_persistent(step, started)
+        return values
+
+    def _restored_persistent(self, step: int, started: float) -> None:
         self.restored = Restored(
             step, [recovery.PERSISTENT] * self.world_size, time.monotonic() - started
         )
-        return values
 
     def drop_newer(self, step: int) -> None:
         """After restoring ``step``, the local checkpoints this rank owns of later steps
