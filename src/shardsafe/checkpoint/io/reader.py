@@ -95,6 +95,8 @@ class CheckpointReader:
         self._spool = spool
         """Where an object store's bytes are kept between two reads (``spool.py``)."""
         self.piece_bytes = max(piece_bytes, 1)
+        self._check_piece_bytes = min(self.piece_bytes, CACHE_PIECE_BYTES)
+        """Bytes read per piece that is checked right after (while still in cache)."""
         self.manifest = manifest
         self.header_bytes: dict[str, bytes] = {}
         """With ``keep_header_bytes``: each opened file's raw header (for ``verify``)."""
@@ -211,7 +213,7 @@ class CheckpointReader:
         reader, entry = self._entry(key, rec, chunk)
         view = memory(out)
         checker = _BlockChecker(key, chunk, self.manifest.block_bytes, 0)
-        step = min(self.piece_bytes, CACHE_PIECE_BYTES)
+        step = self._check_piece_bytes
         for start in range(0, view.nbytes, step):
             # Each piece is checked right after it is read, while it is still in cache.
             piece = view[start : start + step]
@@ -239,7 +241,10 @@ class CheckpointReader:
         end = min(-(-hi // block) * block, entry.nbytes)
         checker = _BlockChecker(key, chunk, block, begin // block)
         self._stream(reader, entry.start + begin, lo - begin, checker)  # before the rows
-        per_piece = max(1, self.piece_bytes // max(row_bytes, 1))
+        # Checked and dropped (``dest`` is None): pieces small enough to be checked while
+        # still in cache, as ``_read_whole``'s are; copied out: larger pieces, fewer copies.
+        piece_bytes = self._check_piece_bytes if dest is None else self.piece_bytes
+        per_piece = max(1, piece_bytes // max(row_bytes, 1))
         inner = (slice(None), *(slice(o, o + n) for o, n in zip(rel[0][1:], rel[1][1:])))
         pinned = dest is not None and dest.device.type == "cuda"
         for r in range(0, rows, per_piece):
@@ -262,8 +267,9 @@ class CheckpointReader:
 
     def _stream(self, reader: FileReader, offset: int, nbytes: int, checker: _BlockChecker) -> None:
         """Feed ``nbytes`` at ``offset`` to ``checker``, one piece at a time."""
-        for start in range(0, nbytes, self.piece_bytes):
-            view = memory(self._piece(min(self.piece_bytes, nbytes - start)))
+        step = self._check_piece_bytes
+        for start in range(0, nbytes, step):
+            view = memory(self._piece(min(step, nbytes - start)))
             reader.read_into(offset + start, view)
             checker.feed(view)
 
