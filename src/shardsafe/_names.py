@@ -30,6 +30,7 @@ different tensors of equal shape look like replicas to the planner: not caught.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Container, Iterable
 from typing import Any
 
@@ -101,6 +102,23 @@ def literal(value: Any) -> str:
         items = [literal(v) for v in value]
         return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
     return repr(value)
+
+
+_OWN_COPY = re.compile(r"(.+)/@rank-([0-9]{5,})", re.ASCII | re.DOTALL)
+
+
+def own_copy_key(key: str, rank: int) -> str:
+    """The key of ``rank``'s own copy of the tensor stored at ``key`` when the ranks' copies
+    differ (``checkpoint/plan/per_rank.py``): ``key/@rank-00003``. ``key`` names a tensor
+    (a leaf), so nothing else is ever stored below it; and no encoded segment starts with
+    ``@rank-`` (names never start with ``@``, and no dict key's literal is ``rank-...``)."""
+    return f"{key}{SEPARATOR}@rank-{rank:05d}"
+
+
+def shared_key(key: str) -> str:
+    """``key`` without an :func:`own_copy_key` suffix (itself if it has none)."""
+    match = _OWN_COPY.fullmatch(key)
+    return match.group(1) if match else key
 
 
 def same_path(a: tuple[str, ...], b: tuple[str, ...]) -> bool:

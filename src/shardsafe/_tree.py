@@ -184,6 +184,17 @@ def tensor_refs(obj: JSON) -> list[str]:
     return found
 
 
+def rename_refs(obj: JSON, rename: Callable[[str], str]) -> JSON:
+    """A copy of an encoded tree whose every tensor key ``k`` is ``rename(k)``."""
+    if isinstance(obj, list):
+        return [rename_refs(v, rename) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1 and isinstance(obj.get("__tensor__"), str):
+        return {"__tensor__": rename(obj["__tensor__"])}
+    return {k: rename_refs(v, rename) for k, v in obj.items()}
+
+
 def _expect(payload: Any, kind: type, tag: str) -> Any:
     if not isinstance(payload, kind):
         raise CheckpointCorruptError(f"malformed {tag} value in the manifest: {payload!r:.80}")

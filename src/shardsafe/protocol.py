@@ -61,6 +61,11 @@ class Chunk:
     """Compared across the ranks holding it on every save, not only with
     ``verify_replicas``: tiny tensors whose divergence nothing else would reveal (an
     optimizer's tensor-valued hyperparameters, which ranks key by group position)."""
+    per_rank_if_different: bool = False
+    """A replicated copy that may legitimately be each rank's own (a small tensor of a
+    stateful object: a per-rank sampler's generator state). Compared across its holders
+    on every save; when the copies differ, each rank's is stored under a key of its own
+    (``plan/per_rank.py``) and the entry recorded per rank, instead of one copy."""
 
     @staticmethod
     def whole(key: str, tensor: torch.Tensor, *, replicated: bool) -> Chunk:

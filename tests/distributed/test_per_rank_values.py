@@ -2,12 +2,13 @@
 gloo ranks: a per-rank sampler's generator, a model wrapper's BatchNorm statistics, a
 plain tensor, a module's extra state.
 
-shardsafe records such a value once. A plain value comes back as rank 0's, whichever
-rank the plan balances writes to; module extra state that differs between ranks is
-refused at save, nothing written (before, it came back as the lowest rank's on every
-rank). A stateful object's tensors are stored once: a per-rank generator is refused only
-with ``verify_replicas=True`` (its bytes look like a model wrapper's buffers, which must
-save: DCP's ``AppState`` pattern around a DDP model with BatchNorm).
+A plain value comes back as rank 0's, whichever rank the plan balances writes to; module
+extra state that differs between ranks is refused at save, nothing written (before, it
+came back as the lowest rank's on every rank). A stateful object's small tensors that
+differ between ranks (a per-rank generator; a model wrapper's BatchNorm statistics, DCP's
+``AppState`` pattern) are stored per rank and come back to each rank (before, one copy
+came back on every rank, silently); larger ones are stored once, and refused only with
+``verify_replicas=True``.
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ def _refused(path: str, state: dict[str, Any], **options: Any) -> str:
     return "saved"
 
 
-def _save_samplers(rank: int, world: int, path: str, per_rank: bool) -> Any:
+def _save_samplers(
+    rank: int, world: int, path: str, per_rank: bool, verify_replicas: bool = False
+) -> Any:
+    """Each rank's draws after the save (what a restored sampler must draw next)."""
     sampler = Sampler(1234 + rank if per_rank else 1234)
     sampler.draw()
-    model = nn.Linear(2, 2)
-    if per_rank:
-        return _refused(path, {"model": model, "sampler": sampler}, verify_replicas=True)
-    shardsafe.save(path, {"model": model, "sampler": sampler})
+    state = {"model": nn.Linear(2, 2), "sampler": sampler}
+    shardsafe.save(path, state, verify_replicas=verify_replicas)
     return sampler.draw()
 
 
@@ -84,17 +86,47 @@ def _load_sampler(rank: int, world: int, path: str) -> list[int]:
     return sampler.draw()
 
 
-def test_verify_replicas_refuses_a_per_rank_sampler_generator_and_says_what_to_do(
+@pytest.mark.parametrize("verify_replicas", [False, True])
+def test_a_per_rank_sampler_generator_comes_back_as_each_ranks_own(
+    tmp_path: Any, verify_replicas: bool
+) -> None:
+    """Before, one copy was stored and every rank drew rank 0's (or the writer's) numbers
+    after a resume, silently; with verify_replicas the save was refused."""
+    path = str(tmp_path / "ckpt")
+    after_save = run_ranks(_save_samplers, 2, path, True, verify_replicas)
+    assert after_save[0] != after_save[1]
+    assert run_ranks(_load_sampler, 2, path) == after_save
+    manifest = shardsafe.read_manifest(path)
+    generator_keys = sorted(k for k in manifest.tensors if k.startswith("sampler/"))
+    assert generator_keys == ["sampler/generator/@rank-00000", "sampler/generator/@rank-00001"]
+    records = manifest.values["sampler"].meta["__per_rank__"]
+    assert [r["generator"] for r in records] == [
+        {"__tensor__": "sampler/generator/@rank-00000"},
+        {"__tensor__": "sampler/generator/@rank-00001"},
+    ]
+    assert shardsafe.verify(path).ok
+
+
+def test_a_per_rank_generator_loaded_at_another_world_size_is_rank_0s_with_a_warning(
     tmp_path: Any,
 ) -> None:
     path = str(tmp_path / "ckpt")
-    errors = run_ranks(_save_samplers, 2, path, True)
-    assert errors[0] == errors[1]
-    assert "the copies of 'sampler/generator' differ between ranks: rank 0 holds one version, " \
-        "rank 1 another" in errors[0]  # fmt: skip
-    assert "state each rank keeps for itself (a sampler's generator" in errors[0]
-    assert errors[0].endswith("nothing was written")
-    assert not os.path.exists(path)
+    after_save = run_ranks(_save_samplers, 2, path, True)
+    with pytest.warns(UserWarning) as caught:
+        assert _load_sampler(0, 1, path) == after_save[0]
+    messages = [str(w.message) for w in caught if str(w.message).startswith("shardsafe: ")]
+    assert messages == [
+        "shardsafe: state['sampler'] held tensors that differed between the 2 saving ranks "
+        "(a per-rank generator or counter); loading at world size 1, every rank restores "
+        "saving rank 0's"
+    ]
+    # A converter's single value is rank 0's record too.
+    out = str(tmp_path / "torch.pt")
+    shardsafe.convert(path, out, to="torch", only=["sampler"])
+    converted = torch.load(out, weights_only=True)
+    restored = Sampler(0)
+    restored.load_state_dict(converted["sampler"])
+    assert restored.draw() == after_save[0]
 
 
 def test_a_sampler_seeded_alike_on_every_rank_saves_once_and_every_rank_gets_it_back(
@@ -105,6 +137,43 @@ def test_a_sampler_seeded_alike_on_every_rank_saves_once_and_every_rank_gets_it_
     assert after_save[0] == after_save[1]
     assert run_ranks(_load_sampler, 2, path) == after_save
     assert _load_sampler(0, 1, path) == after_save[0]
+    manifest = shardsafe.read_manifest(path)
+    assert "sampler/generator" in manifest.tensors
+    assert "__per_rank__" not in manifest.values["sampler"].meta
+
+
+class Table:
+    """A stateful object holding a tensor too large to be compared on every save."""
+
+    def __init__(self, rank: int) -> None:
+        self.table = torch.full((64 << 10,), float(rank))  # 256 KiB
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"table": self.table}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.table.copy_(state["table"])
+
+
+def _save_tables(rank: int, world: int, path: str) -> str:
+    return _refused(path, {"table": Table(rank)}, verify_replicas=True)
+
+
+def test_verify_replicas_refuses_large_stateful_tensors_that_differ_and_says_what_to_do(
+    tmp_path: Any,
+) -> None:
+    path = str(tmp_path / "ckpt")
+    errors = run_ranks(_save_tables, 2, path)
+    assert errors[0] == errors[1]
+    assert "the copies of 'table/table' differ between ranks: rank 0 holds one version, " \
+        "rank 1 another" in errors[0]  # fmt: skip
+    assert (
+        "or it is state each rank keeps for itself, which shardsafe keeps per rank only for "
+        "a stateful object's tensors of up to 64 KiB (a sampler's generator): hold larger "
+        "per-rank state as a DTensor sharded over the ranks; nothing was written"
+    ) in errors[0]
+    assert errors[0].endswith("nothing was written")
+    assert not os.path.exists(path)
 
 
 class AppState:
@@ -138,13 +207,26 @@ def _save_app(rank: int, world: int, path: str) -> torch.Tensor:
     return ddp.module.state_dict()["1.running_mean"].clone()
 
 
+def _load_app(rank: int, world: int, path: str) -> torch.Tensor:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shardsafe.load(path, {"app": AppState(model, opt)})
+    return model.state_dict()[("module." if world > 1 else "") + "1.running_mean"].clone()
+
+
 def test_a_model_wrapper_whose_batchnorm_statistics_differ_per_rank_saves(tmp_path: Any) -> None:
     """The pattern of DCP's tutorial and torchtitan: refusing it (as a first version of
-    the per-rank check did) would break every such run."""
+    the per-rank check did) would break every such run. Each rank's statistics come back
+    to it; at another world size, rank 0's (as DDP's next forward would broadcast)."""
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save_app, 2, path)
     assert not torch.equal(saved[0], saved[1])  # each rank's own statistics
-    assert os.path.exists(os.path.join(path, "manifest.json"))
+    loaded = run_ranks(_load_app, 2, path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, saved))
+    with pytest.warns(UserWarning, match="state\\['app'\\] held tensors that differed"):
+        assert torch.equal(_load_app(0, 1, path), saved[0])
 
 
 def _save_plain(rank: int, world: int, path: str, layout: str) -> None:

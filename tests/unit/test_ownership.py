@@ -10,11 +10,19 @@ from typing import Any
 import pytest
 import torch
 
+from shardsafe._names import own_copy_key, shared_key
 from shardsafe.adapters.module import ModuleAdapter
 from shardsafe.adapters.optimizer import match_groups
 from shardsafe.adapters.optimizer_merge import merge_optimizer_metas
-from shardsafe.adapters.values import PER_RANK, StatefulAdapter, merge_per_rank, own_record
-from shardsafe.checkpoint.plan.offer import ChunkOffer, replica_checksum
+from shardsafe.adapters.values import (
+    PER_RANK,
+    StatefulAdapter,
+    merge_per_rank,
+    own_record,
+    representative,
+)
+from shardsafe.checkpoint.plan.offer import ChunkOffer, Offer, OfferedEntry, replica_checksum
+from shardsafe.checkpoint.plan.per_rank import split_differing
 from shardsafe.checkpoint.plan.save_plan import plan_save
 from shardsafe.errors import CheckpointError, CheckpointMismatchError
 from shardsafe.protocol import LoadContext, SavedValue
@@ -196,8 +204,60 @@ def test_values_that_differ_between_ranks_are_recorded_per_rank() -> None:
     assert own_record(saved, _ctx(2, 2, rank=1)).meta == {"last_epoch": 4}
     with pytest.raises(CheckpointMismatchError, match="restores rank by rank at world size 2"):
         StatefulAdapter().plan_load(None, saved, _ctx(1, 2))
-    with pytest.raises(CheckpointError, match="differs between ranks 0 and 1 and holds tensors"):
+    with pytest.raises(CheckpointError, match="structure differs between ranks 0 and 1 and it"):
         merge_per_rank([{"t": {"__tensor__": "s/t"}}, {"t": {"__tensor__": "s/t"}, "n": 1}])
+
+
+def _generator_offer(rank: int, state: torch.Tensor) -> Offer:
+    """A rank's offer of a sampler whose generator state is ``state`` (a small tensor of a
+    stateful object: compared on every save)."""
+    chunk = ChunkOffer(
+        rank, 0, "sampler/generator", state.dtype, tuple(state.shape), (0,), tuple(state.shape),
+        True, checksum=replica_checksum(state), per_rank_if_different=True,
+    )  # fmt: skip
+    entry = OfferedEntry("stateful", {"generator": {"__tensor__": "sampler/generator"}, "e": 1})
+    return Offer(rank, {"sampler": entry}, [chunk])
+
+
+def test_copies_that_differ_get_a_key_per_rank_and_the_entry_a_record_per_rank() -> None:
+    offers = [_generator_offer(r, torch.full((8,), r, dtype=torch.uint8)) for r in range(3)]
+    assert split_differing(offers) == ["sampler/generator"]
+    keys = [o.chunks[0].key for o in offers]
+    assert keys == [f"sampler/generator/@rank-0000{r}" for r in range(3)]
+    assert not any(o.chunks[0].replicated for o in offers)
+    metas = [o.entries["sampler"].meta for o in offers]
+    assert [m["generator"] for m in metas] == [{"__tensor__": k} for k in keys]
+    merged = merge_per_rank(metas)
+    assert merged == {PER_RANK: metas}
+    plan = plan_save([o.chunks for o in offers], "sharded", ["sampler"])
+    assert [(f.writer, [e.key for e in f.entries]) for f in plan.files] == [
+        (r, [keys[r]]) for r in range(3)
+    ]
+    saved = SavedValue("sampler", "stateful", merged)
+    assert own_record(saved, _ctx(3, 3, rank=2)).meta == metas[2]
+    # At another world size: saving rank 0's record (with a warning), and a converter's.
+    assert own_record(saved, _ctx(1, 3)).meta == metas[0]
+    assert representative(merged) == metas[0]
+
+
+def test_equal_copies_stay_one_and_other_differences_are_still_refused() -> None:
+    same = [_generator_offer(r, torch.zeros(8, dtype=torch.uint8)) for r in range(2)]
+    assert split_differing(same) == []
+    assert [o.chunks[0].key for o in same] == ["sampler/generator"] * 2
+    offers = [_generator_offer(r, torch.full((8,), r, dtype=torch.uint8)) for r in range(2)]
+    offers[1].entries["sampler"].meta["e"] = 2  # the structure's values differ too
+    split_differing(offers)
+    with pytest.raises(CheckpointError, match="structure differs between ranks 0 and 1"):
+        merge_per_rank([o.entries["sampler"].meta for o in offers])
+    stateful = {PER_RANK: [{"last_epoch": 3}, {"last_epoch": 4}]}
+    assert representative(stateful) == stateful  # a per-stage scheduler has no single value
+
+
+def test_an_own_copy_key_is_a_child_of_the_tensor_key_and_maps_back() -> None:
+    assert own_copy_key("sampler/generator", 12) == "sampler/generator/@rank-00012"
+    assert shared_key("sampler/generator/@rank-00012") == "sampler/generator"
+    assert shared_key("sampler/@rank-1") == "sampler/@rank-1"  # not 5 digits: not an own copy
+    assert shared_key("sampler/generator") == "sampler/generator"
 
 
 class _CountingList(list):  # type: ignore[type-arg]

@@ -5,25 +5,27 @@ copy is recorded and each tensor is written once. Where the ranks' stateful obje
 (one learning-rate scheduler per pipeline stage, each with its own groups), every rank's
 state is recorded as it is (``merge_per_rank``) and each rank gets its own back on load,
 at the same world size; states whose metadata differs and that hold tensors are refused
-at save. A stateful object's tensors are stored once and compared only with
-``verify_replicas``: the same structure with other values is both a per-rank generator
-(which one copy restores wrong) and a model wrapper's buffers (DCP's ``AppState``
-around a DDP model with BatchNorm, whose per-rank statistics must save, one rank's, as
-module buffers do), and the bytes cannot tell them apart. Plain values keep rank 0's,
-tensors included (rank 0 writes them: ``lowest_rank_wins``), as they always have:
-``load`` returns them even unasked, at any world size, so a per-rank record (a rank's
-own loss) would make a checkpoint unloadable elsewhere.
+at save. A stateful object's small tensors (a per-rank sampler's generator, a model
+wrapper's BatchNorm statistics) are compared on every save and, where the ranks' copies
+differ, stored per rank (``checkpoint/plan/per_rank.py``): each rank restores its own,
+and at another world size saving rank 0's, with a warning. Its larger tensors are stored
+once and compared only with ``verify_replicas`` (comparing a wrapped model's weights on
+every save would cost a read of them). Plain values keep rank 0's, tensors included
+(rank 0 writes them: ``lowest_rank_wins``), as they always have: ``load`` returns them
+even unasked, at any world size, so a per-rank record (a rank's own loss) would make a
+checkpoint unloadable elsewhere.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 
-from .. import _tree, dtypes
+from .. import _names, _tree, dtypes
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import (
     JSON,
@@ -46,8 +48,9 @@ def encode_replicated(
 ) -> SaveItem:
     """Encode a tree whose tensors are expected to be the same on every rank (DTensors:
     their shards). ``copies`` says which copy is saved: rank 0's (plain values), or the
-    least-loaded holder's, compared with the others under ``verify_replicas`` (stateful
-    objects; see the module docstring)."""
+    least-loaded holder's (stateful objects: compared with the others under
+    ``verify_replicas``, small ones on every save and kept per rank where they differ;
+    see the module docstring)."""
     chunks: list[Chunk] = []
 
     def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
@@ -55,11 +58,25 @@ def encode_replicated(
         for chunk in dtensor.chunks_of(key, tensor, replicated=True):
             if copies == "rank 0's" and chunk.replicated:
                 chunk = replace(chunk, lowest_rank_wins=True)
+            elif chunk.replicated and _nbytes(tensor) <= OWN_COPY_MAX_BYTES:
+                chunk = replace(chunk, per_rank_if_different=True)
             chunks.append(chunk)
         return key
 
     meta = _tree.encode(value, f"state[{ctx.name!r}]", sink)
     return SaveItem(kind, meta, chunks)
+
+
+OWN_COPY_MAX_BYTES = 64 << 10
+"""A stateful object's tensors up to this size are compared across ranks on every save
+and stored per rank where they differ (``checkpoint/plan/per_rank.py``): a generator's
+state (5 KiB on CPU, 16 bytes on CUDA), per-rank counters and statistics. Larger ones
+are stored once and compared only under ``verify_replicas``: comparing a wrapped
+model's weights on every save would cost a read of them."""
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 PER_RANK = _tree.PER_RANK
@@ -69,19 +86,23 @@ def merge_per_rank(metas: list[JSON]) -> JSON:
     """One record if every rank's is the same, else every rank's (see the module docstring)."""
     if all(meta == metas[0] for meta in metas[1:]):
         return metas[0]
+    if _own_copies_only(metas):
+        return {PER_RANK: metas}
     if any(_tree.tensor_refs(meta) for meta in metas):
         differ = next(r for r, meta in enumerate(metas) if meta != metas[0])
         raise CheckpointError(
-            f"its value differs between ranks 0 and {differ} and holds tensors; "
-            "shardsafe stores tensors of such a value once, so it would come back wrong on "
-            "some rank. Save per-rank tensors in a module or under a key of each rank's "
-            "own (nothing was written)"
+            f"its structure differs between ranks 0 and {differ} and it holds tensors; "
+            "shardsafe keeps such a value per rank only when the ranks differ in tensor "
+            "values alone, so it would come back wrong on some rank. Give it the same "
+            "structure on every rank, or hold per-rank tensors in a module under names of "
+            "each rank's own (as experts named by global index are); nothing was written"
         )
     return {PER_RANK: metas}
 
 
-def own_record(saved: SavedValue, ctx: LoadContext) -> SavedValue:
-    """``saved`` as this rank restores it: its own record of a per-rank value."""
+def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> SavedValue:
+    """``saved`` as this rank restores it: its own record of a per-rank value (``warn``:
+    rank 0 says so when that is saving rank 0's, at another world size)."""
     meta = saved.meta
     if not (isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta):
         return saved
@@ -92,6 +113,16 @@ def own_record(saved: SavedValue, ctx: LoadContext) -> SavedValue:
             f"per saving rank ({ctx.saved_world_size})"
         )
     if ctx.world_size != ctx.saved_world_size:
+        if _own_copies_only(records):
+            if warn and ctx.rank == 0:
+                warnings.warn(
+                    f"shardsafe: state[{saved.name!r}] held tensors that differed between "
+                    f"the {ctx.saved_world_size} saving ranks (a per-rank generator or "
+                    f"counter); loading at world size {ctx.world_size}, every rank restores "
+                    "saving rank 0's",
+                    stacklevel=2,
+                )
+            return SavedValue(saved.name, saved.kind, records[0])
         raise CheckpointMismatchError(
             f"state[{saved.name!r}] was saved with a different value on each of "
             f"{ctx.saved_world_size} ranks (e.g. one scheduler per pipeline stage), so it "
@@ -99,6 +130,31 @@ def own_record(saved: SavedValue, ctx: LoadContext) -> SavedValue:
             f"{ctx.world_size}. Leave {saved.name!r} out of the state to load the rest."
         )
     return SavedValue(saved.name, saved.kind, records[ctx.rank])
+
+
+def _own_copies_only(metas: list[JSON]) -> bool:
+    """Whether per-rank records differ only in their own copies' keys (each rank's copy of
+    a small tensor stored under a key of its own: ``checkpoint/plan/per_rank.py``)."""
+    if not any(_names.shared_key(k) != k for meta in metas for k in _tree.tensor_refs(meta)):
+        return False
+    shared = [_tree.rename_refs(meta, _names.shared_key) for meta in metas]
+    return all(meta == shared[0] for meta in shared[1:])
+
+
+def with_own_copies(meta: JSON, own: Mapping[str, str]) -> JSON:
+    """``meta`` with each tensor key ``k`` in ``own`` replaced by ``own[k]`` (this rank's
+    own copy's key, ``checkpoint/plan/per_rank.py``)."""
+    return _tree.rename_refs(meta, lambda key: own.get(key, key))
+
+
+def representative(meta: JSON) -> JSON:
+    """One record of an entry: itself, or saving rank 0's of a per-rank record whose ranks
+    differ only in their own copies of small tensors (a converter's single value)."""
+    if isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta:
+        records = meta[PER_RANK]
+        if isinstance(records, list) and records and _own_copies_only(records):
+            return records[0]
+    return meta
 
 
 def full_requests(saved: SavedValue) -> LoadRequests:
@@ -170,7 +226,7 @@ class StatefulAdapter(Adapter):
         return merge_per_rank(metas)
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        return full_requests(own_record(saved, ctx))
+        return full_requests(own_record(saved, ctx, warn=True))
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext

@@ -77,7 +77,9 @@ def save(
     ``verify_replicas=True`` first checks that the copies really are equal: each holder
     checksums its copy, and copies that differ (diverged replicas) are an error naming the
     tensor and the ranks, before anything is written. It costs one CRC32 pass over each
-    rank's tensors (buffers, which may differ, aside).
+    rank's tensors (buffers, which may differ, aside). Small tensors of stateful objects
+    (up to 64 KiB: a per-rank sampler's generator) are compared on every save, and kept
+    per rank where they differ (docs/parallelism.md).
     """
     options = SaveOptions(
         layout=layout,

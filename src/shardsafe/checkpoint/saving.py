@@ -33,6 +33,7 @@ from .options import SaveOptions, storage_factory
 from .plan import plan_parts
 from .plan.collecting import Collected, check_state, collect
 from .plan.offer import Offer, check_same_entries, chunks_of
+from .plan.per_rank import split_differing
 from .plan.save_plan import SavePlan, plan_save
 from .storage import target_directory
 from .storage.protocol import Storage
@@ -173,6 +174,7 @@ def _collect_phase(run: SaveRun) -> Planned:
         """Rank 0's plan from every offer; each other rank gets its part (plan_parts)."""
         offers.extend(Offer.from_json(r, raw) for r, raw in enumerate(payloads))
         check_same_entries(offers, names, coord.rank)
+        split_differing(offers)  # before the merge: it renames keys in the metadata
         entries.update(_merged({name: adapter for name, (adapter, _) in items.items()}, offers))
         whole = plan_save([o.chunks for o in offers], options.layout, names)
         if not run.background:  # a background save checks behind the training (_write)

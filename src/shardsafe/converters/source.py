@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from .. import _names, _tree, dtypes
+from ..adapters.values import representative
 from ..errors import CheckpointError
 from ..protocol import SavedValue
 
@@ -168,7 +169,11 @@ def decoded(meta: Any, name: str = "") -> Any:
     """An entry's metadata as Python values, its tensors as :class:`TensorRef` s.
 
     State recorded per rank (``adapters.values.merge_per_rank``: one scheduler per
-    pipeline stage) has no single value in another format: refused, naming the entry."""
+    pipeline stage) has no single value in another format: refused, naming the entry;
+    but where the ranks differ only in their own copies of small tensors (a per-rank
+    generator), saving rank 0's record is the value, as a load at another world size
+    restores it."""
+    meta = representative(meta)
     if isinstance(meta, dict) and len(meta) == 1 and _tree.PER_RANK in meta:
         raise CheckpointError(
             f"state entry {name!r} was saved with a different value on each rank (e.g. one "

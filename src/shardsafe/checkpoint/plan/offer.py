@@ -35,6 +35,7 @@ class ChunkOffer:
     """CRC32 of this rank's copy of the chunk, with ``verify_replicas`` (or
     ``Chunk.always_verify``)."""
     copies_allowed: bool = False
+    per_rank_if_different: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +56,8 @@ class ChunkOffer:
             raw["crc"] = self.checksum
         if self.copies_allowed:
             raw["copies"] = True
+        if self.per_rank_if_different:
+            raw["own"] = True
         return raw
 
     @staticmethod
@@ -73,6 +76,7 @@ class ChunkOffer:
             bool(raw.get("lowest", False)),
             raw.get("crc"),
             bool(raw.get("copies", False)),
+            bool(raw.get("own", False)),
         )
 
 
@@ -102,9 +106,10 @@ class Offer:
                 rank, i, c.key, c.tensor.dtype, c.global_shape, c.offsets, tuple(c.tensor.shape),
                 c.replicated, c.lowest_rank_wins,
                 replica_checksum(c.tensor)
-                if (checksums and _compared(c)) or c.always_verify
+                if (checksums and _compared(c)) or c.always_verify or c.per_rank_if_different
                 else None,
                 c.copies_allowed,
+                c.per_rank_if_different,
             )
             for i, c in enumerate(chunks_of(items))
         ]  # fmt: skip

@@ -182,8 +182,9 @@ def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
             f"the copies of {key!r} differ between ranks: {shown}. It is "
             f"saved as {what}, so either the replicas have diverged (e.g. a gradient not "
             "all-reduced, or a rank-dependent update), or it is state each rank keeps "
-            "for itself (a sampler's generator, a per-stage counter), which must be saved "
-            "under a key of each rank's own; nothing was written"
+            "for itself, which shardsafe keeps per rank only for a stateful object's "
+            "tensors of up to 64 KiB (a sampler's generator): hold larger per-rank state "
+            "as a DTensor sharded over the ranks; nothing was written"
         )
 
 
