@@ -500,6 +500,20 @@ def test_a_damaged_newest_copy_falls_back_to_the_older_step_bitwise(tmp_path: Pa
     assert same(snapshot(live), snapshot(older))
 
 
+def test_each_rank_directory_is_surveyed_by_one_rank_of_its_node() -> None:
+    topology = two_by_two()
+    assert [topology.surveyed_by(r, 1) for r in range(4)] == [{0, 2}, {1, 3}, {2, 0}, {3, 1}]
+    # No replicas: the lowest rank checks the others' (left by a run that had them).
+    assert [topology.surveyed_by(r, 0) for r in range(4)] == [{0, 2, 3}, {1}, {2, 0, 1}, {3}]
+    three = Topology.of(["a", "a", "b", "b", "c", "c"])
+    # Node a keeps replicas of node c's ranks; the ranks of node b's are no local rank's:
+    # its lowest rank checks them (left by a run arranged otherwise).
+    assert three.surveyed_by(0, 1) == {0, 4, 2, 3}
+    assert three.surveyed_by(1, 1) == {1, 5}
+    uneven = Topology.of(["a", "a", "a", "b"])
+    assert [uneven.surveyed_by(r, 1) for r in range(4)] == [{0, 3}, {1}, {2}, {3, 0, 1, 2}]
+
+
 def test_local_checkpoints_that_do_not_fit_with_no_persistent_one_are_a_mismatch(
     tmp_path: Path,
 ) -> None:

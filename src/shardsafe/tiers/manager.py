@@ -105,6 +105,7 @@ class TieredCheckpointManager:
             self.persistent,
             storage_options,
             self._replicator,
+            self.replicas,
         )
 
     def _possible_replicas(self, replicas: int) -> int:

@@ -17,7 +17,7 @@ import contextlib
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 from ..checkpoint.format.manifest import MANIFEST_NAME
@@ -143,11 +143,14 @@ class NodeDir:
             return storage.kind(MANIFEST_NAME) == "file"
         return False
 
-    def held(self) -> Iterator[Held]:
-        """Every committed rank checkpoint here that would load, newest step first; one
-        that would not (damaged, or naming another rank or step) is passed over."""
+    def held(self, ranks: Container[int] | None = None) -> Iterator[Held]:
+        """Every committed rank checkpoint here (of ``ranks`` only, if given) that would
+        load, newest step first; one that would not (damaged, or naming another rank or
+        step) is passed over."""
         for step in reversed(self.steps()):
             for rank in self.ranks_in(step):
+                if ranks is not None and rank not in ranks:
+                    continue
                 found = self._check(step, rank)
                 if found is not None:
                     yield found

@@ -1,13 +1,14 @@
 """Choosing what to restore: the newest step every rank can get, and from where.
 
-Each rank reports the rank checkpoints its node's directory holds (every rank of a node
-sees the same directory). Rank 0 chooses (:func:`choose`, pure): the newest step for
-which every rank ``r`` of the current world has a copy saved at this world size,
-either on its own node (restored from there: ``local``) or on another node (sent to it
-by a rank of that node first: ``peer``). Among several holders the one sending least
-is asked. If the persistent tier holds a newer step than any complete local one, or no
-local step is complete, the persistent tier is used (``persistent``); if nothing
-exists anywhere, nothing is restored.
+Each rank reports the rank checkpoints it found intact in its node's directory (every
+rank of a node sees the same directory; each rank directory is checked by one rank of
+the node, ``Topology.surveyed_by``, and the reports are pooled by node). Rank 0 chooses
+(:func:`choose`, pure): the newest step for which every rank ``r`` of the current world
+has a copy saved at this world size, either on its own node (restored from there:
+``local``) or on another node (sent to it by a rank of that node first: ``peer``).
+Among several holders the one sending least is asked. If the persistent tier holds a
+newer step than any complete local one, or no local step is complete, the persistent
+tier is used (``persistent``); if nothing exists anywhere, nothing is restored.
 """
 
 from __future__ import annotations

@@ -59,11 +59,14 @@ class Restorer:
         persistent: CheckpointManager,
         storage_options: dict[str, Any] | None,
         replicator: Replicator,
+        replicas: int,
     ) -> None:
         self.ranks, self.topology, self.node = ranks, topology, node
         self.persistent, self._options = persistent, storage_options
         self._replicator = replicator
         self.rank, self.world_size = ranks.rank, ranks.world_size
+        self._surveyed = topology.surveyed_by(self.rank, replicas)
+        """The rank directories of the node's this rank checks in a survey."""
         self.restored: Restored | None = None
 
     def latest(self) -> int | None:
@@ -162,7 +165,7 @@ class Restorer:
         self, excluded: set[tuple[int, int, int]], persistent: bool = True
     ) -> recovery.Choice:
         def report() -> dict[str, Any]:
-            held = [[h.step, h.rank, h.world_size] for h in self.node.held()]
+            held = [[h.step, h.rank, h.world_size] for h in self.node.held(self._surveyed)]
             persisted = self._persisted_step() if self.rank == 0 and persistent else None
             return {"held": held, "persistent": persisted}
 

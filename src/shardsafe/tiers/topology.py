@@ -69,5 +69,17 @@ class Topology:
         """The ranks whose replicas ``rank`` keeps."""
         return [r for r in range(self.world_size) if rank in self.targets(r, replicas)]
 
+    def surveyed_by(self, rank: int, replicas: int) -> set[int]:
+        """The rank directories ``rank`` checks when its node's directory is surveyed:
+        those it owns (its own, and its sources' replicas), and for the node's lowest rank
+        also any rank no rank of the node owns; so each is checked once per node, not by
+        every rank of it (the ranks' reports are pooled by node)."""
+        owned = {rank, *self.sources(rank, replicas)}
+        local = self.nodes[self.node_of[rank]]
+        if rank != local[0]:
+            return owned
+        covered = {r for peer in local for r in (peer, *self.sources(peer, replicas))}
+        return owned | (set(range(self.world_size)) - covered)
+
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of[a] == self.node_of[b]
