@@ -107,6 +107,44 @@ def test_a_per_rank_sampler_generator_comes_back_as_each_ranks_own(
     assert shardsafe.verify(path).ok
 
 
+def _async_save_samplers(rank: int, world: int, path: str, layout: str, manager: bool) -> Any:
+    sampler = Sampler(1234 + rank)
+    sampler.draw()
+    state = {"model": nn.Linear(2, 2), "sampler": sampler}
+    if manager:  # the Trainer's path: a manager's background save
+        checkpoints = shardsafe.CheckpointManager(path)
+        checkpoints.async_save(1, state)
+        checkpoints.close()
+    else:
+        shardsafe.async_save(path, state, layout=layout).wait()  # type: ignore[arg-type]
+    return sampler.draw()
+
+
+def _load_manager_sampler(rank: int, world: int, path: str) -> list[int]:
+    sampler = Sampler(0)
+    checkpoints = shardsafe.CheckpointManager(path)
+    checkpoints.load_latest({"model": nn.Linear(2, 2), "sampler": sampler})
+    checkpoints.close()
+    return sampler.draw()
+
+
+@pytest.mark.parametrize(
+    ("layout", "manager"),
+    [("consolidated", False), ("sharded", False), ("sharded", True)],
+    ids=["async-consolidated", "async-sharded", "manager-async"],
+)
+def test_a_background_save_keeps_per_rank_generators_too(
+    tmp_path: Any, layout: str, manager: bool
+) -> None:
+    """A background save may stage before it plans; the staged copies must keep what
+    marks a small stateful tensor (once they did not, and one copy was stored)."""
+    path = str(tmp_path / "ckpt")
+    after_save = run_ranks(_async_save_samplers, 2, path, layout, manager)
+    assert after_save[0] != after_save[1]
+    load = _load_manager_sampler if manager else _load_sampler
+    assert run_ranks(load, 2, path) == after_save
+
+
 def test_a_per_rank_generator_loaded_at_another_world_size_is_rank_0s_with_a_warning(
     tmp_path: Any,
 ) -> None:
@@ -127,6 +165,50 @@ def test_a_per_rank_generator_loaded_at_another_world_size_is_rank_0s_with_a_war
     restored = Sampler(0)
     restored.load_state_dict(converted["sampler"])
     assert restored.draw() == after_save[0]
+    # So is a shardsafe checkpoint's: one record, as world size 1 writes it, loadable
+    # anywhere (before, the records were copied as they were, and nothing loaded it).
+    single = str(tmp_path / "single")
+    shardsafe.convert(path, single, to="shardsafe")
+    assert sorted(shardsafe.read_manifest(single).tensors) == [
+        "model/bias", "model/weight", "sampler/generator/@rank-00000"
+    ]  # fmt: skip
+    assert _load_sampler(0, 1, single) == after_save[0]
+    assert run_ranks(_load_sampler, 2, single) == [after_save[0]] * 2
+
+
+class Holder:
+    """A stateful object holding a DTensor (here replicated over the ranks)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"d": self.tensor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tensor = state["d"]
+
+
+def _save_replicated_dtensors(rank: int, world: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.full((4,), float(rank))  # diverged: a Replicate DTensor must be equal
+    tensor = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    return _refused(path, {"h": Holder(tensor)}, verify_replicas=True)
+
+
+def test_a_replicated_dtensor_that_diverged_is_refused_not_stored_per_rank(
+    tmp_path: Any,
+) -> None:
+    """A Replicate DTensor is declared equal on every rank: copies that differ are a
+    divergence for verify_replicas to catch, never a rank's own state."""
+    path = str(tmp_path / "ckpt")
+    errors = run_ranks(_save_replicated_dtensors, 2, path)
+    assert errors[0] == errors[1]
+    assert "the copies of 'h/d' differ between ranks: rank 0 holds one version" in errors[0]
+    assert not os.path.exists(path)
 
 
 def test_a_sampler_seeded_alike_on_every_rank_saves_once_and_every_rank_gets_it_back(

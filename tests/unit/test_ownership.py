@@ -5,6 +5,7 @@ same paths run for real in ``tests/distributed/test_pipeline_parallel.py``."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from shardsafe.adapters.values import (
 from shardsafe.checkpoint.plan.offer import ChunkOffer, Offer, OfferedEntry, replica_checksum
 from shardsafe.checkpoint.plan.per_rank import split_differing
 from shardsafe.checkpoint.plan.save_plan import plan_save
-from shardsafe.errors import CheckpointError, CheckpointMismatchError
+from shardsafe.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from shardsafe.protocol import LoadContext, SavedValue
 
 F32 = torch.float32
@@ -251,6 +252,31 @@ def test_equal_copies_stay_one_and_other_differences_are_still_refused() -> None
         merge_per_rank([o.entries["sampler"].meta for o in offers])
     stateful = {PER_RANK: [{"last_epoch": 3}, {"last_epoch": 4}]}
     assert representative(stateful) == stateful  # a per-stage scheduler has no single value
+
+
+def test_a_refused_structure_names_the_rank_whose_structure_differs() -> None:
+    offers = [_generator_offer(r, torch.full((8,), r, dtype=torch.uint8)) for r in range(3)]
+    offers[2].entries["sampler"].meta["extra"] = {"__tensor__": "sampler/extra"}
+    split_differing(offers)
+    with pytest.raises(CheckpointError, match="structure differs between ranks 0 and 2 "):
+        merge_per_rank([o.entries["sampler"].meta for o in offers])
+
+
+def test_copies_of_another_shape_or_dtype_are_not_split_but_refused_by_the_planner() -> None:
+    offers = [
+        _generator_offer(0, torch.zeros(8, dtype=torch.uint8)),
+        _generator_offer(1, torch.ones(2, 4, dtype=torch.uint8)),
+    ]
+    offers[1].chunks[0] = replace(offers[1].chunks[0], global_shape=(2, 4), offsets=(0, 0))
+    assert split_differing(offers) == []
+    with pytest.raises(CheckpointError, match="ranks disagree about tensor 'sampler/generator'"):
+        plan_save([o.chunks for o in offers], "sharded", ["sampler"])
+
+
+def test_a_per_rank_record_inside_a_per_rank_record_is_corrupt() -> None:
+    nested = {PER_RANK: [{PER_RANK: [{}, {}]}, {}]}
+    with pytest.raises(CheckpointCorruptError, match="per-rank values inside a per-rank"):
+        own_record(SavedValue("s", "stateful", nested), _ctx(2, 2))
 
 
 def test_an_own_copy_key_is_a_child_of_the_tensor_key_and_maps_back() -> None:

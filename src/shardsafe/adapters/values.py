@@ -58,7 +58,11 @@ def encode_replicated(
         for chunk in dtensor.chunks_of(key, tensor, replicated=True):
             if copies == "rank 0's" and chunk.replicated:
                 chunk = replace(chunk, lowest_rank_wins=True)
-            elif chunk.replicated and _nbytes(tensor) <= OWN_COPY_MAX_BYTES:
+            elif (
+                chunk.replicated
+                and not dtensor.is_dtensor(tensor)  # a Replicate DTensor is declared equal
+                and _nbytes(tensor) <= OWN_COPY_MAX_BYTES
+            ):
                 chunk = replace(chunk, per_rank_if_different=True)
             chunks.append(chunk)
         return key
@@ -89,7 +93,10 @@ def merge_per_rank(metas: list[JSON]) -> JSON:
     if _own_copies_only(metas):
         return {PER_RANK: metas}
     if any(_tree.tensor_refs(meta) for meta in metas):
-        differ = next(r for r, meta in enumerate(metas) if meta != metas[0])
+        # Compared without own copies' keys, which differ between any two ranks that have
+        # them: the rank named is one whose structure differs.
+        shared = [_tree.rename_refs(meta, _names.shared_key) for meta in metas]
+        differ = next(r for r, meta in enumerate(shared) if meta != shared[0])
         raise CheckpointError(
             f"its structure differs between ranks 0 and {differ} and it holds tensors; "
             "shardsafe keeps such a value per rank only when the ranks differ in tensor "
@@ -122,14 +129,23 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
                     "saving rank 0's",
                     stacklevel=2,
                 )
-            return SavedValue(saved.name, saved.kind, records[0])
+            return _one_record(saved, records[0])
         raise CheckpointMismatchError(
             f"state[{saved.name!r}] was saved with a different value on each of "
             f"{ctx.saved_world_size} ranks (e.g. one scheduler per pipeline stage), so it "
             f"restores rank by rank at world size {ctx.saved_world_size} only, not "
             f"{ctx.world_size}. Leave {saved.name!r} out of the state to load the rest."
         )
-    return SavedValue(saved.name, saved.kind, records[ctx.rank])
+    return _one_record(saved, records[ctx.rank])
+
+
+def _one_record(saved: SavedValue, record: JSON) -> SavedValue:
+    if isinstance(record, dict) and len(record) == 1 and PER_RANK in record:
+        raise CheckpointCorruptError(
+            f"the manifest entry for {saved.name!r} holds per-rank values inside a per-rank "
+            "value, which no save writes"
+        )
+    return SavedValue(saved.name, saved.kind, record)
 
 
 def _own_copies_only(metas: list[JSON]) -> bool:

@@ -21,7 +21,7 @@ from ..checkpoint.plan.offer import ChunkOffer
 from ..checkpoint.plan.save_plan import plan_save
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
-from .source import Source, SourceChunk, SourceTensor
+from .source import Source, SourceChunk, SourceTensor, single_values
 
 
 def read(storage: Storage) -> Source:
@@ -55,8 +55,10 @@ def write(
 
     Chunks are kept as the source stored them (a DCP checkpoint's shards stay shards), so
     each is read once and memory is one chunk; ``shardsafe.load`` reshards at any world
-    size.
+    size. An entry recorded per rank is written as one record (``single_values``), as a
+    checkpoint of world size 1 holds it.
     """
+    source = single_values(source)
     chunks = [
         StreamedChunk(t.key, t.dtype, t.shape, c.offsets, c.shape, c.load, c.release)
         for t in source.tensors.values()
@@ -68,6 +70,7 @@ def write(
 def planned_files(source: Source) -> list[tuple[str, int]]:
     """What :func:`write` would write: each data file and its exact size (``--dry-run``;
     the manifest, written last, is not sized until then)."""
+    source = single_values(source)
     offers = [
         ChunkOffer(0, i, t.key, t.dtype, t.shape, c.offsets, c.shape, False)
         for i, (t, c) in enumerate((t, c) for t in source.tensors.values() for c in t.chunks)

@@ -173,6 +173,11 @@ def decoded(meta: Any, name: str = "") -> Any:
     but where the ranks differ only in their own copies of small tensors (a per-rank
     generator), saving rank 0's record is the value, as a load at another world size
     restores it."""
+    return _tree.decode(single_value(meta, name), _Refs())
+
+
+def single_value(meta: Any, name: str) -> Any:
+    """An entry's one record (see :func:`decoded`), or the refusal naming it."""
     meta = representative(meta)
     if isinstance(meta, dict) and len(meta) == 1 and _tree.PER_RANK in meta:
         raise CheckpointError(
@@ -180,7 +185,22 @@ def decoded(meta: Any, name: str = "") -> Any:
             "scheduler per pipeline stage); other formats hold one value per entry. Convert "
             f"the other entries with --only, leaving {name!r} out"
         )
-    return _tree.decode(meta, _Refs())
+    return meta
+
+
+def single_values(source: Source) -> Source:
+    """``source`` with one record per entry (:func:`single_value`) and only the tensors
+    those records use: a checkpoint written from it has one value per entry, as one
+    written at world size 1 does (the other ranks' own copies are left behind)."""
+    values = {
+        name: replace(value, meta=single_value(value.meta, name))
+        for name, value in source.values.items()
+    }
+    if all(values[name].meta is source.values[name].meta for name in values):
+        return source
+    keys = {ref for v in values.values() for ref in referenced(v, source.tensors)}
+    tensors = {k: t for k, t in source.tensors.items() if k in keys}
+    return replace(source, values=values, tensors=tensors)
 
 
 def select(source: Source, only: list[str] | None) -> Source:

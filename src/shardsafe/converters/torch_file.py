@@ -169,7 +169,11 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, TensorRef):
             return NotImplemented
-        t = self.source.tensors[obj.key]
+        t = self.source.tensors.get(obj.key)
+        if t is None:  # the manifest is checksummed, so it was written this way
+            raise CheckpointCorruptError(
+                f"the checkpoint's metadata refers to tensor {obj.key!r}, which it does not hold"
+            )
         ref = _Storage(obj.key, str(len(self.storages)), t)
         self.storages.append(ref)
         stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))

@@ -117,6 +117,7 @@ class Stager:
         return Chunk(
             chunk.key, buffer, chunk.global_shape, chunk.offsets, chunk.replicated,
             chunk.lowest_rank_wins, chunk.copies_allowed, chunk.always_verify,
+            chunk.per_rank_if_different,
         )  # fmt: skip
 
     def _stream(self, device: int) -> Any:
@@ -136,6 +137,7 @@ def _placeholder(chunk: Chunk) -> Chunk:
     return Chunk(
         chunk.key, tensor, chunk.global_shape, chunk.offsets, chunk.replicated,
         chunk.lowest_rank_wins, chunk.copies_allowed, chunk.always_verify,
+        chunk.per_rank_if_different,
     )  # fmt: skip
 
 

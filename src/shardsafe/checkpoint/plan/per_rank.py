@@ -28,14 +28,13 @@ from .save_plan import entry_of
 def split_differing(offers: list[Offer]) -> list[str]:
     """Give each rank's copy of every flagged key whose copies differ a key of its own, in
     the offers' chunks and metadata (in place); return those keys, sorted."""
-    flagged: dict[str, list[ChunkOffer]] = {}
+    flagged = {c.key for offer in offers for c in offer.chunks if c.per_rank_if_different}
+    by_key: dict[str, list[ChunkOffer]] = {}
     for offer in offers:
         for chunk in offer.chunks:
-            if chunk.per_rank_if_different:
-                flagged.setdefault(chunk.key, []).append(chunk)
-    differing = sorted(
-        key for key, chunks in flagged.items() if len({c.checksum for c in chunks}) > 1
-    )
+            if chunk.key in flagged:
+                by_key.setdefault(chunk.key, []).append(chunk)
+    differing = sorted(key for key, chunks in by_key.items() if _own_copies(chunks))
     if not differing:
         return []
     split = set(differing)
@@ -52,3 +51,19 @@ def split_differing(offers: list[Offer]) -> list[str]:
             entry = offer.entries[name]
             offer.entries[name] = OfferedEntry(entry.kind, with_own_copies(entry.meta, own))
     return differing
+
+
+def _own_copies(chunks: list[ChunkOffer]) -> bool:
+    """Whether the copies of one key are each rank's own: every holder flagged it, and
+    they agree on what it is (a key whose dtype or shape differs between ranks is left
+    to the planner, which refuses it, whatever its bytes), but not on its bytes."""
+    first = chunks[0]
+    return (
+        all(c.per_rank_if_different for c in chunks)
+        and all(
+            (c.dtype, c.global_shape, c.offsets, c.shape)
+            == (first.dtype, first.global_shape, first.offsets, first.shape)
+            for c in chunks
+        )
+        and len({c.checksum for c in chunks}) > 1
+    )
