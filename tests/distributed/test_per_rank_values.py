@@ -99,11 +99,12 @@ def test_a_per_rank_sampler_generator_comes_back_as_each_ranks_own(
     manifest = shardsafe.read_manifest(path)
     generator_keys = sorted(k for k in manifest.tensors if k.startswith("sampler/"))
     assert generator_keys == ["sampler/generator/@rank-00000", "sampler/generator/@rank-00001"]
-    records = manifest.values["sampler"].meta["__per_rank__"]
-    assert [r["generator"] for r in records] == [
-        {"__tensor__": "sampler/generator/@rank-00000"},
-        {"__tensor__": "sampler/generator/@rank-00001"},
-    ]
+    assert manifest.values["sampler"].meta == {
+        "__per_rank__": {
+            "shared": {"epoch": 0, "generator": {"__tensor__": "sampler/generator"}},
+            "own": ["sampler/generator"],
+        }
+    }
     assert shardsafe.verify(path).ok
 
 

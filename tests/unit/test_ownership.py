@@ -229,7 +229,13 @@ def test_copies_that_differ_get_a_key_per_rank_and_the_entry_a_record_per_rank()
     metas = [o.entries["sampler"].meta for o in offers]
     assert [m["generator"] for m in metas] == [{"__tensor__": k} for k in keys]
     merged = merge_per_rank(metas)
-    assert merged == {PER_RANK: metas}
+    # One record, and the keys each rank has its own copy of (not one record per rank).
+    assert merged == {
+        PER_RANK: {
+            "shared": {"generator": {"__tensor__": "sampler/generator"}, "e": 1},
+            "own": ["sampler/generator"],
+        }
+    }
     plan = plan_save([o.chunks for o in offers], "sharded", ["sampler"])
     assert [(f.writer, [e.key for e in f.entries]) for f in plan.files] == [
         (r, [keys[r]]) for r in range(3)
@@ -271,6 +277,27 @@ def test_copies_of_another_shape_or_dtype_are_not_split_but_refused_by_the_plann
     assert split_differing(offers) == []
     with pytest.raises(CheckpointError, match="ranks disagree about tensor 'sampler/generator'"):
         plan_save([o.chunks for o in offers], "sharded", ["sampler"])
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"shared": {"t": {"__tensor__": "s/t"}}},
+        {"shared": {"t": {"__tensor__": "s/t"}}, "own": "s/t"},
+        {"shared": {"t": {"__tensor__": "s/t"}}, "own": [1]},
+        {"shared": {"t": {"__tensor__": "s/t"}}, "own": ["s/t", "s/t"]},
+        {"shared": {"t": {"__tensor__": "s/t"}}, "own": ["s/u"]},
+        {"shared": {}, "own": [], "more": 1},
+    ],
+    ids=["no own", "own not a list", "a number", "twice", "not in the record", "extra"],
+)
+def test_a_forged_record_of_own_copies_is_corrupt_not_a_crash(form: Any) -> None:
+    saved = SavedValue("sampler", "stateful", {PER_RANK: form})
+    for ctx in (_ctx(2, 2, rank=1), _ctx(1, 2)):
+        with pytest.raises(CheckpointCorruptError, match="malformed record of per-rank copies"):
+            own_record(saved, ctx)
+    with pytest.raises(CheckpointCorruptError, match="malformed record of per-rank copies"):
+        representative({PER_RANK: form}, "sampler")
 
 
 def test_a_per_rank_record_inside_a_per_rank_record_is_corrupt() -> None:
@@ -327,8 +354,8 @@ def test_merging_pipeline_stages_groups_looks_only_at_groups_of_the_same_positio
 
 @pytest.mark.parametrize(
     "records",
-    [{"a": 1}, [{"last_epoch": 1}], [{"last_epoch": 1}] * 3, "x" * 10],
-    ids=["not a list", "too few", "too many", "a string"],
+    [[{"last_epoch": 1}], [{"last_epoch": 1}] * 3, "x" * 10],
+    ids=["too few", "too many", "a string"],
 )
 def test_a_forged_per_rank_record_is_corrupt_not_a_crash(records: Any) -> None:
     saved = SavedValue("scheduler", "stateful", {PER_RANK: records})

@@ -7,8 +7,9 @@ state is recorded as it is (``merge_per_rank``) and each rank gets its own back 
 at the same world size; states whose metadata differs and that hold tensors are refused
 at save. A stateful object's small tensors (a per-rank sampler's generator, a model
 wrapper's BatchNorm statistics) are compared on every save and, where the ranks' copies
-differ, stored per rank (``checkpoint/plan/per_rank.py``): each rank restores its own,
-and at another world size saving rank 0's, with a warning. Its larger tensors are stored
+differ, stored per rank (``checkpoint/plan/per_rank.py``; the entry recorded once,
+with the keys each rank has its own copy of: ``own_copies``): each rank restores its
+own, and at another world size saving rank 0's, with a warning. Its larger tensors are stored
 once and compared only with ``verify_replicas`` (comparing a wrapped model's weights on
 every save would cost a read of them). Plain values keep rank 0's, tensors included
 (rank 0 writes them: ``lowest_rank_wins``), as they always have: ``load`` returns them
@@ -87,11 +88,14 @@ PER_RANK = _tree.PER_RANK
 
 
 def merge_per_rank(metas: list[JSON]) -> JSON:
-    """One record if every rank's is the same, else every rank's (see the module docstring)."""
+    """One record if every rank's is the same; one shared record and the keys each rank
+    has its own copy of if they differ only there (:func:`own_copies`); else every rank's
+    (see the module docstring)."""
     if all(meta == metas[0] for meta in metas[1:]):
         return metas[0]
-    if _own_copies_only(metas):
-        return {PER_RANK: metas}
+    form = own_copies(metas)
+    if form is not None:
+        return {PER_RANK: form}
     if any(_tree.tensor_refs(meta) for meta in metas):
         # Compared without own copies' keys, which differ between any two ranks that have
         # them: the rank named is one whose structure differs.
@@ -107,6 +111,34 @@ def merge_per_rank(metas: list[JSON]) -> JSON:
     return {PER_RANK: metas}
 
 
+def own_copies(metas: list[JSON]) -> dict[str, JSON] | None:
+    """``{"shared": record, "own": keys}`` when the ranks' records differ only in their own
+    copies of small tensors (``checkpoint/plan/per_rank.py``): the record with the shared
+    keys, and the keys each rank holds a copy of its own of (rank ``r``'s record is
+    :func:`record_of` it). One record, however many ranks: a model wrapper's whole
+    metadata is not repeated per rank for its BatchNorm statistics. ``None`` otherwise."""
+    own = {
+        shared
+        for meta in metas
+        for key in _tree.tensor_refs(meta)
+        if (shared := _names.shared_key(key)) != key
+    }
+    if not own:
+        return None
+    form = {"shared": _tree.rename_refs(metas[0], _names.shared_key), "own": sorted(own)}
+    if all(record_of(form, rank) == meta for rank, meta in enumerate(metas)):
+        return form
+    return None
+
+
+def record_of(form: Mapping[str, JSON], rank: int) -> JSON:
+    """Rank ``rank``'s record of an :func:`own_copies` form."""
+    own = set(form["own"])
+    return _tree.rename_refs(
+        form["shared"], lambda key: _names.own_copy_key(key, rank) if key in own else key
+    )
+
+
 def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> SavedValue:
     """``saved`` as this rank restores it: its own record of a per-rank value (``warn``:
     rank 0 says so when that is saving rank 0's, at another world size)."""
@@ -114,22 +146,25 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
     if not (isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta):
         return saved
     records = meta[PER_RANK]
+    if isinstance(records, dict):
+        form = _checked_form(records, saved.name)
+        if ctx.world_size == ctx.saved_world_size:
+            return _one_record(saved, record_of(form, ctx.rank))
+        if warn and ctx.rank == 0:
+            warnings.warn(
+                f"shardsafe: state[{saved.name!r}] held tensors that differed between "
+                f"the {ctx.saved_world_size} saving ranks (a per-rank generator or "
+                f"counter); loading at world size {ctx.world_size}, every rank restores "
+                "saving rank 0's",
+                stacklevel=2,
+            )
+        return _one_record(saved, record_of(form, 0))
     if not isinstance(records, list) or len(records) != ctx.saved_world_size:
         raise CheckpointCorruptError(
             f"the manifest entry for {saved.name!r} holds per-rank values that are not one "
             f"per saving rank ({ctx.saved_world_size})"
         )
     if ctx.world_size != ctx.saved_world_size:
-        if _own_copies_only(records):
-            if warn and ctx.rank == 0:
-                warnings.warn(
-                    f"shardsafe: state[{saved.name!r}] held tensors that differed between "
-                    f"the {ctx.saved_world_size} saving ranks (a per-rank generator or "
-                    f"counter); loading at world size {ctx.world_size}, every rank restores "
-                    "saving rank 0's",
-                    stacklevel=2,
-                )
-            return _one_record(saved, records[0])
         raise CheckpointMismatchError(
             f"state[{saved.name!r}] was saved with a different value on each of "
             f"{ctx.saved_world_size} ranks (e.g. one scheduler per pipeline stage), so it "
@@ -137,6 +172,23 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
             f"{ctx.world_size}. Leave {saved.name!r} out of the state to load the rest."
         )
     return _one_record(saved, records[ctx.rank])
+
+
+def _checked_form(form: dict[str, Any], name: str) -> dict[str, Any]:
+    """An :func:`own_copies` form read from a manifest, or why it is not one."""
+    own = form.get("own")
+    ok = (
+        form.keys() == {"shared", "own"}
+        and isinstance(own, list)
+        and all(isinstance(key, str) for key in own)
+        and len(set(own)) == len(own)
+        and set(own) <= set(_tree.tensor_refs(form["shared"]))
+    )
+    if not ok:
+        raise CheckpointCorruptError(
+            f"the manifest entry for {name!r} holds a malformed record of per-rank copies"
+        )
+    return form
 
 
 def _one_record(saved: SavedValue, record: JSON) -> SavedValue:
@@ -148,28 +200,17 @@ def _one_record(saved: SavedValue, record: JSON) -> SavedValue:
     return SavedValue(saved.name, saved.kind, record)
 
 
-def _own_copies_only(metas: list[JSON]) -> bool:
-    """Whether per-rank records differ only in their own copies' keys (each rank's copy of
-    a small tensor stored under a key of its own: ``checkpoint/plan/per_rank.py``)."""
-    if not any(_names.shared_key(k) != k for meta in metas for k in _tree.tensor_refs(meta)):
-        return False
-    shared = [_tree.rename_refs(meta, _names.shared_key) for meta in metas]
-    return all(meta == shared[0] for meta in shared[1:])
-
-
 def with_own_copies(meta: JSON, own: Mapping[str, str]) -> JSON:
     """``meta`` with each tensor key ``k`` in ``own`` replaced by ``own[k]`` (this rank's
     own copy's key, ``checkpoint/plan/per_rank.py``)."""
     return _tree.rename_refs(meta, lambda key: own.get(key, key))
 
 
-def representative(meta: JSON) -> JSON:
+def representative(meta: JSON, name: str = "") -> JSON:
     """One record of an entry: itself, or saving rank 0's of a per-rank record whose ranks
     differ only in their own copies of small tensors (a converter's single value)."""
-    if isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta:
-        records = meta[PER_RANK]
-        if isinstance(records, list) and records and _own_copies_only(records):
-            return records[0]
+    if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
+        return record_of(_checked_form(meta[PER_RANK], name), 0)
     return meta
 
 

@@ -178,7 +178,7 @@ def decoded(meta: Any, name: str = "") -> Any:
 
 def single_value(meta: Any, name: str) -> Any:
     """An entry's one record (see :func:`decoded`), or the refusal naming it."""
-    meta = representative(meta)
+    meta = representative(meta, name)
     if isinstance(meta, dict) and len(meta) == 1 and _tree.PER_RANK in meta:
         raise CheckpointError(
             f"state entry {name!r} was saved with a different value on each rank (e.g. one "
@@ -225,7 +225,8 @@ def referenced(value: SavedValue, stored: Container[str]) -> list[str]:
         names = value.meta.get("tensors", [])
         key = _names.module_keys(value.name, names, stored)
         return [key(n) for n in names]
-    return _tree.tensor_refs(value.meta)
+    # An entry recorded with per-rank copies: the keys of the record a conversion writes.
+    return _tree.tensor_refs(representative(value.meta, value.name))
 
 
 def cast(source: Source, dtype: torch.dtype | None) -> Source:

@@ -7,10 +7,10 @@ copy would hand every rank the same generator back, silently. So the small tenso
 stateful objects (``Chunk.per_rank_if_different``) are checksummed on every save, and
 where the ranks' copies differ, :func:`split_differing` gives each rank's copy a key of
 its own (``_names.own_copy_key``) and points that rank's metadata at it. The entry's
-metadata then differs between ranks only in those keys, and is recorded per rank
-(``adapters.values.merge_per_rank``): at the same world size each rank restores its
-own; at another, every rank restores saving rank 0's, with a warning
-(``adapters.values.own_record``).
+metadata then differs between ranks only in those keys, and is recorded once with the
+list of keys each rank has its own copy of (``adapters.values.own_copies``): at the same
+world size each rank restores its own; at another, every rank restores saving rank 0's,
+with a warning (``adapters.values.own_record``).
 
 Pure: no process group, no I/O; rank 0 runs it on every rank's offer before planning.
 """
