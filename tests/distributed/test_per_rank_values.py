@@ -169,7 +169,11 @@ def test_a_per_rank_generator_loaded_at_another_world_size_is_rank_0s_with_a_war
     # So is a shardsafe checkpoint's: one record, as world size 1 writes it, loadable
     # anywhere (before, the records were copied as they were, and nothing loaded it).
     single = str(tmp_path / "single")
-    shardsafe.convert(path, single, to="shardsafe")
+    planned = shardsafe.convert(path, single, to="shardsafe", dry_run=True)
+    done = shardsafe.convert(path, single, to="shardsafe")
+    # What is reported and planned is what is written: rank 1's copy is left behind.
+    assert (planned.tensors, planned.tensor_bytes) == (done.tensors, done.tensor_bytes)
+    assert planned.tensors == 3 and planned.files == done.files[:1]
     assert sorted(shardsafe.read_manifest(single).tensors) == [
         "model/bias", "model/weight", "sampler/generator/@rank-00000"
     ]  # fmt: skip

@@ -102,11 +102,13 @@ def merge_per_rank(metas: list[JSON]) -> JSON:
         shared = [_tree.rename_refs(meta, _names.shared_key) for meta in metas]
         differ = next(r for r, meta in enumerate(shared) if meta != shared[0])
         raise CheckpointError(
-            f"its structure differs between ranks 0 and {differ} and it holds tensors; "
-            "shardsafe keeps such a value per rank only when the ranks differ in tensor "
-            "values alone, so it would come back wrong on some rank. Give it the same "
-            "structure on every rank, or hold per-rank tensors in a module under names of "
-            "each rank's own (as experts named by global index are); nothing was written"
+            f"its structure or non-tensor values differ between ranks 0 and {differ}, and "
+            "it holds tensors; shardsafe keeps such a value per rank only when the ranks "
+            "differ in the values of small tensors alone, so it would come back wrong on "
+            "some rank. Keep its structure and non-tensor values the same on every rank "
+            "(hold a per-rank number as a small tensor), or hold per-rank tensors in a "
+            "module under names of each rank's own (as experts named by global index "
+            "are); nothing was written"
         )
     return {PER_RANK: metas}
 

@@ -28,7 +28,7 @@ from .bounds import check_allocation
 from .detect import locate, split
 from .hf_config import config_files
 from .options import ConvertOptions, DcpLayout
-from .source import Format, Source, cast, select
+from .source import Format, Source, cast, select, single_values
 
 _C = ConvertOptions()
 
@@ -168,7 +168,8 @@ def _convert(src: str | os.PathLike[str], dst: str, options: ConvertOptions) -> 
 def _chosen(source: Source, options: ConvertOptions) -> Source:
     """What is converted: ``only``'s entries, cast to ``dtype``, for Hugging Face output
     the weights alone; refused if it would allocate more than ``untrusted_bytes_limit``."""
-    chosen = cast(select(source, list(options.only) if options.only else None), options.torch_dtype)
+    selected = select(source, list(options.only) if options.only else None)
+    chosen = cast(single_values(selected), options.torch_dtype)
     if options.to == "hf":
         chosen = _only_weights(chosen, _hf_plan(chosen, options))
     check_allocation(chosen, options.untrusted_bytes_limit)

@@ -21,7 +21,7 @@ from ..checkpoint.plan.offer import ChunkOffer
 from ..checkpoint.plan.save_plan import plan_save
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
-from .source import Source, SourceChunk, SourceTensor, single_values
+from .source import Source, SourceChunk, SourceTensor, single_value
 
 
 def read(storage: Storage) -> Source:
@@ -55,10 +55,11 @@ def write(
 
     Chunks are kept as the source stored them (a DCP checkpoint's shards stay shards), so
     each is read once and memory is one chunk; ``shardsafe.load`` reshards at any world
-    size. An entry recorded per rank is written as one record (``single_values``), as a
-    checkpoint of world size 1 holds it.
+    size. Every entry is written as one record, as a checkpoint of world size 1 holds it
+    (the converter chose saving rank 0's of per-rank copies: ``single_values``); one
+    recorded per rank otherwise is refused by name (no load at world size 1 would take it).
     """
-    source = single_values(source)
+    _one_record_each(source)
     chunks = [
         StreamedChunk(t.key, t.dtype, t.shape, c.offsets, c.shape, c.load, c.release)
         for t in source.tensors.values()
@@ -70,7 +71,7 @@ def write(
 def planned_files(source: Source) -> list[tuple[str, int]]:
     """What :func:`write` would write: each data file and its exact size (``--dry-run``;
     the manifest, written last, is not sized until then)."""
-    source = single_values(source)
+    _one_record_each(source)
     offers = [
         ChunkOffer(0, i, t.key, t.dtype, t.shape, c.offsets, c.shape, False)
         for i, (t, c) in enumerate((t, c) for t in source.tensors.values() for c in t.chunks)
@@ -81,3 +82,9 @@ def planned_files(source: Source) -> list[tuple[str, int]]:
         header = build_header([(e.name, e.dtype, e.shape) for e in fplan.entries])
         files.append((fplan.name, len(header) + sum(e.nbytes for e in fplan.entries)))
     return files
+
+
+def _one_record_each(source: Source) -> None:
+    """Refuse, by name, an entry recorded per rank (see :func:`write`)."""
+    for name, value in source.values.items():
+        single_value(value.meta, name)

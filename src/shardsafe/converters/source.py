@@ -189,11 +189,13 @@ def single_value(meta: Any, name: str) -> Any:
 
 
 def single_values(source: Source) -> Source:
-    """``source`` with one record per entry (:func:`single_value`) and only the tensors
-    those records use: a checkpoint written from it has one value per entry, as one
-    written at world size 1 does (the other ranks' own copies are left behind)."""
+    """``source`` with saving rank 0's record of each entry recorded with per-rank copies
+    (``adapters.values.representative``) and only the tensors the entries use: what a
+    conversion writes, counts and sizes (the other ranks' own copies are left behind).
+    Entries recorded per rank otherwise (one scheduler per stage) stay as they are: a
+    writer that needs their value refuses them by name (:func:`single_value`)."""
     values = {
-        name: replace(value, meta=single_value(value.meta, name))
+        name: replace(value, meta=representative(value.meta, name))
         for name, value in source.values.items()
     }
     if all(values[name].meta is source.values[name].meta for name in values):
