@@ -14,6 +14,7 @@ import torch
 
 import shardsafe
 from shardsafe import cli
+from tests import forge
 from tests.s3server import S3Server
 
 SRC = Path(shardsafe.__file__).parent
@@ -78,6 +79,49 @@ def test_a_flipped_byte_fails_verify_naming_the_file_and_the_tensor(
     assert "checksum mismatch" in problem
     assert f"{file.name}, tensor 'model/2.weight'" in problem
     assert report.data_files == (1 if layout == "sharded" else 3)  # the others were checked
+
+
+def _forged(saved: Path, tmp_path: Path, edit: Any) -> Path:
+    """A copy of ``saved`` whose manifest ``edit`` changed, checksums recomputed."""
+    path = Path(shutil.copytree(saved, tmp_path / "forged"))
+    doc = forge.read_manifest(path)
+    edit(doc)
+    forge.write_manifest(path, doc)
+    return path
+
+
+def test_verify_names_entries_that_refer_to_tensors_the_checkpoint_lacks(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    """Every byte intact, and yet a load would fail: metadata written wrong (or edited,
+    checksums recomputed) must not verify."""
+
+    def dangle(doc: dict[str, Any]) -> None:
+        doc["values"]["ids"]["meta"] = {"__tensor__": "ids/elsewhere"}
+        doc["values"]["model"]["meta"]["tensors"].append("3.weight")
+
+    report = shardsafe.verify(_forged(saved["sharded"], tmp_path, dangle))
+    assert report.problems == (
+        "state entry 'ids' refers to 1 tensor: 'ids/elsewhere' that the checkpoint does not hold",
+        "state entry 'model' refers to 1 tensor: 'model/3.weight' that the checkpoint does "
+        "not hold",
+    )
+
+
+def test_verify_bounds_a_forged_record_of_per_rank_copies_by_the_table(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    def per_rank(doc: dict[str, Any]) -> None:
+        doc["world_size"] = 10**9  # own copies for each of a billion ranks: not listed
+        shared = {"t": {"__tensor__": "ids"}}
+        doc["values"]["ids"]["meta"] = {"__per_rank__": {"shared": shared, "own": ["ids"]}}
+
+    report = shardsafe.verify(_forged(saved["sharded"], tmp_path, per_rank))
+    assert report.problems == (
+        "state entry 'ids': it records own copies of 1 tensor: 'ids' for each of 1000000000 "
+        f"saving ranks, more than the {len(shardsafe.read_manifest(saved['sharded']).tensors)}"
+        " tensors the checkpoint holds",
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -149,7 +149,7 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
         return saved
     records = meta[PER_RANK]
     if isinstance(records, dict):
-        form = _checked_form(records, saved.name)
+        form = checked_form(records, saved.name)
         if ctx.world_size == ctx.saved_world_size:
             return _one_record(saved, record_of(form, ctx.rank))
         if warn and ctx.rank == 0:
@@ -176,7 +176,7 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
     return _one_record(saved, records[ctx.rank])
 
 
-def _checked_form(form: dict[str, Any], name: str) -> dict[str, Any]:
+def checked_form(form: dict[str, Any], name: str) -> dict[str, Any]:
     """An :func:`own_copies` form read from a manifest, or why it is not one."""
     own = form.get("own")
     ok = (
@@ -212,7 +212,7 @@ def representative(meta: JSON, name: str = "") -> JSON:
     """One record of an entry: itself, or saving rank 0's of a per-rank record whose ranks
     differ only in their own copies of small tensors (a converter's single value)."""
     if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
-        return record_of(_checked_form(meta[PER_RANK], name), 0)
+        return record_of(checked_form(meta[PER_RANK], name), 0)
     return meta
 
 

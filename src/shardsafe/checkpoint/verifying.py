@@ -3,8 +3,8 @@
 A checkpoint verifies when the manifest's own checksum matches, every data file is
 present, is a regular file of the size the manifest recorded, has a safetensors header
 whose CRC32 matches and which agrees with the manifest and with the official
-``safetensors.safe_open`` (so any safetensors tool can load it), and every tensor's
-CRC32 blocks match. Every problem is reported, not just the first, one line each naming
+``safetensors.safe_open`` (so any safetensors tool can load it), every tensor's CRC32
+blocks match, and every tensor a state entry's metadata refers to is in the checkpoint. Every problem is reported, not just the first, one line each naming
 the file and, where the problem is inside a tensor, its key, so one run tells how much of
 a damaged checkpoint is still good.
 
@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._text import natural_key, plural
+from ..errors import CheckpointError
 from .finding import manifest_at
 from .storage.locations import open_storage
 
 if TYPE_CHECKING:
+    from ..protocol import SavedValue
     from .format.manifest import Manifest
     from .format.safetensors_header import HeaderEntry
     from .io.reader import CheckpointReader
@@ -132,7 +134,52 @@ def find_problems(
                 problems += _check_with_safetensors(reader, name, notes)
         # Tensors in an unreadable file were reported with it; check the rest.
         problems += _unique(reader.verify_all(skip_files=set(unreadable)))
+    return problems + _dangling(manifest)
+
+
+def _dangling(manifest: Manifest) -> list[str]:
+    """One line per state entry that refers to tensors the checkpoint does not hold (a
+    load of it would fail): every byte can be intact and the checkpoint still unloadable,
+    if its metadata was written wrong (or forged, checksums recomputed)."""
+    problems = []
+    for name in sorted(manifest.values, key=natural_key):
+        try:
+            wanted = _references(manifest.values[name], manifest)
+        except CheckpointError as e:
+            problems.append(f"state entry {name!r}: {e}")
+            continue
+        missing = [key for key in wanted if key not in manifest.tensors]
+        if missing:
+            problems.append(
+                f"state entry {name!r} refers to {_some(missing)} that the checkpoint does not hold"
+            )
     return problems
+
+
+def _references(value: SavedValue, manifest: Manifest) -> list[str]:
+    """The tensor keys an entry's metadata refers to, in order, each once: a module's by
+    its names; an entry recorded with per-rank copies, every saving rank's record's."""
+    from .. import _names, _tree
+    from ..adapters.values import PER_RANK, checked_form
+
+    meta = value.meta
+    if value.kind == "module" and isinstance(meta, dict):
+        names = [n for n in meta.get("tensors", []) if isinstance(n, str)]
+        key = _names.module_keys(value.name, names, manifest.tensors)
+        return list(dict.fromkeys(key(n) for n in names))
+    if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
+        form = checked_form(meta[PER_RANK], value.name)
+        own, ranks = form["own"], manifest.world_size
+        if len(own) * ranks > len(manifest.tensors):  # cannot all be there: not listed
+            raise CheckpointError(
+                f"it records own copies of {_some(own)} for each of {ranks} saving ranks, "
+                f"more than the {len(manifest.tensors)} tensors the checkpoint holds"
+            )
+        mine = set(own)
+        shared = [k for k in _tree.tensor_refs(form["shared"]) if k not in mine]
+        copies = [_names.own_copy_key(k, rank) for rank in range(ranks) for k in own]
+        return list(dict.fromkeys(shared + copies))
+    return list(dict.fromkeys(_tree.tensor_refs(meta)))
 
 
 def _keys_by_file(manifest: Manifest) -> dict[str, list[str]]:
