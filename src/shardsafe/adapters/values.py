@@ -9,9 +9,9 @@ at save. A stateful object's small tensors (a per-rank sampler's generator, a mo
 wrapper's BatchNorm statistics) are compared on every save and, where the ranks' copies
 differ, stored per rank (``checkpoint/plan/per_rank.py``; the entry recorded once,
 with the keys each rank has its own copy of: ``own_copies``): each rank restores its
-own, and at another world size saving rank 0's, with a warning. Its larger tensors are stored
-once and compared only with ``verify_replicas`` (comparing a wrapped model's weights on
-every save would cost a read of them). Plain values keep rank 0's, tensors included
+own, and at another world size saving rank 0's, with a warning. Its larger tensors are
+stored once and compared only with ``verify_replicas`` (comparing a wrapped model's
+weights on every save would cost a read of them). Plain values keep rank 0's, tensors included
 (rank 0 writes them: ``lowest_rank_wins``), as they always have: ``load`` returns them
 even unasked, at any world size, so a per-rank record (a rank's own loss) would make a
 checkpoint unloadable elsewhere.
@@ -100,7 +100,10 @@ def merge_per_rank(metas: list[JSON]) -> JSON:
         # Compared without own copies' keys, which differ between any two ranks that have
         # them: the rank named is one whose structure differs.
         shared = [_tree.rename_refs(meta, _names.shared_key) for meta in metas]
-        differ = next(r for r, meta in enumerate(shared) if meta != shared[0])
+        differ = next(
+            (r for r, meta in enumerate(shared) if meta != shared[0]),
+            next(r for r, meta in enumerate(metas) if meta != metas[0]),
+        )
         raise CheckpointError(
             f"its structure or non-tensor values differ between ranks 0 and {differ}, and "
             "it holds tensors; shardsafe keeps such a value per rank only when the ranks "

@@ -4,9 +4,10 @@ A checkpoint verifies when the manifest's own checksum matches, every data file 
 present, is a regular file of the size the manifest recorded, has a safetensors header
 whose CRC32 matches and which agrees with the manifest and with the official
 ``safetensors.safe_open`` (so any safetensors tool can load it), every tensor's CRC32
-blocks match, and every tensor a state entry's metadata refers to is in the checkpoint. Every problem is reported, not just the first, one line each naming
-the file and, where the problem is inside a tensor, its key, so one run tells how much of
-a damaged checkpoint is still good.
+blocks match, and every tensor a state entry's metadata refers to is in the checkpoint.
+Every problem is reported, not just the first, one line each naming the file and, where
+the problem is inside a tensor, its key, so one run tells how much of a damaged
+checkpoint is still good.
 
 A checkpoint written before shardsafe checksummed its manifest and headers verifies with
 a note saying what could not be checked.

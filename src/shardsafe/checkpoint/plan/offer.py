@@ -33,7 +33,7 @@ class ChunkOffer:
     lowest_rank_wins: bool = False
     checksum: int | None = None
     """CRC32 of this rank's copy of the chunk, with ``verify_replicas`` (or
-    ``Chunk.always_verify``)."""
+    ``Chunk.always_verify``, or ``Chunk.per_rank_if_different``)."""
     copies_allowed: bool = False
     per_rank_if_different: bool = False
 
