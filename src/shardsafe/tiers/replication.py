@@ -29,8 +29,6 @@ found on disk count among the ``keep_local``.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +39,7 @@ from ..checkpoint.plan.collecting import Collected
 from ..errors import CheckpointError
 from . import rank_checkpoint, transfer
 from .node_dir import NodeDir
+from .ranks import background_priority
 
 
 @dataclass
@@ -87,10 +86,10 @@ class Replicator:
         self.tally = tally
         self.record = Record()
         self._writer = ThreadPoolExecutor(
-            1, thread_name_prefix="shardsafe-local-write", initializer=_yield_to_training
+            1, thread_name_prefix="shardsafe-local-write", initializer=background_priority
         )
         self._sender = ThreadPoolExecutor(
-            1, thread_name_prefix="shardsafe-replicate", initializer=_yield_to_training
+            1, thread_name_prefix="shardsafe-replicate", initializer=background_priority
         )
         self._write: Future[None] | None = None
         self._replications: list[Future[None]] = []
@@ -163,7 +162,7 @@ class Replicator:
         own = step in self.record.written
         jobs: list[tuple[str, int, Future[bool]]] = []
         transfers = len(self.peers.targets) + len(self.peers.sources)
-        with ThreadPoolExecutor(transfers, initializer=_yield_to_training) as pool:
+        with ThreadPoolExecutor(transfers, initializer=background_priority) as pool:
             for target in self.peers.targets:
                 jobs.append(("send", target, pool.submit(self._send, step, target, own)))
             for source in self.peers.sources:
@@ -304,17 +303,3 @@ def _drop_older(node: NodeDir, rank: int, kept: set[int]) -> None:
     for step in node.steps():
         if step not in kept and step < newest and rank in node.ranks_in(step):
             node.remove(step, rank, prune=True)
-
-
-BACKGROUND_NICENESS = 10
-
-
-def _yield_to_training() -> None:
-    """Lower this background thread's scheduling priority (Linux: niceness is per thread),
-    so that where cores are scarce the training loop's threads run first and the writes
-    and transfers take the time left over."""
-    with contextlib.suppress(OSError, AttributeError):
-        tid = threading.get_native_id()
-        os.setpriority(
-            os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICENESS)
-        )
