@@ -77,28 +77,3 @@ def test_both_nodes_lost_restore_from_the_persistent_tier(
     resumed = run_ranks(train, 4, base, STEPS, timeout=180)
     assert resumed[0]["tiers"] == ["persistent"] * 4
     _same_run(resumed, uninterrupted, 2)
-
-
-def _transfer_threads_niceness(rank: int, world: int) -> tuple[int, list[int], list[int]]:
-    """The process's niceness, that of the threads the transfers' gloo group started, and
-    that of the others."""
-    import os
-
-    from shardsafe.tiers.ranks import Ranks, _threads
-
-    before = _threads()
-    Ranks("niceness", 60.0).transfers()
-    started = _threads() - before
-    niceness = [os.getpriority(os.PRIO_PROCESS, tid) for tid in sorted(started)]
-    others = [os.getpriority(os.PRIO_PROCESS, tid) for tid in sorted(before)]
-    return os.getpriority(os.PRIO_PROCESS, os.getpid()), niceness, others
-
-
-def test_the_transfers_gloo_threads_yield_to_training() -> None:
-    """gloo copies every received byte on its own threads: at the default niceness they
-    took a full share of the cores the training loop needs (0.73-0.78 of its speed while
-    a save was replicated, 0.81-0.84 with them at the background niceness, 4 ranks on 2
-    cores). The training's own threads keep theirs."""
-    for base, niceness, others in run_ranks(_transfer_threads_niceness, 2):
-        assert niceness and all(n == max(base, 10) for n in niceness)
-        assert all(n == base for n in others)

@@ -21,14 +21,13 @@ a directory without a manifest, never a half-visible checkpoint.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
+from ..distributed.background_groups import background_group, lower_priority
 from ..errors import CheckpointError
 from .io.staging import Staged, Stager
 from .options import SaveOptions
@@ -122,7 +121,7 @@ class SaveHandle:
     def _work(self) -> None:
         self._go.wait()
         try:
-            _lower_priority()
+            lower_priority(WRITER_NICENESS)
             assert self._run is not None and self._staged is not None
             self._staged.ready()
             persist(self._run)
@@ -252,15 +251,13 @@ def _transfer_group() -> Any:
     world = dist.group.WORLD
     key = id(world)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo")
+        # gloo's threads of this group copy the bytes other ranks send rank 0 (the
+        # consolidated layout): they yield to training like the writer thread.
+        _GROUPS[key] = background_group(WRITER_NICENESS)
     return _GROUPS[key]
 
 
-def _lower_priority() -> None:
-    """Let the training threads go first when the CPU is busy (Linux: per-thread nice 19).
-
-    The write then takes longer only while training keeps every core busy, which is
-    when the user wants the steps more than the write; on an idle core it runs at full
-    speed."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+WRITER_NICENESS = 19
+"""The background writer's niceness: the write takes longer only while training keeps
+every core busy, which is when the user wants the steps more than the write; on an idle
+core it runs at full speed (``distributed/background_groups.py``)."""

@@ -7,7 +7,9 @@ closing), ``payloads`` (kept until every rank has read them), ``link`` (what the
 share); ``heartbeat`` (dead-rank detection), ``reports`` (how a failure is told to every
 rank), ``phases`` (their names), ``group`` (the default process group as shardsafe sees
 it), ``clients`` (store connections for blocking waits), ``waiting`` (waits without a
-store timeout), ``store_requests`` (counting what the store serves).
+store timeout), ``store_requests`` (counting what the store serves),
+``background_groups`` (the gloo groups of background work, whose threads yield to
+training).
 """
 
 from __future__ import annotations

@@ -8,16 +8,12 @@ on first need, so that a restore from the local tier does not wait for it.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from ..distributed import Coordinator, Phase, world
+from ..distributed.background_groups import background_group, lower_priority
 
 
 class Ranks:
@@ -49,32 +45,17 @@ class Ranks:
         """The transfers' gloo group (collective the first time: every rank reaches this
         at the same point, the first local save or a restore that needs a peer)."""
         if self.group is None and self.world_size > 1:
-            before = _threads()
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-            # gloo's own threads for this group (its device's event loop, which copies the
-            # bytes received, and its workers) yield to training like the replicator's.
-            for tid in _threads() - before:
-                background_priority(tid)
+            # gloo's threads of this group copy every byte received: they yield to training
+            # like the replicator's (distributed/background_groups.py).
+            timeout = timedelta(seconds=self.timeout)
+            self.group = background_group(BACKGROUND_NICENESS, timeout=timeout)
         return self.group
 
 
-def _threads() -> set[int]:
-    """This process's thread ids (Linux; empty elsewhere)."""
-    try:
-        return {int(name) for name in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
 BACKGROUND_NICENESS = 10
+"""The tiers' background threads' niceness (a local save's write, its replication)."""
 
 
-def background_priority(tid: int | None = None) -> None:
-    """Lower a thread's scheduling priority (Linux: niceness is per thread; default: the
-    calling thread), so that where cores are scarce the training loop's threads run
-    first and the tiers' writes and transfers take the time left over."""
-    with contextlib.suppress(OSError, AttributeError):
-        tid = threading.get_native_id() if tid is None else tid
-        os.setpriority(
-            os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICENESS)
-        )
+def background_priority() -> None:
+    """Lower the calling thread to :data:`BACKGROUND_NICENESS` (a thread pool's initializer)."""
+    lower_priority(BACKGROUND_NICENESS)
