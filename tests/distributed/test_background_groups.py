@@ -45,5 +45,7 @@ def test_the_gloo_threads_of_background_groups_yield_to_training(
     for base, niceness, others in run_ranks(
         _niceness_of_new_threads, 2, what, str(tmp_path / "ckpt")
     ):
-        assert niceness and all(n == max(base, expected) for n in niceness), niceness
+        # gloo starts three threads per group (its event loop and two workers); another
+        # thread the save starts (a store client) may keep the process's niceness.
+        assert sum(n == max(base, expected) for n in niceness) >= 3, niceness
         assert all(n == base for n in others)
