@@ -8,6 +8,7 @@ on first need, so that a restore from the local tier does not wait for it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -56,6 +57,5 @@ BACKGROUND_NICENESS = 10
 """The tiers' background threads' niceness (a local save's write, its replication)."""
 
 
-def background_priority() -> None:
-    """Lower the calling thread to :data:`BACKGROUND_NICENESS` (a thread pool's initializer)."""
-    lower_priority(BACKGROUND_NICENESS)
+background_priority = functools.partial(lower_priority, BACKGROUND_NICENESS)
+"""Lower the calling thread to :data:`BACKGROUND_NICENESS` (a thread pool's initializer)."""
