@@ -34,7 +34,7 @@ from .io.written import WriteOptions
 from .loading import read_manifest_from
 from .options import DEFAULT_BUFFER_BYTES
 from .plan.offer import ChunkOffer
-from .plan.save_plan import plan_save
+from .plan.save_plan import plan_save, set_apart_small
 from .saving import BACKGROUND_PIECE_BYTES, check_loadable, commit
 from .storage import target_directory
 from .storage.protocol import Storage
@@ -130,12 +130,14 @@ def write_unverified(
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     background: bool = False,
     extra_info: Mapping[str, Any] | None = None,
+    small_apart: int = 0,
 ) -> None:
     """:func:`write_checkpoint` without reading it back: for bytes that were checksummed
     as they were written from memory (the tiered manager's rank checkpoints), where a
     second pass would only double the cost. ``background``: checksum and write in
     cache-sized pieces on this one thread (beside a training loop, as ``async_save``
-    does); ``extra_info`` joins the manifest's ``info``."""
+    does); ``extra_info`` joins the manifest's ``info``; ``small_apart``: chunks of fewer
+    bytes go into a file of their own (``plan.save_plan.set_apart_small``)."""
     existed = target_directory.refuse_committed(storage)
     try:
         token = target_directory.prepare(storage)
@@ -145,6 +147,8 @@ def write_unverified(
             for i, c in enumerate(chunks)
         ]
         plan = plan_save([offers], "sharded", list(values))
+        if small_apart:
+            plan = set_apart_small(plan, small_apart)
         check_loadable(plan, values, extra_info)
         target_directory.record_plan(storage, token, [f.name for f in plan.files])
         cache_bytes = BACKGROUND_PIECE_BYTES if background else 0

@@ -2,7 +2,9 @@
 
 A node keeps, for each of ``keep_local`` steps, the rank checkpoints of its own ranks and
 the replicas it receives (``replicas`` other nodes' worth, for evenly sized nodes):
-``(1 + replicas) x the node's shards x keep_local`` bytes once retention has run. At its
+at most ``(1 + replicas) x the node's shards x keep_local`` bytes once retention has run
+(a replica's file identical to one of the node's own is a link to it, ``transfer.py``;
+the check reserves the full size, as a replica of sharded state needs it). At its
 peak it holds more: the newest step every rank has replicated, kept until a newer one
 is counted (it may be older than the ``keep_local`` newest); the step being written (or
 received); and, of its own ranks' checkpoints, the step before it, written but still

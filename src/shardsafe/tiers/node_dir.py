@@ -213,8 +213,9 @@ class NodeDir:
         return stats.f_bavail * stats.f_frsize
 
     def used_bytes(self, ranks: set[int]) -> int:
-        """Bytes the rank checkpoints of ``ranks`` take here (all steps)."""
-        total = 0
+        """Bytes the rank checkpoints of ``ranks`` take here (all steps); a file linked
+        into a replica (``transfer.py``) counts once."""
+        total, seen = 0, set()
         for step in self.steps():
             for rank in self.ranks_in(step):
                 if rank not in ranks:
@@ -224,5 +225,8 @@ class NodeDir:
                     self.rank_storage(step, rank, create=False) as storage,
                 ):
                     for name in storage.names():
-                        total += os.stat(name, dir_fd=storage.fd, follow_symlinks=False).st_size
+                        found = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
+                        if (found.st_dev, found.st_ino) not in seen:
+                            seen.add((found.st_dev, found.st_ino))
+                            total += found.st_size
         return total

@@ -1,4 +1,4 @@
-"""A rank checkpoint: everything one rank holds, as an ordinary one-file checkpoint.
+"""A rank checkpoint: everything one rank holds, as an ordinary checkpoint.
 
 The local tier must let a rank restore itself from its own node, without reading another
 rank's bytes, so it is not deduplicated like a sharded save: each rank writes every
@@ -34,6 +34,11 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatch
 from ..protocol import SavedValue
 
 INFO_KEY = "rank_checkpoint"
+SMALL_APART_BYTES = 1 << 20
+"""Chunks under this size are written to a second data file (``small-...``): a data-parallel
+rank's large tensors then fill a file byte-identical to its replicas' on other nodes, which
+replication links instead of sending (``transfer.py``); the small file holds what is most
+often each rank's own (RNG states, a sampler's generator)."""
 
 
 def write(storage: Storage, items: Collected, *, rank: int, world_size: int, step: int) -> int:
@@ -65,7 +70,14 @@ def write(storage: Storage, items: Collected, *, rank: int, world_size: int, ste
                 )
             )
     info = {"rank": rank, "world_size": world_size, "step": step, "placements": placements}
-    write_unverified(storage, values, chunks, background=True, extra_info={INFO_KEY: info})
+    write_unverified(
+        storage,
+        values,
+        chunks,
+        background=True,
+        extra_info={INFO_KEY: info},
+        small_apart=SMALL_APART_BYTES,
+    )
     return sum(c.nbytes for c in chunks)
 
 

@@ -196,12 +196,14 @@ class Replicator:
     def _receive(self, step: int, source: int) -> bool:
         self._forget_found(step, source)
         self.node.remove(step, source)  # an interrupted receipt, or an earlier attempt
+        own = step in self.record.written  # committed here: its identical files are linked
         return transfer.receive(
             self.group,
             source,
             rank=source,
             step=step,
             target=lambda: self.node.rank_storage(step, source, create=True),
+            held=(lambda: self.node.rank_storage(step, self.rank, create=False)) if own else None,
         )
 
     def _retain(self, step: int) -> None:

@@ -6,7 +6,8 @@ One transfer, between a sender and a receiver that both know it is due::
     receiver -> sender   [go on?]                          (tag CONTROL)
     sender -> receiver   the manifest
     receiver -> sender   [go on?]   (the manifest parsed, and is the expected rank's and step's)
-    sender -> receiver   every data file the manifest names, in pieces of PIECE_BYTES
+    receiver -> sender   [wanted?] per data file, in name order   (only if it goes on)
+    sender -> receiver   every wanted data file, in pieces of PIECE_BYTES
     receiver -> sender   [committed?]
 
 The receiver writes the files into its node's directory, checks every byte against the
@@ -16,6 +17,18 @@ receives are the manifest's, checked by the parser before anything is allocated.
 sender that cannot read its own file still sends as many bytes as it promised (zeros),
 so the two never fall out of step; the receiver's checksums refuse them.
 
+**Files the receiver holds already are not sent.** Data-parallel ranks hold the same
+large tensors, and a rank checkpoint keeps its small chunks in a file apart
+(``rank_checkpoint.SMALL_APART_BYTES``), so the receiver's own checkpoint of the same
+step often has a byte-identical data file: the same name, size and header checksum, and
+the same tensors with the same block checksums. The receiver then hard-links its own
+file into the replica (the same node, the same filesystem; never through a symbolic
+link) and does not ask for it: a data-parallel step is replicated by sending the
+manifest and the small file. The linked bytes were checksummed as this rank wrote them
+and are checked again whenever they are read; the header is checked before the commit,
+like every received file's. Two different 16 MiB blocks with equal CRC32s would be
+taken for equal (a chance of 2^-32 per block, and only where replicas have diverged).
+
 Two tags keep the directions apart: with two nodes, ranks ``a`` and ``b`` replicate to
 each other at once, so ``a`` sends data to ``b`` while acknowledging ``b``'s data.
 """
@@ -23,6 +36,7 @@ each other at once, so ``a`` sends data to ``b`` while acknowledging ``b``'s dat
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +46,7 @@ import torch.distributed as dist
 from ..checkpoint.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from ..checkpoint.format.tensor_bytes import memory
 from ..checkpoint.io.reader import CheckpointReader
+from ..checkpoint.manager import loadable_manifest
 from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError
 from . import rank_checkpoint
@@ -43,10 +58,14 @@ enough that the buffer stays a small fraction of a rank's state."""
 
 
 def _send_ints(group: Any, dst: int, values: list[int], tag: int) -> None:
+    if not values:  # the receiver expects none either
+        return
     dist.send(torch.tensor(values, dtype=torch.int64), dst, group=group, tag=tag)
 
 
 def _recv_ints(group: Any, src: int, count: int, tag: int) -> list[int]:
+    if count == 0:
+        return []
     out = torch.zeros(count, dtype=torch.int64)
     dist.recv(out, src, group=group, tag=tag)
     return [int(v) for v in out.tolist()]
@@ -62,10 +81,15 @@ def send(group: Any, dst: int, source: LocalStorage | None) -> bool:
     dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group, tag=DATA)
     if not _recv_ints(group, dst, 1, CONTROL)[0]:
         return False
-    buffer = _buffer(manifest)
-    for name in sorted(manifest.files):
+    names = _wanted(sorted(manifest.files), _recv_ints(group, dst, len(manifest.files), CONTROL))
+    buffer = _buffer({name: manifest.files[name] for name in names})
+    for name in names:
         _send_file(group, dst, source, name, manifest.files[name], buffer)
     return bool(_recv_ints(group, dst, 1, CONTROL)[0])
+
+
+def _wanted(names: list[str], flags: list[int]) -> list[str]:
+    return [name for name, want in zip(names, flags) if want]
 
 
 def _own(source: LocalStorage | None) -> tuple[bytes, Manifest | None]:
@@ -102,10 +126,18 @@ def _send_file(
 
 
 def receive(
-    group: Any, src: int, *, rank: int, step: int, target: Callable[[], LocalStorage]
+    group: Any,
+    src: int,
+    *,
+    rank: int,
+    step: int,
+    target: Callable[[], LocalStorage],
+    held: Callable[[], LocalStorage] | None = None,
 ) -> bool:
     """Receive rank ``rank``'s checkpoint of ``step`` from ``src`` into ``target()``
-    (made only once the manifest is accepted); True once verified and committed."""
+    (made only once the manifest is accepted); True once verified and committed.
+    ``held()``: a committed checkpoint on this node whose identical data files are linked
+    instead of received (this rank's own of the same step; see the module docstring)."""
     has, length = _recv_ints(group, src, 2, DATA)
     if not has:
         return False
@@ -128,11 +160,15 @@ def receive(
         return False
     committed = False
     try:
-        buffer = _buffer(manifest)
-        for name in sorted(manifest.files):
+        names = sorted(manifest.files)
+        linked = _link_identical(manifest, held, storage) if held is not None else set()
+        _send_ints(group, src, [int(name not in linked) for name in names], CONTROL)
+        names = [name for name in names if name not in linked]
+        buffer = _buffer({name: manifest.files[name] for name in names})
+        for name in names:
             _receive_file(group, src, storage, name, manifest.files[name], buffer)
         with contextlib.suppress(CheckpointError, OSError):
-            committed = _commit_if_whole(storage, manifest, raw)
+            committed = _commit_if_whole(storage, manifest, raw, linked)
     finally:
         _send_ints(group, src, [int(committed)], CONTROL)
         storage.close()
@@ -172,15 +208,63 @@ def _receive_file(
             sink.abort()
 
 
-def _commit_if_whole(storage: LocalStorage, manifest: Manifest, raw: bytes) -> bool:
-    """Check every file's header and every byte against ``manifest``; commit it if all pass."""
+def _commit_if_whole(
+    storage: LocalStorage, manifest: Manifest, raw: bytes, linked: set[str]
+) -> bool:
+    """Check every file's header and every received byte against ``manifest``; commit it
+    if all pass."""
     with CheckpointReader(storage, manifest) as reader:
-        if reader.check_files() or reader.verify_all():
+        if reader.check_files() or reader.verify_all(skip_files=linked):
             return False
     storage.commit(MANIFEST_NAME, raw)
     return True
 
 
-def _buffer(manifest: Manifest) -> torch.Tensor:
-    """The piece buffer: :data:`PIECE_BYTES`, or the largest file if smaller."""
-    return torch.empty(min(PIECE_BYTES, max(manifest.files.values(), default=0)), dtype=torch.uint8)
+def _link_identical(
+    theirs: Manifest, held: Callable[[], LocalStorage], storage: LocalStorage
+) -> set[str]:
+    """Hard-link into ``storage`` each data file of ``held()`` identical to one ``theirs``
+    names (see the module docstring); the names linked. Any problem: nothing linked
+    for that file, which is then received."""
+    linked: set[str] = set()
+    # Only a shortcut: whatever goes wrong, the files not linked are received.
+    with contextlib.suppress(Exception), held() as own:
+        ours = loadable_manifest(own)
+        for name in sorted(theirs.files):
+            if not _same_file(theirs, ours, name):
+                continue
+            with contextlib.suppress(OSError):
+                os.link(name, name, src_dir_fd=own.fd, dst_dir_fd=storage.fd, follow_symlinks=False)
+                if storage.kind(name) == "file":
+                    linked.add(name)
+                else:  # a link or a FIFO swapped in for our file: not ours to keep
+                    storage.remove(name)
+    return linked
+
+
+def _same_file(theirs: Manifest, ours: Manifest, name: str) -> bool:
+    """Whether data file ``name`` holds the same bytes in both checkpoints, as far as the
+    manifests' sizes and checksums tell."""
+    if name not in ours.files or ours.files[name] != theirs.files[name]:
+        return False
+    header = theirs.header_crc32.get(name)
+    return (
+        header is not None
+        and header == ours.header_crc32.get(name)
+        and (_contents(theirs, name) == _contents(ours, name))
+    )
+
+
+def _contents(manifest: Manifest, name: str) -> list[tuple[Any, ...]]:
+    """Every tensor piece stored in file ``name``, with its block checksums."""
+    return sorted(
+        (key, str(rec.dtype), rec.shape, c.name, c.offsets, c.shape, c.crc32)
+        for key, rec in manifest.tensors.items()
+        for c in rec.chunks
+        if c.file == name
+    )
+
+
+def _buffer(files: dict[str, int]) -> torch.Tensor:
+    """The piece buffer: :data:`PIECE_BYTES`, or the largest of ``files`` if smaller."""
+    return torch.empty(min(PIECE_BYTES, max(files.values(), default=0)), dtype=torch.uint8)

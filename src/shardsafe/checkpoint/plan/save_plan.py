@@ -70,6 +70,31 @@ def shard_file_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
+def small_file_name(rank: int, world_size: int) -> str:
+    """The second file of a writer whose small chunks are set apart (:func:`set_apart_small`)."""
+    return f"small-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def set_apart_small(plan: SavePlan, below: int) -> SavePlan:
+    """``plan`` with each file's chunks of fewer than ``below`` bytes moved to a second
+    file of the same writer (:func:`small_file_name`).
+
+    Why: a node-local rank checkpoint of a data-parallel rank holds the same large tensors
+    as its peers' but its own small ones (RNG states, a sampler's generator). Kept apart,
+    the large tensors' file is byte-identical between replicas, so a peer that already
+    holds it needs none of its bytes sent (``tiers/transfer.py``)."""
+    files: list[FilePlan] = []
+    for f in plan.files:
+        large = [e for e in f.entries if e.nbytes >= below]
+        small = [e for e in f.entries if e.nbytes < below]
+        if large and small:
+            files.append(FilePlan(f.name, f.writer, large))
+            files.append(FilePlan(small_file_name(f.writer, plan.world_size), f.writer, small))
+        else:
+            files.append(f)
+    return SavePlan(plan.layout, plan.world_size, plan.tensors, files)
+
+
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}")
 
 

@@ -1,0 +1,90 @@
+"""Data-parallel replicas are linked, not sent, on real ranks: 2 ranks as 2 nodes of 1.
+
+Each rank's checkpoint goes to the other node, whose rank holds the same large tensors
+(data parallel): the replica's large-tensor file is a hard link to that rank's own file,
+and only the manifest and the small file (here each rank's own RNG states) cross the
+network. A lost node then restores from the linked replica bitwise. Ranks whose large
+tensors differ get a received copy, never the other rank's bytes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.tiers_setup import local_dir
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+BULK, SMALL = "shard-00000-of-00001.safetensors", "small-00000-of-00001.safetensors"
+
+
+def _state(rank: int, same: bool) -> dict[str, Any]:
+    import shardsafe
+
+    torch.manual_seed(0 if same else rank)
+    model = torch.nn.Linear(600, 600)  # a 1.4 MiB weight: the large-tensor file
+    torch.manual_seed(100 + rank)  # each rank's own RNG state (the small file)
+    return {"model": model, "rng": shardsafe.RNGState()}
+
+
+def _save_or_restore(rank: int, world: int, base: str, same: bool, restore: bool) -> Any:
+    from shardsafe import TieredCheckpointManager
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    state = _state(rank, same)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+    )
+    try:
+        if not restore:
+            saved = [t.clone() for t in state["model"].state_dict().values()]
+            rng = torch.get_rng_state()
+            manager.save(1, state)
+            manager.wait()
+            return saved, rng, manager._replicator.record.received
+        with torch.no_grad():
+            for t in state["model"].state_dict().values():
+                t.zero_()
+        torch.manual_seed(12345)
+        manager.load_latest(state)
+        assert manager.restored is not None
+        tensors = list(state["model"].state_dict().values())
+        return tensors, torch.get_rng_state(), manager.restored.tiers
+    finally:
+        manager.close()
+
+
+def _inode(base: str, node: int, rank: int, name: str) -> tuple[int, int]:
+    found = os.stat(Path(local_dir(base, node)) / "step-000000001" / f"rank-{rank:05d}" / name)
+    return found.st_ino, found.st_nlink
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["data-parallel", "rank-own-weights"])
+def test_replicas_link_the_files_their_node_holds_and_a_lost_node_restores_bitwise(
+    tmp_path: Path, same: bool
+) -> None:
+    base = str(tmp_path)
+    saved = run_ranks(_save_or_restore, 2, base, same, False)
+    for rank in range(2):
+        assert saved[rank][2] == {1 - rank: [1]}  # each kept the other's replica
+        node = 1 - rank  # rank's replica lives on the other node, beside that node's own
+        replica, own = _inode(base, node, rank, BULK), _inode(base, node, node, BULK)
+        if same:
+            assert replica == own and own[1] == 2
+        else:
+            assert replica[0] != own[0] and replica[1] == own[1] == 1
+        assert _inode(base, node, rank, SMALL)[0] != _inode(base, node, node, SMALL)[0]
+
+    shutil.rmtree(local_dir(base, 0))  # node 0 lost: rank 0's checkpoint is its replica
+    restored = run_ranks(_save_or_restore, 2, base, same, True)
+    assert restored[0][2] == ["peer", "local"]
+    for rank in range(2):
+        tensors, rng, _ = restored[rank]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, saved[rank][0], strict=True))
+        assert torch.equal(rng, saved[rank][1])  # its own RNG, not the other rank's
