@@ -20,7 +20,7 @@ checkpoint unloadable elsewhere.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -217,6 +217,16 @@ def representative(meta: JSON, name: str = "") -> JSON:
     if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
         return record_of(checked_form(meta[PER_RANK], name), 0)
     return meta
+
+
+def module_tensor_keys(saved: SavedValue, stored: Container[str]) -> list[str]:
+    """The tensor keys a module entry's metadata names, in order (``stored``: every
+    tensor key of its checkpoint, which tells a name with a ``/`` apart); non-string
+    names, which the adapter refuses on load, are left out."""
+    meta = saved.meta if isinstance(saved.meta, dict) else {}
+    names = [n for n in meta.get("tensors", []) if isinstance(n, str)]
+    key = _names.module_keys(saved.name, names, stored)
+    return [key(n) for n in names]
 
 
 def full_requests(saved: SavedValue) -> LoadRequests:

@@ -161,13 +161,11 @@ def _references(value: SavedValue, manifest: Manifest) -> list[str]:
     """The tensor keys an entry's metadata refers to, in order, each once: a module's by
     its names; an entry recorded with per-rank copies, every saving rank's record's."""
     from .. import _names, _tree
-    from ..adapters.values import PER_RANK, checked_form
+    from ..adapters.values import PER_RANK, checked_form, module_tensor_keys
 
     meta = value.meta
     if value.kind == "module" and isinstance(meta, dict):
-        names = [n for n in meta.get("tensors", []) if isinstance(n, str)]
-        key = _names.module_keys(value.name, names, manifest.tensors)
-        return list(dict.fromkeys(key(n) for n in names))
+        return list(dict.fromkeys(module_tensor_keys(value, manifest.tensors)))
     if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
         form = checked_form(meta[PER_RANK], value.name)
         own, ranks = form["own"], manifest.world_size

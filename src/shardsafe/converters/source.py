@@ -18,8 +18,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from .. import _names, _tree, dtypes
-from ..adapters.values import representative
+from .. import _tree, dtypes
+from ..adapters.values import module_tensor_keys, representative
 from ..errors import CheckpointError
 from ..protocol import SavedValue
 
@@ -224,9 +224,7 @@ def select(source: Source, only: list[str] | None) -> Source:
 def referenced(value: SavedValue, stored: Container[str]) -> list[str]:
     """The tensor keys an entry uses (``stored``: every tensor key of its checkpoint)."""
     if value.kind == "module":
-        names = value.meta.get("tensors", [])
-        key = _names.module_keys(value.name, names, stored)
-        return [key(n) for n in names]
+        return module_tensor_keys(value, stored)
     # An entry recorded with per-rank copies: the keys of the record a conversion writes.
     return _tree.tensor_refs(representative(value.meta, value.name))
 
