@@ -88,3 +88,82 @@ def test_replicas_link_the_files_their_node_holds_and_a_lost_node_restores_bitwi
         tensors, rng, _ = restored[rank]
         assert all(torch.equal(a, b) for a, b in zip(tensors, saved[rank][0], strict=True))
         assert torch.equal(rng, saved[rank][1])  # its own RNG, not the other rank's
+
+
+# ------------------------------------------------ the receiver's own file is not trusted
+
+
+def _flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as f:  # in place, as bit rot (or a stray writer) would
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+
+
+def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
+    """Rank 0 sends its checkpoint of step 1; rank 1 receives it beside its own (damaged
+    before the transfer, or swapped for another file right after it was compared)."""
+    import torch.distributed as dist
+
+    from shardsafe.checkpoint.storage.local import LocalStorage
+    from shardsafe.tiers import transfer
+
+    root = Path(base)
+    if rank == 0:
+        return transfer.send(dist.group.WORLD, 1, LocalStorage(str(root / "theirs")))
+    if case == "swapped":
+        compared = transfer.loadable_manifest
+
+        def compared_then_swapped(storage: Any) -> Any:
+            manifest = compared(storage)
+            os.unlink(root / "own" / BULK)
+            os.link(root / "forged", root / "own" / BULK)  # same header, other data
+            return manifest
+
+        transfer.loadable_manifest = compared_then_swapped  # type: ignore[assignment]
+
+    def target() -> LocalStorage:
+        (root / "replica").mkdir()
+        return LocalStorage(str(root / "replica"))
+
+    return transfer.receive(
+        dist.group.WORLD,
+        0,
+        rank=0,
+        step=1,
+        target=target,
+        held=lambda: LocalStorage(str(root / "own")),
+    )
+
+
+@pytest.mark.parametrize("case", ["damaged", "swapped", "intact"])
+def test_a_linked_file_is_checked_like_a_received_one_before_the_replica_commits(
+    tmp_path: Path, case: str
+) -> None:
+    from shardsafe.checkpoint.plan.collecting import collect
+    from shardsafe.checkpoint.storage.local import LocalStorage
+    from shardsafe.tiers import rank_checkpoint
+
+    for name, rank in (("theirs", 0), ("own", 1)):
+        (tmp_path / name).mkdir()
+        with LocalStorage(str(tmp_path / name)) as storage:
+            items = collect(_state(0, same=True), 0, 1)
+            rank_checkpoint.write(storage, items, rank=rank, world_size=2, step=1)
+    if case == "damaged":
+        _flip_last_byte(tmp_path / "own" / BULK)
+    elif case == "swapped":
+        shutil.copyfile(tmp_path / "own" / BULK, tmp_path / "forged")
+        _flip_last_byte(tmp_path / "forged")
+    sent, received = run_ranks(_replicate_once, 2, str(tmp_path), case)
+    committed = (tmp_path / "replica" / "manifest.json").exists()
+    assert [sent, received, committed] == [case == "intact"] * 3
+    if case == "intact":
+        assert _stat(tmp_path / "replica" / BULK) == _stat(tmp_path / "own" / BULK)
+        replica = (tmp_path / "replica" / BULK).read_bytes()
+        assert replica == (tmp_path / "theirs" / BULK).read_bytes()
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    found = os.stat(path)
+    return found.st_ino, found.st_nlink

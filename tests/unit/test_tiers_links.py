@@ -94,3 +94,13 @@ def test_a_state_of_small_tensors_only_stays_one_file(tmp_path: Path) -> None:
     torch.manual_seed(0)
     write(tmp_path / "own", 0, {"model": nn.Linear(4, 4)})
     assert sorted(os.listdir(tmp_path / "own")) == [MANIFEST_NAME, BULK]
+
+
+def test_inspect_attributes_both_files_of_a_rank_checkpoint_to_its_one_writer(
+    tmp_path: Path,
+) -> None:
+    import shardsafe
+
+    write(tmp_path / "own", 1, state(0, small=1.0))
+    report = shardsafe.inspect(str(tmp_path / "own"))
+    assert [(w.rank, sorted(w.files)) for w in report.writers] == [(0, [BULK, SMALL])]

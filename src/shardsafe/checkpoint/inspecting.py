@@ -6,7 +6,8 @@ works on a checkpoint whose data files are damaged (``verify`` checks those).
 Byte counts of data files are those the manifest recorded at save time. A file's writer
 is read from its name: under layout "sharded" rank ``r`` of ``n`` writes
 ``shard-<r>-of-<n>.safetensors`` (a replicated tensor, a pipeline stage's or a buffer, is
-in the file of the one rank that wrote it); under "consolidated" rank 0 writes every file.
+in the file of the one rank that wrote it; a tiered manager's rank checkpoint also has
+``small-<r>-of-<n>``, its small pieces); under "consolidated" rank 0 writes every file.
 A file whose name says nothing (a manifest from elsewhere) has writer ``None``.
 """
 
@@ -29,7 +30,7 @@ from .format.manifest_format import Layout
 from .format.manifest_table import chunk_files
 from .storage.locations import is_url, open_storage
 
-_SHARD_NAME = re.compile(r"shard-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
+_SHARD_NAME = re.compile(r"(?:shard|small)-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,10 +24,13 @@ step often has a byte-identical data file: the same name, size and header checks
 the same tensors with the same block checksums. The receiver then hard-links its own
 file into the replica (the same node, the same filesystem; never through a symbolic
 link) and does not ask for it: a data-parallel step is replicated by sending the
-manifest and the small file. The linked bytes were checksummed as this rank wrote them
-and are checked again whenever they are read; the header is checked before the commit,
-like every received file's. Two different 16 MiB blocks with equal CRC32s would be
-taken for equal (a chance of 2^-32 per block, and only where replicas have diverged).
+manifest and the small file. Before the commit every byte of the replica is checked
+against the sender's checksums, linked or received, through the replica's own names:
+an own file damaged since it was written, or swapped for another between the comparison
+and the link, fails that check and the replica is not committed (the step is then not
+replicated, as after any failed check). Two different 16 MiB blocks with equal CRC32s
+would be taken for equal (a chance of 2^-32 per block, and only where replicas have
+diverged).
 
 Two tags keep the directions apart: with two nodes, ranks ``a`` and ``b`` replicate to
 each other at once, so ``a`` sends data to ``b`` while acknowledging ``b``'s data.
@@ -168,7 +171,7 @@ def receive(
         for name in names:
             _receive_file(group, src, storage, name, manifest.files[name], buffer)
         with contextlib.suppress(CheckpointError, OSError):
-            committed = _commit_if_whole(storage, manifest, raw, linked)
+            committed = _commit_if_whole(storage, manifest, raw)
     finally:
         _send_ints(group, src, [int(committed)], CONTROL)
         storage.close()
@@ -208,13 +211,12 @@ def _receive_file(
             sink.abort()
 
 
-def _commit_if_whole(
-    storage: LocalStorage, manifest: Manifest, raw: bytes, linked: set[str]
-) -> bool:
-    """Check every file's header and every received byte against ``manifest``; commit it
-    if all pass."""
+def _commit_if_whole(storage: LocalStorage, manifest: Manifest, raw: bytes) -> bool:
+    """Check every file's header and every byte against ``manifest``, a linked file's as
+    a received one's (read through the replica's own name: what is checked is what is
+    committed); commit it if all pass."""
     with CheckpointReader(storage, manifest) as reader:
-        if reader.check_files() or reader.verify_all(skip_files=linked):
+        if reader.check_files() or reader.verify_all():
             return False
     storage.commit(MANIFEST_NAME, raw)
     return True
@@ -246,6 +248,8 @@ def _same_file(theirs: Manifest, ours: Manifest, name: str) -> bool:
     """Whether data file ``name`` holds the same bytes in both checkpoints, as far as the
     manifests' sizes and checksums tell."""
     if name not in ours.files or ours.files[name] != theirs.files[name]:
+        return False
+    if ours.block_bytes != theirs.block_bytes:  # equal CRC lists of other blocks
         return False
     header = theirs.header_crc32.get(name)
     return (

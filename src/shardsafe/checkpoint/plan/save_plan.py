@@ -70,9 +70,10 @@ def shard_file_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def small_file_name(rank: int, world_size: int) -> str:
-    """The second file of a writer whose small chunks are set apart (:func:`set_apart_small`)."""
-    return f"small-{rank:05d}-of-{world_size:05d}.safetensors"
+def small_file_name(file_name: str) -> str:
+    """The file the small chunks of ``file_name`` are set apart in (:func:`set_apart_small`):
+    ``shard-00000-of-00001.safetensors`` -> ``small-00000-of-00001.safetensors``."""
+    return "small-" + file_name.removeprefix("shard-")
 
 
 def set_apart_small(plan: SavePlan, below: int) -> SavePlan:
@@ -89,7 +90,7 @@ def set_apart_small(plan: SavePlan, below: int) -> SavePlan:
         small = [e for e in f.entries if e.nbytes < below]
         if large and small:
             files.append(FilePlan(f.name, f.writer, large))
-            files.append(FilePlan(small_file_name(f.writer, plan.world_size), f.writer, small))
+            files.append(FilePlan(small_file_name(f.name), f.writer, small))
         else:
             files.append(f)
     return SavePlan(plan.layout, plan.world_size, plan.tensors, files)
