@@ -200,11 +200,11 @@ def _arm(point: str, step: int, rank: int) -> None:
     elif point in ("receive", "commit") and rank == 1:
         commit = transfer._commit_if_whole
 
-        def dying_commit(storage: Any, manifest: Any, raw: bytes) -> bool:
+        def dying_commit(storage: Any, manifest: Any, raw: bytes, *received: Any) -> bool:
             replica_of = rank_checkpoint.saved_by(manifest)
             if point == "receive" and replica_of[::2] == (0, step):
                 _die()
-            committed = commit(storage, manifest, raw)
+            committed = commit(storage, manifest, raw, *received)
             if point == "commit" and replica_of[::2] == (0, step):
                 _die()
             return committed

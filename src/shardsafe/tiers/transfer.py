@@ -10,8 +10,10 @@ One transfer, between a sender and a receiver that both know it is due::
     sender -> receiver   every wanted data file, in pieces of PIECE_BYTES
     receiver -> sender   [committed?]
 
-The receiver writes the files into its node's directory, checks every byte against the
-manifest's checksums and every header, and only then commits the manifest (atomically,
+The receiver checks every byte against the manifest's checksums as it arrives, in
+cache-sized pieces, each written to the file in its node's directory once checked
+(``checkpoint/io/arriving.py``: no byte is read back from the disk to be checked), then
+each file's size and header on disk, and only then commits the manifest (atomically,
 last), so a replica is a checkpoint exactly when it is whole and verified. The sizes it
 receives are the manifest's, checked by the parser before anything is allocated. A
 sender that cannot read its own file still sends as many bytes as it promised (zeros),
@@ -48,7 +50,8 @@ import torch.distributed as dist
 
 from ..checkpoint.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from ..checkpoint.format.tensor_bytes import memory
-from ..checkpoint.io.reader import CheckpointReader
+from ..checkpoint.io.arriving import ArrivingFile
+from ..checkpoint.io.reader import CACHE_PIECE_BYTES, CheckpointReader
 from ..checkpoint.manager import loadable_manifest
 from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError
@@ -168,10 +171,10 @@ def receive(
         _send_ints(group, src, [int(name not in linked) for name in names], CONTROL)
         names = [name for name in names if name not in linked]
         buffer = _buffer({name: manifest.files[name] for name in names})
-        for name in names:
-            _receive_file(group, src, storage, name, manifest.files[name], buffer)
-        with contextlib.suppress(CheckpointError, OSError):
-            committed = _commit_if_whole(storage, manifest, raw)
+        whole = [_receive_file(group, src, storage, manifest, name, buffer) for name in names]
+        if all(whole):
+            with contextlib.suppress(CheckpointError, OSError):
+                committed = _commit_if_whole(storage, manifest, raw, set(names))
     finally:
         _send_ints(group, src, [int(committed)], CONTROL)
         storage.close()
@@ -188,35 +191,50 @@ def _expected(raw: bytes, rank: int, step: int) -> Manifest | None:
 
 
 def _receive_file(
-    group: Any, src: int, storage: LocalStorage, name: str, size: int, buffer: torch.Tensor
-) -> None:
-    """Receive ``size`` bytes into the new file ``name``; receive (and drop) them all
-    even if the file cannot be written, so that the sender is not left waiting."""
+    group: Any, src: int, storage: LocalStorage, manifest: Manifest, name: str, buffer: torch.Tensor
+) -> bool:
+    """Receive data file ``name`` of ``manifest`` into a new file, checking its bytes on
+    the way (``ArrivingFile``), each cache-sized piece checked and then written while it
+    is still in cache; True if all arrived, passed and were written. They are all received
+    whatever happens, so that the sender is not left waiting."""
+    size = manifest.files[name]
+    arriving = ArrivingFile(manifest, name)
     sink = None
     with contextlib.suppress(CheckpointError, OSError):
         sink = storage.create(name, size)
     for offset in range(0, size, PIECE_BYTES):
         piece = buffer[: min(PIECE_BYTES, size - offset)]
         dist.recv(piece, src, group=group, tag=DATA)
+        for start in range(0, piece.numel(), CACHE_PIECE_BYTES):
+            view = memory(piece[start : start + CACHE_PIECE_BYTES])
+            arriving.feed(view)
+            if sink is not None and arriving.problem is None:
+                try:
+                    sink.write(view)
+                except (CheckpointError, OSError):
+                    sink.abort()
+                    sink = None
+    if sink is None or arriving.finish() is not None:
         if sink is not None:
-            try:
-                sink.write(memory(piece))
-            except (CheckpointError, OSError):
-                sink.abort()
-                sink = None
-    if sink is not None:
-        try:
-            sink.finish()
-        except (CheckpointError, OSError):
             sink.abort()
+        return False
+    try:
+        sink.finish()
+    except (CheckpointError, OSError):
+        sink.abort()
+        return False
+    return True
 
 
-def _commit_if_whole(storage: LocalStorage, manifest: Manifest, raw: bytes) -> bool:
-    """Check every file's header and every byte against ``manifest``, a linked file's as
-    a received one's (read through the replica's own name: what is checked is what is
-    committed); commit it if all pass."""
+def _commit_if_whole(
+    storage: LocalStorage, manifest: Manifest, raw: bytes, received: set[str] | None = None
+) -> bool:
+    """Check every file's header and every byte against ``manifest`` (but the bytes of
+    ``received`` files, checked as they arrived), a linked file's as a received one's
+    (read through the replica's own name: what is checked is what is committed); commit
+    it if all pass."""
     with CheckpointReader(storage, manifest) as reader:
-        if reader.check_files() or reader.verify_all():
+        if reader.check_files() or reader.verify_all(checked_files=received):
             return False
     storage.commit(MANIFEST_NAME, raw)
     return True

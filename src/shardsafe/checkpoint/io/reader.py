@@ -49,7 +49,7 @@ and check 0.029 s in 4 MiB pieces, 0.022 s in 256-512 KiB; read into place and c
 MAX_OPEN_FILES = 64
 
 
-class _BlockChecker:
+class BlockChecker:
     """The CRC32 of consecutive checksum blocks of one chunk, fed its bytes in order."""
 
     def __init__(self, key: str, chunk: ChunkRecord, block: int, first_block: int) -> None:
@@ -212,7 +212,7 @@ class CheckpointReader:
     ) -> None:
         reader, entry = self._entry(key, rec, chunk)
         view = memory(out)
-        checker = _BlockChecker(key, chunk, self.manifest.block_bytes, 0)
+        checker = BlockChecker(key, chunk, self.manifest.block_bytes, 0)
         step = self._check_piece_bytes
         for start in range(0, view.nbytes, step):
             # Each piece is checked right after it is read, while it is still in cache.
@@ -239,7 +239,7 @@ class CheckpointReader:
         lo, hi = first_row * row_bytes, (first_row + rows) * row_bytes
         begin = lo // block * block
         end = min(-(-hi // block) * block, entry.nbytes)
-        checker = _BlockChecker(key, chunk, block, begin // block)
+        checker = BlockChecker(key, chunk, block, begin // block)
         self._stream(reader, entry.start + begin, lo - begin, checker)  # before the rows
         # Checked and dropped (``dest`` is None): pieces small enough to be checked while
         # still in cache, as ``_read_whole``'s are; copied out: larger pieces, fewer copies.
@@ -265,7 +265,7 @@ class CheckpointReader:
         if end == entry.nbytes:
             checker.finish()
 
-    def _stream(self, reader: FileReader, offset: int, nbytes: int, checker: _BlockChecker) -> None:
+    def _stream(self, reader: FileReader, offset: int, nbytes: int, checker: BlockChecker) -> None:
         """Feed ``nbytes`` at ``offset`` to ``checker``, one piece at a time."""
         step = self._check_piece_bytes
         for start in range(0, nbytes, step):
@@ -291,22 +291,27 @@ class CheckpointReader:
 
     # -- verifying
 
-    def verify_all(self, skip_files: set[str] | None = None) -> list[str]:
-        """Check every chunk of every tensor (but those with chunks in ``skip_files``);
-        return one line per problem found. Memory: one piece, whatever the sizes."""
-        skip = skip_files or set()
+    def verify_all(
+        self, skip_files: set[str] | None = None, checked_files: set[str] | None = None
+    ) -> list[str]:
+        """Check every chunk of every tensor (but those of tensors with chunks in
+        ``skip_files``, and the chunks in ``checked_files``, whose bytes were checked as
+        they were written); return one line per problem found. Memory: one piece,
+        whatever the sizes."""
+        skip, checked = skip_files or set(), checked_files or set()
         by_file: dict[str, list[tuple[str, TensorRecord, ChunkRecord]]] = {}
         for key, rec in self.manifest.tensors.items():
             if skip and any(chunk.file in skip for chunk in rec.chunks):
                 continue
             for chunk in rec.chunks:
-                by_file.setdefault(chunk.file, []).append((key, rec, chunk))
+                if chunk.file not in checked:
+                    by_file.setdefault(chunk.file, []).append((key, rec, chunk))
         problems: dict[str, list[str]] = {}
         for chunks in by_file.values():  # file by file: each opened once
             for key, rec, chunk in chunks:
                 try:
                     reader, entry = self._entry(key, rec, chunk)
-                    checker = _BlockChecker(key, chunk, self.manifest.block_bytes, 0)
+                    checker = BlockChecker(key, chunk, self.manifest.block_bytes, 0)
                     self._stream(reader, entry.start, entry.nbytes, checker)
                     checker.finish()
                 except CheckpointCorruptError as e:
@@ -368,18 +373,25 @@ class CheckpointReader:
         self, key: str, rec: TensorRecord, chunk: ChunkRecord
     ) -> tuple[FileReader, HeaderEntry]:
         reader, headers = self._file(chunk.file)
-        entry = headers.get(chunk.name)
-        if entry is None:
-            raise CheckpointCorruptError(
-                f"{chunk.file} has no tensor {chunk.name!r}, which the manifest lists for {key!r}"
-            )
-        if entry.dtype != rec.dtype or entry.shape != chunk.shape:
-            raise CheckpointCorruptError(
-                f"{chunk.file}: tensor {chunk.name!r} is {dtypes.dtype_name(entry.dtype)}"
-                f"{list(entry.shape)} in the safetensors header but "
-                f"{dtypes.dtype_name(rec.dtype)}{list(chunk.shape)} in the manifest ({key!r})"
-            )
-        return reader, entry
+        return reader, entry_for(headers, key, rec, chunk)
+
+
+def entry_for(
+    headers: dict[str, HeaderEntry], key: str, rec: TensorRecord, chunk: ChunkRecord
+) -> HeaderEntry:
+    """The header entry of ``chunk`` (of tensor ``key``), once it matches the manifest."""
+    entry = headers.get(chunk.name)
+    if entry is None:
+        raise CheckpointCorruptError(
+            f"{chunk.file} has no tensor {chunk.name!r}, which the manifest lists for {key!r}"
+        )
+    if entry.dtype != rec.dtype or entry.shape != chunk.shape:
+        raise CheckpointCorruptError(
+            f"{chunk.file}: tensor {chunk.name!r} is {dtypes.dtype_name(entry.dtype)}"
+            f"{list(entry.shape)} in the safetensors header but "
+            f"{dtypes.dtype_name(rec.dtype)}{list(chunk.shape)} in the manifest ({key!r})"
+        )
+    return entry
 
 
 def box_of(

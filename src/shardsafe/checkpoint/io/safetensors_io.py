@@ -142,6 +142,18 @@ def read_header(reader: FileReader, expected_crc32: int | None = None) -> dict[s
     return parse_header(reader.name, read_header_bytes(reader), reader.size, expected_crc32)
 
 
+def header_length(name: str, prefix: bytes, file_size: int) -> int:
+    """The header length an 8-byte length prefix declares, within safetensors' limits and
+    the file's size."""
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES or 8 + length > file_size:
+        raise CheckpointCorruptError(
+            f"{name} has a truncated or damaged safetensors header (declares {length} header "
+            f"bytes in a {file_size}-byte file)"
+        )
+    return int(length)
+
+
 def read_header_bytes(reader: FileReader) -> bytes:
     """The length prefix and JSON header of a file, within safetensors' limits."""
     name = reader.name
@@ -149,12 +161,7 @@ def read_header_bytes(reader: FileReader) -> bytes:
         raise CheckpointCorruptError(f"{name} is truncated: {reader.size} bytes, no header")
     prefix = bytearray(8)
     reader.read_into(0, memoryview(prefix))
-    (length,) = struct.unpack("<Q", prefix)
-    if length > MAX_HEADER_BYTES or 8 + length > reader.size:
-        raise CheckpointCorruptError(
-            f"{name} has a truncated or damaged safetensors header (declares {length} header "
-            f"bytes in a {reader.size}-byte file)"
-        )
+    length = header_length(name, bytes(prefix), reader.size)
     raw = bytearray(8 + length)
     raw[:8] = prefix
     reader.read_into(8, memoryview(raw)[8:])
