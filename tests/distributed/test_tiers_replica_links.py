@@ -167,3 +167,27 @@ def test_a_linked_file_is_checked_like_a_received_one_before_the_replica_commits
 def _stat(path: Path) -> tuple[int, int]:
     found = os.stat(path)
     return found.st_ino, found.st_nlink
+
+
+def test_a_flipped_byte_in_a_shared_file_is_refused_and_the_other_nodes_copy_used(
+    tmp_path: Path,
+) -> None:
+    """On node 1, rank 1's own large-tensor file is also rank 0's replica (one inode). One
+    flipped byte in it: rank 1's load refuses its own copy and is sent its replica from
+    node 0 (a link to rank 0's own file there, intact); rank 0 restores from its own node.
+    Both come back bitwise, each with its own RNG state."""
+    base = str(tmp_path)
+    saved = run_ranks(_save_or_restore, 2, base, True, False)
+    shared = Path(local_dir(base, 1)) / "step-000000001" / "rank-00001" / BULK
+    assert shared.stat().st_nlink == 2
+    with open(shared, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+    restored = run_ranks(_save_or_restore, 2, base, True, True)
+    assert restored[0][2] == ["local", "peer"]
+    for rank in range(2):
+        tensors, rng, _ = restored[rank]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, saved[rank][0], strict=True))
+        assert torch.equal(rng, saved[rank][1])
