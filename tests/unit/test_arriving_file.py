@@ -3,6 +3,9 @@ with the reader's own checks (what ``shardsafe verify`` finds, it finds)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 
 import shardsafe
 from shardsafe.checkpoint.format.manifest import MANIFEST_NAME, parse
-from shardsafe.checkpoint.io.arriving import ArrivingFile
+from shardsafe.checkpoint.io.arriving import ArrivingFile, pieces_by_file
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,8 +37,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, bytes]:
     return manifest, (path / SHARD).read_bytes()
 
 
+def checking(manifest: Any) -> ArrivingFile:
+    return ArrivingFile(manifest, SHARD, pieces_by_file(manifest)[SHARD])
+
+
 def arrive(manifest: object, data: bytes, cuts: list[int]) -> str | None:
-    arriving = ArrivingFile(manifest, SHARD)  # type: ignore[arg-type]
+    arriving = checking(manifest)
     view = memoryview(data)
     at = 0
     for cut in [*sorted(set(cuts)), len(data)]:
@@ -77,7 +84,7 @@ def test_a_huge_declared_header_is_refused_before_any_is_kept(
 ) -> None:
     manifest, data = saved
     forged = (10**15).to_bytes(8, "little") + data[8:]
-    arriving = ArrivingFile(manifest, SHARD)  # type: ignore[arg-type]
+    arriving = checking(manifest)
     arriving.feed(memoryview(forged)[:8])
     assert arriving.problem is not None and "declares 1000000000000000 header bytes" in (
         arriving.problem
@@ -88,6 +95,22 @@ def test_a_huge_declared_header_is_refused_before_any_is_kept(
 
 def test_too_few_bytes_are_a_problem(saved: tuple[object, bytes]) -> None:
     manifest, data = saved
-    arriving = ArrivingFile(manifest, SHARD)  # type: ignore[arg-type]
+    arriving = checking(manifest)
     arriving.feed(memoryview(data)[:-1])
     assert arriving.finish() == f"{SHARD}: {len(data) - 1} of its {len(data)} bytes arrived"
+
+
+def test_a_zero_length_prefix_is_refused_not_looped_on(saved: tuple[object, bytes]) -> None:
+    """What a sender that cannot read its own file sends: zeros. Once looped on forever."""
+    manifest, data = saved
+    problem = arrive(manifest, bytes(len(data)), [8, 4096])
+    assert problem is not None and "damaged safetensors header" in problem
+
+
+def test_a_tensor_the_manifest_does_not_list_is_refused(saved: tuple[Any, bytes]) -> None:
+    """The reader never reads an unlisted tensor; a replica must not hold unchecked bytes."""
+    manifest, data = saved
+    tensors = {k: v for k, v in manifest.tensors.items() if k != "small"}
+    fewer = dataclasses.replace(manifest, tensors=tensors)
+    problem = arrive(fewer, data, [])
+    assert problem == f"{SHARD} holds tensors its manifest does not list: ['small']"

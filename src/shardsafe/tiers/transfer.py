@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..checkpoint.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from ..checkpoint.format.tensor_bytes import memory
-from ..checkpoint.io.arriving import ArrivingFile
+from ..checkpoint.io.arriving import ArrivingFile, pieces_by_file
 from ..checkpoint.io.reader import CACHE_PIECE_BYTES, CheckpointReader
 from ..checkpoint.manager import loadable_manifest
 from ..checkpoint.storage.local import LocalStorage
@@ -171,7 +171,11 @@ def receive(
         _send_ints(group, src, [int(name not in linked) for name in names], CONTROL)
         names = [name for name in names if name not in linked]
         buffer = _buffer({name: manifest.files[name] for name in names})
-        whole = [_receive_file(group, src, storage, manifest, name, buffer) for name in names]
+        pieces = pieces_by_file(manifest)
+        whole = [
+            _receive_file(group, src, storage, ArrivingFile(manifest, name, pieces[name]), buffer)
+            for name in names
+        ]
         if all(whole):
             with contextlib.suppress(CheckpointError, OSError):
                 committed = _commit_if_whole(storage, manifest, raw, set(names))
@@ -191,14 +195,14 @@ def _expected(raw: bytes, rank: int, step: int) -> Manifest | None:
 
 
 def _receive_file(
-    group: Any, src: int, storage: LocalStorage, manifest: Manifest, name: str, buffer: torch.Tensor
+    group: Any, src: int, storage: LocalStorage, arriving: ArrivingFile, buffer: torch.Tensor
 ) -> bool:
-    """Receive data file ``name`` of ``manifest`` into a new file, checking its bytes on
-    the way (``ArrivingFile``), each cache-sized piece checked and then written while it
-    is still in cache; True if all arrived, passed and were written. They are all received
+    """Receive the data file ``arriving`` checks into a new file of its name, each
+    cache-sized piece fed to the check and then written while it is still in cache (a
+    block's CRC32 is compared once the block is whole: nothing is committed before
+    ``finish``); True if all arrived, passed and were written. They are all received
     whatever happens, so that the sender is not left waiting."""
-    size = manifest.files[name]
-    arriving = ArrivingFile(manifest, name)
+    name, size = arriving.name, arriving.size
     sink = None
     with contextlib.suppress(CheckpointError, OSError):
         sink = storage.create(name, size)
