@@ -111,6 +111,9 @@ def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
 
     root = Path(base)
     if rank == 0:
+        if case == "unreadable":  # a link in its place: the sender sends zeros instead
+            os.rename(root / "theirs" / BULK, root / "moved")
+            os.symlink(root / "moved", root / "theirs" / BULK)
         return transfer.send(dist.group.WORLD, 1, LocalStorage(str(root / "theirs")))
     if case == "swapped":
         compared = transfer.loadable_manifest
@@ -133,14 +136,17 @@ def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
         rank=0,
         step=1,
         target=target,
-        held=lambda: LocalStorage(str(root / "own")),
+        held=None if case == "unreadable" else lambda: LocalStorage(str(root / "own")),
     )
 
 
-@pytest.mark.parametrize("case", ["damaged", "swapped", "intact"])
+@pytest.mark.parametrize("case", ["damaged", "swapped", "unreadable", "intact"])
 def test_a_linked_file_is_checked_like_a_received_one_before_the_replica_commits(
     tmp_path: Path, case: str
 ) -> None:
+    """``unreadable``: nothing linked, and the sender cannot read its file, so it sends
+    zeros in its place; the receiver refuses them (it once looped forever on their
+    zero-length header) and both return."""
     from shardsafe.checkpoint.plan.collecting import collect
     from shardsafe.checkpoint.storage.local import LocalStorage
     from shardsafe.tiers import rank_checkpoint
