@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..checkpoint.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from ..checkpoint.format.tensor_bytes import memory
-from ..checkpoint.io.arriving import ArrivingFile, pieces_by_file
+from ..checkpoint.io.arriving import ArrivingFile, Piece, pieces_by_file
 from ..checkpoint.io.reader import CACHE_PIECE_BYTES, CheckpointReader
 from ..checkpoint.manager import loadable_manifest
 from ..checkpoint.storage.local import LocalStorage
@@ -254,8 +254,9 @@ def _link_identical(
     # Only a shortcut: whatever goes wrong, the files not linked are received.
     with contextlib.suppress(Exception), held() as own:
         ours = loadable_manifest(own)
+        pieces = pieces_by_file(theirs), pieces_by_file(ours)
         for name in sorted(theirs.files):
-            if not _same_file(theirs, ours, name):
+            if not _same_file(theirs, ours, name, pieces):
                 continue
             with contextlib.suppress(OSError):
                 os.link(name, name, src_dir_fd=own.fd, dst_dir_fd=storage.fd, follow_symlinks=False)
@@ -266,9 +267,11 @@ def _link_identical(
     return linked
 
 
-def _same_file(theirs: Manifest, ours: Manifest, name: str) -> bool:
+def _same_file(
+    theirs: Manifest, ours: Manifest, name: str, pieces: tuple[dict[str, list[Piece]], ...]
+) -> bool:
     """Whether data file ``name`` holds the same bytes in both checkpoints, as far as the
-    manifests' sizes and checksums tell."""
+    manifests' sizes and checksums tell (``pieces``: each manifest's, by file)."""
     if name not in ours.files or ours.files[name] != theirs.files[name]:
         return False
     if ours.block_bytes != theirs.block_bytes:  # equal CRC lists of other blocks
@@ -277,17 +280,15 @@ def _same_file(theirs: Manifest, ours: Manifest, name: str) -> bool:
     return (
         header is not None
         and header == ours.header_crc32.get(name)
-        and (_contents(theirs, name) == _contents(ours, name))
+        and _contents(pieces[0][name]) == _contents(pieces[1][name])
     )
 
 
-def _contents(manifest: Manifest, name: str) -> list[tuple[Any, ...]]:
-    """Every tensor piece stored in file ``name``, with its block checksums."""
+def _contents(pieces: list[Piece]) -> list[tuple[Any, ...]]:
+    """A file's tensor pieces, with their block checksums, in a comparable order."""
     return sorted(
         (key, str(rec.dtype), rec.shape, c.name, c.offsets, c.shape, c.crc32)
-        for key, rec in manifest.tensors.items()
-        for c in rec.chunks
-        if c.file == name
+        for key, rec, c in pieces
     )
 
 
