@@ -7,7 +7,9 @@ Skipped without CUDA (see conftest.py); run them with ``pytest -m cuda`` on a GP
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,28 +112,59 @@ def test_gpu_memory_does_not_grow_during_a_load(tmp_path: Path, layout: str, mod
     assert after == live, "the live tensors must be filled, not replaced"
 
 
-def test_cuda_targets_are_filled_through_one_reused_pinned_buffer(tmp_path: Path) -> None:
+def _reader_of(path: Path) -> Any:
     from shardsafe.checkpoint.io.reader import CheckpointReader
     from shardsafe.checkpoint.loading import read_manifest_from
     from shardsafe.checkpoint.storage.local import LocalStorage
 
+    storage = LocalStorage(str(path))
+    return CheckpointReader(storage, read_manifest_from(storage), piece_bytes=4096)
+
+
+def test_cuda_targets_are_filled_through_a_few_reused_pinned_pieces(tmp_path: Path) -> None:
+    from shardsafe.checkpoint.io.pinned_ring import SLOTS
+
     model, _ = _trained("cuda")
     shardsafe.save(tmp_path / "ckpt", {"model": model})
-    with LocalStorage(str(tmp_path / "ckpt")) as storage:
-        manifest = read_manifest_from(storage)
-        with CheckpointReader(storage, manifest, piece_bytes=4096) as reader:
-            out = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
-            seen = set()
-            for name, target in out.items():
-                reader.read_into(f"model/{name}", None, None, target)
-                assert reader._pinned is not None and reader._pinned.is_pinned()
-                assert reader._pinned.numel() <= 4096  # one piece, never a whole tensor
-                seen.add(id(reader._pinned))
-    assert len(seen) == 1
+    with _reader_of(tmp_path / "ckpt") as reader:
+        out = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+        seen = set()
+        for name, target in out.items():
+            reader.read_into(f"model/{name}", None, None, target)
+            buffers = reader._pinned.buffers
+            assert buffers and all(b.is_pinned() for b in buffers)
+            assert all(b.numel() <= 4096 for b in buffers)  # pieces, never a whole tensor
+            seen |= {id(b) for b in buffers}
+    assert len(seen) <= SLOTS  # reused from one tensor to the next
     assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
 
 
+def test_the_copies_run_after_the_callers_queued_work_and_before_the_read_returns(
+    tmp_path: Path,
+) -> None:
+    """The copies are queued on the destination's current stream, asynchronously: after a
+    slow kernel the caller queued before (and a fill that follows it), and all of them
+    run by the time ``read_into`` returns; a transposed (non-contiguous) destination too."""
+    model, _ = _trained("cuda")
+    shardsafe.save(tmp_path / "ckpt", {"model": model})
+    weight = model.state_dict()["0.weight"]
+    with _reader_of(tmp_path / "ckpt") as reader:
+        for target in (torch.empty_like(weight), torch.empty_like(weight.t()).t()):
+            torch.cuda._sleep(200_000_000)  # type: ignore[attr-defined]  # ~0.1 s queued
+            target.fill_(7.0)
+            reader.read_into("model/0.weight", None, None, target)
+            assert torch.cuda.current_stream().query(), "the read returned before its copies ran"
+            assert torch.equal(target, weight)
+
+
 # --------------------------------------------------------------------- async save
+
+
+def _staged_from_the_gpu(stager: object) -> list[torch.Tensor]:
+    """The staging buffers of CUDA tensors (their key ends with ``is_cuda``): AdamW's
+    ``step`` counters are CPU scalars, staged in ordinary memory."""
+    buffers = stager._buffers  # type: ignore[attr-defined]
+    return [b for key, b in buffers.items() if key[-1]]
 
 
 def test_async_save_stages_into_pinned_host_memory(tmp_path: Path) -> None:
@@ -144,10 +177,11 @@ def test_async_save_stages_into_pinned_host_memory(tmp_path: Path) -> None:
     async_save(
         str(tmp_path / "a"), {"model": model, "optimizer": opt}, SaveOptions(), stager
     ).wait()
-    buffers = list(stager._buffers.values())
-    assert buffers and all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
+    buffers = _staged_from_the_gpu(stager)
+    assert len(buffers) == 4 + 8  # 2 weights and 2 biases, 2 moments of each
+    assert all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
     # Reused, not reallocated, by the next save of the same state.
-    ids = {id(b) for b in buffers}
+    ids = {id(b) for b in stager._buffers.values()}
     async_save(
         str(tmp_path / "b"), {"model": model, "optimizer": opt}, SaveOptions(), stager
     ).wait()
@@ -183,3 +217,103 @@ def test_the_snapshot_is_right_while_the_next_step_runs_on_the_default_stream(
     fresh, _ = _trained("cuda", seed=1)
     shardsafe.load(tmp_path / "ckpt", {"model": fresh})
     assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
+
+
+# ------------------------------------------------------------------ tiered manager
+
+
+def _tiers(tmp_path: Path, **options: object) -> shardsafe.TieredCheckpointManager:
+    kwargs: dict[str, Any] = {"local_every": 1, "persist_every": None, "replicas": 0, **options}
+    return shardsafe.TieredCheckpointManager(tmp_path / "persistent", tmp_path / "local", **kwargs)
+
+
+def _cuda_state(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    model, opt = _trained("cuda", seed)
+    return model, opt, {"model": model, "optimizer": opt}
+
+
+def _live_pointers(model: nn.Module, opt: torch.optim.Optimizer) -> list[int]:
+    found = [p.data_ptr() for p in model.parameters()]
+    return found + [s[k].data_ptr() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter and moment, copied to the host, in a fixed order."""
+    found = [p.detach().cpu().clone() for p in model.parameters()]
+    moments = [opt.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    return found + [m.detach().cpu().clone() for m in moments]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_tiered_local_step_of_cuda_state_restores_in_place_with_no_gpu_memory(
+    tmp_path: Path,
+) -> None:
+    model, opt, state = _cuda_state(0)
+    manager = _tiers(tmp_path)
+    manager.save(4, state)
+    manager.close()
+    fresh, fresh_opt, fresh_state = _cuda_state(1)
+    live = _live_pointers(fresh, fresh_opt)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    restarted = _tiers(tmp_path)
+    restarted.load_latest(fresh_state)
+    torch.cuda.synchronize()
+    assert restarted.restored is not None and restarted.restored.tiers == ["local"]
+    restarted.close()
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+    assert torch.cuda.memory_allocated() == before
+    assert _live_pointers(fresh, fresh_opt) == live, "the live tensors must be filled"
+    assert all(p.is_cuda for p in fresh.parameters())
+    assert _equal(_snapshot(model, opt), _snapshot(fresh, fresh_opt))
+
+
+def test_a_tiered_async_save_stages_to_pinned_host_memory_not_aliasing_the_gpu(
+    tmp_path: Path,
+) -> None:
+    model, opt, state = _cuda_state(0)
+    expected = _snapshot(model, opt)  # what the snapshot must hold
+    manager = _tiers(tmp_path)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert manager.async_save(1, state) == ["local"]
+    with torch.no_grad():  # training goes on while the step is written
+        for p in model.parameters():
+            p.add_(1.0)
+        for s in opt.state.values():
+            s["exp_avg"].mul_(-1.0)
+    manager.wait()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+    buffers = _staged_from_the_gpu(manager._stager)
+    assert len(buffers) == 4 + 8  # 2 weights and 2 biases, 2 moments of each
+    assert all(b.device.type == "cpu" and b.is_pinned() for b in buffers)
+    manager.close()
+    fresh, fresh_opt, fresh_state = _cuda_state(1)
+    restarted = _tiers(tmp_path)
+    restarted.load_latest(fresh_state)
+    restarted.close()
+    assert _equal(expected, _snapshot(fresh, fresh_opt))
+
+
+def test_a_persistent_step_saved_on_cpu_restores_onto_the_gpu_through_the_tiers(
+    tmp_path: Path,
+) -> None:
+    model, opt = _trained("cpu")
+    manager = _tiers(tmp_path, persist_every=1)
+    manager.save(2, {"model": model, "optimizer": opt})
+    manager.close()
+    shutil.rmtree(tmp_path / "local")  # the node was replaced: only the persistent tier
+    fresh, fresh_opt, fresh_state = _cuda_state(1)
+    restarted = _tiers(tmp_path)
+    restarted.load_latest(fresh_state)
+    assert restarted.restored is not None and restarted.restored.tiers == ["persistent"]
+    restarted.close()
+    assert all(p.is_cuda for p in fresh.parameters())
+    assert all(s["exp_avg"].is_cuda for s in fresh_opt.state.values())
+    assert _equal(_snapshot(model, opt), _snapshot(fresh, fresh_opt))

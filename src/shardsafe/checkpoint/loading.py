@@ -32,7 +32,7 @@ from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
-from .io import in_place
+from .io import in_place, pinned_ring
 from .io.reader import CACHE_PIECE_BYTES, CheckpointReader, box_of
 from .options import LoadOptions
 from .plan.load_plan import (
@@ -129,7 +129,11 @@ def load_chosen(
                 )
         pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
         spool = _spool(storage, options, routes, manifest)
-        reader = CheckpointReader(storage, manifest, piece_bytes=pieces, spool=spool)
+        # CUDA targets: the pinned half of the budget, in the ring's pieces.
+        cuda_pieces = min(pinned_ring.PIECE_BYTES, options.buffer_bytes // 2 // pinned_ring.SLOTS)
+        reader = CheckpointReader(
+            storage, manifest, piece_bytes=pieces, cuda_piece_bytes=cuda_pieces, spool=spool
+        )
         with reader, contextlib.closing(spool) if spool else contextlib.nullcontext():
             with coord.phase(Phase.READ):
                 tensors = _read(reader, routes, options.verify, spool)

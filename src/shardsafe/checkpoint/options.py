@@ -132,7 +132,8 @@ class LoadOptions:
     found with the objects partly restored, and the error says which. Either way only
     one tensor's worth of bytes plus ``buffer_bytes`` is held beyond the live objects."""
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    """The read buffers' budget (half pageable, half pinned for CUDA targets)."""
+    """The read buffers' budget: half pageable; half pinned for CUDA targets, four pieces
+    of at most 4 MiB (``io/pinned_ring.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):

@@ -11,7 +11,8 @@ block size) a manifest claims.
 
 The result may be a new tensor (:meth:`CheckpointReader.read`), a live tensor the bytes
 belong in (:meth:`~CheckpointReader.read_into`: a contiguous CPU tensor is read straight
-into, any other, CUDA included, through the reused buffer, pinned for CUDA), or nothing
+into, any other through the reused buffer; a CUDA tensor through a few pinned ones, the
+copies to the device overlapping the next reads, ``pinned_ring.py``), or nothing
 (:meth:`~CheckpointReader.check`: the bytes are only checked, then dropped).
 
 Files are opened lazily, each validated against the manifest (type, size, header CRC32,
@@ -35,6 +36,7 @@ from ..format.safetensors_header import HeaderEntry, parse_header
 from ..format.tensor_bytes import memory
 from ..storage.protocol import FileReader, Storage
 from ..storage.spool import Spool
+from .pinned_ring import PinnedRing
 from .safetensors_io import read_header_bytes
 
 PIECE_BYTES = 16 << 20
@@ -89,12 +91,15 @@ class CheckpointReader:
         *,
         keep_header_bytes: bool = False,
         piece_bytes: int = PIECE_BYTES,
+        cuda_piece_bytes: int | None = None,
         spool: Spool | None = None,
     ) -> None:
         self.storage = storage
         self._spool = spool
         """Where an object store's bytes are kept between two reads (``spool.py``)."""
         self.piece_bytes = max(piece_bytes, 1)
+        self.cuda_piece_bytes = max(cuda_piece_bytes or self.piece_bytes, 1)
+        """Bytes per piece copied to a CUDA tensor (``pinned_ring.py``)."""
         self._check_piece_bytes = min(self.piece_bytes, CACHE_PIECE_BYTES)
         """Bytes read per piece that is checked right after (while still in cache)."""
         self.manifest = manifest
@@ -106,8 +111,9 @@ class CheckpointReader:
         self._failed: dict[str, CheckpointCorruptError] = {}
         """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
         self._buffer: torch.Tensor | None = None
-        self._pinned: torch.Tensor | None = None
-        """The staging buffer for CUDA destinations: page-locked, so copies go by DMA."""
+        self._pinned = PinnedRing()
+        """The staging buffers for CUDA destinations: page-locked, so copies go by DMA,
+        and several, so the copies overlap the reads (``pinned_ring.py``)."""
 
     def close(self) -> None:
         for reader, _ in self._open.values():
@@ -243,24 +249,32 @@ class CheckpointReader:
         self._stream(reader, entry.start + begin, lo - begin, checker)  # before the rows
         # Checked and dropped (``dest`` is None): pieces small enough to be checked while
         # still in cache, as ``_read_whole``'s are; copied out: larger pieces, fewer copies.
+        cuda = dest is not None and dest.device.type == "cuda"
         piece_bytes = self._check_piece_bytes if dest is None else self.piece_bytes
+        piece_bytes = self.cuda_piece_bytes if cuda else piece_bytes
         per_piece = max(1, piece_bytes // max(row_bytes, 1))
         inner = (slice(None), *(slice(o, o + n) for o, n in zip(rel[0][1:], rel[1][1:])))
-        pinned = dest is not None and dest.device.type == "cuda"
-        for r in range(0, rows, per_piece):
-            n = min(per_piece, rows - r)
-            raw = self._piece(n * row_bytes, pinned=pinned)
-            view = memory(raw)
-            reader.read_into(entry.start + lo + r * row_bytes, view)
-            checker.feed(view)
-            if dest is not None and row_bytes:
-                # A synchronous copy (also from the pinned buffer): the buffer is free
-                # to be refilled when it returns.
-                if not chunk.shape:  # a 0-d tensor: its one element
-                    dest.copy_(raw.view(rec.dtype).reshape(()))
+        stream = torch.cuda.current_stream(dest.device) if cuda and dest is not None else None
+        try:
+            for r in range(0, rows, per_piece):
+                n = min(per_piece, rows - r)
+                nbytes = n * row_bytes
+                slot, raw = self._pinned.take(nbytes) if cuda else (0, self._piece(nbytes))
+                view = memory(raw)
+                reader.read_into(entry.start + lo + r * row_bytes, view)
+                checker.feed(view)
+                if dest is None or not row_bytes:
                     continue
-                block_rows = raw.view(rec.dtype).reshape((n, *chunk.shape[1:]))
-                dest[r : r + n] = block_rows[inner]
+                if chunk.shape:
+                    rows_read = raw.view(rec.dtype).reshape((n, *chunk.shape[1:]))
+                    dest[r : r + n].copy_(rows_read[inner], non_blocking=cuda)
+                else:  # a 0-d tensor: its one element
+                    dest.copy_(raw.view(rec.dtype).reshape(()), non_blocking=cuda)
+                if cuda:  # queued: the buffer is refilled once this copy has run
+                    self._pinned.sent(slot, stream)
+        finally:
+            if cuda:  # every copy has landed when the read returns (or raises)
+                self._pinned.drain()
         self._stream(reader, entry.start + hi, end - hi, checker)  # after the rows
         if end == entry.nbytes:
             checker.finish()
@@ -273,20 +287,13 @@ class CheckpointReader:
             reader.read_into(offset + start, view)
             checker.feed(view)
 
-    def _piece(self, nbytes: int, *, pinned: bool = False) -> torch.Tensor:
+    def _piece(self, nbytes: int) -> torch.Tensor:
         """A reused buffer of ``nbytes`` (grown only for a row larger than a piece)."""
-        held = self._pinned if pinned else self._buffer
+        held = self._buffer
         if held is None or held.numel() < nbytes:
-            held = None  # free the smaller one before allocating its successor
-            if pinned:
-                self._pinned = None
-            else:
-                self._buffer = None
-            held = torch.empty(max(nbytes, 0), dtype=torch.uint8, pin_memory=pinned)
-            if pinned:
-                self._pinned = held
-            else:
-                self._buffer = held
+            self._buffer = held = None  # free the smaller one before allocating its successor
+            held = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+            self._buffer = held
         return held[:nbytes]
 
     # -- verifying
