@@ -114,3 +114,31 @@ def test_run_all_quick_prints_tables_and_verdicts(tmp_path: Path) -> None:
     assert "\n#### Targets\n" in report and report.startswith("### shardsafe benchmarks")
     assert (ROOT / "docs" / "performance.md").read_bytes() == docs_page
     assert (tmp_path / "save_time_vs_size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_benchmark_runs_its_every_row_on_the_cpu(tmp_path: Path) -> None:
+    """``gpu_checkpoint.py`` is run on GPU machines only (CI has none): ``--device cpu``
+    goes through the same code, so it cannot rot unseen."""
+    script = ROOT / "benchmarks" / "gpu_checkpoint.py"
+    args = ["--device", "cpu", "--width", "32", "--layers", "2", "--repeat", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for row in (
+        "| floor: one copy into preallocated pinned host buffers",
+        "| shardsafe async_save ",
+        "| TieredCheckpointManager async_save (local tier)",
+        "| DCP async_save, default stager",
+        "| shardsafe load, verify=first",
+        "| TieredCheckpointManager load_latest (local tier)",
+        "| DCP load (get_state_dict, dcp.load, set_state_dict)",
+    ):
+        assert row in proc.stdout, proc.stdout
+    assert len(VERDICT.findall(proc.stdout)) == 3, proc.stdout  # the fourth has no target
+    assert "gpu: shardsafe load (verify=first) / DCP load" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is removed
