@@ -182,6 +182,18 @@ def training_steps(
     return rows
 
 
+SHM_TIER = f"/dev/shm/shardsafe-gpu-bench-{os.getpid()}"
+
+
+def local_tier_root(root: str, nbytes: int) -> str:
+    """Where the tiered manager's local tier goes: :data:`SHM_TIER` if ``/dev/shm`` has
+    room for its copies, else under ``root``. ``main`` removes both, whatever happens."""
+    shm = os.path.dirname(SHM_TIER)
+    if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 6 * nbytes:
+        return SHM_TIER
+    return os.path.join(root, "local-tier")
+
+
 def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[str, list[Target]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load_into
@@ -194,10 +206,7 @@ def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[s
     saved = [t.cpu().clone() for t in tensors(model, opt)]
     state = {"model": model, "optimizer": opt}
     nbytes = sum(t.numel() * t.element_size() for t in saved)
-    shm = "/dev/shm"
-    local_root = root
-    if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 6 * nbytes:
-        local_root = os.path.join(shm, f"shardsafe-gpu-bench-{os.getpid()}")
+    local_root = local_tier_root(root, nbytes)
     timer = Timer(device, repeat)
     rows: dict[str, dict[str, float]] = {}
 
@@ -309,8 +318,6 @@ def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[s
     loads["DCP load (get_state_dict, dcp.load, set_state_dict)"] = load_row(dcp_load)
     steps = training_steps(device, width, model, opt, state, root, timer)
     places = f"scratch {disk(root)}; local tier {disk(local_root)}"
-    if local_root != root:
-        clean(local_root)
 
     step_rows = [["one training step (forward, backward, AdamW step)", "s", "x alone"]] + [
         [name, f"{r['s']:.3f}", f"{r['s'] / steps[ALONE]['s']:.2f}"] for name, r in steps.items()
@@ -370,8 +377,9 @@ def main() -> None:
     print(f"machine: {machine()}\n")
     try:
         text, targets = run(args.device, args.width, args.layers, args.repeat, root)
-    finally:
+    finally:  # also after a failure (a load that came back wrong): nothing left in RAM
         clean(root)
+        clean(SHM_TIER)
     print(f"{text}\n\n{verdicts(targets)}")
 
 

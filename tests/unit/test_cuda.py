@@ -157,6 +157,41 @@ def test_the_copies_run_after_the_callers_queued_work_and_before_the_read_return
             assert torch.equal(target, weight)
 
 
+def test_a_row_larger_than_a_piece_goes_through_one_pinned_buffer(tmp_path: Path) -> None:
+    """Pinned memory stays one row where a row exceeds a piece, as before the ring, not
+    one row per slot."""
+    wide = torch.randn(4, 4096, device="cuda")  # 16 KiB rows, 4 KiB pieces
+    shardsafe.save(tmp_path / "ckpt", {"t": {"w": wide}})
+    with _reader_of(tmp_path / "ckpt") as reader:
+        target = torch.empty_like(wide)
+        reader.read_into("t/w", None, None, target)
+        assert [b.numel() for b in reader._pinned.buffers] == [4096 * 4]
+    assert torch.equal(target, wide)
+
+
+def test_a_non_contiguous_target_is_read_in_host_sized_pieces(tmp_path: Path) -> None:
+    """torch copies into a non-contiguous CUDA tensor through a device copy of the piece:
+    such a target gets the host's small pieces, never the ring's larger ones."""
+    from shardsafe.checkpoint.io.reader import CheckpointReader
+    from shardsafe.checkpoint.loading import read_manifest_from
+    from shardsafe.checkpoint.storage.local import LocalStorage
+
+    weight = torch.randn(512, 512, device="cuda")  # 1 MiB
+    shardsafe.save(tmp_path / "ckpt", {"t": {"w": weight}})
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    manifest = read_manifest_from(storage)
+    with CheckpointReader(storage, manifest, piece_bytes=8192, cuda_piece_bytes=1 << 20) as r:
+        target = torch.empty_like(weight.t()).t()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        r.read_into("t/w", None, None, target)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before <= 64 << 10
+        assert all(b.numel() <= 8192 for b in r._pinned.buffers)
+    assert torch.equal(target, weight)
+
+
 # --------------------------------------------------------------------- async save
 
 

@@ -129,3 +129,22 @@ def test_checksum_blocks_of_a_real_save(tmp_path: Path, monkeypatch: pytest.Monk
     path.write_bytes(raw)
     with pytest.raises(CheckpointCorruptError, match=r"w.safetensors, tensor 'w' .*block 20\)"):
         shardsafe.load(tmp_path / "c", {"w": torch.zeros(32, 16)})
+
+
+@pytest.mark.parametrize(
+    ("buffer_bytes", "piece"),
+    [
+        (64 << 20, 4 << 20),  # the default: four pieces of the cap, 16 MiB pinned
+        (40 << 20, 4 << 20),
+        (24 << 20, 2 << 20),  # 3 MiB each would be 4 MiB once torch rounds it: 2 MiB
+        (1 << 20, 128 << 10),  # the smallest buffer_bytes allowed
+    ],
+)
+def test_the_pinned_ring_keeps_within_half_the_budget_in_powers_of_two(
+    buffer_bytes: int, piece: int
+) -> None:
+    from shardsafe.checkpoint.io.pinned_ring import SLOTS, piece_bytes_for
+
+    got = piece_bytes_for(buffer_bytes)
+    assert got == piece
+    assert got & (got - 1) == 0 and SLOTS * got <= buffer_bytes // 2

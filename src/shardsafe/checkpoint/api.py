@@ -144,7 +144,7 @@ def load(
     at most this plus 8 times the live tensors being loaded.
 
     Bytes go straight into the live tensors they replace (parameters, buffers, the state
-    of an optimizer that has stepped; CUDA ones through a pinned buffer), so the extra
+    of an optimizer that has stepped; CUDA ones through a few pinned pieces), so the extra
     memory is one buffer of ``buffer_bytes`` plus the tensors no live one holds yet.
     ``verify="first"`` (default) reads and checks every byte before restoring anything,
     then reads it again into place, checked again; ``verify="inline"`` reads once,

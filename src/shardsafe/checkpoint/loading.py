@@ -129,8 +129,7 @@ def load_chosen(
                 )
         pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
         spool = _spool(storage, options, routes, manifest)
-        # CUDA targets: the pinned half of the budget, in the ring's pieces.
-        cuda_pieces = min(pinned_ring.PIECE_BYTES, options.buffer_bytes // 2 // pinned_ring.SLOTS)
+        cuda_pieces = pinned_ring.piece_bytes_for(options.buffer_bytes)
         reader = CheckpointReader(
             storage, manifest, piece_bytes=pieces, cuda_piece_bytes=cuda_pieces, spool=spool
         )

@@ -133,7 +133,8 @@ class LoadOptions:
     one tensor's worth of bytes plus ``buffer_bytes`` is held beyond the live objects."""
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     """The read buffers' budget: half pageable; half pinned for CUDA targets, four pieces
-    of at most 4 MiB (``io/pinned_ring.py``)."""
+    of at most 4 MiB (``io/pinned_ring.py``). A single row larger than that is read
+    through one buffer of its size."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):

@@ -11,7 +11,7 @@ before, a ``zero_()`` of the tensor say), and the next pieces are read and check
 it runs. A buffer is refilled only once the copy that read it has run (its event), and
 the reader waits for every copy before a tensor's read returns, so the caller sees a
 filled tensor, as with synchronous copies. Memory: :data:`SLOTS` pieces of at most
-:data:`PIECE_BYTES`.
+:data:`PIECE_BYTES`, or one row where a row is larger (see :class:`PinnedRing`).
 """
 
 from __future__ import annotations
@@ -24,25 +24,46 @@ SLOTS = 4
 """Buffers in the ring: enough that reading and checking (on the host) never waits for a
 copy in flight, which on PCIe or NVLink-C2C takes a fraction of the read's time."""
 PIECE_BYTES = 4 << 20
-"""Bytes per piece (at most; ``loading.py`` keeps the ring within half ``buffer_bytes``):
+"""Bytes per piece (at most; ``loading.py`` keeps the ring within half ``buffer_bytes``,
+in a power of two):
 larger than the host's cache-sized pieces, since the copy to the device reads them from
 memory anyway, and each piece costs a queued copy and an event (on an H200, 256 KiB
 pieces left a 768 MiB load spending a fifth of its time queueing them)."""
 
 
-class PinnedRing:
-    """:data:`SLOTS` pinned buffers, each reused once its last copy has run."""
+def piece_bytes_for(buffer_bytes: int) -> int:
+    """The ring's piece for a load's ``buffer_bytes``: the ring takes the pinned half,
+    in :data:`SLOTS` pieces of at most :data:`PIECE_BYTES`, each a power of two (torch's
+    pinned allocator rounds up to one, which would otherwise overshoot the half)."""
+    share = max(buffer_bytes // 2 // SLOTS, 1)
+    return min(PIECE_BYTES, 1 << (share.bit_length() - 1))
 
-    def __init__(self, slots: int = SLOTS) -> None:
+
+class PinnedRing:
+    """:data:`SLOTS` pinned buffers of at most ``piece_bytes``, each reused once its last
+    copy has run.
+
+    A row larger than a piece (``per_piece`` is then one row) goes through one buffer
+    alone, the others freed first, so that pinned memory stays at most
+    ``max(SLOTS * piece_bytes, one row)``, as one buffer took before the ring. Buffers
+    come from torch's pinned-memory allocator, which keeps freed blocks for the process
+    (and rounds sizes up to a power of two: ``loading.py`` picks a power of two)."""
+
+    def __init__(self, piece_bytes: int, slots: int = SLOTS) -> None:
+        self.piece_bytes = max(piece_bytes, 1)
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._events: list[Any] = [None] * slots
-        """One CUDA event per slot, made once and recorded again after each copy."""
-        self._pending = [False] * slots
+        """The event recorded after each slot's last copy, until it has run. A fresh one
+        per copy: an event belongs to the device it was first recorded on, and the
+        tensors of one load may sit on several GPUs."""
         self._next = 0
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The next slot and its buffer of ``nbytes``, once no copy reads it any more
-        (grown only for a row larger than a piece)."""
+        """The next slot and its buffer of ``nbytes``, once no copy reads it any more."""
+        if nbytes > self.piece_bytes:  # one row larger than a piece: one buffer alone
+            self.drain()
+            self._buffers[1:] = [None] * (len(self._buffers) - 1)
+            self._next = 0
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         self._wait(slot)
@@ -55,10 +76,13 @@ class PinnedRing:
 
     def sent(self, slot: int, stream: Any) -> None:
         """A copy out of ``slot``'s buffer was just queued on ``stream``."""
-        if self._events[slot] is None:
-            self._events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._events[slot].record(stream)
-        self._pending[slot] = True
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        try:
+            event.record(stream)
+        except BaseException:  # the copy is queued without an event: wait for it here
+            stream.synchronize()
+            raise
+        self._events[slot] = event
 
     def drain(self) -> None:
         """Return once every copy queued has run."""
@@ -71,6 +95,7 @@ class PinnedRing:
         return [b for b in self._buffers if b is not None]
 
     def _wait(self, slot: int) -> None:
-        if self._pending[slot]:
-            self._events[slot].synchronize()
-            self._pending[slot] = False
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+            self._events[slot] = None

@@ -4,7 +4,8 @@ A rank asks for a box of a tensor (all of it, or its own shard at a new world si
 reader finds the saved chunks that overlap the box and reads, from each, the byte span
 the overlap occupies, rounded out to whole checksum blocks, exactly once: the bytes
 stream through one reused buffer of at most :data:`PIECE_BYTES` (or one row of the chunk,
-if larger), every block's CRC32 is checked as it passes, and the rows the box needs are
+if larger; into a CUDA tensor through the few pinned ones of ``pinned_ring.py``), every
+block's CRC32 is checked as it passes, and the rows the box needs are
 copied into place. A chunk that exactly matches the request is read straight into the
 result. So reading takes the result's memory plus one piece, whatever sizes (or checksum
 block size) a manifest claims.
@@ -111,7 +112,7 @@ class CheckpointReader:
         self._failed: dict[str, CheckpointCorruptError] = {}
         """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
         self._buffer: torch.Tensor | None = None
-        self._pinned = PinnedRing()
+        self._pinned = PinnedRing(self.cuda_piece_bytes)
         """The staging buffers for CUDA destinations: page-locked, so copies go by DMA,
         and several, so the copies overlap the reads (``pinned_ring.py``)."""
 
@@ -251,7 +252,10 @@ class CheckpointReader:
         # still in cache, as ``_read_whole``'s are; copied out: larger pieces, fewer copies.
         cuda = dest is not None and dest.device.type == "cuda"
         piece_bytes = self._check_piece_bytes if dest is None else self.piece_bytes
-        piece_bytes = self.cuda_piece_bytes if cuda else piece_bytes
+        if cuda and dest is not None and dest.is_contiguous():
+            # A non-contiguous CUDA target takes a device copy of each piece on its way
+            # (torch's copy_): the host-sized pieces keep that copy small.
+            piece_bytes = self.cuda_piece_bytes
         per_piece = max(1, piece_bytes // max(row_bytes, 1))
         inner = (slice(None), *(slice(o, o + n) for o, n in zip(rel[0][1:], rel[1][1:])))
         stream = torch.cuda.current_stream(dest.device) if cuda and dest is not None else None
