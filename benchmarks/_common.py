@@ -237,6 +237,15 @@ def clean(path: str) -> None:
         os.remove(path)
 
 
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter and optimizer-state tensor, in a fixed order (not copied): what a
+    benchmark compares, bitwise, after a restore."""
+    found = [p.detach() for p in model.parameters()]
+    for p in model.parameters():
+        found += [v for _, v in sorted(opt.state[p].items()) if torch.is_tensor(v)]
+    return found
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 

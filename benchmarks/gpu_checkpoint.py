@@ -36,6 +36,7 @@ Run:  python benchmarks/gpu_checkpoint.py [--width 2048] [--layers 16] [--repeat
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from _common import Target, clean, disk, machine, mib, table, verdicts
+from _common import state_tensors as tensors
 
 STALL_VS_DCP = 0.5
 """The asynchronous save's target (``async_checkpoint.py``): at most half DCP's stall."""
@@ -70,14 +72,6 @@ def build(device: str, width: int, layers: int, seed: int) -> tuple[nn.Module, A
     opt.step()
     opt.zero_grad(set_to_none=True)
     return model, opt
-
-
-def tensors(model: nn.Module, opt: Any) -> list[torch.Tensor]:
-    """Every parameter and moment, in a fixed order (not copied)."""
-    found = [p.detach() for p in model.parameters()]
-    for p in model.parameters():
-        found += [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")]
-    return found
 
 
 def sync(device: str) -> None:
@@ -161,11 +155,11 @@ def training_steps(
         finish_step()
 
     manager = shardsafe.CheckpointManager(os.path.join(root, "steps"), keep_last=2)
-    counter = iter(range(1, 1_000_000))
+    steps_saved = itertools.count(1)
 
     def saving(overlap: bool) -> Callable[[], Any]:
         def step() -> Any:
-            handle = manager.async_save(next(counter), state, overlap=overlap)
+            handle = manager.async_save(next(steps_saved), state, overlap=overlap)
             forward_backward()
             handle.wait_staged()
             finish_step()
@@ -235,17 +229,17 @@ def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[s
         lambda h: h.wait(),
         prepare=fresh_dir("ss-async"),
     )
-    manager = shardsafe.TieredCheckpointManager(
-        os.path.join(root, "tiers-persistent"),
-        local_root,
-        local_every=1,
-        persist_every=None,
-        replicas=0,
-        keep_local=2,
-    )
-    counter = iter(range(1, 1_000_000))
+
+    def tiered() -> shardsafe.TieredCheckpointManager:
+        """The local tier only (``persist_every=None``), on one node (``replicas=0``)."""
+        return shardsafe.TieredCheckpointManager(
+            path("tiers-persistent"), local_root, persist_every=None, replicas=0
+        )
+
+    manager = tiered()
+    steps_saved = itertools.count(1)
     rows["TieredCheckpointManager async_save (local tier)"] = timer(
-        lambda: manager.async_save(next(counter), state), lambda _: manager.wait()
+        lambda: manager.async_save(next(steps_saved), state), lambda _: manager.wait()
     )
     manager.close()
 
@@ -287,20 +281,12 @@ def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[s
 
     loads: dict[str, dict[str, float]] = {}
     for verify in ("first", "inline"):
-        where = os.path.join(root, "ss-sync")
         loads[f"shardsafe load, verify={verify}"] = load_row(
-            lambda v=verify, w=where: shardsafe.load(w, target, verify=v)  # type: ignore[misc]
+            lambda v=verify: shardsafe.load(path("ss-sync"), target, verify=v)  # type: ignore[misc]
         )
 
     def tier_load() -> None:
-        restarted = shardsafe.TieredCheckpointManager(
-            os.path.join(root, "tiers-persistent"),
-            local_root,
-            local_every=1,
-            persist_every=None,
-            replicas=0,
-            keep_local=2,
-        )
+        restarted = tiered()
         restarted.load_latest(target)
         tier = restarted.restored.tiers if restarted.restored else None
         restarted.close()
@@ -312,7 +298,7 @@ def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[s
     def dcp_load() -> None:
         msd, osd = get_state_dict(fresh, fresh_opt)
         sd: dict[str, Any] = {"model": msd, "optim": osd}
-        dcp_load_into(sd, checkpoint_id=os.path.join(root, "dcp-sync"))
+        dcp_load_into(sd, checkpoint_id=path("dcp-sync"))
         set_state_dict(fresh, fresh_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     loads["DCP load (get_state_dict, dcp.load, set_state_dict)"] = load_row(dcp_load)

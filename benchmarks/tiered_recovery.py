@@ -86,6 +86,7 @@ from _common import (
     table,
     verdicts,
 )
+from _common import state_tensors as tensors
 from _report import Section, rss_cells, rss_headers
 
 WORLD, PER_NODE, LAYERS, BATCH = 4, 2, 16, 32
@@ -132,14 +133,6 @@ def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     model(torch.randn(BATCH, d)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every parameter and optimizer-state tensor, in a fixed order (not copied)."""
-    found = [p.detach() for p in model.parameters()]
-    for p in model.parameters():
-        found += [v for _, v in sorted(opt.state[p].items()) if torch.is_tensor(v)]
-    return found
 
 
 def _local_root(per_rank_bytes: int, scratch: str) -> str:

@@ -157,6 +157,26 @@ def test_the_copies_run_after_the_callers_queued_work_and_before_the_read_return
             assert torch.equal(target, weight)
 
 
+def test_a_damaged_piece_refuses_the_read_with_every_queued_copy_run(tmp_path: Path) -> None:
+    """A flipped byte mid-tensor: the read raises the checksum error, and the copies of
+    the pieces before it, queued asynchronously, have all run by then (the pinned
+    buffers are free; nothing is still writing into the tensor)."""
+    from shardsafe.errors import CheckpointCorruptError
+
+    weight = torch.randn(1024, 1024, device="cuda")  # 4 MiB: many 4 KiB pieces
+    shardsafe.save(tmp_path / "ckpt", {"t": {"w": weight}})
+    data = next((tmp_path / "ckpt").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1000] ^= 0xFF  # near the end: most pieces' copies are queued before it
+    data.write_bytes(bytes(raw))
+    with _reader_of(tmp_path / "ckpt") as reader:
+        target = torch.zeros_like(weight)
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            reader.read_into("t/w", None, None, target)
+        assert torch.cuda.current_stream().query(), "a queued copy outlived the error"
+    assert torch.equal(target[:512], weight[:512])  # the copies before the damage landed
+
+
 def test_a_row_larger_than_a_piece_goes_through_one_pinned_buffer(tmp_path: Path) -> None:
     """Pinned memory stays one row where a row exceeds a piece, as before the ring, not
     one row per slot."""
