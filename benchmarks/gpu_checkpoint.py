@@ -18,7 +18,8 @@ synchronized before each timer starts, so no earlier kernel is charged to a tool
 * **copy floor**: one ``copy_`` of every tensor into preallocated pinned host buffers
   (``non_blocking``, then one synchronize): what staging cannot go below.
 * **load**: into live CUDA tensors of fresh objects, zeroed before each (untimed):
-  ``shardsafe.load`` (both verify modes), the tiered manager's ``load_latest`` from its
+  ``shardsafe.load`` (both verify modes, on its default threads and on one:
+  ``checkpoint/io/threaded_reads.py``), the tiered manager's ``load_latest`` from its
   local tier (constructing the manager included), DCP's ``get_state_dict`` +
   ``dcp.load`` + ``set_state_dict``; timed until the GPU is synchronized after it. After
   each load (untimed) every tensor is compared with the saved ones, bitwise.
@@ -283,6 +284,9 @@ def run(device: str, width: int, layers: int, repeat: int, root: str) -> tuple[s
     for verify in ("first", "inline"):
         loads[f"shardsafe load, verify={verify}"] = load_row(
             lambda v=verify: shardsafe.load(path("ss-sync"), target, verify=v)  # type: ignore[misc]
+        )
+        loads[f"shardsafe load, verify={verify}, read_threads=1"] = load_row(
+            lambda v=verify: shardsafe.load(path("ss-sync"), target, verify=v, read_threads=1)  # type: ignore[misc]
         )
 
     def tier_load() -> None:

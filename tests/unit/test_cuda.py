@@ -372,3 +372,39 @@ def test_a_persistent_step_saved_on_cpu_restores_onto_the_gpu_through_the_tiers(
     assert all(p.is_cuda for p in fresh.parameters())
     assert all(s["exp_avg"].is_cuda for s in fresh_opt.state.values())
     assert _equal(_snapshot(model, opt), _snapshot(fresh, fresh_opt))
+
+
+def test_threaded_load_fills_cuda_targets_on_the_callers_thread_and_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With read_threads=2, CPU targets go to a helper thread and every CUDA target is read
+    by the calling thread, its copies queued on the caller's current stream (torch's
+    current stream is per thread): queued after the caller's slow kernel on a side stream,
+    and all run by the time the load returns."""
+    import threading
+
+    from shardsafe.checkpoint.io.reader import CheckpointReader
+
+    gpu, _ = _trained("cuda")
+    cpu, _ = _trained("cpu", seed=2)
+    shardsafe.save(tmp_path / "ckpt", {"gpu": gpu, "cpu": cpu})
+    fresh_gpu, _ = _trained("cuda", seed=1)
+    fresh_cpu, _ = _trained("cpu", seed=3)
+    threads_of: dict[str, set[str]] = {"cuda": set(), "cpu": set()}
+    original = CheckpointReader.read_into
+
+    def spy(self: CheckpointReader, key: str, offsets: Any, shape: Any, out: torch.Tensor) -> None:
+        threads_of[out.device.type].add(threading.current_thread().name)
+        original(self, key, offsets, shape, out)
+
+    monkeypatch.setattr(CheckpointReader, "read_into", spy)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # type: ignore[attr-defined]  # ~0.1 s queued
+        for p in fresh_gpu.parameters():
+            p.data.fill_(7.0)
+        shardsafe.load(tmp_path / "ckpt", {"gpu": fresh_gpu, "cpu": fresh_cpu}, read_threads=2)
+        assert side.query(), "the load returned before its copies ran"
+    assert _same(gpu, fresh_gpu) and _same(cpu, fresh_cpu)
+    assert threads_of["cuda"] == {"MainThread"}
+    assert any(name.startswith("shardsafe-read") for name in threads_of["cpu"])

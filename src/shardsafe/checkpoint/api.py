@@ -126,6 +126,7 @@ def load(
     storage_options: Mapping[str, Any] | None = _L.storage_options,
     verify: VerifyMode = _L.verify,
     buffer_bytes: int = _L.buffer_bytes,
+    read_threads: int | None = _L.read_threads,
 ) -> dict[str, Any]:
     """Restore the stateful values of ``state`` in place from ``path``. Call it on every rank.
 
@@ -150,6 +151,8 @@ def load(
     then reads it again into place, checked again; ``verify="inline"`` reads once,
     checking each piece as it is copied in, so a corrupt byte is found with live
     tensors partly restored (the error names them).
+    Local files are read on up to ``read_threads`` threads (default: this rank's share
+    of the CPUs, 1 to 4; ranks that share their cores read on one); an object store on one.
 
     ``path`` and ``storage_options`` are as :func:`save` takes them, and so is ``storage``
     (advanced): what makes the storage layer for the directory.
@@ -163,6 +166,7 @@ def load(
         storage_options=storage_options,
         verify=verify,
         buffer_bytes=buffer_bytes,
+        read_threads=read_threads,
     )
     with storage_factory(storage, storage_options)(os.fspath(path)) as opened:
         return loading.load(opened, state, options)

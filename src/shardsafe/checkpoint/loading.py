@@ -32,8 +32,8 @@ from ..errors import CheckpointNotFoundError
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
-from .io import in_place, pinned_ring
-from .io.reader import CACHE_PIECE_BYTES, CheckpointReader, box_of
+from .io import in_place, pinned_ring, threaded_reads
+from .io.reader import CACHE_PIECE_BYTES, MAX_OPEN_FILES, CheckpointReader, box_of
 from .options import LoadOptions
 from .plan.load_plan import (
     LoadPlan,
@@ -127,19 +127,28 @@ def load_chosen(
                     f"{no_entry(name, list(manifest.values))}",
                     stacklevel=4,  # the caller of shardsafe.load (or of load_latest)
                 )
-        pieces = min(options.buffer_bytes // 2, CACHE_PIECE_BYTES)  # see CACHE_PIECE_BYTES
         spool = _spool(storage, options, routes, manifest)
+        threads = _threads(storage, options, spool, coord.world_size, _files(routes, manifest))
+        # Each thread has a piece of its own, the pieces within half the budget.
+        pieces = min(options.buffer_bytes // 2 // threads, CACHE_PIECE_BYTES)
         cuda_pieces = pinned_ring.piece_bytes_for(options.buffer_bytes)
         reader = CheckpointReader(
             storage, manifest, piece_bytes=pieces, cuda_piece_bytes=cuda_pieces, spool=spool
         )
         with reader, contextlib.closing(spool) if spool else contextlib.nullcontext():
             with coord.phase(Phase.READ):
-                tensors = _read(reader, routes, options.verify, spool)
+                tensors = _read(reader, routes, options.verify, spool, threads)
                 for item in plan.entries:
                     guarded(item, "validate", item.adapter.validate, item.obj, item.saved, tensors)
             with coord.phase(Phase.RESTORE):
-                in_place.fill(reader, routes.in_place, verify=options.verify, rank=coord.rank)
+                in_place.fill(
+                    reader,
+                    routes.in_place,
+                    verify=options.verify,
+                    rank=coord.rank,
+                    threads=threads,
+                    sizes=[_bytes(manifest, req) for req, _ in routes.in_place],
+                )
                 return _restore(plan, tensors)
     finally:
         coord.close()
@@ -166,19 +175,63 @@ def _spool(
     return spool_for(sum(request_bytes(manifest.tensors[r.key], r) for r, _ in routes.in_place))
 
 
+def _threads(
+    storage: Storage, options: LoadOptions, spool: Spool | None, world: int, files: int
+) -> int:
+    """The threads this rank reads with (``io/threaded_reads.py``): one for an object store
+    or a spool, or for more files than a reader keeps open (threads share the descriptors
+    of the files they read, so none may be closed during the load); else
+    ``options.read_threads`` if given, or this rank's share of the CPUs."""
+    if spool is not None or not storage.cheap_rereads or files > MAX_OPEN_FILES:
+        return 1
+    if options.read_threads is not None:
+        return options.read_threads
+    return threaded_reads.default_threads(world)
+
+
+def _files(routes: in_place.Routes, manifest: Manifest) -> int:
+    """How many data files hold pieces of the tensors ``routes`` read (at most)."""
+    keys = {req.key for req in routes.fresh} | {req.key for req, _ in routes.in_place}
+    return len({chunk.file for key in keys for chunk in manifest.tensors[key].chunks})
+
+
 def _read(
-    reader: CheckpointReader, routes: in_place.Routes, verify: str, spool: Spool | None = None
+    reader: CheckpointReader,
+    routes: in_place.Routes,
+    verify: str,
+    spool: Spool | None = None,
+    threads: int = 1,
 ) -> dict[str, torch.Tensor]:
     """New tensors for what no live tensor takes; the live targets (still holding their old
     values) for the rest, after checking every byte of them if ``verify == "first"`` (kept
-    in ``spool`` for the second read, if there is one)."""
-    tensors = {req.key: reader.read(req.key, req.offsets, req.shape) for req in routes.fresh}
+    in ``spool`` for the second read, if there is one). On up to ``threads`` threads; an
+    error is the earliest request's (``io/threaded_reads.py``)."""
+    manifest = reader.manifest
+    fresh = threaded_reads.run(
+        reader,
+        routes.fresh,
+        lambda r, req: r.read(req.key, req.offsets, req.shape),
+        threads=threads,
+        sizes=[_bytes(manifest, req) for req in routes.fresh],
+    )
+    fresh.raise_first()
+    tensors = {req.key: fresh.results[i] for i, req in enumerate(routes.fresh)}
     if verify == "first":
         with spool.recording() if spool else contextlib.nullcontext():
-            for req, _ in routes.in_place:
-                reader.check(req.key, req.offsets, req.shape)
+            checked = threaded_reads.run(
+                reader,
+                [req for req, _ in routes.in_place],
+                lambda r, req: r.check(req.key, req.offsets, req.shape),
+                threads=threads,
+                sizes=[_bytes(manifest, req) for req, _ in routes.in_place],
+            )
+            checked.raise_first()
     tensors.update({req.key: target for req, target in routes.in_place})
     return tensors
+
+
+def _bytes(manifest: Manifest, req: ReadRequest) -> int:
+    return request_bytes(manifest.tensors[req.key], req)
 
 
 def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Routes:

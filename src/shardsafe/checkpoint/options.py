@@ -135,6 +135,10 @@ class LoadOptions:
     """The read buffers' budget: half pageable; half pinned for CUDA targets, four pieces
     of at most 4 MiB (``io/pinned_ring.py``). A single row larger than that is read
     through one buffer of its size."""
+    read_threads: int | None = None
+    """Threads this rank reads local files with (``io/threaded_reads.py``); ``None``: its
+    share of the CPUs (the CPUs it may run on divided by the processes on its node,
+    ``LOCAL_WORLD_SIZE``), 1 to 4. An object store is read on one thread."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):
@@ -149,6 +153,14 @@ class LoadOptions:
         _positive("entry_timeout", self.entry_timeout)
         _positive("timeout", self.timeout)
         _mapping_or_none(self.storage_options)
+        threads = self.read_threads
+        if threads is not None and (
+            not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64
+        ):
+            raise ValueError(
+                f"read_threads={threads!r} must be a number of threads from 1 to 64, or None "
+                "for this rank's share of the CPUs"
+            )
         if not isinstance(self.untrusted_bytes_limit, int) or self.untrusted_bytes_limit < 0:
             raise ValueError(
                 f"untrusted_bytes_limit={self.untrusted_bytes_limit!r} must be a number of "
@@ -179,6 +191,7 @@ class LoadKeywords(TypedDict, total=False):
     storage_options: Mapping[str, Any] | None
     verify: VerifyMode
     buffer_bytes: int
+    read_threads: int | None
 
 
 def _positive(name: str, value: float) -> None:

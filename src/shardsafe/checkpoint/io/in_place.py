@@ -5,8 +5,9 @@ buffers, the state of an optimizer that has stepped. Adapters name them (``targe
 :func:`route` keeps those that fit their request exactly (dtype, shape, a real device,
 no overlapping memory) and leaves the rest (a fresh optimizer's state, RNG state,
 plain values) to be read into new tensors, which the objects then adopt. :func:`fill`
-reads each target's box into it, checksums checked piece by piece, and, when a
-checksum fails, says exactly what state the live objects were left in.
+reads each target's box into it, checksums checked piece by piece, on a few threads
+where the rank has cores to spare (``threaded_reads.py``), and, when a checksum fails,
+says exactly what state the live objects were left in.
 
 The verify modes (``LoadOptions.verify``) differ only in when :func:`fill` runs: with
 ``"first"`` every targeted byte has already been read and checked once (``check``), so
@@ -27,6 +28,7 @@ from ...errors import CheckpointCorruptError, CheckpointError
 from ...protocol import ReadRequest
 from ..format.manifest import Manifest
 from ..plan.load_plan import LoadPlan, guarded
+from . import threaded_reads
 from .reader import CheckpointReader
 
 _NAMED = 3
@@ -83,37 +85,62 @@ def fill(
     *,
     verify: str,
     rank: int,
+    threads: int = 1,
+    sizes: Sequence[int] | None = None,
 ) -> None:
-    """Read every box into its target; on a bad byte (or an I/O error), raise saying what
-    was restored."""
-    for done, (req, target) in enumerate(in_place):
-        try:
-            reader.read_into(req.key, req.offsets, req.shape, target)
-        except (CheckpointCorruptError, OSError) as e:
-            keys = [r.key for r, _ in in_place]
-            corrupt = isinstance(e, CheckpointCorruptError)
-            cls = CheckpointCorruptError if corrupt else CheckpointError
-            raise cls(partly_restored(e, verify, rank, keys, done)) from e
+    """Read every box into its target, on up to ``threads`` threads (``sizes``: bytes per
+    box; CUDA targets on the calling thread, ``threaded_reads.py``); on a bad byte (or an
+    I/O error), raise saying exactly which targets were restored."""
+    outcome = threaded_reads.run(
+        reader,
+        in_place,
+        _read_into,
+        threads=threads,
+        sizes=sizes if sizes is not None else [1] * len(in_place),
+        home=lambda pair: pair[1].device.type == "cuda",
+    )
+    if not outcome.failures:
+        return
+    error = outcome.failures[min(outcome.failures)]
+    if not isinstance(error, (CheckpointCorruptError, OSError)):
+        raise error
+    keys = [req.key for req, _ in in_place]
+    done = [keys[i] for i in sorted(outcome.results)]
+    partly = [keys[i] for i in sorted(outcome.failures)]
+    cls = CheckpointCorruptError if isinstance(error, CheckpointCorruptError) else CheckpointError
+    raise cls(partly_restored(error, verify, rank, done, partly, len(keys))) from error
+
+
+def _read_into(reader: CheckpointReader, pair: tuple[ReadRequest, torch.Tensor]) -> None:
+    req, target = pair
+    reader.read_into(req.key, req.offsets, req.shape, target)
 
 
 def partly_restored(
-    error: Exception, verify: str, rank: int, keys: Sequence[str], done: int
+    error: BaseException,
+    verify: str,
+    rank: int,
+    done: Sequence[str],
+    partly: Sequence[str],
+    total: int,
 ) -> str:
-    """The message for a failure while filling ``keys[done]``, the ones before it filled."""
+    """The message for failures while filling ``partly``, the targets in ``done`` filled,
+    the other targets of the ``total`` untouched."""
     why = (
         "every byte had passed its checksum before restoring began (verify='first'), so "
         "the file was modified during the load"
         if verify == "first"
         else "with verify='inline' each tensor is copied into its live object as it is read"
     )
-    named = ", ".join(repr(k) for k in keys[: min(done, _NAMED)])
-    more = f" and {done - _NAMED} more" if done > _NAMED else ""
+    named = ", ".join(repr(k) for k in done[:_NAMED])
+    more = f" and {len(done) - _NAMED} more" if len(done) > _NAMED else ""
     restored = f" ({named}{more})" if done else ""
-    rest = len(keys) - done - 1
+    overwritten = f"{partly[0]!r} is" if len(partly) == 1 else f"{', '.join(map(repr, partly))} are"
+    rest = total - len(done) - len(partly)
     return (
-        f"{error}. This was found while restoring: {why}. On rank {rank}, {done} of the "
-        f"{len(keys)} tensors loaded in place hold the checkpoint's values{restored}, "
-        f"{keys[done]!r} is partly overwritten, and the other {rest} keep their previous "
+        f"{error}. This was found while restoring: {why}. On rank {rank}, {len(done)} of the "
+        f"{total} tensors loaded in place hold the checkpoint's values{restored}, "
+        f"{overwritten} partly overwritten, and the other {rest} keep their previous "
         "values; no object's restore step had run, so everything else (param groups, "
         "module extra state, RNG, tensors not loaded in place) is unchanged. Load a good "
         "checkpoint before using these objects."

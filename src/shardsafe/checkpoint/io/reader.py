@@ -18,12 +18,15 @@ copies to the device overlapping the next reads, ``pinned_ring.py``), or nothing
 
 Files are opened lazily, each validated against the manifest (type, size, header CRC32,
 header) when opened. At most :data:`MAX_OPEN_FILES` stay open; a file closed to make
-room is validated again in full if it is needed again.
+room is validated again in full if it is needed again. Readers for other threads
+(:meth:`~CheckpointReader.fork`) share the open files, so every thread reads the
+descriptor that was validated, and none is closed while they may read it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 
 import torch
@@ -107,19 +110,34 @@ class CheckpointReader:
         self.header_bytes: dict[str, bytes] = {}
         """With ``keep_header_bytes``: each opened file's raw header (for ``verify``)."""
         self._keep_header_bytes = keep_header_bytes
-        self._open: OrderedDict[str, tuple[FileReader, dict[str, HeaderEntry]]]
-        self._open = OrderedDict()
-        self._failed: dict[str, CheckpointCorruptError] = {}
-        """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
+        self._files = _OpenFiles()
+        self._owns_files = True
         self._buffer: torch.Tensor | None = None
         self._pinned = PinnedRing(self.cuda_piece_bytes)
         """The staging buffers for CUDA destinations: page-locked, so copies go by DMA,
         and several, so the copies overlap the reads (``pinned_ring.py``)."""
 
+    def fork(self) -> CheckpointReader:
+        """A reader for another thread (``threaded_reads.py``), with buffers of its own
+        and this reader's open files: each file is opened and validated once, and the
+        descriptor validated is the one every thread reads, in every pass of a load. Once
+        forked, no file is closed to make room until this reader closes (the caller
+        bounds the files a threaded load opens by :data:`MAX_OPEN_FILES`)."""
+        if self._spool is not None:
+            raise ValueError("a reader that records into a spool reads on one thread")
+        fork = CheckpointReader(
+            self.storage,
+            self.manifest,
+            piece_bytes=self.piece_bytes,
+            cuda_piece_bytes=self.cuda_piece_bytes,
+        )
+        fork._files, fork._owns_files = self._files, False
+        self._files.shared = True
+        return fork
+
     def close(self) -> None:
-        for reader, _ in self._open.values():
-            reader.close()
-        self._open.clear()
+        if self._owns_files:
+            self._files.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -343,21 +361,23 @@ class CheckpointReader:
     # -- files
 
     def _file(self, name: str) -> tuple[FileReader, dict[str, HeaderEntry]]:
-        if name in self._open:
-            self._open.move_to_end(name)
-            return self._open[name]
-        if name in self._failed:
-            raise self._failed[name]
-        try:
-            opened = self._validated(name)
-        except CheckpointCorruptError as e:
-            self._failed[name] = e
-            raise
-        if len(self._open) >= MAX_OPEN_FILES:
-            _, (oldest, _) = self._open.popitem(last=False)
-            oldest.close()
-        self._open[name] = opened
-        return opened
+        files = self._files
+        with files.lock:  # one thread opens and validates a file; all then read it
+            if name in files.open:
+                files.open.move_to_end(name)
+                return files.open[name]
+            if name in files.failed:
+                raise files.failed[name]
+            try:
+                opened = self._validated(name)
+            except CheckpointCorruptError as e:
+                files.failed[name] = e
+                raise
+            if len(files.open) >= MAX_OPEN_FILES and not files.shared:
+                _, (oldest, _) = files.open.popitem(last=False)
+                oldest.close()
+            files.open[name] = opened
+            return opened
 
     def _validated(self, name: str) -> tuple[FileReader, dict[str, HeaderEntry]]:
         """Open ``name`` and check it against the manifest: size, header CRC32, header."""
@@ -385,6 +405,25 @@ class CheckpointReader:
     ) -> tuple[FileReader, HeaderEntry]:
         reader, headers = self._file(chunk.file)
         return reader, entry_for(headers, key, rec, chunk)
+
+
+class _OpenFiles:
+    """The data files a reader and its forks have open, each validated (``_validated``)
+    on the descriptor that is then read."""
+
+    def __init__(self) -> None:
+        self.open: OrderedDict[str, tuple[FileReader, dict[str, HeaderEntry]]] = OrderedDict()
+        self.failed: dict[str, CheckpointCorruptError] = {}
+        """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
+        self.lock = threading.Lock()
+        self.shared = False
+        """Read by several threads: no file is closed to make room (another may read it)."""
+
+    def close(self) -> None:
+        with self.lock:
+            for reader, _ in self.open.values():
+                reader.close()
+            self.open.clear()
 
 
 def entry_for(

@@ -1,0 +1,320 @@
+"""Loads read on several threads (``checkpoint/io/threaded_reads.py``), in one process:
+the same bytes as on one thread, every data file opened and validated once and read
+through that descriptor by every thread, an error that names exactly what the threads
+restored and is the same whatever their timing, and the thread count's rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardsafe
+from shardsafe import CheckpointCorruptError
+from shardsafe.adapters import Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
+from shardsafe.checkpoint import LoadOptions, loading
+from shardsafe.checkpoint.io import threaded_reads
+from shardsafe.checkpoint.io.reader import MAX_OPEN_FILES, CheckpointReader
+from shardsafe.checkpoint.storage.locations import open_storage
+from shardsafe.checkpoint.storage.spool import Spool
+
+from .attacks.common import opens_with_flags
+
+MODES = ["first", "inline"]
+LAYERS = 8
+
+
+def trained(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(LAYERS)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(4, 64)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for p, state in opt.state.items():
+        out.update({f"optimizer/{names[id(p)]}/{k}": v.clone() for k, v in state.items()})
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal (``torch.equal`` would call -0.0 and 0.0 equal)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bool((a.view(-1).view(torch.uint8) == b.view(-1).view(torch.uint8)).all())
+    )
+
+
+def flip(path: Path, key: str) -> None:
+    """Flip one byte in the middle of tensor ``key``'s bytes in its data file."""
+    (chunk,) = shardsafe.read_manifest(path).tensors[key].chunks
+    data = path / chunk.file
+    raw = bytearray(data.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + n])[chunk.name]["data_offsets"]
+    raw[8 + n + (begin + end) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def reading_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, set[str]]]:
+    """The names of the threads that ran each reader call during the test."""
+    seen: dict[str, set[str]] = {"read": set(), "check": set(), "read_into": set()}
+    for name in seen:
+        original = getattr(CheckpointReader, name)
+
+        def spy(self: CheckpointReader, *args: Any, _name: str = name, _f: Any = original) -> Any:
+            seen[_name].add(threading.current_thread().name)
+            return _f(self, *args)
+
+        monkeypatch.setattr(CheckpointReader, name, spy)
+    yield seen
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_threads_restore_the_same_bits_as_one(
+    tmp_path: Path, mode: str, threads: int, reading_threads: dict[str, set[str]]
+) -> None:
+    model, opt = trained(0, 2)
+    saved = tensors(model, opt)
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt}, layout="consolidated")
+    stepped, stepped_opt = trained(1, 1)  # optimizer state exists: read in place
+    fresh, fresh_opt = trained(2, 0)  # no optimizer state yet: read into new tensors
+    for m, o in ((stepped, stepped_opt), (fresh, fresh_opt)):
+        shardsafe.load(
+            tmp_path / "c", {"model": m, "optimizer": o}, verify=mode, read_threads=threads
+        )
+        got = tensors(m, o)
+        assert got.keys() == saved.keys()
+        assert all(same(got[k], v) for k, v in saved.items())
+    helpers = {name for names in reading_threads.values() for name in names} - {"MainThread"}
+    passes = ["read", "read_into"] + (["check"] if mode == "first" else [])
+    for name in passes:  # every pass ran on the calling thread, and on helpers if asked
+        assert "MainThread" in reading_threads[name], name
+        assert any(n.startswith("shardsafe-read") for n in reading_threads[name]) == (threads > 1)
+    assert len(helpers) <= threads - 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_every_data_file_is_opened_once_and_read_by_every_thread(
+    tmp_path: Path, threads: int
+) -> None:
+    model, opt = trained(0, 2)
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt}, layout="consolidated")
+    files = sorted(p.name for p in (tmp_path / "c").glob("*.safetensors"))
+    assert files == ["model.safetensors", "optimizer.safetensors"]
+    fresh, fresh_opt = trained(1, 1)
+    with opens_with_flags() as opened:
+        shardsafe.load(
+            tmp_path / "c", {"model": fresh, "optimizer": fresh_opt}, read_threads=threads
+        )
+    names = [os.path.basename(path) for path, _ in opened]
+    assert {name: names.count(name) for name in files} == {name: 1 for name in files}
+
+
+class Swap:
+    """State whose validation replaces a data file by a corrupted copy (a rename over it),
+    after verify='first''s checking pass and before its restoring pass."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+
+class SwapAdapter(Adapter):
+    kind = "test-swap-between-passes"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, Swap)
+
+    def save(self, obj: Swap, ctx: SaveContext) -> SaveItem:
+        return SaveItem(self.kind, {})
+
+    def plan_load(self, obj: Swap, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
+        return LoadRequests()
+
+    def validate(
+        self, obj: Swap, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
+    ) -> None:
+        data = obj.path / "model.safetensors"
+        raw = bytearray(data.read_bytes())
+        for i in range(len(raw) // 2, len(raw)):
+            raw[i] ^= 0xFF
+        decoy = obj.path / "decoy"
+        decoy.write_bytes(bytes(raw))
+        os.replace(decoy, data)
+
+    def restore(self, obj: Any, saved: SavedValue, tensors: Any, ctx: LoadContext) -> None:
+        return None
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_file_renamed_over_between_the_passes_is_never_read(tmp_path: Path, threads: int) -> None:
+    """Every thread reads the descriptor validated in the first pass: a decoy renamed
+    over the file afterwards is not opened, and the load restores the checkpoint's bits."""
+    shardsafe.register_adapter(SwapAdapter())
+    path = tmp_path / "c"
+    model, _ = trained(0, 0)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    shardsafe.save(path, {"model": model, "swap": Swap(path)}, layout="consolidated")
+    fresh, _ = trained(1, 0)
+    shardsafe.load(path, {"model": fresh, "swap": Swap(path)}, read_threads=threads)
+    assert all(same(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "model/1.weight",  # early in file order: in the calling thread's run
+        "optimizer/7.weight/exp_avg_sq",  # the last: in the other thread's run
+    ],
+)
+def test_inline_error_says_exactly_what_the_threads_restored(tmp_path: Path, bad: str) -> None:
+    model, opt = trained(0, 2)
+    saved = tensors(model, opt)
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt}, layout="consolidated")
+    flip(tmp_path / "c", bad)
+    fresh, fresh_opt = trained(1, 1)
+    before = tensors(fresh, fresh_opt)
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(
+            tmp_path / "c",
+            {"model": fresh, "optimizer": fresh_opt},
+            verify="inline",
+            read_threads=2,
+        )
+    message = str(info.value)
+    after = tensors(fresh, fresh_opt)
+    restored = [k for k in after if k != bad and same(after[k], saved[k])]
+    untouched = [k for k in after if k != bad and same(after[k], before[k])]
+    assert sorted(restored + untouched + [bad]) == sorted(after)  # every other tensor is one
+    assert not same(after[bad], saved[bad]) and not same(after[bad], before[bad])
+    counts = re.search(r"On rank 0, (\d+) of the (\d+) tensors loaded in place hold", message)
+    assert counts is not None, message
+    assert (int(counts[1]), int(counts[2])) == (len(restored), len(after))
+    assert f"'{bad}' is partly overwritten" in message
+    assert f"the other {len(untouched)} keep their previous values" in message
+    assert "checksum mismatch" in message and bad in message
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_the_earliest_bad_tensor_is_reported_whatever_the_timing(
+    tmp_path: Path, threads: int
+) -> None:
+    model, opt = trained(0, 2)
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt}, layout="consolidated")
+    flip(tmp_path / "c", "model/0.weight")  # the first run's
+    flip(tmp_path / "c", "model/7.weight")  # the last run's
+    for _ in range(5):
+        fresh, fresh_opt = trained(1, 1)
+        before = tensors(fresh, fresh_opt)
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as info:
+            shardsafe.load(
+                tmp_path / "c", {"model": fresh, "optimizer": fresh_opt}, read_threads=threads
+            )
+        assert "'model/0.weight'" in str(info.value) and "model/7.weight" not in str(info.value)
+        after = tensors(fresh, fresh_opt)  # verify='first': nothing was restored
+        assert all(same(after[k], v) for k, v in before.items())
+
+
+def test_each_thread_keeps_within_the_buffer_budget(tmp_path: Path) -> None:
+    """The pieces of 4 threads fit in half of the smallest buffer_bytes (1 MiB)."""
+    model, opt = trained(0, 1)
+    saved = tensors(model, opt)
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt})
+    fresh, fresh_opt = trained(1, 1)
+    pieces: list[int] = []
+    original = CheckpointReader.fork
+
+    def fork(self: CheckpointReader) -> CheckpointReader:
+        pieces.append(self.piece_bytes)
+        return original(self)
+
+    CheckpointReader.fork = fork  # type: ignore[method-assign]
+    try:
+        shardsafe.load(
+            tmp_path / "c",
+            {"model": fresh, "optimizer": fresh_opt},
+            buffer_bytes=1 << 20,
+            read_threads=4,
+        )
+    finally:
+        CheckpointReader.fork = original  # type: ignore[method-assign]
+    assert pieces and all(4 * p <= 1 << 19 for p in pieces)
+    assert all(same(tensors(fresh, fresh_opt)[k], v) for k, v in saved.items())
+
+
+def test_default_threads_are_this_ranks_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert threaded_reads.default_threads(1) == threaded_reads.MAX_THREADS == 4
+    assert threaded_reads.default_threads(8) == 2  # no LOCAL_WORLD_SIZE: the world is local
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun: 8 processes on this node
+    assert threaded_reads.default_threads(64) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # more processes than CPUs: one thread
+    assert threaded_reads.default_threads(64) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert threaded_reads.default_threads(3) == 4 and threaded_reads.default_threads(16) == 1
+
+
+def test_runs_are_contiguous_and_about_equal_in_bytes() -> None:
+    sizes = [10, 10, 10, 10, 40, 10, 10]
+    runs = threaded_reads._runs(list(range(7)), sizes, 3)
+    assert [i for run in runs for i in run] == list(range(7)) and len(runs) == 3
+    assert [sum(sizes[i] for i in run) for run in runs] == [40, 40, 20]
+    assert threaded_reads._runs([4], sizes, 3) == [[4]]
+    assert threaded_reads._runs([], sizes, 3) == [[]]
+
+
+def test_one_thread_for_object_stores_spools_and_more_files_than_stay_open() -> None:
+    class Local:
+        cheap_rereads = True
+
+    class Remote:
+        cheap_rereads = False
+
+    opts = LoadOptions(read_threads=3)
+    local: Any = Local()
+    assert loading._threads(local, opts, None, 1, MAX_OPEN_FILES) == 3
+    assert loading._threads(local, opts, None, 1, MAX_OPEN_FILES + 1) == 1
+    assert loading._threads(Remote(), opts, None, 1, 1) == 1  # type: ignore[arg-type]
+    assert loading._threads(local, opts, Spool(), 1, 1) == 1
+
+
+def test_a_reader_that_records_into_a_spool_is_not_forked(tmp_path: Path) -> None:
+    model, _ = trained(0, 0)
+    shardsafe.save(tmp_path / "c", {"model": model})
+    storage = open_storage(str(tmp_path / "c"))
+    manifest = loading.read_manifest_from(storage)
+    with (
+        storage,
+        CheckpointReader(storage, manifest, spool=Spool()) as reader,
+        pytest.raises(ValueError, match="records into a spool reads on one thread"),
+    ):
+        reader.fork()
+
+
+def test_read_threads_option_names_what_it_accepts() -> None:
+    for bad in (0, 65, True, 2.0, "2"):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"read_threads={bad!r} must be a number of threads from 1 to 64"),
+        ):
+            LoadOptions(read_threads=bad)  # type: ignore[arg-type]
+    assert LoadOptions().read_threads is None and LoadOptions(read_threads=64).read_threads == 64
