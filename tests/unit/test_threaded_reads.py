@@ -10,6 +10,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import shardsafe
 from shardsafe import CheckpointCorruptError
 from shardsafe.adapters import Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 from shardsafe.checkpoint import LoadOptions, loading
+from shardsafe.checkpoint.io import reader as reader_module
 from shardsafe.checkpoint.io import threaded_reads
 from shardsafe.checkpoint.io.reader import MAX_OPEN_FILES, CheckpointReader
 from shardsafe.checkpoint.storage.locations import open_storage
@@ -318,3 +320,209 @@ def test_read_threads_option_names_what_it_accepts() -> None:
         ):
             LoadOptions(read_threads=bad)  # type: ignore[arg-type]
     assert LoadOptions().read_threads is None and LoadOptions(read_threads=64).read_threads == 64
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tied_targets_are_filled_in_order_the_last_winning_as_in_load_state_dict(
+    tmp_path: Path, mode: str
+) -> None:
+    """An untied checkpoint loaded into a tied model: both keys' bytes go into the same
+    memory, one after the other, never by two threads at once (a torn mix, or a
+    checksum computed over bytes another thread was writing)."""
+
+    def pair(tied: bool) -> nn.Module:
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
+        if tied:
+            model[1].weight = model[0].weight
+        return model
+
+    untied = pair(tied=False)
+    with torch.no_grad():
+        untied[0].weight.fill_(1.0)
+        untied[1].weight.fill_(2.0)
+    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    for _ in range(5):
+        tied = pair(tied=True)
+        shardsafe.load(tmp_path / "c", {"model": tied}, verify=mode, read_threads=2)
+        assert bool((tied[0].weight == 2.0).all()) and tied[1].weight is tied[0].weight
+
+
+def test_a_file_refused_before_any_byte_is_written_leaves_its_tensors_untouched(
+    tmp_path: Path,
+) -> None:
+    """verify='inline' and a damaged header in the optimizer's file: its tensors are
+    refused before anything is written into them, so none is called partly overwritten,
+    and every tensor before them in file order is restored, whatever the threads."""
+    model, opt = trained(0, 2)
+    saved = tensors(model, opt)
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt}, layout="consolidated")
+    data = tmp_path / "c" / "optimizer.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[20] ^= 0x01  # inside the JSON header: its CRC32 no longer matches the manifest's
+    data.write_bytes(bytes(raw))
+    for threads in (1, 2, 4):
+        fresh, fresh_opt = trained(1, 1)
+        before = tensors(fresh, fresh_opt)
+        with pytest.raises(CheckpointCorruptError, match="damaged safetensors header") as info:
+            shardsafe.load(
+                tmp_path / "c",
+                {"model": fresh, "optimizer": fresh_opt},
+                verify="inline",
+                read_threads=threads,
+            )
+        after = tensors(fresh, fresh_opt)
+        models = [k for k in after if k.startswith("model/")]
+        assert all(same(after[k], saved[k]) for k in models), threads
+        assert all(same(after[k], before[k]) for k in after if k not in models), threads
+        assert (
+            f"On rank 0, {len(models)} of the {len(after)} tensors loaded in place hold the "
+            "checkpoint's values"
+        ) in str(info.value)
+        assert (
+            f"none is partly overwritten, and the other {len(after) - len(models)} keep their "
+            "previous values"
+        ) in str(info.value)
+
+
+def test_a_file_closed_to_make_room_then_replaced_is_refused_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With more data files than stay open (here 1 for 2), a file closed after the
+    checking pass is opened again for the restoring pass: a decoy renamed over it
+    meanwhile is refused by its identity (device and inode) before a byte is read."""
+    shardsafe.register_adapter(SwapAdapter())
+    monkeypatch.setattr(reader_module, "MAX_OPEN_FILES", 1)
+    monkeypatch.setattr(loading, "MAX_OPEN_FILES", 1)  # so the load reads on one thread
+    path = tmp_path / "c"
+    model, opt = trained(0, 1)
+    saved = tensors(model, opt)
+    shardsafe.save(
+        path, {"model": model, "optimizer": opt, "swap": Swap(path)}, layout="consolidated"
+    )
+    fresh, fresh_opt = trained(1, 1)
+    before = tensors(fresh, fresh_opt)
+    with pytest.raises(CheckpointCorruptError, match="was replaced during the load") as info:
+        shardsafe.load(path, {"model": fresh, "optimizer": fresh_opt, "swap": Swap(path)})
+    assert "model.safetensors" in str(info.value) and "nothing was read from the new one" in str(
+        info.value
+    )
+    after = tensors(fresh, fresh_opt)
+    for key, value in after.items():  # every tensor: untouched, or the checkpoint's
+        assert same(value, before[key]) or same(value, saved[key]), key
+    assert all(same(after[k], before[k]) for k in after if k.startswith("model/"))
+
+
+def test_inference_tensors_are_filled_by_helper_threads_too(tmp_path: Path) -> None:
+    """torch keeps inference mode per thread: the helpers run in the caller's, or copying
+    into an inference tensor (a non-contiguous one goes through copy_) is refused."""
+
+    class Buffers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(8):
+                self.register_buffer(f"b{i}", torch.zeros(128, 128).t())
+
+    source = Buffers()
+    for i in range(8):
+        getattr(source, f"b{i}").fill_(i + 1)
+    shardsafe.save(tmp_path / "c", {"model": source})
+    with torch.inference_mode():
+        target = Buffers()
+        shardsafe.load(tmp_path / "c", {"model": target}, read_threads=2)
+    assert all(bool((getattr(target, f"b{i}") == i + 1).all()) for i in range(8))
+
+
+def test_tensors_with_rows_wider_than_a_piece_are_read_on_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each such read holds a buffer of a row: on one thread at a time, so threads never
+    multiply it; and the checking pass streams them in pieces, whatever a row's size."""
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(4):  # rows of 512 KiB, twice a 256 KiB read piece
+                self.register_buffer(f"wide{i}", torch.zeros(2, 128 << 10).t().contiguous().t())
+                self.register_buffer(f"narrow{i}", torch.zeros(256, 256))
+
+    source = Wide()
+    for i, buf in enumerate(source.buffers()):
+        buf.fill_(i + 1)
+    shardsafe.save(tmp_path / "c", {"model": source})
+    pieces: dict[str, int] = {}
+    original = CheckpointReader._piece
+
+    def piece(self: CheckpointReader, nbytes: int) -> torch.Tensor:
+        name = threading.current_thread().name
+        pieces[name] = max(pieces.get(name, 0), nbytes)
+        return original(self, nbytes)
+
+    monkeypatch.setattr(CheckpointReader, "_piece", piece)
+    target = Wide()
+    shardsafe.load(tmp_path / "c", {"model": target}, read_threads=2)
+    assert all(bool((buf == i + 1).all()) for i, buf in enumerate(target.buffers()))
+    helpers = {name: n for name, n in pieces.items() if name != "MainThread"}
+    assert helpers and max(helpers.values()) <= 256 << 10, pieces
+    assert pieces["MainThread"] == 512 << 10  # one row of a wide tensor, on this thread only
+
+
+class Items:
+    """A stand-in for a reader in :func:`threaded_reads.run`'s own tests: forks are itself."""
+
+    def fork(self) -> Items:
+        return self
+
+    def __enter__(self) -> Items:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("interrupted_on", ["calling", "helper"])
+def test_an_interrupt_is_never_swallowed_by_an_earlier_items_error(interrupted_on: str) -> None:
+    """A checksum error at item 1 and Ctrl-C at item 5: the interrupt propagates."""
+    where = 5
+
+    def work(_: Any, i: int) -> int:
+        if i == 1:
+            time.sleep(0.01)  # item 5 has started by now
+            raise CheckpointCorruptError("checksum mismatch at item 1")
+        if i == where:
+            time.sleep(0.05)  # item 1's error is in by now
+            raise KeyboardInterrupt
+        return i
+
+    home = (lambda i: i == where) if interrupted_on == "calling" else (lambda i: False)
+    with pytest.raises(KeyboardInterrupt):
+        threaded_reads.run(Items(), list(range(6)), work, threads=2, sizes=[1] * 6, home=home)  # type: ignore[arg-type]
+
+
+def test_every_item_runs_once_and_an_error_stops_only_later_items() -> None:
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def work(_: Any, i: int) -> int:
+        with lock:
+            seen.append(i)
+        if i == 7:
+            raise CheckpointCorruptError("bad item 7")
+        return i * i
+
+    clean = threaded_reads.run(
+        Items(), list(range(20)), lambda _, i: i * i, threads=4, sizes=[1] * 20
+    )  # type: ignore[arg-type]
+    assert clean.results == {i: i * i for i in range(20)} and not clean.failures
+    outcome = threaded_reads.run(Items(), list(range(20)), work, threads=4, sizes=[1] * 20)  # type: ignore[arg-type]
+    assert sorted(set(seen)) == sorted(seen) and set(range(8)) <= set(seen)  # once each
+    assert set(outcome.failures) == {7} and set(outcome.results) == set(seen) - {7}
+    with pytest.raises(CheckpointCorruptError, match="bad item 7"):
+        outcome.raise_first()
+
+
+def test_an_odd_local_world_size_falls_back_to_the_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "\N{SUPERSCRIPT TWO}")  # isdigit(), but not int()
+    assert threaded_reads.default_threads(1) == 3 and threaded_reads.default_threads(3) == 1

@@ -213,6 +213,7 @@ def _read(
         lambda r, req: r.read(req.key, req.offsets, req.shape),
         threads=threads,
         sizes=[_bytes(manifest, req) for req in routes.fresh],
+        home=lambda req: reader.wide_rows(req.key),  # one row-sized buffer at a time
     )
     fresh.raise_first()
     tensors = {req.key: fresh.results[i] for i, req in enumerate(routes.fresh)}

@@ -17,6 +17,7 @@ only read.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,31 +90,66 @@ def fill(
     sizes: Sequence[int] | None = None,
 ) -> None:
     """Read every box into its target, on up to ``threads`` threads (``sizes``: bytes per
-    box; CUDA targets on the calling thread, ``threaded_reads.py``); on a bad byte (or an
-    I/O error), raise saying exactly which targets were restored."""
+    box; ``threaded_reads.py``); on a bad byte (or an I/O error), raise saying exactly
+    which targets were restored.
+
+    On the calling thread: CUDA targets (their copies go on its current stream) and
+    tensors whose rows are wider than a read piece (each would hold a buffer of a row).
+    Targets that share memory (tied weights loaded from a checkpoint that has them
+    untied) are all filled on one thread, in order, so the last one wins as in
+    ``load_state_dict``, never a mix of two."""
+    if threads > 1 and _share_memory([target for _, target in in_place]):
+        threads = 1
     outcome = threaded_reads.run(
         reader,
         in_place,
         _read_into,
         threads=threads,
         sizes=sizes if sizes is not None else [1] * len(in_place),
-        home=lambda pair: pair[1].device.type == "cuda",
+        home=lambda pair: pair[1].device.type == "cuda" or reader.wide_rows(pair[0].key),
     )
     if not outcome.failures:
         return
-    error = outcome.failures[min(outcome.failures)]
+    first = outcome.failures[min(outcome.failures)]
+    error = first.error if isinstance(first, _Refused) else first
     if not isinstance(error, (CheckpointCorruptError, OSError)):
         raise error
     keys = [req.key for req, _ in in_place]
     done = [keys[i] for i in sorted(outcome.results)]
-    partly = [keys[i] for i in sorted(outcome.failures)]
+    partly = [keys[i] for i, e in sorted(outcome.failures.items()) if not isinstance(e, _Refused)]
     cls = CheckpointCorruptError if isinstance(error, CheckpointCorruptError) else CheckpointError
     raise cls(partly_restored(error, verify, rank, done, partly, len(keys))) from error
 
 
+class _Refused(Exception):
+    """A target's read refused before anything was written into it (a data file that
+    cannot be opened or does not match the manifest): the target is untouched."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _read_into(reader: CheckpointReader, pair: tuple[ReadRequest, torch.Tensor]) -> None:
     req, target = pair
+    try:
+        reader.locate(req.key, req.offsets, req.shape)
+    except Exception as e:
+        raise _Refused(e) from e
     reader.read_into(req.key, req.offsets, req.shape, target)
+
+
+def _share_memory(targets: Sequence[torch.Tensor]) -> bool:
+    """Whether any two of ``targets`` overlap in memory (by the span of each one's
+    elements: conservative for strided tensors)."""
+    spans = []
+    for t in targets:
+        if t.numel():
+            base = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+            extent = sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride())) + 1
+            spans.append((str(t.device), base, base + extent * t.element_size()))
+    spans.sort()
+    return any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(spans))
 
 
 def partly_restored(
@@ -135,7 +171,11 @@ def partly_restored(
     named = ", ".join(repr(k) for k in done[:_NAMED])
     more = f" and {len(done) - _NAMED} more" if len(done) > _NAMED else ""
     restored = f" ({named}{more})" if done else ""
-    overwritten = f"{partly[0]!r} is" if len(partly) == 1 else f"{', '.join(map(repr, partly))} are"
+    overwritten = (
+        f"{', '.join(map(repr, partly))} {'is' if len(partly) == 1 else 'are'}"
+        if partly
+        else "none is"
+    )
     rest = total - len(done) - len(partly)
     return (
         f"{error}. This was found while restoring: {why}. On rank {rank}, {len(done)} of the "

@@ -112,6 +112,8 @@ class CheckpointReader:
         self._keep_header_bytes = keep_header_bytes
         self._files = _OpenFiles()
         self._owns_files = True
+        self._reading = False
+        """A fork between ``__enter__`` and ``close``: its owner closes no file meanwhile."""
         self._buffer: torch.Tensor | None = None
         self._pinned = PinnedRing(self.cuda_piece_bytes)
         """The staging buffers for CUDA destinations: page-locked, so copies go by DMA,
@@ -122,7 +124,8 @@ class CheckpointReader:
         and this reader's open files: each file is opened and validated once, and the
         descriptor validated is the one every thread reads, in every pass of a load. Once
         forked, no file is closed to make room until this reader closes (the caller
-        bounds the files a threaded load opens by :data:`MAX_OPEN_FILES`)."""
+        bounds the files a threaded load opens by :data:`MAX_OPEN_FILES`), and this
+        reader's ``close`` waits for every fork used in a ``with`` to leave it."""
         if self._spool is not None:
             raise ValueError("a reader that records into a spool reads on one thread")
         fork = CheckpointReader(
@@ -137,9 +140,15 @@ class CheckpointReader:
 
     def close(self) -> None:
         if self._owns_files:
-            self._files.close()
+            self._files.close()  # once no fork is reading
+        elif self._reading:
+            self._reading = False
+            self._files.leave()
 
     def __enter__(self) -> CheckpointReader:
+        if not self._owns_files and not self._reading:  # a fork, on its thread
+            self._reading = True
+            self._files.join()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -154,7 +163,7 @@ class CheckpointReader:
         rec = self.manifest.tensors[key]
         box = box_of(rec, offsets, shape)
         pieces = self._pieces(key, rec, box)  # every file checked before allocating
-        out = torch.empty(box[1], dtype=rec.dtype)
+        out = torch.empty(box[1], dtype=rec.dtype, device="cpu")  # whatever the default
         if out.numel():
             self._fill(key, rec, box, pieces, out)
         return out
@@ -189,7 +198,22 @@ class CheckpointReader:
         for chunk, overlap in self._pieces(key, rec, box):
             rel = (tuple(o - c for o, c in zip(overlap[0], chunk.offsets)), overlap[1])
             if math.prod(box[1]):
-                self._read_rows(key, rec, chunk, rel, None)
+                self._check_rows(key, rec, chunk, rel)
+
+    def wide_rows(self, key: str) -> bool:
+        """Whether reading ``key`` may take a buffer larger than a piece: one of its rows
+        (dim-0 slices) is (``read``, and ``read_into`` unless it reads straight in)."""
+        rec = self.manifest.tensors[key]
+        return math.prod(rec.shape[1:]) * dtypes.itemsize(rec.dtype) > self.piece_bytes
+
+    def locate(
+        self, key: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> None:
+        """Open and validate every file the box needs, reading none of its bytes: what
+        :meth:`read_into` does before it writes anything (``in_place.fill`` tells a
+        target this refused, left untouched, from one partly overwritten)."""
+        rec = self.manifest.tensors[key]
+        self._pieces(key, rec, box_of(rec, offsets, shape))
 
     def _pieces(
         self, key: str, rec: TensorRecord, box: geometry.Box
@@ -246,37 +270,58 @@ class CheckpointReader:
             checker.feed(piece)
         checker.finish()
 
+    def _check_rows(
+        self, key: str, rec: TensorRecord, chunk: ChunkRecord, rel: geometry.Box
+    ) -> None:
+        """Stream the blocks covering the rows of ``chunk`` that ``rel`` needs through
+        their checksums, in pieces small enough to be checked while still in cache (as
+        ``_read_whole``'s are) whatever a row's size."""
+        reader, entry = self._entry(key, rec, chunk)
+        begin, _, _, end = self._span(rec, chunk, rel, entry.nbytes)
+        checker = BlockChecker(
+            key, chunk, self.manifest.block_bytes, begin // self.manifest.block_bytes
+        )
+        self._stream(reader, entry.start + begin, end - begin, checker)
+        if end == entry.nbytes:
+            checker.finish()
+
+    def _span(
+        self, rec: TensorRecord, chunk: ChunkRecord, rel: geometry.Box, nbytes: int
+    ) -> tuple[int, int, int, int]:
+        """Byte offsets in ``chunk``: the whole checksum blocks around the rows (dim-0
+        slices) ``rel`` needs (``begin``, ``end``) and the rows themselves (``lo``, ``hi``)."""
+        block = self.manifest.block_bytes
+        row_bytes = _row_bytes(rec, chunk)
+        first_row, rows = (rel[0][0], rel[1][0]) if chunk.shape else (0, 1)
+        lo, hi = first_row * row_bytes, (first_row + rows) * row_bytes
+        return lo // block * block, lo, hi, min(-(-hi // block) * block, nbytes)
+
     def _read_rows(
         self,
         key: str,
         rec: TensorRecord,
         chunk: ChunkRecord,
         rel: geometry.Box,
-        dest: torch.Tensor | None,
+        dest: torch.Tensor,
     ) -> None:
         """Stream the blocks covering the rows (dim-0 slices) of ``chunk`` that ``rel`` needs,
-        check them, and copy ``rel`` of each row into ``dest`` (unless it is ``None``)."""
+        check them, and copy ``rel`` of each row into ``dest``."""
         reader, entry = self._entry(key, rec, chunk)
-        itemsize, block = dtypes.itemsize(rec.dtype), self.manifest.block_bytes
-        row_elems = math.prod(chunk.shape[1:]) if chunk.shape else 1
-        row_bytes = row_elems * itemsize
-        first_row, rows = (rel[0][0], rel[1][0]) if chunk.shape else (0, 1)
-        lo, hi = first_row * row_bytes, (first_row + rows) * row_bytes
-        begin = lo // block * block
-        end = min(-(-hi // block) * block, entry.nbytes)
+        block = self.manifest.block_bytes
+        row_bytes = _row_bytes(rec, chunk)
+        rows = rel[1][0] if chunk.shape else 1
+        begin, lo, hi, end = self._span(rec, chunk, rel, entry.nbytes)
         checker = BlockChecker(key, chunk, block, begin // block)
         self._stream(reader, entry.start + begin, lo - begin, checker)  # before the rows
-        # Checked and dropped (``dest`` is None): pieces small enough to be checked while
-        # still in cache, as ``_read_whole``'s are; copied out: larger pieces, fewer copies.
-        cuda = dest is not None and dest.device.type == "cuda"
-        piece_bytes = self._check_piece_bytes if dest is None else self.piece_bytes
-        if cuda and dest is not None and dest.is_contiguous():
+        cuda = dest.device.type == "cuda"
+        piece_bytes = self.piece_bytes
+        if cuda and dest.is_contiguous():
             # A non-contiguous CUDA target takes a device copy of each piece on its way
             # (torch's copy_): the host-sized pieces keep that copy small.
             piece_bytes = self.cuda_piece_bytes
         per_piece = max(1, piece_bytes // max(row_bytes, 1))
         inner = (slice(None), *(slice(o, o + n) for o, n in zip(rel[0][1:], rel[1][1:])))
-        stream = torch.cuda.current_stream(dest.device) if cuda and dest is not None else None
+        stream = torch.cuda.current_stream(dest.device) if cuda else None
         try:
             for r in range(0, rows, per_piece):
                 n = min(per_piece, rows - r)
@@ -285,7 +330,7 @@ class CheckpointReader:
                 view = memory(raw)
                 reader.read_into(entry.start + lo + r * row_bytes, view)
                 checker.feed(view)
-                if dest is None or not row_bytes:
+                if not row_bytes:
                     continue
                 if chunk.shape:
                     rows_read = raw.view(rec.dtype).reshape((n, *chunk.shape[1:]))
@@ -370,6 +415,7 @@ class CheckpointReader:
                 raise files.failed[name]
             try:
                 opened = self._validated(name)
+                _same_file(files.identities, name, opened[0])
             except CheckpointCorruptError as e:
                 files.failed[name] = e
                 raise
@@ -415,15 +461,52 @@ class _OpenFiles:
         self.open: OrderedDict[str, tuple[FileReader, dict[str, HeaderEntry]]] = OrderedDict()
         self.failed: dict[str, CheckpointCorruptError] = {}
         """A file found bad once is not reopened (a FIFO, a device) for its next chunk."""
-        self.lock = threading.Lock()
+        self.identities: dict[str, object] = {}
+        """Which file each name was when first opened: one closed to make room and opened
+        again must be the same file."""
+        self.lock = threading.Condition()
         self.shared = False
         """Read by several threads: no file is closed to make room (another may read it)."""
+        self._forks = 0
+
+    def join(self) -> None:
+        with self.lock:
+            self._forks += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self._forks -= 1
+            self.lock.notify_all()
 
     def close(self) -> None:
+        """Close every file once no fork can read it any more (a fork may still be
+        finishing a read if its thread was not joined, say after a second Ctrl-C)."""
         with self.lock:
+            self.lock.wait_for(lambda: self._forks <= 0)
             for reader, _ in self.open.values():
                 reader.close()
             self.open.clear()
+
+
+def _same_file(identities: dict[str, object], name: str, opened: FileReader) -> None:
+    """Refuse ``opened`` (and close it) if ``name`` was another file when first opened:
+    one closed to make room, then replaced, is never read."""
+    identity = getattr(opened, "identity", None)
+    first = identities.setdefault(name, identity)
+    if identity is None or first == identity:
+        return
+    opened.close()
+    raise CheckpointCorruptError(
+        f"data file {name} was replaced during the load: it is not the file that was "
+        "opened and checked before (it was closed to keep at most "
+        f"{MAX_OPEN_FILES} files open, and its name now names another file); nothing was "
+        "read from the new one"
+    )
+
+
+def _row_bytes(rec: TensorRecord, chunk: ChunkRecord) -> int:
+    """Bytes of one dim-0 slice of ``chunk`` (all of it for a 0-d tensor)."""
+    return (math.prod(chunk.shape[1:]) if chunk.shape else 1) * dtypes.itemsize(rec.dtype)
 
 
 def entry_for(

@@ -10,26 +10,34 @@ side-by-side with DCP).
 
 The rules, each for a reason:
 
-* Each thread reads through a reader of its own (:meth:`CheckpointReader.fork`): a
-  reader closes files to make room for others, which another thread could be reading,
-  and its buffers are reused from piece to piece.
+* Each thread reads through a fork of the caller's reader
+  (:meth:`CheckpointReader.fork`), made before any thread starts: buffers of its own
+  (they are reused from piece to piece), and the caller's open files, each opened and
+  validated once, so that every thread reads the very descriptor that was checked; no
+  file is closed while a fork may read it.
 * Only local files are read this way (``Storage.cheap_rereads``), never through a spool:
   an object store's bytes arrive over the network, and its spool records one stream.
-* Items marked ``home`` (CUDA targets) are read by the calling thread: their copies are
-  queued on the caller's current CUDA stream, which torch keeps per thread.
+* Items marked ``home`` are read by the calling thread: CUDA targets, whose copies are
+  queued on the caller's current CUDA stream (torch keeps it per thread), and tensors
+  whose rows are wider than a read piece (each holds a buffer of a row: one at a time).
+  The helpers run in the caller's inference mode, which torch also keeps per thread.
 * Threads take contiguous runs of the items, about equal in bytes: the items come in
   file order, so each thread reads forward through its files.
 * A failure stops the threads at their next item after it; items before it are still
   done. So every item before the earliest bad one is tried, and
-  :meth:`Outcome.raise_first` raises the earliest bad item's error: the same bytes give
-  the same error whatever the timing. The caller also gets exactly which items finished
-  and which failed part-way (:class:`Outcome`), for ``in_place.fill``'s account of what
-  the live objects hold.
+  :meth:`Outcome.raise_first` raises the earliest bad item's error: the same bytes name
+  the same cause whatever the timing. The caller also gets exactly which items finished
+  and which failed (:class:`Outcome`), for ``in_place.fill``'s account of what the live
+  objects hold; how far the other threads got before they stopped depends on timing,
+  so that account does. ``KeyboardInterrupt`` and other non-``Exception`` errors are not
+  collected: they stop every thread and propagate at once.
 
-How many threads: the CPUs this process may run on, shared equally by the processes of
-its node (``LOCAL_WORLD_SIZE``, which torchrun sets; else the world size), at most
-:data:`MAX_THREADS`. Ranks that share their cores (as 4 ranks on this 2-core machine
-do) read on one thread, exactly as before.
+How many threads: the CPUs this process may run on (its affinity; a container's CPU
+quota is not read, since a load opens nothing outside the checkpoint: pass
+``read_threads`` there), shared equally by the processes of its node (``LOCAL_WORLD_SIZE``, which
+torchrun sets; else the world size), at most :data:`MAX_THREADS`. Ranks that share
+their cores (as 4 ranks on this 2-core machine do) read on one thread, exactly as
+before.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+import torch
 
 from .reader import CheckpointReader
 
@@ -58,8 +68,12 @@ def default_threads(world_size: int) -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    processes = int(local) if local.isdigit() and int(local) > 0 else max(world_size, 1)
+    try:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        processes = 0
+    if processes < 1:
+        processes = max(world_size, 1)
     return max(1, min(MAX_THREADS, cpus // processes))
 
 
@@ -68,7 +82,7 @@ class Outcome(Generic[Result]):
     """What became of each item (by index): finished, failed part-way, or never started."""
 
     results: dict[int, Result] = field(default_factory=dict)
-    failures: dict[int, BaseException] = field(default_factory=dict)
+    failures: dict[int, Exception] = field(default_factory=dict)
 
     def raise_first(self) -> None:
         """Raise the error of the earliest failed item, if any did."""
@@ -103,13 +117,18 @@ def run(
         _work(reader, mine, items, work, stop, outcome)
         return outcome
 
-    def forked(indices: list[int]) -> None:
-        with reader.fork() as own:
+    mode = torch.is_inference_mode_enabled()
+
+    def forked(own: CheckpointReader, indices: list[int]) -> None:
+        # The caller's inference mode holds on its helpers too (torch keeps it per
+        # thread): copying into an inference tensor is refused outside it.
+        with own, torch.inference_mode(mode):
             _work(own, indices, items, work, stop, outcome)
 
     with ThreadPoolExecutor(len(runs), thread_name_prefix="shardsafe-read") as pool:
         try:
-            futures = [pool.submit(forked, indices) for indices in runs]
+            # Forked here, before any thread reads: from now on no file is closed.
+            futures = [pool.submit(forked, reader.fork(), indices) for indices in runs]
             _work(reader, mine, items, work, stop, outcome)
             for future in futures:  # an item's error is in outcome; one here is a bug's
                 future.result()
@@ -145,7 +164,7 @@ def _work(
             return
         try:
             outcome.results[i] = work(reader, items[i])
-        except BaseException as e:  # handed to the caller, which raises the earliest
+        except Exception as e:  # handed to the caller, which raises the earliest
             outcome.failures[i] = e
             stop.before(i)
             return

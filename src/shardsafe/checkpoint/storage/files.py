@@ -347,9 +347,12 @@ class LocalFileSink:
 class LocalFileReader:
     """A regular file (never a symlink, FIFO or device) opened once for positional reads."""
 
-    def __init__(self, fd: int, size: int, name: str) -> None:
+    def __init__(self, fd: int, size: int, name: str, identity: object = None) -> None:
         self.name = name
         self.size = size
+        self.identity = identity
+        """Which file this is (device and inode): a reader that closed it and opens the
+        name again refuses a different file (``io/reader.py``)."""
         self._fd = fd
 
     def read_into(self, offset: int, out: memoryview) -> None:

@@ -229,7 +229,7 @@ class LocalStorage:
 
     def open_reader(self, name: str) -> LocalFileReader:
         fd, info = open_regular(self.fd, name, name)
-        return LocalFileReader(fd, info.st_size, name)
+        return LocalFileReader(fd, info.st_size, name, (info.st_dev, info.st_ino))
 
     def read_small(self, name: str, limit: int) -> bytes:
         with self.open_reader(name) as reader:

@@ -56,7 +56,11 @@ class CacheAvoidingSink(FileSink, Protocol):
 
 
 class FileReader(Protocol):
-    """One object opened for ranged reads; ``read_into`` fills a view from an offset."""
+    """One object opened for ranged reads; ``read_into`` fills a view from an offset.
+
+    Where its storage has ``cheap_rereads``, a load may call ``read_into`` from several
+    threads at once (``io/threaded_reads.py``): it must not depend on a file position
+    (``os.preadv``, as ``LocalFileReader``, is what it needs)."""
 
     name: str
     size: int
