@@ -393,9 +393,11 @@ def test_threaded_load_fills_cuda_targets_on_the_callers_thread_and_stream(
     threads_of: dict[str, set[str]] = {"cuda": set(), "cpu": set()}
     original = CheckpointReader.read_into
 
-    def spy(self: CheckpointReader, key: str, offsets: Any, shape: Any, out: torch.Tensor) -> None:
+    def spy(
+        self: CheckpointReader, key: str, offsets: Any, shape: Any, out: torch.Tensor, **kw: Any
+    ) -> None:
         threads_of[out.device.type].add(threading.current_thread().name)
-        original(self, key, offsets, shape, out)
+        original(self, key, offsets, shape, out, **kw)
 
     monkeypatch.setattr(CheckpointReader, "read_into", spy)
     side = torch.cuda.Stream()

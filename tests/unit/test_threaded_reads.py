@@ -81,9 +81,11 @@ def reading_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, set[s
     for name in seen:
         original = getattr(CheckpointReader, name)
 
-        def spy(self: CheckpointReader, *args: Any, _name: str = name, _f: Any = original) -> Any:
+        def spy(
+            self: CheckpointReader, *args: Any, _name: str = name, _f: Any = original, **kw: Any
+        ) -> Any:
             seen[_name].add(threading.current_thread().name)
-            return _f(self, *args)
+            return _f(self, *args, **kw)
 
         monkeypatch.setattr(CheckpointReader, name, spy)
     yield seen
@@ -141,6 +143,7 @@ class Swap:
 
 class SwapAdapter(Adapter):
     kind = "test-swap-between-passes"
+    unlink_first = False
 
     def handles(self, obj: object) -> bool:
         return isinstance(obj, Swap)
@@ -158,6 +161,8 @@ class SwapAdapter(Adapter):
         raw = bytearray(data.read_bytes())
         for i in range(len(raw) // 2, len(raw)):
             raw[i] ^= 0xFF
+        if self.unlink_first:  # frees the inode number for the decoy
+            data.unlink()
         decoy = obj.path / "decoy"
         decoy.write_bytes(bytes(raw))
         os.replace(decoy, data)
@@ -384,13 +389,16 @@ def test_a_file_refused_before_any_byte_is_written_leaves_its_tensors_untouched(
         ) in str(info.value)
 
 
+@pytest.mark.parametrize("unlink_first", [False, True])
 def test_a_file_closed_to_make_room_then_replaced_is_refused_unread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unlink_first: bool
 ) -> None:
     """With more data files than stay open (here 1 for 2), a file closed after the
     checking pass is opened again for the restoring pass: a decoy renamed over it
-    meanwhile is refused by its identity (device and inode) before a byte is read."""
+    meanwhile is refused by its identity before a byte is read, even when the original
+    was unlinked first so that the decoy may get its inode number (ext4 reuses it)."""
     shardsafe.register_adapter(SwapAdapter())
+    monkeypatch.setattr(SwapAdapter, "unlink_first", unlink_first)
     monkeypatch.setattr(reader_module, "MAX_OPEN_FILES", 1)
     monkeypatch.setattr(loading, "MAX_OPEN_FILES", 1)  # so the load reads on one thread
     path = tmp_path / "c"
@@ -526,3 +534,87 @@ def test_an_odd_local_world_size_falls_back_to_the_world_size(
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "\N{SUPERSCRIPT TWO}")  # isdigit(), but not int()
     assert threaded_reads.default_threads(1) == 3 and threaded_reads.default_threads(3) == 1
+
+
+def test_tied_weights_saved_tied_leave_the_other_tensors_threaded(
+    tmp_path: Path, reading_threads: dict[str, set[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedding tied to the head, saved as itself (both keys, equal bytes): the two
+    tied targets are filled by the calling thread, every other target still threaded."""
+    model = nn.Sequential(nn.Embedding(256, 64), *[nn.Linear(64, 64) for _ in range(6)])
+    head = nn.Linear(64, 256, bias=False)
+    head.weight = model[0].weight
+    state = {"model": nn.ModuleDict({"body": model, "head": head})}
+    saved = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    shardsafe.save(tmp_path / "c", state)
+    fresh_body = nn.Sequential(nn.Embedding(256, 64), *[nn.Linear(64, 64) for _ in range(6)])
+    fresh_head = nn.Linear(64, 256, bias=False)
+    fresh_head.weight = fresh_body[0].weight
+    fresh = nn.ModuleDict({"body": fresh_body, "head": fresh_head})
+    by_key: dict[str, set[str]] = {}
+    original = CheckpointReader.read_into
+
+    def spy(self: CheckpointReader, key: str, *args: Any, **kw: Any) -> None:
+        by_key.setdefault(key, set()).add(threading.current_thread().name)
+        original(self, key, *args, **kw)
+
+    monkeypatch.setattr(CheckpointReader, "read_into", spy)
+    shardsafe.load(tmp_path / "c", {"model": fresh}, read_threads=2)
+    assert all(same(fresh.state_dict()[k], v) for k, v in saved.items())
+    assert by_key["model/body.0.weight"] == by_key["model/head.weight"] == {"MainThread"}
+    helpers = {key for key, names in by_key.items() if names != {"MainThread"}}
+    assert helpers, by_key  # the untied targets were spread over the threads
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tied_target_filled_before_its_twin_failed_is_called_partly_overwritten(
+    tmp_path: Path, threads: int
+) -> None:
+    """Both keys of a tied weight go into the same memory: when the second fails its
+    checksum part-way, the first (finished) no longer holds its own values either."""
+
+    def pair(tied: bool) -> nn.Module:
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
+        if tied:
+            model[1].weight = model[0].weight
+        return model
+
+    untied = pair(tied=False)
+    with torch.no_grad():
+        untied[0].weight.fill_(1.0)
+        untied[1].weight.fill_(2.0)
+    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    flip(tmp_path / "c", "model/1.weight")
+    tied = pair(tied=True)
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as info:
+        shardsafe.load(tmp_path / "c", {"model": tied}, verify="inline", read_threads=threads)
+    assert (
+        "On rank 0, 0 of the 2 tensors loaded in place hold the checkpoint's values, "
+        "'model/0.weight', 'model/1.weight' are partly overwritten, and the other 0 keep"
+    ) in str(info.value)
+
+
+def test_wrapper_subclass_targets_load_on_threads(tmp_path: Path) -> None:
+    """A wrapper tensor subclass (as torchao's and float8's are built) has no storage of
+    its own to compare: it is read on the calling thread, like memory that may be shared."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(4):
+                self.register_buffer(f"b{i}", torch.full((64, 64), float(i + 1)))
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(4):
+                zeros = torch.zeros(64, 64)
+                self.register_buffer(f"b{i}", TwoTensor(zeros, zeros.clone()).t())
+
+    shardsafe.save(tmp_path / "c", {"model": Plain()})
+    target = Wrapped()
+    shardsafe.load(tmp_path / "c", {"model": target}, read_threads=2)
+    for i in range(4):
+        buf = getattr(target, f"b{i}")
+        assert bool((buf.a == i + 1).all()) and bool((buf.b == i + 1).all())

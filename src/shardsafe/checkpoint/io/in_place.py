@@ -17,7 +17,6 @@ only read.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,20 +92,22 @@ def fill(
     box; ``threaded_reads.py``); on a bad byte (or an I/O error), raise saying exactly
     which targets were restored.
 
-    On the calling thread: CUDA targets (their copies go on its current stream) and
-    tensors whose rows are wider than a read piece (each would hold a buffer of a row).
-    Targets that share memory (tied weights loaded from a checkpoint that has them
-    untied) are all filled on one thread, in order, so the last one wins as in
-    ``load_state_dict``, never a mix of two."""
-    if threads > 1 and _share_memory([target for _, target in in_place]):
-        threads = 1
+    On the calling thread: CUDA targets (their copies go on its current stream), tensors
+    whose rows are wider than a read piece (each would hold a buffer of a row), and
+    targets that share memory with another (tied weights, when the checkpoint holds
+    both keys): those are filled one after the other, in file order, so a checkpoint
+    whose tied keys differ leaves the later key's values, never a mix of two."""
+    targets = [target for _, target in in_place]
+    sharing = {id(targets[i]) for i in _sharing(targets)} if threads > 1 else set()
     outcome = threaded_reads.run(
         reader,
         in_place,
         _read_into,
         threads=threads,
         sizes=sizes if sizes is not None else [1] * len(in_place),
-        home=lambda pair: pair[1].device.type == "cuda" or reader.wide_rows(pair[0].key),
+        home=lambda pair: (
+            pair[1].device.type == "cuda" or id(pair[1]) in sharing or reader.wide_rows(pair[0].key)
+        ),
     )
     if not outcome.failures:
         return
@@ -115,15 +116,20 @@ def fill(
     if not isinstance(error, (CheckpointCorruptError, OSError)):
         raise error
     keys = [req.key for req, _ in in_place]
-    done = [keys[i] for i in sorted(outcome.results)]
-    partly = [keys[i] for i, e in sorted(outcome.failures.items()) if not isinstance(e, _Refused)]
+    partly = {i for i, e in outcome.failures.items() if not isinstance(e, _Refused)}
+    # A finished target whose memory a failed one shares holds a mix: partly overwritten.
+    partly |= {i for i in outcome.results if any(_overlap(targets[i], targets[j]) for j in partly)}
+    done = [keys[i] for i in sorted(set(outcome.results) - partly)]
     cls = CheckpointCorruptError if isinstance(error, CheckpointCorruptError) else CheckpointError
-    raise cls(partly_restored(error, verify, rank, done, partly, len(keys))) from error
+    raise cls(
+        partly_restored(error, verify, rank, done, [keys[i] for i in sorted(partly)], len(keys))
+    ) from error
 
 
 class _Refused(Exception):
-    """A target's read refused before anything was written into it (a data file that
-    cannot be opened or does not match the manifest): the target is untouched."""
+    """A target's read that failed before anything was written into it (a data file that
+    cannot be opened or does not match the manifest, a bad checksum in the bytes before
+    the target's): the target is untouched."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
@@ -133,23 +139,66 @@ class _Refused(Exception):
 def _read_into(reader: CheckpointReader, pair: tuple[ReadRequest, torch.Tensor]) -> None:
     req, target = pair
     try:
-        reader.locate(req.key, req.offsets, req.shape)
+        reader.read_into(req.key, req.offsets, req.shape, target)
     except Exception as e:
+        if reader.wrote:
+            raise
         raise _Refused(e) from e
-    reader.read_into(req.key, req.offsets, req.shape, target)
 
 
-def _share_memory(targets: Sequence[torch.Tensor]) -> bool:
-    """Whether any two of ``targets`` overlap in memory (by the span of each one's
-    elements: conservative for strided tensors)."""
-    spans = []
-    for t in targets:
+_Span = tuple[str, int, int]
+
+
+def _span(t: torch.Tensor) -> _Span | None:
+    """The device and byte range ``t``'s elements lie in (all of them, for a strided
+    view); ``None`` if unknown (a wrapper subclass has no storage of its own)."""
+    try:
+        base = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    except Exception:  # torch raises RuntimeError or NotImplementedError
+        return None
+    extent = sum((int(n) - 1) * abs(int(stride)) for n, stride in zip(t.shape, t.stride())) + 1
+    return (str(t.device), int(base), int(base) + extent * t.element_size())
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory (unknown spans may)."""
+    if a is b:
+        return bool(a.numel())
+    sa, sb = _span(a), _span(b)
+    if not a.numel() or not b.numel():
+        return False
+    if sa is None or sb is None:
+        return True
+    return sa[0] == sb[0] and sa[1] < sb[2] and sb[1] < sa[2]
+
+
+def _sharing(targets: Sequence[torch.Tensor]) -> set[int]:
+    """The indices of the targets that share memory with another, or whose memory is
+    unknown. Sorted by start: O(n log n)."""
+    unknown: set[int] = set()
+    spans: list[tuple[str, int, int, int]] = []
+    for i, t in enumerate(targets):
         if t.numel():
-            base = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-            extent = sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride())) + 1
-            spans.append((str(t.device), base, base + extent * t.element_size()))
+            span = _span(t)
+            if span is None:
+                unknown.add(i)
+            else:
+                spans.append((*span, i))
     spans.sort()
-    return any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(spans))
+    shared: set[int] = set()
+    group: list[int] = []
+    device, end = "", 0
+    for dev, start, stop, i in spans:
+        if group and dev == device and start < end:
+            group.append(i)
+            end = max(end, stop)
+            continue
+        if len(group) > 1:
+            shared.update(group)
+        group, device, end = [i], dev, stop
+    if len(group) > 1:
+        shared.update(group)
+    return shared | unknown
 
 
 def partly_restored(

@@ -115,6 +115,9 @@ class CheckpointReader:
         self._reading = False
         """A fork between ``__enter__`` and ``close``: its owner closes no file meanwhile."""
         self._buffer: torch.Tensor | None = None
+        self.wrote = False
+        """Whether the last :meth:`read_into` wrote into its target (when it raised: if
+        not, the target is untouched, ``in_place.fill``)."""
         self._pinned = PinnedRing(self.cuda_piece_bytes)
         """The staging buffers for CUDA destinations: page-locked, so copies go by DMA,
         and several, so the copies overlap the reads (``pinned_ring.py``)."""
@@ -178,8 +181,10 @@ class CheckpointReader:
         """Fill ``out`` (any device and layout, the box's shape and dtype) with the box.
 
         ``out`` is written as the bytes arrive, before the last checksum of the box has
-        been checked: a mismatch leaves it partly overwritten.
+        been checked: a mismatch leaves it partly overwritten, unless it came before the
+        first byte was written (:attr:`wrote` says which).
         """
+        self.wrote = False
         rec = self.manifest.tensors[key]
         box = box_of(rec, offsets, shape)
         if out.dtype != rec.dtype or tuple(out.shape) != box[1]:
@@ -205,15 +210,6 @@ class CheckpointReader:
         (dim-0 slices) is (``read``, and ``read_into`` unless it reads straight in)."""
         rec = self.manifest.tensors[key]
         return math.prod(rec.shape[1:]) * dtypes.itemsize(rec.dtype) > self.piece_bytes
-
-    def locate(
-        self, key: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
-    ) -> None:
-        """Open and validate every file the box needs, reading none of its bytes: what
-        :meth:`read_into` does before it writes anything (``in_place.fill`` tells a
-        target this refused, left untouched, from one partly overwritten)."""
-        rec = self.manifest.tensors[key]
-        self._pieces(key, rec, box_of(rec, offsets, shape))
 
     def _pieces(
         self, key: str, rec: TensorRecord, box: geometry.Box
@@ -266,6 +262,7 @@ class CheckpointReader:
         for start in range(0, view.nbytes, step):
             # Each piece is checked right after it is read, while it is still in cache.
             piece = view[start : start + step]
+            self.wrote = True
             reader.read_into(entry.start + start, piece)
             checker.feed(piece)
         checker.finish()
@@ -332,6 +329,7 @@ class CheckpointReader:
                 checker.feed(view)
                 if not row_bytes:
                     continue
+                self.wrote = True
                 if chunk.shape:
                     rows_read = raw.view(rec.dtype).reshape((n, *chunk.shape[1:]))
                     dest[r : r + n].copy_(rows_read[inner], non_blocking=cuda)
@@ -464,7 +462,7 @@ class _OpenFiles:
         self.identities: dict[str, object] = {}
         """Which file each name was when first opened: one closed to make room and opened
         again must be the same file."""
-        self.lock = threading.Condition()
+        self.lock = threading.Condition(threading.Lock())  # no reentry: a plain lock
         self.shared = False
         """Read by several threads: no file is closed to make room (another may read it)."""
         self._forks = 0

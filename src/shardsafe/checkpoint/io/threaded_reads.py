@@ -123,11 +123,15 @@ def run(
         # The caller's inference mode holds on its helpers too (torch keeps it per
         # thread): copying into an inference tensor is refused outside it.
         with own, torch.inference_mode(mode):
-            _work(own, indices, items, work, stop, outcome)
+            try:
+                _work(own, indices, items, work, stop, outcome)
+            except BaseException:  # SystemExit, say: every thread stops too
+                stop.before(-1)
+                raise
 
     with ThreadPoolExecutor(len(runs), thread_name_prefix="shardsafe-read") as pool:
         try:
-            # Forked here, before any thread reads: from now on no file is closed.
+            # The first fork stops files being closed to make room, before its thread reads.
             futures = [pool.submit(forked, reader.fork(), indices) for indices in runs]
             _work(reader, mine, items, work, stop, outcome)
             for future in futures:  # an item's error is in outcome; one here is a bug's

@@ -351,8 +351,9 @@ class LocalFileReader:
         self.name = name
         self.size = size
         self.identity = identity
-        """Which file this is (device and inode): a reader that closed it and opens the
-        name again refuses a different file (``io/reader.py``)."""
+        """Which file this is (device, inode, size, modification and change times): a
+        reader that closed it and opens the name again refuses a different file
+        (``io/reader.py``)."""
         self._fd = fd
 
     def read_into(self, offset: int, out: memoryview) -> None:

@@ -229,7 +229,9 @@ class LocalStorage:
 
     def open_reader(self, name: str) -> LocalFileReader:
         fd, info = open_regular(self.fd, name, name)
-        return LocalFileReader(fd, info.st_size, name, (info.st_dev, info.st_ino))
+        # The inode's number may be reused by a new file, never with the same ctime.
+        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        return LocalFileReader(fd, info.st_size, name, identity)
 
     def read_small(self, name: str, limit: int) -> bytes:
         with self.open_reader(name) as reader:
