@@ -80,3 +80,33 @@ def test_a_background_save_refuses_it_too_and_commits_nothing(tmp_path: Path) ->
         handle.wait()
     assert not (tmp_path / "c" / "manifest.json").exists()
     assert not (tmp_path / "c").exists() or list((tmp_path / "c").iterdir()) == []
+
+
+def _wrapped_buffer() -> nn.Module:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    module = nn.Module()
+    module.register_buffer("b", TwoTensor(torch.ones(64, 64), torch.ones(64, 64)))
+    return module
+
+
+@pytest.mark.parametrize(
+    ("state", "what"),
+    [
+        # A wrapper subclass has no memory of its own: reading it as if it had crashed
+        # the interpreter (a segfault in the checksum) before this check.
+        (lambda: {"model": _wrapped_buffer()}, "tensor 'model/b' of state['model'] is a TwoTensor"),
+        (lambda: {"x": torch.ones(4, device="meta")}, "is on the meta device, with no data"),
+        (lambda: {"x": torch.ones(4).to_sparse()}, "is a torch.sparse_coo tensor"),
+    ],
+)
+def test_a_tensor_without_readable_bytes_is_refused_before_anything_is_written(
+    tmp_path: Path, state: Any, what: str
+) -> None:
+    for save in (shardsafe.save, lambda *a, **k: shardsafe.async_save(*a, **k).wait()):
+        _Recording.created = []
+        with pytest.raises(shardsafe.CheckpointError, match="nothing was written") as refused:
+            save(tmp_path / "c", state(), storage=_Recording)
+        assert what in str(refused.value)
+        assert _Recording.created == []
+        assert not (tmp_path / "c").exists() or list((tmp_path / "c").iterdir()) == []

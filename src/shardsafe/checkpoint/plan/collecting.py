@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ... import _names, dtypes
 from ...adapters.registry import adapter_for
 from ...errors import CheckpointError
@@ -97,6 +99,14 @@ def _clash(chunks: list[Chunk]) -> str | None:
 
 
 def _check_chunk(chunk: Chunk, name: str) -> None:
+    not_plain = _not_plain(chunk.tensor)
+    if not_plain is not None:
+        what, fix = not_plain
+        raise CheckpointError(
+            f"tensor {chunk.key!r} of state[{name!r}] is {what}: a checkpoint holds dense "
+            f"tensors with memory of their own (on the CPU or a GPU) and DTensors; {fix} "
+            "(nothing was written)"
+        )
     if not dtypes.is_supported(chunk.tensor.dtype):
         raise CheckpointError(
             f"tensor {chunk.key!r} has dtype {chunk.tensor.dtype}, which safetensors cannot store"
@@ -116,3 +126,22 @@ def _check_chunk(chunk: Chunk, name: str) -> None:
             f"tensor {chunk.key!r} has {chunk.tensor.dim()} dimensions; a checkpoint holds at "
             f"most {MAX_NDIM}"
         )
+
+
+def _not_plain(tensor: torch.Tensor) -> tuple[str, str] | None:
+    """What ``tensor`` is, and how to save it, if its bytes cannot be read as they are (a
+    wrapper subclass has no memory of its own: reading it as if it had crashed the
+    process)."""
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor", "save its dense form (tensor.to_dense())"
+    if tensor.device.type == "meta":
+        return "on the meta device, with no data", "materialize it before saving"
+    try:
+        tensor.untyped_storage().data_ptr()
+    except Exception:  # torch raises RuntimeError or NotImplementedError
+        return (
+            f"a {type(tensor).__name__}, a tensor subclass without memory of its own (as "
+            "quantized and float8 wrappers are)",
+            "save the plain tensors it stands for (dequantized, or the tensors it wraps)",
+        )
+    return None
