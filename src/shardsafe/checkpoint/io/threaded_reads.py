@@ -4,9 +4,9 @@ A load's work is copying bytes out of the page cache and computing their CRC32s,
 both release the GIL (``os.preadv``, isal's or zlib's CRC of a buffer, torch's
 ``copy_``): one thread leaves the process's other cores idle. Measured on a 2-core Xeon,
 one process loading 768 MiB (16 x ``Linear(2048, 2048)`` + AdamW) from ``/dev/shm`` into
-live tensors, medians of 5: ``verify="first"`` 0.32 s on one thread, 0.22 s on two;
-``"inline"`` 0.19 s and 0.12 s (``benchmarks/gpu_checkpoint.py --device cpu`` has the
-side-by-side with DCP).
+live tensors, medians of 5 (``benchmarks/gpu_checkpoint.py --device cpu``, beside DCP's
+0.22-0.23 s): ``verify="first"`` 0.27 s on one thread, 0.19 s on two; ``"inline"``
+0.16-0.17 s and 0.10-0.12 s.
 
 The rules, each for a reason:
 
