@@ -110,3 +110,53 @@ def test_a_tensor_without_readable_bytes_is_refused_before_anything_is_written(
         assert what in str(refused.value)
         assert _Recording.created == []
         assert not (tmp_path / "c").exists() or list((tmp_path / "c").iterdir()) == []
+
+
+class _Unwrapping(torch.Tensor):
+    """A wrapper subclass that hands its inner tensor to every op but a few, as torchao's
+    float8 weight wrappers (``WeightWithDynamicFloat8CastTensor``) do: its bytes, as the
+    writer views them, are a plain tensor's, so it saves."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Unwrapping:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, inner.size(), strides=inner.stride(), dtype=inner.dtype, device=inner.device
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self._inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any, kwargs: Any = None) -> Any:
+        if func == torch.ops.aten.detach.default:
+            return _Unwrapping(args[0]._inner)
+        unwrap = lambda x: x._inner if isinstance(x, _Unwrapping) else x  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def test_a_wrapper_whose_bytes_are_a_plain_tensors_saves_and_loads_bitwise(tmp_path: Path) -> None:
+    linear = nn.Linear(4, 4)
+    weight = torch.arange(16.0).reshape(4, 4)
+    linear.weight = nn.Parameter(_Unwrapping(weight.clone()))
+    shardsafe.save(tmp_path / "c", {"model": linear})
+    fresh = nn.Linear(4, 4)
+    shardsafe.load(tmp_path / "c", {"model": fresh})
+    assert torch.equal(fresh.weight, weight) and torch.equal(fresh.bias, linear.bias)
+
+
+def test_a_pending_conjugation_is_refused_with_the_fix(tmp_path: Path) -> None:
+    negated = torch.ones(4)._neg_view()  # a lazily negated view (as conj() of a complex)
+    with pytest.raises(shardsafe.CheckpointError, match=r"resolve_conj\(\).resolve_neg\(\)"):
+        shardsafe.save(tmp_path / "c", {"x": negated})
+    assert not (tmp_path / "c").exists() or list((tmp_path / "c").iterdir()) == []
+
+
+def test_reading_the_bytes_of_a_tensor_without_memory_is_an_error_not_a_crash() -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from shardsafe.checkpoint.format.tensor_bytes import memory
+
+    with pytest.raises(ValueError, match="needs a tensor with memory of its own, not a TwoTensor"):
+        memory(TwoTensor(torch.ones(4), torch.ones(4)))

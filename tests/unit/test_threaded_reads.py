@@ -618,3 +618,47 @@ def test_wrapper_subclass_targets_load_on_threads(tmp_path: Path) -> None:
     for i in range(4):
         buf = getattr(target, f"b{i}")
         assert bool((buf.a == i + 1).all()) and bool((buf.b == i + 1).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tied_twin_never_started_after_the_first_failed_is_not_called_untouched(
+    tmp_path: Path, threads: int
+) -> None:
+    """The first key of a tied pair fails part-way; the second (same memory) never
+    starts, yet its memory no longer holds its previous values."""
+    untied = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
+    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    flip(tmp_path / "c", "model/0.weight")
+    tied = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": tied}, verify="inline", read_threads=threads)
+    assert (
+        "0 of the 2 tensors loaded in place hold the checkpoint's values, 'model/0.weight', "
+        "'model/1.weight' are partly overwritten, and the other 0 keep"
+    ) in str(info.value)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_refused_target_whose_twin_was_restored_is_not_called_untouched(
+    tmp_path: Path, threads: int
+) -> None:
+    """m2's file is refused before a byte is written into m2, but m2 is tied to m1,
+    which was restored: m2's memory holds m1's values, not its own previous ones."""
+    shardsafe.save(
+        tmp_path / "c",
+        {"m1": nn.Linear(64, 64, bias=False), "m2": nn.Linear(64, 64, bias=False)},
+        layout="consolidated",
+    )
+    data = tmp_path / "c" / "m2.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[20] ^= 0x01  # inside the JSON header
+    data.write_bytes(bytes(raw))
+    m1, m2 = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+    m2.weight = m1.weight
+    with pytest.raises(CheckpointCorruptError, match="damaged safetensors header") as info:
+        shardsafe.load(tmp_path / "c", {"m1": m1, "m2": m2}, verify="inline", read_threads=threads)
+    assert (
+        "1 of the 2 tensors loaded in place hold the checkpoint's values ('m1/weight'), "
+        "'m2/weight' is partly overwritten, and the other 0 keep their previous values"
+    ) in str(info.value)

@@ -31,6 +31,14 @@ def memory(tensor: torch.Tensor) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
-    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    try:
+        address = tensor.data_ptr()
+    except RuntimeError:
+        address = 0
+    if not address:  # a wrapper subclass has no memory of its own: reading 0 would crash
+        raise ValueError(
+            f"memory() needs a tensor with memory of its own, not a {type(tensor).__name__}"
+        )
+    array = (ctypes.c_ubyte * nbytes).from_address(address)
     array._shardsafe_owner = tensor  # type: ignore[attr-defined]
     return memoryview(array).cast("B")

@@ -116,9 +116,8 @@ def fill(
     if not isinstance(error, (CheckpointCorruptError, OSError)):
         raise error
     keys = [req.key for req, _ in in_place]
-    partly = {i for i, e in outcome.failures.items() if not isinstance(e, _Refused)}
-    # A finished target whose memory a failed one shares holds a mix: partly overwritten.
-    partly |= {i for i in outcome.results if any(_overlap(targets[i], targets[j]) for j in partly)}
+    failed = {i for i, e in outcome.failures.items() if not isinstance(e, _Refused)}
+    partly = failed | _overwritten_by_twins(targets, failed, set(outcome.results))
     done = [keys[i] for i in sorted(set(outcome.results) - partly)]
     cls = CheckpointCorruptError if isinstance(error, CheckpointCorruptError) else CheckpointError
     raise cls(
@@ -170,6 +169,23 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if sa is None or sb is None:
         return True
     return sa[0] == sb[0] and sa[1] < sb[2] and sb[1] < sa[2]
+
+
+def _overwritten_by_twins(
+    targets: Sequence[torch.Tensor], failed: set[int], finished: set[int]
+) -> set[int]:
+    """The targets that hold neither the checkpoint's values for their own key nor their
+    previous values, because a target sharing their memory was written: a finished one
+    whose twin then failed part-way, and an unwritten one (refused, or never started)
+    whose twin was written at all. Compared only among those that share memory."""
+    written = failed | finished
+    shared = _sharing(targets)
+    found = set()
+    for i in sorted(shared - failed):
+        others = (failed if i in finished else written) & shared
+        if any(j != i and _overlap(targets[i], targets[j]) for j in others):
+            found.add(i)
+    return found
 
 
 def _sharing(targets: Sequence[torch.Tensor]) -> set[int]:

@@ -18,6 +18,7 @@ from ...errors import CheckpointError
 from ...protocol import Adapter, Chunk, SaveContext, SaveItem, param_names
 from ..format import geometry
 from ..format.manifest_format import MAX_NAME_CHARS, MAX_NDIM, valid_value_name
+from ..format.tensor_bytes import byte_view
 
 MAX_KEY_CHARS = MAX_NAME_CHARS - 1024
 """Longest tensor key ``save`` takes: room is left for the offsets a chunk name adds."""
@@ -129,19 +130,36 @@ def _check_chunk(chunk: Chunk, name: str) -> None:
 
 
 def _not_plain(tensor: torch.Tensor) -> tuple[str, str] | None:
-    """What ``tensor`` is, and how to save it, if its bytes cannot be read as they are (a
-    wrapper subclass has no memory of its own: reading it as if it had crashed the
-    process)."""
+    """What ``tensor`` is, and how to save it, if its bytes cannot be read as they are."""
     if tensor.layout != torch.strided:
         return f"a {tensor.layout} tensor", "save its dense form (tensor.to_dense())"
     if tensor.device.type == "meta":
         return "on the meta device, with no data", "materialize it before saving"
+    if tensor.is_conj() or tensor.is_neg():
+        return (
+            "a view with a pending conjugation or negation",
+            "save tensor.resolve_conj().resolve_neg()",
+        )
+    if _has_memory(tensor):
+        return None
+    # A wrapper subclass: fine if the writer's own view of its bytes (``chunk_bytes``) is
+    # a plain tensor (torchao's float8 weight wrappers unwrap so); else reading it as
+    # if it had memory crashed the interpreter (a TwoTensor, say).
+    try:
+        flat = byte_view(tensor.detach().contiguous())
+    except Exception:  # torch raises what the subclass's dispatch raises
+        flat = None
+    if type(flat) is torch.Tensor and (flat.device.type != "cpu" or _has_memory(flat)):
+        return None
+    return (
+        f"a {type(tensor).__name__}, a tensor subclass whose bytes are not those of a plain tensor",
+        "save the plain tensors it stands for (dequantized, or the tensors it wraps)",
+    )
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
     try:
         tensor.untyped_storage().data_ptr()
     except Exception:  # torch raises RuntimeError or NotImplementedError
-        return (
-            f"a {type(tensor).__name__}, a tensor subclass without memory of its own (as "
-            "quantized and float8 wrappers are)",
-            "save the plain tensors it stands for (dequantized, or the tensors it wraps)",
-        )
-    return None
+        return False
+    return True
