@@ -74,6 +74,23 @@ def flip(path: Path, key: str) -> None:
     data.write_bytes(bytes(raw))
 
 
+def pair(tied: bool) -> nn.Module:
+    """Two bias-free 512x512 layers, the second's weight the first's if ``tied``."""
+    model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
+    if tied:
+        model[1].weight = model[0].weight
+    return model
+
+
+def save_untied_pair(path: Path) -> None:
+    """An untied pair whose two weights differ (1.0 and 2.0), saved consolidated."""
+    untied = pair(tied=False)
+    with torch.no_grad():
+        untied[0].weight.fill_(1.0)
+        untied[1].weight.fill_(2.0)
+    shardsafe.save(path, {"model": untied}, layout="consolidated")
+
+
 @pytest.fixture
 def reading_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, set[str]]]:
     """The names of the threads that ran each reader call during the test."""
@@ -335,17 +352,7 @@ def test_tied_targets_are_filled_in_order_the_last_winning_as_in_load_state_dict
     memory, one after the other, never by two threads at once (a torn mix, or a
     checksum computed over bytes another thread was writing)."""
 
-    def pair(tied: bool) -> nn.Module:
-        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
-        if tied:
-            model[1].weight = model[0].weight
-        return model
-
-    untied = pair(tied=False)
-    with torch.no_grad():
-        untied[0].weight.fill_(1.0)
-        untied[1].weight.fill_(2.0)
-    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    save_untied_pair(tmp_path / "c")
     for _ in range(5):
         tied = pair(tied=True)
         shardsafe.load(tmp_path / "c", {"model": tied}, verify=mode, read_threads=2)
@@ -573,17 +580,7 @@ def test_a_tied_target_filled_before_its_twin_failed_is_called_partly_overwritte
     """Both keys of a tied weight go into the same memory: when the second fails its
     checksum part-way, the first (finished) no longer holds its own values either."""
 
-    def pair(tied: bool) -> nn.Module:
-        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
-        if tied:
-            model[1].weight = model[0].weight
-        return model
-
-    untied = pair(tied=False)
-    with torch.no_grad():
-        untied[0].weight.fill_(1.0)
-        untied[1].weight.fill_(2.0)
-    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    save_untied_pair(tmp_path / "c")
     flip(tmp_path / "c", "model/1.weight")
     tied = pair(tied=True)
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as info:
@@ -626,11 +623,9 @@ def test_a_tied_twin_never_started_after_the_first_failed_is_not_called_untouche
 ) -> None:
     """The first key of a tied pair fails part-way; the second (same memory) never
     starts, yet its memory no longer holds its previous values."""
-    untied = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
-    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    save_untied_pair(tmp_path / "c")
     flip(tmp_path / "c", "model/0.weight")
-    tied = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
-    tied[1].weight = tied[0].weight
+    tied = pair(tied=True)
     with pytest.raises(CheckpointCorruptError) as info:
         shardsafe.load(tmp_path / "c", {"model": tied}, verify="inline", read_threads=threads)
     assert (
