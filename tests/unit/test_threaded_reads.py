@@ -315,10 +315,15 @@ def test_one_thread_for_object_stores_spools_and_more_files_than_stay_open() -> 
 
     opts = LoadOptions(read_threads=3)
     local: Any = Local()
-    assert loading._threads(local, opts, None, 1, MAX_OPEN_FILES) == 3
-    assert loading._threads(local, opts, None, 1, MAX_OPEN_FILES + 1) == 1
-    assert loading._threads(Remote(), opts, None, 1, 1) == 1  # type: ignore[arg-type]
-    assert loading._threads(local, opts, Spool(), 1, 1) == 1
+
+    def never() -> int:
+        raise AssertionError("files counted although one thread was certain")
+
+    assert loading._threads(local, opts, None, 1, lambda: MAX_OPEN_FILES) == 3
+    assert loading._threads(local, opts, None, 1, lambda: MAX_OPEN_FILES + 1) == 1
+    assert loading._threads(Remote(), opts, None, 1, never) == 1  # type: ignore[arg-type]
+    assert loading._threads(local, opts, Spool(), 1, never) == 1
+    assert loading._threads(local, LoadOptions(read_threads=1), None, 1, never) == 1
 
 
 def test_a_reader_that_records_into_a_spool_is_not_forked(tmp_path: Path) -> None:

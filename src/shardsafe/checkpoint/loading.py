@@ -128,7 +128,10 @@ def load_chosen(
                     stacklevel=4,  # the caller of shardsafe.load (or of load_latest)
                 )
         spool = _spool(storage, options, routes, manifest)
-        threads = _threads(storage, options, spool, coord.world_size, _files(routes, manifest))
+        threads = _threads(
+            storage, options, spool, coord.world_size, lambda: _files(routes, manifest)
+        )
+        in_place_sizes = [_bytes(manifest, req) for req, _ in routes.in_place]
         # Each thread has a piece of its own, the pieces within half the budget.
         pieces = min(options.buffer_bytes // 2 // threads, CACHE_PIECE_BYTES)
         cuda_pieces = pinned_ring.piece_bytes_for(options.buffer_bytes)
@@ -137,7 +140,7 @@ def load_chosen(
         )
         with reader, contextlib.closing(spool) if spool else contextlib.nullcontext():
             with coord.phase(Phase.READ):
-                tensors = _read(reader, routes, options.verify, spool, threads)
+                tensors = _read(reader, routes, options.verify, in_place_sizes, spool, threads)
                 for item in plan.entries:
                     guarded(item, "validate", item.adapter.validate, item.obj, item.saved, tensors)
             with coord.phase(Phase.RESTORE):
@@ -147,7 +150,7 @@ def load_chosen(
                     verify=options.verify,
                     rank=coord.rank,
                     threads=threads,
-                    sizes=[_bytes(manifest, req) for req, _ in routes.in_place],
+                    sizes=in_place_sizes,
                 )
                 return _restore(plan, tensors)
     finally:
@@ -176,17 +179,25 @@ def _spool(
 
 
 def _threads(
-    storage: Storage, options: LoadOptions, spool: Spool | None, world: int, files: int
+    storage: Storage,
+    options: LoadOptions,
+    spool: Spool | None,
+    world: int,
+    count_files: Callable[[], int],
 ) -> int:
     """The threads this rank reads with (``io/threaded_reads.py``): one for an object store
     or a spool, or for more files than a reader keeps open (threads share the descriptors
     of the files they read, so none may be closed during the load); else
-    ``options.read_threads`` if given, or this rank's share of the CPUs."""
-    if spool is not None or not storage.cheap_rereads or files > MAX_OPEN_FILES:
+    ``options.read_threads`` if given, or this rank's share of the CPUs. The files
+    (``count_files``) are counted only when more than one thread is wanted."""
+    if spool is not None or not storage.cheap_rereads:
         return 1
-    if options.read_threads is not None:
-        return options.read_threads
-    return threaded_reads.default_threads(world)
+    wanted = options.read_threads
+    if wanted is None:
+        wanted = threaded_reads.default_threads(world)
+    if wanted == 1 or count_files() > MAX_OPEN_FILES:
+        return 1
+    return wanted
 
 
 def _files(routes: in_place.Routes, manifest: Manifest) -> int:
@@ -199,13 +210,15 @@ def _read(
     reader: CheckpointReader,
     routes: in_place.Routes,
     verify: str,
+    in_place_sizes: list[int],
     spool: Spool | None = None,
     threads: int = 1,
 ) -> dict[str, torch.Tensor]:
     """New tensors for what no live tensor takes; the live targets (still holding their old
     values) for the rest, after checking every byte of them if ``verify == "first"`` (kept
     in ``spool`` for the second read, if there is one). On up to ``threads`` threads; an
-    error is the earliest request's (``io/threaded_reads.py``)."""
+    error is the earliest request's (``io/threaded_reads.py``). ``in_place_sizes`` are the
+    bytes of each in-place request, which share the threads out."""
     manifest = reader.manifest
     fresh = threaded_reads.run(
         reader,
@@ -224,7 +237,7 @@ def _read(
                 [req for req, _ in routes.in_place],
                 lambda r, req: r.check(req.key, req.offsets, req.shape),
                 threads=threads,
-                sizes=[_bytes(manifest, req) for req, _ in routes.in_place],
+                sizes=in_place_sizes,
             )
             checked.raise_first()
     tensors.update({req.key: target for req, target in routes.in_place})
