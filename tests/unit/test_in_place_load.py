@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ import shardsafe
 from shardsafe import CheckpointCorruptError
 from shardsafe.adapters import Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 from shardsafe.checkpoint import LoadOptions
+
+from .load_helpers import between_passes, tensors
 
 MODES = ["first", "inline"]
 
@@ -31,14 +32,6 @@ def trained(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         opt.step()
         opt.zero_grad()
     return model, opt
-
-
-def tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for p, state in opt.state.items():
-        out.update({f"optimizer/{names[id(p)]}/{k}": v.clone() for k, v in state.items()})
-    return out
 
 
 def flip_in_largest_tensor(path: Path) -> None:
@@ -107,47 +100,23 @@ def test_first_restores_nothing_from_a_corrupt_byte(tmp_path: Path) -> None:
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
-class Tamper:
-    """State whose validation rewrites a data file in place: a file modified after
-    verify='first''s checking pass and before its restoring pass."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-
-class TamperAdapter(Adapter):
-    kind = "test-tamper"
-
-    def handles(self, obj: object) -> bool:
-        return isinstance(obj, Tamper)
-
-    def save(self, obj: Tamper, ctx: SaveContext) -> SaveItem:
-        return SaveItem(self.kind, {})
-
-    def plan_load(self, obj: Tamper, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        return LoadRequests()
-
-    def validate(
-        self, obj: Tamper, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
-    ) -> None:
-        data = sorted(obj.path.glob("*.safetensors"))[0]
-        raw = bytearray(data.read_bytes())
-        raw[-5] ^= 0xFF  # inside the last tensor's bytes; same file, same size
-        with open(data, "r+b") as f:
-            f.write(bytes(raw))
-
-    def restore(self, obj: Any, saved: SavedValue, tensors: Any, ctx: LoadContext) -> None:
-        return None
+def rewrite_in_place(path: Path) -> None:
+    """Rewrite a data file in place, one byte flipped inside its last tensor: a file
+    modified after verify='first''s checking pass and before its restoring pass."""
+    data = sorted(path.glob("*.safetensors"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # same file, same size
+    with open(data, "r+b") as f:
+        f.write(bytes(raw))
 
 
 def test_first_catches_a_file_modified_between_its_two_reads(tmp_path: Path) -> None:
-    shardsafe.register_adapter(TamperAdapter())
     path = tmp_path / "c"
     model, _ = trained(0, 0)
-    shardsafe.save(path, {"model": model, "tamper": Tamper(path)})
+    shardsafe.save(path, {"model": model, "tamper": between_passes(path)})
     fresh, _ = trained(1, 0)
     with pytest.raises(CheckpointCorruptError, match="modified during the load") as info:
-        shardsafe.load(path, {"model": fresh, "tamper": Tamper(path)})
+        shardsafe.load(path, {"model": fresh, "tamper": between_passes(path, rewrite_in_place)})
     assert "checksum mismatch" in str(info.value) and "partly overwritten" in str(info.value)
 
 

@@ -11,7 +11,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ from torch import nn
 
 import shardsafe
 from shardsafe import CheckpointCorruptError
-from shardsafe.adapters import Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 from shardsafe.checkpoint import LoadOptions, loading
 from shardsafe.checkpoint.io import reader as reader_module
 from shardsafe.checkpoint.io import threaded_reads
@@ -30,6 +29,7 @@ from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.checkpoint.storage.spool import Spool
 
 from .attacks.common import opens_with_flags
+from .load_helpers import between_passes, tensors
 
 MODES = ["first", "inline"]
 LAYERS = 8
@@ -44,14 +44,6 @@ def trained(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         opt.step()
         opt.zero_grad()
     return model, opt
-
-
-def tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for p, state in opt.state.items():
-        out.update({f"optimizer/{names[id(p)]}/{k}": v.clone() for k, v in state.items()})
-    return out
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,55 +142,31 @@ def test_every_data_file_is_opened_once_and_read_by_every_thread(
     assert {name: names.count(name) for name in files} == {name: 1 for name in files}
 
 
-class Swap:
-    """State whose validation replaces a data file by a corrupted copy (a rename over it),
-    after verify='first''s checking pass and before its restoring pass."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-
-class SwapAdapter(Adapter):
-    kind = "test-swap-between-passes"
-    unlink_first = False
-
-    def handles(self, obj: object) -> bool:
-        return isinstance(obj, Swap)
-
-    def save(self, obj: Swap, ctx: SaveContext) -> SaveItem:
-        return SaveItem(self.kind, {})
-
-    def plan_load(self, obj: Swap, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        return LoadRequests()
-
-    def validate(
-        self, obj: Swap, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
-    ) -> None:
-        data = obj.path / "model.safetensors"
-        raw = bytearray(data.read_bytes())
-        for i in range(len(raw) // 2, len(raw)):
-            raw[i] ^= 0xFF
-        if self.unlink_first:  # frees the inode number for the decoy
-            data.unlink()
-        decoy = obj.path / "decoy"
-        decoy.write_bytes(bytes(raw))
-        os.replace(decoy, data)
-
-    def restore(self, obj: Any, saved: SavedValue, tensors: Any, ctx: LoadContext) -> None:
-        return None
+def rename_a_decoy_over(path: Path, unlink_first: bool = False) -> None:
+    """Replace the data file by a corrupted copy (a rename over it); with ``unlink_first``
+    the original is unlinked first, which frees its inode number for the decoy."""
+    data = path / "model.safetensors"
+    raw = bytearray(data.read_bytes())
+    for i in range(len(raw) // 2, len(raw)):
+        raw[i] ^= 0xFF
+    if unlink_first:
+        data.unlink()
+    decoy = path / "decoy"
+    decoy.write_bytes(bytes(raw))
+    os.replace(decoy, data)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_a_file_renamed_over_between_the_passes_is_never_read(tmp_path: Path, threads: int) -> None:
     """Every thread reads the descriptor validated in the first pass: a decoy renamed
     over the file afterwards is not opened, and the load restores the checkpoint's bits."""
-    shardsafe.register_adapter(SwapAdapter())
     path = tmp_path / "c"
     model, _ = trained(0, 0)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    shardsafe.save(path, {"model": model, "swap": Swap(path)}, layout="consolidated")
+    shardsafe.save(path, {"model": model, "swap": between_passes(path)}, layout="consolidated")
     fresh, _ = trained(1, 0)
-    shardsafe.load(path, {"model": fresh, "swap": Swap(path)}, read_threads=threads)
+    swap = between_passes(path, rename_a_decoy_over)
+    shardsafe.load(path, {"model": fresh, "swap": swap}, read_threads=threads)
     assert all(same(fresh.state_dict()[k], v) for k, v in saved.items())
 
 
@@ -409,20 +377,18 @@ def test_a_file_closed_to_make_room_then_replaced_is_refused_unread(
     checking pass is opened again for the restoring pass: a decoy renamed over it
     meanwhile is refused by its identity before a byte is read, even when the original
     was unlinked first so that the decoy may get its inode number (ext4 reuses it)."""
-    shardsafe.register_adapter(SwapAdapter())
-    monkeypatch.setattr(SwapAdapter, "unlink_first", unlink_first)
     monkeypatch.setattr(reader_module, "MAX_OPEN_FILES", 1)
     monkeypatch.setattr(loading, "MAX_OPEN_FILES", 1)  # so the load reads on one thread
     path = tmp_path / "c"
     model, opt = trained(0, 1)
     saved = tensors(model, opt)
-    shardsafe.save(
-        path, {"model": model, "optimizer": opt, "swap": Swap(path)}, layout="consolidated"
-    )
+    state = {"model": model, "optimizer": opt, "swap": between_passes(path)}
+    shardsafe.save(path, state, layout="consolidated")
     fresh, fresh_opt = trained(1, 1)
     before = tensors(fresh, fresh_opt)
     with pytest.raises(CheckpointCorruptError, match="was replaced during the load") as info:
-        shardsafe.load(path, {"model": fresh, "optimizer": fresh_opt, "swap": Swap(path)})
+        swap = between_passes(path, lambda p: rename_a_decoy_over(p, unlink_first))
+        shardsafe.load(path, {"model": fresh, "optimizer": fresh_opt, "swap": swap})
     assert "model.safetensors" in str(info.value) and "nothing was read from the new one" in str(
         info.value
     )
