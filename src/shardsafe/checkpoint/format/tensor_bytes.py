@@ -11,6 +11,16 @@ import ctypes
 import torch
 
 
+def has_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has memory of its own (a wrapper subclass, such as a TwoTensor,
+    has none: its data lives in the tensors it wraps)."""
+    try:
+        tensor.untyped_storage().data_ptr()
+    except Exception:  # torch raises RuntimeError or NotImplementedError
+        return False
+    return True
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor's bytes (no copy)."""
     flat = tensor.reshape(-1)

@@ -37,7 +37,7 @@ from ..format import geometry
 from ..format.crc import crc32
 from ..format.manifest import ChunkRecord, Manifest, TensorRecord
 from ..format.safetensors_header import HeaderEntry, parse_header
-from ..format.tensor_bytes import memory
+from ..format.tensor_bytes import has_memory, memory
 from ..storage.protocol import FileReader, Storage
 from ..storage.spool import Spool
 from .pinned_ring import PinnedRing
@@ -243,7 +243,15 @@ class CheckpointReader:
         pieces: list[tuple[ChunkRecord, geometry.Box]],
         out: torch.Tensor,
     ) -> None:
-        direct = out.device.type == "cpu" and out.is_contiguous()
+        # Straight into the target's memory only where that memory holds exactly its
+        # elements; a wrapper subclass or a view with a pending conjugation or negation
+        # is written by its own copy_.
+        direct = (
+            out.device.type == "cpu"
+            and out.is_contiguous()
+            and not (out.is_conj() or out.is_neg())
+            and has_memory(out)
+        )
         for chunk, overlap in pieces:
             if direct and overlap == box and chunk.offsets == box[0] and chunk.shape == box[1]:
                 self._read_whole(key, rec, chunk, out)
@@ -357,7 +365,7 @@ class CheckpointReader:
         held = self._buffer
         if held is None or held.numel() < nbytes:
             self._buffer = held = None  # free the smaller one before allocating its successor
-            held = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+            held = torch.empty(max(nbytes, 0), dtype=torch.uint8, device="cpu")
             self._buffer = held
         return held[:nbytes]
 
@@ -412,8 +420,7 @@ class CheckpointReader:
             if name in files.failed:
                 raise files.failed[name]
             try:
-                opened = self._validated(name)
-                _same_file(files.identities, name, opened[0])
+                opened = self._validated(name, files.identities)
             except CheckpointCorruptError as e:
                 files.failed[name] = e
                 raise
@@ -423,9 +430,18 @@ class CheckpointReader:
             files.open[name] = opened
             return opened
 
-    def _validated(self, name: str) -> tuple[FileReader, dict[str, HeaderEntry]]:
-        """Open ``name`` and check it against the manifest: size, header CRC32, header."""
+    def _validated(
+        self, name: str, identities: dict[str, object]
+    ) -> tuple[FileReader, dict[str, HeaderEntry]]:
+        """Open ``name`` and check it against the manifest: size, header CRC32, header;
+        first of all, that it is the file ``name`` was when first opened (``identities``),
+        before a byte of it is read."""
         reader = self.storage.open_reader(name)
+        try:
+            _same_file(identities, name, reader)
+        except BaseException:
+            reader.close()
+            raise
         if self._spool is not None:
             reader = self._spool.wrap(reader)
         try:
@@ -487,13 +503,12 @@ class _OpenFiles:
 
 
 def _same_file(identities: dict[str, object], name: str, opened: FileReader) -> None:
-    """Refuse ``opened`` (and close it) if ``name`` was another file when first opened:
-    one closed to make room, then replaced, is never read."""
+    """Refuse ``opened`` if ``name`` was another file when first opened: one closed to
+    make room, then replaced, is never read."""
     identity = getattr(opened, "identity", None)
     first = identities.setdefault(name, identity)
     if identity is None or first == identity:
         return
-    opened.close()
     raise CheckpointCorruptError(
         f"data file {name} was replaced during the load: it is not the file that was "
         "opened and checked before (it was closed to keep at most "

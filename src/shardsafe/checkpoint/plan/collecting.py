@@ -18,7 +18,7 @@ from ...errors import CheckpointError
 from ...protocol import Adapter, Chunk, SaveContext, SaveItem, param_names
 from ..format import geometry
 from ..format.manifest_format import MAX_NAME_CHARS, MAX_NDIM, valid_value_name
-from ..format.tensor_bytes import byte_view
+from ..format.tensor_bytes import byte_view, has_memory
 
 MAX_KEY_CHARS = MAX_NAME_CHARS - 1024
 """Longest tensor key ``save`` takes: room is left for the offsets a chunk name adds."""
@@ -140,7 +140,7 @@ def _not_plain(tensor: torch.Tensor) -> tuple[str, str] | None:
             "a view with a pending conjugation or negation",
             "save tensor.resolve_conj().resolve_neg()",
         )
-    if _has_memory(tensor):
+    if has_memory(tensor):
         return None
     # A wrapper subclass: fine if the writer's own view of its bytes (``chunk_bytes``) is
     # a plain tensor (torchao's float8 weight wrappers unwrap so); else reading it as
@@ -149,17 +149,9 @@ def _not_plain(tensor: torch.Tensor) -> tuple[str, str] | None:
         flat = byte_view(tensor.detach().contiguous())
     except Exception:  # torch raises what the subclass's dispatch raises
         flat = None
-    if type(flat) is torch.Tensor and (flat.device.type != "cpu" or _has_memory(flat)):
+    if type(flat) is torch.Tensor and (flat.device.type != "cpu" or has_memory(flat)):
         return None
     return (
         f"a {type(tensor).__name__}, a tensor subclass whose bytes are not those of a plain tensor",
         "save the plain tensors it stands for (dequantized, or the tensors it wraps)",
     )
-
-
-def _has_memory(tensor: torch.Tensor) -> bool:
-    try:
-        tensor.untyped_storage().data_ptr()
-    except Exception:  # torch raises RuntimeError or NotImplementedError
-        return False
-    return True
