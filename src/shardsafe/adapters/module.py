@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import _names, _tree
 from .._text import terminal_safe
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import (
     JSON,
     Adapter,
@@ -139,6 +139,21 @@ class ModuleAdapter(Adapter):
             if isinstance(value, torch.Tensor)
         }
 
+    def validate(
+        self,
+        obj: nn.Module,
+        saved: SavedValue,
+        tensors: Mapping[str, torch.Tensor],
+        ctx: LoadContext,
+    ) -> None:
+        """Refuse a live tensor that ``load_state_dict`` would refuse to copy into, before
+        anything is restored: else the load would fail part-way, the tensors before it
+        (and in other entries) already restored."""
+        key_of = _keys(saved, ctx)
+        for name, value in unwrap(obj).state_dict().items():
+            if isinstance(value, torch.Tensor) and key_of(name) in tensors:
+                _check_writable(name, dtensor.local_of(value))
+
     def restore(
         self,
         obj: nn.Module,
@@ -158,6 +173,24 @@ class ModuleAdapter(Adapter):
             if name in live:
                 state[name] = _tree.decode(raw, {})
         module.load_state_dict(state, strict=False)
+
+
+def _check_writable(name: str, value: torch.Tensor) -> None:
+    if value.is_inference() and not torch.is_inference_mode_enabled():
+        raise CheckpointMismatchError(
+            f"{name!r} is an inference tensor (made under torch.inference_mode()), which "
+            "torch lets nothing write outside inference mode: load inside `with "
+            "torch.inference_mode():`, or create the module outside it. Nothing was "
+            "restored."
+        )
+    strides = zip(value.stride(), value.shape)
+    if value.numel() and any(stride == 0 and n > 1 for stride, n in strides):
+        raise CheckpointMismatchError(
+            f"{name!r} is an expanded view (shape {list(value.shape)}, strides "
+            f"{list(value.stride())}): its elements share memory, so it cannot hold the "
+            "checkpoint's values and torch refuses to copy into it. Give it memory of its "
+            "own (for a buffer: register_buffer(name, tensor.clone())). Nothing was restored."
+        )
 
 
 def _tied_names(module: nn.Module) -> dict[str, set[str]]:
