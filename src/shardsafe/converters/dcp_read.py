@@ -127,7 +127,9 @@ def read(storage: Storage) -> Source:
             fqn, item = stand_ins[id(stand_in)]
             dtype, size = item.properties.dtype, tuple(item.size)
             if not item.chunks:  # an empty tensor: DCP stores no bytes for it
-                return one_chunk(key, dtype, size, lambda: torch.empty(size, dtype=dtype))
+                return one_chunk(
+                    key, dtype, size, lambda: torch.empty(size, dtype=dtype, device="cpu")
+                )
             problem = tiling_problem(
                 size, [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks]
             )

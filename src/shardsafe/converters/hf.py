@@ -278,7 +278,7 @@ def _weight_map(storage: Storage, name: str) -> dict[str, str] | None:
 
 def _reading(reader: FileReader, entry: HeaderEntry) -> Callable[[], torch.Tensor]:
     def load() -> torch.Tensor:
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
         if entry.nbytes:
             reader.read_into(entry.start, memory(byte_view(out)))
         return out

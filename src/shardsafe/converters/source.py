@@ -96,7 +96,7 @@ class SourceTensor:
             return checked(self.key, self.whole(), self.dtype, self.shape)
         if len(self.chunks) == 1 and self.chunks[0].shape == self.shape:
             return checked(self.key, self.chunks[0].load(), self.dtype, self.shape)
-        out = torch.empty(self.shape, dtype=self.dtype)
+        out = torch.empty(self.shape, dtype=self.dtype, device="cpu")
         for chunk in self.chunks:
             box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
             out[box] = checked(self.key, chunk.load(), self.dtype, chunk.shape)

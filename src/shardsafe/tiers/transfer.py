@@ -66,13 +66,13 @@ enough that the buffer stays a small fraction of a rank's state."""
 def _send_ints(group: Any, dst: int, values: list[int], tag: int) -> None:
     if not values:  # the receiver expects none either
         return
-    dist.send(torch.tensor(values, dtype=torch.int64), dst, group=group, tag=tag)
+    dist.send(torch.tensor(values, dtype=torch.int64, device="cpu"), dst, group=group, tag=tag)
 
 
 def _recv_ints(group: Any, src: int, count: int, tag: int) -> list[int]:
     if count == 0:
         return []
-    out = torch.zeros(count, dtype=torch.int64)
+    out = torch.zeros(count, dtype=torch.int64, device="cpu")
     dist.recv(out, src, group=group, tag=tag)
     return [int(v) for v in out.tolist()]
 
@@ -151,7 +151,7 @@ def receive(
     _send_ints(group, src, [int(accept)], CONTROL)
     if not accept:
         return False
-    raw_tensor = torch.empty(length, dtype=torch.uint8)
+    raw_tensor = torch.empty(length, dtype=torch.uint8, device="cpu")
     dist.recv(raw_tensor, src, group=group, tag=DATA)
     raw = raw_tensor.numpy().tobytes()
     manifest = _expected(raw, rank, step)
@@ -294,4 +294,6 @@ def _contents(pieces: list[Piece]) -> list[tuple[Any, ...]]:
 
 def _buffer(files: dict[str, int]) -> torch.Tensor:
     """The piece buffer: :data:`PIECE_BYTES`, or the largest of ``files`` if smaller."""
-    return torch.empty(min(PIECE_BYTES, max(files.values(), default=0)), dtype=torch.uint8)
+    return torch.empty(
+        min(PIECE_BYTES, max(files.values(), default=0)), dtype=torch.uint8, device="cpu"
+    )

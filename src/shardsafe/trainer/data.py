@@ -130,9 +130,9 @@ class ResumableBatchSampler(Sampler[list[int]]):
     def order(self) -> torch.Tensor:
         """The epoch's global order of sample indices, identical on every rank."""
         if not self.shuffle:
-            return torch.arange(self.size)
+            return torch.arange(self.size, device="cpu")
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.size, generator=generator)
+        return torch.randperm(self.size, generator=generator, device="cpu")
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()

@@ -60,7 +60,7 @@ class ExampleModule(TrainingModule):
         self.batch_size = batch_size
         self.lr = lr
         generator = torch.Generator().manual_seed(seed)
-        inputs = torch.randn(samples, features, generator=generator)
+        inputs = torch.randn(samples, features, generator=generator, device="cpu")
         with torch.no_grad():
             teacher = _mlp(features, hidden, outputs, generator)
             targets = teacher(inputs)

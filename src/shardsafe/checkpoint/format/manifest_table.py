@@ -85,7 +85,7 @@ def decode_column(text: object, types: tuple[str, ...]) -> torch.Tensor | None:
     if sys.byteorder == "big":
         arr.byteswap()
     if not arr:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device="cpu")
     if kind == "u32":
         return torch.frombuffer(arr, dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
     return torch.frombuffer(arr, dtype=torch.int64).clone()

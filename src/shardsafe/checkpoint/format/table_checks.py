@@ -119,13 +119,13 @@ def _check_sizes(
 ) -> torch.Tensor:
     """No chunk larger than its file; one CRC32 per block of each. Returns where each
     chunk's CRC32s start in their column (and, last, the column's length)."""
-    numel = torch.ones(layout.rows, dtype=I64)
+    numel = torch.ones(layout.rows, dtype=I64, device="cpu")
     if cols["shape"].numel():
         # Exact: each chunk lies inside its tensor, whose element count is below 2**63.
         numel.scatter_reduce_(0, layout.row_of, cols["shape"], "prod")
     sizes = [dtypes.itemsize(d) for d in heads.dtypes]
-    itemsize = torch.tensor(sizes, dtype=I64)[layout.tensor_of_row]
-    file_bytes = torch.tensor(list(files.values()), dtype=I64)[cols["file"]]
+    itemsize = torch.tensor(sizes, dtype=I64, device="cpu")[layout.tensor_of_row]
+    file_bytes = torch.tensor(list(files.values()), dtype=I64, device="cpu")[cols["file"]]
     too_big = numel > file_bytes // itemsize
     if bool(too_big.any()):
         row = int(torch.nonzero(too_big)[0])
@@ -137,7 +137,7 @@ def _check_sizes(
     # Each count is checked against the column before they are summed (no overflow).
     if layout.rows and (int(blocks.max()) > crcs or int(blocks.sum()) != crcs):
         check.fail(f"'chunks.crc32' holds {crcs} values, not one per checksum block of every chunk")
-    return torch.cat([torch.zeros(1, dtype=I64), torch.cumsum(blocks, 0)])
+    return torch.cat([torch.zeros(1, dtype=I64, device="cpu"), torch.cumsum(blocks, 0)])
 
 
 def _check_unique(

@@ -35,8 +35,11 @@ def runs(counts: torch.Tensor, total: int) -> torch.Tensor:
                 )
             ),
             dtype=I64,
+            device="cpu",
         )
-    return torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
+    return torch.repeat_interleave(
+        torch.arange(counts.numel(), device="cpu"), counts, output_size=total
+    )
 
 
 class Heads:
@@ -75,9 +78,9 @@ class Layout:
     """Index arrays over the table (see the module docstring)."""
 
     def __init__(self, heads: Heads) -> None:
-        self.counts = torch.tensor(heads.counts, dtype=I64)
-        self.ndims = torch.tensor(heads.ndims, dtype=I64)
-        self.shapes = torch.tensor([n for s in heads.shapes for n in s], dtype=I64)
+        self.counts = torch.tensor(heads.counts, dtype=I64, device="cpu")
+        self.ndims = torch.tensor(heads.ndims, dtype=I64, device="cpu")
+        self.shapes = torch.tensor([n for s in heads.shapes for n in s], dtype=I64, device="cpu")
         """Every tensor's shape, concatenated; ``shape_starts`` is where each begins."""
         self.shape_starts = torch.cumsum(self.ndims, 0) - self.ndims
         self.rows = heads.row_starts[-1]
@@ -87,7 +90,7 @@ class Layout:
         flat = heads.flat_starts[-1]
         self.row_of = runs(self.row_ndims, flat)
         """For each offsets/shape entry, its row."""
-        self.dim = torch.arange(flat) - self.row_flat_starts[self.row_of]
+        self.dim = torch.arange(flat, device="cpu") - self.row_flat_starts[self.row_of]
         self.group = self.shape_starts[self.tensor_of_row][self.row_of] + self.dim
         """For each entry, its (tensor, dim): an index into ``shapes``."""
         self.extents = self.shapes[self.group] if flat else self.dim

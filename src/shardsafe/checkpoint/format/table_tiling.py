@@ -77,13 +77,13 @@ def _chained(
     tensors = layout.counts.numel()
     groups = layout.shapes.numel()
     if not groups:
-        return torch.zeros(tensors, dtype=torch.bool)
+        return torch.zeros(tensors, dtype=torch.bool, device="cpu")
     split = torch.bincount(layout.group[partial], minlength=groups) > 0
     """(tensor, dim) pairs along which some chunk does not span the whole dim."""
     tensor_of_group = runs(layout.ndims, groups)
-    dim_of_group = torch.arange(groups) - layout.shape_starts[tensor_of_group]
+    dim_of_group = torch.arange(groups, device="cpu") - layout.shape_starts[tensor_of_group]
     one_split = torch.bincount(tensor_of_group[split], minlength=tensors) == 1
-    along = torch.zeros(tensors, dtype=I64)
+    along = torch.zeros(tensors, dtype=I64, device="cpu")
     along[tensor_of_group[split]] = dim_of_group[split]
     candidate = one_split & (layout.counts > 1)
     rows = torch.nonzero(candidate[layout.tensor_of_row]).flatten()
@@ -93,12 +93,12 @@ def _chained(
     entry = layout.row_flat_starts[rows] + along[tensor]
     start, length = offsets[entry], shape[entry]
     extent = layout.shapes[layout.shape_starts[tensor] + along[tensor]]
-    first = torch.ones(rows.numel(), dtype=torch.bool)
+    first = torch.ones(rows.numel(), dtype=torch.bool, device="cpu")
     first[1:] = tensor[1:] != tensor[:-1]
-    last = torch.ones(rows.numel(), dtype=torch.bool)
+    last = torch.ones(rows.numel(), dtype=torch.bool, device="cpu")
     last[:-1] = first[1:]
     ends = start + length  # each at most its extent (bounds were checked): no overflow
-    follows = torch.zeros(rows.numel(), dtype=torch.bool)
+    follows = torch.zeros(rows.numel(), dtype=torch.bool, device="cpu")
     follows[1:] = start[1:] == ends[:-1]
     ok = (length > 0) & torch.where(first, start == 0, follows) & (~last | (ends == extent))
     broken = torch.bincount(tensor[~ok], minlength=tensors) > 0

@@ -149,7 +149,7 @@ class ConsolidatedReceiver:
         entry: FileEntry = step.entry
         full: torch.Tensor | None = None
         try:
-            full = torch.empty(entry.shape, dtype=entry.dtype)
+            full = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
         except Exception as e:
             self.error = self.error or e
         for src, message_ids in step.pieces:

@@ -70,7 +70,7 @@ class PinnedRing:
         held = self._buffers[slot]
         if held is None or held.numel() < nbytes:
             self._buffers[slot] = held = None  # free the smaller one first
-            held = torch.empty(max(nbytes, 0), dtype=torch.uint8, pin_memory=True)
+            held = torch.empty(max(nbytes, 0), dtype=torch.uint8, pin_memory=True, device="cpu")
             self._buffers[slot] = held
         return slot, held[:nbytes]
 

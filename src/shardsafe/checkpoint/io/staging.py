@@ -99,7 +99,7 @@ class Stager:
         used.add(key)
         buffer = self._buffers.get(key)
         if buffer is None:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda, device="cpu")
             self._buffers[key] = buffer
         if cuda:
             stream = self._stream(tensor.device.index or 0)
