@@ -142,13 +142,16 @@ def test_every_data_file_is_opened_once_and_read_by_every_thread(
     assert {name: names.count(name) for name in files} == {name: 1 for name in files}
 
 
-def rename_a_decoy_over(path: Path, unlink_first: bool = False) -> None:
+def rename_a_decoy_over(path: Path, unlink_first: bool = False, header: bool = False) -> None:
     """Replace the data file by a corrupted copy (a rename over it); with ``unlink_first``
-    the original is unlinked first, which frees its inode number for the decoy."""
+    the original is unlinked first, which frees its inode number for the decoy; with
+    ``header`` the decoy's header differs too."""
     data = path / "model.safetensors"
     raw = bytearray(data.read_bytes())
     for i in range(len(raw) // 2, len(raw)):
         raw[i] ^= 0xFF
+    if header:
+        raw[20] ^= 0x01
     if unlink_first:
         data.unlink()
     decoy = path / "decoy"
@@ -369,14 +372,16 @@ def test_a_file_refused_before_any_byte_is_written_leaves_its_tensors_untouched(
         ) in str(info.value)
 
 
+@pytest.mark.parametrize("header", [False, True])
 @pytest.mark.parametrize("unlink_first", [False, True])
 def test_a_file_closed_to_make_room_then_replaced_is_refused_unread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unlink_first: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unlink_first: bool, header: bool
 ) -> None:
     """With more data files than stay open (here 1 for 2), a file closed after the
     checking pass is opened again for the restoring pass: a decoy renamed over it
-    meanwhile is refused by its identity before a byte is read, even when the original
-    was unlinked first so that the decoy may get its inode number (ext4 reuses it)."""
+    meanwhile is refused by its identity before a byte is read (not even its header,
+    which would be refused as damaged), even when the original was unlinked first so
+    that the decoy may get its inode number (ext4 reuses it)."""
     monkeypatch.setattr(reader_module, "MAX_OPEN_FILES", 1)
     monkeypatch.setattr(loading, "MAX_OPEN_FILES", 1)  # so the load reads on one thread
     path = tmp_path / "c"
@@ -387,7 +392,7 @@ def test_a_file_closed_to_make_room_then_replaced_is_refused_unread(
     fresh, fresh_opt = trained(1, 1)
     before = tensors(fresh, fresh_opt)
     with pytest.raises(CheckpointCorruptError, match="was replaced during the load") as info:
-        swap = between_passes(path, lambda p: rename_a_decoy_over(p, unlink_first))
+        swap = between_passes(path, lambda p: rename_a_decoy_over(p, unlink_first, header))
         shardsafe.load(path, {"model": fresh, "optimizer": fresh_opt, "swap": swap})
     assert "model.safetensors" in str(info.value) and "nothing was read from the new one" in str(
         info.value
@@ -564,7 +569,8 @@ def test_a_tied_target_filled_before_its_twin_failed_is_called_partly_overwritte
 
 def test_wrapper_subclass_targets_load_on_threads(tmp_path: Path) -> None:
     """A wrapper tensor subclass (as torchao's and float8's are built) has no storage of
-    its own to compare: it is read on the calling thread, like memory that may be shared."""
+    its own: its memory is that of the tensors it wraps (``__tensor_flatten__``), and
+    transposed, it is written through its own copy_."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     class Plain(nn.Module):

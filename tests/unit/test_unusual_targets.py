@@ -1,0 +1,256 @@
+"""Live tensors that are not plain dense memory, as load targets: wrapper subclasses,
+views with a pending conjugation, expanded views, inference tensors, tied views that
+interleave; and a caller whose default device is not the CPU.
+
+Each load either restores the checkpoint's exact values or refuses before anything is
+restored, and an error met part-way says exactly what each target now holds
+(``io/in_place.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
+
+import shardsafe
+from shardsafe import CheckpointCorruptError, CheckpointMismatchError
+
+MODES = ["first", "inline"]
+
+
+class Buffers(nn.Module):
+    """Buffers ``b0``, ``b1``, ... as given."""
+
+    def __init__(self, *buffers: torch.Tensor) -> None:
+        super().__init__()
+        for i, b in enumerate(buffers):
+            self.register_buffer(f"b{i}", b)
+
+
+def flip(path: Path, key: str) -> None:
+    """Flip one byte in the middle of tensor ``key``'s bytes in its data file."""
+    (chunk,) = shardsafe.read_manifest(path).tensors[key].chunks
+    data = path / chunk.file
+    raw = bytearray(data.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + n])[chunk.name]["data_offsets"]
+    raw[8 + n + (begin + end) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def values(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_contiguous_wrapper_subclass_targets_are_written_through_their_own_copy(
+    tmp_path: Path, mode: str, threads: int
+) -> None:
+    """A contiguous TwoTensor has no memory of its own to read into: before, its load
+    failed part-way with "memory() needs a tensor with memory of its own"."""
+    saved = Buffers(*[torch.full((64, 64), float(i + 1)) for i in range(4)])
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    target = Buffers(*[TwoTensor(torch.zeros(64, 64), torch.zeros(64, 64)) for _ in range(4)])
+    shardsafe.load(tmp_path / "c", {"model": target}, verify=mode, read_threads=threads)
+    for i in range(4):
+        buf = getattr(target, f"b{i}")
+        assert torch.equal(buf.a, saved.b0 * 0 + i + 1) and torch.equal(buf.b, buf.a)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_conjugate_view_target_gets_the_checkpoints_values_not_their_conjugates(
+    tmp_path: Path, mode: str, threads: int
+) -> None:
+    """Its memory holds the conjugates of its values: raw bytes written into it came back
+    conjugated, silently, before."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+    shardsafe.save(tmp_path / "c", {"model": Buffers(z, torch.randn(8))})
+    base = torch.zeros(3, dtype=torch.complex64)
+    target = Buffers(base.conj(), torch.zeros(8))
+    assert target.b0.is_conj() and target.b0.is_contiguous()
+    shardsafe.load(tmp_path / "c", {"model": target}, verify=mode, read_threads=threads)
+    assert torch.equal(target.b0.resolve_conj(), z)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_expanded_target_is_refused_before_anything_is_restored(
+    tmp_path: Path, mode: str
+) -> None:
+    shardsafe.save(tmp_path / "c", {"model": Buffers(*[torch.randn(3, 2) for _ in range(3)])})
+    target = Buffers(torch.zeros(3, 2), torch.zeros(1, 2).expand(3, 2), torch.zeros(3, 2))
+    before = values(target)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify=mode, read_threads=2)
+    assert "'b1' is an expanded view (shape [3, 2], strides [0, 1])" in str(info.value)
+    assert "Nothing was restored" in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inference_tensors_load_inside_inference_mode_and_are_refused_outside(
+    tmp_path: Path, mode: str
+) -> None:
+    """torch lets nothing write an inference tensor outside inference mode; raw writes
+    into a contiguous one slipped past that check before, and a strided one failed
+    part-way."""
+    saved = Buffers(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    with torch.inference_mode():
+        target = Buffers(torch.zeros(4, 4), torch.zeros(4, 4).t(), torch.zeros(4, 4))
+    with pytest.raises(CheckpointMismatchError, match="'b0' is an inference tensor") as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify=mode, read_threads=2)
+    assert "load inside `with torch.inference_mode():`" in str(info.value)
+    assert all(bool((v == 0).all()) for v in target.state_dict().values())
+    with torch.inference_mode():
+        shardsafe.load(tmp_path / "c", {"model": target}, verify=mode, read_threads=2)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in saved.state_dict().items())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tied_target_overwritten_by_its_later_twin_is_said_to_hold_the_twins_values(
+    tmp_path: Path, threads: int
+) -> None:
+    """Tied weights from a checkpoint that holds them untied: the later key's values win
+    (as in load_state_dict); when a later tensor fails, the earlier twin is not called
+    restored."""
+    untied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    untied.append(nn.Linear(256, 256, bias=False))
+    with torch.no_grad():
+        untied[0].weight.fill_(1.0)
+        untied[1].weight.fill_(2.0)
+    shardsafe.save(tmp_path / "c", {"model": untied}, layout="consolidated")
+    flip(tmp_path / "c", "model/2.weight")
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    tied.append(nn.Linear(256, 256, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": tied}, verify="inline", read_threads=threads)
+    assert bool((tied[0].weight == 2.0).all())
+    assert (
+        "1 of the 3 tensors loaded in place hold the checkpoint's values ('model/1.weight'), "
+        "'model/0.weight' shares its memory with 'model/1.weight' and holds that key's "
+        "values, 'model/2.weight' is partly overwritten, and the other 0 keep their "
+        "previous values"
+    ) in str(info.value)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_interleaved_views_that_share_no_element_are_accounted_exactly(
+    tmp_path: Path, threads: int
+) -> None:
+    """The even and odd columns of one tensor: their byte ranges meet, their elements do
+    not, so the one restored before the other failed holds the checkpoint's values."""
+    shardsafe.save(
+        tmp_path / "c",
+        {"model": Buffers(torch.full((256, 64), 1.0), torch.full((256, 64), 2.0))},
+        layout="consolidated",
+    )
+    flip(tmp_path / "c", "model/b1")
+    w = torch.zeros(256, 128)
+    target = Buffers(w[:, 0::2], w[:, 1::2])
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify="inline", read_threads=threads)
+    assert bool((target.b0 == 1.0).all())
+    assert (
+        "1 of the 2 tensors loaded in place hold the checkpoint's values ('model/b0'), "
+        "'model/b1' is partly overwritten, and the other 0 keep their previous values"
+    ) in str(info.value)
+
+
+def test_wrapper_subclass_targets_are_accounted_by_the_tensors_they_wrap(
+    tmp_path: Path,
+) -> None:
+    """Four TwoTensors, each wrapping memory of its own: one failing leaves the others as
+    they are (restored, or untouched after it), not all "partly overwritten"."""
+    shardsafe.save(
+        tmp_path / "c",
+        {"model": Buffers(*[torch.full((64, 64), float(i + 1)) for i in range(4)])},
+        layout="consolidated",
+    )
+    flip(tmp_path / "c", "model/b1")
+    target = Buffers(*[TwoTensor(torch.zeros(64, 64), torch.zeros(64, 64)) for _ in range(4)])
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify="inline", read_threads=1)
+    assert bool((target.b0.a == 1.0).all()) and bool((target.b0.b == 1.0).all())
+    assert all(bool((getattr(target, f"b{i}").a == 0.0).all()) for i in (2, 3))
+    assert (
+        "1 of the 4 tensors loaded in place hold the checkpoint's values ('model/b0'), "
+        "'model/b1' is partly overwritten, and the other 2 keep their previous values"
+    ) in str(info.value)
+
+
+def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("layout", ["sharded", "consolidated"])
+def test_a_caller_whose_default_device_is_not_the_cpu_saves_and_loads(
+    tmp_path: Path, layout: str
+) -> None:
+    """``torch.set_default_device("cuda")`` is common in GPU code; shardsafe's own
+    buffers and tables are on the CPU whatever it is (meta here: nothing on it can be
+    read, so any allocation that followed it would fail)."""
+    torch.manual_seed(0)
+    model, opt = trained()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = trained()
+    torch.set_default_device("meta")
+    try:
+        shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt}, layout=layout)
+        shardsafe.async_save(tmp_path / "a", {"model": model, "optimizer": opt}).wait()
+        for threads in (1, 2):
+            for mode in MODES:
+                shardsafe.load(
+                    tmp_path / "a",
+                    {"model": fresh, "optimizer": fresh_opt},
+                    verify=mode,
+                    read_threads=threads,
+                )
+        assert shardsafe.verify(tmp_path / "c").problems == ()
+        shardsafe.inspect(tmp_path / "c")
+    finally:
+        torch.set_default_device(None)
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_any_failure_part_way_says_what_each_target_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Not only a bad byte: whatever stops the fill (here a copy that raises once it has
+    begun writing, as a tensor subclass's copy_ may) is reported with the account of
+    what was restored, and not blamed on a modified file."""
+    from shardsafe.checkpoint.io.reader import CheckpointReader
+
+    saved = Buffers(*[torch.full((8, 8), float(i + 1)) for i in range(3)])
+    shardsafe.save(tmp_path / "c", {"model": saved}, layout="consolidated")
+    real = CheckpointReader.read_into
+
+    def read_into(self: CheckpointReader, key: str, *args: object) -> None:
+        real(self, key, *args)  # type: ignore[arg-type]
+        if key == "model/b1":
+            raise RuntimeError("the copy was refused")
+
+    monkeypatch.setattr(CheckpointReader, "read_into", read_into)
+    target = Buffers(*[torch.zeros(8, 8) for _ in range(3)])
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify=mode, read_threads=1)
+    assert str(info.value).startswith(
+        "RuntimeError: the copy was refused. This was found while restoring: each tensor "
+        "is copied into its live object as it is read. On rank 0, 1 of the 3 tensors "
+        "loaded in place hold the checkpoint's values ('model/b0'), 'model/b1' is partly "
+        "overwritten, and the other 1 keep their previous values"
+    )
+    assert bool((target.b0 == 1.0).all()) and bool((target.b2 == 0.0).all())
