@@ -254,3 +254,27 @@ def test_any_failure_part_way_says_what_each_target_holds(
         "overwritten, and the other 1 keep their previous values"
     )
     assert bool((target.b0 == 1.0).all()) and bool((target.b2 == 0.0).all())
+
+
+def test_conversions_and_tiers_run_under_a_non_cpu_default_device(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, opt = trained()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt})
+    fresh, _ = trained()
+    torch.set_default_device("meta")
+    try:
+        for to in ("dcp", "hf", "shardsafe"):
+            shardsafe.convert(tmp_path / "c", tmp_path / f"out-{to}", to=to, only=["model"])
+        with pytest.warns(UserWarning, match="the job runs on 1 node"):
+            tiers = shardsafe.TieredCheckpointManager(
+                tmp_path / "persistent", tmp_path / "local", local_every=1, persist_every=2
+            )
+        tiers.save(1, {"model": model, "optimizer": opt})
+        tiers.wait()
+        tiers.load_latest({"model": fresh})
+        tiers.close()
+    finally:
+        torch.set_default_device(None)
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+    assert shardsafe.verify(tmp_path / "out-shardsafe").problems == ()
