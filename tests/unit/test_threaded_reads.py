@@ -634,3 +634,52 @@ def test_a_refused_target_whose_twin_was_restored_is_not_called_untouched(
         "1 of the 2 tensors loaded in place hold the checkpoint's values ('m1/weight'), "
         "'m2/weight' is partly overwritten, and the other 0 keep their previous values"
     ) in str(info.value)
+
+
+def bad_checkpoint(path: Path) -> None:
+    """Three data files (model, optimizer, small pieces), with a byte flipped in two
+    tensors of the first two."""
+    model, opt = trained(0, 1)
+    shardsafe.save(path, {"model": model, "optimizer": opt}, layout="consolidated")
+    flip(path, "model/3.weight")
+    flip(path, "optimizer/5.weight/exp_avg_sq")
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_verify_on_threads_finds_the_same_problems_in_the_same_order_as_one(
+    tmp_path: Path, threads: int
+) -> None:
+    bad_checkpoint(tmp_path / "c")
+    storage = open_storage(str(tmp_path / "c"))
+    manifest = loading.read_manifest_from(storage)
+    with storage:
+        with CheckpointReader(storage, manifest) as one:
+            alone = one.verify_all(threads=1)
+        with CheckpointReader(storage, manifest) as many, opens_with_flags() as opened:
+            together = many.verify_all(threads=threads)
+    assert len(alone) == 2 and "model/3.weight" in alone[0] and "exp_avg_sq" in alone[1]
+    assert together == alone
+    names = [Path(p).name for p, _ in opened if p.endswith(".safetensors")]
+    assert sorted(names) == sorted(manifest.files)  # each data file opened once
+
+
+def test_shardsafe_verify_reads_on_this_processs_share_of_the_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shardsafe.verify`` (and the CLI's) checks local files on threads, as a
+    one-process load reads; the report is the one a single thread gives."""
+    bad_checkpoint(tmp_path / "c")
+    seen: set[str] = set()
+    original = CheckpointReader._problem_in
+
+    def spy(self: CheckpointReader, item: Any) -> Any:
+        seen.add(threading.current_thread().name)
+        return original(self, item)
+
+    monkeypatch.setattr(CheckpointReader, "_problem_in", spy)
+    monkeypatch.setattr(threaded_reads, "default_threads", lambda world: 2)
+    threaded = shardsafe.verify(tmp_path / "c")
+    assert seen == {"MainThread", "shardsafe-read_0"}
+    monkeypatch.setattr(threaded_reads, "default_threads", lambda world: 1)
+    assert shardsafe.verify(tmp_path / "c") == threaded
+    assert len(threaded.problems) == 2 and not threaded.ok

@@ -134,8 +134,22 @@ def find_problems(
             if name in reader.header_bytes:
                 problems += _check_with_safetensors(reader, name, notes)
         # Tensors in an unreadable file were reported with it; check the rest.
-        problems += _unique(reader.verify_all(skip_files=set(unreadable)))
+        problems += _unique(
+            reader.verify_all(skip_files=set(unreadable), threads=_threads(storage, manifest))
+        )
     return problems + _dangling(manifest)
+
+
+def _threads(storage: Storage, manifest: Manifest) -> int:
+    """As a one-process load reads (``loading._threads``): this process's share of the
+    CPUs for local files, one thread for an object store (one stream) or for more files
+    than a reader keeps open (threads share the descriptors, so none is closed early)."""
+    from .io import threaded_reads
+    from .io.reader import MAX_OPEN_FILES
+
+    if not storage.cheap_rereads or len(manifest.files) > MAX_OPEN_FILES:
+        return 1
+    return threaded_reads.default_threads(1)
 
 
 def _dangling(manifest: Manifest) -> list[str]:

@@ -372,12 +372,18 @@ class CheckpointReader:
     # -- verifying
 
     def verify_all(
-        self, skip_files: set[str] | None = None, checked_files: set[str] | None = None
+        self,
+        skip_files: set[str] | None = None,
+        checked_files: set[str] | None = None,
+        threads: int = 1,
     ) -> list[str]:
         """Check every chunk of every tensor (but those of tensors with chunks in
         ``skip_files``, and the chunks in ``checked_files``, whose bytes were checked as
-        they were written); return one line per problem found. Memory: one piece,
-        whatever the sizes."""
+        they were written), on up to ``threads`` threads (``threaded_reads.py``: each
+        takes a run of files, about equal in bytes); return one line per problem found.
+        Memory: one piece per thread, whatever the sizes."""
+        from . import threaded_reads
+
         skip, checked = skip_files or set(), checked_files or set()
         by_file: dict[str, list[tuple[str, TensorRecord, ChunkRecord]]] = {}
         for key, rec in self.manifest.tensors.items():
@@ -386,18 +392,35 @@ class CheckpointReader:
             for chunk in rec.chunks:
                 if chunk.file not in checked:
                     by_file.setdefault(chunk.file, []).append((key, rec, chunk))
+        # File by file: each opened once, and a thread's run holds whole files mostly.
+        items = [item for chunks in by_file.values() for item in chunks]
+        outcome = threaded_reads.run(
+            self,
+            items,
+            CheckpointReader._problem_in,
+            threads=threads,
+            sizes=[math.prod(c.shape) * dtypes.itemsize(r.dtype) for _, r, c in items],
+        )
+        outcome.raise_first()  # not a checksum's problem (an I/O error): as on one thread
         problems: dict[str, list[str]] = {}
-        for chunks in by_file.values():  # file by file: each opened once
-            for key, rec, chunk in chunks:
-                try:
-                    reader, entry = self._entry(key, rec, chunk)
-                    checker = BlockChecker(key, chunk, self.manifest.block_bytes, 0)
-                    self._stream(reader, entry.start, entry.nbytes, checker)
-                    checker.finish()
-                except CheckpointCorruptError as e:
-                    problems.setdefault(key, []).append(str(e))
+        for i, (key, _, _) in enumerate(items):
+            found = outcome.results[i]
+            if found is not None:
+                problems.setdefault(key, []).append(found)
         # One line per problem, in the manifest's tensor order.
         return [line for key in self.manifest.tensors for line in problems.get(key, [])]
+
+    def _problem_in(self, item: tuple[str, TensorRecord, ChunkRecord]) -> str | None:
+        """What is wrong with one chunk's bytes (``verify_all``), or ``None``."""
+        key, rec, chunk = item
+        try:
+            reader, entry = self._entry(key, rec, chunk)
+            checker = BlockChecker(key, chunk, self.manifest.block_bytes, 0)
+            self._stream(reader, entry.start, entry.nbytes, checker)
+            checker.finish()
+        except CheckpointCorruptError as e:
+            return str(e)
+        return None
 
     def check_files(self) -> dict[str, str]:
         """Open every data file and check its size and header; ``{file: problem}``."""
