@@ -40,6 +40,7 @@ from ..format.safetensors_header import HeaderEntry, parse_header
 from ..format.tensor_bytes import has_memory, memory
 from ..storage.protocol import FileReader, Storage
 from ..storage.spool import Spool
+from . import threaded_reads
 from .pinned_ring import PinnedRing
 from .safetensors_io import read_header_bytes
 
@@ -382,8 +383,6 @@ class CheckpointReader:
         they were written), on up to ``threads`` threads (``threaded_reads.py``: each
         takes a run of files, about equal in bytes); return one line per problem found.
         Memory: one piece per thread, whatever the sizes."""
-        from . import threaded_reads
-
         skip, checked = skip_files or set(), checked_files or set()
         by_file: dict[str, list[tuple[str, TensorRecord, ChunkRecord]]] = {}
         for key, rec in self.manifest.tensors.items():

@@ -48,11 +48,12 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from .reader import CheckpointReader
+if TYPE_CHECKING:  # the reader runs its own checks on threads too
+    from .reader import CheckpointReader
 
 MAX_THREADS = 4
 """A copy out of the page cache is bounded by memory bandwidth, which a few cores
