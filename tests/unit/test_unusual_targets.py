@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,12 +26,12 @@ MODES = ["first", "inline"]
 
 
 class Buffers(nn.Module):
-    """Buffers ``b0``, ``b1``, ... as given."""
+    """Buffers ``b0``, ``b1``, ... as given (``b000``, ``b001``, ... with ``digits=3``)."""
 
-    def __init__(self, *buffers: torch.Tensor) -> None:
+    def __init__(self, *buffers: torch.Tensor, digits: int = 1) -> None:
         super().__init__()
         for i, b in enumerate(buffers):
-            self.register_buffer(f"b{i}", b)
+            self.register_buffer(f"b{i:0{digits}d}", b)
 
 
 def flip(path: Path, key: str) -> None:
@@ -278,3 +279,150 @@ def test_conversions_and_tiers_run_under_a_non_cpu_default_device(tmp_path: Path
         torch.set_default_device(None)
     assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
     assert shardsafe.verify(tmp_path / "out-shardsafe").problems == ()
+
+
+class OwnLoading(nn.Module):
+    """An expanded buffer the module's own loading gives memory before torch copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1).expand(4))
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        self.scale = self.scale.clone()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class PreHooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1).expand(4))
+        self._register_load_state_dict_pre_hook(self._own_memory)
+
+    def _own_memory(self, *args: Any) -> None:
+        self.scale = self.scale.clone()
+
+
+@pytest.mark.parametrize("cls", [OwnLoading, PreHooked])
+def test_an_expanded_buffer_a_modules_own_loading_handles_is_not_refused(
+    tmp_path: Path, cls: type[nn.Module]
+) -> None:
+    """torch's load_state_dict loads these modules; so does shardsafe."""
+    saved = cls()
+    saved.scale = torch.arange(4.0)
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    target = cls()
+    torch.testing.assert_close(target.state_dict()["scale"], torch.ones(4))
+    shardsafe.load(tmp_path / "c", {"model": target})
+    assert torch.equal(target.scale, torch.arange(4.0))
+
+
+class HiddenExpanded(nn.Module):
+    """Hands a copy of its expanded buffer to state_dict(): the real one is checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(1).expand(4))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        state = super().state_dict(*args, **kwargs)
+        state["scale"] = state["scale"].clone()
+        return state
+
+
+def test_the_modules_own_tensors_are_checked_not_what_state_dict_hands_over(
+    tmp_path: Path,
+) -> None:
+    shardsafe.save(tmp_path / "c", {"model": HiddenExpanded()})
+    target = HiddenExpanded()
+    weight = target.lin.weight.clone()
+    with pytest.raises(CheckpointMismatchError, match="'scale' is an expanded view"):
+        shardsafe.load(tmp_path / "c", {"model": target})
+    assert torch.equal(target.lin.weight, weight)
+
+
+class Refusing:
+    def state_dict(self) -> dict[str, int]:
+        return {"v": 1}
+
+    def load_state_dict(self, state: Any) -> None:
+        raise RuntimeError("refused by the object")
+
+
+def test_a_restore_step_that_fails_says_what_every_entry_holds(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"model": nn.Linear(4, 4), "obj": Refusing(), "step": 3})
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        shardsafe.load(tmp_path / "c", {"model": nn.Linear(4, 4), "obj": Refusing(), "step": 0})
+    message = str(info.value)
+    assert message.startswith("RuntimeError: refused by the object (at ")
+    assert (
+        "This was found while restoring state['obj']: on rank 0, every one of the 2 tensors "
+        "loaded in place (in every entry) already holds the checkpoint's values; "
+        "state['model'] was restored before it; state['step'] was not restored, apart from "
+        "tensors loaded in place; state['obj'] may be partly restored."
+    ) in message
+
+
+@pytest.mark.parametrize("kind", ["conj", "overlapping"])
+def test_a_tensor_sharing_memory_with_one_its_object_writes_later_is_not_read_in_place(
+    tmp_path: Path, kind: str
+) -> None:
+    """b1 is not read in place (a conj view, or a view over itself) and shares b0's
+    memory: b0 then goes through the object's restore too, so a failed fill cannot have
+    changed b1 behind the account's back."""
+    dtype = torch.complex64 if kind == "conj" else torch.float32
+    base = torch.zeros(8, dtype=dtype)
+    b1 = base.conj() if kind == "conj" else base.as_strided((3, 2), (1, 1))
+    shardsafe.save(
+        tmp_path / "c",
+        {"model": Buffers(torch.arange(8).to(dtype), b1.resolve_conj().clone(), torch.ones(64))},
+        layout="consolidated",
+    )
+    flip(tmp_path / "c", "model/b2")
+    target = Buffers(base, b1, torch.zeros(64))
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify="inline")
+    assert "0 of the 1 tensors loaded in place" in str(info.value)
+    assert bool((base == 0).all())  # neither b0 nor, through it, b1 was written
+
+
+def test_hundreds_of_interleaved_views_are_accounted_exactly(tmp_path: Path) -> None:
+    """The columns of one matrix as 200 buffers: their ranges all meet (one group, larger
+    than is compared pair by pair), their elements never do; a bad byte in column 150
+    leaves 150 restored, 1 partly overwritten, 49 untouched, and says so."""
+    columns = 200
+    shardsafe.save(
+        tmp_path / "c",
+        {"model": Buffers(*[torch.full((16,), float(i + 1)) for i in range(columns)], digits=3)},
+        layout="consolidated",
+    )
+    flip(tmp_path / "c", "model/b150")
+    w = torch.zeros(16, columns)
+    target = Buffers(*[w[:, i] for i in range(columns)], digits=3)
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify="inline", read_threads=1)
+    assert torch.equal(w[:, :150], torch.arange(1.0, 151.0).expand(16, 150))
+    assert bool((w[:, 151:] == 0).all())
+    assert "150 of the 200 tensors loaded in place hold the checkpoint's values" in str(info.value)
+    assert "'model/b150' is partly overwritten, and the other 49 keep" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lazy_module_takes_the_checkpoints_shapes_as_load_state_dict_gives_them(
+    tmp_path: Path, mode: str
+) -> None:
+    """Its uninitialized parameters and buffers have no shape to check or read into:
+    they are read as saved and handed to load_state_dict, which materializes them (the
+    plan used to fail on them, blaming the checkpoint)."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    saved(torch.randn(6, 4)).sum().backward()
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.LazyBatchNorm1d())
+    shardsafe.load(tmp_path / "c", {"model": lazy}, verify=mode)
+    want, got = saved.state_dict(), lazy.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    x = torch.randn(3, 4)
+    assert torch.equal(lazy.eval()(x), saved.eval()(x))

@@ -136,7 +136,7 @@ class ModuleAdapter(Adapter):
         return {
             key(name): dtensor.local_of(value)
             for name, value in unwrap(obj).state_dict().items()
-            if isinstance(value, torch.Tensor)
+            if isinstance(value, torch.Tensor) and not _uninitialized(value)
         }
 
     def validate(
@@ -148,11 +148,18 @@ class ModuleAdapter(Adapter):
     ) -> None:
         """Refuse a live tensor that ``load_state_dict`` would refuse to copy into, before
         anything is restored: else the load would fail part-way, the tensors before it
-        (and in other entries) already restored."""
+        (and in other entries) already restored. Only the module's own tensors, in the
+        submodules that torch's own code loads (no load pre-hook, no
+        ``_load_from_state_dict`` of their own, which may give a tensor new memory first)."""
         key_of = _keys(saved, ctx)
-        for name, value in unwrap(obj).state_dict().items():
-            if isinstance(value, torch.Tensor) and key_of(name) in tensors:
-                _check_writable(name, dtensor.local_of(value))
+        for prefix, sub in unwrap(obj).named_modules(remove_duplicate=False):
+            if not _loaded_by_torch(sub):
+                continue
+            owned = [*sub._parameters.items(), *sub._buffers.items()]
+            for name, value in owned:
+                full = f"{prefix}.{name}" if prefix else name
+                if value is not None and not _uninitialized(value) and key_of(full) in tensors:
+                    _check_writable(full, dtensor.local_of(value))
 
     def restore(
         self,
@@ -173,6 +180,20 @@ class ModuleAdapter(Adapter):
             if name in live:
                 state[name] = _tree.decode(raw, {})
         module.load_state_dict(state, strict=False)
+
+
+def _uninitialized(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a lazy module's parameter or buffer, not yet given a shape."""
+    return isinstance(value, (nn.UninitializedParameter, nn.UninitializedBuffer))
+
+
+def _loaded_by_torch(module: nn.Module) -> bool:
+    """Whether ``load_state_dict`` copies into ``module``'s tensors as torch's own code
+    does (``param.copy_(input)``), with nothing of the module's own before it."""
+    own = type(module)._load_from_state_dict
+    return not module._load_state_dict_pre_hooks and getattr(own, "__module__", "").startswith(
+        "torch.nn."
+    )
 
 
 def _check_writable(name: str, value: torch.Tensor) -> None:
@@ -234,6 +255,8 @@ def _extra(saved: SavedValue) -> dict[str, Any]:
 
 
 def _request(key: str, value: torch.Tensor) -> ReadRequest:
+    if _uninitialized(value):  # a lazy module's: load_state_dict gives it the saved shape
+        return ReadRequest(key, dtype=value.dtype)
     if dtensor.is_dtensor(value):
         offsets, shape = dtensor.local_box(value)
         return ReadRequest(key, offsets, shape, value.dtype, tuple(value.shape))

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from ..distributed import Coordinator, Phase
-from ..errors import CheckpointNotFoundError
+from ..distributed.reports import error_message
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -152,7 +153,7 @@ def load_chosen(
                     threads=threads,
                     sizes=in_place_sizes,
                 )
-                return _restore(plan, tensors)
+                return _restore(plan, tensors, len(routes.in_place), coord.rank)
     finally:
         coord.close()
 
@@ -267,10 +268,36 @@ def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Rout
     return in_place.Routes(fresh, placed)
 
 
-def _restore(plan: LoadPlan, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _restore(
+    plan: LoadPlan, tensors: Mapping[str, torch.Tensor], in_place: int, rank: int
+) -> dict[str, Any]:
+    """Each entry's restore step, in order; if one fails (validation passed, so a live
+    object refused its state: a hook of its own, say), the error says what state every
+    object was left in."""
     returned: dict[str, Any] = {}
-    for item in plan.entries:
-        value = item.adapter.restore(item.obj, item.saved, tensors, item.ctx)
+    for n, item in enumerate(plan.entries):
+        try:
+            value = item.adapter.restore(item.obj, item.saved, tensors, item.ctx)
+        except Exception as e:
+            before = [entry.saved.name for entry in plan.entries[:n]]
+            after = [entry.saved.name for entry in plan.entries[n + 1 :]]
+            cls = type(e) if isinstance(e, CheckpointError) else CheckpointError
+            raise cls(
+                f"{error_message(e)}. This was found while restoring state"
+                f"[{item.saved.name!r}]: on rank {rank}, every one of the {in_place} tensors "
+                "loaded in place (in every entry) already holds the checkpoint's values; "
+                f"{_entries(before)} restored before it; {_entries(after)} not restored, "
+                f"apart from tensors loaded in place; state[{item.saved.name!r}] may be "
+                "partly restored. "
+                "Load a good checkpoint before using these objects."
+            ) from e
         if item.adapter.returns_value:
             returned[item.saved.name] = value
     return returned
+
+
+def _entries(names: list[str]) -> str:
+    if not names:
+        return "no other entry was"
+    listed = ", ".join(f"state[{name!r}]" for name in names)
+    return f"{listed} {'was' if len(names) == 1 else 'were'}"

@@ -27,9 +27,8 @@ from ...adapters import dtensor
 from ...errors import CheckpointCorruptError, CheckpointError
 from ...protocol import ReadRequest
 from ..format.manifest import Manifest
-from ..format.tensor_bytes import has_memory
 from ..plan.load_plan import LoadPlan, guarded
-from . import threaded_reads
+from . import memory_sharing, threaded_reads
 from .reader import CheckpointReader
 
 _NAMED = 3
@@ -56,11 +55,28 @@ def route(plan: LoadPlan, manifest: Manifest) -> Routes:
             offered[key] = target if offered.get(key, target) is target else None
     requests = plan.requests
     asked = Counter(req.key for req in requests)
-    routes = Routes()
-    for req in requests:
+    fitting: dict[int, torch.Tensor] = {}
+    refused: list[torch.Tensor] = []  # offered, but written by their object's restore
+    for n, req in enumerate(requests):
         target = offered.get(req.key)
         if target is not None and asked[req.key] == 1 and _fits(target, req, manifest):
-            routes.in_place.append((req, target))
+            fitting[n] = target
+        elif isinstance(target, torch.Tensor):
+            refused.append(target)
+    if refused and fitting:
+        # A tensor read in place must not share memory with one its object's restore
+        # writes later: a failed fill would then have changed it unaccounted for.
+        order = list(fitting)
+        targets = [fitting[n] for n in order] + refused
+        for group in memory_sharing.groups(targets):
+            if group[-1] >= len(order):  # the group holds a refused one (indices sorted)
+                for i in group:
+                    if i < len(order):
+                        del fitting[order[i]]
+    routes = Routes()
+    for n, req in enumerate(requests):
+        if n in fitting:
+            routes.in_place.append((req, fitting[n]))
         else:
             routes.fresh.append(req)
     return routes
@@ -117,7 +133,7 @@ def fill(
     both keys): those are filled one after the other, in file order, so a checkpoint
     whose tied keys differ leaves the later key's values, never a mix of two."""
     targets = [target for _, target in in_place]
-    sharing = {id(targets[i]) for i in _sharing(targets)} if threads > 1 else set()
+    sharing = {id(targets[i]) for i in memory_sharing.sharing(targets)} if threads > 1 else set()
     outcome = threaded_reads.run(
         reader,
         in_place,
@@ -135,8 +151,8 @@ def fill(
     keys = [req.key for req, _ in in_place]
     failed = {i for i, e in outcome.failures.items() if not isinstance(e, _Refused)}
     finished = set(outcome.results)
-    partly = failed | _overwritten_by_twins(targets, failed, finished)
-    later = _holding_a_later_twin(targets, finished - partly)
+    partly = failed | memory_sharing.overwritten_by_twins(targets, failed, finished)
+    later = memory_sharing.holding_a_later_twin(targets, finished - partly)
     partly |= {i for i, j in later.items() if j is None}
     tied = {i: j for i, j in later.items() if j is not None}
     done = [keys[i] for i in sorted(finished - partly - set(tied))]
@@ -174,172 +190,6 @@ def _read_into(reader: CheckpointReader, pair: tuple[ReadRequest, torch.Tensor])
         if reader.wrote:
             raise
         raise _Refused(e) from e
-
-
-_Span = tuple[str, int, int]
-
-_EXACT_BYTES = 256 << 20
-"""The largest stretch of memory an error's account marks byte by byte to tell whether
-two interleaved views share an element; beyond it they are assumed to."""
-
-
-def _spans(t: torch.Tensor) -> list[_Span] | None:
-    """The device and byte ranges ``t``'s elements lie in (all of each range, for a
-    strided view): one for a tensor with memory of its own, those of the tensors it
-    wraps for a wrapper subclass (``__tensor_flatten__``); ``None`` if unknown."""
-    try:
-        base = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-    except Exception:  # torch raises RuntimeError or NotImplementedError
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if flatten is None:
-            return None
-        try:
-            names = flatten()[0]
-            inner = [getattr(t, name) for name in names]
-        except Exception:  # the subclass's own code
-            return None
-        found: list[_Span] = []
-        for part in inner:
-            spans = _spans(part) if isinstance(part, torch.Tensor) and part.numel() else []
-            if spans is None:
-                return None
-            found.extend(spans)
-        return found
-    extent = sum((int(n) - 1) * abs(int(stride)) for n, stride in zip(t.shape, t.stride())) + 1
-    return [(str(t.device), int(base), int(base) + extent * t.element_size())]
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` may share memory (unknown spans may). Two plain tensors
-    whose ranges meet are compared element by element (this runs only on an error's
-    account), so interleaved views (``w[:, 0::2]`` and ``w[:, 1::2]``) do not."""
-    if not a.numel() or not b.numel():
-        return False
-    if a is b:
-        return True
-    sa, sb = _spans(a), _spans(b)
-    if sa is None or sb is None:
-        return True
-    met = [(x, y) for x in sa for y in sb if x[0] == y[0] and x[1] < y[2] and y[1] < x[2]]
-    if not met:
-        return False
-    if len(sa) == 1 and len(sb) == 1 and has_memory(a) and has_memory(b):
-        return _share_an_element(a, b, met[0][0], met[0][1])
-    return True
-
-
-def _share_an_element(a: torch.Tensor, b: torch.Tensor, sa: _Span, sb: _Span) -> bool:
-    """Whether a byte of ``a``'s elements is one of ``b``'s, marking ``a``'s bytes in a
-    mask of the stretch the two ranges cover (if it is at most ``_EXACT_BYTES``)."""
-    low, high = min(sa[1], sb[1]), max(sa[2], sb[2])
-    if high - low > _EXACT_BYTES:
-        return True
-    mask = torch.zeros(high - low, dtype=torch.bool, device="cpu")
-    _bytes_of(mask, a, sa[1] - low).fill_(True)
-    return bool(_bytes_of(mask, b, sb[1] - low).any())
-
-
-def _bytes_of(mask: torch.Tensor, t: torch.Tensor, offset: int) -> torch.Tensor:
-    """The entries of ``mask`` (one per byte, ``offset`` where ``t`` starts) that ``t``'s
-    elements occupy."""
-    size = t.element_size()
-    shape = (*t.shape, size)
-    strides = (*(abs(int(stride)) * size for stride in t.stride()), 1)
-    return mask.as_strided(shape, strides, offset)
-
-
-def _overwritten_by_twins(
-    targets: Sequence[torch.Tensor], failed: set[int], finished: set[int]
-) -> set[int]:
-    """The targets that hold neither the checkpoint's values for their own key nor their
-    previous values, because a target sharing their memory was written: a finished one
-    whose twin then failed part-way, and an unwritten one (refused, or never started)
-    whose twin was written at all. Compared only among those that may share memory."""
-    written = failed | finished
-    twins = _twins(targets)
-    found = set()
-    for i in sorted(set(twins) - failed):
-        others = failed if i in finished else written
-        if any(_overlap(targets[i], targets[j]) for j in twins[i] & others):
-            found.add(i)
-    return found
-
-
-def _holding_a_later_twin(
-    targets: Sequence[torch.Tensor], finished: set[int]
-) -> dict[int, int | None]:
-    """The finished targets whose memory a later finished target then wrote (twins are
-    filled in index order, on one thread): each maps to that twin if the two are the same
-    tensor in the same memory (tied weights: it holds the twin's values), else to ``None``
-    (it holds a mix)."""
-    twins = _twins(targets)
-    found: dict[int, int | None] = {}
-    for i in sorted(set(twins) & finished):
-        later = sorted(j for j in twins[i] & finished if j > i)
-        overwriting = [j for j in later if _overlap(targets[i], targets[j])]
-        if overwriting:
-            same = all(_same_memory(targets[i], targets[j]) for j in overwriting)
-            found[i] = overwriting[-1] if same else None
-    return found
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same elements of the same memory."""
-    spans = _spans(a)
-    return (
-        spans is not None
-        and has_memory(a)
-        and spans == _spans(b)
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )
-
-
-def _sharing(targets: Sequence[torch.Tensor]) -> set[int]:
-    """The indices of the targets that may share memory with another (their ranges
-    meet), or whose memory is unknown."""
-    return set(_twins(targets))
-
-
-def _twins(targets: Sequence[torch.Tensor]) -> dict[int, set[int]]:
-    """For each target whose ranges meet another's, the targets that may share its
-    memory: those in the same run of meeting ranges, and every target whose memory is
-    unknown (which may share anyone's, so that all are then twins). Ranges sorted by
-    start: O(n log n) plus the pairs within runs."""
-    unknown: set[int] = set()
-    ranges: list[tuple[str, int, int, int]] = []
-    for i, t in enumerate(targets):
-        if t.numel():
-            spans = _spans(t)
-            if spans is None:
-                unknown.add(i)
-            else:
-                ranges.extend((*span, i) for span in spans)
-    ranges.sort()
-    runs: list[set[int]] = []
-    run: set[int] = set()
-    device, end = "", 0
-    for dev, start, stop, i in ranges:
-        if run and dev == device and start < end:
-            run.add(i)
-            end = max(end, stop)
-            continue
-        runs.append(run)
-        run, device, end = {i}, dev, stop
-    runs.append(run)
-    twins: dict[int, set[int]] = {}
-    for members in runs:
-        if len(members) > 1:
-            for i in members:
-                twins.setdefault(i, set()).update(members - {i})
-    if unknown:  # rare: a wrapper subclass that does not say what it wraps
-        for i, t in enumerate(targets):
-            if t.numel():
-                twins.setdefault(i, set()).update(unknown - {i})
-        for i in unknown:
-            twins[i].update(j for j, t in enumerate(targets) if j != i and t.numel())
-    return twins
 
 
 def partly_restored(
