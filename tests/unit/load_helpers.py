@@ -1,14 +1,11 @@
 """What the in-place load tests share: the tensors of a model and its optimizer, by
-their checkpoint keys, and a state entry that acts on the checkpoint's files in the
-middle of a load.
-
-The entry's adapter saves nothing and restores nothing; its ``validate`` runs the entry's action,
-and a load validates after ``verify="first"``'s checking pass and before any tensor is
-restored: the window in which a file modified or replaced under a load must be caught.
-"""
+their checkpoint keys, a byte flipped inside one tensor's data, and a state entry that
+acts on the checkpoint's files in the middle of a load."""
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,3 +62,14 @@ def tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Ten
     for p, state in opt.state.items():
         out.update({f"optimizer/{names[id(p)]}/{k}": v.clone() for k, v in state.items()})
     return out
+
+
+def flip(path: Path, key: str) -> None:
+    """Flip one byte in the middle of tensor ``key``'s bytes in its data file."""
+    (chunk,) = shardsafe.read_manifest(path).tensors[key].chunks
+    data = path / chunk.file
+    raw = bytearray(data.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + n])[chunk.name]["data_offsets"]
+    raw[8 + n + (begin + end) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))

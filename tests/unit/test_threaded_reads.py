@@ -5,10 +5,8 @@ restored and is the same whatever their timing, and the thread count's rules."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.checkpoint.storage.spool import Spool
 
 from .attacks.common import opens_with_flags
-from .load_helpers import between_passes, tensors
+from .load_helpers import between_passes, flip, tensors
 
 MODES = ["first", "inline"]
 LAYERS = 8
@@ -53,17 +51,6 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and bool((a.view(-1).view(torch.uint8) == b.view(-1).view(torch.uint8)).all())
     )
-
-
-def flip(path: Path, key: str) -> None:
-    """Flip one byte in the middle of tensor ``key``'s bytes in its data file."""
-    (chunk,) = shardsafe.read_manifest(path).tensors[key].chunks
-    data = path / chunk.file
-    raw = bytearray(data.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    begin, end = json.loads(raw[8 : 8 + n])[chunk.name]["data_offsets"]
-    raw[8 + n + (begin + end) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
 
 
 def pair(tied: bool) -> nn.Module:

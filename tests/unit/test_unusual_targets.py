@@ -9,8 +9,6 @@ restored, and an error met part-way says exactly what each target now holds
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 import shardsafe
 from shardsafe import CheckpointCorruptError, CheckpointMismatchError
 
+from .load_helpers import flip
+
 MODES = ["first", "inline"]
 
 
@@ -32,17 +32,6 @@ class Buffers(nn.Module):
         super().__init__()
         for i, b in enumerate(buffers):
             self.register_buffer(f"b{i:0{digits}d}", b)
-
-
-def flip(path: Path, key: str) -> None:
-    """Flip one byte in the middle of tensor ``key``'s bytes in its data file."""
-    (chunk,) = shardsafe.read_manifest(path).tensors[key].chunks
-    data = path / chunk.file
-    raw = bytearray(data.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    begin, end = json.loads(raw[8 : 8 + n])[chunk.name]["data_offsets"]
-    raw[8 + n + (begin + end) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
 
 
 def values(module: nn.Module) -> dict[str, torch.Tensor]:
