@@ -57,3 +57,17 @@ ERROR_CLASSES: dict[str, type[CheckpointError]] = {
     )
 }
 """By name, so an error raised on one rank can be re-raised as the same class elsewhere."""
+
+
+def with_message(error: BaseException, message: str) -> CheckpointError:
+    """A new error of ``error``'s shardsafe class (its own class if it takes a message
+    alone, else the nearest public one it derives from; :class:`CheckpointError` for
+    anything else) saying ``message``: to add what a failure left behind."""
+    for cls in type(error).__mro__:
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            continue
+        try:
+            return cls(message)
+        except TypeError:  # a subclass whose __init__ wants more than a message
+            continue
+    return CheckpointError(message)

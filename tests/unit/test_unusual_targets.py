@@ -346,11 +346,40 @@ def test_a_restore_step_that_fails_says_what_every_entry_holds(tmp_path: Path) -
     message = str(info.value)
     assert message.startswith("RuntimeError: refused by the object (at ")
     assert (
-        "This was found while restoring state['obj']: on rank 0, every one of the 2 tensors "
-        "loaded in place (in every entry) already holds the checkpoint's values; "
-        "state['model'] was restored before it; state['step'] was not restored, apart from "
-        "tensors loaded in place; state['obj'] may be partly restored."
+        "This was found while restoring state['obj']: on rank 0, all 2 tensors loaded in "
+        "place (in every entry) had already been filled from the checkpoint (a tied weight "
+        "with the later key's values); state['model'] was restored before it; "
+        "state['step'] was not restored, apart from tensors loaded in place; state['obj'] "
+        "may be partly restored."
     ) in message
+
+
+class KeyedError(shardsafe.CheckpointError):
+    """A subclass whose constructor wants more than a message."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(f"{key}: {detail}")
+
+
+class RefusingWithItsOwnError:
+    def state_dict(self) -> dict[str, int]:
+        return {"v": 1}
+
+    def load_state_dict(self, state: Any) -> None:
+        raise KeyedError("obj/v", "the object refused its state")
+
+
+def test_a_restore_error_of_a_class_with_its_own_constructor_keeps_its_text(
+    tmp_path: Path,
+) -> None:
+    state = {"model": nn.Linear(4, 4), "obj": RefusingWithItsOwnError()}
+    shardsafe.save(tmp_path / "c", state)
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        shardsafe.load(tmp_path / "c", state)
+    assert str(info.value).startswith(
+        "obj/v: the object refused its state. This was found while restoring state['obj']"
+    )
+    assert "state['model'] was restored before it; state['obj'] may be partly" in str(info.value)
 
 
 @pytest.mark.parametrize("kind", ["conj", "overlapping"])
@@ -415,3 +444,65 @@ def test_a_lazy_module_takes_the_checkpoints_shapes_as_load_state_dict_gives_the
     assert all(torch.equal(got[k], v) for k, v in want.items())
     x = torch.randn(3, 4)
     assert torch.equal(lazy.eval()(x), saved.eval()(x))
+
+
+def test_a_chain_of_overlapping_views_is_accounted_through_the_middle_one(
+    tmp_path: Path,
+) -> None:
+    """a overlaps b, b overlaps c, a does not overlap c; c fails after being written:
+    c wrote into b, b had written into a, so none holds the checkpoint's values (a was
+    called restored before)."""
+    n = 1 << 16
+    shardsafe.save(
+        tmp_path / "c",
+        {"model": Buffers(*[torch.full((n,), float(i + 1)) for i in range(3)])},
+        layout="consolidated",
+    )
+    flip(tmp_path / "c", "model/b2")
+    w = torch.zeros(3 * n)
+    target = Buffers(w[:n], w[n // 2 : n // 2 + n], w[n + n // 2 - 1 : n + n // 2 - 1 + n])
+    with pytest.raises(CheckpointCorruptError) as info:
+        shardsafe.load(tmp_path / "c", {"model": target}, verify="inline", read_threads=1)
+    assert bool((w[n // 2 : n] == 2.0).all())  # a's second half holds b's values
+    assert (
+        "0 of the 3 tensors loaded in place hold the checkpoint's values, 'model/b0', "
+        "'model/b1', 'model/b2' are partly overwritten"
+    ) in str(info.value)
+
+
+def test_a_lazy_module_and_its_fresh_optimizer_load_as_torch_loads_them(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt})
+    lazy = nn.Sequential(nn.LazyLinear(8))
+    lazy_opt = torch.optim.Adam(lazy.parameters())
+    shardsafe.load(tmp_path / "c", {"model": lazy, "optimizer": lazy_opt})
+    assert all(torch.equal(lazy.state_dict()[k], v) for k, v in model.state_dict().items())
+    want = opt.state_dict()["state"]
+    got = lazy_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[i][k], v) for i in want for k, v in want[i].items())
+
+
+class Parent(nn.Module):
+    """Its load pre-hook gives its child's expanded buffer memory before the child loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Buffers(torch.zeros(1, 1).expand(2, 2))
+        self._register_load_state_dict_pre_hook(self._own_memory)
+
+    def _own_memory(self, *args: Any) -> None:
+        self.child.b0 = self.child.b0.clone()
+
+
+def test_an_expanded_buffer_its_parents_loading_handles_is_not_refused(tmp_path: Path) -> None:
+    saved = Parent()
+    saved.child.b0 = torch.arange(4.0).reshape(2, 2)
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    target = Parent()
+    shardsafe.load(tmp_path / "c", {"model": target})
+    assert torch.equal(target.child.b0, torch.arange(4.0).reshape(2, 2))

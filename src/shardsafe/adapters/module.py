@@ -149,11 +149,15 @@ class ModuleAdapter(Adapter):
         """Refuse a live tensor that ``load_state_dict`` would refuse to copy into, before
         anything is restored: else the load would fail part-way, the tensors before it
         (and in other entries) already restored. Only the module's own tensors, in the
-        submodules that torch's own code loads (no load pre-hook, no
-        ``_load_from_state_dict`` of their own, which may give a tensor new memory first)."""
+        submodules that torch's own code loads: not below a module with a load pre-hook
+        or a ``_load_from_state_dict`` of its own, which may give a tensor new memory
+        first (a module's runs before its children's)."""
         key_of = _keys(saved, ctx)
+        left_alone: set[str] = set()  # modules whose loading code runs before their children's
         for prefix, sub in unwrap(obj).named_modules(remove_duplicate=False):
-            if not _loaded_by_torch(sub):
+            parent = prefix.rpartition(".")[0] if prefix else None
+            if (parent is not None and parent in left_alone) or not _loaded_by_torch(sub):
+                left_alone.add(prefix)
                 continue
             owned = [*sub._parameters.items(), *sub._buffers.items()]
             for name, value in owned:

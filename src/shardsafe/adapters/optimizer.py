@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import _names, _tree
 from ..errors import CheckpointCorruptError
@@ -126,7 +127,7 @@ def plan_import(
                 f"{ctx.name}/{n} (param group {i})" for n in live if n not in saved_names
             ]
         for fqn, p in live.items():
-            if fqn in shapes and tuple(shapes[fqn]) != tuple(p.shape):
+            if fqn in shapes and not _uninitialized(p) and tuple(shapes[fqn]) != tuple(p.shape):
                 plan.mismatched.append(
                     f"{ctx.name}/{fqn}: parameter shape {shapes[fqn]} in the "
                     f"checkpoint, {list(p.shape)} live"
@@ -138,7 +139,9 @@ def plan_import(
         for name, raw in meta["state"].get(ctx.param_fqn(p), {}).items():
             live = live_state.get(name)
             for ref in _tree.tensor_refs(raw):
-                plan.requests.append(_request_for(ref, p, live, factored, ctx))
+                plan.requests.append(
+                    _request_for(ref, p, live, factored, ctx, shapes.get(ctx.param_fqn(p)))
+                )
     for saved_group in saved_groups:
         plan.requests += [ReadRequest(ref) for ref in _tree.tensor_refs(saved_group["hyper"])]
     return plan
@@ -182,11 +185,21 @@ def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _request_for(
-    ref: str, param: torch.Tensor, live: object, factored: bool, ctx: LoadContext
+    ref: str,
+    param: torch.Tensor,
+    live: object,
+    factored: bool,
+    ctx: LoadContext,
+    saved_shape: list[int] | None = None,
 ) -> ReadRequest:
     """State of a parameter, checked whatever key the metadata names: against the live
     state if the optimizer has stepped, else it must be a scalar or shaped like the
-    parameter. Sharded state of a DTensor parameter is read for this rank's shard only."""
+    parameter (a lazy module's parameter, not shaped yet: like the checkpoint says it
+    was, ``saved_shape``). Sharded state of a DTensor parameter is read for this rank's
+    shard only."""
+    if _uninitialized(param):
+        within = tuple(saved_shape) if saved_shape is not None else None
+        return ReadRequest(ref, within=within, factored=factored)
     saved = ctx.saved_tensors.get(ref)
     whole = tuple(param.shape)
     box: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
@@ -195,6 +208,12 @@ def _request_for(
     if isinstance(live, torch.Tensor):
         return ReadRequest(ref, *box, dtype=live.dtype, global_shape=tuple(live.shape))
     return ReadRequest(ref, *box, within=whole, factored=factored)
+
+
+def _uninitialized(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a lazy module's, given its shape only when the module is
+    first run or restored."""
+    return isinstance(param, nn.UninitializedParameter)
 
 
 def live_targets(

@@ -29,7 +29,7 @@ import torch
 
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, with_message
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -281,23 +281,28 @@ def _restore(
         except Exception as e:
             before = [entry.saved.name for entry in plan.entries[:n]]
             after = [entry.saved.name for entry in plan.entries[n + 1 :]]
-            cls = type(e) if isinstance(e, CheckpointError) else CheckpointError
-            raise cls(
+            clauses = [
+                f"on rank {rank}, all {in_place} tensors loaded in place (in every entry) had "
+                "already been filled from the checkpoint (a tied weight with the later "
+                "key's values)",
+                _entries(before, "restored before it") or "no entry was restored before it",
+                _entries(after, "not restored, apart from tensors loaded in place"),
+                f"state[{item.saved.name!r}] may be partly restored",
+            ]
+            raise with_message(
+                e,
                 f"{error_message(e)}. This was found while restoring state"
-                f"[{item.saved.name!r}]: on rank {rank}, every one of the {in_place} tensors "
-                "loaded in place (in every entry) already holds the checkpoint's values; "
-                f"{_entries(before)} restored before it; {_entries(after)} not restored, "
-                f"apart from tensors loaded in place; state[{item.saved.name!r}] may be "
-                "partly restored. "
-                "Load a good checkpoint before using these objects."
+                f"[{item.saved.name!r}]: {'; '.join(c for c in clauses if c)}. Load a good "
+                "checkpoint before using these objects.",
             ) from e
         if item.adapter.returns_value:
             returned[item.saved.name] = value
     return returned
 
 
-def _entries(names: list[str]) -> str:
+def _entries(names: list[str], what: str) -> str:
+    """``names`` as state entries that ``what`` ("" if there are none)."""
     if not names:
-        return "no other entry was"
+        return ""
     listed = ", ".join(f"state[{name!r}]" for name in names)
-    return f"{listed} {'was' if len(names) == 1 else 'were'}"
+    return f"{listed} {'was' if len(names) == 1 else 'were'} {what}"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...adapters import dtensor
-from ...errors import CheckpointCorruptError, CheckpointError
+from ...errors import CheckpointCorruptError, CheckpointError, with_message
 from ...protocol import ReadRequest
 from ..format.manifest import Manifest
 from ..plan.load_plan import LoadPlan, guarded
@@ -152,14 +152,14 @@ def fill(
     failed = {i for i, e in outcome.failures.items() if not isinstance(e, _Refused)}
     finished = set(outcome.results)
     partly = failed | memory_sharing.overwritten_by_twins(targets, failed, finished)
-    later = memory_sharing.holding_a_later_twin(targets, finished - partly)
+    later = memory_sharing.holding_a_later_twin(targets, finished - partly, finished)
     partly |= {i for i, j in later.items() if j is None}
     tied = {i: j for i, j in later.items() if j is not None}
     done = [keys[i] for i in sorted(finished - partly - set(tied))]
     # Whatever went wrong (a bad byte, an I/O error, a target torch refused to write),
     # the message says which targets now hold what.
-    cls = type(error) if isinstance(error, CheckpointError) else CheckpointError
-    raise cls(
+    raise with_message(
+        error,
         partly_restored(
             error,
             verify,
@@ -168,7 +168,7 @@ def fill(
             [keys[i] for i in sorted(partly)],
             len(keys),
             tied=[(keys[i], keys[j]) for i, j in sorted(tied.items())],
-        )
+        ),
     ) from error
 
 

@@ -154,27 +154,33 @@ def overwritten_by_twins(
 
 
 def holding_a_later_twin(
-    targets: Sequence[torch.Tensor], finished: set[int]
+    targets: Sequence[torch.Tensor], candidates: set[int], finished: set[int]
 ) -> dict[int, int | None]:
-    """The finished targets whose memory a later finished target then wrote (twins are
-    filled in index order, on one thread): each maps to the last such twin if all are
-    the same tensor in the same memory (tied weights: it holds that twin's values), else
-    to ``None`` (it holds a mix). In a group of more than :data:`PAIRWISE` members
-    (views that interleave) no tie is looked for: a target touched later holds a mix."""
+    """Of the ``candidates`` (finished targets not already found overwritten), those
+    whose memory a later ``finished`` target then wrote (twins are filled in index
+    order, on one thread): each maps to the last such twin if all are the same tensor in
+    the same memory and themselves hold the checkpoint's values (tied weights: it holds
+    that twin's), else to ``None`` (it holds a mix). In a group of more than
+    :data:`PAIRWISE` members (views that interleave) no tie is looked for: a target
+    touched later holds a mix."""
     found: dict[int, int | None] = {}
     for group in groups(targets):
         done = [i for i in group if i in finished]
         if len(group) <= PAIRWISE:
             for pos, i in enumerate(done):
+                if i not in candidates:
+                    continue
                 overwriting = [j for j in done[pos + 1 :] if overlap(targets[i], targets[j])]
                 if overwriting:
-                    same = all(same_memory(targets[i], targets[j]) for j in overwriting)
+                    same = all(
+                        j in candidates and same_memory(targets[i], targets[j]) for j in overwriting
+                    )
                     found[i] = overwriting[-1] if same else None
             continue
         by_later = _Bytes(targets, group).marked([])
         later: list[int] = []
         for i in reversed(done):
-            if later and by_later.touches(i, later):
+            if i in candidates and later and by_later.touches(i, later):
                 found[i] = None
             by_later.add(i)
             later.append(i)
