@@ -369,8 +369,7 @@ def test_a_file_closed_to_make_room_then_replaced_is_refused_unread(
     meanwhile is refused by its identity before a byte is read (not even its header,
     which would be refused as damaged), even when the original was unlinked first so
     that the decoy may get its inode number (ext4 reuses it)."""
-    monkeypatch.setattr(reader_module, "MAX_OPEN_FILES", 1)
-    monkeypatch.setattr(loading, "MAX_OPEN_FILES", 1)  # so the load reads on one thread
+    monkeypatch.setattr(reader_module, "MAX_OPEN_FILES", 1)  # so the load reads on one thread
     path = tmp_path / "c"
     model, opt = trained(0, 1)
     saved = tensors(model, opt)

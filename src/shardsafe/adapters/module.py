@@ -136,7 +136,7 @@ class ModuleAdapter(Adapter):
         return {
             key(name): dtensor.local_of(value)
             for name, value in unwrap(obj).state_dict().items()
-            if isinstance(value, torch.Tensor) and not _uninitialized(value)
+            if isinstance(value, torch.Tensor) and not uninitialized(value)
         }
 
     def validate(
@@ -162,7 +162,7 @@ class ModuleAdapter(Adapter):
             owned = [*sub._parameters.items(), *sub._buffers.items()]
             for name, value in owned:
                 full = f"{prefix}.{name}" if prefix else name
-                if value is not None and not _uninitialized(value) and key_of(full) in tensors:
+                if value is not None and not uninitialized(value) and key_of(full) in tensors:
                     _check_writable(full, dtensor.local_of(value))
 
     def restore(
@@ -186,8 +186,10 @@ class ModuleAdapter(Adapter):
         module.load_state_dict(state, strict=False)
 
 
-def _uninitialized(value: torch.Tensor) -> bool:
-    """Whether ``value`` is a lazy module's parameter or buffer, not yet given a shape."""
+def uninitialized(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a lazy module's parameter or buffer, not yet given a shape
+    (it gets one when the module first runs or is restored; the optimizer adapter asks
+    too)."""
     return isinstance(value, (nn.UninitializedParameter, nn.UninitializedBuffer))
 
 
@@ -259,7 +261,7 @@ def _extra(saved: SavedValue) -> dict[str, Any]:
 
 
 def _request(key: str, value: torch.Tensor) -> ReadRequest:
-    if _uninitialized(value):  # a lazy module's: load_state_dict gives it the saved shape
+    if uninitialized(value):  # a lazy module's: load_state_dict gives it the saved shape
         return ReadRequest(key, dtype=value.dtype)
     if dtensor.is_dtensor(value):
         offsets, shape = dtensor.local_box(value)

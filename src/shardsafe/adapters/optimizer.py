@@ -19,7 +19,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import _names, _tree
 from ..errors import CheckpointCorruptError
@@ -35,6 +34,7 @@ from ..protocol import (
     SaveItem,
 )
 from . import dtensor
+from .module import uninitialized
 from .optimizer_merge import merge_optimizer_metas
 
 GROUPS = _names.Reserved("@groups")
@@ -127,7 +127,7 @@ def plan_import(
                 f"{ctx.name}/{n} (param group {i})" for n in live if n not in saved_names
             ]
         for fqn, p in live.items():
-            if fqn in shapes and not _uninitialized(p) and tuple(shapes[fqn]) != tuple(p.shape):
+            if fqn in shapes and not uninitialized(p) and tuple(shapes[fqn]) != tuple(p.shape):
                 plan.mismatched.append(
                     f"{ctx.name}/{fqn}: parameter shape {shapes[fqn]} in the "
                     f"checkpoint, {list(p.shape)} live"
@@ -197,7 +197,7 @@ def _request_for(
     parameter (a lazy module's parameter, not shaped yet: like the checkpoint says it
     was, ``saved_shape``). Sharded state of a DTensor parameter is read for this rank's
     shard only."""
-    if _uninitialized(param):
+    if uninitialized(param):
         within = tuple(saved_shape) if saved_shape is not None else None
         return ReadRequest(ref, within=within, factored=factored)
     saved = ctx.saved_tensors.get(ref)
@@ -208,12 +208,6 @@ def _request_for(
     if isinstance(live, torch.Tensor):
         return ReadRequest(ref, *box, dtype=live.dtype, global_shape=tuple(live.shape))
     return ReadRequest(ref, *box, within=whole, factored=factored)
-
-
-def _uninitialized(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a lazy module's, given its shape only when the module is
-    first run or restored."""
-    return isinstance(param, nn.UninitializedParameter)
 
 
 def live_targets(

@@ -34,7 +34,7 @@ from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .io import in_place, pinned_ring, threaded_reads
-from .io.reader import CACHE_PIECE_BYTES, MAX_OPEN_FILES, CheckpointReader, box_of
+from .io.reader import CACHE_PIECE_BYTES, CheckpointReader, box_of, threads_for
 from .options import LoadOptions
 from .plan.load_plan import (
     LoadPlan,
@@ -186,19 +186,11 @@ def _threads(
     world: int,
     count_files: Callable[[], int],
 ) -> int:
-    """The threads this rank reads with (``io/threaded_reads.py``): one for an object store
-    or a spool, or for more files than a reader keeps open (threads share the descriptors
-    of the files they read, so none may be closed during the load); else
-    ``options.read_threads`` if given, or this rank's share of the CPUs. The files
-    (``count_files``) are counted only when more than one thread is wanted."""
-    if spool is not None or not storage.cheap_rereads:
+    """The threads this rank reads with: one if a spool records the reads (one stream),
+    else as ``reader.threads_for`` says for ``options.read_threads``."""
+    if spool is not None:
         return 1
-    wanted = options.read_threads
-    if wanted is None:
-        wanted = threaded_reads.default_threads(world)
-    if wanted == 1 or count_files() > MAX_OPEN_FILES:
-        return 1
-    return wanted
+    return threads_for(storage.cheap_rereads, count_files, options.read_threads, world)
 
 
 def _files(routes: in_place.Routes, manifest: Manifest) -> int:

@@ -141,15 +141,10 @@ def find_problems(
 
 
 def _threads(storage: Storage, manifest: Manifest) -> int:
-    """As a one-process load reads (``loading._threads``): this process's share of the
-    CPUs for local files, one thread for an object store (one stream) or for more files
-    than a reader keeps open (threads share the descriptors, so none is closed early)."""
-    from .io import threaded_reads
-    from .io.reader import MAX_OPEN_FILES
+    """As a one-process load reads (``reader.threads_for``)."""
+    from .io.reader import threads_for
 
-    if not storage.cheap_rereads or len(manifest.files) > MAX_OPEN_FILES:
-        return 1
-    return threaded_reads.default_threads(1)
+    return threads_for(storage.cheap_rereads, lambda: len(manifest.files), None, 1)
 
 
 def _dangling(manifest: Manifest) -> list[str]:

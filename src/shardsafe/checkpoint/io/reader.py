@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,23 @@ and check 0.029 s in 4 MiB pieces, 0.022 s in 256-512 KiB; read into place and c
 0.040 s and 0.034 s; the EP-on-4 load of ``benchmarks/parallel_layouts.py`` went from
 0.89x to 0.76x DCP's time."""
 MAX_OPEN_FILES = 64
+
+
+def threads_for(
+    cheap_rereads: bool, count_files: Callable[[], int], wanted: int | None, world: int
+) -> int:
+    """The threads a reader's work may use (``threaded_reads.py``): one for an object
+    store (one stream, or ``cheap_rereads`` false) or for more files than a reader keeps
+    open (forks share the descriptors, so none may be closed to make room); else
+    ``wanted`` if given, or this rank's share of the CPUs (``world`` ranks). The files
+    (``count_files``) are counted only when more than one thread is wanted."""
+    if not cheap_rereads:
+        return 1
+    if wanted is None:
+        wanted = threaded_reads.default_threads(world)
+    if wanted == 1 or count_files() > MAX_OPEN_FILES:
+        return 1
+    return wanted
 
 
 class BlockChecker:
