@@ -347,11 +347,32 @@ def test_a_restore_step_that_fails_says_what_every_entry_holds(tmp_path: Path) -
     assert message.startswith("RuntimeError: refused by the object (at ")
     assert (
         "This was found while restoring state['obj']: on rank 0, all 2 tensors loaded in "
-        "place (in every entry) had already been filled from the checkpoint (a tied weight "
-        "with the later key's values); state['model'] was restored before it; "
+        "place (in every entry) had already been filled from the checkpoint; "
+        "state['model'] was restored before it; "
         "state['step'] was not restored, apart from tensors loaded in place; state['obj'] "
         "may be partly restored."
     ) in message
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 4)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_restore_step_that_fails_after_tied_weights_were_filled_says_so(
+    tmp_path: Path,
+) -> None:
+    shardsafe.save(tmp_path / "c", {"model": Tied(), "obj": Refusing()})
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        shardsafe.load(tmp_path / "c", {"model": Tied(), "obj": Refusing()})
+    assert (
+        "on rank 0, all 2 tensors loaded in place (in every entry) had already been filled "
+        "from the checkpoint (a tied weight with the later key's values); state['model'] "
+        "was restored before it; state['obj'] may be partly restored."
+    ) in str(info.value)
 
 
 class KeyedError(shardsafe.CheckpointError):

@@ -34,6 +34,7 @@ from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .io import in_place, pinned_ring, threaded_reads
+from .io.memory_sharing import sharing
 from .io.reader import CACHE_PIECE_BYTES, CheckpointReader, box_of, threads_for
 from .options import LoadOptions
 from .plan.load_plan import (
@@ -153,7 +154,7 @@ def load_chosen(
                     threads=threads,
                     sizes=in_place_sizes,
                 )
-                return _restore(plan, tensors, len(routes.in_place), coord.rank)
+                return _restore(plan, tensors, [t for _, t in routes.in_place], coord.rank)
     finally:
         coord.close()
 
@@ -261,11 +262,14 @@ def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Rout
 
 
 def _restore(
-    plan: LoadPlan, tensors: Mapping[str, torch.Tensor], in_place: int, rank: int
+    plan: LoadPlan,
+    tensors: Mapping[str, torch.Tensor],
+    in_place: list[torch.Tensor],
+    rank: int,
 ) -> dict[str, Any]:
     """Each entry's restore step, in order; if one fails (validation passed, so a live
     object refused its state: a hook of its own, say), the error says what state every
-    object was left in."""
+    object was left in (``in_place``: the targets already filled)."""
     returned: dict[str, Any] = {}
     for n, item in enumerate(plan.entries):
         try:
@@ -273,10 +277,10 @@ def _restore(
         except Exception as e:
             before = [entry.saved.name for entry in plan.entries[:n]]
             after = [entry.saved.name for entry in plan.entries[n + 1 :]]
+            tied = " (a tied weight with the later key's values)" if sharing(in_place) else ""
             clauses = [
-                f"on rank {rank}, all {in_place} tensors loaded in place (in every entry) had "
-                "already been filled from the checkpoint (a tied weight with the later "
-                "key's values)",
+                f"on rank {rank}, all {len(in_place)} tensors loaded in place (in every entry) "
+                f"had already been filled from the checkpoint{tied}",
                 _entries(before, "restored before it") or "no entry was restored before it",
                 _entries(after, "not restored, apart from tensors loaded in place"),
                 f"state[{item.saved.name!r}] may be partly restored",

@@ -203,8 +203,9 @@ class Restorer:
         excluded) if one did not arrive whole."""
         step = choice.step
         assert step is not None
-        if choice.sends:
-            self.ranks.transfers()
+        if not choice.sends:  # every rank restores from its own node (the same on all)
+            return True
+        self.ranks.transfers()
         mine = [r for r, sender in choice.sends.items() if sender == self.rank]
         needed = choice.sends.get(self.rank)
         ok = True
