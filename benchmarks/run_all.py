@@ -14,9 +14,10 @@ to 64 ranks; a summary table and every target, MET or MISSED. Prints markdown, t
 writes the same text into ``--results`` (default ``docs/performance.md``, the one home of
 the figures) between its ``<!-- run_all: begin -->`` and ``<!-- run_all: end -->`` lines,
 keeping the hand-written rest of the page, and the save-time plot to ``--plot``. A full
-run takes about 22 minutes on 2 cores; ``--quick`` is a tiny smoke run (about a minute)
-that writes its results under ``--dir`` (``performance.md``, created with just the
-markers and the report) unless ``--results``/``--plot`` are given.
+run takes 12-22 minutes on 2 cores (11.9 in the last one recorded in the page);
+``--quick`` is a tiny smoke run (about a minute) that writes its results under ``--dir``
+(``performance.md``, created with just the markers and the report) unless
+``--results``/``--plot`` are given.
 
 Run:  python benchmarks/run_all.py [--quick] [--dir /tmp/shardsafe-bench]
 """

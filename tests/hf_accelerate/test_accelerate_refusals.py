@@ -100,3 +100,38 @@ def test_the_state_lists_what_accelerate_saves_in_its_order(accelerator: Any) ->
     ]  # fmt: skip
     assert state["model"] is model and state["optimizer"] is optimizer
     assert state["scheduler"] is scheduler and state["dataloader"].dataloader is loader
+
+
+def test_automatic_naming_on_an_object_store_takes_storage_options(
+    s3_server: Any, s3_bucket: str
+) -> None:
+    """``storage_options`` reach the manager of ``project_dir/checkpoints`` (they were a
+    TypeError from ``CheckpointManager.save``); other ones later are refused, naming why."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(
+        project_dir=f"s3://{s3_bucket}/run", automatic_checkpoint_naming=True
+    )
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    try:
+        model, _ = prepared(accelerator)
+        options = {"client_kwargs": {"endpoint_url": s3_server.endpoint}}
+        path = save_state(accelerator, storage_options=options)
+        assert path == f"s3://{s3_bucket}/run/checkpoints/step-000000000"
+        assert "run/checkpoints/step-000000000/manifest.json" in s3_server.keys(s3_bucket)
+        saved = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        load_state(accelerator, storage_options=options)
+        assert torch.equal(model.weight, saved)
+        assert config.iteration == 1
+        with pytest.raises(ValueError) as refused:
+            save_state(accelerator, storage_options={"anon": True})
+        assert str(refused.value) == (
+            f"the checkpoints of s3://{s3_bucket}/run/checkpoints were opened with other "
+            "storage_options: give the same ones to every save_state and load_state of this "
+            "accelerator (or none after the first)"
+        )
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -94,7 +94,7 @@ def save_state(
     _refuse_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook")
     state = state_of(accelerator)
     if output_dir is None:
-        manager = _manager(accelerator)
+        manager = _manager(accelerator, options.pop("storage_options", None))
         config = accelerator.project_configuration
         step = int(config.iteration)
         if async_save:
@@ -123,7 +123,7 @@ def load_state(
     _refuse_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook")
     state = state_of(accelerator)
     if input_dir is None:
-        manager = _manager(accelerator)
+        manager = _manager(accelerator, options.pop("storage_options", None))
         values = manager.load_latest(state, **options)
         if values is None:
             raise CheckpointNotFoundError(
@@ -142,9 +142,11 @@ def load_state(
 _MANAGERS: weakref.WeakKeyDictionary[Any, CheckpointManager] = weakref.WeakKeyDictionary()
 
 
-def _manager(accelerator: Any) -> CheckpointManager:
+def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> CheckpointManager:
     """The accelerator's manager of ``project_dir/checkpoints``, one per accelerator (it
-    holds the root's lock, and the save in flight, for the run)."""
+    holds the root's lock, and the save in flight, for the run), made with the
+    ``storage_options`` of the first call that names a project directory on a store;
+    a later call must not give others."""
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         raise ValueError(
@@ -155,8 +157,16 @@ def _manager(accelerator: Any) -> CheckpointManager:
     manager = _MANAGERS.get(accelerator)
     if manager is None:
         root = os.path.join(accelerator.project_dir, "checkpoints")
-        manager = CheckpointManager(root, keep_last=config.total_limit)
+        manager = CheckpointManager(
+            root, keep_last=config.total_limit, storage_options=storage_options
+        )
         _MANAGERS[accelerator] = manager
+    elif storage_options is not None and storage_options != manager.storage_options:
+        raise ValueError(
+            f"the checkpoints of {manager.root} were opened with other storage_options: "
+            "give the same ones to every save_state and load_state of this accelerator "
+            "(or none after the first)"
+        )
     return manager
 
 
