@@ -225,3 +225,50 @@ def test_the_integrations_offer_exactly_their_entry_points() -> None:
         "ShardsafeModelParallelStrategy",
         "load_from_checkpoint",
     ]
+
+
+SUBPACKAGES = {
+    "shardsafe.checkpoint": ["Layout", "LoadOptions", "SaveHooks", "SaveOptions", "VerifyMode"],
+    "shardsafe.converters": [
+        "Conversion",
+        "ConvertOptions",
+        "DcpLayout",
+        "Format",
+        "convert",
+        "describe",
+        "read_source",
+    ],
+    "shardsafe.interop": [
+        "gather_optimizer_state_dict",
+        "import_torch_checkpoint",
+        "load_optimizer_state_dict",
+    ],
+    "shardsafe.distributed": [
+        "Coordinator",
+        "DEAD_AFTER_S",
+        "Phase",
+        "PhaseOutcome",
+        "comm_device",
+        "reset_store_requests",
+        "store_requests",
+        "world",
+    ],
+}
+
+
+def test_the_subpackages_the_docs_send_users_to_are_pinned_too() -> None:
+    """The docs name ``shardsafe.checkpoint.SaveOptions``, ``shardsafe.interop.*`` and the
+    like: those subpackages' ``__all__`` are public surface as well, and every such name
+    the README or docs/ mention is in one."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    for module, names in SUBPACKAGES.items():
+        assert sorted(importlib.import_module(module).__all__) == names, module
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    mentioned = re.compile(r"\b(shardsafe\.(?:checkpoint|converters|interop|distributed))\.(\w+)")
+    for page in pages:
+        for module, name in mentioned.findall(page.read_text()):
+            assert name in SUBPACKAGES[module], f"{page.name}: {module}.{name} is not public"
