@@ -116,14 +116,19 @@ class ModuleAdapter(Adapter):
         plan = LoadRequests()
         tied = _tied_names(module)
         for name, value in live.items():
-            if not isinstance(value, torch.Tensor):
-                continue
             if name not in saved_names:
-                if ctx.strict and not tied.get(name, set()) & saved_names:
+                # Extra state is missing as a tensor is (torch says "Missing key(s)").
+                if ctx.strict and name not in extra and not tied.get(name, set()) & saved_names:
                     plan.missing.append(key(name))
                 continue
-            plan.requests.append(_request(key(name), value))
-        plan.unexpected = [key(n) for n in sorted(saved_names - set(live))]
+            if not isinstance(value, torch.Tensor):
+                continue
+            # A module's extra state given as a tensor (serialized bytes, say) is handed to
+            # its set_extra_state as saved, whatever its size now: not a weight to fill.
+            plan.requests.append(
+                ReadRequest(key(name)) if _extra_state(name) else _request(key(name), value)
+            )
+        plan.unexpected = [key(n) for n in sorted((saved_names | set(extra)) - set(live))]
         return plan
 
     def targets(
@@ -136,7 +141,9 @@ class ModuleAdapter(Adapter):
         return {
             key(name): dtensor.local_of(value)
             for name, value in unwrap(obj).state_dict().items()
-            if isinstance(value, torch.Tensor) and not uninitialized(value)
+            if isinstance(value, torch.Tensor)
+            and not uninitialized(value)
+            and not _extra_state(name)
         }
 
     def validate(
@@ -163,7 +170,7 @@ class ModuleAdapter(Adapter):
             for name, value in owned:
                 full = f"{prefix}.{name}" if prefix else name
                 if value is not None and not uninitialized(value) and key_of(full) in tensors:
-                    _check_writable(full, dtensor.local_of(value))
+                    check_writable(repr(full), dtensor.local_of(value))
 
     def restore(
         self,
@@ -179,11 +186,22 @@ class ModuleAdapter(Adapter):
         for name, value in live.items():
             key = key_of(name)
             if isinstance(value, torch.Tensor) and key in tensors:
-                state[name] = dtensor.like(value, tensors[key])
+                saved_value = tensors[key]
+                state[name] = (
+                    saved_value if _extra_state(name) else dtensor.like(value, saved_value)
+                )
         for name, raw in _extra(saved).items():
             if name in live:
                 state[name] = _tree.decode(raw, {})
         module.load_state_dict(state, strict=False)
+
+
+EXTRA_STATE = "_extra_state"
+"""The state-dict name torch gives a module's ``get_extra_state()`` (after its prefix)."""
+
+
+def _extra_state(name: str) -> bool:
+    return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
 
 
 def uninitialized(value: torch.Tensor) -> bool:
@@ -202,10 +220,18 @@ def _loaded_by_torch(module: nn.Module) -> bool:
     )
 
 
-def _check_writable(name: str, value: torch.Tensor) -> None:
+def check_writable(name: str, value: torch.Tensor) -> None:
+    """Refuse a live tensor (``name``, as the message shows it) that torch would refuse to
+    copy a checkpoint's values into."""
+    if value.layout != torch.strided:
+        raise CheckpointMismatchError(
+            f"{name} is a {str(value.layout).removeprefix('torch.')} tensor, which cannot "
+            "hold a checkpoint's dense values in place (torch refuses to copy into it as "
+            "well): make it dense (.to_dense()) before loading. Nothing was restored."
+        )
     if value.is_inference() and not torch.is_inference_mode_enabled():
         raise CheckpointMismatchError(
-            f"{name!r} is an inference tensor (made under torch.inference_mode()), which "
+            f"{name} is an inference tensor (made under torch.inference_mode()), which "
             "torch lets nothing write outside inference mode: load inside `with "
             "torch.inference_mode():`, or create the module outside it. Nothing was "
             "restored."
@@ -213,7 +239,7 @@ def _check_writable(name: str, value: torch.Tensor) -> None:
     strides = zip(value.stride(), value.shape)
     if value.numel() and any(stride == 0 and n > 1 for stride, n in strides):
         raise CheckpointMismatchError(
-            f"{name!r} is an expanded view (shape {list(value.shape)}, strides "
+            f"{name} is an expanded view (shape {list(value.shape)}, strides "
             f"{list(value.stride())}): its elements share memory, so it cannot hold the "
             "checkpoint's values and torch refuses to copy into it. Give it memory of its "
             "own (for a buffer: register_buffer(name, tensor.clone())). Nothing was restored."

@@ -14,6 +14,7 @@ parameters are never touched.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import _names, _tree
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from ..protocol import (
     JSON,
     Adapter,
@@ -167,16 +168,82 @@ def match_groups(
         if not found:
             chosen.append(i if len(groups) == len(saved_groups) else None)
             continue
-        first = saved_groups[found[0]]["hyper"]
-        differing = [j for j in found if saved_groups[j]["hyper"] != first]
+        first = _compared(saved_groups[found[0]]["hyper"], ctx)
+        differing = [j for j in found if _compared(saved_groups[j]["hyper"], ctx) != first]
         if differing:
-            problems.append(
-                f"{ctx.name}: live param group {i} holds parameters that were saved in param "
-                f"groups {found[0]} and {differing[0]}, which have different "
-                "hyperparameters; group the parameters as they were grouped when saving"
-            )
+            problems.append(_differing(ctx, i, found[0], differing[0]))
         chosen.append(found[0])
     return chosen, problems
+
+
+def _differing(ctx: LoadContext, live: int, first: int, other: int) -> str:
+    return (
+        f"{ctx.name}: live param group {live} holds parameters that were saved in param "
+        f"groups {first} and {other}, which have different hyperparameters; group the "
+        "parameters as they were grouped when saving"
+    )
+
+
+def _check_tensor_hyper(
+    groups: list[dict[str, Any]], saved_groups: list[Any], hyper: list[Any], ctx: LoadContext
+) -> None:
+    """What :func:`match_groups` could not compare before the data was read: the values of
+    tensor hyperparameters (a tensor ``lr``) of the saved groups one live group takes."""
+    where = {n: j for j, g in enumerate(saved_groups) for n in g["params"]}
+    for i, group in enumerate(groups):
+        found = sorted({where[n] for n in map(ctx.param_fqn, group["params"]) if n in where})
+        for j in found[1:]:
+            if not _same(_without_names(hyper[found[0]]), _without_names(hyper[j])):
+                raise CheckpointMismatchError(
+                    "the checkpoint does not match the objects being loaded:\n  shape/dtype "
+                    f"mismatch (1): {_differing(ctx, i, found[0], j)}"
+                )
+
+
+def _without_names(hyper: Any) -> Any:
+    return {k: v for k, v in hyper.items() if k != NAMES} if isinstance(hyper, dict) else hyper
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal decoded values, tensors by dtype, shape and bits."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape) == (b.dtype, b.shape)
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+NAMES = "param_names"
+"""A param group's names of its parameters (an optimizer built on ``named_parameters()``):
+they describe the live group's own parameters, matched by name here, so a load keeps the
+live ones instead of taking the saved list, whose order may be another."""
+
+
+def _compared(hyper: JSON, ctx: LoadContext) -> JSON:
+    """A saved group's hyperparameters as they must agree across the saved groups one
+    live group takes: all but :data:`NAMES`, each tensor by dtype and shape (its values
+    are compared once read, :func:`_check_tensor_hyper`; each group's tensor has a key
+    of its own)."""
+
+    def masked(obj: JSON) -> JSON:
+        if isinstance(obj, dict):
+            ref = obj.get("__tensor__") if len(obj) == 1 else None
+            if isinstance(ref, str):
+                dtype, shape = ctx.saved_tensors.get(ref, (None, None))
+                return ["__tensor__", str(dtype), list(shape or ())]
+            return {k: masked(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [masked(v) for v in obj]
+        return obj
+
+    return masked(_without_names(hyper))
 
 
 def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -250,15 +317,20 @@ def state_dict_for(
                 "hyperparameters"
             )
     chosen, _ = match_groups(groups, meta["param_groups"], ctx)
+    _check_tensor_hyper(groups, meta["param_groups"], hyper, ctx)
     position = {id(p): i for i, p in enumerate(local_params)}
     # The local optimizer's groups mirror the global ones position by position (ZeRO,
     # OSS keep one local group per global group); a group nothing was saved for keeps
     # its own hyperparameters.
+    # Each live group gets its own copy: two live groups that take one saved group must
+    # not share its tensors and lists (a tensor lr a scheduler then sets for both).
     local_groups = []
     for i, g in enumerate(local.param_groups):
         j = chosen[i] if i < len(chosen) else None
-        taken = hyper[j] if j is not None else {k: v for k, v in g.items() if k != "params"}
-        local_groups.append({**taken, "params": [position[id(p)] for p in g["params"]]})
+        taken = copy.deepcopy(hyper[j]) if j is not None else {}
+        taken = {k: v for k, v in taken.items() if k != NAMES}
+        kept = {k: v for k, v in g.items() if k != "params" and (j is None or k == NAMES)}
+        local_groups.append({**taken, **kept, "params": [position[id(p)] for p in g["params"]]})
     return {"state": state, "param_groups": local_groups}
 
 

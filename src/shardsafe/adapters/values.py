@@ -40,6 +40,7 @@ from ..protocol import (
     SaveItem,
 )
 from . import dtensor
+from .module import check_writable
 
 _PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
 
@@ -270,6 +271,8 @@ class PlainDataAdapter(Adapter):
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         _tree.decode(saved.meta, tensors)
+        if isinstance(obj, torch.Tensor):  # refused now, not after other entries restored
+            check_writable(f"state[{ctx.name!r}]", obj)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext

@@ -89,6 +89,8 @@ def _fits(target: object, req: ReadRequest, manifest: Manifest) -> bool:
     Any other is left to its object's restore, which replaces it or copies into it."""
     if not isinstance(target, torch.Tensor) or dtensor.is_dtensor(target):
         return False
+    if target.layout != torch.strided:  # sparse or mkldnn: no strides, no raw memory
+        return False
     rec = manifest.tensors[req.key]
     shape = req.shape if req.shape is not None else rec.shape
     return (

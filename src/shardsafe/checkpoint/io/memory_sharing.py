@@ -26,7 +26,9 @@ from ..format.tensor_bytes import has_memory
 Span = tuple[str, int, int]
 
 PAIRWISE = 64
-"""The largest group whose members are compared pair by pair in an error's account."""
+"""The largest group in which an error's account looks for tied twins (targets that are
+the same tensor in the same memory; compared pair by pair, by their ranges only): within
+one, the bytes are still marked once each (:func:`_touched_later_by_others`)."""
 
 EXACT_BYTES = 256 << 20
 """The largest stretch of memory an account marks byte by byte to tell whether two
@@ -117,6 +119,16 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
+def _ranges_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` meet (unknown ones do)."""
+    if not a.numel() or not b.numel():
+        return False
+    sa, sb = spans(a), spans(b)
+    if sa is None or sb is None:
+        return True
+    return any(x[0] == y[0] and x[1] < y[2] and y[1] < x[2] for x in sa for y in sb)
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same elements of the same memory."""
     found = spans(a)
@@ -167,15 +179,15 @@ def holding_a_later_twin(
     for group in groups(targets):
         done = [i for i in group if i in finished]
         if len(group) <= PAIRWISE:
+            others = _touched_later_by_others(targets, done, _Bytes(targets, group))
             for pos, i in enumerate(done):
-                if i not in candidates:
+                if i not in candidates or not targets[i].numel():
                     continue
-                overwriting = [j for j in done[pos + 1 :] if overlap(targets[i], targets[j])]
-                if overwriting:
-                    same = all(
-                        j in candidates and same_memory(targets[i], targets[j]) for j in overwriting
-                    )
-                    found[i] = overwriting[-1] if same else None
+                twins = [j for j in done[pos + 1 :] if same_memory(targets[i], targets[j])]
+                if i in others:
+                    found[i] = None
+                elif twins:
+                    found[i] = twins[-1] if all(j in candidates for j in twins) else None
             continue
         by_later = _Bytes(targets, group).marked([])
         later: list[int] = []
@@ -184,6 +196,44 @@ def holding_a_later_twin(
                 found[i] = None
             by_later.add(i)
             later.append(i)
+    return found
+
+
+def _touched_later_by_others(
+    targets: Sequence[torch.Tensor], done: list[int], memory: _Bytes
+) -> set[int]:
+    """The members of ``done`` (one group, filled in this order) an element of which a
+    later member that is not their twin (:func:`same_memory`) shares. With the group's
+    memory known: one sweep from the last member back over a byte map of the twin class
+    that wrote each byte later (or "several"), each member's bytes visited twice, so
+    linear in the group's bytes; else by ranges, conservatively."""
+    classes: dict[int, int] = {}
+    for i in done:
+        twin = next((j for j in done if j < i and same_memory(targets[i], targets[j])), i)
+        classes[i] = classes.get(twin, len(set(classes.values())))
+    if not memory.exact:  # ranges only: no pair's elements are compared
+        return {
+            i
+            for pos, i in enumerate(done)
+            if any(
+                classes[j] != classes[i] and _ranges_meet(targets[i], targets[j])
+                for j in done[pos + 1 :]
+            )
+        }
+    several = len(done)  # a class number no member has (PAIRWISE fits in int8)
+    written = torch.full((memory.size,), -1, dtype=torch.int8, device="cpu")
+    found: set[int] = set()
+    for i in reversed(done):
+        mine = classes[i]
+        views = [
+            _bytes_of(written, part, span[1] - memory.low)
+            for part in _parts(targets[i])
+            for span in [(spans(part) or [("", memory.low, 0)])[0]]
+        ]
+        if any(bool(((v != -1) & (v != mine)).any()) for v in views):
+            found.add(i)
+        for v in views:
+            v.copy_(torch.where((v == -1) | (v == mine), mine, several).to(torch.int8))
     return found
 
 

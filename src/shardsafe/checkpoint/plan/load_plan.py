@@ -180,18 +180,40 @@ def _asked(
 
 
 def guarded(item: PlannedEntry, step: str, call: Callable[..., Any], *args: Any) -> Any:
-    """Run an adapter's ``plan_load``/``validate``: an unexpected exception there comes from
-    metadata the adapter could not make sense of, so it is corruption, named as such."""
+    """Run an adapter's ``plan_load``/``targets``/``validate``: an unexpected exception
+    there comes from metadata the adapter could not make sense of, so it is corruption,
+    named as such; unless the live object fails to be saved too (a state_dict hook that
+    raises, a param group holding what is not a parameter): then the object is the cause,
+    and the error says so without calling a good checkpoint damaged (which would send
+    ``CheckpointManager.load_latest`` to older ones)."""
     try:
         return call(*args, item.ctx)
     except CheckpointError:
         raise
     except Exception as e:
+        failed = f"{type(item.adapter).__name__}.{step} failed with {type(e).__name__}: {e}"
+        live = _live_failure(item)
+        if live is not None:
+            raise CheckpointError(
+                f"state[{item.saved.name!r}] could not be loaded: {failed}. The live object "
+                f"fails when saved as well ({live}), so the cause is the object (a hook of "
+                "its own, or what it holds), not the checkpoint"
+            ) from e
         raise CheckpointCorruptError(
             f"the manifest entry for {item.saved.name!r} (a {item.saved.kind!r} value) is "
-            f"malformed: {type(item.adapter).__name__}.{step} failed with "
-            f"{type(e).__name__}: {e}"
+            f"malformed: {failed}"
         ) from e
+
+
+def _live_failure(item: PlannedEntry) -> str | None:
+    """How saving the live object fails (``None`` if it saves, or there is none)."""
+    if item.obj is None:
+        return None
+    try:
+        item.adapter.save(item.obj, item.ctx)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def unexpected_everywhere(per_rank: list[list[str]], strict: bool) -> None:
