@@ -315,3 +315,51 @@ def test_a_failed_fill_of_64_interleaved_views_gives_the_exact_account(tmp_path:
     assert "63 of the 64 tensors loaded in place hold the checkpoint's values" in str(info.value)
     assert "'model/b63' is partly overwritten, and the other 0 keep" in str(info.value)
     assert torch.equal(base[:, :63], torch.arange(1.0, 64.0).expand(rows, 63))
+
+
+class BufferNamedLikeExtraState(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("_extra_state", torch.zeros(n))
+
+
+def test_a_buffer_called_extra_state_is_still_a_buffer(tmp_path: Path) -> None:
+    """Extra state is told by the class's get_extra_state, not by the name: a plain buffer
+    called ``_extra_state`` keeps its shape check, and a mismatch restores nothing."""
+    src = nn.Module()
+    src.sub = BufferNamedLikeExtraState(3)
+    shardsafe.save(tmp_path / "c", {"n": torch.ones(2), "model": src})
+    live = nn.Module()
+    live.sub = BufferNamedLikeExtraState(4)
+    n = torch.zeros(2)
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"sub\._extra_state: checkpoint float32\[3\], live float32\[4\]",
+    ):
+        shardsafe.load(tmp_path / "c", {"n": n, "model": live})
+    assert torch.equal(n, torch.zeros(2))
+
+
+def test_a_tensor_extra_state_reaches_a_module_whose_extra_state_is_none_now(
+    tmp_path: Path,
+) -> None:
+    """Calibrated state saved as a tensor, loaded into a module not calibrated yet (its
+    get_extra_state gives None): set_extra_state gets the tensor, as torch gives it."""
+    saved = WithExtra(value=torch.tensor([1, 2, 3], dtype=torch.uint8))
+    shardsafe.save(tmp_path / "c", {"model": saved})
+    live = WithExtra(value=None)
+    shardsafe.load(tmp_path / "c", {"model": live})
+    assert torch.equal(live.value, torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
+def test_saved_groups_with_nan_hyperparameters_still_merge(tmp_path: Path) -> None:
+    """A NaN is equal to itself in a hyperparameter, float or tensor, as in the JSON."""
+    src, opt = grouped((torch.tensor(float("nan")), torch.tensor(float("nan"))))
+    for group in opt.param_groups:
+        group["clip"] = float("nan")
+    shardsafe.save(tmp_path / "c", {"model": src, "optimizer": opt})
+    m = two_layers()
+    o = torch.optim.AdamW(m.parameters(), lr=torch.tensor(0.3))
+    shardsafe.load(tmp_path / "c", {"model": m, "optimizer": o})
+    assert torch.isnan(o.param_groups[0]["lr"])
+    assert o.param_groups[0]["clip"] != o.param_groups[0]["clip"]  # NaN

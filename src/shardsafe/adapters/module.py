@@ -115,19 +115,19 @@ class ModuleAdapter(Adapter):
         key = _keys(saved, ctx)
         plan = LoadRequests()
         tied = _tied_names(module)
+        extra_states = _extra_states(module)
         for name, value in live.items():
             if name not in saved_names:
                 # Extra state is missing as a tensor is (torch says "Missing key(s)").
                 if ctx.strict and name not in extra and not tied.get(name, set()) & saved_names:
                     plan.missing.append(key(name))
                 continue
-            if not isinstance(value, torch.Tensor):
-                continue
-            # A module's extra state given as a tensor (serialized bytes, say) is handed to
-            # its set_extra_state as saved, whatever its size now: not a weight to fill.
-            plan.requests.append(
-                ReadRequest(key(name)) if _extra_state(name) else _request(key(name), value)
-            )
+            if name in extra_states:
+                # Saved as a tensor (serialized bytes, say): handed to set_extra_state as
+                # saved, whatever the live module's extra state is now; not a weight to fill.
+                plan.requests.append(ReadRequest(key(name)))
+            elif isinstance(value, torch.Tensor):
+                plan.requests.append(_request(key(name), value))
         plan.unexpected = [key(n) for n in sorted((saved_names | set(extra)) - set(live))]
         return plan
 
@@ -138,12 +138,14 @@ class ModuleAdapter(Adapter):
         ``load_state_dict`` then copies each onto itself, which torch skips, so module
         hooks still run and nothing is copied twice."""
         key = _keys(saved, ctx)
+        module = unwrap(obj)
+        extra_states = _extra_states(module)
         return {
             key(name): dtensor.local_of(value)
-            for name, value in unwrap(obj).state_dict().items()
+            for name, value in module.state_dict().items()
             if isinstance(value, torch.Tensor)
             and not uninitialized(value)
-            and not _extra_state(name)
+            and name not in extra_states
         }
 
     def validate(
@@ -183,13 +185,15 @@ class ModuleAdapter(Adapter):
         live = module.state_dict()
         state: dict[str, Any] = {}
         key_of = _keys(saved, ctx)
+        extra_states = _extra_states(module)
         for name, value in live.items():
             key = key_of(name)
-            if isinstance(value, torch.Tensor) and key in tensors:
-                saved_value = tensors[key]
-                state[name] = (
-                    saved_value if _extra_state(name) else dtensor.like(value, saved_value)
-                )
+            if key not in tensors:
+                continue
+            if name in extra_states:
+                state[name] = tensors[key]
+            elif isinstance(value, torch.Tensor):
+                state[name] = dtensor.like(value, tensors[key])
         for name, raw in _extra(saved).items():
             if name in live:
                 state[name] = _tree.decode(raw, {})
@@ -200,8 +204,19 @@ EXTRA_STATE = "_extra_state"
 """The state-dict name torch gives a module's ``get_extra_state()`` (after its prefix)."""
 
 
-def _extra_state(name: str) -> bool:
-    return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
+def _extra_states(module: nn.Module) -> set[str]:
+    """The state-dict names of the submodules' extra state: of those whose class defines
+    ``get_extra_state`` (torch asks the class), never a buffer or parameter that happens
+    to be called ``_extra_state``."""
+    found = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        own = getattr(type(sub), "get_extra_state", nn.Module.get_extra_state)
+        if own is not nn.Module.get_extra_state and EXTRA_STATE not in {
+            *sub._buffers,
+            *sub._parameters,
+        }:
+            found.add(f"{prefix}.{EXTRA_STATE}" if prefix else EXTRA_STATE)
+    return found
 
 
 def uninitialized(value: torch.Tensor) -> bool:

@@ -206,7 +206,10 @@ def guarded(item: PlannedEntry, step: str, call: Callable[..., Any], *args: Any)
 
 
 def _live_failure(item: PlannedEntry) -> str | None:
-    """How saving the live object fails (``None`` if it saves, or there is none)."""
+    """How saving the live object fails (``None`` if it saves, or there is none). Only on
+    the failing rank, on the error path: an adapter's ``save`` must not communicate
+    (``Adapter.save``), but a ``state_dict`` of the object's own that does (FSDP1's full
+    state dict, which shardsafe does not support) would wait here for its peers."""
     if item.obj is None:
         return None
     try:
