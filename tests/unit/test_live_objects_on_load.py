@@ -363,3 +363,55 @@ def test_saved_groups_with_nan_hyperparameters_still_merge(tmp_path: Path) -> No
     shardsafe.load(tmp_path / "c", {"model": m, "optimizer": o})
     assert torch.isnan(o.param_groups[0]["lr"])
     assert o.param_groups[0]["clip"] != o.param_groups[0]["clip"]  # NaN
+
+
+class Presenting(nn.Module):
+    """Presents its inner module's keys without the ``inner.`` prefix (a checkpoint
+    compatibility shim): its state-dict names are not its modules' names."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.inner = WithExtra(value=value)
+        self._register_state_dict_hook(Presenting._strip)
+        self._register_load_state_dict_pre_hook(Presenting._add)
+
+    @staticmethod
+    def _strip(module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+        for k in [k for k in state if k.startswith(prefix + "inner.")]:
+            state[prefix + k[len(prefix + "inner.") :]] = state.pop(k)
+
+    @staticmethod
+    def _add(state: dict[str, Any], prefix: str, *args: Any) -> None:
+        for k in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + "inner.")]:
+            state[prefix + "inner." + k[len(prefix) :]] = state.pop(k)
+
+
+@pytest.mark.parametrize("live", [None, torch.zeros(2, dtype=torch.int64)])
+def test_extra_state_renamed_by_a_hook_is_still_extra_state(tmp_path: Path, live: Any) -> None:
+    shardsafe.save(tmp_path / "c", {"model": Presenting(torch.arange(5))})
+    model = Presenting(live)
+    shardsafe.load(tmp_path / "c", {"model": model})
+    assert torch.equal(model.inner.value, torch.arange(5))
+
+
+class ExtraBesideANonPersistentBuffer(WithExtra):
+    def __init__(self, value: Any = None) -> None:
+        super().__init__(value)
+        self.register_buffer("_extra_state", torch.zeros(1), persistent=False)
+
+
+def test_a_non_persistent_buffer_does_not_hide_the_extra_state_of_its_name(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"model": ExtraBesideANonPersistentBuffer(torch.arange(4))})
+    live = ExtraBesideANonPersistentBuffer()
+    shardsafe.load(tmp_path / "c", {"model": live})
+    assert torch.equal(live.value, torch.arange(4))
+
+
+def test_tensor_hyperparameters_compare_as_floats_do(tmp_path: Path) -> None:
+    """-0.0 and 0.0 merge, as two float hyperparameters do in the manifest's JSON."""
+    src, opt = grouped((torch.tensor(0.0), torch.tensor(-0.0)))
+    shardsafe.save(tmp_path / "c", {"model": src, "optimizer": opt})
+    m = two_layers()
+    o = torch.optim.AdamW(m.parameters(), lr=torch.tensor(0.3))
+    shardsafe.load(tmp_path / "c", {"model": m, "optimizer": o})
+    assert float(o.param_groups[0]["lr"]) == 0.0

@@ -115,14 +115,14 @@ class ModuleAdapter(Adapter):
         key = _keys(saved, ctx)
         plan = LoadRequests()
         tied = _tied_names(module)
-        extra_states = _extra_states(module)
+        extra_state = _ExtraState(module)
         for name, value in live.items():
             if name not in saved_names:
                 # Extra state is missing as a tensor is (torch says "Missing key(s)").
                 if ctx.strict and name not in extra and not tied.get(name, set()) & saved_names:
                     plan.missing.append(key(name))
                 continue
-            if name in extra_states:
+            if extra_state(name, value):
                 # Saved as a tensor (serialized bytes, say): handed to set_extra_state as
                 # saved, whatever the live module's extra state is now; not a weight to fill.
                 plan.requests.append(ReadRequest(key(name)))
@@ -139,13 +139,13 @@ class ModuleAdapter(Adapter):
         hooks still run and nothing is copied twice."""
         key = _keys(saved, ctx)
         module = unwrap(obj)
-        extra_states = _extra_states(module)
+        extra_state = _ExtraState(module)
         return {
             key(name): dtensor.local_of(value)
             for name, value in module.state_dict().items()
             if isinstance(value, torch.Tensor)
             and not uninitialized(value)
-            and name not in extra_states
+            and not extra_state(name, value)
         }
 
     def validate(
@@ -185,12 +185,12 @@ class ModuleAdapter(Adapter):
         live = module.state_dict()
         state: dict[str, Any] = {}
         key_of = _keys(saved, ctx)
-        extra_states = _extra_states(module)
+        extra_state = _ExtraState(module)
         for name, value in live.items():
             key = key_of(name)
             if key not in tensors:
                 continue
-            if name in extra_states:
+            if extra_state(name, value):
                 state[name] = tensors[key]
             elif isinstance(value, torch.Tensor):
                 state[name] = dtensor.like(value, tensors[key])
@@ -204,19 +204,30 @@ EXTRA_STATE = "_extra_state"
 """The state-dict name torch gives a module's ``get_extra_state()`` (after its prefix)."""
 
 
-def _extra_states(module: nn.Module) -> set[str]:
-    """The state-dict names of the submodules' extra state: of those whose class defines
-    ``get_extra_state`` (torch asks the class), never a buffer or parameter that happens
-    to be called ``_extra_state``."""
-    found = set()
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        own = getattr(type(sub), "get_extra_state", nn.Module.get_extra_state)
-        if own is not nn.Module.get_extra_state and EXTRA_STATE not in {
-            *sub._buffers,
-            *sub._parameters,
-        }:
-            found.add(f"{prefix}.{EXTRA_STATE}" if prefix else EXTRA_STATE)
-    return found
+class _ExtraState:
+    """Which state-dict entries of ``module`` are extra state (``get_extra_state``), whose
+    saved tensor is handed to ``set_extra_state`` as saved rather than filled like a
+    weight: the name of a submodule whose class defines ``get_extra_state`` (torch asks
+    the class); a name ending in ``_extra_state`` that is no persistent buffer's or
+    parameter's (a state-dict hook may have renamed the prefix); and any entry whose live
+    value is not a tensor (extra state that is ``None`` before calibration, say)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.named: set[str] = set()
+        self.tensors: set[str] = set()
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            dot = f"{prefix}." if prefix else ""
+            own = {*sub._parameters, *(set(sub._buffers) - sub._non_persistent_buffers_set)}
+            self.tensors.update(dot + name for name in own)
+            defined = getattr(type(sub), "get_extra_state", nn.Module.get_extra_state)
+            if defined is not nn.Module.get_extra_state and EXTRA_STATE not in own:
+                self.named.add(dot + EXTRA_STATE)
+
+    def __call__(self, name: str, value: object) -> bool:
+        if name in self.named or not isinstance(value, torch.Tensor):
+            return True
+        suffix = name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
+        return suffix and name not in self.tensors
 
 
 def uninitialized(value: torch.Tensor) -> bool:
