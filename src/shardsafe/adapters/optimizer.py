@@ -160,11 +160,9 @@ def match_groups(
     exactly and is a mismatch. A live group none of whose parameters were saved takes
     the saved group at its position if both have as many groups, else keeps its own.
     """
-    where = {n: j for j, g in enumerate(saved_groups) for n in g["params"]}
     chosen: list[int | None] = []
     problems = []
-    for i, group in enumerate(groups):
-        found = sorted({where[n] for n in map(ctx.param_fqn, group["params"]) if n in where})
+    for i, found in enumerate(_taken(groups, saved_groups, ctx)):
         if not found:
             chosen.append(i if len(groups) == len(saved_groups) else None)
             continue
@@ -174,6 +172,17 @@ def match_groups(
             problems.append(_differing(ctx, i, found[0], differing[0]))
         chosen.append(found[0])
     return chosen, problems
+
+
+def _taken(
+    groups: list[dict[str, Any]], saved_groups: list[Any], ctx: LoadContext
+) -> list[list[int]]:
+    """For each live group, the saved groups holding its parameters (by name), in order."""
+    where = {n: j for j, g in enumerate(saved_groups) for n in g["params"]}
+    return [
+        sorted({where[n] for n in map(ctx.param_fqn, group["params"]) if n in where})
+        for group in groups
+    ]
 
 
 def _differing(ctx: LoadContext, live: int, first: int, other: int) -> str:
@@ -189,9 +198,7 @@ def _check_tensor_hyper(
 ) -> None:
     """What :func:`match_groups` could not compare before the data was read: the values of
     tensor hyperparameters (a tensor ``lr``) of the saved groups one live group takes."""
-    where = {n: j for j, g in enumerate(saved_groups) for n in g["params"]}
-    for i, group in enumerate(groups):
-        found = sorted({where[n] for n in map(ctx.param_fqn, group["params"]) if n in where})
+    for i, found in enumerate(_taken(groups, saved_groups, ctx)):
         for j in found[1:]:
             if not _same(_without_names(hyper[found[0]]), _without_names(hyper[j])):
                 raise CheckpointMismatchError(
