@@ -160,3 +160,36 @@ def test_reading_the_bytes_of_a_tensor_without_memory_is_an_error_not_a_crash() 
 
     with pytest.raises(ValueError, match="needs a tensor with memory of its own, not a TwoTensor"):
         memory(TwoTensor(torch.ones(4), torch.ones(4)))
+
+
+def _buffer_named_metadata() -> nn.Module:
+    module = nn.Module()
+    module.register_buffer("__metadata__", torch.ones(2))
+    return module
+
+
+@pytest.mark.parametrize(
+    ("layout", "state", "key"),
+    [
+        ("sharded", {"__metadata__": torch.ones(2)}, "__metadata__"),
+        ("consolidated", {"__metadata__": torch.ones(2)}, "__metadata__"),
+        ("consolidated", {"x": {"__metadata__": torch.ones(2)}}, "x/__metadata__"),
+        ("consolidated", {"model": _buffer_named_metadata()}, "model/__metadata__"),
+    ],
+)
+@pytest.mark.parametrize("background", [False, True])
+def test_a_tensor_stored_as_metadata_is_refused_with_nothing_written(
+    tmp_path: Path, layout: str, state: dict[str, Any], key: str, background: bool
+) -> None:
+    """A tensor stored as ``__metadata__`` replaced the safetensors header's metadata: the
+    save committed a checkpoint whose every load raised CheckpointCorruptError."""
+    path = tmp_path / "c"
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        if background:
+            shardsafe.async_save(path, state, layout=layout).wait()
+        else:
+            shardsafe.save(path, state, layout=layout)
+    assert f"cannot save tensor {key!r}: it would be stored as '__metadata__'" in str(
+        refused.value
+    )
+    assert not path.exists()

@@ -123,7 +123,31 @@ def plan_save(offers: list[list[ChunkOffer]], layout: Layout, value_order: list[
         files = _plan_sharded(by_key, world_size)
     else:
         files = _plan_consolidated(by_key, value_order)
+    _refuse_reserved_names(files)
     return SavePlan(layout, world_size, tensors, files)
+
+
+RESERVED_NAME = "__metadata__"
+"""The one name a safetensors header keeps for itself: no tensor can be stored under it."""
+
+
+def _refuse_reserved_names(files: list[FilePlan]) -> None:
+    """Refuse a tensor whose name in its data file would be ``__metadata__``.
+
+    A safetensors header holds its metadata under that key, so a tensor of that name
+    would replace it, and every reader (shardsafe's, safetensors') refuses the file: the
+    save would commit a checkpoint that never loads. Refused while planning, before
+    anything is written, naming the key (the whole key in the sharded layout; the key
+    past its state entry's name in the consolidated one)."""
+    for f in files:
+        for e in f.entries:
+            if e.name == RESERVED_NAME:
+                raise CheckpointError(
+                    f"cannot save tensor {e.key!r}: it would be stored as {RESERVED_NAME!r} "
+                    f"in {f.name}, the name a safetensors header keeps for its metadata, "
+                    "and the checkpoint could not be loaded. Rename it (or, for a plain "
+                    "tensor, nest it under another name); nothing was written"
+                )
 
 
 def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[int, ...]]:
