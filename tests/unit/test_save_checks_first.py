@@ -189,7 +189,5 @@ def test_a_tensor_stored_as_metadata_is_refused_with_nothing_written(
             shardsafe.async_save(path, state, layout=layout).wait()
         else:
             shardsafe.save(path, state, layout=layout)
-    assert f"cannot save tensor {key!r}: it would be stored as '__metadata__'" in str(
-        refused.value
-    )
+    assert f"cannot save tensor {key!r}: it would be stored as '__metadata__'" in str(refused.value)
     assert not path.exists()
