@@ -356,3 +356,43 @@ def test_the_default_entry_timeout_is_60_seconds() -> None:
         assert inspect.signature(fn).parameters["entry_timeout"].default == 60.0, fn
     # async_save and the manager take save's keywords, defaulted by SaveOptions.
     assert SaveOptions.of().entry_timeout == 60.0
+
+
+def save_into_unusable_root(rank: int, world_size: int, root: str, background: bool) -> Any:
+    """Save through a manager whose root cannot be made; report what this rank raised."""
+    manager = CheckpointManager(root)
+    start = time.monotonic()
+    try:
+        if background:
+            manager.async_save(1, {"w": torch.ones(4)}, entry_timeout=5.0).wait()
+        else:
+            manager.save(1, {"w": torch.ones(4)}, entry_timeout=5.0)
+        error = None
+    except Exception as e:  # what the user sees, whatever its class
+        error = (type(e).__name__, str(e))
+    took = time.monotonic() - start
+    dist.barrier()  # rank 0 stays up until both have raised (its process hosts the store)
+    manager.close()
+    return {"error": error, "took": took}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+@pytest.mark.parametrize("root", ["a file", "under a file", "a dangling link"])
+def test_a_manager_root_that_cannot_be_made_fails_on_every_rank_alike(
+    tmp_path: Path, root: str, background: bool
+) -> None:
+    """Rank 0 made the root before the entry barrier and raised the OSError there, alone:
+    rank 1 waited at the barrier for entry_timeout and raised another error."""
+    (tmp_path / "file").write_bytes(b"mine")
+    os.symlink(tmp_path / "nowhere", tmp_path / "link")
+    path = {"a file": "file", "under a file": "file/ckpt", "a dangling link": "link"}[root]
+    results = run_ranks(save_into_unusable_root, 2, str(tmp_path / path), background, timeout=50)
+    errors = [r["error"] for r in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    cls, msg = errors[0]
+    assert cls in ("CheckpointError", "CheckpointCorruptError"), errors
+    assert "save failed on rank 0" in msg, msg
+    assert all(r["took"] < AGREEMENT_S for r in results), results
+    assert (tmp_path / "file").read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link"]

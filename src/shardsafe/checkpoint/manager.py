@@ -195,7 +195,7 @@ class CheckpointManager:
             raise ValueError(f"step={step!r} must be a non-negative int")
         path = self.path_for(step)
         if world()[0] == 0 and not is_url(self.root):
-            os.makedirs(self.root, exist_ok=True)
+            _make_root(self.root)
         self._warn_if_fresh(step)
         mine = SaveHooks(
             before_write=lambda: self._before_write(step, opts.hooks.before_write),
@@ -406,6 +406,19 @@ def problem_with(storage: Storage) -> str | None:
     except (CheckpointError, OSError) as e:
         return str(e)
     return None
+
+
+def _make_root(root: str) -> None:
+    """Create the root on rank 0 before a save, if it can be; a failure is not raised here.
+
+    This runs before the save's entry barrier, on rank 0 alone: raising would leave every
+    other rank waiting at that barrier for ``entry_timeout`` (or, if rank 0 then exited,
+    losing its store), instead of raising the same error. A root that cannot be made (a
+    path through a regular file, a dangling symlink, a FIFO in its place) fails again
+    inside the save, when rank 0 prepares the step directory, where the failure is agreed
+    and every rank raises it."""
+    with contextlib.suppress(OSError):
+        os.makedirs(root, exist_ok=True)
 
 
 def _warn(message: str, stacklevel: int = 3) -> None:
