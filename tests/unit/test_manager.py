@@ -111,3 +111,20 @@ def test_load_latest_refuses_storage_settings_it_would_ignore(tmp_path: Path) ->
     t = torch.zeros(2)
     manager.load_latest({"t": t})
     assert torch.equal(t, torch.ones(2))
+
+
+def test_a_regular_file_where_a_directory_belongs_is_called_a_regular_file(
+    tmp_path: Path,
+) -> None:
+    """Messages called a regular file "not a regular file" (describe_mode's fallback)."""
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "step-000000001").write_text("mine")
+    manager = CheckpointManager(tmp_path / "root", keep_last=1)
+    with pytest.warns(UserWarning, match=r"step-000000001 is a regular file, not a directory"):
+        manager.save(2, {"x": 2})
+    manager.close()
+    assert (tmp_path / "root" / "step-000000001").read_text() == "mine"
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(shardsafe.CheckpointError, match=r"file is a regular file, not a directory"):
+        CheckpointManager(tmp_path / "file").save(1, {"x": 1})
+    assert (tmp_path / "file").read_text() == "mine"

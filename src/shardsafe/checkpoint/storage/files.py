@@ -59,8 +59,10 @@ def check_name(name: str) -> str:
 
 
 def describe_mode(mode: int) -> str:
-    """What kind of filesystem object a mode is, for messages."""
+    """What kind of filesystem object a mode is, for messages (a regular file is named
+    too: a regular file where a directory should be was called "not a regular file")."""
     for test, what in (
+        (stat.S_ISREG, "a regular file"),
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -70,7 +72,7 @@ def describe_mode(mode: int) -> str:
     ):
         if test(mode):
             return what
-    return "not a regular file"
+    return "an unknown kind of file"
 
 
 def _refusal(name: str, mode: int) -> CheckpointCorruptError:
