@@ -128,3 +128,24 @@ def test_a_regular_file_where_a_directory_belongs_is_called_a_regular_file(
     with pytest.raises(shardsafe.CheckpointError, match=r"file is a regular file, not a directory"):
         CheckpointManager(tmp_path / "file").save(1, {"x": 1})
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_directory_where_latest_belongs_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """Each save committed, then raised IsADirectoryError from the pointer's rename, and
+    retention never ran (keep_last=1 kept every step)."""
+    (tmp_path / "latest").mkdir()
+    (tmp_path / "latest" / "mine").write_text("mine")
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2):
+        with pytest.raises(shardsafe.CheckpointError) as refused:
+            manager.save(step, {"x": step})
+        assert str(refused.value) == (
+            f"{tmp_path / 'latest'} is a directory, where CheckpointManager keeps its latest "
+            "pointer (a one-line file naming the newest step); shardsafe will not delete it. "
+            "Move it away and save again; nothing was written."
+        )
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+    assert os.listdir(tmp_path / "latest") == ["mine"]

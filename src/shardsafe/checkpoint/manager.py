@@ -227,8 +227,27 @@ class CheckpointManager:
         """Runs on rank 0 before any data is written: own the root, and never go back in time."""
         self._lock.acquire()
         self.check_not_behind(step)
+        self._check_pointer_replaceable()
         if then is not None:
             then()
+
+    def _check_pointer_replaceable(self) -> None:
+        """Refuse, before any data is written, a directory where ``latest`` belongs.
+
+        The pointer is replaced by a rename, which a directory refuses: each save then
+        committed its checkpoint and raised a bare ``IsADirectoryError`` from the rename,
+        every time, and retention never ran. (A file, a symlink or a FIFO is replaced by
+        the rename itself, never written through; an object store has no directories.)"""
+        if is_url(self.root):
+            return
+        with self._root_storage() as root:
+            if root.kind(LATEST) == "directory":
+                raise CheckpointError(
+                    f"{root.where(LATEST)} is a directory, where CheckpointManager keeps "
+                    "its latest pointer (a one-line file naming the newest step); "
+                    "shardsafe will not delete it. Move it away and save again; nothing "
+                    "was written."
+                )
 
     def _after_commit(self, step: int, then: Callable[[], None] | None) -> None:
         self._publish(step)
