@@ -110,3 +110,38 @@ def test_a_background_error_names_the_step_and_path_of_the_save_that_failed(
         f"large: '{tmp_path / 'plain' / SHARD}'"
     ), str(by_wait.value)
     assert CheckpointManager(tmp_path).complete_steps() == [8]
+
+
+ENDS_WITHOUT_WAITING = """
+import resource, signal, sys, torch, shardsafe
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+manager = shardsafe.CheckpointManager(sys.argv[1])
+if sys.argv[2] == "waited":
+    manager.async_save(6, {"weights": {"w": torch.zeros(16)}}).wait()
+manager.async_save(7, {"weights": {"w": torch.zeros(1 << 20)}})  # fails in the background
+print("the script ends", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("before", ["first save", "waited"])
+def test_a_background_error_nobody_waited_for_is_written_to_stderr_at_exit(
+    tmp_path: Path, before: str
+) -> None:
+    """A script whose last async_save failed ended silently, as if it had saved."""
+    done = subprocess.run(
+        [sys.executable, "-c", ENDS_WITHOUT_WAITING, str(tmp_path), before],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    path = tmp_path / "step-000000007"
+    assert done.stdout == "the script ends\n"
+    assert done.stderr.startswith(
+        f"shardsafe: the background save of step 7 to {path} failed: OSError: [Errno 27] "
+        f"File too large: '{path / SHARD}'"
+    ), done.stderr
+    assert done.stderr.count("shardsafe: ") == 1
+    assert "nobody waited for: call handle.wait(), or manager.close()" in done.stderr
+    assert CheckpointManager(tmp_path).complete_steps() == ([6] if before == "waited" else [])

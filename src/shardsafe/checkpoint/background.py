@@ -16,11 +16,15 @@ One save is in flight per process: the next ``save`` or ``async_save`` waits for
 first, and raises its error if nobody has seen it yet. Raised by a later call, an error
 must say which save it was: it names the save's path (and a manager's step). The thread
 is not a daemon, so at interpreter exit a save in flight is finished; killed, it leaves
-a directory without a manifest, never a half-visible checkpoint.
+a directory without a manifest, never a half-visible checkpoint. An error nobody has seen
+by then (the script ended without ``wait``) is written to stderr at exit
+(``_report_unseen_at_exit``), not lost.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -155,6 +159,31 @@ def drain() -> None:
         if handle._error is not None and not handle._seen:
             handle._seen = True
             raise handle._error
+
+
+def _report_unseen_at_exit() -> None:
+    """At interpreter exit, write to stderr the error of a save nobody waited for.
+
+    The last save of a script is often an ``async_save`` that nothing waits for: its
+    error would be raised by the next save, and there is none, so the run ended quietly,
+    exit status 0, as if its final checkpoint existed. Non-daemon threads are joined
+    before ``atexit`` handlers run, so the save has ended by now; every rank reports its
+    handle's (agreed) error."""
+    with _LOCK:
+        pending = list(_IN_FLIGHT)
+    for handle in pending:
+        handle._finished.wait()
+        if handle._error is not None and not handle._seen:
+            handle._seen = True
+            sys.stderr.write(
+                f"shardsafe: {handle._error}\n(an error of a background save nobody waited "
+                "for: call handle.wait(), or manager.close(), before the script ends to "
+                "have it raised)\n"
+            )
+            sys.stderr.flush()
+
+
+atexit.register(_report_unseen_at_exit)
 
 
 def async_save(
