@@ -149,3 +149,24 @@ def test_a_directory_where_latest_belongs_is_refused_before_anything_is_written(
     manager.close()
     assert sorted(os.listdir(tmp_path)) == ["latest"]
     assert os.listdir(tmp_path / "latest") == ["mine"]
+
+
+def test_only_the_pointers_own_temporary_files_are_removed_from_the_root(tmp_path: Path) -> None:
+    """Every name starting .latest.tmp- was removed: a file of yours, and a directory
+    (which failed every save after its commit, so retention never ran)."""
+    (tmp_path / ".latest.tmp-mine").write_text("mine")
+    (tmp_path / ".latest.tmp-123").mkdir()
+    (tmp_path / ".latest.tmp-123" / "x").write_text("mine")
+    (tmp_path / ".latest.tmp-456").write_text("step-000000000\n")  # a killed pointer update
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2):
+        manager.save(step, {"x": step})
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == [
+        ".latest.tmp-123",
+        ".latest.tmp-mine",
+        "latest",
+        "step-000000002",
+    ]
+    assert (tmp_path / ".latest.tmp-mine").read_text() == "mine"
+    assert (tmp_path / ".latest.tmp-123" / "x").read_text() == "mine"

@@ -61,6 +61,11 @@ else:  # a dependency of torch's
 
 _STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 LATEST = "latest"
+_POINTER_TEMP = re.compile(r"\.latest\.tmp-[0-9]+", re.ASCII)
+"""The temporary names of the pointer's commits (``commit_temp_name``: a pid), the only
+ones of the root's other entries the manager removes, never a directory (a link is
+unlinked itself): any name starting ``.latest.tmp-`` was removed, a file of yours with
+it, and a directory so named failed every save after its commit (retention never ran)."""
 _S = SaveOptions()
 
 
@@ -285,8 +290,8 @@ class CheckpointManager:
             if self.keep_last is not None:
                 keep = keep[-self.keep_last :]
             for name in root.names():
-                if name.startswith(f".{LATEST}.tmp-"):  # a pointer update killed half-way
-                    root.remove(name)
+                if _POINTER_TEMP.fullmatch(name) and root.kind(name) != "directory":
+                    root.remove(name)  # a pointer update killed half-way (a link: itself)
                 if self._lock.is_stale_claim(root, name):
                     root.remove(name)  # a lock claim killed before its link
             for found, name in self._step_dirs():
