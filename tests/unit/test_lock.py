@@ -178,3 +178,27 @@ def test_plain_save_takes_no_lock(tmp_path: Path) -> None:
     """Only CheckpointManager owns a root; ``save`` writes one directory and no lock."""
     shardsafe.save(tmp_path / "ckpt", STATE)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_only_a_stale_claims_own_name_is_removed_beside_the_lock(tmp_path: Path) -> None:
+    """Every name starting .shardsafe.lock. older than a minute was removed: a backup of
+    yours, and a directory (which failed every save after its commit)."""
+    claim = tmp_path / f"{LOCK_NAME}.{'ab' * 16}"  # a run killed between claim and link
+    backup, directory = tmp_path / f"{LOCK_NAME}.bak", tmp_path / f"{LOCK_NAME}.old"
+    claim.write_text("{}")
+    backup.write_text("mine")
+    directory.mkdir()
+    hour_ago = time.time() - 3600
+    for path in (claim, backup, directory):
+        os.utime(path, (hour_ago, hour_ago))
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2):
+        manager.save(step, STATE)
+    manager.close()
+    assert sorted(os.listdir(tmp_path)) == [
+        f"{LOCK_NAME}.bak",
+        f"{LOCK_NAME}.old",
+        "latest",
+        "step-000000002",
+    ]
+    assert backup.read_text() == "mine"

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -34,6 +35,11 @@ from .protocol import Storage
 
 LOCK_NAME = ".shardsafe.lock"
 _UNWRITTEN_GRACE_S = 10.0
+_CLAIM = re.compile(re.escape(LOCK_NAME) + r"\.[0-9a-f]{32}", re.ASCII)
+"""A claim's name (``LockBackend._write_private``: the lock's name and a uuid4's hex): the
+only names beside the lock the manager removes, never as a directory. Any name starting
+``.shardsafe.lock.`` was removed (a backup of yours), and a directory so named failed
+every save after its commit (retention never ran)."""
 _CLAIM_LEFT_S = 60.0
 """A lock claim (a private file not yet linked into place) older than this was left by a
 run killed between writing it and linking it."""
@@ -169,7 +175,7 @@ class RootLock:
     def is_stale_claim(self, root: Storage, name: str) -> bool:
         """Whether ``name`` in ``root`` is a lock claim left by a run killed before it
         took the lock (the manager removes it)."""
-        if not name.startswith(f"{LOCK_NAME}."):
+        if _CLAIM.fullmatch(name) is None or root.kind(name) == "directory":
             return False
         return root.lock_backend().claim_left_behind(name, _CLAIM_LEFT_S)
 
