@@ -46,7 +46,9 @@ def launch(tmp_path: Path, name: str, *args: str | Path, processes: int = 2) -> 
         "--out", str(out), "--steps", str(STEPS), *map(str, args),
     ]  # fmt: skip
     root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HOME": str(tmp_path / "hf-home")}
+    # This checkout's src first: the shardsafe under test, not an installed one.
+    paths = [str(root / "src"), str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HOME": str(tmp_path / "hf-home")}
     done = subprocess.run(
         argv, cwd=root, env=env, capture_output=True, text=True, timeout=200, check=False
     )

@@ -36,7 +36,13 @@ def launch(out: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
         "--master-port", str(free_port()), "-m", "tests.hf_transformers.trainer_script",
         "--out", str(out), *map(str, args),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(out.parent / "hf-home")}
+    # This checkout's src first: the shardsafe under test, not an installed one.
+    paths = [str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(paths),
+        "HF_HOME": str(out.parent / "hf-home"),
+    }
     return subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200, check=False
     )
@@ -96,3 +102,4 @@ def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(tmp_pat
         errors[0],
     ), errors[0]
     assert {p.name: p.read_bytes() for p in part.iterdir()} == before
+
