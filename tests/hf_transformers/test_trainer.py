@@ -103,3 +103,24 @@ def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(tmp_pat
     ), errors[0]
     assert {p.name: p.read_bytes() for p in part.iterdir()} == before
 
+
+def test_a_shardsafe_folder_without_its_manifest_stops_the_resume_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """``checkpoint-10/shardsafe/`` whose ``manifest.json`` is gone (lost in a copy): the
+    resume stops on both ranks with shardsafe's error, instead of falling back to the
+    Trainer's own loader, which finds no ``optimizer.pt`` and silently trains on with a
+    fresh optimizer and the schedule back at step 0."""
+    train(tmp_path / "whole", "--steps", "10")
+    part = tmp_path / "whole" / "checkpoint-10" / "shardsafe"
+    (part / "manifest.json").unlink()
+    done = launch(tmp_path / "whole", "--resume", part.parent, "--steps", "12")
+    assert done.returncode != 0
+    errors = [(tmp_path / "whole" / f"error-{r}.txt").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1], errors  # agreed: the same error on both ranks
+    assert re.fullmatch(
+        r"CheckpointNotFoundError: load failed on rank ([01]) \(rank\(s\) (?!\1)[01] failed "
+        rf"too\): {re.escape(str(part))} has no manifest\.json, so it is not a committed "
+        r"checkpoint \(a save into it may have been interrupted\)",
+        errors[0],
+    ), errors[0]

@@ -26,7 +26,6 @@ from typing import Any
 from transformers import Trainer
 
 from ..checkpoint.api import load
-from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.options import SaveOptions
 from ..checkpoint.replacing import save_replacing
 
@@ -81,4 +80,12 @@ class ShardsafeTrainer(Trainer):
 
 
 def _has_shardsafe(checkpoint: str) -> bool:
-    return os.path.isfile(os.path.join(checkpoint, SHARDSAFE_DIR, MANIFEST_NAME))
+    """Whether ``checkpoint`` holds a ``shardsafe/`` entry, complete or not.
+
+    Its presence, not its manifest's, decides: a ``shardsafe/`` folder whose manifest is
+    missing (lost in a copy, deleted) handed to the Trainer's own loader would find no
+    ``optimizer.pt`` and skip the optimizer and scheduler without a word, so the run would
+    go on with fresh moments and the schedule back at step 0. shardsafe's load refuses it
+    instead, naming the missing manifest, on every rank.
+    """
+    return os.path.lexists(os.path.join(checkpoint, SHARDSAFE_DIR))
