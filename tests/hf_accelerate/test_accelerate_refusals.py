@@ -135,3 +135,67 @@ def test_automatic_naming_on_an_object_store_takes_storage_options(
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+class Counter:
+    """A registered object, as Accelerate's examples register one."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+def test_an_object_the_resuming_accelerator_lacks_is_refused_before_anything_loads(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    """Saved with a registered object, loaded into an accelerator that has none: refused
+    (Accelerate's own load_state raises too), not loaded without it, which left the
+    object at its fresh state; the model is untouched. ``strict=False`` loads the rest."""
+    model, _ = prepared(accelerator)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    counter.seen = 11
+    save_state(accelerator, tmp_path / "c")
+    accelerator._custom_objects.clear()  # the resuming script forgot to register it
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        load_state(accelerator, tmp_path / "c")
+    assert str(refused.value) == (
+        "the checkpoint holds 'custom_checkpoint_0', which this accelerator has nothing to "
+        "restore into: prepare the same models, optimizers, schedulers and dataloaders and "
+        "register the same objects with accelerator.register_for_checkpointing, in the same "
+        "order, as the run that saved it did; or pass strict=False to load only what the "
+        "accelerator has"
+    )
+    assert torch.equal(model.weight, torch.zeros_like(model.weight))
+    load_state(accelerator, tmp_path / "c", strict=False)
+    assert torch.equal(model.weight, saved)
+
+
+def test_a_scheduler_left_unprepared_is_refused_by_the_automatic_load_too(
+    tmp_path: Path,
+) -> None:
+    """``load_state()`` under automatic naming: a scheduler saved but not prepared on
+    resume is refused, not left at step 0."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    try:
+        _, optimizer = prepared(accelerator)
+        accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer, 2))
+        save_state(accelerator)
+        accelerator._schedulers.clear()
+        with pytest.raises(shardsafe.CheckpointMismatchError, match="holds 'scheduler', which"):
+            load_state(accelerator)
+        assert config.iteration == 1
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -19,15 +19,18 @@ not running them would lose what they save without a word.
 from __future__ import annotations
 
 import os
+import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 from ..adapters import RNGState
-from ..checkpoint import api
+from ..checkpoint import api, loading
 from ..checkpoint.background import SaveHandle
+from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.manager import CheckpointManager
-from ..errors import CheckpointNotFoundError
+from ..checkpoint.options import LoadOptions, storage_factory
+from ..errors import CheckpointMismatchError, CheckpointNotFoundError
 from .positions import DataLoaderPosition
 
 STEP = "accelerator_step"
@@ -119,12 +122,15 @@ def load_state(
     Without ``input_dir``, and with automatic checkpoint naming, loads the newest complete
     checkpoint in ``project_dir/checkpoints`` and sets ``iteration`` to the one after it,
     so that the next save does not collide with it. ``options`` are ``shardsafe.load``'s
-    (``strict``, ``verify``, ...). Returns the plain values saved."""
+    (``strict``, ``verify``, ...); with ``strict`` (the default), a checkpoint holding an
+    object the accelerator has nothing to restore into is refused before anything is
+    restored. Returns the plain values saved."""
     _refuse_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook")
     state = state_of(accelerator)
+    choose = _nothing_left_behind(state, options.get("strict", True))
     if input_dir is None:
         manager = _manager(accelerator, options.pop("storage_options", None))
-        values = manager.load_latest(state, **options)
+        values = manager._load_latest_chosen(choose, **options)
         if values is None:
             raise CheckpointNotFoundError(
                 f"no complete checkpoint in {manager.root} to load: save one first, or pass "
@@ -134,9 +140,53 @@ def load_state(
         assert newest is not None  # load_latest just loaded it
         accelerator.project_configuration.iteration = _step_of(newest) + 1
     else:
-        values = api.load(os.fspath(input_dir), state, **options)
+        values = _load_chosen(os.fspath(input_dir), choose, options)
     accelerator.step = int(values.get(STEP, 0))
     return values
+
+
+_ACCELERATOR_ENTRY = re.compile(
+    r"(?:model|optimizer|scheduler|dataloader)(?:_[0-9]+)?|custom_checkpoint_[0-9]+|scaler"
+)
+"""The names :func:`state_of` gives the accelerator's objects."""
+
+
+def _nothing_left_behind(
+    state: dict[str, Any], strict: bool
+) -> Callable[[Manifest], dict[str, Any]]:
+    """The state to load, once the checkpoint's manifest shows that every object it holds
+    has one to go into (under ``strict``).
+
+    ``shardsafe.load`` loads the entries the state names and leaves the checkpoint's
+    others alone, so an object registered (or prepared) in the run that saved and
+    forgotten in the one that resumes would silently keep its fresh state: a counter at
+    0, a learning-rate schedule back at its start. Accelerate's own ``load_state``
+    refuses a checkpoint whose registered objects are not as many as the accelerator's;
+    this refuses any object left behind, inside the load's plan, so every process raises
+    it and nothing is restored."""
+
+    def choose(manifest: Manifest) -> dict[str, Any]:
+        left = [n for n in manifest.values if n not in state and _ACCELERATOR_ENTRY.fullmatch(n)]
+        if strict and left:
+            raise CheckpointMismatchError(
+                f"the checkpoint holds {', '.join(map(repr, left))}, which this accelerator "
+                "has nothing to restore into: prepare the same models, optimizers, schedulers "
+                "and dataloaders and register the same objects with "
+                "accelerator.register_for_checkpointing, in the same order, as the run that "
+                "saved it did; or pass strict=False to load only what the accelerator has"
+            )
+        return state
+
+    return choose
+
+
+def _load_chosen(
+    path: str, choose: Callable[[Manifest], dict[str, Any]], options: dict[str, Any]
+) -> dict[str, Any]:
+    """``shardsafe.load(path, ...)`` with the state chosen from the manifest."""
+    opts = LoadOptions.of(**options)
+    with storage_factory(opts.storage, opts.storage_options)(path) as opened:
+        return loading.load_chosen(opened, choose, opts)
 
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, CheckpointManager] = weakref.WeakKeyDictionary()

@@ -29,7 +29,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..distributed import world
@@ -367,18 +367,16 @@ class CheckpointManager:
         damaged while loading (nothing is restored then), the next older one is loaded
         instead, with a warning; if every one is damaged, the newest one's error is raised.
         """
-        # The manager finds and opens its steps itself: a load through other settings
-        # would be ignored, so they are refused.
-        if "storage_options" in options:
-            raise TypeError(
-                "storage_options are the CheckpointManager's own; pass them to "
-                "CheckpointManager(root, storage_options=...), not to load_latest"
-            )
-        if "storage" in options:
-            raise TypeError(
-                "load_latest opens the manager's steps under its root; to load through "
-                "another storage, call shardsafe.load(path, state, storage=...)"
-            )
+        return self._load_latest_chosen(lambda manifest: state, **options)
+
+    def _load_latest_chosen(
+        self, choose: Callable[[Manifest], Any], **options: Unpack[LoadKeywords]
+    ) -> dict[str, Any] | None:
+        """:meth:`load_latest`, with the state chosen from each candidate's manifest by
+        ``choose`` (``loading.load_chosen``): a refusal it raises is every rank's, before
+        anything is restored (``shardsafe.accelerate`` refuses a checkpoint holding objects
+        the accelerator has nothing to restore into)."""
+        _refuse_own_settings(options)
         opts = LoadOptions.of(**options)
         self._fresh = False
         first: CheckpointCorruptError | None = None
@@ -386,7 +384,7 @@ class CheckpointManager:
             name = path.rstrip("/").rsplit("/", 1)[-1]
             try:
                 with self._open(name) as storage:
-                    values = loading.load(storage, state, opts)
+                    values = loading.load_chosen(storage, choose, opts)
             except CheckpointCorruptError as e:
                 _warn(f"could not load {path}, trying the previous checkpoint: {e}")
                 first = first or e
@@ -404,6 +402,21 @@ class CheckpointManager:
 
     def path_for_name(self, name: str) -> str:
         return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)
+
+
+def _refuse_own_settings(options: Mapping[str, Any]) -> None:
+    """The manager finds and opens its steps itself: a load through other settings would
+    be ignored, so they are refused."""
+    if "storage_options" in options:
+        raise TypeError(
+            "storage_options are the CheckpointManager's own; pass them to "
+            "CheckpointManager(root, storage_options=...), not to load_latest"
+        )
+    if "storage" in options:
+        raise TypeError(
+            "load_latest opens the manager's steps under its root; to load through "
+            "another storage, call shardsafe.load(path, state, storage=...)"
+        )
 
 
 def loadable_manifest(storage: Storage) -> Manifest:
