@@ -3,6 +3,7 @@ written; and objects registered for checkpointing saved by the adapter that fits
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,43 @@ def test_a_scheduler_left_unprepared_is_refused_by_the_automatic_load_too(
         with pytest.raises(shardsafe.CheckpointMismatchError, match="holds 'scheduler', which"):
             load_state(accelerator)
         assert config.iteration == 1
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {},
+            "automatic checkpoint naming needs a project directory: build the Accelerator "
+            "with ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True), or "
+            "pass a directory to save_state and load_state",
+        ),
+        (
+            {"project_dir": "run", "total_limit": 0},
+            "ProjectConfiguration(total_limit=0) would keep no checkpoint: give the number of "
+            "checkpoints to keep, 1 or more, or None to keep them all",
+        ),
+    ],
+)
+def test_automatic_naming_settings_it_cannot_follow_are_refused_by_their_names(
+    settings: dict[str, Any], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``project_dir`` was a ``TypeError`` from ``os.path.join``; ``total_limit=0`` a
+    ``ValueError`` about ``keep_last``, a name the user never set. Nothing is written."""
+    from accelerate.utils import ProjectConfiguration
+
+    monkeypatch.chdir(tmp_path)
+    config = ProjectConfiguration(automatic_checkpoint_naming=True, **settings)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    try:
+        prepared(accelerator)
+        with pytest.raises(ValueError) as refused:
+            save_state(accelerator)
+        assert str(refused.value) == message
+        assert os.listdir(tmp_path) == [] and config.iteration == 0
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()

@@ -206,6 +206,7 @@ def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> Checkp
         )
     manager = _MANAGERS.get(accelerator)
     if manager is None:
+        _check_project(config)
         root = os.path.join(accelerator.project_dir, "checkpoints")
         manager = CheckpointManager(
             root, keep_last=config.total_limit, storage_options=storage_options
@@ -218,6 +219,25 @@ def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> Checkp
             "(or none after the first)"
         )
     return manager
+
+
+def _check_project(config: Any) -> None:
+    """Refuse, naming Accelerate's own settings, a configuration the manager cannot follow:
+    without a ``project_dir`` there is no root (an ``os.path.join`` ``TypeError`` from
+    deep inside, otherwise), and ``total_limit`` below 1 would keep no checkpoint (the
+    manager's own error names its ``keep_last``, which the user never set)."""
+    if config.project_dir is None:
+        raise ValueError(
+            "automatic checkpoint naming needs a project directory: build the Accelerator "
+            "with ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True), or "
+            "pass a directory to save_state and load_state"
+        )
+    limit = config.total_limit
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(
+            f"ProjectConfiguration(total_limit={limit!r}) would keep no checkpoint: give the "
+            "number of checkpoints to keep, 1 or more, or None to keep them all"
+        )
 
 
 def _step_of(path: str) -> int:
