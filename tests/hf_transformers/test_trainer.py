@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -122,5 +123,24 @@ def test_a_shardsafe_folder_without_its_manifest_stops_the_resume_on_every_rank(
         r"CheckpointNotFoundError: load failed on rank ([01]) \(rank\(s\) (?!\1)[01] failed "
         rf"too\): {re.escape(str(part))} has no manifest\.json, so it is not a committed "
         r"checkpoint \(a save into it may have been interrupted\)",
+        errors[0],
+    ), errors[0]
+
+
+def test_a_symlinked_shardsafe_folder_is_refused_not_followed(tmp_path: Path) -> None:
+    """``checkpoint-10/shardsafe`` replaced by a link to ``checkpoint-5/shardsafe``: the
+    resume stops on both ranks, instead of restoring step 5's model, optimizer and
+    scheduler under step 10's trainer state."""
+    train(tmp_path / "whole", "--steps", "10")
+    part = tmp_path / "whole" / "checkpoint-10" / "shardsafe"
+    shutil.rmtree(part)
+    part.symlink_to(tmp_path / "whole" / "checkpoint-5" / "shardsafe")
+    done = launch(tmp_path / "whole", "--resume", part.parent, "--steps", "12")
+    assert done.returncode != 0
+    errors = [(tmp_path / "whole" / f"error-{r}.txt").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1], errors
+    assert re.fullmatch(
+        r"CheckpointNotFoundError: load failed on rank ([01]) \(rank\(s\) (?!\1)[01] failed "
+        r"too\): shardsafe is a symbolic link, not a directory; shardsafe does not follow it",
         errors[0],
     ), errors[0]

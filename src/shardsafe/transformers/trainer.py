@@ -28,6 +28,8 @@ from transformers import Trainer
 from ..checkpoint.api import load
 from ..checkpoint.options import SaveOptions
 from ..checkpoint.replacing import save_replacing
+from ..checkpoint.storage.locations import open_storage
+from ..checkpoint.storage.protocol import Storage
 
 SHARDSAFE_DIR = "shardsafe"
 """The shardsafe checkpoint's folder inside each ``checkpoint-N`` folder."""
@@ -54,7 +56,7 @@ class ShardsafeTrainer(Trainer):
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        load(os.path.join(checkpoint, SHARDSAFE_DIR), self._checkpointed())
+        load(os.path.join(checkpoint, SHARDSAFE_DIR), self._checkpointed(), storage=_unfollowed)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
@@ -77,6 +79,17 @@ class ShardsafeTrainer(Trainer):
         if scaler is not None:
             state["scaler"] = scaler
         return state
+
+
+def _unfollowed(directory: str, *, follow: bool = False) -> Storage:
+    """The ``shardsafe/`` folder itself, never what a symbolic link there points at.
+
+    The save replaces such a link rather than writing through it; a load that followed
+    one would restore another checkpoint's model, optimizer and scheduler under this
+    folder's ``trainer_state.json`` (step 10's counters with step 5's weights), silently.
+    """
+    del follow  # never followed, whoever asks
+    return open_storage(directory, follow=False)
 
 
 def _has_shardsafe(checkpoint: str) -> bool:
