@@ -4,6 +4,7 @@ written; and objects registered for checkpointing saved by the adapter that fits
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from shardsafe.accelerate import load_state, save_state, state_of  # noqa: E402
+from shardsafe.checkpoint.storage.local import LocalStorage  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,6 +236,39 @@ def test_automatic_naming_settings_it_cannot_follow_are_refused_by_their_names(
             save_state(accelerator)
         assert str(refused.value) == message
         assert os.listdir(tmp_path) == [] and config.iteration == 0
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+class SlowToCommit(LocalStorage):
+    """Local storage whose manifest takes a second to write: an async save stays in flight."""
+
+    def commit(self, name: str, data: bytes) -> None:
+        time.sleep(1.0)
+        super().commit(name, data)
+
+
+def test_load_state_waits_for_the_save_in_flight_and_restores_it(tmp_path: Path) -> None:
+    """``load_state()`` right after ``save_state(async_save=True)`` (a rollback to the
+    newest checkpoint): the save in flight is the newest, so it is waited for and
+    restored. It restored the checkpoint before it, with ``iteration`` set past both."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    try:
+        model, _ = prepared(accelerator)
+        save_state(accelerator)  # step 0
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+        handle = save_state(accelerator, async_save=True, storage=SlowToCommit)  # step 1
+        with torch.no_grad():
+            model.weight.zero_()
+        load_state(accelerator)
+        assert torch.equal(model.weight, torch.full_like(model.weight, 7.0))
+        assert config.iteration == 2
+        assert handle.wait() == str(tmp_path / "checkpoints" / "step-000000001")
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 from ..adapters import RNGState
-from ..checkpoint import api, loading
+from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
 from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.manager import CheckpointManager
@@ -121,11 +121,16 @@ def load_state(
     process's RNGs come back at the same number of processes). Sets ``accelerator.step``.
     Without ``input_dir``, and with automatic checkpoint naming, loads the newest complete
     checkpoint in ``project_dir/checkpoints`` and sets ``iteration`` to the one after it,
-    so that the next save does not collide with it. ``options`` are ``shardsafe.load``'s
+    so that the next save does not collide with it. A save of this process still in
+    flight (``async_save=True``) is waited for first. ``options`` are ``shardsafe.load``'s
     (``strict``, ``verify``, ...); with ``strict`` (the default), a checkpoint holding an
     object the accelerator has nothing to restore into is refused before anything is
     restored. Returns the plain values saved."""
     _refuse_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook")
+    # A save_state(async_save=True) still writing is the newest checkpoint: loaded before
+    # it commits, the one before it would be restored (a rollback to the wrong step), and
+    # iteration set past the one in flight. Its error, if it failed, is raised here.
+    background.drain()
     state = state_of(accelerator)
     choose = _nothing_left_behind(state, options.get("strict", True))
     if input_dir is None:
