@@ -272,3 +272,23 @@ def test_load_state_waits_for_the_save_in_flight_and_restores_it(tmp_path: Path)
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_a_checkpoint_accelerate_itself_wrote_is_refused_saying_so(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    """Not "no manifest.json ... a save into it may have been interrupted", which sends a
+    user migrating from Accelerate looking for a crash; nothing is restored."""
+    model, _ = prepared(accelerator)
+    accelerator.save_state(str(tmp_path / "native"))
+    with torch.no_grad():
+        model.weight.zero_()
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+        load_state(accelerator, tmp_path / "native")
+    assert str(refused.value) == (
+        f"{tmp_path / 'native'} is a checkpoint Accelerate's own save_state wrote (it holds "
+        "random_states_0.pkl, optimizer.bin, model.safetensors and no manifest.json): load it "
+        "with accelerator.load_state; shardsafe.accelerate.load_state loads the checkpoints "
+        "shardsafe.accelerate.save_state writes"
+    )
+    assert torch.equal(model.weight, torch.zeros_like(model.weight))

@@ -27,9 +27,10 @@ from typing import Any, Literal, overload
 from ..adapters import RNGState
 from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
-from ..checkpoint.format.manifest import Manifest
+from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, storage_factory
+from ..checkpoint.storage.locations import is_url
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError
 from .positions import DataLoaderPosition
 
@@ -145,6 +146,7 @@ def load_state(
         assert newest is not None  # load_latest just loaded it
         accelerator.project_configuration.iteration = _step_of(newest) + 1
     else:
+        _refuse_accelerates_own(os.fspath(input_dir))
         values = _load_chosen(os.fspath(input_dir), choose, options)
     accelerator.step = int(values.get(STEP, 0))
     return values
@@ -242,6 +244,32 @@ def _check_project(config: Any) -> None:
         raise ValueError(
             f"ProjectConfiguration(total_limit={limit!r}) would keep no checkpoint: give the "
             "number of checkpoints to keep, 1 or more, or None to keep them all"
+        )
+
+
+_ACCELERATE_FILES = ("random_states_0.pkl", "optimizer.bin", "model.safetensors", "model.bin")
+"""Files ``accelerator.save_state`` writes (``random_states_0.pkl`` always)."""
+
+
+def _refuse_accelerates_own(path: str) -> None:
+    """Refuse a local directory ``accelerator.save_state`` wrote, saying so.
+
+    shardsafe's own error for it (no ``manifest.json``: "a save into it may have been
+    interrupted") sends a user migrating from Accelerate looking for a crash. Every
+    process sees the same directory, so every process raises, before any collective."""
+    if (
+        is_url(path)
+        or not os.path.isdir(path)
+        or os.path.lexists(os.path.join(path, MANIFEST_NAME))
+    ):
+        return
+    found = [name for name in _ACCELERATE_FILES if os.path.lexists(os.path.join(path, name))]
+    if found:
+        raise CheckpointNotFoundError(
+            f"{path} is a checkpoint Accelerate's own save_state wrote (it holds "
+            f"{', '.join(found)} and no {MANIFEST_NAME}): load it with "
+            "accelerator.load_state; shardsafe.accelerate.load_state loads the checkpoints "
+            "shardsafe.accelerate.save_state writes"
         )
 
 
