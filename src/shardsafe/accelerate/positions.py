@@ -2,7 +2,9 @@
 
 Accelerate's ``save_state`` keeps a dataloader's sampler only for iterable datasets, and
 its ``state_dict`` only with ``use_stateful_dataloader``. Kept here, for every prepared
-dataloader: its epoch counter (``iteration``, which reseeds the shuffle at each epoch), a
+dataloader: its epoch counter (``iteration``, which reseeds a seedable sampler's shuffle
+at each epoch; Accelerate's default sampler draws from a generator of its own, which is
+not saved, here or by Accelerate: ``docs/accelerate.md``), a
 ``SeedableRandomSampler``'s seed and epoch, and with a stateful dataloader its own
 ``state_dict`` (the position inside the epoch). Without a stateful dataloader, skip the
 batches already seen inside the epoch with ``accelerator.skip_first_batches``, as with
