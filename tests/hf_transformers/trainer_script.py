@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -28,12 +30,26 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def slowed(kind: type[Trainer], seconds: float) -> type[Trainer]:
+    """``kind`` whose main process takes ``seconds`` more to write ``model.safetensors``
+    (as a model of several GB does), while the others go straight on."""
+
+    class Slowed(kind):  # type: ignore[valid-type,misc]
+        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+            super()._save(output_dir, state_dict)
+            if self.args.should_save:
+                time.sleep(seconds)
+
+    return Slowed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--trainer", choices=["shardsafe", "plain"], default="shardsafe")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--resume")
+    parser.add_argument("--slow-model-write", type=float, default=0.0)
     args = parser.parse_args()
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
@@ -43,6 +59,8 @@ def main() -> None:
         seed=0, data_seed=0, learning_rate=1e-3, disable_tqdm=True,
     )  # fmt: skip
     kind = ShardsafeTrainer if args.trainer == "shardsafe" else Trainer
+    if args.slow_model_write:
+        kind = slowed(kind, args.slow_model_write)
     trainer = kind(model=GPT2LMHeadModel(config), args=training, train_dataset=Tokens())
     try:
         trainer.train(resume_from_checkpoint=args.resume)

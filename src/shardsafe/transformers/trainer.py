@@ -46,7 +46,7 @@ class ShardsafeTrainer(Trainer):
         # A resumed run saves its steps again: the Trainer overwrites its own files, and
         # the shardsafe folder is replaced the same way, atomically (as Lightning's last.ckpt).
         path = os.path.join(output_dir, SHARDSAFE_DIR)
-        save_replacing(path, self._checkpointed(), SaveOptions())
+        save_replacing(path, self._checkpointed(), SaveOptions(entry_timeout=self._arrival()))
 
     def _save_scaler(self, output_dir: str) -> None:
         if not self._handled():
@@ -56,11 +56,26 @@ class ShardsafeTrainer(Trainer):
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        load(os.path.join(checkpoint, SHARDSAFE_DIR), self._checkpointed(), storage=_unfollowed)
+        load(
+            os.path.join(checkpoint, SHARDSAFE_DIR),
+            self._checkpointed(),
+            storage=_unfollowed,
+            entry_timeout=self._arrival(),
+        )
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
             super()._load_scaler(checkpoint)
+
+    def _arrival(self) -> float:
+        """How long a process waits for the others to enter the shardsafe save or load:
+        the Trainer's own ``ddp_timeout`` (30 minutes by default), as its collectives do.
+
+        The main process writes ``model.safetensors`` alone just before the save (the
+        others go straight on), so it arrives as late as that write takes: minutes for
+        a model of several GB. shardsafe's default of 60 s made the others give up and
+        the run die at its first checkpoint."""
+        return float(self.args.ddp_timeout)
 
     def _handled(self) -> bool:
         """Whether this Trainer's optimizer is shardsafe's to save (DDP or one process)."""
