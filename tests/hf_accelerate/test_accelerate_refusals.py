@@ -182,6 +182,24 @@ def test_an_object_the_resuming_accelerator_lacks_is_refused_before_anything_loa
     assert torch.equal(model.weight, saved)
 
 
+def test_a_saved_scaler_the_resuming_accelerator_lacks_is_left_unread(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    """The scaler is the accelerator's own (fp16 makes one): a resume without one changed
+    the precision on purpose, so its saved scaler is not an object left behind."""
+    model, _ = prepared(accelerator)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    try:
+        save_state(accelerator, tmp_path / "c")
+    finally:
+        accelerator.scaler = None
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    load_state(accelerator, tmp_path / "c")
+    assert torch.equal(model.weight, saved)
+
+
 def test_a_scheduler_left_unprepared_is_refused_by_the_automatic_load_too(
     tmp_path: Path,
 ) -> None:

@@ -153,9 +153,12 @@ def load_state(
 
 
 _ACCELERATOR_ENTRY = re.compile(
-    r"(?:model|optimizer|scheduler|dataloader)(?:_[0-9]+)?|custom_checkpoint_[0-9]+|scaler"
+    r"(?:model|optimizer|scheduler|dataloader)(?:_[0-9]+)?|custom_checkpoint_[0-9]+"
 )
-"""The names :func:`state_of` gives the accelerator's objects."""
+"""The names :func:`state_of` gives the objects a user prepares or registers. Not the
+``scaler``: the accelerator makes it itself for ``mixed_precision="fp16"``, so a resume
+without one changed the precision on purpose (fp16 on a GPU to bf16, or to the CPU), and
+Accelerate's own ``load_state`` ignores its saved scaler then too."""
 
 
 def _nothing_left_behind(
