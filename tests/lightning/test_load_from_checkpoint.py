@@ -226,3 +226,41 @@ def test_keyword_arguments_reach_init_beside_hyper_parameters_kept_as_one(
     assert module.layer.out_features == 3
     assert module.hparams["config"]["lr"] == 0.1
     assert torch.equal(module.layer.weight, saved.layer.weight)
+
+
+class BuiltInConfigureModel(pl.LightningModule):
+    """Makes its layers in ``configure_model``, as Lightning advises for large models."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: torch.nn.Linear | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = torch.nn.Linear(self.hparams["width"], 1)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_layers_made_in_configure_model_get_the_saved_weights(
+    tmp_path: Path, strict: bool
+) -> None:
+    trained = BuiltInConfigureModel(width=3)
+    trained.configure_model()
+    lightning = {"hyper_parameters": dict(trained.hparams), "global_step": 4}
+    shardsafe.save(tmp_path / "last.ckpt", {"model": trained, "lightning": lightning})
+    module = load_from_checkpoint(BuiltInConfigureModel, tmp_path / "last.ckpt", strict=strict)
+    assert module.net is not None
+    assert_same(module, trained.state_dict())
+
+
+def test_a_directory_without_a_manifest_is_named_not_opened_as_a_file(tmp_path: Path) -> None:
+    interrupted = tmp_path / "epoch=0-step=4.ckpt"
+    interrupted.mkdir()
+    (interrupted / "shard-00000-of-00002.safetensors").write_bytes(b"partial")
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+        load_from_checkpoint(Regression, interrupted)
+    assert str(refused.value) == (
+        f"{interrupted} is a directory without manifest.json, so it is not a committed "
+        "shardsafe checkpoint (a save into it may have been interrupted)"
+    )

@@ -5,7 +5,7 @@ the directory a shardsafe strategy saves (``IsADirectoryError``), and Lightning 
 hook to hand it another loader. :func:`load_from_checkpoint` does what it does, the same
 way: the module is built from the saved hyper-parameters (updated by the keyword
 arguments given, filtered to what ``__init__`` takes unless it takes ``**kwargs``), its
-``on_load_checkpoint`` hook sees the rest of Lightning's checkpoint, and the weights are
+``configure_model`` builds the layers it makes there, its ``on_load_checkpoint`` hook sees the rest of Lightning's checkpoint, and the weights are
 loaded with ``strict`` (default: the module's ``strict_loading``). Differences, both for
 the better or unavoidable: the weights are read straight into the new module, by name,
 with every byte's checksum verified, and never unpickled; so edits an
@@ -30,9 +30,9 @@ import torch
 
 from ..checkpoint.api import load
 from ..checkpoint.storage.locations import is_url
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ._namespace import lightning
-from .restore import committed_url, is_shardsafe_checkpoint
+from .restore import committed_url, is_shardsafe_checkpoint, uncommitted_directory
 from .state import LIGHTNING, MODEL, STATE_DICT
 
 Module = TypeVar("Module")
@@ -53,6 +53,8 @@ def load_from_checkpoint(
     saved weights; ``map_location`` moves it to a device (``"cuda:0"``)."""
     path = os.fspath(checkpoint_path)
     if not (is_url(path) or is_shardsafe_checkpoint(path)):
+        if os.path.isdir(path):
+            raise CheckpointNotFoundError(uncommitted_directory(path))
         loader = getattr(cls, "load_from_checkpoint", None)
         if loader is None:
             raise TypeError(f"{cls.__qualname__} is not a LightningModule")
@@ -76,6 +78,7 @@ def load_from_checkpoint(
     init = _init_kwargs(cls, hparams, checkpoint.get(_HPARAMS_NAME), kwargs)
     module: Any = cls(**init)
     strict = getattr(module, "strict_loading", True) if strict is None else strict
+    _configure_model(module)
     edited = STATE_DICT in checkpoint  # an on_save_checkpoint hook edited it: saved as such
     if not edited:
         checkpoint[STATE_DICT] = module.state_dict()  # what the hook sees; loaded in place
@@ -86,6 +89,15 @@ def load_from_checkpoint(
         load(path, {MODEL: module}, strict=strict)
     result: Module = module.to(map_location) if map_location is not None else module
     return result
+
+
+def _configure_model(module: Any) -> None:
+    """Build the layers a module makes in ``configure_model`` (Lightning's advice for large
+    models), as Lightning's ``load_from_checkpoint`` does before loading: without them the
+    saved weights have nowhere to go (``strict=False`` returned a module without them)."""
+    configure = getattr(module, "configure_model", None)
+    if callable(configure):
+        configure()
 
 
 def _lightning_part(path: str) -> dict[str, Any]:

@@ -122,11 +122,16 @@ def load_file(path: str) -> dict[str, Any]:
             "Lightning .ckpt file"
         )
     if os.path.isdir(path):
-        raise CheckpointNotFoundError(
-            f"{path} is a directory without {MANIFEST_NAME}, so it is not a committed "
-            "shardsafe checkpoint (a save into it may have been interrupted)"
-        )
+        raise CheckpointNotFoundError(uncommitted_directory(path))
     return interop.read_torch_file(path)
+
+
+def uncommitted_directory(path: str) -> str:
+    """Why the directory ``path``, which has no manifest, is refused as a checkpoint."""
+    return (
+        f"{path} is a directory without {MANIFEST_NAME}, so it is not a committed "
+        "shardsafe checkpoint (a save into it may have been interrupted)"
+    )
 
 
 def load_optimizers_from_file(
