@@ -5,9 +5,10 @@ the directory a shardsafe strategy saves (``IsADirectoryError``), and Lightning 
 hook to hand it another loader. :func:`load_from_checkpoint` does what it does, the same
 way: the module is built from the saved hyper-parameters (updated by the keyword
 arguments given, filtered to what ``__init__`` takes unless it takes ``**kwargs``), its
-``configure_model`` builds the layers it makes there, its ``on_load_checkpoint`` hook sees the rest of Lightning's checkpoint, and the weights are
-loaded with ``strict`` (default: the module's ``strict_loading``). Differences, both for
-the better or unavoidable: the weights are read straight into the new module, by name,
+``configure_model`` builds the layers it makes there, its ``on_load_checkpoint`` hook
+sees the rest of Lightning's checkpoint, and the weights are loaded with ``strict``
+(default: the module's ``strict_loading``). Differences, both for the better or
+unavoidable: the weights are read straight into the new module, by name,
 with every byte's checksum verified, and never unpickled; so edits an
 ``on_load_checkpoint`` hook makes to ``checkpoint["state_dict"]`` are not applied (the
 hook sees the new module's own state dict), except for a checkpoint whose state dict an
