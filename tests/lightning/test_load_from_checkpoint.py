@@ -242,9 +242,7 @@ class BuiltInConfigureModel(pl.LightningModule):
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_layers_made_in_configure_model_get_the_saved_weights(
-    tmp_path: Path, strict: bool
-) -> None:
+def test_layers_made_in_configure_model_get_the_saved_weights(tmp_path: Path, strict: bool) -> None:
     trained = BuiltInConfigureModel(width=3)
     trained.configure_model()
     lightning = {"hyper_parameters": dict(trained.hparams), "global_step": 4}
