@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import _names, _tree
 from ..errors import CheckpointError
+from . import hparams
 
 _HINT = (
     "(shardsafe's Lightning strategy checks this when fit starts, so that no save fails "
@@ -69,7 +70,7 @@ def parts(trainer: Any) -> Iterator[Part]:
 
 def _hyper_parameters(owner: Any) -> Iterator[Part]:
     cls = type(owner).__qualname__
-    for key, value in dict(owner.hparams).items():
+    for key, value in dict(hparams.plain_value(owner.hparams)).items():
         yield Part(
             f"hyper-parameter {key!r} of {cls}",
             _constant(value),

@@ -32,6 +32,7 @@ import torch
 from ..checkpoint.api import load
 from ..checkpoint.storage.locations import is_url
 from ..errors import CheckpointError, CheckpointNotFoundError
+from . import hparams as saved_hparams
 from ._namespace import lightning
 from .restore import committed_url, is_shardsafe_checkpoint, uncommitted_directory
 from .state import LIGHTNING, MODEL, STATE_DICT
@@ -76,7 +77,8 @@ def load_from_checkpoint(
         hparams = _hparams_from_file(os.fspath(hparams_file))
     hparams.update(kwargs)
     checkpoint[_HPARAMS] = hparams
-    init = _init_kwargs(cls, hparams, checkpoint.get(_HPARAMS_NAME), kwargs)
+    config = saved_hparams.rebuild(hparams, checkpoint.get(saved_hparams.HPARAMS_TYPES[0]))
+    init = _init_kwargs(cls, hparams, config, checkpoint.get(_HPARAMS_NAME), kwargs)
     module: Any = cls(**init)
     strict = getattr(module, "strict_loading", True) if strict is None else strict
     _configure_model(module)
@@ -123,15 +125,16 @@ def _hparams_from_file(path: str) -> dict[str, Any]:
 
 
 def _init_kwargs(
-    cls: type[Any], hparams: dict[str, Any], name: Any, given: dict[str, Any]
+    cls: type[Any], hparams: dict[str, Any], config: Any, name: Any, given: dict[str, Any]
 ) -> dict[str, Any]:
     """What Lightning passes to ``cls.__init__``: every hyper-parameter (all under one
-    argument if the module saved them as one, ``hparams_name``), then the keyword
+    argument if the module saved them as one, ``hparams_name``: then as ``config``, the
+    ``DictConfig`` they were, see :mod:`.hparams`), then the keyword
     arguments given; only those ``__init__`` names unless it takes ``**kwargs``."""
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     named = {p.name for p in parameters if p.kind not in variadic}
-    init = {name: hparams} if isinstance(name, str) and name in named else dict(hparams)
+    init = {name: config} if isinstance(name, str) and name in named else dict(hparams)
     init.update(given)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return init

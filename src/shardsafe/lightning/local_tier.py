@@ -54,7 +54,7 @@ from ..checkpoint.storage.locations import is_url, open_storage
 from ..checkpoint.storage.object_placement import committed_copy
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..tiers import Restored, TieredCheckpointManager
-from . import restore, state
+from . import hparams, restore, state
 from ._namespace import lightning
 from .rank_zero import rank_zero_decides
 
@@ -137,7 +137,7 @@ class LocalTier:
             raise checkpoint.error
         rest = {
             k: v
-            for k, v in checkpoint.items()
+            for k, v in hparams.plain(checkpoint).items()
             if k not in (state.STATE_DICT, state.OPTIMIZER_STATES)
         }
         saved: dict[str, Any] = {state.MODEL: module, state.LIGHTNING: rest}

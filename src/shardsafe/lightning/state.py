@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from ..distributed.reports import error_message
 from ..errors import CheckpointError
+from . import hparams
 
 MODEL = "model"
 LIGHTNING = "lightning"
@@ -128,7 +129,7 @@ def save_state(
     record: StateDictRecord,
 ) -> dict[str, Any]:
     """The ``state`` for ``shardsafe.save`` from Lightning's checkpoint dict (see above)."""
-    rest = dict(checkpoint)
+    rest = hparams.plain(checkpoint)
     state: dict[str, Any] = {}
     model_state = rest.pop(STATE_DICT, None)
     edited = not record.unchanged(model_state)
