@@ -262,3 +262,36 @@ def test_a_directory_without_a_manifest_is_named_not_opened_as_a_file(tmp_path: 
         f"{interrupted} is a directory without manifest.json, so it is not a committed "
         "shardsafe checkpoint (a save into it may have been interrupted)"
     )
+
+
+class Data(pl.LightningDataModule):
+    """A datamodule with hyper-parameters and state of its own."""
+
+    def __init__(self, batch_size: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seen = state_dict["seen"]
+
+
+def test_a_datamodule_comes_back_with_its_own_hyper_parameters_and_state(
+    tmp_path: Path,
+) -> None:
+    module, data = BuiltInConfigureModel(width=3), Data(batch_size=16)
+    module.configure_model()
+    data.seen = 7
+    lightning = {  # what Lightning's dump_checkpoint holds for both
+        "hyper_parameters": dict(module.hparams),
+        "datamodule_hyper_parameters": dict(data.hparams),
+        "Data": data.state_dict(),
+    }
+    shardsafe.save(tmp_path / "last.ckpt", {"model": module, "lightning": lightning})
+    loaded = load_from_checkpoint(Data, tmp_path / "last.ckpt")
+    assert isinstance(loaded, Data)
+    assert dict(loaded.hparams) == {"batch_size": 16}
+    assert loaded.seen == 7

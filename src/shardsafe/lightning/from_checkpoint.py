@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -38,8 +39,24 @@ from .restore import committed_url, is_shardsafe_checkpoint, uncommitted_directo
 from .state import LIGHTNING, MODEL, STATE_DICT
 
 Module = TypeVar("Module")
-_HPARAMS = "hyper_parameters"
-_HPARAMS_NAME = "hparams_name"
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Where Lightning's checkpoint holds the hyper-parameters of ``cls``: a module's, or
+    a datamodule's (``datamodule_hyper_parameters``, ...), each class naming its own."""
+
+    hparams: str
+    name: str
+    kind: str
+
+    @classmethod
+    def of(cls, owner: type[Any]) -> _Keys:
+        return cls(
+            getattr(owner, "CHECKPOINT_HYPER_PARAMS_KEY", "hyper_parameters"),
+            getattr(owner, "CHECKPOINT_HYPER_PARAMS_NAME", "hparams_name"),
+            getattr(owner, "CHECKPOINT_HYPER_PARAMS_TYPE", "hparams_type"),
+        )
 
 
 def load_from_checkpoint(
@@ -72,14 +89,18 @@ def load_from_checkpoint(
     if is_url(path):
         path = committed_url(path)  # the staged copy, if a crash interrupted a replacement
     checkpoint = _lightning_part(path)
-    hparams = dict(checkpoint.get(_HPARAMS) or {})
+    keys = _Keys.of(cls)
+    hparams = dict(checkpoint.get(keys.hparams) or {})
     if hparams_file is not None:
         hparams = _hparams_from_file(os.fspath(hparams_file))
     hparams.update(kwargs)
-    checkpoint[_HPARAMS] = hparams
-    config = saved_hparams.rebuild(hparams, checkpoint.get(saved_hparams.HPARAMS_TYPES[0]))
-    init = _init_kwargs(cls, hparams, config, checkpoint.get(_HPARAMS_NAME), kwargs)
+    checkpoint[keys.hparams] = hparams
+    config = saved_hparams.rebuild(hparams, checkpoint.get(keys.kind))
+    init = _init_kwargs(cls, hparams, config, checkpoint.get(keys.name), kwargs)
     module: Any = cls(**init)
+    if isinstance(module, lightning().LightningDataModule):
+        datamodule: Module = _datamodule_state(module, checkpoint)
+        return datamodule
     strict = getattr(module, "strict_loading", True) if strict is None else strict
     _configure_model(module)
     edited = STATE_DICT in checkpoint  # an on_save_checkpoint hook edited it: saved as such
@@ -92,6 +113,15 @@ def load_from_checkpoint(
         load(path, {MODEL: module}, strict=strict)
     result: Module = module.to(map_location) if map_location is not None else module
     return result
+
+
+def _datamodule_state(datamodule: Module, checkpoint: dict[str, Any]) -> Module:
+    """A datamodule gets the state its ``state_dict()`` saved (under its class's name), as
+    Lightning's ``LightningDataModule.load_from_checkpoint`` gives it; it has no weights."""
+    saved = checkpoint.get(type(datamodule).__qualname__)
+    if saved is not None:
+        getattr(datamodule, "load_state_dict")(saved)  # noqa: B009 - typed as Module
+    return datamodule
 
 
 def _configure_model(module: Any) -> None:
