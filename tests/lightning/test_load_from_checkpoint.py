@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed.checkpoint as dcp
 
 import shardsafe
-from shardsafe.lightning import load_from_checkpoint
+from shardsafe.lightning import load_from_checkpoint, restore
 from tests.lightning.lightning_script import Regression
 
 pytestmark = pytest.mark.timeout(120)
@@ -295,3 +296,26 @@ def test_a_datamodule_comes_back_with_its_own_hyper_parameters_and_state(
     assert isinstance(loaded, Data)
     assert dict(loaded.hparams) == {"batch_size": 16}
     assert loaded.seen == 7
+
+
+def test_a_dcp_directory_lightnings_own_strategies_save_is_named_as_such(
+    tmp_path: Path,
+) -> None:
+    """Not "a save into it may have been interrupted", which sends a user switching from
+    Lightning's FSDP or ModelParallel strategy looking for a crash."""
+    saved = tmp_path / "epoch=0-step=4.ckpt"
+    module = BuiltInConfigureModel()
+    module.configure_model()
+    dcp.save({"state_dict": module.state_dict()}, checkpoint_id=saved)
+    expected = (
+        f"{saved} is a torch.distributed.checkpoint (DCP) directory (it holds .metadata and no "
+        "manifest.json), as Lightning's own FSDP and ModelParallel strategies save, not a "
+        "shardsafe checkpoint: resume from it with the strategy that saved it; the shardsafe "
+        "strategies resume from the checkpoint directories they write"
+    )
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+        load_from_checkpoint(BuiltInConfigureModel, saved)
+    assert str(refused.value) == expected
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as resumed:
+        restore.load_file(str(saved))  # what fit(ckpt_path=...) calls for a non-shardsafe path
+    assert str(resumed.value) == expected

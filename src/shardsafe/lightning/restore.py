@@ -126,8 +126,24 @@ def load_file(path: str) -> dict[str, Any]:
     return interop.read_torch_file(path)
 
 
+DCP_METADATA = ".metadata"
+"""What torch.distributed.checkpoint writes last, in every checkpoint directory it saves."""
+
+
 def uncommitted_directory(path: str) -> str:
-    """Why the directory ``path``, which has no manifest, is refused as a checkpoint."""
+    """Why the directory ``path``, which has no manifest, is refused as a checkpoint.
+
+    Lightning's own FSDP and ModelParallel strategies save a DCP directory under the same
+    ``epoch=0-step=5.ckpt`` names: a run switched to a shardsafe strategy must hear that,
+    not that a save may have been interrupted, which sends it looking for a crash."""
+    if os.path.lexists(os.path.join(path, DCP_METADATA)):
+        return (
+            f"{path} is a torch.distributed.checkpoint (DCP) directory (it holds "
+            f"{DCP_METADATA} and no {MANIFEST_NAME}), as Lightning's own FSDP and "
+            "ModelParallel strategies save, not a shardsafe checkpoint: resume from it with "
+            "the strategy that saved it; the shardsafe strategies resume from the checkpoint "
+            "directories they write"
+        )
     return (
         f"{path} is a directory without {MANIFEST_NAME}, so it is not a committed "
         "shardsafe checkpoint (a save into it may have been interrupted)"
