@@ -253,6 +253,27 @@ def test_layers_made_in_configure_model_get_the_saved_weights(tmp_path: Path, st
     assert_same(module, trained.state_dict())
 
 
+class ShardedInConfigureModel(pl.LightningModule):
+    """Makes its layers in ``__init__`` and shards them in ``configure_model`` with the
+    strategy's device mesh (FSDP2 under ModelParallelStrategy): no mesh in one process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def configure_model(self) -> None:
+        self.device_mesh["data_parallel"]  # TypeError without a strategy, as in FSDP2 code
+
+
+def test_a_module_that_only_shards_in_configure_model_loads_in_one_process(
+    tmp_path: Path,
+) -> None:
+    trained = ShardedInConfigureModel()
+    shardsafe.save(tmp_path / "last.ckpt", {"model": trained, "lightning": {"global_step": 4}})
+    module = load_from_checkpoint(ShardedInConfigureModel, tmp_path / "last.ckpt")
+    assert_same(module, trained.state_dict())
+
+
 def test_a_directory_without_a_manifest_is_named_not_opened_as_a_file(tmp_path: Path) -> None:
     interrupted = tmp_path / "epoch=0-step=4.ckpt"
     interrupted.mkdir()

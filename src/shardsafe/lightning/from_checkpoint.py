@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import torch
 
 from ..checkpoint.api import load
-from ..checkpoint.storage.locations import is_url
+from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.storage.locations import is_url, open_storage
 from ..errors import CheckpointError, CheckpointNotFoundError
 from . import hparams as saved_hparams
 from ._namespace import lightning
@@ -102,8 +103,8 @@ def load_from_checkpoint(
         datamodule: Module = _datamodule_state(module, checkpoint)
         return datamodule
     strict = getattr(module, "strict_loading", True) if strict is None else strict
-    _configure_model(module)
     edited = STATE_DICT in checkpoint  # an on_save_checkpoint hook edited it: saved as such
+    _configure_model(module, set(checkpoint[STATE_DICT]) if edited else _saved_weights(path))
     if not edited:
         checkpoint[STATE_DICT] = module.state_dict()  # what the hook sees; loaded in place
     module.on_load_checkpoint(checkpoint)
@@ -124,13 +125,25 @@ def _datamodule_state(datamodule: Module, checkpoint: dict[str, Any]) -> Module:
     return datamodule
 
 
-def _configure_model(module: Any) -> None:
+def _configure_model(module: Any, saved: set[str]) -> None:
     """Build the layers a module makes in ``configure_model`` (Lightning's advice for large
     models), as Lightning's ``load_from_checkpoint`` does before loading: without them the
-    saved weights have nowhere to go (``strict=False`` returned a module without them)."""
+    saved weights have nowhere to go (``strict=False`` returned a module without them).
+
+    Only when the module lacks a weight the checkpoint holds: a ``configure_model`` that
+    shards layers made in ``__init__`` (FSDP2, with the strategy's ``device_mesh``) cannot
+    run in one process without a strategy, and that module already has every weight."""
     configure = getattr(module, "configure_model", None)
-    if callable(configure):
+    if callable(configure) and not saved <= set(module.state_dict()):
         configure()
+
+
+def _saved_weights(path: str) -> set[str]:
+    """The names of the module's weights in the checkpoint at ``path`` (its ``model`` entry)."""
+    with open_storage(path) as storage:
+        tensors = read_manifest_from(storage).tensors
+    prefix = f"{MODEL}/"
+    return {key[len(prefix) :] for key in tensors if key.startswith(prefix)}
 
 
 def _lightning_part(path: str) -> dict[str, Any]:
