@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def script_environment() -> dict[str, str]:
-    """This environment, with the repository importable (the scripts use ``tests.*``)."""
-    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    """This environment, with this checkout's ``src`` first (the shardsafe under test, not
+    an installed one: an editable install of another checkout won otherwise) and the
+    repository importable (the scripts use ``tests.*``)."""
+    paths = [str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
