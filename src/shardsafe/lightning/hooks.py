@@ -247,9 +247,13 @@ class ShardsafeCheckpointing(Strategy):
         )
         local = self._local if fitting and self._local is not None else None
         if local is not None and local.chosen == path:
-            checkpoint, self._restored = local.load(module, self.optimizers, options)
-            self._say_restored(local)
-            return checkpoint
+            loaded = local.load(module, self.optimizers, options)
+            if loaded is not None:
+                checkpoint, self._restored = loaded
+                self._say_restored(local)
+                return checkpoint
+            assert local.instead is not None
+            path = local.instead[0]  # the tier restored an older step: the last one is newer
         checkpoint = self._load_path(path, module, options, fitting)
         if local is not None:
             local.forget_after(checkpoint.get("global_step"))

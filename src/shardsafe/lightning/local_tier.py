@@ -27,7 +27,9 @@ every restore passes through with the path Lightning resolved):
 * ``"last"`` (or a path to a ``last*.ckpt`` of a ``ModelCheckpoint`` or an
   ``OnExceptionCheckpoint``'s file): the newer of that checkpoint and the local tier's
   newest step; the local tier on a tie (it is the faster), or when the step of the
-  ``last`` checkpoint cannot be read from its manifest (a ``.ckpt`` file).
+  ``last`` checkpoint cannot be read from its manifest (a ``.ckpt`` file). If the tier
+  then restores an older step than the ``last`` checkpoint's (its newest would not load),
+  that checkpoint is loaded over it.
 * Any other path (``"best"``, ``"hpc"``, an explicit one): exactly that checkpoint; local
   steps newer than it are deleted afterwards, with a warning: they belong to the history
   this fit abandons, and a later resume must not pick them.
@@ -88,6 +90,9 @@ class LocalTier:
         self.manager: TieredCheckpointManager | None = None
         self.chosen: str | None = None
         """The path Lightning was given for a resume from this tier."""
+        self.instead: tuple[str, int] | None = None
+        """The last checkpoint (path, step) a resume chose this tier over: what it loads if
+        the tier restores an older step (its newest ones were damaged)."""
         self.restored: Restored | None = None
         self._saved_step = -1
 
@@ -104,6 +109,7 @@ class LocalTier:
             name="lightning-local-tier",
         )
         self.chosen, self.restored, self._saved_step = None, None, -1
+        self.instead = None
         if not any(isinstance(c, LocalSaves) for c in trainer.callbacks):
             trainer.callbacks.append(LocalSaves(self))
         _guard_resume(trainer._checkpoint_connector, self)
@@ -152,11 +158,13 @@ class LocalTier:
         assert self.manager is not None
         newest = self.manager.latest()
         use_local = newest is not None
+        self.instead = None
         if newest is not None and path is not None and _is_last(path, trainer):
             # The same branch on every rank (``latest`` is agreed, ``path`` is Lightning's).
             last = path
             saved = rank_zero_decides(strategy, lambda: _step_of(last), f"reading {last}")
             use_local = saved is None or newest >= saved
+            self.instead = None if saved is None else (last, saved)
         elif path is not None:
             use_local = False
         if not use_local:
@@ -167,9 +175,14 @@ class LocalTier:
 
     def load(
         self, module: nn.Module, optimizers: Sequence[Optimizer], options: LoadOptions
-    ) -> tuple[dict[str, Any], restore.Restored]:
+    ) -> tuple[dict[str, Any], restore.Restored] | None:
         """Restore the newest complete step of the tier; Lightning's dict without the module
-        and optimizers (as :func:`.restore.load_directory` returns it)."""
+        and optimizers (as :func:`.restore.load_directory` returns it).
+
+        ``None`` when the step restored is older than the last checkpoint this tier was
+        chosen over (:attr:`instead`; its newer steps were damaged, and the manager fell
+        back to an older one): the caller loads that checkpoint over it, so ``"last"``
+        still resumes from the newest step there is."""
         assert self.manager is not None
         loaded: dict[str, Any] = {state.MODEL: module}
         loaded.update(zip(state.optimizer_names(len(optimizers)), optimizers))
@@ -180,6 +193,9 @@ class LocalTier:
             timeout=options.timeout,
         )
         self.restored = self.manager.restored
+        if self._older_than_instead():
+            self.restored = None
+            return None
         if values is None or self.restored is None or self.restored.tier == "persistent":
             raise CheckpointError(
                 f"the local tier in {self.directory} could not be restored (see the warning "
@@ -189,6 +205,22 @@ class LocalTier:
         checkpoint = dict(values.get(state.LIGHTNING) or {})
         checkpoint[state.OPTIMIZER_STATES] = [{} for _ in optimizers]
         return checkpoint, restore.Restored(model=True, optimizers=True)
+
+    def _older_than_instead(self) -> bool:
+        """Whether the step just restored is older than :attr:`instead` (said on rank 0)."""
+        restored = self.restored
+        if self.instead is None or restored is None or restored.step >= self.instead[1]:
+            return False
+        assert self.manager is not None
+        if self.manager.rank == 0:
+            path, step = self.instead
+            warnings.warn(
+                f"shardsafe: the local tier in {self.directory} restored only step "
+                f"{restored.step} (its newer steps would not load), older than step {step} in "
+                f"{path}: resuming from {path}",
+                stacklevel=2,
+            )
+        return True
 
     def forget_after(self, step: object) -> None:
         """After a resume from another checkpoint at ``step``: drop newer local steps."""
