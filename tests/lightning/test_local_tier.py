@@ -114,19 +114,22 @@ def test_last_takes_the_local_tier_and_an_explicit_path_is_exact(
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("damaged", [["step-000000010"], ["step-000000005", "step-000000010"]])
 def test_last_is_not_traded_for_an_older_local_step_when_the_newest_is_damaged(
-    tmp_path: Path, uninterrupted: Callable[[str], Path]
+    tmp_path: Path, uninterrupted: Callable[[str], Path], damaged: list[str]
 ) -> None:
     """``last.ckpt`` and the local tier both at step 10, rank 1's local copy of step 10
     damaged: the tier could only restore step 5, and the fit resumed from there, older
-    than ``last.ckpt``. It resumes from ``last.ckpt`` (step 10) instead, with a warning."""
+    than ``last.ckpt``; with step 5 damaged too, the fit failed ("no complete step is
+    left in any tier"). It resumes from ``last.ckpt`` (step 10) instead, with a warning."""
     whole = losses(uninterrupted("plain"))
     run(tmp_path, "--every", "5", "--max-steps", "10")
     assert local_steps(tmp_path) == ["step-000000005", "step-000000010"]
-    (data,) = (tmp_path / "local" / "step-000000010" / "rank-00001").glob("*.safetensors")
-    damaged = bytearray(data.read_bytes())
-    damaged[-3] ^= 1  # inside the last tensor's bytes
-    data.write_bytes(bytes(damaged))
+    for step in damaged:
+        (data,) = (tmp_path / "local" / step / "rank-00001").glob("*.safetensors")
+        flipped = bytearray(data.read_bytes())
+        flipped[-3] ^= 1  # inside the last tensor's bytes
+        data.write_bytes(bytes(flipped))
 
     restored = run(tmp_path, "--resume", "last", "--log", "last.jsonl")
     assert restored == [None, None]  # not from the local tier

@@ -28,8 +28,8 @@ every restore passes through with the path Lightning resolved):
   ``OnExceptionCheckpoint``'s file): the newer of that checkpoint and the local tier's
   newest step; the local tier on a tie (it is the faster), or when the step of the
   ``last`` checkpoint cannot be read from its manifest (a ``.ckpt`` file). If the tier
-  then restores an older step than the ``last`` checkpoint's (its newest would not load),
-  that checkpoint is loaded over it.
+  then restores an older step than the ``last`` checkpoint's, or none (its steps would
+  not load), that checkpoint is loaded over it.
 * Any other path (``"best"``, ``"hpc"``, an explicit one): exactly that checkpoint; local
   steps newer than it are deleted afterwards, with a warning: they belong to the history
   this fit abandons, and a later resume must not pick them.
@@ -54,7 +54,7 @@ from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import is_url, open_storage
 from ..checkpoint.storage.object_placement import committed_copy
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..tiers import Restored, TieredCheckpointManager
 from . import hparams, restore, state
 from ._namespace import lightning
@@ -186,15 +186,20 @@ class LocalTier:
         assert self.manager is not None
         loaded: dict[str, Any] = {state.MODEL: module}
         loaded.update(zip(state.optimizer_names(len(optimizers)), optimizers))
-        values = self.manager.load_latest(
-            loaded,
-            strict=options.strict,
-            entry_timeout=options.entry_timeout,
-            timeout=options.timeout,
-        )
+        try:
+            values = self.manager.load_latest(
+                loaded,
+                strict=options.strict,
+                entry_timeout=options.entry_timeout,
+                timeout=options.timeout,
+            )
+        except CheckpointCorruptError as e:  # agreed: every rank takes this branch
+            if self.instead is None:
+                raise
+            self._load_instead(f"could restore no step ({e})")
+            return None
         self.restored = self.manager.restored
         if self._older_than_instead():
-            self.restored = None
             return None
         if values is None or self.restored is None or self.restored.tier == "persistent":
             raise CheckpointError(
@@ -211,16 +216,20 @@ class LocalTier:
         restored = self.restored
         if self.instead is None or restored is None or restored.step >= self.instead[1]:
             return False
-        assert self.manager is not None
-        if self.manager.rank == 0:
-            path, step = self.instead
-            warnings.warn(
-                f"shardsafe: the local tier in {self.directory} restored only step "
-                f"{restored.step} (its newer steps would not load), older than step {step} in "
-                f"{path}: resuming from {path}",
-                stacklevel=2,
-            )
+        self._load_instead(f"restored only step {restored.step} (its newer steps would not load)")
         return True
+
+    def _load_instead(self, what: str) -> None:
+        """Say on rank 0 that the fit resumes from :attr:`instead`, not from this tier."""
+        assert self.manager is not None and self.instead is not None
+        self.restored = None
+        path, step = self.instead
+        if self.manager.rank == 0:
+            warnings.warn(
+                f"shardsafe: the local tier in {self.directory} {what}, older than step {step} "
+                f"in {path}: resuming from {path}",
+                stacklevel=3,
+            )
 
     def forget_after(self, step: object) -> None:
         """After a resume from another checkpoint at ``step``: drop newer local steps."""
