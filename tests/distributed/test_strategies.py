@@ -107,4 +107,9 @@ def test_resume_at_another_world_size(
     progress = shardsafe.load(latest, {})["trainer"]
     # The data position counts samples of the epoch's global order: 9 steps of `before`
     # ranks, then 3 of `after` ranks, each rank taking BATCH samples a step.
-    assert progress == {"step": 12, "epoch": 0, "position": (9 * before + 3 * after) * BATCH}
+    assert progress == {
+        "step": 12,
+        "seed": 0,
+        "epoch": 0,
+        "position": (9 * before + 3 * after) * BATCH,
+    }

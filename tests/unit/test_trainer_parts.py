@@ -189,6 +189,7 @@ def test_fit_takes_a_dataset_and_a_lone_optimizer(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == list(range(1, 7))
     assert shardsafe.load(result.checkpoint, {})["trainer"] == {
         "step": 6,
+        "seed": 0,
         "epoch": 0,
         "position": 48,
     }
@@ -211,3 +212,28 @@ def test_fit_says_what_the_module_returned_wrong(
     loader = DataLoader(TensorDataset(torch.zeros(8, 3), torch.zeros(8, 1)), batch_size=4)
     with pytest.raises(TypeError, match=message):
         Trainer(max_steps=1, run_dir=tmp_path).fit(Tiny(returns), loader)
+
+
+@pytest.mark.timeout(60)
+def test_resuming_with_another_seed_is_refused_before_any_step(tmp_path: Path) -> None:
+    """The seed fixes the data order the saved position counts samples of: a resume that
+    forgot ``--seed 5`` trained on another order from mid-epoch on (the built-in
+    example's loss jumped from 0.2 to 1.8), silently."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    Trainer(max_steps=3, run_dir=tmp_path, checkpoint_every=3, batch_size=8, seed=5).fit(
+        Tiny(), data
+    )
+    checkpoint = tmp_path / "checkpoints" / "step-000000003"
+    refused = r"saved by a run with seed=5, but this run has seed=0.* \(--seed 5\)"
+    for resume in ("latest", str(checkpoint)):
+        again = Trainer(max_steps=6, run_dir=tmp_path, checkpoint_every=3, batch_size=8)
+        with pytest.raises(shardsafe.CheckpointMismatchError, match=refused):
+            again.fit(Tiny(), data, resume=resume)
+    # Several devices: refused by the calling process itself, before any worker starts.
+    ddp = Trainer(strategy="ddp", devices=2, max_steps=6, run_dir=tmp_path, batch_size=8)
+    with pytest.raises(shardsafe.CheckpointMismatchError, match=refused):
+        ddp.fit(Tiny(), data, resume="latest")
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
+    same = Trainer(max_steps=6, run_dir=tmp_path, checkpoint_every=3, batch_size=8, seed=5)
+    assert same.fit(Tiny(), data, resume="latest").step == 6

@@ -83,7 +83,8 @@ def train(
                 metrics.log(step, loss)
             bar.update(loss)
             if saving.due(step):
-                saved = {**state, "trainer": {"step": step, **stream.state()}}
+                progress = {"step": step, "seed": config.seed, **stream.state()}
+                saved = {**state, "trainer": progress}
                 checkpoint = saving.save(step, saved) or checkpoint
         checkpoint = saving.finish() or checkpoint
     finally:
@@ -107,7 +108,7 @@ def _restored(
 ) -> tuple[Saving, int, DataPosition]:
     """How the run saves, and the step and data position it starts from (``resuming.py``)."""
     if config.local_checkpoint_dir is None:
-        start, position = restore(checkpoint, state, leader)
+        start, position = restore(checkpoint, state, config, leader)
         manager = CheckpointManager(
             config.checkpoint_dir, config.keep_last, warn_if_not_empty=False
         )

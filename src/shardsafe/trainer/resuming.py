@@ -16,12 +16,14 @@ checkpoint is: going on would leave two histories in one directory, and a later
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager, step_of
 from ..errors import CheckpointError, CheckpointMismatchError
+from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
 from .config import TrainerConfig
 from .data import DataPosition
@@ -40,10 +42,32 @@ def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
                 "or choose another run_dir to start a new one"
             )
         return None
-    if resume == "latest":
-        return manager.latest()
-    read_manifest(resume)  # a clear error now, before any process has built a model
-    return resume
+    checkpoint = manager.latest() if resume == "latest" else resume
+    if checkpoint is not None:
+        # A clear error now, before any process has built a model.
+        check_seed(read_manifest(checkpoint).values, config, checkpoint)
+    return checkpoint
+
+
+def check_seed(values: Mapping[str, Any], config: TrainerConfig, source: str) -> None:
+    """Refuse to continue a run saved with another ``seed``.
+
+    The seed fixes each epoch's data order (and the built-in example's data): the saved
+    position counts samples of *that* order, so a resume with another seed (a forgotten
+    ``--seed``) would train on a different order, or different data, from mid-epoch on,
+    silently. ``values`` maps names to a manifest's saved values or to what ``load``
+    returned; a checkpoint that did not record its seed (older ones) is not checked.
+    """
+    progress = values.get("trainer")
+    if isinstance(progress, SavedValue):
+        progress = progress.meta if progress.kind == "value" else None
+    saved = progress.get("seed") if isinstance(progress, dict) else None
+    if isinstance(saved, int) and saved != config.seed:
+        raise CheckpointMismatchError(
+            f"{source} was saved by a run with seed={saved}, but this run has "
+            f"seed={config.seed}: the data order (and data made from the seed) would change "
+            f"in the middle of the run. Pass seed={saved} (--seed {saved}) to continue it"
+        )
 
 
 def interrupted_message(config: TrainerConfig) -> str:
@@ -66,19 +90,22 @@ def interrupted_message(config: TrainerConfig) -> str:
 
 
 def restore(
-    checkpoint: str | None, state: dict[str, Any], leader: bool
+    checkpoint: str | None, state: dict[str, Any], config: TrainerConfig, leader: bool
 ) -> tuple[int, DataPosition]:
     """Load ``checkpoint`` into ``state``; return the step and data position it holds."""
     if checkpoint is None:
         return 0, DataPosition()
-    step, position = progress_of(load(checkpoint, state), checkpoint)
+    step, position = progress_of(load(checkpoint, state), checkpoint, config)
     if leader:
         say(f"resuming from {checkpoint} (step {step})")
     return step, position
 
 
-def progress_of(values: dict[str, Any], source: str) -> tuple[int, DataPosition]:
-    """The step and data position a Trainer's checkpoint holds (``source`` names it)."""
+def progress_of(
+    values: dict[str, Any], source: str, config: TrainerConfig
+) -> tuple[int, DataPosition]:
+    """The step and data position a Trainer's checkpoint holds (``source`` names it),
+    checked against the run's ``config`` (:func:`check_seed`)."""
     progress = values.get("trainer")
     if not isinstance(progress, dict) or not all(
         isinstance(progress.get(k), int) for k in ("step", "epoch", "position")
@@ -87,6 +114,7 @@ def progress_of(values: dict[str, Any], source: str) -> tuple[int, DataPosition]
             f"{source} was not written by shardsafe.Trainer (it has no 'trainer' entry "
             "with the step and data position), so training cannot resume from it"
         )
+    check_seed(values, config, source)
     return progress["step"], DataPosition(progress["epoch"], progress["position"])
 
 
@@ -100,7 +128,7 @@ def restore_tiered(
 ) -> tuple[int, DataPosition]:
     """:func:`restore` for a run with a local tier (collective; see the module docstring)."""
     if resume != "latest":
-        start, position = restore(checkpoint, state, leader)
+        start, position = restore(checkpoint, state, config, leader)
         _refuse_newer(tiered, config, start, resume)
         return start, position
     values = tiered.load_latest(state)
@@ -114,7 +142,8 @@ def restore_tiered(
         return 0, DataPosition()
     path = tiered.persistent.path_for(restored.step)
     local = f"step {restored.step} of the local tier in {config.local_checkpoint_dir}"
-    step, position = progress_of(values, path if restored.tier == "persistent" else local)
+    source = path if restored.tier == "persistent" else local
+    step, position = progress_of(values, source, config)
     if leader:
         say(f"resuming from step {step}, from {describe(restored, path)}")
     return step, position
