@@ -237,3 +237,23 @@ def test_resuming_with_another_seed_is_refused_before_any_step(tmp_path: Path) -
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
     same = Trainer(max_steps=6, run_dir=tmp_path, checkpoint_every=3, batch_size=8, seed=5)
     assert same.fit(Tiny(), data, resume="latest").step == 6
+
+
+@pytest.mark.timeout(60)
+def test_a_file_url_run_dir_is_that_local_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``file://`` is a local path; the Trainer wrote metrics under ``./file:/...`` and
+    failed at the first save with a FileNotFoundError, after training the steps before it."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    trainer = Trainer(max_steps=2, run_dir=f"file://{run}", checkpoint_every=2, batch_size=8)
+    assert trainer.config.run_dir == str(run)
+    result = trainer.fit(Tiny(), data)
+    assert result.checkpoint == str(run / "checkpoints" / "step-000000002")
+    assert [r["step"] for r in read_metrics(str(run / "metrics.jsonl"))] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    local = TrainerConfig(max_steps=1, run_dir=run, local_checkpoint_dir=f"file://{tmp_path}/t")
+    assert local.local_checkpoint_dir == f"{tmp_path}/t"

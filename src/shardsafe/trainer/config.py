@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.format.manifest_format import LAYOUTS, Layout
 from ..checkpoint.options import SaveOptions
-from ..checkpoint.storage.locations import is_url, scheme
+from ..checkpoint.storage.locations import is_url, local_path, scheme
 from ..strategies import STRATEGIES
 
 
@@ -20,7 +20,8 @@ class TrainerConfig:
     run_dir: str
     """Holds ``checkpoints/`` and ``metrics.jsonl``. An object-store URL
     (``s3://bucket/run``) holds the checkpoints; the metrics, appended line by line,
-    stay local (see :attr:`metrics_path`)."""
+    stay local (see :attr:`metrics_path`). A ``file://`` URL is the local directory it
+    names."""
     strategy: str = "single"
     devices: int = 1
     """Processes to train on. Under torchrun it must equal the world size torchrun set."""
@@ -45,7 +46,7 @@ class TrainerConfig:
     """With :attr:`local_checkpoint_dir`: save to it every this many steps."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
+        object.__setattr__(self, "run_dir", _local_if_file_url(self.run_dir))
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy={self.strategy!r} is not a strategy; use one of {sorted(STRATEGIES)}"
@@ -83,7 +84,7 @@ class TrainerConfig:
                     "or leave local_every out"
                 )
             return
-        local = os.fspath(self.local_checkpoint_dir)
+        local = _local_if_file_url(self.local_checkpoint_dir)
         object.__setattr__(self, "local_checkpoint_dir", local)
         if not local:
             raise ValueError(
@@ -126,6 +127,17 @@ class TrainerConfig:
     def checkpoint_due(self, step: int) -> bool:
         every = self.checkpoint_every
         return every is not None and (step % every == 0 or step == self.max_steps)
+
+
+def _local_if_file_url(path: str | os.PathLike[str]) -> str:
+    """``path``, with a ``file://`` URL made the local path it names.
+
+    ``file://`` is a local path everywhere in shardsafe; kept as a URL here, the run's
+    metrics and lock went to a directory literally named ``file:`` in the working
+    directory, and the first save, after the steps before it had trained, failed.
+    """
+    text = os.fspath(path)
+    return local_path(text) if scheme(text) == "file" else text
 
 
 def _overlap(a: str, b: str) -> bool:
