@@ -257,3 +257,20 @@ def test_a_file_url_run_dir_is_that_local_directory(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     local = TrainerConfig(max_steps=1, run_dir=run, local_checkpoint_dir=f"file://{tmp_path}/t")
     assert local.local_checkpoint_dir == f"{tmp_path}/t"
+
+
+@pytest.mark.timeout(60)
+def test_resuming_an_older_checkpoint_is_refused_without_checkpoint_every(
+    tmp_path: Path,
+) -> None:
+    """Without ``checkpoint_every`` a resume from an older checkpoint of the same run_dir
+    was accepted, and cut the newer steps' losses from metrics.jsonl while their
+    checkpoints stayed: the docs say such a resume is refused."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    Trainer(max_steps=6, run_dir=tmp_path, checkpoint_every=3, batch_size=8).fit(Tiny(), data)
+    older = str(tmp_path / "checkpoints" / "step-000000003")
+    again = Trainer(max_steps=4, run_dir=tmp_path, batch_size=8)
+    with pytest.raises(shardsafe.CheckpointError, match="already holds step 6, newer than step 3"):
+        again.fit(Tiny(), data, resume=older)
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == list(range(1, 7))

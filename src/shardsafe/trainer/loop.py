@@ -69,8 +69,9 @@ def train(
     saving, start, position = _restored(config, resume, checkpoint, state, leader)
 
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
-    if config.checkpoint_every:
-        saving.manager.check_not_behind(start)  # before the first step, not at the first save
+    # Before the first step, not at the first save; and for a run that saves nothing too:
+    # its metrics.jsonl would lose the newer steps' losses, and its history fork.
+    saving.manager.check_not_behind(start)
     metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 
