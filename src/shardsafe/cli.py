@@ -102,6 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("shardsafe: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if from_object_store_client(e):
+            print(
+                f"shardsafe: error: the object store refused or could not be reached: "
+                f"{type(e).__name__}: {terminal_safe(str(e))} (check the URL, the credentials "
+                "and the endpoint: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)",
+                file=sys.stderr,
+            )
+            return 1
         if args.command not in READS_CHECKPOINTS:
             raise  # fit: the traceback may be the user's own code's
         print(
@@ -111,6 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+OBJECT_STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google")
+"""Packages whose exceptions are the object store's answer (no credentials, access
+denied, no such bucket, endpoint unreachable), not a bug in shardsafe: fsspec's
+clients raise them as they are, and not all of them are ``OSError``."""
+
+
+def from_object_store_client(error: BaseException) -> bool:
+    """Whether ``error`` (or a class it derives from) comes from an object store's client."""
+    return any(cls.__module__.split(".")[0] in OBJECT_STORE_CLIENTS for cls in type(error).__mro__)
 
 
 def _silence_stdout() -> None:

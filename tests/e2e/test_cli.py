@@ -439,3 +439,27 @@ def test_inspect_escapes_control_characters_from_the_manifest(
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b[2Jevil" in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["inspect", "verify", "fit"])
+def test_an_object_store_without_credentials_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """botocore's NoCredentialsError is no OSError: inspect and verify called it "a bug in
+    shardsafe", and fit showed its traceback."""
+    pytest.importorskip("s3fs")
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no credentials from a VM
+    monkeypatch.setenv("HOME", str(tmp_path))  # nor from ~/.aws
+    url = "s3://shardsafe-no-such-bucket/run"
+    args = ["--max-steps", "1", "--run-dir", url] if command == "fit" else [url]
+    proc = run_cli(command, *args)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        "shardsafe: error: the object store refused or could not be reached: "
+        "NoCredentialsError: Unable to locate credentials"
+    ), proc.stderr
+    assert "bug" not in proc.stderr
