@@ -463,3 +463,18 @@ def test_an_object_store_without_credentials_is_a_clear_error(
         "NoCredentialsError: Unable to locate credentials"
     ), proc.stderr
     assert "bug" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_path_that_is_no_directory_is_named_by_its_kind(tmp_path: Path) -> None:
+    """A FIFO or a device passed as the checkpoint was called "a file"."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a named pipe (FIFO)"), ("/dev/null", "a character device")):
+        for command in ("inspect", "verify"):
+            proc = run_cli(command, path)
+            assert (proc.returncode, proc.stderr) == (
+                1,
+                f"shardsafe: error: {path} is {kind}, not a directory; pass the checkpoint "
+                "directory (the one holding manifest.json)\n",
+            )

@@ -14,6 +14,7 @@ import os
 from ..errors import CheckpointNotFoundError
 from .format.manifest import Manifest
 from .loading import read_manifest_from
+from .storage.files import describe_mode
 from .storage.locations import is_url
 from .storage.protocol import Storage
 
@@ -22,8 +23,10 @@ def manifest_at(path: str, storage: Storage) -> Manifest:
     """The validated manifest of the checkpoint at ``path``, already opened as ``storage``;
     a missing one's error says where a real checkpoint is (see the module docstring)."""
     if not is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+        # Named by its kind: a FIFO or a device was called "a file".
         raise CheckpointNotFoundError(
-            f"{path} is a file; pass the checkpoint directory (the one holding manifest.json)"
+            f"{path} is {describe_mode(os.stat(path).st_mode)}, not a directory; pass the "
+            "checkpoint directory (the one holding manifest.json)"
         )
     try:
         return read_manifest_from(storage)
