@@ -274,3 +274,21 @@ def test_resuming_an_older_checkpoint_is_refused_without_checkpoint_every(
     with pytest.raises(shardsafe.CheckpointError, match="already holds step 6, newer than step 3"):
         again.fit(Tiny(), data, resume=older)
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == list(range(1, 7))
+
+
+@pytest.mark.timeout(60)
+def test_the_last_line_of_a_run_that_saves_nothing_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run without checkpoint_every, forked from another run's checkpoint, ended with
+    "checkpoint <the other run's> (all in <this run's checkpoints>)", which is untrue."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    first = tmp_path / "first"
+    Trainer(max_steps=2, run_dir=first, checkpoint_every=2, batch_size=8).fit(Tiny(), data)
+    capsys.readouterr()
+    fork = Trainer(max_steps=3, run_dir=tmp_path / "fork", batch_size=8)
+    fork.fit(Tiny(), data, resume=str(first / "checkpoints" / "step-000000002"))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert ", no checkpoint saved (checkpoint_every is not set), losses in " in last, last
+    assert "all in" not in last

@@ -167,8 +167,12 @@ def summary(result: FitResult, start: int, config: TrainerConfig) -> str:
     """The last line a run prints: where it ended, and where its checkpoints and losses are."""
     if result.step == start:
         return f"nothing to train: the run is at step {start} and max_steps={config.max_steps}"
+    if config.checkpoint_every is None:
+        # The checkpoint the run resumed from (maybe another run's) is none of this run's.
+        saved = "no checkpoint saved (checkpoint_every is not set)"
+    else:
+        saved = f"checkpoint {result.checkpoint or 'none'} (all in {config.checkpoint_dir})"
     return (
         f"done: step {result.step} ({result.step - start} steps in {result.seconds:.1f} s), "
-        f"final loss {result.loss:.6g}, checkpoint {result.checkpoint or 'none'} (all in "
-        f"{config.checkpoint_dir}), losses in {config.metrics_path}"
+        f"final loss {result.loss:.6g}, {saved}, losses in {config.metrics_path}"
     )
