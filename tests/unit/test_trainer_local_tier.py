@@ -18,7 +18,7 @@ from shardsafe.errors import CheckpointError
 from shardsafe.tiers import Restored
 from shardsafe.trainer import FitResult, TrainerConfig
 from shardsafe.trainer.example import ExampleModule
-from shardsafe.trainer.resuming import describe
+from shardsafe.trainer.resuming import describe, interrupted_message
 from tests.e2e.trainer_helpers import losses
 
 
@@ -112,3 +112,26 @@ def test_a_run_behind_the_local_tier_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="holds step 7, but this run resumes from step 5"):
         fit_example(tmp_path / "c", 7, step5, **local)
     fit_example(tmp_path / "d", 6, step5)  # without the local tier: a fork, as before
+
+
+@pytest.mark.timeout(60)
+def test_after_local_checkpoints_only_ctrl_c_says_resume_latest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the local tier's steps and none in run_dir, Ctrl-C said "running the same
+    command again starts at step 0", but the same command is refused (the local tier is
+    newer), and the run's last line said it saved nothing at all."""
+    local = str(tmp_path / "local")
+    torch.manual_seed(0)
+    config: dict[str, Any] = {"run_dir": str(tmp_path / "run"), "local_checkpoint_dir": local}
+    Trainer(max_steps=3, **config).fit(ExampleModule())
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert f"(checkpoint_every is not set), only in the local tier {local}, losses" in last, last
+    said = interrupted_message(TrainerConfig(max_steps=5, **config))
+    assert "starts at step 0" not in said
+    assert said.endswith(
+        f"the local tier ({local}) may hold newer steps. To continue from them, run the same "
+        "command with --resume latest (Trainer.fit: resume='latest')"
+    ), said
+    with pytest.raises(CheckpointError, match="holds step 3, but this is a new run"):
+        Trainer(max_steps=5, **config).fit(ExampleModule())

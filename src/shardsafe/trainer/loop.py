@@ -170,6 +170,11 @@ def summary(result: FitResult, start: int, config: TrainerConfig) -> str:
     if config.checkpoint_every is None:
         # The checkpoint the run resumed from (maybe another run's) is none of this run's.
         saved = "no checkpoint saved (checkpoint_every is not set)"
+        if config.local_checkpoint_dir is not None:
+            saved = (
+                f"no checkpoint saved in {config.checkpoint_dir} (checkpoint_every is not "
+                f"set), only in the local tier {config.local_checkpoint_dir}"
+            )
     else:
         saved = f"checkpoint {result.checkpoint or 'none'} (all in {config.checkpoint_dir})"
     return (

@@ -74,13 +74,20 @@ def interrupted_message(config: TrainerConfig) -> str:
     """What a run stopped by Ctrl-C tells its user: the newest checkpoint that would load
     (found on disk now, so an interrupted save is not it) and how to continue from it."""
     latest = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False).latest()
+    local = config.local_checkpoint_dir
+    if latest is None and local is not None:
+        # The local tier may hold steps: the same command without --resume is refused.
+        return (
+            f"interrupted before any checkpoint was saved in {config.checkpoint_dir}; the local "
+            f"tier ({local}) may hold newer steps. To continue from them, run the same command "
+            "with --resume latest (Trainer.fit: resume='latest')"
+        )
     if latest is None:
         none = "" if config.checkpoint_every else " (this run saves none: --checkpoint-every N)"
         return (
             f"interrupted before any checkpoint was saved in {config.checkpoint_dir}{none}; "
             "running the same command again starts at step 0"
         )
-    local = config.local_checkpoint_dir
     newer = "" if local is None else f" (or from a newer step in the local tier, {local})"
     return (
         f"interrupted. The last good checkpoint is step {step_of(os.path.basename(latest))}: "
