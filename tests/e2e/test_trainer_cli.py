@@ -93,6 +93,11 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         err = capsys.readouterr().err
         assert err.startswith("shardsafe fit: error: --example-optimizer zero makes the")
         assert f"runs under --strategy ddp (not {strategy})" in err
+    for option in (["--keep-last", "2"], ["--async-save"]):  # ignored by a run saving none
+        assert cli.main([*base, *option]) == 2
+        err = capsys.readouterr().err
+        assert "applies to checkpoints, but this run saves none" in err
+        assert "--checkpoint-every N" in err
     assert cli.main([*base, "--checkpoint-every", "2"]) == 0
     assert cli.main(base) == 1  # a second fresh run over the first one's checkpoints
     err = capsys.readouterr().err

@@ -38,6 +38,9 @@ DATA = TensorDataset(torch.arange(20))
         ({"layout": "flat"}, "layout='flat'"),
         ({"max_steps": 0}, "max_steps=0"),
         ({"seed": -1}, "seed=-1"),
+        # Accepted and silently ignored by a run that saves nothing:
+        ({"keep_last": 2}, r"keep_last=2 applies to checkpoints, but this run saves none"),
+        ({"async_save": True}, r"async_save=True applies to checkpoints, but this run saves"),
     ],
 )
 def test_config_errors_name_the_field(options: dict[str, object], named: str) -> None:

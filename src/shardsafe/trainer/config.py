@@ -73,6 +73,23 @@ class TrainerConfig:
         if not self.run_dir:
             raise ValueError("run_dir='' is empty; name a directory, e.g. run_dir='runs/exp1'")
         self._check_local_tier()
+        self._check_something_is_saved()
+
+    def _check_something_is_saved(self) -> None:
+        """``keep_last`` and ``async_save`` shape saves; a run that saves none would
+        accept them and silently do nothing (as ``local_every`` without its tier)."""
+        if self.checkpoint_every is not None or self.local_checkpoint_dir is not None:
+            return
+        for field, value, default in (
+            ("keep_last", self.keep_last, None),
+            ("async_save", self.async_save, False),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"{field}={value!r} applies to checkpoints, but this run saves none; "
+                    "pass checkpoint_every=N (--checkpoint-every N) too, or leave "
+                    f"{field} out"
+                )
 
     def _check_local_tier(self) -> None:
         _positive("local_every", self.local_every)
