@@ -481,3 +481,25 @@ def test_an_hf_index_that_does_not_match_its_files_is_refused(tmp_path: Path) ->
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointCorruptError, match="does not match its files"):
         shardsafe.convert(index_path, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--strip-prefix", "model."], "apply to to='hf', not to='shardsafe'"),
+        (["--add-prefix", "net.", "--to", "dcp"], "apply to to='hf', not to='dcp'"),
+        (["--strip-prefix", "model.", "--to", "torch"], "apply to to='hf', not to='torch'"),
+        (["--dcp-layout", "flat", "--to", "hf"], "applies to to='dcp', not to='hf'"),
+        (["--dcp-layout", "flat"], "applies to to='dcp', not to='shardsafe'"),
+    ],
+)
+def test_an_option_of_another_target_is_refused_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    """``--strip-prefix`` with ``--to shardsafe`` or ``--dcp-layout flat`` with ``--to hf``
+    exited 0 having renamed nothing; ``--config`` was already refused so."""
+    dcp_checkpoint(tmp_path / "dcp")
+    assert cli.main(["convert", str(tmp_path / "dcp"), str(tmp_path / "o"), *options]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardsafe: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()

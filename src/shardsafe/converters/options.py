@@ -72,7 +72,23 @@ class ConvertOptions:
             config_files(self.config, self.generation_config)  # refused before anything is read
         if self.dcp_layout not in DCP_LAYOUTS:
             raise ValueError(f"dcp_layout={self.dcp_layout!r} is not 'nested' or 'flat'")
+        self._check_target_options()
         _torch_dtype(self.dtype)
+
+    def _check_target_options(self) -> None:
+        """Options of one target format are refused for another, as ``config`` is: they
+        were accepted and ignored (``--strip-prefix`` with ``--to shardsafe`` renamed
+        nothing, ``--dcp-layout flat`` with ``--to hf`` changed nothing)."""
+        if (self.strip_prefix, self.add_prefix) != (None, None) and self.to != "hf":
+            raise ValueError(
+                "strip_prefix and add_prefix rename Hugging Face weights: they apply to "
+                f"to='hf', not to={self.to!r}"
+            )
+        if self.dcp_layout != "nested" and self.to != "dcp":
+            raise ValueError(
+                f"dcp_layout={self.dcp_layout!r} names DCP keys: it applies to to='dcp', "
+                f"not to={self.to!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
