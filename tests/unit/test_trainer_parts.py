@@ -38,6 +38,8 @@ DATA = TensorDataset(torch.arange(20))
         ({"layout": "flat"}, "layout='flat'"),
         ({"max_steps": 0}, "max_steps=0"),
         ({"seed": -1}, "seed=-1"),
+        ({"seed": 2**32}, "seed=4294967296 must be an int from 0 to 4294967295"),
+        ({"strategy": "ddp", "devices": 2, "seed": 2**32 - 1}, "from 0 to 4294967294"),
         # Accepted and silently ignored by a run that saves nothing:
         ({"keep_last": 2}, r"keep_last=2 applies to checkpoints, but this run saves none"),
         ({"async_save": True}, r"async_save=True applies to checkpoints, but this run saves"),

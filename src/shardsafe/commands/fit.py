@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds weights, data and RNGs")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds weights, data and RNGs (0 to 2**32 - devices)"
+    )
     parser.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints")
     parser.add_argument(
         "--async-save",

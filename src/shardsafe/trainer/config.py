@@ -66,14 +66,28 @@ class TrainerConfig:
             _positive("batch_size", self.batch_size)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not a layout; use one of {LAYOUTS}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+        self._check_seed()
         if not isinstance(self.async_save, bool):
             raise ValueError(f"async_save={self.async_save!r} must be True or False")
         if not self.run_dir:
             raise ValueError("run_dir='' is empty; name a directory, e.g. run_dir='runs/exp1'")
         self._check_local_tier()
         self._check_something_is_saved()
+
+    def _check_seed(self) -> None:
+        """Each rank seeds numpy's global generator with ``seed + rank``, which numpy
+        takes only below 2**32: a larger seed failed in the workers with numpy's
+        traceback, and ``2**32 - 1`` on rank 1 alone."""
+        largest = 2**32 - self.devices
+        if (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not (0 <= self.seed <= largest)
+        ):
+            raise ValueError(
+                f"seed={self.seed!r} must be an int from 0 to {largest} (rank r seeds "
+                f"numpy with seed + r, which must be below 2**32)"
+            )
 
     def _check_something_is_saved(self) -> None:
         """``keep_last`` and ``async_save`` shape saves; a run that saves none would
