@@ -297,3 +297,14 @@ def test_the_last_line_of_a_run_that_saves_nothing_says_so(
     last = capsys.readouterr().out.splitlines()[-1]
     assert ", no checkpoint saved (checkpoint_every is not set), losses in " in last, last
     assert "all in" not in last
+
+
+def test_a_run_dir_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    """It failed in the workers, after they started, with a bare ``[Errno 17] File exists``."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for name, what in (("notes.txt", "a regular file"), ("gone", "a broken link")):
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError, match=f"run_dir='{path}' is {what}, not a directory"):
+            TrainerConfig(max_steps=1, run_dir=path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.format.manifest_format import LAYOUTS, Layout
 from ..checkpoint.options import SaveOptions
+from ..checkpoint.storage.files import describe_mode
 from ..checkpoint.storage.locations import is_url, local_path, scheme
 from ..strategies import STRATEGIES
 
@@ -71,6 +72,7 @@ class TrainerConfig:
             raise ValueError(f"async_save={self.async_save!r} must be True or False")
         if not self.run_dir:
             raise ValueError("run_dir='' is empty; name a directory, e.g. run_dir='runs/exp1'")
+        _directory_or_absent("run_dir", self.run_dir)
         self._check_local_tier()
         self._check_something_is_saved()
 
@@ -169,6 +171,15 @@ def _local_if_file_url(path: str | os.PathLike[str]) -> str:
     """
     text = os.fspath(path)
     return local_path(text) if scheme(text) == "file" else text
+
+
+def _directory_or_absent(field: str, path: str) -> None:
+    """A local ``path`` that exists must be a directory: a run_dir that is a file failed
+    only once the workers ran, with a bare ``[Errno 17] File exists``."""
+    if is_url(path) or not os.path.lexists(path) or os.path.isdir(path):
+        return
+    what = describe_mode(os.stat(path).st_mode) if os.path.exists(path) else "a broken link"
+    raise ValueError(f"{field}={path!r} is {what}, not a directory; name a directory")
 
 
 def _overlap(a: str, b: str) -> bool:
