@@ -308,3 +308,28 @@ def test_a_run_dir_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=f"run_dir='{path}' is {what}, not a directory"):
             TrainerConfig(max_steps=1, run_dir=path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_newest_checkpoint_says_which_and_how_to_go_on(tmp_path: Path) -> None:
+    """A flipped byte in the newest checkpoint failed the resume naming only a file inside
+    it; resuming from the one before was refused (a newer step exists): two refusals."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    settings: dict[str, Any] = {"run_dir": tmp_path, "checkpoint_every": 3, "batch_size": 8}
+    Trainer(max_steps=6, **settings).fit(Tiny(), data)
+    newest = tmp_path / "checkpoints" / "step-000000006"
+    shard = newest / "shard-00000-of-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-4] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        Trainer(max_steps=9, **settings).fit(Tiny(), data, resume="latest")
+    message = str(refused.value)
+    assert message.startswith(f"cannot resume from {newest}: checksum mismatch in "), message
+    assert message.endswith(
+        f"move {newest} out of {tmp_path / 'checkpoints'} (shardsafe deletes nothing for you) "
+        "and resume with resume='latest' (--resume latest)"
+    ), message
+    newest.rename(tmp_path / "damaged")
+    assert Trainer(max_steps=9, **settings).fit(Tiny(), data, resume="latest").step == 9

@@ -22,7 +22,7 @@ from typing import Any
 from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager, step_of
-from ..errors import CheckpointError, CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
 from .config import TrainerConfig
@@ -102,10 +102,29 @@ def restore(
     """Load ``checkpoint`` into ``state``; return the step and data position it holds."""
     if checkpoint is None:
         return 0, DataPosition()
-    step, position = progress_of(load(checkpoint, state), checkpoint, config)
+    try:
+        values = load(checkpoint, state)
+    except CheckpointCorruptError as e:
+        raise damaged(checkpoint, e, config) from e
+    step, position = progress_of(values, checkpoint, config)
     if leader:
         say(f"resuming from {checkpoint} (step {step})")
     return step, position
+
+
+def damaged(checkpoint: str, error: Exception, config: TrainerConfig) -> CheckpointCorruptError:
+    """The error of a resume from a damaged checkpoint, saying which and how to go on.
+
+    The load's own error names a file inside the checkpoint only; and ``resume=PATH`` of
+    the previous checkpoint is refused while the damaged, newer one is in the run's
+    directory, which left the user between two refusals. shardsafe deletes nothing, so
+    moving it aside is the user's step.
+    """
+    return CheckpointCorruptError(
+        f"cannot resume from {checkpoint}: {error}. To continue from the checkpoint before "
+        f"it, move {checkpoint} out of {config.checkpoint_dir} (shardsafe deletes nothing "
+        "for you) and resume with resume='latest' (--resume latest)"
+    )
 
 
 def progress_of(
