@@ -333,3 +333,17 @@ def test_a_damaged_newest_checkpoint_says_which_and_how_to_go_on(tmp_path: Path)
     ), message
     newest.rename(tmp_path / "damaged")
     assert Trainer(max_steps=9, **settings).fit(Tiny(), data, resume="latest").step == 9
+
+
+@pytest.mark.timeout(60)
+def test_an_older_checkpoint_of_the_run_is_refused_before_launching(tmp_path: Path) -> None:
+    """With several devices the refusal came from the workers, after each had built the
+    model and loaded the checkpoint, as a worker's traceback."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    Trainer(max_steps=6, run_dir=tmp_path, checkpoint_every=3, batch_size=8).fit(Tiny(), data)
+    older = str(tmp_path / "checkpoints" / "step-000000003")
+    ddp = Trainer(strategy="ddp", devices=2, max_steps=9, run_dir=tmp_path, batch_size=8)
+    # A launch would end in SystemExit; the refusal is this process's own CheckpointError.
+    with pytest.raises(shardsafe.CheckpointError, match="already holds step 6, newer than step 3"):
+        ddp.fit(Tiny(), data, resume=older)

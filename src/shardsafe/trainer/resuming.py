@@ -44,9 +44,22 @@ def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
         return None
     checkpoint = manager.latest() if resume == "latest" else resume
     if checkpoint is not None:
-        # A clear error now, before any process has built a model.
-        check_seed(read_manifest(checkpoint).values, config, checkpoint)
+        # Clear errors now, before any process has built a model (the launcher's too).
+        values = read_manifest(checkpoint).values
+        check_seed(values, config, checkpoint)
+        step = saved_progress(values).get("step")
+        if resume != "latest" and isinstance(step, int):
+            manager.check_not_behind(step)  # as the workers would, after loading it
     return checkpoint
+
+
+def saved_progress(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``trainer`` entry of a manifest's values or of what ``load`` returned
+    (``{}`` if it has none)."""
+    progress = values.get("trainer")
+    if isinstance(progress, SavedValue):
+        progress = progress.meta if progress.kind == "value" else None
+    return progress if isinstance(progress, dict) else {}
 
 
 def check_seed(values: Mapping[str, Any], config: TrainerConfig, source: str) -> None:
@@ -58,10 +71,7 @@ def check_seed(values: Mapping[str, Any], config: TrainerConfig, source: str) ->
     silently. ``values`` maps names to a manifest's saved values or to what ``load``
     returned; a checkpoint that did not record its seed (older ones) is not checked.
     """
-    progress = values.get("trainer")
-    if isinstance(progress, SavedValue):
-        progress = progress.meta if progress.kind == "value" else None
-    saved = progress.get("seed") if isinstance(progress, dict) else None
+    saved = saved_progress(values).get("seed")
     if isinstance(saved, int) and saved != config.seed:
         raise CheckpointMismatchError(
             f"{source} was saved by a run with seed={saved}, but this run has "
