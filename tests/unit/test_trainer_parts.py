@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +348,15 @@ def test_an_older_checkpoint_of_the_run_is_refused_before_launching(tmp_path: Pa
     # A launch would end in SystemExit; the refusal is this process's own CheckpointError.
     with pytest.raises(shardsafe.CheckpointError, match="already holds step 6, newer than step 3"):
         ddp.fit(Tiny(), data, resume=older)
+
+
+def test_two_url_runs_never_share_a_metrics_file() -> None:
+    """``/`` and ``_`` both became ``_``: ``s3://b/exp_1`` and ``s3://b/exp/1`` shared
+    ``metrics/s3-b_exp_1.jsonl``, and a new run of one cut the other's losses from it."""
+    urls = ["s3://b/exp_1", "s3://b/exp/1", "s3://b/exp+1", "s3://b/exp%2F1", "gs://b/exp/1"]
+    paths = [TrainerConfig(max_steps=1, run_dir=u).metrics_path for u in urls]
+    assert len(set(paths)) == len(urls), paths
+    assert paths[:2] == [
+        os.path.join("metrics", n) for n in ("s3-b+exp_1.jsonl", "s3-b+exp+1.jsonl")
+    ]
+    assert TrainerConfig(max_steps=1, run_dir="s3://b/exp/1/").metrics_path == paths[1]

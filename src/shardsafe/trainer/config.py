@@ -145,11 +145,11 @@ class TrainerConfig:
     @property
     def metrics_path(self) -> str:
         """``run_dir/metrics.jsonl``; for a URL run_dir (objects cannot be appended to),
-        ``metrics/<scheme>-<bucket>_<path>.jsonl`` in the working directory of rank 0."""
+        ``metrics/<scheme>-<bucket>+<path>.jsonl`` in the working directory of rank 0
+        (:func:`_flat_name`: one file name per run)."""
         if is_url(self.run_dir):
             rest = self.run_dir.split("://", 1)[1].strip("/")
-            flat = "".join(c if c.isalnum() or c in "-_." else "_" for c in rest)
-            return os.path.join("metrics", f"{scheme(self.run_dir)}-{flat}.jsonl")
+            return os.path.join("metrics", f"{scheme(self.run_dir)}-{_flat_name(rest)}.jsonl")
         return os.path.join(self.run_dir, "metrics.jsonl")
 
     @property
@@ -180,6 +180,25 @@ def _directory_or_absent(field: str, path: str) -> None:
         return
     what = describe_mode(os.stat(path).st_mode) if os.path.exists(path) else "a broken link"
     raise ValueError(f"{field}={path!r} is {what}, not a directory; name a directory")
+
+
+def _flat_name(path: str) -> str:
+    """``path`` as one file name, different for different paths: ``/`` becomes ``+``,
+    and any other character but letters, digits, ``-``, ``_`` and ``.`` becomes ``%XX``.
+
+    Both ``/`` and ``_`` used to become ``_``, so ``s3://b/exp_1`` and ``s3://b/exp/1``
+    shared one metrics file, and a new run of one cut the other's losses from it.
+    """
+    kept = "-_."
+    return "".join(
+        c if (c.isascii() and c.isalnum()) or c in kept else "+" if c == "/" else _escaped(c)
+        for c in path
+    )
+
+
+def _escaped(c: str) -> str:
+    """``%XX`` for each byte of ``c`` in UTF-8."""
+    return "".join(f"%{b:02X}" for b in c.encode())
 
 
 def _overlap(a: str, b: str) -> bool:
