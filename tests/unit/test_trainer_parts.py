@@ -360,3 +360,12 @@ def test_two_url_runs_never_share_a_metrics_file() -> None:
         os.path.join("metrics", n) for n in ("s3-b+exp_1.jsonl", "s3-b+exp+1.jsonl")
     ]
     assert TrainerConfig(max_steps=1, run_dir="s3://b/exp/1/").metrics_path == paths[1]
+
+
+def test_a_trainer_batch_size_beside_a_loaders_own_is_refused(tmp_path: Path) -> None:
+    """Trainer(batch_size=64) with a DataLoader(batch_size=4) trained on batches of 4."""
+    loader = DataLoader(TensorDataset(torch.zeros(8, 3), torch.zeros(8, 1)), batch_size=4)
+    trainer = Trainer(max_steps=1, run_dir=tmp_path, batch_size=64)
+    with pytest.raises(ValueError, match=r"batch_size=64\) applies to a Dataset .* batch_size=4"):
+        trainer.fit(Tiny(), loader)
+    assert loader_spec(loader, 4).batch_size == 4  # the same value twice is no conflict

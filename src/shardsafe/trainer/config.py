@@ -33,7 +33,8 @@ class TrainerConfig:
     keep_last: int | None = None
     """Keep this many newest checkpoints; ``None`` keeps all."""
     batch_size: int | None = None
-    """Batch size per process, used only when ``fit`` is given a ``Dataset``."""
+    """Batch size per process, used only when ``fit`` is given a ``Dataset`` (refused
+    beside a ``DataLoader`` whose own batch size differs)."""
     async_save: bool = False
     """Write checkpoints in the background (``shardsafe.async_save``): the step goes on
     while they are written; ``fit`` waits for the last one before it returns."""

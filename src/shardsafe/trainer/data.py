@@ -51,6 +51,12 @@ class LoaderSpec:
 def loader_spec(source: object, batch_size: int | None) -> LoaderSpec:
     """Read a ``DataLoader`` (or a map-style ``Dataset`` plus ``batch_size``) into a spec."""
     if isinstance(source, DataLoader):
+        if batch_size is not None and batch_size != source.batch_size:
+            # Trainer(batch_size=...) is for a Dataset; a loader's own one was used silently.
+            raise ValueError(
+                f"Trainer(batch_size={batch_size}) applies to a Dataset passed to fit(), but the "
+                f"data is a DataLoader with batch_size={source.batch_size}; leave one of them out"
+            )
         return _from_loader(source)
     if isinstance(source, IterableDataset):
         raise ValueError(_ITERABLE)
