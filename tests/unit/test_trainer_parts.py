@@ -111,6 +111,9 @@ def test_loader_spec_keeps_the_loader_settings_or_says_why_not() -> None:
     assert loader_spec(DATA, 3).batch_size == 3
     with pytest.raises(ValueError, match="batch_size"):
         loader_spec(DATA, None)
+    # batch_size=None has no batch_sampler, which was named as the cause.
+    with pytest.raises(ValueError, match=r"built with batch_size=None; the trainer needs"):
+        loader_spec(DataLoader(DATA, batch_size=None), None)
     weighted = WeightedRandomSampler([1.0] * 20, 20)
     with pytest.raises(ValueError, match="WeightedRandomSampler"):
         loader_spec(DataLoader(DATA, batch_size=4, sampler=weighted), None)

@@ -83,8 +83,10 @@ def _from_loader(loader: DataLoader[Any]) -> LoaderSpec:
     if isinstance(loader.dataset, IterableDataset):
         raise ValueError(_ITERABLE)
     if loader.batch_size is None:
+        # batch_size=None (no batching) has no batch_sampler: it was named as the cause.
+        how = "with a batch_sampler" if loader.batch_sampler is not None else "with batch_size=None"
         raise ValueError(
-            "the DataLoader was built with a batch_sampler; the trainer needs batch_size= "
+            f"the DataLoader was built {how}; the trainer needs batch_size= "
             "(and shuffle=) to split batches across ranks and resume mid-epoch"
         )
     sampler = loader.sampler
