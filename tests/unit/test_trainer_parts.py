@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -372,3 +373,22 @@ def test_a_trainer_batch_size_beside_a_loaders_own_is_refused(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"batch_size=64\) applies to a Dataset .* batch_size=4"):
         trainer.fit(Tiny(), loader)
     assert loader_spec(loader, 4).batch_size == 4  # the same value twice is no conflict
+
+
+@pytest.mark.timeout(30)
+def test_a_metrics_file_that_is_no_regular_file_is_refused(tmp_path: Path) -> None:
+    """A FIFO named metrics.jsonl made the run wait forever before its first step (rank 0
+    read it), a directory failed with a bare errno, and a link was followed."""
+    (tmp_path / "elsewhere.txt").write_text("mine\n")
+    makers = {
+        "a named pipe (FIFO)": lambda p: os.mkfifo(p),
+        "a directory": lambda p: p.mkdir(),
+        "a symbolic link": lambda p: p.symlink_to(tmp_path / "elsewhere.txt"),
+    }
+    for number, (kind, make) in enumerate(makers.items()):
+        path = tmp_path / f"run{number}" / "metrics.jsonl"
+        path.parent.mkdir()
+        make(path)
+        with pytest.raises(shardsafe.CheckpointError, match=f"{path} is {re.escape(kind)}, not"):
+            MetricsLog(str(path), after_step=0)
+    assert (tmp_path / "elsewhere.txt").read_text() == "mine\n"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 from typing import Any
 
 from ..checkpoint.format.strict_json import int_parser, why_not_json
-from ..errors import CheckpointCorruptError
+from ..checkpoint.storage.files import describe_mode
+from ..errors import CheckpointCorruptError, CheckpointError
 
 
 class MetricsLog:
@@ -68,8 +70,16 @@ def _parsed(line: str, path: str, number: int) -> Any:
 
 
 def _drop_after(path: str, step: int) -> None:
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        # A FIFO made the run wait forever before step 1; a directory failed with a bare
+        # errno; a link was followed out of the run's directory.
+        raise CheckpointError(
+            f"{path} is {describe_mode(mode)}, not the run's metrics file; move it away (or "
+            "choose another run_dir) and start again"
+        )
     kept = [r for r in read_metrics(path) if r["step"] <= step]
     temporary = f"{path}.tmp"
     with open(temporary, "w", encoding="utf-8") as f:
