@@ -312,6 +312,8 @@ def test_a_run_dir_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
         path = str(tmp_path / name)
         with pytest.raises(ValueError, match=f"run_dir='{path}' is {what}, not a directory"):
             TrainerConfig(max_steps=1, run_dir=path)
+        with pytest.raises(ValueError, match=f"local_checkpoint_dir='{path}' is {what}, not a"):
+            TrainerConfig(max_steps=1, run_dir=str(tmp_path / "r"), local_checkpoint_dir=path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 

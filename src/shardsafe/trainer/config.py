@@ -125,6 +125,7 @@ class TrainerConfig:
                 "local_checkpoint_dir='' is empty; name a node-local directory, e.g. "
                 "local_checkpoint_dir='/dev/shm/run1', or pass None for no local tier"
             )
+        _directory_or_absent("local_checkpoint_dir", local)
         if is_url(local):
             raise ValueError(
                 f"local_checkpoint_dir={local!r} is a URL; the local tier is a directory on "
