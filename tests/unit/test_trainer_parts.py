@@ -186,6 +186,8 @@ class Tiny(TrainingModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.returns == "plateau":
+            return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
         return {"optimizer": optimizer} if self.returns == "dict" else optimizer
 
 
@@ -214,7 +216,13 @@ def test_fit_takes_a_dataset_and_a_lone_optimizer(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("returns", "message"), [("dict", "configure_optimizers"), ("vector loss", "scalar tensor")]
+    ("returns", "message"),
+    [
+        ("dict", "configure_optimizers"),
+        ("vector loss", "scalar tensor"),
+        # It failed at step 1 with torch's "step() missing ... 'metrics'":
+        ("plateau", "returned a ReduceLROnPlateau, whose step"),
+    ],
 )
 def test_fit_says_what_the_module_returned_wrong(
     tmp_path: Path, returns: str, message: str

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import HashStore
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 if TYPE_CHECKING:
     from ..trainer.module import TrainingModule
@@ -102,6 +102,13 @@ class Strategy(ABC):
             raise TypeError(
                 "configure_optimizers() must return an optimizer or a tuple (optimizer, "
                 f"lr_scheduler); it returned {returned!r:.200}"
+            )
+        if isinstance(scheduler, ReduceLROnPlateau):
+            # It is an LRScheduler, but its step() needs a metric: it failed at step 1.
+            raise TypeError(
+                "configure_optimizers() returned a ReduceLROnPlateau, whose step() needs a "
+                "metric; the Trainer steps the scheduler every step without one. Use a "
+                "step-based scheduler (StepLR, LambdaLR, CosineAnnealingLR, ...)"
             )
         wrapped = self.wrap_optimizer(optimizer)
         if scheduler is not None and wrapped is not optimizer:

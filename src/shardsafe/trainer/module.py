@@ -42,7 +42,8 @@ class TrainingModule(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must define training_step()")
 
     def configure_optimizers(self) -> Optimizer | tuple[Optimizer, LRScheduler]:
-        """An optimizer, or ``(optimizer, lr_scheduler)``; the scheduler steps every step."""
+        """An optimizer, or ``(optimizer, lr_scheduler)``; the scheduler steps every step
+        (so not ``ReduceLROnPlateau``, whose step needs a metric: refused)."""
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
 
     def train_dataloader(self) -> DataLoader[Any] | None:
