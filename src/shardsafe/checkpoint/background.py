@@ -211,7 +211,8 @@ def async_save(
         if not overlap:
             staged.ready()
         handle = SaveHandle(path, run, staged, step)
-    except BaseException:  # an interrupt at the call: no thread will ever end this run
+    except BaseException as e:  # an interrupt at the call: no thread will ever end this run
+        run.coord.abandon(e)  # the others would wait for this rank's heartbeat to stop
         run.coord.close()
         run.storage.close()
         raise

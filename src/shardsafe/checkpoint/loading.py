@@ -155,6 +155,9 @@ def load_chosen(
                     sizes=in_place_sizes,
                 )
                 return _restore(plan, tensors, [t for _, t in routes.in_place], coord.rank)
+    except BaseException as e:
+        coord.abandon(e)  # unless agreed (Ctrl-C, a failure between phases): tell the others
+        raise
     finally:
         coord.close()
 

@@ -131,6 +131,11 @@ def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
         run.items = collect(state, coord.rank, coord.world_size)
     except Exception as e:
         run.error, run.items = e, {}
+    except BaseException as e:  # Ctrl-C in a state_dict: no persist will end this run
+        coord.abandon(e)
+        coord.close()
+        storage.close()
+        raise
     return run
 
 
@@ -142,9 +147,10 @@ def persist(run: SaveRun) -> None:
         if run.failed is not None:
             raise run.failed
         _phases(run)
-    except CheckpointError:
-        if coord.rank == 0 and not run.existed:
+    except BaseException as e:
+        if isinstance(e, CheckpointError) and coord.rank == 0 and not run.existed:
             target_directory.remove_uncommitted(storage)  # everything in it was ours
+        coord.abandon(e)  # unless agreed (Ctrl-C between phases, or in a wait): tell them
         raise
     finally:
         coord.close()

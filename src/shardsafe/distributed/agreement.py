@@ -71,6 +71,27 @@ def post(link: Link, phase: Phase, payload: Any, error: BaseException | None) ->
     if store.add(keys.posted(phase), 1) == link.world_size:
         store.add(keys.wake(phase), ALL_POSTED)
     link.last_posted = phase
+    link.posted_phases.add(phase)
+
+
+def abandon(link: Link, error: BaseException) -> None:
+    """This rank leaves the operation by ``error`` (Ctrl-C, ``SystemExit``, an exception
+    outside any phase block) without having posted it: post it as this rank's failure of
+    every phase it has not posted, so that a rank waiting in any of them raises it at once,
+    naming this rank, instead of waiting for this rank's heartbeat to stop (15 s, and then
+    calling it dead) or, while this process lives on, for the phase timeout. Rank 0 also
+    ends the wait of ranks for its decision in the phase under way (``part``).
+
+    Costs a few store requests per phase, once, and only on this rank's way out."""
+    last = link.last_posted  # rank 0's acknowledgement at close waits on the real one
+    report = {"type": error_type(error), "message": error_message(error)}
+    if link.rank == 0 and link.deciding in link.posted_phases:
+        parts = [keys.part(link.deciding, r) for r in range(1, link.world_size)]
+        link.store.multi_set(parts, [json.dumps({"error": report})] * len(parts))
+    for phase in Phase:
+        if phase not in link.posted_phases:
+            post(link, phase, None, error)
+    link.last_posted = last
 
 
 def read_payloads(link: Link, phase: Phase) -> list[Any]:

@@ -36,7 +36,7 @@ caller to say (``aftermath``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +162,7 @@ class Coordinator:
             # only fail, and torch would log each failure with a C++ stack.
             with contextlib.suppress(Exception):  # the error being raised matters more
                 if not self._link.lost:
-                    self._release_at_close(self._life.acknowledge())
+                    self._release_at_close(self._life.acknowledge(self._link.interrupted))
         self._life.stop_heartbeat()
         self._life.give_back()
 
@@ -190,6 +190,7 @@ class Coordinator:
         ``decide`` is rank 0's error, raised on every rank).
         """
         self._link.current = name
+        self._link.deciding = name if decide is not None else None
         outcome = PhaseOutcome()
         only_rank0_reads = only_rank0_reads or decide is not None
         try:
@@ -197,14 +198,39 @@ class Coordinator:
         except Exception as error:
             self.exchange(name, None, error, only_rank0_reads=only_rank0_reads)
             raise  # pragma: no cover - exchange always raises for a failed rank
+        except BaseException as error:  # Ctrl-C, SystemExit: tell the others, don't wait
+            self.abandon(error)
+            raise
         outcome.payloads = self.exchange(
             name, outcome.payload, None, only_rank0_reads=only_rank0_reads
         )
         if decide is not None:
             link, payloads = self._link, outcome.payloads
-            outcome.part = link.guarded(
-                name, lambda: agreement.decide(link, name, payloads, decide)
+            outcome.part = self._agreeing(
+                lambda: link.guarded(name, lambda: agreement.decide(link, name, payloads, decide))
             )
+            link.deciding = None  # every part is sent: nobody waits for rank 0's any more
+
+    def abandon(self, error: BaseException) -> None:
+        """This rank leaves the operation by ``error``, which no phase agreed on (an
+        interrupt, or an exception outside any phase block): every other rank raises it at
+        once, naming this rank (``agreement.abandon``), instead of waiting for this rank's
+        heartbeat to stop or its phase timeout. Nothing to do if the error was agreed;
+        never raises (the error being raised matters more). Call it before :meth:`close`."""
+        link = self._link
+        if link.store is None or link.lost or link.failed or not self._life.entered:
+            return
+        link.failed = link.interrupted = True
+        with contextlib.suppress(Exception):
+            agreement.abandon(link, error)
+
+    def _agreeing(self, step: Callable[[], Any]) -> Any:
+        """Run ``step``; an error it raises is one every rank raises (no need to abandon)."""
+        try:
+            return step()
+        except CheckpointError:
+            self._link.failed = True
+            raise
 
     # -- one exchange
 
@@ -235,8 +261,10 @@ class Coordinator:
         link.current = phase
         wait = link.timeout if timeout is None else timeout
         skip_reading = only_rank0_reads and link.rank != 0
-        payloads: list[Any] = link.guarded(
-            phase, lambda: self._exchange(phase, payload, error, wait, skip_reading), error
+        payloads: list[Any] = self._agreeing(
+            lambda: link.guarded(
+                phase, lambda: self._exchange(phase, payload, error, wait, skip_reading), error
+            )
         )
         return payloads
 

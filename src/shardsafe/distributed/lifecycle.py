@@ -28,6 +28,9 @@ from .link import Link
 from .phases import Phase
 from .store_requests import CountingStore
 
+INTERRUPTED_ACK_S = 2.0
+"""How long an interrupted rank 0 waits for the others to close (see acknowledge)."""
+
 
 class CallCounter:
     """How many times this process has called each operation on each path.
@@ -122,9 +125,12 @@ class Lifecycle:
         self.withdrawn = True
         return True
 
-    def acknowledge(self) -> bool:
+    def acknowledge(self, interrupted: bool = False) -> bool:
         """Rank 0 stays until every rank that posted the last phase has seen its outcome;
         True once they all have (on the other ranks: once this one has said so).
+        ``interrupted`` (Ctrl-C on this rank): at most :data:`INTERRUPTED_ACK_S`, since
+        the user is waiting; the others, woken by the interrupt, close within
+        milliseconds, unless busy outside any wait.
 
         Rank 0 usually hosts the store: if it returned (and its program exited) while
         another rank was still reading, that rank would crash on a dead socket instead
@@ -135,7 +141,7 @@ class Lifecycle:
             if store.add(keys.CLOSED, 1) == link.world_size - 1:
                 store.add(keys.CLOSED_ALL, 1)
             return True
-        deadline = time.monotonic() + ACK_TIMEOUT_S
+        deadline = time.monotonic() + (INTERRUPTED_ACK_S if interrupted else ACK_TIMEOUT_S)
         last = link.last_posted or Phase.ENTRY
         exists = False
         while True:

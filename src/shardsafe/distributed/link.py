@@ -47,9 +47,17 @@ class Link:
     """The key of rank 0's decision while this rank waits for it (``agreement.part``)."""
     current: Phase = Phase.ENTRY
     """The phase under way."""
+    deciding: Phase | None = None
+    """The phase under way, if rank 0 decides it (the others await their ``part``)."""
     last_posted: Phase | None = None
     lost: bool = False
     """The store failed us: this connection is not handed on."""
+    posted_phases: set[Phase] = field(default_factory=set)
+    """The phases this rank has posted (ok or error): an interrupt fails the others."""
+    failed: bool = False
+    """Every rank has raised (or will raise) an agreed error: nothing left to tell."""
+    interrupted: bool = False
+    """This rank left the operation by an interrupt it told the others of (``abandon``)."""
 
     def guarded(self, phase: Phase, step: Callable[[], Any], error: Any = None) -> Any:
         """Run ``step``; a store that went away becomes a :class:`CheckpointError`."""

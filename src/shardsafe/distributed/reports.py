@@ -27,6 +27,8 @@ def error_message(error: BaseException) -> str:
         return str(error)
     last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
     where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    if isinstance(error, KeyboardInterrupt) and not str(error):
+        return f"KeyboardInterrupt: interrupted (Ctrl-C or SIGINT){where}"
     return f"{type(error).__name__}: {error}{where}"
 
 

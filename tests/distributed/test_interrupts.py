@@ -1,0 +1,93 @@
+"""Ctrl-C on one rank during a save or load reaches the others at once.
+
+Two real gloo ranks; one sends itself a real SIGINT from inside the save or load (its
+``state_dict`` or ``load_state_dict``), catches the ``KeyboardInterrupt`` as a training
+script's cleanup handler would, and stays alive a while. The other rank must raise within
+seconds, naming the interrupted rank and saying it was interrupted. Before, it was told
+nothing: it waited for the interrupted rank's heartbeat to stop (15 s after that rank
+closed, then called it dead, "killed, out of memory"), or, for an interrupt while the
+state was being collected, as long as that process lived on (its heartbeat kept beating)
+up to the phase timeout (30 minutes by default).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardsafe
+from tests.harness import run_ranks
+
+STAY_S = 8.0
+"""How long the interrupted rank lives on after its KeyboardInterrupt (a cleanup)."""
+TOLD_S = 5.0
+"""How soon the other rank must raise: well under STAY_S and the 15 s heartbeat."""
+
+
+class Interrupted:
+    """A stateful object whose ``when`` method gets Ctrl-C on ``victim``."""
+
+    def __init__(self, rank: int, victim: int, when: str) -> None:
+        self.rank, self.victim, self.when = rank, victim, when
+        self.value = 1
+
+    def _maybe_interrupt(self, now: str) -> None:
+        if self.when == now and self.rank == self.victim:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # the KeyboardInterrupt ends this
+
+    def state_dict(self) -> dict[str, Any]:
+        self._maybe_interrupt("state_dict")
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._maybe_interrupt("load_state_dict")
+        self.value = state["value"]
+
+
+def interrupt_one(rank: int, world_size: int, root: str, victim: int, when: str) -> dict[str, Any]:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own Ctrl-C
+    path = os.path.join(root, "ckpt")
+    if when == "load_state_dict":
+        shardsafe.save(path, {"x": Interrupted(rank, victim, "")})
+    state = {"x": Interrupted(rank, victim, when)}
+    start = time.monotonic()
+    try:
+        if when == "load_state_dict":
+            shardsafe.load(path, state)
+        else:
+            shardsafe.save(path, state, timeout=40.0)
+        result = {"kind": "ok", "message": ""}
+    except KeyboardInterrupt:
+        result = {"kind": "KeyboardInterrupt", "message": ""}
+        time.sleep(STAY_S)  # the process lives on: its heartbeat would say nothing
+    except shardsafe.CheckpointError as e:
+        result = {"kind": type(e).__name__, "message": str(e)}
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "victim,when",
+    [(1, "state_dict"), (0, "state_dict"), (1, "load_state_dict"), (0, "load_state_dict")],
+)
+def test_ctrl_c_on_one_rank_is_raised_at_once_on_the_other(
+    tmp_path: Path, victim: int, when: str
+) -> None:
+    results = run_ranks(interrupt_one, 2, str(tmp_path), victim, when, timeout=80)
+    other = results[1 - victim]
+    assert results[victim]["kind"] == "KeyboardInterrupt", results
+    operation = "load" if when == "load_state_dict" else "save"
+    assert other["kind"] == "CheckpointError", results
+    assert other["message"].startswith(
+        f"{operation} failed on rank {victim}: KeyboardInterrupt: interrupted (Ctrl-C or "
+        "SIGINT) (at "
+    ), results
+    assert other["seconds"] < TOLD_S, results
+    assert not (tmp_path / "ckpt" / "manifest.json").exists() or operation == "load"
