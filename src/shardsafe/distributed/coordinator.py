@@ -158,11 +158,15 @@ class Coordinator:
         """
         if self._life.entered:
             self._life.entered = False
+            if self.rank != 0:  # no beat may come after rank 0 deleted the key (forget)
+                self._life.stop_heartbeat(wait=True)
             # Once the store is gone there is nobody to acknowledge to: each request would
             # only fail, and torch would log each failure with a C++ stack.
             with contextlib.suppress(Exception):  # the error being raised matters more
                 if not self._link.lost:
-                    self._release_at_close(self._life.acknowledge(self._link.interrupted))
+                    everyone_closed = self._life.acknowledge(self._link.interrupted)
+                    self._life.stop_heartbeat(wait=True)
+                    self._release_at_close(everyone_closed)
         self._life.stop_heartbeat()
         self._life.give_back()
 
@@ -174,6 +178,7 @@ class Coordinator:
             self._payloads.release(store)
         elif everyone_closed:
             self._payloads.release_everyones(store, self.world_size)
+            self._life.forget()
         else:
             self._payloads.release_own(store)
 

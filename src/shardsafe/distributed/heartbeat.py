@@ -45,6 +45,7 @@ class Heartbeat:
         self.watch = [r for r in range(world_size) if r != rank] if watch is None else list(watch)
         self._seen: dict[int, tuple[int, float]] = {}
         self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
         self.store.add(keys.beat(self.rank), 1)
@@ -57,17 +58,25 @@ class Heartbeat:
         """Beat on a thread; also watch, calling ``on_dead`` (once) with the ranks that
         died (but those ``skip`` names)."""
         self._stop = threading.Event()
-        threading.Thread(
+        self._thread = threading.Thread(
             target=self._run,
             args=(self._stop, on_dead, skip),
             daemon=True,
             name="shardsafe-heartbeat",
-        ).start()
+        )
+        self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Stop beating and watching; with ``wait``, return only once the thread has made
+        its last request (within milliseconds: it sleeps on the stop event), so that the
+        keys it uses can be deleted without it creating them again (or, rank 0's watch,
+        blocking on them)."""
         if self._stop is not None:
             self._stop.set()
             self._stop = None
+        thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=BEAT_S + 1.0)
 
     @property
     def running(self) -> bool:

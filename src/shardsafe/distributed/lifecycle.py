@@ -52,6 +52,8 @@ class CallCounter:
 
 
 CALLS = CallCounter()
+_PULSING: dict[tuple[int, int], Any] = {}
+"""(id(store), rank) -> store: where this process's heartbeat counter, as that rank, is."""
 
 
 class Lifecycle:
@@ -66,7 +68,7 @@ class Lifecycle:
         self._shared: Any = None
         self._connection: Any = None
         if group_store is not None:  # tests: one store, no process group
-            link.store = link.beat_store = CountingStore(group_store)
+            link.store = link.beat_store = link.pulse_store = CountingStore(group_store)
         elif link.world_size > 1:
             self._connect()
 
@@ -78,16 +80,23 @@ class Lifecycle:
         prefixed = dist.distributed_c10d.PrefixStore
         self.link.store = CountingStore(prefixed(prefix, self._connection))
         self.link.beat_store = CountingStore(prefixed(prefix, self._shared))
+        self.link.pulse_store = CountingStore(prefixed(keys.PULSES, self._shared))
         if self._connection is not self._shared:
             self.link.alarm = self.link.beat_store
 
     def first_beat(self) -> None:
         """The first beat, before arriving: rank 0's watch reads every rank's beat in one
-        multi_get, which must not block on a key that does not exist yet. Guarded: if
+        multi_get, which must not block on a key that does not exist yet (once per store:
+        the counter outlives operations). Guarded: if
         rank 0 (which hosts the store) died between two saves, this is the first request
         to find it gone, and must say so, not raise torch's "Connection reset by peer"."""
-        store, rank = self.link.beat_store, self.link.rank
+        store, rank = self.link.pulse_store, self.link.rank
+        pulsing = (id(self._shared), rank)
+        if self._shared is not None and _PULSING.get(pulsing) is self._shared:
+            return  # this rank's counter is in this store already (never deleted)
         self.link.guarded(Phase.ENTRY, lambda: store.add(keys.beat(rank), 1))
+        if self._shared is not None:
+            _PULSING[pulsing] = self._shared  # kept, so that its id stays its own
 
     def start_heartbeat(self) -> None:
         """Every rank has entered: beat until close (rank 0 watches all, others rank 0)."""
@@ -96,14 +105,30 @@ class Lifecycle:
             return
         self.entered = True
         watch = None if link.rank == 0 else [0]
-        beat = Heartbeat(link.beat_store, link.rank, link.world_size, link.dead_after, watch)
+        beat = Heartbeat(link.pulse_store, link.rank, link.world_size, link.dead_after, watch)
         beat.start(self.publish_dead, self.has_posted_current)
         link.heartbeat = beat
 
-    def stop_heartbeat(self) -> None:
+    def stop_heartbeat(self, wait: bool = False) -> None:
         if self.link.heartbeat is not None:
-            self.link.heartbeat.stop()
+            self.link.heartbeat.stop(wait)
             self.link.heartbeat = None
+
+    def forget(self) -> None:
+        """Rank 0, once every rank has closed (and stopped beating): delete the
+        operation's remaining keys, so that the store does not grow by O(ranks) keys with
+        every save and load (a long run saves thousands of times). Payloads go by
+        ``payloads``; a failed phase's reports and rank 0's parts for a failed decision
+        stay (a few keys, only for failures)."""
+        link, store = self.link, self.link.store
+        names = [keys.progress(r) for r in range(link.world_size)]
+        for phase in link.posted_phases:
+            names += [keys.posted(phase), keys.wake(phase)]
+            if link.failed:
+                names += [keys.failed(phase), keys.failing(phase)]
+        names += [keys.CLOSED, keys.CLOSED_ALL] + ([keys.DEAD] if link.dead else [])
+        for name in names:
+            store.delete_key(name)
 
     def withdraw(self) -> bool:
         """Take back this rank's arrival after the entry wait ran out; False if too late.

@@ -35,6 +35,9 @@ class Link:
     store: Any = None
     """This operation's own connection (a ``CountingStore``), for its blocking waits;
     ``None`` on a single rank."""
+    pulse_store: Any = None
+    """Where the heartbeat counters live: one per rank for every operation, outside any
+    operation's namespace, so that they never pile up in the store (``store_keys``)."""
     beat_store: Any = None
     """The heartbeat's connection: never blocked by this operation's waits."""
     alarm: Any = None

@@ -15,9 +15,16 @@ abandoned is never confused with a later one. Inside it, per phase ``P``:
 ``P/part/<rank>``               rank 0's decision for a rank (``decide``)
 ==============================  ==========================================================
 
-and per operation: ``beat/<rank>`` (heartbeats), ``progress/<rank>`` (the last phase a
+and per operation: ``progress/<rank>`` (the last phase a
 rank posted without a payload: one key per rank, overwritten), ``dead`` (the ranks a
 watcher saw die), ``closed`` and ``closed_all`` (the acknowledgement at close).
+
+Outside any namespace, under :data:`PULSES`: ``beat/<rank>``, each rank's heartbeat
+counter, shared by all its operations (one key per rank in all).
+
+Once every rank has closed, rank 0 deletes them (``Lifecycle.forget``; payloads go by
+``payloads``), so the store does not grow with every save; only a failed operation's
+reports stay (a few keys per failure).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import os
 
 from .phases import Phase
 
+PULSES = "shardsafe/pulse"
+"""The prefix of the heartbeat counters (``beat/<rank>``), which no operation owns."""
 DEAD = "dead"
 CLOSED = "closed"
 """Counter: ranks other than 0 that have closed (seen the last outcome)."""
