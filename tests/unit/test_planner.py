@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter, defaultdict
+from typing import Any
 
 import pytest
 import torch
@@ -150,6 +151,31 @@ def test_several_pieces_of_one_tensor_on_one_rank_get_distinct_names() -> None:
     offers = offers_of(1, {}, {"t": [(0, (0, 0), (2, 3)), (0, (2, 0), (2, 3))]})
     plan = plan_save(offers, "sharded", ["t"])
     assert [e.name for e in plan.files[0].entries] == ["t@0,0", "t@2,0"]
+
+
+class _CountedOffer(ChunkOffer):
+    """A chunk offer that counts every look at its rank."""
+
+    looks = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "rank":
+            _CountedOffer.looks += 1
+        return super().__getattribute__(name)
+
+
+def test_naming_the_chunks_of_a_tensor_sharded_over_many_ranks_is_linear() -> None:
+    """One FSDP2 tensor over 2048 ranks: naming each rank's chunk looked at every offer of
+    the tensor (ranks^2 = 4 million looks per tensor, minutes for a model's tensors at
+    that scale). Counted, not timed."""
+    ranks = 2048
+    offers = [
+        [_CountedOffer(r, 0, "w", F32, (ranks, 4), (r, 0), (1, 4), False)] for r in range(ranks)
+    ]
+    _CountedOffer.looks = 0
+    plan = plan_save(offers, "sharded", ["w"])
+    assert [e.name for f in plan.files for e in f.entries] == ["w"] * ranks
+    assert _CountedOffer.looks <= 16 * ranks, _CountedOffer.looks
 
 
 @settings(max_examples=150, deadline=None)
