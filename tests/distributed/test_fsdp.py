@@ -219,3 +219,79 @@ def test_each_save_writes_the_dtensor_geometry_it_has_now(tmp_path: Path) -> Non
 def plain_load_run(rank: int, world: int, path: str) -> torch.Tensor:
     values: torch.Tensor = shardsafe.load(path, {})["values"]["t"]
     return values
+
+
+class AppState:
+    """DCP's tutorial wrapper around an FSDP2 model: ``get_state_dict`` hands out DTensors,
+    and ``set_state_dict`` wants DTensors back."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def app_run(rank: int, world: int, path: str, save: bool) -> Any:
+    model = fsdp(0 if save else 1)
+    opt = adamw(model)
+    if save:
+        train(model, opt, 0, 3, rank)
+        shardsafe.save(path, {"app": AppState(model, opt)})
+    else:
+        shardsafe.load(path, {"app": AppState(model, opt)})
+    return full_state(model, opt)
+
+
+def test_a_stateful_wrapper_of_an_fsdp2_model_loads_its_shards_as_dtensors(
+    tmp_path: Path,
+) -> None:
+    """A stateful object whose state holds DTensors (DCP's ``AppState`` pattern) gets each
+    rank's shards back as DTensors placed like its live ones, at any world size: it used
+    to get every tensor whole and plain, and ``set_state_dict`` failed with torch's "got
+    mixed torch.Tensor and DTensor"."""
+    path = str(tmp_path / "ckpt")
+    msd, osd = run_ranks(app_run, 2, path, True)[0]
+    for world in (2, 3):
+        got_msd, got_osd = run_ranks(app_run, world, path, False)[0]
+        assert_same_model(got_msd, msd)
+        assert_same_optimizer_state(fqn_optimizer_state(got_osd), fqn_optimizer_state(osd))
+
+
+TABLE = torch.arange(21, dtype=torch.float32).reshape(7, 3)
+"""7 rows: uneven over 2 and 3 ranks."""
+
+
+def table_run(rank: int, world: int, path: str, save: bool) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    if save:
+        shardsafe.save(path, {"table": distribute_tensor(TABLE, mesh, [Shard(0)])})
+        return True
+    live = distribute_tensor(torch.zeros(7, 3), mesh, [Shard(1)])
+    shardsafe.load(path, {"table": live})
+    return torch.equal(live.full_tensor(), TABLE)
+
+
+def test_a_dtensor_passed_as_a_plain_entry_is_filled_in_place_with_its_shard(
+    tmp_path: Path,
+) -> None:
+    """``{"table": dtensor}``: each rank reads its own box into its live shard (it used to
+    read the whole tensor and fail copying it into the DTensor, "got mixed torch.Tensor
+    and DTensor")."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(table_run, 2, path, True)
+    for world in (2, 3):
+        assert run_ranks(table_run, world, path, False) == [True] * world

@@ -37,6 +37,11 @@ def _dtensor_class() -> Any:
     return None
 
 
+def is_dtensor_imported() -> bool:
+    """Whether the program has imported DTensor, so that any value may be one."""
+    return _dtensor_class() is not None
+
+
 def is_dtensor(value: object) -> bool:
     cls = _dtensor_class()
     return cls is not None and isinstance(value, cls)

@@ -263,8 +263,10 @@ class PlainDataAdapter(Adapter):
                 "for it"
             )
             return plan
-        # Whatever key the metadata names, it must fit the live tensor it is copied into.
-        plan.requests = [ReadRequest(ref, dtype=obj.dtype, global_shape=tuple(obj.shape))]
+        # Whatever key the metadata names, it must fit the live tensor it is copied into;
+        # a live DTensor takes this rank's box of it (its shard, read alone).
+        whole = ReadRequest(ref, dtype=obj.dtype, global_shape=tuple(obj.shape))
+        plan.requests = [shard_request(whole, obj if dtensor.is_dtensor(obj) else None, ctx)]
         return plan
 
     def validate(
@@ -272,7 +274,7 @@ class PlainDataAdapter(Adapter):
     ) -> None:
         _tree.decode(saved.meta, tensors)
         if isinstance(obj, torch.Tensor):  # refused now, not after other entries restored
-            check_writable(f"state[{ctx.name!r}]", obj)
+            check_writable(f"state[{ctx.name!r}]", dtensor.local_of(obj))
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
@@ -280,6 +282,9 @@ class PlainDataAdapter(Adapter):
         value = _tree.decode(saved.meta, tensors)
         if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
             with torch.no_grad():
+                if dtensor.is_dtensor(obj):  # ``value`` is this rank's box of it
+                    dtensor.local_of(obj).copy_(value)
+                    return obj
                 obj.copy_(value)
         return value
 
@@ -301,7 +306,10 @@ class StatefulAdapter(Adapter):
         return merge_per_rank(metas)
 
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
-        return full_requests(own_record(saved, ctx, warn=True))
+        plan = full_requests(own_record(saved, ctx, warn=True))
+        live = live_dtensors(obj, ctx) if plan.requests else {}
+        plan.requests = [shard_request(req, live.get(req.key), ctx) for req in plan.requests]
+        return plan
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
@@ -311,4 +319,63 @@ class StatefulAdapter(Adapter):
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
-        obj.load_state_dict(_tree.decode(own_record(saved, ctx).meta, tensors))
+        record = own_record(saved, ctx)
+        live = live_dtensors(obj, ctx) if _tree.tensor_refs(record.meta) else {}
+        obj.load_state_dict(_tree.decode(record.meta, as_live(tensors, live, ctx)))
+
+
+def live_dtensors(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
+    """The DTensors of ``obj.state_dict()`` by the key their saved copy has.
+
+    Why: a stateful object may hand out DTensors (DCP's ``AppState`` around an FSDP2 or
+    tensor-parallel model: ``get_state_dict``), which its ``load_state_dict`` wants back
+    as DTensors sharded the same way; plain whole tensors make torch fail in
+    ``load_state_dict`` ("got mixed torch.Tensor and DTensor"). So, as DCP does, the live
+    state is asked for its shards: each rank reads only its own box, and gets it back as
+    a DTensor. Asked only in a program that has imported DTensor (nothing else can hold
+    one); a live state that cannot be encoded is left to ``load_state_dict``."""
+    if not dtensor.is_dtensor_imported():
+        return {}
+    found: dict[str, torch.Tensor] = {}
+
+    def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        key = _names.join(ctx.name, *path)
+        if dtensor.is_dtensor(tensor):
+            found[key] = tensor
+        return key
+
+    try:
+        _tree.encode(obj.state_dict(), f"state[{ctx.name!r}]", sink)
+    except CheckpointError:
+        return {}
+    return found
+
+
+def shard_request(req: ReadRequest, live: torch.Tensor | None, ctx: LoadContext) -> ReadRequest:
+    """``req`` for this rank's box of the live DTensor ``live`` if it matches the saved
+    tensor's dtype and shape (else unchanged: read whole, as for a plain tensor)."""
+    if live is None or ctx.saved_tensors.get(req.key) != (live.dtype, tuple(live.shape)):
+        return req
+    role, offsets, shape = dtensor.geometry(live)
+    if role == "partial":
+        return req
+    box = (None, None) if role == "replicated" else (offsets, shape)
+    return ReadRequest(req.key, *box, dtype=live.dtype, global_shape=tuple(live.shape))
+
+
+def as_live(
+    tensors: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor], ctx: LoadContext
+) -> Mapping[str, torch.Tensor]:
+    """``tensors`` with each one read for a live DTensor's box (:func:`shard_request`)
+    wrapped as a DTensor placed like it."""
+    if not live:
+        return tensors
+    out = dict(tensors)
+    for key, template in live.items():
+        read = tensors.get(key)
+        if read is None or ctx.saved_tensors.get(key) != (template.dtype, tuple(template.shape)):
+            continue
+        role, _, shape = dtensor.geometry(template)
+        if role != "partial" and tuple(read.shape) == shape:
+            out[key] = dtensor.like(template, read)
+    return out
