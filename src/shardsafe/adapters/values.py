@@ -333,7 +333,9 @@ def live_dtensors(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
     ``load_state_dict`` ("got mixed torch.Tensor and DTensor"). So, as DCP does, the live
     state is asked for its shards: each rank reads only its own box, and gets it back as
     a DTensor. Asked only in a program that has imported DTensor (nothing else can hold
-    one); a live state that cannot be encoded is left to ``load_state_dict``."""
+    one). The answer is a hint: a live ``state_dict()`` that fails or cannot be encoded
+    (an object that has its state only after its first use) leaves every tensor read
+    whole, as before, and ``load_state_dict`` judges."""
     if not dtensor.is_dtensor_imported():
         return {}
     found: dict[str, torch.Tensor] = {}
@@ -346,7 +348,7 @@ def live_dtensors(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
 
     try:
         _tree.encode(obj.state_dict(), f"state[{ctx.name!r}]", sink)
-    except CheckpointError:
+    except Exception:  # the hint only (see above); the load goes on as for plain tensors
         return {}
     return found
 
@@ -359,8 +361,10 @@ def shard_request(req: ReadRequest, live: torch.Tensor | None, ctx: LoadContext)
     role, offsets, shape = dtensor.geometry(live)
     if role == "partial":
         return req
-    box = (None, None) if role == "replicated" else (offsets, shape)
-    return ReadRequest(req.key, *box, dtype=live.dtype, global_shape=tuple(live.shape))
+    whole = tuple(live.shape)
+    if role == "replicated":
+        return ReadRequest(req.key, dtype=live.dtype, global_shape=whole)
+    return ReadRequest(req.key, offsets, shape, live.dtype, whole)
 
 
 def as_live(
