@@ -274,7 +274,7 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
         (key, fqn, p)
         for key, value in state.items()
         if isinstance(value, nn.Module)
-        for fqn, p in unwrap(value).named_parameters(remove_duplicate=False)
+        for fqn, p in without_wrappers(list(unwrap(value).named_parameters(remove_duplicate=False)))
     ]
     owners: dict[str, set[int]] = {}
     for _, fqn, p in found:
@@ -283,3 +283,27 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     for key, fqn, p in found:
         names.setdefault(id(p), fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}")
     return names
+
+
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module"})
+"""Name segments that activation checkpointing's ``checkpoint_wrapper`` inserts, which its
+``state_dict`` hook drops from the module's keys: an optimizer's keys drop them too, so
+they agree with the model's whether or not (and wherever) a block was wrapped."""
+
+
+def fqn_without_wrappers(fqn: str) -> str:
+    """``layers.0._checkpoint_wrapped_module.weight`` -> ``layers.0.weight``."""
+    if not any(segment in fqn for segment in WRAPPER_SEGMENTS):
+        return fqn
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def without_wrappers(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """``named`` with :data:`WRAPPER_SEGMENTS` dropped from the names, unless that would
+    give two different parameters one name (then every name stays as it is)."""
+    renamed = [(fqn_without_wrappers(fqn), p) for fqn, p in named]
+    owners: dict[str, int] = {}
+    for fqn, p in renamed:
+        if owners.setdefault(fqn, id(p)) != id(p):
+            return named
+    return renamed

@@ -464,3 +464,75 @@ def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> 
         shardsafe.load(tmp_path / "absent", {"model": nn.Linear(2, 2)})
     assert isinstance(missing.value, CheckpointNotFoundError)
     assert str(missing.value) == f"{tmp_path / 'absent'} does not exist"
+
+
+def _maybe_checkpointed(wrapped: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Two linear blocks, each under activation checkpointing's wrapper if ``wrapped``
+    (as torchtitan applies it per block), with AdamW after one step."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    if wrapped:
+        model[0], model[2] = checkpoint_wrapper(model[0]), checkpoint_wrapper(model[2])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _assert_same_adam(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys() and len(sa) == 4
+    for i in sa:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[i][name], sb[i][name]), (i, name)
+
+
+@pytest.mark.parametrize("saved_wrapped", [True, False], ids=["saved-with-ac", "saved-without"])
+def test_optimizer_state_loads_with_or_without_activation_checkpointing(
+    tmp_path: Path, saved_wrapped: bool
+) -> None:
+    """Optimizer state is keyed as the model is (``checkpoint_wrapper``'s state_dict hook
+    drops ``_checkpoint_wrapped_module`` from the model's keys): it used to keep the
+    segment, so a checkpoint saved with activation checkpointing loaded its weights but
+    refused its optimizer without it ("none of the 4 parameter names ... matches"), and
+    the other way round."""
+    model, opt = _maybe_checkpointed(saved_wrapped)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    assert "optimizer/0.weight/exp_avg" in shardsafe.read_manifest(tmp_path / "ckpt").tensors
+    for wrapped in (True, False):
+        other, other_opt = _maybe_checkpointed(wrapped)
+        for p in other.parameters():
+            torch.nn.init.zeros_(p)
+        shardsafe.load(tmp_path / "ckpt", {"model": other, "optimizer": other_opt})
+        for p, q in zip(model.parameters(), other.parameters()):
+            assert torch.equal(p, q)
+        _assert_same_adam(opt, other_opt)
+
+
+def test_a_checkpoint_keyed_with_activation_checkpointing_segments_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written as before the fix above (optimizer keys with ``_checkpoint_wrapped_module``):
+    it loads into the model with activation checkpointing and without."""
+    from shardsafe.checkpoint.plan import collecting
+
+    def as_before(state: dict[str, Any]) -> dict[int, str]:
+        return {
+            id(p): n
+            for value in state.values()
+            if isinstance(value, nn.Module)
+            for n, p in value.named_parameters()
+        }
+
+    model, opt = _maybe_checkpointed(True)
+    with monkeypatch.context() as patched:
+        patched.setattr(collecting, "param_names", as_before)
+        shardsafe.save(tmp_path / "old", {"model": model, "optimizer": opt})
+    tensors = shardsafe.read_manifest(tmp_path / "old").tensors
+    assert "optimizer/0._checkpoint_wrapped_module.weight/exp_avg" in tensors
+    for wrapped in (True, False):
+        other, other_opt = _maybe_checkpointed(wrapped)
+        shardsafe.load(tmp_path / "old", {"model": other, "optimizer": other_opt})
+        _assert_same_adam(opt, other_opt)

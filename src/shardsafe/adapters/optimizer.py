@@ -33,6 +33,7 @@ from ..protocol import (
     SaveContext,
     SavedValue,
     SaveItem,
+    fqn_without_wrappers,
 )
 from . import dtensor
 from .module import uninitialized
@@ -386,14 +387,35 @@ def _shaped_like(
 
 
 def _meta(saved: SavedValue) -> dict[str, Any]:
-    """The optimizer metadata of a manifest entry, its structure checked."""
+    """The optimizer metadata of a manifest entry, its structure checked, its parameter
+    names without activation checkpointing's segments (:func:`_names_without_wrappers`)."""
     meta = saved.meta
     problem = _meta_problem(meta)
     if problem is not None:
         raise CheckpointCorruptError(
             f"the manifest entry for {saved.name!r} is not valid optimizer metadata: {problem}"
         )
-    return meta  # type: ignore[no-any-return]
+    return _names_without_wrappers(meta)
+
+
+def _names_without_wrappers(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with each parameter name as ``param_names`` now gives it: checkpoints
+    written before it dropped ``_checkpoint_wrapped_module`` keep loading, into a model
+    with activation checkpointing or without. The tensor keys stay as saved. Names that
+    would merge into one are left as they are."""
+    names = {n for g in meta["param_groups"] for n in g["params"]}
+    names.update(meta["state"], meta["param_shapes"])
+    rename = {n: fqn_without_wrappers(n) for n in names}
+    if all(a == b for a, b in rename.items()) or len(set(rename.values())) < len(rename):
+        return meta
+    return {
+        **meta,
+        "param_groups": [
+            {**g, "params": [rename[n] for n in g["params"]]} for g in meta["param_groups"]
+        ],
+        "state": {rename[n]: v for n, v in meta["state"].items()},
+        "param_shapes": {rename[n]: v for n, v in meta["param_shapes"].items()},
+    }
 
 
 def _meta_problem(meta: Any) -> str | None:
