@@ -285,10 +285,12 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     return names
 
 
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module"})
-"""Name segments that activation checkpointing's ``checkpoint_wrapper`` inserts, which its
-``state_dict`` hook drops from the module's keys: an optimizer's keys drop them too, so
-they agree with the model's whether or not (and wherever) a block was wrapped."""
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+"""Name segments that wrappers of single blocks insert: activation checkpointing's
+``checkpoint_wrapper`` (whose ``state_dict`` hook drops it from the module's keys) and
+``torch.compile`` of a block (``_orig_mod``; torchtitan compiles block by block). Keys
+drop them (module and optimizer alike), so a checkpoint loads whether or not, and
+wherever, blocks were wrapped, as DCP's do."""
 
 
 def fqn_without_wrappers(fqn: str) -> str:

@@ -536,3 +536,72 @@ def test_a_checkpoint_keyed_with_activation_checkpointing_segments_still_loads(
         other, other_opt = _maybe_checkpointed(wrapped)
         shardsafe.load(tmp_path / "old", {"model": other, "optimizer": other_opt})
         _assert_same_adam(opt, other_opt)
+
+
+def _maybe_compiled(compiled: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Two linear blocks, each compiled on its own if ``compiled`` (torchtitan's way; lazy:
+    nothing compiles, the step runs the blocks themselves), with AdamW after one step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    if compiled:
+        model[0], model[2] = torch.compile(model[0]), torch.compile(model[2])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for block in model:
+        x = getattr(block, "_orig_mod", block)(x)
+    x.sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("saved_compiled", [True, False], ids=["saved-compiled", "saved-eager"])
+def test_blocks_compiled_one_by_one_save_and_load_under_their_own_names(
+    tmp_path: Path, saved_compiled: bool
+) -> None:
+    """A block compiled on its own puts ``_orig_mod`` in every name below it: the keys
+    used to keep it ('model/0._orig_mod.weight'), so the checkpoint did not load into the
+    model uncompiled (or compiled whole), nor the other way round."""
+    model, opt = _maybe_compiled(saved_compiled)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    tensors = shardsafe.read_manifest(tmp_path / "ckpt").tensors
+    assert {"model/0.weight", "optimizer/2.bias/exp_avg"} <= set(tensors)
+    for compiled in (True, False):
+        other, other_opt = _maybe_compiled(compiled)
+        for p in other.parameters():
+            torch.nn.init.zeros_(p)
+        shardsafe.load(tmp_path / "ckpt", {"model": other, "optimizer": other_opt})
+        for p, q in zip(model.parameters(), other.parameters()):
+            assert torch.equal(p, q)
+        _assert_same_adam(opt, other_opt)
+
+
+def test_a_checkpoint_keyed_with_orig_mod_still_loads_into_its_compiled_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written as before the fix above (keys with ``_orig_mod``): it still loads into the
+    model compiled block by block."""
+    from shardsafe.adapters import module as module_adapter
+    from shardsafe.checkpoint.plan import collecting
+
+    def names_as_before(state: dict[str, Any]) -> dict[int, str]:
+        return {
+            id(p): n
+            for value in state.values()
+            if isinstance(value, nn.Module)
+            for n, p in value.named_parameters()
+        }
+
+    model, opt = _maybe_compiled(True)
+    with monkeypatch.context() as patched:
+        patched.setattr(collecting, "param_names", names_as_before)
+        patched.setattr(module_adapter, "_without_wrappers", lambda state: state)
+        shardsafe.save(tmp_path / "old", {"model": model, "optimizer": opt})
+    tensors = shardsafe.read_manifest(tmp_path / "old").tensors
+    assert {"model/0._orig_mod.weight", "optimizer/0._orig_mod.weight/exp_avg"} <= set(tensors)
+    other, other_opt = _maybe_compiled(True)
+    for p in other.parameters():
+        torch.nn.init.zeros_(p)
+    shardsafe.load(tmp_path / "old", {"model": other, "optimizer": other_opt})
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_adam(opt, other_opt)

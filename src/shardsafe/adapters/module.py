@@ -39,6 +39,7 @@ from ..protocol import (
     SaveContext,
     SavedValue,
     SaveItem,
+    fqn_without_wrappers,
     unwrap,
 )
 from . import dtensor
@@ -53,10 +54,11 @@ class ModuleAdapter(Adapter):
     def save(self, obj: nn.Module, ctx: SaveContext) -> SaveItem:
         module = unwrap(obj)
         params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        params |= {fqn_without_wrappers(name) for name in params}
         chunks: list[Chunk] = []
         names: list[str] = []
         extra: dict[str, Any] = {}
-        for name, value in _state_of(module).items():
+        for name, value in _without_wrappers(_state_of(module)).items():
             if not isinstance(value, torch.Tensor):
                 extra[name] = _tree.encode(value, f"state[{ctx.name!r}][{name!r}]", _refuse_tensor)
                 continue
@@ -113,13 +115,15 @@ class ModuleAdapter(Adapter):
                 "and as extra state"
             )
         key = _keys(saved, ctx)
+        as_saved = _as_saved(saved_names | set(extra))
         plan = LoadRequests()
         tied = _tied_names(module)
         extra_state = _ExtraState(module)
         for name, value in live.items():
-            if name not in saved_names:
+            if as_saved(name) not in saved_names:
                 # Extra state is missing as a tensor is (torch says "Missing key(s)").
-                if ctx.strict and name not in extra and not tied.get(name, set()) & saved_names:
+                twins = {as_saved(n) for n in tied.get(name, set())}
+                if ctx.strict and as_saved(name) not in extra and not twins & saved_names:
                     plan.missing.append(key(name))
                 continue
             if extra_state(name, value):
@@ -128,7 +132,8 @@ class ModuleAdapter(Adapter):
                 plan.requests.append(ReadRequest(key(name)))
             elif isinstance(value, torch.Tensor):
                 plan.requests.append(_request(key(name), value))
-        plan.unexpected = [key(n) for n in sorted((saved_names | set(extra)) - set(live))]
+        held = {as_saved(n) for n in live}
+        plan.unexpected = [key(n) for n in sorted((saved_names | set(extra)) - held)]
         return plan
 
     def targets(
@@ -194,9 +199,11 @@ class ModuleAdapter(Adapter):
                 state[name] = tensors[key]
             elif isinstance(value, torch.Tensor):
                 state[name] = dtensor.like(value, tensors[key])
-        for name, raw in _extra(saved).items():
-            if name in live:
-                state[name] = _tree.decode(raw, {})
+        extra = _extra(saved)
+        as_saved = _as_saved(set(_saved_names(saved)) | set(extra))
+        for name in live:
+            if as_saved(name) in extra:
+                state[name] = _tree.decode(extra[as_saved(name)], {})
         module.load_state_dict(state, strict=False)
 
 
@@ -286,9 +293,27 @@ def _tied_names(module: nn.Module) -> dict[str, set[str]]:
 
 
 def _keys(saved: SavedValue, ctx: LoadContext) -> Callable[[str], str]:
-    """The key each tensor name of the module has in this checkpoint: encoded
-    (``ctx.key``), or as written before names were encoded (see ``_names.module_keys``)."""
-    return _names.module_keys(ctx.name, _saved_names(saved), ctx.saved_tensors)
+    """The key each live tensor name of the module has in this checkpoint: encoded
+    (``ctx.key``), or as written before names were encoded (see ``_names.module_keys``),
+    its wrappers' segments dropped unless it was saved with them (:func:`_as_saved`)."""
+    names = _saved_names(saved)
+    key = _names.module_keys(ctx.name, names, ctx.saved_tensors)
+    as_saved = _as_saved(set(names) | set(_extra(saved)))
+    return lambda name: key(as_saved(name))
+
+
+def _as_saved(saved: set[str]) -> Callable[[str], str]:
+    """A live state-dict name as the checkpoint names it: itself if saved so (a checkpoint
+    written with a block's wrapper segments in its names, before they were dropped), else
+    without them (``protocol.WRAPPER_SEGMENTS``)."""
+    return lambda name: name if name in saved else fqn_without_wrappers(name)
+
+
+def _without_wrappers(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` keyed without wrapper segments (``_orig_mod`` of a block compiled on its
+    own), unless that would give two entries one name: then as it is."""
+    renamed = {fqn_without_wrappers(name): value for name, value in state.items()}
+    return renamed if len(renamed) == len(state) else state
 
 
 def _saved_names(saved: SavedValue) -> list[str]:
