@@ -1,7 +1,9 @@
 """``nn.Module`` state: plain, DDP-wrapped, ``torch.compile``-d, or with DTensor parameters.
 
 Keys are the module's own state-dict names (``model/fc.weight``), without the ``module.``
-prefix DDP adds, so a checkpoint loads whether or not the model is wrapped. A name with
+prefix DDP adds and without the segments that wrappers of single blocks add (``_orig_mod``
+of a block compiled on its own, ``protocol.WRAPPER_SEGMENTS``), so a checkpoint loads
+whether or not the model or its blocks are wrapped. A name with
 ``/``, ``%`` or a leading ``@`` is encoded (``shardsafe._names``); checkpoints written
 before that keep loading.
 
