@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -501,14 +502,7 @@ def test_optimizer_state_loads_with_or_without_activation_checkpointing(
     model, opt = _maybe_checkpointed(saved_wrapped)
     shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
     assert "optimizer/0.weight/exp_avg" in shardsafe.read_manifest(tmp_path / "ckpt").tensors
-    for wrapped in (True, False):
-        other, other_opt = _maybe_checkpointed(wrapped)
-        for p in other.parameters():
-            torch.nn.init.zeros_(p)
-        shardsafe.load(tmp_path / "ckpt", {"model": other, "optimizer": other_opt})
-        for p, q in zip(model.parameters(), other.parameters()):
-            assert torch.equal(p, q)
-        _assert_same_adam(opt, other_opt)
+    _loads_into_both(tmp_path / "ckpt", model, opt, _maybe_checkpointed)
 
 
 def test_a_checkpoint_keyed_with_activation_checkpointing_segments_still_loads(
@@ -535,6 +529,23 @@ def test_a_checkpoint_keyed_with_activation_checkpointing_segments_still_loads(
     for wrapped in (True, False):
         other, other_opt = _maybe_checkpointed(wrapped)
         shardsafe.load(tmp_path / "old", {"model": other, "optimizer": other_opt})
+        _assert_same_adam(opt, other_opt)
+
+
+def _loads_into_both(
+    path: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    make: Callable[[bool], tuple[nn.Module, torch.optim.Optimizer]],
+) -> None:
+    """``path`` loads, bit for bit, into zeroed models made both ways (wrapped or not)."""
+    for wrapped in (True, False):
+        other, other_opt = make(wrapped)
+        for p in other.parameters():
+            torch.nn.init.zeros_(p)
+        shardsafe.load(path, {"model": other, "optimizer": other_opt})
+        for p, q in zip(model.parameters(), other.parameters()):
+            assert torch.equal(p, q)
         _assert_same_adam(opt, other_opt)
 
 
@@ -565,14 +576,7 @@ def test_blocks_compiled_one_by_one_save_and_load_under_their_own_names(
     shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
     tensors = shardsafe.read_manifest(tmp_path / "ckpt").tensors
     assert {"model/0.weight", "optimizer/2.bias/exp_avg"} <= set(tensors)
-    for compiled in (True, False):
-        other, other_opt = _maybe_compiled(compiled)
-        for p in other.parameters():
-            torch.nn.init.zeros_(p)
-        shardsafe.load(tmp_path / "ckpt", {"model": other, "optimizer": other_opt})
-        for p, q in zip(model.parameters(), other.parameters()):
-            assert torch.equal(p, q)
-        _assert_same_adam(opt, other_opt)
+    _loads_into_both(tmp_path / "ckpt", model, opt, _maybe_compiled)
 
 
 def test_a_checkpoint_keyed_with_orig_mod_still_loads_into_its_compiled_model(
