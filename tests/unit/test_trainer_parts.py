@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
 import shardsafe
@@ -402,3 +403,26 @@ def test_a_metrics_file_that_is_no_regular_file_is_refused(tmp_path: Path) -> No
         with pytest.raises(shardsafe.CheckpointError, match=f"{path} is {re.escape(kind)}, not"):
             MetricsLog(str(path), after_step=0)
     assert (tmp_path / "elsewhere.txt").read_text() == "mine\n"
+
+
+class FailsAtStep(Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise RuntimeError("the step failed")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_one_process_fit_leaves_no_process_group_behind(tmp_path: Path) -> None:
+    """A one-process ``fit`` that made the default group and then failed left it behind:
+    the caller's next ``init_process_group`` raised "initialize the default process group
+    twice"."""
+    loader = DataLoader(TensorDataset(torch.zeros(8, 3), torch.zeros(8, 1)), batch_size=4)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        Trainer(strategy="ddp", max_steps=1, run_dir=tmp_path / "a").fit(FailsAtStep(), loader)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # a group the caller made is used and left alone, failure or not
+        with pytest.raises(RuntimeError, match="the step failed"):
+            Trainer(strategy="ddp", max_steps=1, run_dir=tmp_path / "b").fit(FailsAtStep(), loader)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

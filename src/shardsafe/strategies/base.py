@@ -82,6 +82,17 @@ class Strategy(ABC):
             dist.destroy_process_group()
         self._owns_group = False
 
+    def abandon(self) -> None:
+        """After a failure, leave the group this strategy made if this process is its only
+        member and no launcher started it: nobody else needs its store, and the exception
+        goes back to the caller, whose next ``fit`` or ``init_process_group`` in this
+        process would otherwise find a stale default group ("trying to initialize the
+        default process group twice")."""
+        alone = self.env.world_size == 1 and not self.env.launched
+        if self._owns_group and alone and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
     # -- wrapping ---------------------------------------------------------------------------
 
     @abstractmethod

@@ -94,8 +94,12 @@ class Trainer:
             raise SystemExit(status)
         strategy = STRATEGIES[self.config.strategy](env)
         with reported_and_fatal(env, self._interrupted):
-            strategy.setup()
-            result = train(module, data, strategy, self.config, resume)
+            try:
+                strategy.setup()
+                result = train(module, data, strategy, self.config, resume)
+            except BaseException:
+                strategy.abandon()
+                raise
             strategy.teardown()
         return result
 
