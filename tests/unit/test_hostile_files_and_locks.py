@@ -26,7 +26,6 @@ import torch
 
 import shardsafe
 from shardsafe import CheckpointManager
-from shardsafe.checkpoint.storage import leftovers
 from shardsafe.checkpoint.storage.lock import LOCK_NAME
 from shardsafe.checkpoint.storage.object_storage import FsspecStorage
 from shardsafe.converters import convert
@@ -35,6 +34,7 @@ from shardsafe.trainer.metrics import MetricsLog
 from tests import forge
 from tests.isolated import Outcome, run_isolated
 from tests.s3server import S3Server
+from tests.unit.disk_helpers import snapshot, state
 
 with contextlib.suppress(ImportError):  # loaded here, so that a child's case imports nothing
     import fsspec.implementations.chained  # noqa: F401 - what url_to_fs imports on first use
@@ -49,32 +49,6 @@ DEEP = "[" * 100_000 + "]" * 100_000
 DEEP_LOCK = "[" * 30_000 + "]" * 30_000
 """Under a lock's 64 KiB limit, far deeper than the parser recurses."""
 DIGITS = "7" * 5000
-
-
-def state(seed: int = 0) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    return {"w": torch.randn(4, 3), "b": torch.randn(3), "step": seed}
-
-
-def snapshot(directory: Path) -> dict[str, tuple[str, Any]]:
-    """Every entry of ``directory``: what it is and its bytes (a link: its target)."""
-    out: dict[str, tuple[str, Any]] = {}
-    for name in sorted(os.listdir(directory)):
-        path = directory / name
-        if path.is_symlink():
-            out[name] = ("symlink", os.readlink(path))
-        elif path.is_dir():
-            out[name] = ("directory", sorted(os.listdir(path)))
-        elif path.is_fifo():
-            out[name] = ("fifo", None)
-        else:
-            out[name] = ("file", path.read_bytes())
-    return out
-
-
-def record(*names: str) -> bytes:
-    """A marker record, as an interrupted save of this version leaves it."""
-    return leftovers.marker_bytes(list(names))
 
 
 # ------------------------------------- item 8: hostile files end in a named error

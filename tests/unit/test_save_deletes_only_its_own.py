@@ -17,7 +17,6 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from shardsafe.converters import convert
 from shardsafe.errors import CheckpointError
 from tests.isolated import run_isolated
 from tests.s3server import S3Server
+from tests.unit.disk_helpers import record, snapshot, state
 
 with contextlib.suppress(ImportError):  # loaded here, so that a child's case imports nothing
     import fsspec.implementations.chained  # noqa: F401 - what url_to_fs imports on first use
@@ -47,37 +47,11 @@ DEEP = "[" * 100_000 + "]" * 100_000
 DIGITS = "7" * 5000
 
 
-def state(seed: int = 0) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    return {"w": torch.randn(4, 3), "b": torch.randn(3), "step": seed}
-
-
 def loads_back(path: Path | str, seed: int = 0) -> None:
     live = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
     assert shardsafe.load(path, live)["step"] == seed
     expected = state(seed)
     assert torch.equal(live["w"], expected["w"]) and torch.equal(live["b"], expected["b"])
-
-
-def snapshot(directory: Path) -> dict[str, tuple[str, Any]]:
-    """Every entry of ``directory``: what it is and its bytes (a link: its target)."""
-    out: dict[str, tuple[str, Any]] = {}
-    for name in sorted(os.listdir(directory)):
-        path = directory / name
-        if path.is_symlink():
-            out[name] = ("symlink", os.readlink(path))
-        elif path.is_dir():
-            out[name] = ("directory", sorted(os.listdir(path)))
-        elif path.is_fifo():
-            out[name] = ("fifo", None)
-        else:
-            out[name] = ("file", path.read_bytes())
-    return out
-
-
-def record(*names: str) -> bytes:
-    """A marker record, as an interrupted save of this version leaves it."""
-    return leftovers.marker_bytes(list(names))
 
 
 def plant(directory: Path, marker: bytes | None, **files: bytes) -> None:
