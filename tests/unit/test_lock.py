@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,3 +203,33 @@ def test_only_a_stale_claims_own_name_is_removed_beside_the_lock(tmp_path: Path)
         "step-000000002",
     ]
     assert backup.read_text() == "mine"
+
+
+def another_process_saves(root: Path) -> subprocess.CompletedProcess[str]:
+    script = (
+        "import sys, torch, shardsafe\n"
+        "shardsafe.CheckpointManager(sys.argv[1]).save(9, {'w': torch.zeros(2)})\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.timeout(120)
+def test_two_managers_of_one_process_share_the_lock_until_both_close(tmp_path: Path) -> None:
+    """The first of two managers on one root to close removed the lock while the second
+    went on saving: another run could then take the root and interleave its steps."""
+    first, second = CheckpointManager(tmp_path), CheckpointManager(tmp_path)
+    first.save(1, STATE)
+    with pytest.warns(UserWarning, match="did not resume from"):  # a second manager's warning
+        second.save(2, STATE)
+    first.close()
+    assert owner_of(tmp_path)["pid"] == os.getpid()
+    other = another_process_saves(tmp_path)
+    assert other.returncode != 0
+    assert f"{tmp_path} is being written by another run (pid {os.getpid()}" in other.stderr
+    second.save(3, STATE)
+    second.close()
+    assert not (tmp_path / LOCK_NAME).exists()
+    assert another_process_saves(tmp_path).returncode == 0
+    assert sorted(os.listdir(tmp_path)) == ["latest"] + [f"step-00000000{s}" for s in (1, 2, 3, 9)]

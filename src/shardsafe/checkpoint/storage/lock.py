@@ -23,6 +23,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -40,6 +41,12 @@ _CLAIM = re.compile(re.escape(LOCK_NAME) + r"\.[0-9a-f]{32}", re.ASCII)
 only names beside the lock the manager removes, never as a directory. Any name starting
 ``.shardsafe.lock.`` was removed (a backup of yours), and a directory so named failed
 every save after its commit (retention never ran)."""
+_HOLDERS: dict[str, int] = {}
+"""How many :class:`RootLock` objects of this process hold each lock (by its location).
+Two managers of one process on one root share its lock file (a notebook that makes a
+new manager without closing the old one): the first one's ``close`` removed the file
+while the second went on saving, and another run could then take the root."""
+_HOLDERS_LOCK = threading.Lock()
 _CLAIM_LEFT_S = 60.0
 """A lock claim (a private file not yet linked into place) older than this was left by a
 run killed between writing it and linking it."""
@@ -87,6 +94,8 @@ class RootLock:
         store has no conditional create and the lock was checked, then written."""
         self._recheck = False
         """Whether every later save re-reads the lock (see :meth:`_confirm`)."""
+        self._where = ""
+        """The lock's location (its key in ``_HOLDERS``), once held."""
 
     def acquire(self) -> None:
         """Own the root (before each save's first write): take the lock the first time;
@@ -102,6 +111,9 @@ class RootLock:
             if not self._create(root, backend, raw):
                 self._take_over_or_refuse(root, backend, raw)
             self._recheck = not backend.holds_exclusive
+            self._where = root.where(LOCK_NAME)
+        with _HOLDERS_LOCK:
+            _HOLDERS[self._where] = _HOLDERS.get(self._where, 0) + 1
         self.held = True
         atexit.register(self.release)
 
@@ -118,7 +130,10 @@ class RootLock:
             owner = {"host": self.me["host"]}  # a writer died between create and write
         same_host = owner.get("host") == self.me["host"]
         if same_host and owner.get("pid") == self.me["pid"]:
-            return  # this process already owns the root (another manager object)
+            # This process already owns the root (another manager object): share its lock,
+            # which the last of them to release removes.
+            self.me["token"] = owner.get("token")
+            return
         if same_host and not _alive(owner):
             backend.replace(LOCK_NAME, raw)
             if self._owner(root, backend).get("token") == self.me["token"]:
@@ -151,7 +166,7 @@ class RootLock:
             owner = self._owner(root, root.lock_backend())
             if owner.get("token") == self.me["token"]:
                 return
-            self.held = False
+            self._let_go()
             who = (
                 f"another run (pid {owner.get('pid')} on host {owner.get('host')})"
                 if owner
@@ -179,10 +194,20 @@ class RootLock:
             return False
         return root.lock_backend().claim_left_behind(name, _CLAIM_LEFT_S)
 
-    def release(self) -> None:
-        if not self.held:
-            return
+    def _let_go(self) -> bool:
+        """Stop holding the lock; whether another object of this process still holds it."""
         self.held = False
+        with _HOLDERS_LOCK:
+            others = _HOLDERS.get(self._where, 1) - 1
+            if others > 0:
+                _HOLDERS[self._where] = others
+            else:
+                _HOLDERS.pop(self._where, None)
+        return others > 0
+
+    def release(self) -> None:
+        if not self.held or self._let_go():
+            return  # not held, or another manager of this process still saves into the root
         # At exit too: a lock damaged or replaced since is not this run's to remove.
         with contextlib.suppress(Exception), self._open_root() as root:
             if self._owner(root, root.lock_backend()).get("token") == self.me["token"]:
