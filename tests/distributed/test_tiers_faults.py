@@ -706,3 +706,46 @@ def test_one_nodes_local_failure_is_the_same_error_on_every_rank_at_once(
             f"tiers failed on rank 1: the local tier's directory {local_dir(base, 1)} cannot "
             "be made or opened: File exists. Give each node a local path it can write"
         )
+
+
+def _settings_differ(rank: int, world: int, base: str, differ: dict[str, Any]) -> tuple[str, str]:
+    """Each rank a node of its own; rank 1 passes ``differ`` on top of rank 0's settings,
+    then both save 3 steps."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    options: dict[str, Any] = {"local_every": 1, "persist_every": None, "timeout": 15}
+    try:
+        manager = TieredCheckpointManager(
+            os.path.join(base, "persistent"),
+            local_dir(base, rank),
+            **{**options, **(differ if rank == 1 else {})},
+        )
+        try:
+            state = {"model": torch.nn.Linear(4, 4)}
+            for step in (1, 2, 3):
+                manager.save(step, state)
+            manager.wait()
+        finally:
+            manager.close()
+        return ("ok", "")
+    except Exception as e:  # what each rank raised, compared by the test
+        return (type(e).__name__, str(e))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("local_every", 2), ("persist_every", 2), ("keep_local", 3)]
+)
+def test_settings_that_differ_between_ranks_are_refused_on_every_rank(
+    tmp_path: Path, field: str, value: int
+) -> None:
+    """Before, local_every=2 on rank 1 only paired rank 0's replication of step 1 with rank
+    1's of step 2: rank 1 returned as if all was well, and rank 0 raised a gloo 'Connection
+    reset by peer' from wait()."""
+    first = {"local_every": 1, "persist_every": None, "keep_local": 2}[field]
+    outcomes = run_ranks(_settings_differ, 2, str(tmp_path), {field: value}, timeout=100)
+    said = (
+        f"TieredCheckpointManager's settings differ between ranks: {field}={first!r} on "
+        f"rank 0 but {field}={value!r} on rank 1; pass the same {field} on every rank"
+    )
+    assert outcomes == [("CheckpointError", said)] * 2
+    assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))

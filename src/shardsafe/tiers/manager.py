@@ -83,7 +83,18 @@ class TieredCheckpointManager:
         self.node = NodeDir(os.fspath(local))
         self._ranks = Ranks(f"tiers:{name if name is not None else self.persistent.root}", timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
-        names = self._ranks.exchange(Phase.SURVEY, [node_name(), uuid.uuid4().hex])
+        settings = {
+            "local_every": local_every,
+            "persist_every": persist_every,
+            "replicas": replicas,
+            "keep_local": keep_local,
+        }
+        names = self._ranks.exchange(Phase.SURVEY, [node_name(), uuid.uuid4().hex, settings])
+        try:
+            _check_same([n[2] for n in names])
+        except CheckpointError:
+            self.persistent.close()
+            raise
         self.topology = Topology.of([str(n[0]) for n in names])
         self._store = clients.acquire(default_store()) if self.world_size > 1 else None
         self.replicas = self._possible_replicas(replicas)
@@ -260,6 +271,21 @@ def _check(
         raise ValueError(f"replicas={replicas!r} must be a non-negative int")
     if not isinstance(keep_local, int) or keep_local < 1:
         raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+
+
+def _check_same(settings: list[dict[str, Any]]) -> None:
+    """Refuse settings that differ between ranks (every rank sees every rank's, so each
+    raises the same error): the ranks must save the same steps to each tier and pair
+    their replicas the same way, or one waits in an exchange, or a transfer, that another
+    never enters."""
+    for field, first in settings[0].items():
+        for rank, other in enumerate(s[field] for s in settings):
+            if other != first:
+                raise CheckpointError(
+                    f"TieredCheckpointManager's settings differ between ranks: {field}="
+                    f"{first!r} on rank 0 but {field}={other!r} on rank {rank}; pass the same "
+                    f"{field} on every rank"
+                )
 
 
 def _raise(error: Exception) -> NoReturn:
