@@ -631,6 +631,34 @@ def test_a_huge_keep_local_is_refused_before_anything_is_written(tmp_path: Path)
     assert not (tmp_path / "p").exists() or os.listdir(tmp_path / "p") == []
 
 
+@pytest.mark.parametrize("local", ["p", "p/step-000000003", "link", "p/../p/"])
+def test_a_local_path_that_is_the_persistent_root_or_its_step_directory_is_refused(
+    tmp_path: Path, local: str
+) -> None:
+    """Before, the same directory for both failed the first persistent save ('step-000000002
+    is not empty (it holds 'rank-00000')'), after the local tier had written there."""
+    (tmp_path / "link").symlink_to("p")
+    with pytest.raises(CheckpointError) as caught:
+        TieredCheckpointManager(tmp_path / "p", tmp_path / local, replicas=0, persist_every=2)
+    assert str(caught.value) == (
+        f"the local tier's directory {os.path.abspath(tmp_path / local)} and the persistent "
+        f"root {tmp_path / 'p'} are the same directory, or one is a step directory of the "
+        "other: both tiers write step-<step> directories there. Give the local tier a "
+        "directory of its own (on a tmpfs or an NVMe disk)"
+    )
+    # The persistent root's lock was let go: a manager with a local path of its own works.
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "p" / "local", replicas=0, persist_every=2
+    )
+    assert manager.save(2, trained(0)) == ["local", "persistent"]
+    manager.close()
+    assert sorted(os.listdir(tmp_path / "p")) == [
+        "latest",
+        "local",
+        "step-000000002",
+    ]
+
+
 # ------------------------------------------------------------------------ node_dir
 
 

@@ -29,9 +29,10 @@ import warnings
 from typing import Any, NoReturn
 
 from ..checkpoint.io.staging import Stager
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadKeywords
 from ..checkpoint.plan.collecting import check_state, collect
+from ..checkpoint.storage.locations import is_url, local_path
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError
@@ -89,7 +90,16 @@ class TieredCheckpointManager:
             "replicas": replicas,
             "keep_local": keep_local,
         }
-        names = self._ranks.exchange(Phase.SURVEY, [node_name(), uuid.uuid4().hex, settings])
+
+        def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
+            _check_apart(self.node.root, self.persistent.root)
+            return [node_name(), uuid.uuid4().hex, settings]
+
+        try:
+            names = self._ranks.exchange(Phase.SURVEY, identity)
+        except CheckpointError:
+            self.persistent.close()
+            raise
         try:
             _check_same([n[2] for n in names])
         except CheckpointError:
@@ -271,6 +281,25 @@ def _check(
         raise ValueError(f"replicas={replicas!r} must be a non-negative int")
     if not isinstance(keep_local, int) or keep_local < 1:
         raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+
+
+def _check_apart(local: str, persistent: str) -> None:
+    """Refuse a local directory that is the persistent root, or a step directory of it (or
+    the other way round): both tiers write ``step-<step>`` directories, so the persistent
+    tier's saves would refuse (or its retention delete) the local tier's, and the other
+    way round."""
+    if is_url(persistent):
+        return
+    ours, theirs = os.path.realpath(local), os.path.realpath(local_path(persistent))
+    for inner, outer in ((ours, theirs), (theirs, ours)):
+        relative = os.path.relpath(inner, outer)
+        if relative == os.curdir or step_of(relative.split(os.sep)[0]) is not None:
+            raise CheckpointError(
+                f"the local tier's directory {local} and the persistent root {persistent} "
+                "are the same directory, or one is a step directory of the other: both "
+                "tiers write step-<step> directories there. Give the local tier a directory "
+                "of its own (on a tmpfs or an NVMe disk)"
+            )
 
 
 def _check_same(settings: list[dict[str, Any]]) -> None:
