@@ -659,6 +659,27 @@ def test_a_local_path_that_is_the_persistent_root_or_its_step_directory_is_refus
     ]
 
 
+def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Path) -> None:
+    """Before, a save after close() staged the state, then raised concurrent.futures'
+    RuntimeError 'cannot schedule new futures after shutdown'."""
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0, persist_every=2)
+    state = trained(0)
+    manager.save(1, state)
+    manager.close()
+    manager.close()
+    for save, step in itertools.product((manager.save, manager.async_save), (2, 3)):
+        with pytest.raises(CheckpointError) as caught:
+            save(step, state)
+        assert str(caught.value) == (
+            f"this TieredCheckpointManager was closed, so it cannot save step {step}; make a "
+            "new one (on every rank) to save again"
+        )
+    manager.wait()
+    assert manager.latest() == 1
+    assert os.listdir(tmp_path / "l") == ["step-000000001"]
+    assert not (tmp_path / "p").exists() or os.listdir(tmp_path / "p") == []
+
+
 # ------------------------------------------------------------------------ node_dir
 
 

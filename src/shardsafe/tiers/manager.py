@@ -117,6 +117,7 @@ class TieredCheckpointManager:
         )
         self._stager = Stager()
         self._budget_checked = False
+        self._closed = False
         self.budget: budget.Budget | None = None
         """The local tier's disk use per node, once the first local save has measured it."""
         self._restorer = Restorer(
@@ -166,7 +167,7 @@ class TieredCheckpointManager:
         The local checkpoint is on the node's disk when this returns (its replication
         goes on in the background); the persistent one is committed.
         """
-        local, persist = self.due(step)
+        local, persist = self._due_open(step)
         if local:
             self._local_save(step, state)
             self._replicator.wait_written()
@@ -177,12 +178,22 @@ class TieredCheckpointManager:
     def async_save(self, step: int, state: Any) -> list[str]:
         """:meth:`save`, returning once the state is staged (copied): both tiers are
         written in the background. ``wait`` for them."""
-        local, persist = self.due(step)
+        local, persist = self._due_open(step)
         if local:
             self._local_save(step, state)
         if persist:
             self.persistent.async_save(step, state)
         return [name for name, due in (("local", local), ("persistent", persist)) if due]
+
+    def _due_open(self, step: int) -> tuple[bool, bool]:
+        """:meth:`due`, once sure the manager is not closed: its background threads are
+        gone and its store let go, so a save would fail half-way, after staging."""
+        if self._closed:
+            raise CheckpointError(
+                f"this TieredCheckpointManager was closed, so it cannot save step {step}; "
+                "make a new one (on every rank) to save again"
+            )
+        return self.due(step)
 
     def _local_save(self, step: int, state: Any) -> None:
         self._replicator.wait_written()  # its staging buffers are about to be reused
@@ -240,7 +251,9 @@ class TieredCheckpointManager:
             raise CheckpointError(f"a local checkpoint failed: {error}") from error
 
     def close(self) -> None:
-        """Finish everything in flight, then let go of the persistent root's lock."""
+        """Finish everything in flight, then let go of the persistent root's lock (and of
+        the background threads: a closed manager does not save again)."""
+        self._closed = True
         try:
             self._replicator.close()
         finally:
