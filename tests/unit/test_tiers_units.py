@@ -25,6 +25,7 @@ from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
 from shardsafe.tiers.replication import Peers, Replicator, retained
+from shardsafe.tiers.restore import Restorer
 from shardsafe.tiers.topology import Topology
 from tests import forge
 from tests.unit.attacks.common import fifo_reader_probe
@@ -498,6 +499,33 @@ def test_a_damaged_newest_copy_falls_back_to_the_older_step_bitwise(tmp_path: Pa
     assert manager.restored is not None and manager.restored.step == 1
     assert manager.restored.tiers == ["local"]
     assert same(snapshot(live), snapshot(older))
+
+
+def test_a_copy_gone_between_the_survey_and_the_load_falls_back_to_the_older_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the newest step's manifest deleted after the survey chose it made
+    ``load_latest`` raise CheckpointNotFoundError, with step 1 intact on disk."""
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    older = trained(0)
+    manager.save(1, older)
+    manager.save(2, trained(2))
+    fetch = Restorer._fetch
+
+    def fetch_then_vanish(self: Restorer, choice: Choice, excluded: Any) -> bool:
+        if choice.step == 2:
+            (tmp_path / "l" / "step-000000002" / RANK0 / "manifest.json").unlink()
+        return fetch(self, choice, excluded)
+
+    monkeypatch.setattr(Restorer, "_fetch", fetch_then_vanish)
+    live = trained(1)
+    with pytest.warns(UserWarning, match="a local checkpoint of step 2 was damaged .*no manifest"):
+        assert manager.load_latest(live) == {}
+    manager.close()
+    assert manager.restored is not None and manager.restored.step == 1
+    assert manager.restored.tiers == ["local"]
+    assert same(snapshot(live), snapshot(older))
+    assert not (tmp_path / "l" / "step-000000002" / RANK0).exists()  # its remains deleted
 
 
 def test_each_rank_directory_is_surveyed_by_one_rank_of_its_node() -> None:

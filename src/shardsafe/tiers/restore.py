@@ -24,7 +24,12 @@ from ..checkpoint.manager import LATEST, CheckpointManager, step_dir_name, step_
 from ..checkpoint.options import LoadKeywords, LoadOptions
 from ..checkpoint.storage.locations import open_storage
 from ..distributed import Phase, world
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 from . import rank_checkpoint, recovery, transfer
 from .node_dir import NodeDir
 from .ranks import Ranks
@@ -83,7 +88,7 @@ class Restorer:
         # source, which overwrites everything: one read ("inline") suffices there.
         opts = LoadOptions.of(**{"verify": "inline", **options})
         excluded: set[tuple[int, int, int]] = set()
-        damaged: list[CheckpointCorruptError] = []
+        damaged: list[CheckpointError] = []
         persistent = True
         floor: int | None = None  # a persistent step that loaded, then was overwritten
         for _ in range(3 * self.world_size + 3):
@@ -248,11 +253,12 @@ class Restorer:
         state: Any,
         opts: LoadOptions,
         excluded: set[tuple[int, int, int]],
-        damaged: list[CheckpointCorruptError],
+        damaged: list[CheckpointError],
     ) -> dict[str, Any] | None:
         """Load this rank's checkpoint of the chosen step from the node's directory; on a
-        damaged copy (anywhere) ``None``, the bad copies deleted and excluded, the error
-        added to ``damaged``."""
+        damaged copy (anywhere), or one gone since the survey (its manifest deleted: not
+        found), ``None``, the bad copies deleted and excluded, the error added to
+        ``damaged``."""
         step = choice.step
         assert step is not None
         storage = self.node.rank_storage(step, self.rank, create=False)
@@ -265,7 +271,7 @@ class Restorer:
                     agree_as=f"{self.ranks.tag}/step-{step}",
                     view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
                 )
-        except CheckpointCorruptError as e:
+        except (CheckpointCorruptError, CheckpointNotFoundError) as e:
             bad = not self._verifies(step)
             if bad:
                 self.node.remove(step, self.rank)
@@ -333,7 +339,7 @@ class Restorer:
 
 
 def _or_damaged(
-    values: dict[str, Any] | None, damaged: list[CheckpointCorruptError]
+    values: dict[str, Any] | None, damaged: list[CheckpointError]
 ) -> dict[str, Any] | None:
     """``values``; but ``None`` ("nothing to restore") after a damaged local copy was found
     while restoring (``verify="inline"`` copies each tensor into its object as it is read)
