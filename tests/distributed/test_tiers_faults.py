@@ -167,6 +167,49 @@ def test_another_world_size_at_load_uses_the_persistent_tier(
         )
 
 
+def _local_only(rank: int, world: int, base: str, steps: int) -> Any:
+    """Each rank a node of its own, no persistent tier: save ``steps`` steps (if any),
+    then ``load_latest`` in a new manager; what it returned, or raised."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    options: dict[str, Any] = {"persist_every": None, "timeout": 20}
+    state = {"model": torch.nn.Linear(4, 4)}
+    with contextlib.closing(
+        TieredCheckpointManager(os.path.join(base, "persistent"), local_dir(base, rank), **options)
+    ) as manager:
+        for step in range(1, steps + 1):
+            manager.save(step, state)
+        manager.wait()
+    with contextlib.closing(
+        TieredCheckpointManager(os.path.join(base, "persistent"), local_dir(base, rank), **options)
+    ) as manager:
+        try:
+            return ("returned", manager.load_latest(state))
+        except Exception as e:  # what each rank raised, compared by the test
+            return (type(e).__name__, str(e))
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_local_checkpoints_of_another_world_size_and_no_persistent_one_are_never_abandoned(
+    tmp_path: Path, saved: int, resumed: int
+) -> None:
+    """Before, ``load_latest`` returned ``None`` (nothing saved) and the run started afresh
+    over them, silently."""
+    base = str(tmp_path)
+    run_ranks(_local_only, saved, base, 3, timeout=100)
+    outcomes = run_ranks(_local_only, resumed, base, 0, timeout=100)
+    said = (
+        f"the local tier holds checkpoints of step 3 saved at world size {saved}, but this "
+        f"run's world size is {resumed}: local checkpoints load only at the world size that "
+        "saved them, and the persistent tier holds no checkpoint to reshard from. Relaunch "
+        f"with {saved} ranks to resume from them, or give this run a local directory of its "
+        "own to start afresh"
+    )
+    assert outcomes == [("CheckpointMismatchError", said)] * resumed
+    # Nothing was deleted: relaunched at the world size that saved them, they restore.
+    assert run_ranks(_local_only, saved, base, 0, timeout=100) == [("returned", {})] * saved
+
+
 def restore_run(rank: int, world: int, base: str) -> dict[str, Any]:
     """Only ``load_latest`` (2 nodes of 1 rank, a short timeout): what it restored."""
     os.environ["SHARDSAFE_NODE"] = str(rank)

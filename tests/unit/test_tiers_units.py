@@ -143,7 +143,9 @@ def test_copies_saved_at_another_world_size_or_naming_another_rank_are_ignored()
     held = [other + everywhere(2)] * 4
     assert choose(held, two_by_two(), None) == Choice(2, [LOCAL] * 4, {})
     assert choose([everywhere(5, world=2)] * 4, two_by_two(), 1) == Choice(1, [PERSISTENT] * 4)
-    assert choose([everywhere(5, world=8)] * 4, two_by_two(), None) == Choice(None, [])
+    # Nothing to restore, but not nothing saved: load_latest refuses to start afresh.
+    stranded = [everywhere(5, world=8) + everywhere(3, world=2)] * 4
+    assert choose(stranded, two_by_two(), None) == Choice(None, [], stranded=(5, 8))
 
 
 def test_excluded_copies_are_not_asked_for_again() -> None:

@@ -8,7 +8,9 @@ has a copy saved at this world size, either on its own node (restored from there
 ``local``) or on another node (sent to it by a rank of that node first: ``peer``).
 Among several holders the one sending least is asked. If the persistent tier holds a
 newer step than any complete local one, or no local step is complete, the persistent
-tier is used (``persistent``); if nothing exists anywhere, nothing is restored.
+tier is used (``persistent``); if nothing exists anywhere, nothing is restored (but the
+newest step saved at another world size is named, ``Choice.stranded``: ``load_latest``
+refuses to start afresh over it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ class Choice:
     tiers: list[str]
     sends: dict[int, int] = field(default_factory=dict)
     """Receiving rank -> the rank that sends it its checkpoint."""
+    stranded: tuple[int, int] | None = None
+    """With nothing to restore (``step`` None): the newest step of a rank checkpoint saved
+    at another world size, ``(step, world size)``, if any: what a silent fresh start would
+    abandon."""
 
 
 def choose(
@@ -42,10 +48,13 @@ def choose(
     found bad (a failed transfer), not to be asked for again."""
     world = topology.world_size
     nodes_holding: dict[tuple[int, int], set[int]] = {}
+    elsewhere: set[tuple[int, int]] = set()  # (step, world size) of other worlds' copies
     for holder, copies in enumerate(held):
         node = topology.node_of[holder]
         for step, rank, saved_world in copies:
-            if saved_world == world and 0 <= rank < world and (node, step, rank) not in excluded:
+            if saved_world != world:
+                elsewhere.add((step, saved_world))
+            elif 0 <= rank < world and (node, step, rank) not in excluded:
                 nodes_holding.setdefault((step, rank), set()).add(node)
     steps = sorted({step for step, _ in nodes_holding}, reverse=True)
     for step in steps:
@@ -55,7 +64,7 @@ def choose(
             return _plan(step, nodes_holding, topology)
     if persistent_step is not None:
         return Choice(persistent_step, [PERSISTENT] * world)
-    return Choice(None, [])
+    return Choice(None, [], stranded=max(elsewhere, default=None))
 
 
 def _plan(step: int, nodes_holding: dict[tuple[int, int], set[int]], topology: Topology) -> Choice:

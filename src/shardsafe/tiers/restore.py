@@ -38,6 +38,22 @@ from .topology import Topology
 
 
 @dataclass(frozen=True)
+class _Surveyed:
+    """The ranks whose directories one rank checks in a survey: ``ranks``
+    (``Topology.surveyed_by``) and, on the node's lowest rank (``beyond``: the world
+    size), every rank outside this world, of checkpoints saved at a larger one: never
+    restored, but named if they are all a silent fresh start would abandon
+    (``recovery.Choice.stranded``)."""
+
+    ranks: set[int]
+    beyond: int | None
+
+    def __contains__(self, rank: object) -> bool:
+        outside = self.beyond is not None and isinstance(rank, int) and rank >= self.beyond
+        return outside or rank in self.ranks
+
+
+@dataclass(frozen=True)
 class Restored:
     """What :meth:`TieredCheckpointManager.load_latest` restored: the step, each rank's
     tier (``"local"``, ``"peer"`` or ``"persistent"``) and the seconds it took."""
@@ -70,7 +86,10 @@ class Restorer:
         self.persistent, self._options = persistent, storage_options
         self._replicator = replicator
         self.rank, self.world_size = ranks.rank, ranks.world_size
-        self._surveyed = topology.surveyed_by(self.rank, replicas)
+        lowest = self.rank == topology.nodes[topology.node_of[self.rank]][0]
+        self._surveyed = _Surveyed(
+            topology.surveyed_by(self.rank, replicas), self.world_size if lowest else None
+        )
         """The rank directories of the node's this rank checks in a survey."""
         self.restored: Restored | None = None
 
@@ -96,6 +115,7 @@ class Restorer:
             if floor is not None and (choice.step is None or choice.step <= floor):
                 break  # no local step newer than the persistent one that loaded is left
             if choice.step is None:
+                _refuse_stranded(choice, self.world_size)
                 return _or_damaged(None, damaged)
             if recovery.PERSISTENT in choice.tiers:
                 try:
@@ -336,6 +356,23 @@ class Restorer:
                 for rank in set(self.node.ranks_in(later)) & owned:
                     self.node.remove(later, rank)
         self._replicator.resumed_from(step)
+
+
+def _refuse_stranded(choice: recovery.Choice, world_size: int) -> None:
+    """Nothing to restore at this world size, but local checkpoints saved at another
+    (``choice.stranded``) and no persistent checkpoint to reshard from: returning ``None``
+    would start the run afresh, silently abandoning it (the same decision on every rank:
+    they all see the same survey)."""
+    if choice.stranded is None:
+        return
+    step, saved_world = choice.stranded
+    raise CheckpointMismatchError(
+        f"the local tier holds checkpoints of step {step} saved at world size {saved_world}, "
+        f"but this run's world size is {world_size}: local checkpoints load only at the world "
+        "size that saved them, and the persistent tier holds no checkpoint to reshard from. "
+        f"Relaunch with {saved_world} ranks to resume from them, or give this run a local "
+        "directory of its own to start afresh"
+    )
 
 
 def _or_damaged(
