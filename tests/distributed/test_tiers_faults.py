@@ -210,6 +210,58 @@ def test_local_checkpoints_of_another_world_size_and_no_persistent_one_are_never
     assert run_ranks(_local_only, saved, base, 0, timeout=100) == [("returned", {})] * saved
 
 
+def _relayout(rank: int, world: int, base: str, run: str) -> Any:
+    """Run ``A``: 2 nodes of 2 save steps 1-3 (every tensor ``1000 + 10 x step + rank``).
+    Runs ``B`` and ``C``: 4 nodes of 1 (nodes 0 and 1 keep their directories) restore;
+    ``B`` then saves step 3 anew (``2030 + rank``). Each restore's step, this rank's tier
+    and restored value."""
+    warnings.simplefilter("ignore")
+    node = rank // 2 if run == "A" else rank
+    os.environ["SHARDSAFE_NODE"] = str(node)
+    model = torch.nn.Linear(2, 2)
+    state = {"model": model}
+    with contextlib.closing(
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, node), persist_every=None, timeout=30
+        )
+    ) as manager:
+        if run == "A":
+            for step in (1, 2, 3):
+                torch.nn.init.constant_(model.weight, 1000 + 10 * step + rank)
+                manager.save(step, state)
+            manager.wait()
+            return None
+        manager.load_latest(state)
+        assert manager.restored is not None
+        restored = (manager.restored.step, manager.restored.tier, model.weight[0, 0].item())
+        if run == "B":
+            torch.nn.init.constant_(model.weight, 2030 + rank)
+            manager.save(3, state)
+            manager.wait()
+        return restored
+
+
+def test_a_later_step_of_an_abandoned_run_left_by_another_node_layout_is_never_restored(
+    tmp_path: Path,
+) -> None:
+    """A restore to step 2 (rank 0's step 3 never committed) on a new node layout left
+    step 3's copies that no rank of node 0 owns any more (rank 1's, rank 2's); before,
+    once node 1 was lost, node 0 sent rank 1 that copy of the abandoned run (1031), not
+    the new run's step 3 (2031) replicated on node 2."""
+    base = str(tmp_path)
+    run_ranks(_relayout, 4, base, "A", timeout=100)
+    for node in (0, 1):
+        shutil.rmtree(rank_ckpt(base, node, 3, 0))
+    resumed = run_ranks(_relayout, 4, base, "B", timeout=100)
+    assert [r[:2] for r in resumed] == [(2, "local")] * 2 + [(2, "peer")] * 2
+    assert rank_dirs(base, 0)["step-000000003"] == ["rank-00000", "rank-00003"]  # its own
+    shutil.rmtree(local_dir(base, 1))  # node 1 lost
+    again = run_ranks(_relayout, 4, base, "C", timeout=100)
+    assert again == [(3, "local", 2030.0), (3, "peer", 2031.0)] + [
+        (3, "local", 2030.0 + r) for r in (2, 3)
+    ]
+
+
 def restore_run(rank: int, world: int, base: str) -> dict[str, Any]:
     """Only ``load_latest`` (2 nodes of 1 rank, a short timeout): what it restored."""
     os.environ["SHARDSAFE_NODE"] = str(rank)

@@ -345,16 +345,18 @@ class Restorer:
         )
 
     def drop_newer(self, step: int) -> None:
-        """After restoring ``step``, the local checkpoints this rank owns of later steps
-        are of a run that no longer exists: delete them, so that they never mix with the
-        steps this run writes next. Then retention learns of the restored step (never to
-        be deleted before a newer one is complete everywhere) and of the older ones here
-        (``Replicator.resumed_from``)."""
-        owned = {self.rank, *self._replicator.peers.sources}
+        """After restoring ``step``, the local checkpoints of later steps are of a run that
+        no longer exists: delete those this rank surveys (the ones it owns; on the node's
+        lowest rank also those no rank of the node owns, left by another node layout), so
+        that they never mix with the steps this run writes next (a rank whose node lost
+        its copy of such a step would be sent the old run's). Then retention learns of
+        the restored step (never to be deleted before a newer one is complete everywhere)
+        and of the older ones here (``Replicator.resumed_from``)."""
         for later in self.node.steps():
             if later > step:
-                for rank in set(self.node.ranks_in(later)) & owned:
-                    self.node.remove(later, rank)
+                for rank in self.node.ranks_in(later):
+                    if rank in self._surveyed:
+                        self.node.remove(later, rank)
         self._replicator.resumed_from(step)
 
 
