@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe import CheckpointError
 from shardsafe.tiers import TieredCheckpointManager, rank_checkpoint
 from tests.distributed import test_fsdp, zero_setup
 from tests.distributed.tiers_setup import (
@@ -316,6 +317,51 @@ def test_a_replica_that_cannot_be_received_is_refused_and_training_goes_on(
     assert os.listdir(tmp_path / "elsewhere") == []
     assert rank_dirs(base, 1)["step-000000004"] == ["rank-00000", "rank-00001"]
     assert link.is_symlink()
+
+
+def _receipt_fails(rank: int, world: int, base: str) -> tuple[str, str]:
+    """Each rank a node of its own; rank 1's receipt of every replica raises at once (rank
+    0's send of step 1 then times out): what each rank's ``wait()`` raised."""
+    from shardsafe.tiers import transfer
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    if rank == 1:
+
+        def receive(*args: Any, **kwargs: Any) -> bool:
+            raise OSError(errno.EIO, "Input/output error")
+
+        transfer.receive = receive
+    with contextlib.closing(
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None, timeout=5
+        )
+    ) as manager:
+        manager.save(1, {"model": torch.nn.Linear(2, 2)})
+        try:
+            manager.wait()
+        except CheckpointError as e:
+            return (type(e).__name__, str(e))
+        return ("ok", "")
+
+
+def test_a_failed_replication_is_raised_by_wait_as_one_not_as_a_failed_local_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Before, wait() raised 'a local checkpoint failed: [Errno 5] Input/output error' (or
+    gloo's timeout), though every local checkpoint was whole."""
+    outcomes = run_ranks(_receipt_fails, 2, str(tmp_path), timeout=100)
+    assert outcomes[1] == (
+        "CheckpointError",
+        "rank 1 stopped replicating its local checkpoints: the receive of step 1 with rank 0 "
+        "failed: OSError: [Errno 5] Input/output error. Its local checkpoints are whole; from "
+        "that step on they are not copied to other nodes",
+    )
+    assert outcomes[0][1].startswith(
+        "rank 0 stopped replicating its local checkpoints: the send of step 1 with rank 1 failed: "
+    )
+    for node in (0, 1):  # each rank's own checkpoint of step 1 is committed
+        assert (rank_ckpt(str(tmp_path), node, 1, node) / "manifest.json").is_file()
 
 
 # ------------------------------------------------------------- FSDP2 and ZeRO

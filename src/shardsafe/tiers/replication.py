@@ -173,12 +173,15 @@ class Replicator:
                 ok = job.result()
             except Exception as e:  # a peer gone: stop replicating, keep training
                 self._broken = True
-                self.record.errors.append(e)
-                warnings.warn(
-                    f"shardsafe: rank {self.rank} stops replicating its local checkpoints: "
-                    f"the transfer of step {step} with rank {peer} failed: {e}",
-                    stacklevel=1,
+                # Raised by wait() as it is: not "a local checkpoint failed" (they are whole).
+                stopped = CheckpointError(
+                    f"rank {self.rank} stopped replicating its local checkpoints: the "
+                    f"{kind} of step {step} with rank {peer} failed: {type(e).__name__}: "
+                    f"{e}. Its local checkpoints are whole; from that step on they are not "
+                    "copied to other nodes"
                 )
+                self.record.errors.append(stopped)
+                warnings.warn(f"shardsafe: {stopped}", stacklevel=1)
                 ok = False
             if kind == "send":
                 sent = sent and ok
