@@ -364,6 +364,53 @@ def test_a_failed_replication_is_raised_by_wait_as_one_not_as_a_failed_local_che
         assert (rank_ckpt(str(tmp_path), node, 1, node) / "manifest.json").is_file()
 
 
+def _refused_at_a_persistent_step(rank: int, world: int, base: str, verb: str) -> list[str]:
+    """Each rank a node of its own: steps 1 to 3, step 2 due in both tiers; at step 2 rank
+    1's state holds a value shardsafe refuses. What each call raised (``wait`` last)."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    said = []
+    with contextlib.closing(
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, rank), persist_every=2, timeout=30
+        )
+    ) as manager:
+        for step in (1, 2, 3):
+            state: dict[str, Any] = {"model": torch.nn.Linear(2, 2)}
+            if step == 2 and rank == 1:
+                state["sampler"] = object()
+            try:
+                getattr(manager, verb)(step, state)
+            except CheckpointError as e:
+                said.append(f"{verb}({step}): {e}")
+        for _ in range(2):
+            try:
+                manager.wait()
+            except CheckpointError as e:
+                said.append(f"wait: {e}")
+    return said
+
+
+@pytest.mark.parametrize("verb", ["save", "async_save"])
+def test_a_state_one_rank_cannot_stage_at_a_persistent_step_is_one_agreed_error(
+    tmp_path: Path, verb: str
+) -> None:
+    """Before, rank 1 raised its refusal at once, alone, and rank 0 waited in the
+    persistent save of step 2 for the whole entry timeout (60 s), then raised 'rank(s) 1
+    never arrived'; the replication of step 3 then timed out too."""
+    zero, one = run_ranks(_refused_at_a_persistent_step, 2, str(tmp_path), verb, timeout=100)
+    refused = "save failed on rank 1: state['sampler'] is a object, which shardsafe does not know"
+    where = "" if verb == "save" else f"the background save of step 2 to {tmp_path}"
+    assert len(zero) == 1 and zero[0].startswith(f"{'save(2)' if verb == 'save' else 'wait'}: ")
+    assert refused in zero[0] and where in zero[0]
+    assert one[0] == zero[0]
+    # Rank 1's own: no local checkpoint of step 2, warned and raised by wait().
+    assert len(one) == 2 and one[1].startswith(f"wait: {refused.split(': ', 1)[1]}")
+    dirs = rank_dirs(str(tmp_path), 1)  # replication went on in step
+    assert "rank-00001" not in dirs.get("step-000000002", [])
+    assert dirs["step-000000003"] == ["rank-00000", "rank-00001"]
+
+
 # ------------------------------------------------------------- FSDP2 and ZeRO
 
 

@@ -207,6 +207,12 @@ class TieredCheckpointManager:
         except BaseException as e:
             if self._budget_checked:  # the others replicate this step: take part, empty
                 self._replicator.submit(step, None)
+                if isinstance(e, Exception):
+                    # This rank's alone, as a failed write is: warned, raised by wait().
+                    # Raised here, it would leave the others waiting in the persistent
+                    # save of the step, where this state is refused on every rank at once.
+                    self._replicator.failed(step, e)
+                    return
             elif isinstance(e, Exception) and self.world_size > 1:
                 # The others wait in the budget's exchange: every rank raises the same
                 # CheckpointError (from this one's error here).

@@ -138,14 +138,19 @@ class Replicator:
                 )
             self.record.written.append(step)
         except Exception as e:  # recorded; replication sends "none" for this step
-            self.record.errors.append(e)
-            warnings.warn(
-                f"shardsafe: rank {self.rank} could not write its local checkpoint of step "
-                f"{step}: {e}",
-                stacklevel=1,
-            )
+            self.failed(step, e)
         finally:
             items.clear()
+
+    def failed(self, step: int, error: Exception) -> None:
+        """Record (for ``wait``) and warn that this rank has no local checkpoint of
+        ``step``: its write failed, or its snapshot did."""
+        self.record.errors.append(error)
+        warnings.warn(
+            f"shardsafe: rank {self.rank} could not write its local checkpoint of step "
+            f"{step}: {error}",
+            stacklevel=1,
+        )
 
     def _replicate_after(self, step: int, write: Future[None]) -> None:
         write.result()
