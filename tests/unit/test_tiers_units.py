@@ -455,6 +455,18 @@ def test_a_step_that_is_not_a_non_negative_int_is_refused_by_name(
     assert not (tmp_path / "l").exists() or not list((tmp_path / "l").glob("step-*"))
 
 
+@pytest.mark.parametrize("timeout", [None, "30", 0, -1, float("nan"), float("inf"), True])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(
+    tmp_path: Path, timeout: object
+) -> None:
+    """Before, on several ranks, None and "30" failed the first exchange with a raw
+    TypeError from deep inside, -1 with gloo's "Invalid timeout", and 0 hung a rank."""
+    with pytest.raises(ValueError) as caught:
+        TieredCheckpointManager(tmp_path / "p", tmp_path / "l", timeout=timeout)  # type: ignore[arg-type]
+    assert str(caught.value) == f"timeout={timeout!r} must be a positive number of seconds"
+    assert not (tmp_path / "p").exists() and not (tmp_path / "l").exists()
+
+
 # ------------------------------------------------------- a damaged only copy
 
 

@@ -22,6 +22,7 @@ Every method is collective (call it on every rank), as ``CheckpointManager``'s a
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import uuid
@@ -75,7 +76,7 @@ class TieredCheckpointManager:
         storage_options: dict[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
-        _check(local_every, persist_every, replicas, keep_local)
+        _check(local_every, persist_every, replicas, keep_local, timeout)
         self.local_every, self.persist_every = local_every, persist_every
         self.keep_local, self.timeout = keep_local, timeout
         self.persistent = CheckpointManager(
@@ -290,7 +291,11 @@ class TieredCheckpointManager:
 
 
 def _check(
-    local_every: int | None, persist_every: int | None, replicas: int, keep_local: int
+    local_every: int | None,
+    persist_every: int | None,
+    replicas: int,
+    keep_local: int,
+    timeout: float,
 ) -> None:
     """Refuse a value the manager cannot work with, naming the argument."""
     for field, value in (("local_every", local_every), ("persist_every", persist_every)):
@@ -300,6 +305,11 @@ def _check(
         raise ValueError(f"replicas={replicas!r} must be a non-negative int")
     if not isinstance(keep_local, int) or keep_local < 1:
         raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+    # Deep inside, None or a string failed with a TypeError, a negative value with gloo's
+    # "Invalid timeout", and 0 (gloo: no limit) let a rank wait for a dead one forever.
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not number or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
 
 
 def _check_apart(local: str, persistent: str) -> None:
