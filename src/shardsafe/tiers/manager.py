@@ -277,7 +277,9 @@ class TieredCheckpointManager:
         return self._restorer.restored
 
     def latest(self) -> int | None:
-        """The step :meth:`load_latest` would restore now (collective), or ``None``."""
+        """The step :meth:`load_latest` would restore now (collective), or ``None`` (also
+        where it refuses local checkpoints saved at another world size, with nothing in
+        the persistent tier: none of them can be restored)."""
         return self._restorer.latest()
 
     def load_latest(self, state: Any, **options: Unpack[LoadKeywords]) -> dict[str, Any] | None:
