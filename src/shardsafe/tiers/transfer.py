@@ -180,8 +180,10 @@ def receive(
             with contextlib.suppress(CheckpointError, OSError):
                 committed = _commit_if_whole(storage, manifest, raw, set(names))
     finally:
-        _send_ints(group, src, [int(committed)], CONTROL)
-        storage.close()
+        try:  # the sender may be gone: its error is raised, the directory still closed
+            _send_ints(group, src, [int(committed)], CONTROL)
+        finally:
+            storage.close()
     return committed
 
 
