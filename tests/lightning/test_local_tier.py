@@ -134,3 +134,26 @@ def test_last_is_not_traded_for_an_older_local_step_when_the_newest_is_damaged(
     restored = run(tmp_path, "--resume", "last", "--log", "last.jsonl")
     assert restored == [None, None]  # not from the local tier
     assert losses(tmp_path, "last.jsonl") == {s: whole[s] for s in range(11, 16)}
+
+
+@pytest.mark.timeout(150)
+def test_a_fresh_start_at_another_world_size_over_the_local_tier_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Local steps saved by 2 ranks, no ModelCheckpoint checkpoint yet, resumed on 1: the
+    fit started from nothing, silently abandoning them (``load_latest`` refuses this)."""
+    kill_after_step(tmp_path, step=7)
+    assert "step-000000005" in local_steps(tmp_path)
+    started = LocalRun(tmp_path, "--log", "one.jsonl", devices=1)
+    codes, output = started.wait(), started.output()
+    assert codes != [0], output
+    assert (
+        "the local tier holds checkpoints of step 5 saved at world size 2, but this run's "
+        "world size is 1: local checkpoints load only at the world size that saved them, and "
+        "Lightning found no checkpoint to resume from (ckpt_path=None, or 'last' with no last "
+        "checkpoint). Relaunch with 2 ranks to resume from them, resume from a ModelCheckpoint "
+        "checkpoint with fit(ckpt_path=...), which reshards, or give this run a local "
+        "directory of its own to start afresh"
+    ) in " ".join(output.split()), output
+    assert not (tmp_path / "one.jsonl").exists()
+    assert "step-000000005" in local_steps(tmp_path)

@@ -23,7 +23,8 @@ every restore passes through with the path Lightning resolved):
 * ``fit(ckpt_path=None)``, and ``"last"`` when Lightning finds no last checkpoint (it
   passes ``None`` then): the newest step the local tier holds in full, if any, as
   Lightning itself resumes from an HPC checkpoint on SLURM. A local tier belongs to one
-  run: give a new run its own ``local_checkpoint_dir``.
+  run: give a new run its own ``local_checkpoint_dir``. Where its only steps were saved
+  at another world size, refused (as ``load_latest`` refuses them), not a fresh start.
 * ``"last"`` (or a path to a ``last*.ckpt`` of a ``ModelCheckpoint`` or an
   ``OnExceptionCheckpoint``'s file): the newer of that checkpoint and the local tier's
   newest step; the local tier on a tie (it is the faster), or when the step of the
@@ -167,6 +168,13 @@ class LocalTier:
             self.instead = None if saved is None else (last, saved)
         elif path is not None:
             use_local = False
+        elif newest is None:  # a fresh start, unless that abandons another world's steps
+            self.manager._refuse_stranded(
+                "Lightning found no checkpoint to resume from (ckpt_path=None, or 'last' "
+                "with no last checkpoint)",
+                "resume from a ModelCheckpoint checkpoint with fit(ckpt_path=...), which "
+                "reshards, ",
+            )
         if not use_local:
             return path
         assert newest is not None

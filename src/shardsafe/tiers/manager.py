@@ -287,6 +287,12 @@ class TieredCheckpointManager:
         ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
         return self._restorer.load_latest(state, options)
 
+    def _refuse_stranded(self, why: str, instead: str) -> None:
+        """Raise where the only local checkpoints were saved at another world size
+        (collective): for a caller that has its own persistent checkpoints (Lightning's
+        ``ModelCheckpoint``), in its words (``Restorer.refuse_stranded``)."""
+        self._restorer.refuse_stranded(why, instead)
+
     def _drop_newer(self, step: int) -> None:
         """What :meth:`load_latest` does after any restore (``Restorer.drop_newer``)."""
         self._restorer.drop_newer(step)

@@ -98,6 +98,13 @@ class Restorer:
         self._replicator.drain()
         return self._survey(set()).step
 
+    def refuse_stranded(self, why: str, instead: str) -> None:
+        """Raise as :meth:`load_latest` does where the only local checkpoints were saved at
+        another world size (collective; see :func:`_refuse_stranded`)."""
+        choice = self._survey(set())
+        if choice.step is None:
+            _refuse_stranded(choice, self.world_size, why, instead)
+
     def load_latest(self, state: Any, options: LoadKeywords) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get; ``None`` if there is none in
         any tier. ``options`` are :func:`shardsafe.load`'s."""
@@ -360,20 +367,25 @@ class Restorer:
         self._replicator.resumed_from(step)
 
 
-def _refuse_stranded(choice: recovery.Choice, world_size: int) -> None:
+def _refuse_stranded(
+    choice: recovery.Choice,
+    world_size: int,
+    why: str = "the persistent tier holds no checkpoint to reshard from",
+    instead: str = "",
+) -> None:
     """Nothing to restore at this world size, but local checkpoints saved at another
     (``choice.stranded``) and no persistent checkpoint to reshard from: returning ``None``
     would start the run afresh, silently abandoning it (the same decision on every rank:
-    they all see the same survey)."""
+    they all see the same survey). ``why`` and ``instead``: the caller's own words for
+    what else there is (Lightning: its ``ModelCheckpoint`` checkpoints)."""
     if choice.stranded is None:
         return
     step, saved_world = choice.stranded
     raise CheckpointMismatchError(
         f"the local tier holds checkpoints of step {step} saved at world size {saved_world}, "
         f"but this run's world size is {world_size}: local checkpoints load only at the world "
-        "size that saved them, and the persistent tier holds no checkpoint to reshard from. "
-        f"Relaunch with {saved_world} ranks to resume from them, or give this run a local "
-        "directory of its own to start afresh"
+        f"size that saved them, and {why}. Relaunch with {saved_world} ranks to resume from "
+        f"them, {instead}or give this run a local directory of its own to start afresh"
     )
 
 
