@@ -136,11 +136,15 @@ def plan_import(
                 )
     plan.unexpected += [f"{ctx.name}/{n}" for n in sorted(saved_names - live_names)]
     factored = _keeps_factored_state(local)
+    flat = _flat_history_shape(local)
     for p in (p for g in local.param_groups for p in g["params"]):
         live_state = local.state.get(p, {})
         for name, raw in meta["state"].get(ctx.param_fqn(p), {}).items():
             live = live_state.get(name)
             for ref in _tree.tensor_refs(raw):
+                if flat is not None and not isinstance(live, torch.Tensor):
+                    plan.requests.append(ReadRequest(ref, within=flat))
+                    continue
                 plan.requests.append(
                     _request_for(ref, p, live, factored, ctx, shapes.get(ctx.param_fqn(p)))
                 )
@@ -268,6 +272,15 @@ def _compared(hyper: JSON, ctx: LoadContext) -> JSON:
 def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
     """Adafactor keeps row and column factors (``[rows, 1]``, ``[1, cols]``) of its state."""
     return type(optimizer).__name__ == "Adafactor"
+
+
+def _flat_history_shape(optimizer: torch.optim.Optimizer) -> tuple[int, ...] | None:
+    """LBFGS keeps its history (``d``, ``old_dirs``, ``prev_flat_grad``, ...) as flat
+    vectors over all its parameters, under its first one: each such state tensor must be
+    a scalar or of this shape, not shaped like that parameter."""
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        return None
+    return (sum(p.numel() for g in optimizer.param_groups for p in g["params"]),)
 
 
 def _request_for(
