@@ -293,3 +293,38 @@ def test_tensor_hyperparameters_under_zero_are_saved_once(tmp_path: Path) -> Non
     # Group hyperparameters are global: a tensor lr must not look like a rank's shard.
     want = float(torch.tensor(0.01))  # the float32 value, not 0.5
     assert run_ranks(tensor_lr_run, 2, str(tmp_path / "ckpt")) == [want, want]
+
+
+def overlap_before_init_run(rank: int, world: int, path: str, save_first: bool) -> Any:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    if save_first:
+        plain = torch.optim.Adam(model.parameters(), lr=0.01)
+        shardsafe.save(path, {"model": model, "optimizer": plain})
+    # Its local optimizer is built only by its DDP hook, in the first training steps.
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01, overlap_with_ddp=True
+    )
+    operation = shardsafe.load if save_first else shardsafe.save
+    try:
+        operation(path, {"model": model, "optimizer": opt})
+    except shardsafe.CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("operation", ["save", "load"])
+def test_zero_with_overlap_before_its_first_steps_is_refused_clearly(
+    tmp_path: Path, operation: str
+) -> None:
+    path = str(tmp_path / "ckpt")
+    errors = run_ranks(overlap_before_init_run, 2, path, operation == "load")
+    for error in errors:  # every rank, the same clear message (was: AttributeError 'optim')
+        assert error is not None
+        assert "this ZeroRedundancyOptimizer has no local optimizer yet" in error, error
+        assert "overlap_with_ddp=False" in error
+        assert "AttributeError" not in error
+    assert errors[0] == errors[1]
+    assert (tmp_path / "ckpt" / "manifest.json").exists() == (operation == "load")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError
 from ..protocol import JSON, Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 from .optimizer import export_state, import_state, live_targets, plan_import, state_dict_for
 from .optimizer_merge import merge_optimizer_metas
@@ -87,6 +88,21 @@ class ZeroAdapter(PartitionedOptimizerAdapter):
     """``torch.distributed.optim.ZeroRedundancyOptimizer``."""
 
     wrapper_path = ("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
+
+    def local(self, obj: Any) -> torch.optim.Optimizer:
+        # With overlap_with_ddp=True, ZeRO builds its local optimizer only in its DDP
+        # communication hook, during the first training steps: before that there is no
+        # ``.optim`` (an AttributeError from deep inside a save or load).
+        local = getattr(obj, "optim", None)
+        if not isinstance(local, torch.optim.Optimizer):
+            raise CheckpointError(
+                "this ZeroRedundancyOptimizer has no local optimizer yet: with "
+                "overlap_with_ddp=True it builds it in its DDP communication hook, during "
+                "the first training steps (torch's own state_dict() and load_state_dict() "
+                "refuse it as well). Save or load it after those steps, or build it with "
+                "overlap_with_ddp=False"
+            )
+        return local
 
 
 class OSSAdapter(PartitionedOptimizerAdapter):
