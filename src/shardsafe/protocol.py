@@ -177,6 +177,9 @@ class LoadContext(SaveContext):
     strict: bool = True
     saved_tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
     """Every tensor key in the checkpoint with its dtype and global shape."""
+    param_aliases: Mapping[str, str] = field(default_factory=dict)
+    """Every other name of a parameter shared by several modules (a tied weight) -> the
+    name :attr:`param_names` gives it (:func:`param_aliases`)."""
 
 
 class Adapter(ABC):
@@ -270,6 +273,23 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     both use is qualified by the state key (``generator.fc.weight``) to keep it unique.
     A parameter shared by several modules keeps the first name it is found under.
     """
+    names: dict[int, str] = {}
+    for name, p in _all_names(state):
+        names.setdefault(id(p), name)
+    return names
+
+
+def param_aliases(state: Mapping[str, Any]) -> dict[str, str]:
+    """Every name of a parameter shared by several modules other than the one
+    :func:`param_names` gives it -> that name: ``lm_head.weight`` -> ``embed.weight``.
+    Which of a tied weight's names comes first depends on the order the modules were
+    registered in, so a load finds the parameter under any of them."""
+    names = param_names(state)
+    return {name: names[id(p)] for name, p in _all_names(state) if name != names[id(p)]}
+
+
+def _all_names(state: Mapping[str, Any]) -> list[tuple[str, nn.Parameter]]:
+    """Every (name, parameter) of every module in ``state``, shared ones once per name."""
     found: list[tuple[str, str, nn.Parameter]] = [
         (key, fqn, p)
         for key, value in state.items()
@@ -279,10 +299,7 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     owners: dict[str, set[int]] = {}
     for _, fqn, p in found:
         owners.setdefault(fqn, set()).add(id(p))
-    names: dict[int, str] = {}
-    for key, fqn, p in found:
-        names.setdefault(id(p), fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}")
-    return names
+    return [(fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}", p) for key, fqn, p in found]
 
 
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})

@@ -60,3 +60,64 @@ def test_lbfgs_history_round_trips_into_a_fresh_or_stepped_lbfgs(
 
     assert_same_lbfgs_state(opt2.state_dict()["state"][0], opt.state_dict()["state"][0])
     assert lbfgs_steps(model2, opt2, 3) == lbfgs_steps(model, opt, 3)
+
+
+class Tied(nn.Module):
+    """A language-model head tied to its embedding; which of the two is registered first
+    (and so which name ``named_parameters()`` gives the shared weight) is ``emb_first``."""
+
+    def __init__(self, emb_first: bool) -> None:
+        super().__init__()
+        if emb_first:
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+        else:
+            self.head = nn.Linear(4, 10, bias=False)
+            self.emb = nn.Embedding(10, 4)
+            self.emb.weight = self.head.weight
+        self.mid = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(x))))
+
+
+def tied(seed: int, emb_first: bool, steps: int) -> tuple[Tied, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Tied(emb_first)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tied_steps(model, opt, steps)
+    return model, opt
+
+
+def tied_steps(model: Tied, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        x = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_tied_weight_keeps_its_optimizer_state_whichever_module_comes_first(
+    tmp_path: Path, strict: bool
+) -> None:
+    # Saved as "emb.weight" (found first), looked for as "head.weight": strict refused
+    # the load ("missing optimizer/head.weight", "unexpected optimizer/emb.weight") and
+    # strict=False silently dropped the shared weight's state, while the model loaded.
+    model, opt = tied(0, emb_first=True, steps=2)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    model2, opt2 = tied(1, emb_first=False, steps=0)
+    shardsafe.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2}, strict=strict)
+
+    want = {n: opt.state[p] for n, p in model.named_parameters(remove_duplicate=False)}
+    got = {n: opt2.state[p] for n, p in model2.named_parameters(remove_duplicate=False)}
+    assert sorted(got) == sorted(want) == ["emb.weight", "head.weight", "mid.bias", "mid.weight"]
+    for name, state in want.items():
+        assert sorted(got[name]) == sorted(state) == ["exp_avg", "exp_avg_sq", "step"], name
+        assert all(torch.equal(got[name][k], v) for k, v in state.items()), name
+    assert tied_steps(model2, opt2, 3) == tied_steps(model, opt, 3)

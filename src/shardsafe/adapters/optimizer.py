@@ -15,7 +15,7 @@ parameters are never touched.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -106,7 +106,7 @@ def plan_import(
     one as unexpected only if no rank holds it (``loading.py``).
     """
     plan = LoadRequests()
-    meta = _meta(saved)
+    meta = _meta(saved, ctx)
     saved_groups = meta["param_groups"]
     shapes = meta["param_shapes"]
     live_names = {ctx.param_fqn(p) for g in groups for p in g["params"]}
@@ -314,7 +314,7 @@ def live_targets(
 ) -> dict[str, torch.Tensor]:
     """The live state tensors (a DTensor's local shard) the saved state of ``local``'s
     parameters is read into: ``load_state_dict`` then adopts them as they are."""
-    meta = _meta(saved)
+    meta = _meta(saved, ctx)
     found: dict[str, torch.Tensor] = {}
     for p in (p for g in local.param_groups for p in g["params"]):
         live_state = local.state.get(p, {})
@@ -334,7 +334,7 @@ def state_dict_for(
     ctx: LoadContext,
 ) -> dict[str, Any]:
     """The index-keyed ``state_dict`` for ``local`` built from a checkpoint's state."""
-    meta = _meta(saved)
+    meta = _meta(saved, ctx)
     local_params = [p for g in local.param_groups for p in g["params"]]
     state: dict[int, Any] = {}
     for index, p in enumerate(local_params):
@@ -399,26 +399,28 @@ def _shaped_like(
     return out
 
 
-def _meta(saved: SavedValue) -> dict[str, Any]:
+def _meta(saved: SavedValue, ctx: LoadContext) -> dict[str, Any]:
     """The optimizer metadata of a manifest entry, its structure checked, its parameter
-    names without activation checkpointing's segments (:func:`_names_without_wrappers`)."""
+    names as the live modules give them (:func:`_renamed`)."""
     meta = saved.meta
     problem = _meta_problem(meta)
     if problem is not None:
         raise CheckpointCorruptError(
             f"the manifest entry for {saved.name!r} is not valid optimizer metadata: {problem}"
         )
-    return _names_without_wrappers(meta)
+    meta = _renamed(meta, fqn_without_wrappers)
+    return _renamed(meta, lambda name: ctx.param_aliases.get(name, name))
 
 
-def _names_without_wrappers(meta: dict[str, Any]) -> dict[str, Any]:
-    """``meta`` with each parameter name as ``param_names`` now gives it: checkpoints
-    written before it dropped ``_checkpoint_wrapped_module`` keep loading, into a model
-    with activation checkpointing or without. The tensor keys stay as saved. Names that
-    would merge into one are left as they are."""
+def _renamed(meta: dict[str, Any], rename_one: Callable[[str], str]) -> dict[str, Any]:
+    """``meta`` with each parameter name renamed. Checkpoints written before
+    ``param_names`` dropped ``_checkpoint_wrapped_module`` keep loading, into a model
+    with activation checkpointing or without; a tied weight saved under another of its
+    names (its modules registered in another order) is found under the live one. The
+    tensor keys stay as saved. Names that would merge into one are left as they are."""
     names = {n for g in meta["param_groups"] for n in g["params"]}
     names.update(meta["state"], meta["param_shapes"])
-    rename = {n: fqn_without_wrappers(n) for n in names}
+    rename = {n: rename_one(n) for n in names}
     if all(a == b for a, b in rename.items()) or len(set(rename.values())) < len(rename):
         return meta
     return {

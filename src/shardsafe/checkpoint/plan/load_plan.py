@@ -18,7 +18,14 @@ from typing import Any
 from ... import dtypes
 from ...adapters.registry import adapter_for, returning_adapter
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from ...protocol import Adapter, LoadContext, ReadRequest, SavedValue, param_names
+from ...protocol import (
+    Adapter,
+    LoadContext,
+    ReadRequest,
+    SavedValue,
+    param_aliases,
+    param_names,
+)
 from ..format.manifest import Manifest, TensorRecord
 
 _SHOWN = 5
@@ -83,7 +90,7 @@ def plan_load(
     not excuse it when no entry asked for is in the checkpoint: that load would restore
     nothing, silently; when others are, it is left as it is (``LoadPlan.absent``).
     """
-    names = param_names(state)
+    names, aliases = param_names(state), param_aliases(state)
     saved_tensors = {k: (r.dtype, r.shape) for k, r in manifest.tensors.items()}
 
     def context(name: str) -> LoadContext:
@@ -95,6 +102,7 @@ def plan_load(
             saved_world_size=manifest.world_size,
             strict=strict,
             saved_tensors=saved_tensors,
+            param_aliases=aliases,
         )
 
     entries = _unasked(manifest, state, context)
