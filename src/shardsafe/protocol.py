@@ -101,9 +101,9 @@ class ReadRequest:
     difference is reported as a mismatch: give both for a tensor that goes into a live
     one. ``within`` (the shape of a live tensor, e.g. a parameter for its optimizer
     state) requires the saved tensor to be a scalar or exactly that shape; with
-    ``factored`` also that shape with some dimensions 1 (row and column factors, as
-    Adafactor keeps). An ``optional`` request that the checkpoint cannot satisfy is
-    skipped instead of being reported as missing.
+    ``factored`` also that shape with some dimensions 1 or one dimension left out (row
+    and column factors, as Adafactor keeps). An ``optional`` request that the checkpoint
+    cannot satisfy is skipped instead of being reported as missing.
     """
 
     key: str

@@ -32,7 +32,7 @@ def lbfgs_steps(model: nn.Module, opt: torch.optim.LBFGS, steps: int) -> list[fl
     return [float(opt.step(closure)) for _ in range(steps)]
 
 
-def assert_same_lbfgs_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         other = got[name]
@@ -58,7 +58,7 @@ def test_lbfgs_history_round_trips_into_a_fresh_or_stepped_lbfgs(
     model2, opt2, _ = lbfgs(1, 1 if stepped else 0)
     shardsafe.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2})
 
-    assert_same_lbfgs_state(opt2.state_dict()["state"][0], opt.state_dict()["state"][0])
+    assert_same_state(opt2.state_dict()["state"][0], opt.state_dict()["state"][0])
     assert lbfgs_steps(model2, opt2, 3) == lbfgs_steps(model, opt, 3)
 
 
@@ -121,3 +121,41 @@ def test_a_tied_weight_keeps_its_optimizer_state_whichever_module_comes_first(
         assert sorted(got[name]) == sorted(state) == ["exp_avg", "exp_avg_sq", "step"], name
         assert all(torch.equal(got[name][k], v) for k, v in state.items()), name
     assert tied_steps(model2, opt2, 3) == tied_steps(model, opt, 3)
+
+
+def hf_adafactor(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = transformers.optimization.Adafactor(model.parameters(), lr=None)
+    return model, opt, plain_steps(model, opt, steps)
+
+
+def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        loss = model(torch.randn(5, 4, generator=torch.Generator().manual_seed(step)))
+        loss = loss.pow(2).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+def test_transformers_adafactor_factors_round_trip(tmp_path: Path, stepped: bool) -> None:
+    # transformers' Adafactor keeps a [3, 4] weight's factors as [3] and [4] (torch's as
+    # [3, 1] and [1, 4]): a resume into a fresh one was refused ("must be a scalar or
+    # shaped like it").
+    model, opt, _ = hf_adafactor(0, 2)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    model2, opt2, _ = hf_adafactor(1, 1 if stepped else 0)
+    shardsafe.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2})
+
+    want, got = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert [tuple(want[0][k].shape) for k in ("exp_avg_sq_row", "exp_avg_sq_col")] == [(3,), (4,)]
+    assert sorted(got) == sorted(want)
+    for index, state in want.items():
+        assert_same_state(got[index], state)
+    assert plain_steps(model2, opt2, 3) == plain_steps(model, opt, 3)

@@ -270,7 +270,8 @@ def _compared(hyper: JSON, ctx: LoadContext) -> JSON:
 
 
 def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Adafactor keeps row and column factors (``[rows, 1]``, ``[1, cols]``) of its state."""
+    """Adafactor keeps row and column factors of its state: ``[rows, 1]`` and
+    ``[1, cols]`` (torch's), ``[rows]`` and ``[cols]`` (transformers', timm's)."""
     return type(optimizer).__name__ == "Adafactor"
 
 

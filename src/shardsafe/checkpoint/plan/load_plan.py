@@ -327,11 +327,16 @@ def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:
 
 def _fits(shape: tuple[int, ...], target: tuple[int, ...], factored: bool) -> bool:
     """True for a 0-d shape or ``target`` itself; with ``factored`` also ``target`` with
-    some dimensions 1 (``[rows, 1]``, ``[1, cols]``)."""
+    some dimensions 1 (``[rows, 1]``, ``[1, cols]``: torch's Adafactor) or with one
+    dimension left out (``[rows]``, ``[cols]``: transformers' and timm's Adafactor)."""
     if not shape or shape == target:
         return True
-    return (
-        factored and len(shape) == len(target) and all(n in (1, m) for n, m in zip(shape, target))
+    if not factored:
+        return False
+    if len(shape) == len(target):
+        return all(n in (1, m) for n, m in zip(shape, target))
+    return len(shape) + 1 == len(target) and any(
+        shape == target[:i] + target[i + 1 :] for i in range(len(target))
     )
 
 
