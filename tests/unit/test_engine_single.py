@@ -281,6 +281,32 @@ def test_strict_false_loads_what_both_sides_have(tmp_path: Path) -> None:
     assert live_opt.param_groups[0]["lr"] == 0.1 and live_opt.param_groups[0]["weight_decay"] == 0.1
 
 
+def test_strict_false_keeps_the_optimizer_state_of_parameters_the_checkpoint_lacks(
+    tmp_path: Path,
+) -> None:
+    # As the module keeps the weights of "new", its optimizer keeps their state: the load
+    # dropped it, so the next step restarted Adam's moments and bias correction for
+    # parameters that had trained, while their weights stayed.
+    torch.manual_seed(0)
+    saved = Net({"old": nn.Linear(2, 2)})
+    shardsafe.save(tmp_path / "c", {"model": saved, "optimizer": trained(saved)})
+    torch.manual_seed(1)
+    live = Net({"new": nn.Linear(2, 3)})
+    live_opt = trained(live)
+    kept = {
+        n: {k: v.clone() for k, v in live_opt.state[p].items()}
+        for n, p in live.new.named_parameters()
+    }
+    shardsafe.load(tmp_path / "c", {"model": live, "optimizer": live_opt}, strict=False)
+    for name, p in live.new.named_parameters():
+        state = live_opt.state[p]
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"], name
+        for k, v in kept[name].items():
+            assert torch.equal(state[k], v), (name, k)
+    restored = {n for n, p in live.named_parameters() if live_opt.state[p]}
+    assert restored == {n for n, _ in live.named_parameters()}
+
+
 def test_shape_and_dtype_mismatches_are_listed_even_when_not_strict(tmp_path: Path) -> None:
     torch.manual_seed(0)
     shardsafe.save(tmp_path / "c", {"model": Net({})})

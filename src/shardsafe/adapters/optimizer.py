@@ -337,11 +337,18 @@ def state_dict_for(
     """The index-keyed ``state_dict`` for ``local`` built from a checkpoint's state."""
     meta = _meta(saved, ctx)
     local_params = [p for g in local.param_groups for p in g["params"]]
+    named = {n for g in meta["param_groups"] for n in g["params"]}.union(meta["state"])
     state: dict[int, Any] = {}
     for index, p in enumerate(local_params):
-        raw = meta["state"].get(ctx.param_fqn(p))
+        fqn = ctx.param_fqn(p)
+        raw = meta["state"].get(fqn)
         if raw is not None:
             state[index] = _tree.decode(raw, _shaped_like(p, raw, tensors))
+        elif fqn not in named and local.state.get(p):
+            # Not in the checkpoint at all (strict=False): it keeps its state, as a module
+            # keeps such a parameter's weights. One the checkpoint names without state
+            # had none when saved, and has none after the load.
+            state[index] = local.state[p]
     hyper = [_tree.decode(g["hyper"], tensors) for g in meta["param_groups"]]
     for i, h in enumerate(hyper):
         if not isinstance(h, dict) or "params" in h:
