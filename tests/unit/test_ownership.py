@@ -119,7 +119,15 @@ def test_a_stage_with_its_own_learning_rate_gets_a_group_of_its_own() -> None:
     ("second", "message"),
     [
         (_opt_meta([(0.2, ["a"])], {}), "parameter 'a' is in a param group with other"),
-        (_opt_meta([(0.1, ["a"])], {"a": {"m": 9}}), "ranks 0 and 1 both hold optimizer state"),
+        (
+            _opt_meta([(0.1, ["a"])], {"a": {"m": 9}}),
+            r"ranks 0 and 1 both hold optimizer state for parameter 'a', but not the same "
+            r"\('m': 1 and 9\)",
+        ),
+        (
+            _opt_meta([(0.1, ["a"])], {"a": {"m": 1, "v": 2}}),
+            r"for parameter 'a', but not the same \(state names \['m'\] and \['m', 'v'\]\)",
+        ),
         (
             {**_opt_meta([(0.1, ["a"])], {}), "param_shapes": {"a": [3]}},
             "ranks disagree about the shape of parameter 'a'",

@@ -43,9 +43,9 @@ def merge_optimizer_metas(metas: list[JSON]) -> JSON:
             elif state[fqn] != param_state:
                 raise CheckpointError(
                     f"ranks {state_rank[fqn]} and {rank} both hold optimizer state for "
-                    f"parameter {fqn!r}, but not the same ({_tree.describe(state[fqn])} and "
-                    f"{_tree.describe(param_state)}): replicas of a parameter must have "
-                    "stepped alike; nothing was written"
+                    f"parameter {fqn!r}, but not the same "
+                    f"({_state_difference(state[fqn], param_state)}): replicas of a "
+                    "parameter must have stepped alike; nothing was written"
                 )
         for fqn, shape in meta["param_shapes"].items():
             if shapes.setdefault(fqn, shape) != shape:
@@ -105,6 +105,23 @@ class _Groups:
 
     def merged(self) -> list[JSON]:
         return [{"params": params, "hyper": hyper} for _, hyper, params in self._groups]
+
+
+def _state_difference(first: JSON, other: JSON) -> str:
+    """How two ranks' state of one parameter differ: which state names each holds (an
+    optimizer built with ``amsgrad`` on one rank only), or the first value that differs
+    (a step count kept as a number)."""
+    if not (isinstance(first, dict) and isinstance(other, dict)):
+        return f"{_tree.describe(first)} and {_tree.describe(other)}"
+    if first.keys() != other.keys():
+        return f"state names {sorted(first)} and {sorted(other)}"
+    name = next(k for k in sorted(first) if first[k] != other[k])
+    return f"{name!r}: {_short(first[name])} and {_short(other[name])}"
+
+
+def _short(value: JSON) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _describe(hyper: JSON) -> str:
