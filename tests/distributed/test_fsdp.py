@@ -295,3 +295,34 @@ def test_a_dtensor_passed_as_a_plain_entry_is_filled_in_place_with_its_shard(
     run_ranks(table_run, 2, path, True)
     for world in (2, 3):
         assert run_ranks(table_run, world, path, False) == [True] * world
+
+
+def tied_fsdp_strategy_run(rank: int, world: int, path: str) -> list[float]:
+    from shardsafe.strategies.base import Environment
+    from shardsafe.strategies.fsdp import FSDPStrategy
+    from tests.unit.test_optimizer_kinds import Tied, tied_steps
+
+    torch.manual_seed(0)
+    model = FSDPStrategy(Environment(rank=rank, world_size=world)).wrap_model(Tied(True))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    losses = tied_steps(model, opt, 2)  # the same batches on every rank
+    shardsafe.save(path, {"model": model, "optimizer": opt})
+    return losses
+
+
+def test_the_fsdp_strategy_shards_a_model_with_tied_weights(tmp_path: Path) -> None:
+    # Embedding and output layer share one weight: wrapping each module that owns
+    # parameters put it in two FSDP units, and fully_shard refused it ("shared with a
+    # parameter already managed by another FSDP group"), so no tied LM could train.
+    from tests.unit.test_optimizer_kinds import tied, tied_steps
+
+    results = run_ranks(tied_fsdp_strategy_run, 2, str(tmp_path / "ckpt"))
+    model, opt = tied(0, emb_first=True, steps=0)
+    want = tied_steps(model, opt, 2)  # one process, the same batches
+    assert results[0] == results[1] == pytest.approx(want, rel=1e-5)
+    loaded, loaded_opt = tied(1, emb_first=True, steps=0)
+    shardsafe.load(tmp_path / "ckpt", {"model": loaded, "optimizer": loaded_opt})
+    assert loaded.emb.weight is loaded.head.weight
+    for name, value in model.state_dict().items():
+        assert torch.allclose(loaded.state_dict()[name], value, atol=1e-6), name
+    assert sorted(loaded_opt.state[loaded.emb.weight]) == ["exp_avg", "exp_avg_sq", "step"]
