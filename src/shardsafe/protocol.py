@@ -158,12 +158,23 @@ class SaveContext:
 
     def param_fqn(self, param: torch.Tensor) -> str:
         fqn = self.param_names.get(id(param))
-        if fqn is None:
+        if fqn is None and not self.param_names:
             raise CheckpointError(
                 f"state[{self.name!r}] holds a parameter of shape {list(param.shape)} that is "
                 "not in any module of the same state dict, so it has no name to be saved "
                 f"under. Pass the model alongside it, e.g. {{'model': model, {self.name!r}: "
                 f"{self.name}}}."
+            )
+        if fqn is None:
+            # The model was passed: the optimizer holds parameters it no longer has.
+            raise CheckpointError(
+                f"state[{self.name!r}] holds a parameter of shape {list(param.shape)} that is "
+                "none of the parameters of the modules in the same state dict, so it has no "
+                "name. Was the optimizer built for another instance of the model, or before "
+                "its parameters were replaced (fully_shard, or loading with assign=True, "
+                "after the optimizer was created)? Build the optimizer from the model's "
+                "parameters as they are now, or pass the module that holds this parameter "
+                "in the same state dict."
             )
         return fqn
 

@@ -429,6 +429,30 @@ def test_an_arbitrary_object_inside_a_plain_value_is_refused_naming_its_key(tmp_
         shardsafe.save(tmp_path / "d", {"meta": {"perm": np.arange(3)}})
 
 
+def test_an_optimizer_over_parameters_the_model_no_longer_has_is_named_so(
+    tmp_path: Path,
+) -> None:
+    # The optimizer was built before load_state_dict(assign=True) (or fully_shard)
+    # replaced the model's parameters; the error told the user to pass the model, which
+    # they had.
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.load_state_dict(nn.Linear(3, 2).state_dict(), assign=True)
+    with pytest.raises(CheckpointError) as refused:
+        shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt})
+    assert str(refused.value) == (
+        "state['optimizer'] holds a parameter of shape [2, 3] that is none of the parameters "
+        "of the modules in the same state dict, so it has no name. Was the optimizer built "
+        "for another instance of the model, or before its parameters were replaced "
+        "(fully_shard, or loading with assign=True, after the optimizer was created)? Build "
+        "the optimizer from the model's parameters as they are now, or pass the module that "
+        "holds this parameter in the same state dict."
+    )
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(CheckpointError, match="Pass the model alongside it"):
+        shardsafe.save(tmp_path / "c", {"optimizer": opt})
+
+
 def test_an_unknown_top_level_object_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"state\['thing'\] is a object.*register_adapter"):
         shardsafe.save(tmp_path / "c", {"thing": object()})
