@@ -2,7 +2,8 @@
 Lightning's ``LightningOptimizer``) save and load exactly like the optimizer inside:
 a wrapped ZeRO or OSS optimizer is saved sharded, where saving the wrapper through its
 ``state_dict()`` would fail on every rank with torch's "call consolidate_state_dict"
-advice. A wrapper with state of its own beside the inner optimizer's is refused."""
+advice. A wrapper with state of its own beside the inner optimizer's (Lookahead; SAM, whose
+stepping optimizer is at .base_optimizer) is refused."""
 
 from __future__ import annotations
 
@@ -133,6 +134,35 @@ def test_a_wrapper_with_state_of_its_own_is_refused_before_anything_is_written(
         "state['optimizer'] (a Lookahead) wraps an optimizer (Adam, at .optimizer) whose "
         "state it does not share: saved as one optimizer, either the Lookahead's state or "
         "the Adam's would be lost. Register an adapter for Lookahead that saves both "
+        "(shardsafe.register_adapter)."
+    )
+    assert not (tmp_path / "ckpt").exists()
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization as commonly copied (github.com/davda54/sam): its own
+    state holds the perturbation, the optimizer that steps (and its momentum) is at
+    ``.base_optimizer``, sharing SAM's param groups."""
+
+    def __init__(self, params: Any, base: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        super().__init__(params, {"rho": 0.05, **kwargs})
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+
+def test_a_wrapper_keeping_the_stepping_optimizer_elsewhere_is_refused(tmp_path: Path) -> None:
+    # Saved through SAM's own state, the SGD momentum at .base_optimizer was silently lost:
+    # a resume restarted it from zero.
+    model = torch.nn.Linear(3, 2)
+    sam = SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    sam.base_optimizer.step()
+    with pytest.raises(CheckpointError) as refused:
+        shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": sam})
+    assert str(refused.value) == (
+        "state['optimizer'] (a SAM) wraps an optimizer (SGD, at .base_optimizer) whose state "
+        "it does not share: saved as one optimizer, either the SAM's state or the SGD's "
+        "would be lost. Register an adapter for SAM that saves both "
         "(shardsafe.register_adapter)."
     )
     assert not (tmp_path / "ckpt").exists()

@@ -57,13 +57,14 @@ def adapter_for(obj: object, name: str) -> tuple[Adapter, object]:
     seen: set[int] = set()
     while True:
         adapter = find_adapter(obj, name)
-        inner = _wrapped_optimizer(obj)
-        if inner is None or id(inner) in seen or not _built_in_optimizer(adapter):
+        found = _wrapped_optimizer(obj)
+        if found is None or id(found[1]) in seen or not _built_in_optimizer(adapter):
             return adapter, obj
+        attribute, inner = found
         if not _delegates(obj, inner):
             raise CheckpointError(
                 f"state[{name!r}] (a {type(obj).__qualname__}) wraps an optimizer "
-                f"({type(inner).__qualname__}, at .optimizer) whose state it does not share: "
+                f"({type(inner).__qualname__}, at .{attribute}) whose state it does not share: "
                 f"saved as one optimizer, either the {type(obj).__qualname__}'s state or the "
                 f"{type(inner).__qualname__}'s would be lost. Register an adapter for "
                 f"{type(obj).__qualname__} that saves both (shardsafe.register_adapter)."
@@ -77,13 +78,32 @@ def _built_in_optimizer(adapter: Adapter) -> bool:
     return built_in and adapter.kind == "optimizer"
 
 
-def _wrapped_optimizer(obj: object) -> torch.optim.Optimizer | None:
-    """The optimizer at ``obj.optimizer``, if there is one (other than ``obj``)."""
+def _wrapped_optimizer(obj: object) -> tuple[str, torch.optim.Optimizer] | None:
+    """The optimizer at ``obj.optimizer``, if there is one (other than ``obj``), else one
+    at another attribute whose ``param_groups`` are ``obj``'s own: SAM (and its copies)
+    keeps the optimizer that steps, and its momentum, at ``.base_optimizer``, and saved
+    through its own ``state`` that momentum was silently lost."""
     try:
         inner = getattr(obj, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not obj:
+            return "optimizer", inner
+        groups = getattr(obj, "param_groups", None)
+        attributes = list(vars(obj).items()) if groups is not None else []
     except Exception:  # a property of a user's object that raises: no wrapped optimizer
         return None
-    return inner if isinstance(inner, torch.optim.Optimizer) and inner is not obj else None
+    for attribute, value in attributes:
+        if _steps_groups_of(value, obj, groups):
+            return attribute, value
+    return None
+
+
+def _steps_groups_of(value: object, obj: object, groups: object) -> bool:
+    """Whether ``value`` is another optimizer whose param groups are ``groups``."""
+    try:
+        is_other = isinstance(value, torch.optim.Optimizer) and value is not obj
+        return is_other and getattr(value, "param_groups", None) is groups
+    except Exception:
+        return False
 
 
 def _delegates(obj: object, inner: torch.optim.Optimizer) -> bool:
