@@ -191,6 +191,9 @@ class LoadContext(SaveContext):
     param_aliases: Mapping[str, str] = field(default_factory=dict)
     """Every other name of a parameter shared by several modules (a tied weight) -> the
     name :attr:`param_names` gives it (:func:`param_aliases`)."""
+    param_unqualified: Mapping[str, str] = field(default_factory=dict)
+    """Each name :attr:`param_names` qualifies by its state key -> the module's own name
+    (:func:`unqualified_names`)."""
 
 
 class Adapter(ABC):
@@ -285,7 +288,7 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     A parameter shared by several modules keeps the first name it is found under.
     """
     names: dict[int, str] = {}
-    for name, p in _all_names(state):
+    for name, _, p in _all_names(state):
         names.setdefault(id(p), name)
     return names
 
@@ -296,11 +299,21 @@ def param_aliases(state: Mapping[str, Any]) -> dict[str, str]:
     Which of a tied weight's names comes first depends on the order the modules were
     registered in, so a load finds the parameter under any of them."""
     names = param_names(state)
-    return {name: names[id(p)] for name, p in _all_names(state) if name != names[id(p)]}
+    return {name: names[id(p)] for name, _, p in _all_names(state) if name != names[id(p)]}
 
 
-def _all_names(state: Mapping[str, Any]) -> list[tuple[str, nn.Parameter]]:
-    """Every (name, parameter) of every module in ``state``, shared ones once per name."""
+def unqualified_names(state: Mapping[str, Any]) -> dict[str, str]:
+    """Each name :func:`param_names` qualifies by its state key -> the module's own name:
+    ``model.fc.weight`` -> ``fc.weight`` when an EMA copy beside the model has an
+    ``fc.weight`` of its own. A checkpoint saved before the copy was added names the
+    model's parameter ``fc.weight``; an optimizer over it finds it there
+    (``optimizer._meta``)."""
+    return {name: plain for name, plain, _ in _all_names(state) if name != plain}
+
+
+def _all_names(state: Mapping[str, Any]) -> list[tuple[str, str, nn.Parameter]]:
+    """Every (name, module's own name, parameter) of every module in ``state``, shared
+    ones once per name."""
     found: list[tuple[str, str, nn.Parameter]] = [
         (key, fqn, p)
         for key, value in state.items()
@@ -310,7 +323,7 @@ def _all_names(state: Mapping[str, Any]) -> list[tuple[str, nn.Parameter]]:
     owners: dict[str, set[int]] = {}
     for _, fqn, p in found:
         owners.setdefault(fqn, set()).add(id(p))
-    return [(fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}", p) for key, fqn, p in found]
+    return [(fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}", fqn, p) for key, fqn, p in found]
 
 
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})

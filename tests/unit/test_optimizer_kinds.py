@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,23 @@ def test_transformers_adafactor_factors_round_trip(tmp_path: Path, stepped: bool
     for index, state in want.items():
         assert_same_state(got[index], state)
     assert plain_steps(model2, opt2, 3) == plain_steps(model, opt, 3)
+
+
+def test_optimizer_state_loads_after_an_ema_copy_joins_the_state(tmp_path: Path) -> None:
+    # A deep-copied EMA model beside the model gives every name two owners, so the live
+    # names became "model.mid.weight": a checkpoint saved before the EMA was added (as
+    # "mid.weight") was refused even with strict=False ("none of the 4 parameter names
+    # in the checkpoint ... matches").
+    model, opt = tied(0, emb_first=True, steps=2)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    model2, opt2 = tied(1, emb_first=True, steps=0)
+    ema = copy.deepcopy(model2)
+    shardsafe.load(
+        tmp_path / "ckpt", {"model": model2, "ema": ema, "optimizer": opt2}, strict=False
+    )
+
+    for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
+        assert sorted(opt2.state[p2]) == sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"]
+        assert all(torch.equal(opt2.state[p2][k], v) for k, v in opt.state[p].items()), name
+    assert not any(opt2.state[p] for p in ema.parameters())
+    assert tied_steps(model2, opt2, 3) == tied_steps(model, opt, 3)

@@ -106,7 +106,7 @@ def plan_import(
     one as unexpected only if no rank holds it (``loading.py``).
     """
     plan = LoadRequests()
-    meta = _meta(saved, ctx)
+    meta = _meta(saved, ctx, groups)
     saved_groups = meta["param_groups"]
     shapes = meta["param_shapes"]
     live_names = {ctx.param_fqn(p) for g in groups for p in g["params"]}
@@ -311,11 +311,11 @@ def _request_for(
 
 
 def live_targets(
-    local: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
+    groups: list[dict[str, Any]], local: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
 ) -> dict[str, torch.Tensor]:
     """The live state tensors (a DTensor's local shard) the saved state of ``local``'s
     parameters is read into: ``load_state_dict`` then adopts them as they are."""
-    meta = _meta(saved, ctx)
+    meta = _meta(saved, ctx, groups)
     found: dict[str, torch.Tensor] = {}
     for p in (p for g in local.param_groups for p in g["params"]):
         live_state = local.state.get(p, {})
@@ -335,7 +335,7 @@ def state_dict_for(
     ctx: LoadContext,
 ) -> dict[str, Any]:
     """The index-keyed ``state_dict`` for ``local`` built from a checkpoint's state."""
-    meta = _meta(saved, ctx)
+    meta = _meta(saved, ctx, groups)
     local_params = [p for g in local.param_groups for p in g["params"]]
     named = {n for g in meta["param_groups"] for n in g["params"]}.union(meta["state"])
     state: dict[int, Any] = {}
@@ -407,9 +407,10 @@ def _shaped_like(
     return out
 
 
-def _meta(saved: SavedValue, ctx: LoadContext) -> dict[str, Any]:
+def _meta(saved: SavedValue, ctx: LoadContext, groups: list[dict[str, Any]]) -> dict[str, Any]:
     """The optimizer metadata of a manifest entry, its structure checked, its parameter
-    names as the live modules give them (:func:`_renamed`)."""
+    names as the live modules give them (:func:`_renamed`), for the live optimizer whose
+    global param groups are ``groups``."""
     meta = saved.meta
     problem = _meta_problem(meta)
     if problem is not None:
@@ -417,7 +418,22 @@ def _meta(saved: SavedValue, ctx: LoadContext) -> dict[str, Any]:
             f"the manifest entry for {saved.name!r} is not valid optimizer metadata: {problem}"
         )
     meta = _renamed(meta, fqn_without_wrappers)
-    return _renamed(meta, lambda name: ctx.param_aliases.get(name, name))
+    meta = _renamed(meta, lambda name: ctx.param_aliases.get(name, name))
+    qualified = _qualified_names(groups, ctx)
+    return _renamed(meta, lambda name: qualified.get(name, name))
+
+
+def _qualified_names(groups: list[dict[str, Any]], ctx: LoadContext) -> dict[str, str]:
+    """The module's own name of each of this optimizer's parameters that the live state
+    qualifies by its state key (an EMA copy beside the model: ``fc.weight`` ->
+    ``model.fc.weight``), where it names one of them only."""
+    found: dict[str, str | None] = {}
+    for p in (p for g in groups for p in g["params"]):
+        live = ctx.param_fqn(p)
+        plain = ctx.param_unqualified.get(live)
+        if plain is not None:
+            found[plain] = live if found.get(plain, live) == live else None
+    return {plain: live for plain, live in found.items() if live is not None}
 
 
 def _renamed(meta: dict[str, Any], rename_one: Callable[[str], str]) -> dict[str, Any]:
@@ -490,7 +506,7 @@ class OptimizerAdapter(Adapter):
     def targets(
         self, obj: torch.optim.Optimizer, saved: SavedValue, ctx: LoadContext
     ) -> dict[str, torch.Tensor]:
-        return live_targets(obj, saved, ctx)
+        return live_targets(obj.param_groups, obj, saved, ctx)
 
     def validate(
         self,

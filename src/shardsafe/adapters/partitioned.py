@@ -69,7 +69,7 @@ class PartitionedOptimizerAdapter(Adapter):
         return plan_import(obj.param_groups, self.local(obj), saved, ctx)
 
     def targets(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
-        return live_targets(self.local(obj), saved, ctx)
+        return live_targets(obj.param_groups, self.local(obj), saved, ctx)
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext

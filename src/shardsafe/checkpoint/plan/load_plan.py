@@ -25,6 +25,7 @@ from ...protocol import (
     SavedValue,
     param_aliases,
     param_names,
+    unqualified_names,
 )
 from ..format.manifest import Manifest, TensorRecord
 
@@ -90,7 +91,7 @@ def plan_load(
     not excuse it when no entry asked for is in the checkpoint: that load would restore
     nothing, silently; when others are, it is left as it is (``LoadPlan.absent``).
     """
-    names, aliases = param_names(state), param_aliases(state)
+    names, aliases, unqualified = param_names(state), param_aliases(state), unqualified_names(state)
     saved_tensors = {k: (r.dtype, r.shape) for k, r in manifest.tensors.items()}
 
     def context(name: str) -> LoadContext:
@@ -103,6 +104,7 @@ def plan_load(
             strict=strict,
             saved_tensors=saved_tensors,
             param_aliases=aliases,
+            param_unqualified=unqualified,
         )
 
     entries = _unasked(manifest, state, context)
