@@ -300,6 +300,23 @@ def test_a_missing_s3_checkpoint_is_not_found(s3_server: S3Server, s3_bucket: st
         shardsafe.load(f"s3://{s3_bucket}/nothing-here", {"w": torch.zeros(2)})
 
 
+def test_a_save_to_a_bucket_that_does_not_exist_is_refused_and_creates_no_bucket(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    missing = f"{s3_bucket}-typo"
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+        shardsafe.save(f"s3://{missing}/run/step-1", {"w": torch.zeros(2)})
+    assert str(caught.value) == (
+        f"the bucket {missing!r} of s3://{missing}/run/step-1 does not exist (or these "
+        "credentials cannot see it); shardsafe never creates a bucket: check the URL and "
+        "the endpoint, or create the bucket first"
+    )
+    with pytest.raises(CheckpointError, match="bucket does not exist"):
+        shardsafe.CheckpointManager(f"s3://{missing}/run").save(1, {"w": torch.zeros(2)})
+    buckets = [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]
+    assert missing not in buckets and s3_bucket in buckets
+
+
 class GetSpy:
     """Records each ranged GET an fsspec filesystem makes (the real call goes through):
     which object, and which thread asked (the read-ahead thread, or the caller)."""

@@ -157,9 +157,27 @@ class FsspecStorage:
             raise CheckpointNotFoundError(f"{self.directory} does not exist")
 
     def make_directory(self) -> None:
-        """Object stores need none; filesystems with directories (``memory://``) do."""
-        with contextlib.suppress(FileExistsError):
-            self.fs.makedirs(self.path, exist_ok=True)
+        """Object stores need none; filesystems with directories (``memory://``) do.
+
+        Never a bucket: s3fs's ``makedirs`` creates a missing bucket, so a save to a
+        mistyped ``s3://bucket/...`` made a new bucket in the account and wrote there.
+        Where the path's first segment is a bucket (the filesystem has ``split_path``),
+        parents are not created, and a missing bucket is an error."""
+        if getattr(self.fs, "split_path", None) is None:
+            with contextlib.suppress(FileExistsError):
+                self.fs.makedirs(self.path, exist_ok=True)
+            return
+        try:
+            self.fs.mkdir(self.path, create_parents=False)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            bucket = self.path.split("/", 1)[0]
+            raise CheckpointNotFoundError(
+                f"the bucket {bucket!r} of {self.directory} does not exist (or these "
+                "credentials cannot see it); shardsafe never creates a bucket: check the "
+                "URL and the endpoint, or create the bucket first"
+            ) from None
 
     def remove_directory(self) -> None:
         """Remove the (empty) prefix where directories exist; never a bucket."""
