@@ -284,3 +284,36 @@ def test_a_placement_rank_0_cannot_decide_is_every_ranks_error_and_writes_nothin
     keys = s3_server.keys(s3_bucket)
     assert not any("shardsafe-partial" in k for k in keys), keys
     assert torch.equal(shardsafe.load(url, {})["w"], torch.ones(4))  # the old one stands
+
+
+def save_with_rank_1_cut_off(rank: int, world: int, url: str, unreachable: str) -> str:
+    """Rank 1's endpoint is a port nothing listens on (its node cannot reach the store)."""
+    if rank == 1:
+        import os
+
+        os.environ["AWS_ENDPOINT_URL"] = unreachable
+    try:
+        shardsafe.save(url, {"w": torch.ones(4)}, entry_timeout=30)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_store_one_rank_cannot_reach_is_every_ranks_error_at_once(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """Before, the first look at the target came before the entry barrier: rank 1 raised
+    botocore's own EndpointConnectionError, and rank 0 waited out entry_timeout to blame
+    rank 1 for not calling save at all."""
+    from tests.harness import free_port
+
+    url = f"s3://{s3_bucket}/run/step-1"
+    errors = run_ranks(
+        with_env, 2, s3_server.env, save_with_rank_1_cut_off, url, f"http://127.0.0.1:{free_port()}"
+    )
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(
+        "CheckpointError: save failed on rank 1: EndpointConnectionError: Could not connect "
+        "to the endpoint URL"
+    ), errors
+    assert s3_server.keys(s3_bucket) == []

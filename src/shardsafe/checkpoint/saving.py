@@ -115,19 +115,23 @@ def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
     """Meet every rank (the entry barrier) and turn this rank's state into save items.
 
     A failure after the barrier is kept in the run, so that ``persist`` posts it in the
-    collect phase and every rank raises it: ``persist`` must follow on every rank.
+    collect phase and every rank raises it: ``persist`` must follow on every rank. The
+    first look at the target (a request to an object store, which may fail on one rank
+    alone) comes after the barrier too: before it, a rank whose store was unreachable
+    raised the client's own error while the others waited out ``entry_timeout`` and
+    then blamed it for not calling ``save``.
     """
     check_state(state)
     storage = storage_factory(options.storage, options.storage_options)(path)
     try:
-        existed = target_directory.refuse_committed(storage)
         coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
         coord.enter(options.entry_timeout)
     except BaseException:
         storage.close()
         raise
-    run = SaveRun(path, coord, storage, options, existed)
+    run = SaveRun(path, coord, storage, options, existed=True)  # until known: keep it
     try:
+        run.existed = target_directory.refuse_committed(storage)
         run.items = collect(state, coord.rank, coord.world_size)
     except Exception as e:
         run.error, run.items = e, {}
