@@ -317,3 +317,38 @@ def test_a_store_one_rank_cannot_reach_is_every_ranks_error_at_once(
         "to the endpoint URL"
     ), errors
     assert s3_server.keys(s3_bucket) == []
+
+
+def load_latest_with_a_rank_cut_off(rank: int, world: int, root: str, cut: int, port: int) -> str:
+    """Rank ``cut``'s endpoint is a port nothing listens on."""
+    if rank == cut:
+        import os
+
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+    manager = shardsafe.CheckpointManager(root)
+    try:
+        manager.load_latest({"w": torch.zeros(4)}, entry_timeout=30)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("cut", [0, 1])
+def test_load_latest_with_a_store_one_rank_cannot_reach_is_every_ranks_error_at_once(
+    s3_server: S3Server, s3_bucket: str, cut: int
+) -> None:
+    """Each rank looked for the newest checkpoint on its own, before the load's entry
+    barrier: the rank cut off raised botocore's own error, and the other waited out
+    entry_timeout to blame it for not calling load (or lost its store)."""
+    from tests.harness import free_port
+
+    root = f"s3://{s3_bucket}/run"
+    shardsafe.CheckpointManager(root).save(1, {"w": torch.ones(4)})
+    errors = run_ranks(
+        with_env, 2, s3_server.env, load_latest_with_a_rank_cut_off, root, cut, free_port()
+    )
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(
+        f"CheckpointError: load failed on rank {cut}: EndpointConnectionError: Could not "
+        "connect to the endpoint URL"
+    ), errors

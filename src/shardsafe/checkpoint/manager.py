@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..distributed import world
+from ..distributed import Coordinator, Phase, world
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
@@ -380,7 +380,8 @@ class CheckpointManager:
         opts = LoadOptions.of(**options)
         self._fresh = False
         first: CheckpointCorruptError | None = None
-        for path in self._loadable():
+        candidates = self._loadable()
+        while (path := self._agreed_next(candidates, opts)) is not None:
             name = path.rstrip("/").rsplit("/", 1)[-1]
             try:
                 with self._open(name) as storage:
@@ -394,6 +395,29 @@ class CheckpointManager:
         if first is not None:
             raise first
         return None
+
+    def _agreed_next(self, candidates: Iterator[str], opts: LoadOptions) -> str | None:
+        """The next of ``candidates`` (newest first) as rank 0 finds it, on every rank.
+
+        Each rank looking on its own could see the store differently (a request that
+        failed on one rank only, a save committed in between) and go on to load another
+        step, or raise the store's error alone while the others waited out the load's
+        ``entry_timeout`` to blame it for not calling ``load``. Rank 0 looks; its error
+        is every rank's."""
+        if world()[1] == 1:
+            return next(candidates, None)
+        coord = Coordinator("load", f"{self.root}#latest", timeout=opts.timeout)
+        try:
+            coord.enter(opts.entry_timeout)
+
+            def decide(payloads: list[Any]) -> list[str | None]:
+                return [next(candidates, None)] * len(payloads)
+
+            with coord.phase(Phase.PLAN, decide=decide) as chosen:
+                pass
+        finally:
+            coord.close()
+        return None if chosen.part is None else str(chosen.part)
 
     def _open(self, name: str) -> Storage:
         return open_storage(
