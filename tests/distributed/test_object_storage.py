@@ -352,3 +352,36 @@ def test_load_latest_with_a_store_one_rank_cannot_reach_is_every_ranks_error_at_
         f"CheckpointError: load failed on rank {cut}: EndpointConnectionError: Could not "
         "connect to the endpoint URL"
     ), errors
+
+
+def manager_save_with_rank_0_cut_off(rank: int, world: int, root: str, port: int) -> str:
+    if rank == 0:
+        import os
+
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+    try:
+        shardsafe.CheckpointManager(root).save(2, {"w": torch.ones(4)}, entry_timeout=30)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_managers_save_with_a_store_rank_0_cannot_reach_is_every_ranks_error(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """A fresh manager's first save looks for older checkpoints (to warn) on rank 0 before
+    the save's entry barrier: rank 0 raised botocore's own error there, alone, and rank 1
+    waited at the barrier for a rank that had left."""
+    from tests.harness import free_port
+
+    root = f"s3://{s3_bucket}/run"
+    shardsafe.CheckpointManager(root).save(1, {"w": torch.zeros(4)})
+    errors = run_ranks(
+        with_env, 2, s3_server.env, manager_save_with_rank_0_cut_off, root, free_port()
+    )
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(
+        "CheckpointError: save failed on rank 0: EndpointConnectionError: Could not connect "
+        "to the endpoint URL"
+    ), errors
+    assert [k for k in s3_server.keys(s3_bucket) if "step-000000002" in k] == []

@@ -219,7 +219,12 @@ class CheckpointManager:
         fresh, self._fresh = self._fresh, False
         if not fresh or world()[0] != 0:
             return
-        steps = self.complete_steps()
+        try:
+            steps = self.complete_steps()
+        except Exception:  # only a warning: the save itself then fails, agreed
+            # This runs on rank 0 alone, before the save's entry barrier: raising here (a
+            # store rank 0 cannot reach) left the other ranks waiting at that barrier.
+            return
         if steps and steps[-1] < step:
             _warn(
                 f"{self.root} already holds checkpoints up to step {steps[-1]} that this run "
