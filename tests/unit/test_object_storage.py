@@ -511,3 +511,27 @@ def test_a_gs_url_without_gcsfs_names_the_package_to_install(
     with pytest.raises(CheckpointError, match=wanted):
         shardsafe.save("gs://b/x", {"w": torch.ones(2)})
     assert list(tmp_path.iterdir()) == []  # no local directory "gs:"
+
+
+@pytest.mark.parametrize("path", ["run//step-1", "run/./step-1", "run/../step-1", "run/step-1/."])
+def test_a_url_with_an_empty_or_dot_segment_is_refused_before_anything_is_written(
+    s3_server: S3Server, s3_bucket: str, path: str
+) -> None:
+    """Such a URL was saved to keys like 'run//step-1/manifest.json', where a load of the
+    same place spelled 'run/step-1' (or any other tool) finds nothing."""
+    url = f"s3://{s3_bucket}/{path}"
+    message = (
+        f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
+        "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
+        "and no dot segments"
+    )
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.save(url, {"w": torch.ones(2)})
+    assert str(caught.value) == message
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.load(url, {"w": torch.ones(2)})
+    assert str(caught.value) == message
+    root = f"s3://{s3_bucket}/{path}/ckpts"
+    with pytest.raises(CheckpointError, match=r"has an empty, '\.' or '\.\.' segment"):
+        shardsafe.CheckpointManager(root).save(1, {"w": torch.ones(2)})
+    assert s3_server.keys(s3_bucket) == []

@@ -46,7 +46,7 @@ from typing import Any
 from ...errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse
 from .leftovers import INCOMPLETE_MARKER, record
-from .object_storage import FsspecStorage, check_object_name
+from .object_storage import FsspecStorage, check_object_name, check_url_segments
 from .placement import _delete_replaced, _staging_names, _taken, refuse_foreign
 from .removal import delete_checkpoint, warn
 
@@ -157,13 +157,7 @@ def split(url: str) -> tuple[str, str]:
         raise CheckpointError(
             f"{url!r} does not name a checkpoint under a bucket (scheme://bucket/.../name)"
         )
-    # An empty first segment is an empty authority (hdfs:///user/x), not a doubled slash.
-    if segments[0] in (".", "..") or any(s in ("", ".", "..") for s in segments[1:]):
-        raise CheckpointError(
-            f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
-            "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
-            "and no dot segments"
-        )
+    check_url_segments(url)
     check_object_name(segments[-1])
     return f"{scheme}://{'/'.join(segments[:-1])}", segments[-1]
 

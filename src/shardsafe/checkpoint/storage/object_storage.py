@@ -48,6 +48,21 @@ def check_object_name(name: str) -> str:
     return name
 
 
+def check_url_segments(url: str) -> None:
+    """Refuse a URL whose path has an empty or a dot segment (a trailing ``/`` allowed): an
+    object store keeps ``a//b``, ``a/./b``, ``a/../b`` and ``a/b`` as different keys where a
+    path would name one place, so a save and the lookups of the same place would miss each
+    other (``s3://b/run//step-1`` saved where ``s3://b/run/step-1`` finds nothing). An
+    empty authority (``hdfs:///user/x``) is allowed."""
+    segments = url.rstrip("/").partition("://")[2].split("/")
+    if segments[0] in (".", "..") or any(s in ("", ".", "..") for s in segments[1:]):
+        raise CheckpointError(
+            f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
+            "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
+            "and no dot segments"
+        )
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path inside it.
 
@@ -130,6 +145,7 @@ class FsspecStorage:
         self.follow = follow
         self.storage_options = dict(storage_options or {})
         if fs is None:
+            check_url_segments(self.directory)
             fs, path = filesystem(self.directory, self.storage_options)
         else:
             path = fs._strip_protocol(self.directory)
