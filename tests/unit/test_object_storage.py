@@ -535,3 +535,34 @@ def test_a_url_with_an_empty_or_dot_segment_is_refused_before_anything_is_writte
     with pytest.raises(CheckpointError, match=r"has an empty, '\.' or '\.\.' segment"):
         shardsafe.CheckpointManager(root).save(1, {"w": torch.ones(2)})
     assert s3_server.keys(s3_bucket) == []
+
+
+def test_inspect_and_verify_of_an_s3_root_or_run_directory_name_the_newest_checkpoint(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """As for a local path (docs/saving-and-loading.md): the hint was given for local
+    directories only, so on S3 the error said only that a save may have been interrupted."""
+    run = f"s3://{s3_bucket}/exp"
+    manager = shardsafe.CheckpointManager(f"{run}/checkpoints")
+    manager.save(3, {"w": torch.ones(2)})
+    manager.close()
+    missing = (
+        "has no manifest.json, so it is not a committed checkpoint (a save into it may have "
+        "been interrupted)"
+    )
+    for call in (shardsafe.inspect, shardsafe.verify):
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+            call(f"{run}/checkpoints")
+        assert str(caught.value) == (
+            f"{run}/checkpoints {missing}. It looks like a checkpoint root; the newest "
+            f"committed checkpoint in it is {run}/checkpoints/step-000000003"
+        )
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+            call(run)
+        assert str(caught.value) == (
+            f"{run} {missing}. It looks like a Trainer run directory: its checkpoints are "
+            f"under {run}/checkpoints; the newest is {run}/checkpoints/step-000000003"
+        )
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+            call(f"s3://{s3_bucket}/elsewhere")
+        assert str(caught.value) == f"s3://{s3_bucket}/elsewhere does not exist"

@@ -10,6 +10,7 @@ Shared by ``verify``, ``inspect`` and the converters' source detection.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from .format.manifest import Manifest
@@ -31,26 +32,41 @@ def manifest_at(path: str, storage: Storage) -> Manifest:
     try:
         return read_manifest_from(storage)
     except CheckpointNotFoundError as e:
-        raise CheckpointNotFoundError(f"{e}{where_checkpoints_are(path)}") from None
+        options = getattr(storage, "storage_options", None)
+        raise CheckpointNotFoundError(f"{e}{where_checkpoints_are(path, options)}") from None
 
 
-def where_checkpoints_are(path: str) -> str:
-    """A hint for a local path that is a checkpoint root or a Trainer's run directory
-    (``". It looks like ..."``), else ``""``."""
-    if is_url(path) or not os.path.isdir(path):
+def where_checkpoints_are(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """A hint for a path or URL that is a checkpoint root or a Trainer's run directory
+    (``". It looks like ..."``), else ``""``. On an object store a few listings, only on
+    this error path; a store that fails them gives no hint (the error stands as it is)."""
+    if not is_url(path):
+        return _hint(path, None) if os.path.isdir(path) else ""
+    try:
+        return _hint(path.rstrip("/"), storage_options or None)
+    except Exception:  # a hint: the store's error, if any, is not this error's
         return ""
+
+
+def _hint(path: str, storage_options: dict[str, Any] | None) -> str:
     from .manager import CheckpointManager  # the error path only: it imports the save side
 
-    latest = CheckpointManager(path, warn_if_not_empty=False).latest()
+    def newest(root: str) -> str | None:
+        manager = CheckpointManager(root, warn_if_not_empty=False, storage_options=storage_options)
+        return manager.latest()
+
+    latest = newest(path)
     if latest is not None:
         return (
             f". It looks like a checkpoint root; the newest committed checkpoint in it is {latest}"
         )
-    run_root = os.path.join(path, "checkpoints")
-    if os.path.isdir(run_root):
-        latest = CheckpointManager(run_root, warn_if_not_empty=False).latest()
-        newest = f"; the newest is {latest}" if latest else ", but none is committed yet"
+    run_root = f"{path}/checkpoints" if is_url(path) else os.path.join(path, "checkpoints")
+    if is_url(path) or os.path.isdir(run_root):
+        latest = newest(run_root)
+        if latest is None and is_url(path):
+            return ""  # a prefix has no directory to find: no checkpoints, no hint
+        found = f"; the newest is {latest}" if latest else ", but none is committed yet"
         return (
-            f". It looks like a Trainer run directory: its checkpoints are under {run_root}{newest}"
+            f". It looks like a Trainer run directory: its checkpoints are under {run_root}{found}"
         )
     return ""
