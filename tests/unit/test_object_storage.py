@@ -566,3 +566,24 @@ def test_inspect_and_verify_of_an_s3_root_or_run_directory_name_the_newest_check
         with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
             call(f"s3://{s3_bucket}/elsewhere")
         assert str(caught.value) == f"s3://{s3_bucket}/elsewhere does not exist"
+
+
+def test_a_url_naming_an_object_is_called_an_object_not_missing(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """``s3://b/run/latest`` (the manager's pointer) was reported as not existing."""
+    root = f"s3://{s3_bucket}/run"
+    manager = shardsafe.CheckpointManager(root)
+    manager.save(1, {"w": torch.ones(2)})
+    manager.close()
+    message = (
+        f"{root}/latest is an object, not a prefix; pass the checkpoint's prefix (the one "
+        "holding manifest.json)"
+    )
+    for call in (shardsafe.inspect, shardsafe.verify, shardsafe.read_manifest):
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+            call(f"{root}/latest")
+        assert str(caught.value) == message
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+        shardsafe.load(f"{root}/latest", {"w": torch.zeros(2)})
+    assert str(caught.value) == message

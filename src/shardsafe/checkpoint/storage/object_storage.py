@@ -169,8 +169,23 @@ class FsspecStorage:
             return False
 
     def require_directory(self) -> None:
-        if not self.is_directory():
-            raise CheckpointNotFoundError(f"{self.directory} does not exist")
+        """Refuse a prefix with nothing under it; name an object there as one (it "did not
+        exist": ``s3://b/run/latest``, the manager's pointer, is an object)."""
+        if self.is_directory():
+            return
+        if self._is_object():
+            raise CheckpointNotFoundError(
+                f"{self.directory} is an object, not a prefix; pass the checkpoint's prefix "
+                "(the one holding manifest.json)"
+            )
+        raise CheckpointNotFoundError(f"{self.directory} does not exist")
+
+    def _is_object(self) -> bool:
+        """Whether this storage's own path is an object."""
+        try:
+            return bool(self.fs.isfile(self.path))
+        except FileNotFoundError:
+            return False
 
     def make_directory(self) -> None:
         """Object stores need none; filesystems with directories (``memory://``) do.
