@@ -587,3 +587,24 @@ def test_a_url_naming_an_object_is_called_an_object_not_missing(
     with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
         shardsafe.load(f"{root}/latest", {"w": torch.zeros(2)})
     assert str(caught.value) == message
+
+
+def test_an_fsspec_chained_url_is_refused_and_never_a_local_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'simplecache::s3://bucket/x' had no scheme by the URL pattern, so it was a local
+    path: the save wrote ./simplecache::s3:/bucket/x and reported success."""
+    monkeypatch.chdir(tmp_path)
+    url = "simplecache::s3://bucket/run/x"
+    message = (
+        f"{url} is an fsspec chained URL, which shardsafe does not open (a caching layer "
+        "would change what an upload or a ranged read means); pass the store's own URL "
+        "(s3://..., gs://...): a load from it downloads each byte once"
+    )
+    for call in (shardsafe.save, shardsafe.load):
+        with pytest.raises(CheckpointError) as caught:
+            call(url, {"w": torch.ones(2)})
+        assert str(caught.value) == message
+    with pytest.raises(CheckpointError, match="is an fsspec chained URL"):
+        shardsafe.CheckpointManager("filecache::s3://bucket/run").save(1, {"w": torch.ones(2)})
+    assert list(tmp_path.iterdir()) == []

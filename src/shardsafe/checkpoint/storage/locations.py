@@ -18,7 +18,9 @@ from ...errors import CheckpointError
 from .local import LocalStorage
 from .protocol import Storage
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(::[A-Za-z][A-Za-z0-9+.\-]*)*://")
+"""A URL, also fsspec's chained form (``simplecache::s3://...``), which is refused
+(:func:`open_storage`) rather than taken for a local directory ``simplecache::s3:``."""
 INSTALL_HINT = 'pip install "shardsafe[s3]"'
 
 
@@ -58,6 +60,12 @@ def open_storage(
                 "apply to object-store URLs (s3://..., gs://...) only"
             )
         return LocalStorage(local_path(text), follow=follow)
+    if "::" in text.partition("://")[0]:
+        raise CheckpointError(
+            f"{text} is an fsspec chained URL, which shardsafe does not open (a caching "
+            "layer would change what an upload or a ranged read means); pass the store's "
+            "own URL (s3://..., gs://...): a load from it downloads each byte once"
+        )
     try:
         from .object_storage import FsspecStorage
 
