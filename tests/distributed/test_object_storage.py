@@ -385,3 +385,35 @@ def test_a_managers_save_with_a_store_rank_0_cannot_reach_is_every_ranks_error(
         "to the endpoint URL"
     ), errors
     assert [k for k in s3_server.keys(s3_bucket) if "step-000000002" in k] == []
+
+
+def fit_with_rank_1_cut_off(rank: int, world: int, run_dir: str, cwd: str, port: int) -> str:
+    if rank == 1:
+        import os
+
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+    try:
+        fit_run(rank, world, run_dir, cwd, 8, "latest")
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_trainer_resuming_from_a_store_one_rank_cannot_reach_fails_alike_on_every_rank(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Any
+) -> None:
+    """Every rank looked for the newest checkpoint on its own: rank 1 raised botocore's
+    own error there, and rank 0 went on to build DDP and died in gloo ('Connection closed
+    by peer'). Rank 0 now looks; rank 1's failure is the load's, agreed."""
+    from tests.harness import free_port
+
+    url = f"s3://{s3_bucket}/runs/exp"
+    run_ranks(with_env, 2, s3_server.env, fit_run, url, str(tmp_path), 4, None)
+    errors = run_ranks(
+        with_env, 2, s3_server.env, fit_with_rank_1_cut_off, url, str(tmp_path), free_port()
+    )
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(
+        "CheckpointError: load failed on rank 1: EndpointConnectionError: Could not connect "
+        "to the endpoint URL"
+    ), errors

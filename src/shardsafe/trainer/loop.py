@@ -25,7 +25,7 @@ from .config import TrainerConfig
 from .data import DataPosition, DataStream, loader_spec
 from .metrics import MetricsLog, ProgressBar, say
 from .module import TrainingModule, TrainingStep
-from .resuming import find_checkpoint, restore, restore_tiered
+from .resuming import agreed_checkpoint, restore, restore_tiered
 from .saving import Saving, TieredSaving, open_tiers
 
 
@@ -55,7 +55,7 @@ def train(
     started = time.monotonic()
     rank, world_size = strategy.env.rank, strategy.env.world_size
     leader = rank == 0
-    checkpoint = find_checkpoint(config, resume)
+    checkpoint = agreed_checkpoint(config, resume, world_size)
     tiered = config.local_checkpoint_dir is not None
     if leader and resume == "latest" and checkpoint is None and not tiered:
         say(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")

@@ -22,6 +22,8 @@ from typing import Any
 from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager, step_of
+from ..checkpoint.options import LoadOptions
+from ..distributed import Coordinator, Phase
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
@@ -51,6 +53,30 @@ def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
         if resume != "latest" and isinstance(step, int):
             manager.check_not_behind(step)  # as the workers would, after loading it
     return checkpoint
+
+
+def agreed_checkpoint(config: TrainerConfig, resume: str | None, world_size: int) -> str | None:
+    """:func:`find_checkpoint` on rank 0; its answer, or its error, is every rank's.
+
+    Each rank looking on its own could see the store differently (a request that failed
+    on one rank only) and start from another checkpoint than the others, or raise the
+    store's error alone while the others built their models and waited for it in a
+    collective (on a run with an ``s3://`` run_dir: gloo's 'Connection closed by peer')."""
+    if world_size == 1:
+        return find_checkpoint(config, resume)
+    defaults = LoadOptions()
+    coord = Coordinator("load", f"{config.checkpoint_dir}#resume", timeout=defaults.timeout)
+    try:
+        coord.enter(defaults.entry_timeout)
+
+        def decide(payloads: list[Any]) -> list[str | None]:
+            return [find_checkpoint(config, resume)] * len(payloads)
+
+        with coord.phase(Phase.PLAN, decide=decide) as chosen:
+            pass
+    finally:
+        coord.close()
+    return None if chosen.part is None else str(chosen.part)
 
 
 def saved_progress(values: Mapping[str, Any]) -> dict[str, Any]:
