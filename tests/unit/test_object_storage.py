@@ -313,6 +313,9 @@ def test_a_save_to_a_bucket_that_does_not_exist_is_refused_and_creates_no_bucket
     )
     with pytest.raises(CheckpointError, match="bucket does not exist"):
         shardsafe.CheckpointManager(f"s3://{missing}/run").save(1, {"w": torch.zeros(2)})
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+        shardsafe.save(f"s3://{missing}", {"w": torch.zeros(2)})  # the bucket's root
+    assert str(caught.value).startswith(f"the bucket {missing!r} of s3://{missing} does not")
     buckets = [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]
     assert missing not in buckets and s3_bucket in buckets
 

@@ -198,12 +198,16 @@ class FsspecStorage:
             with contextlib.suppress(FileExistsError):
                 self.fs.makedirs(self.path, exist_ok=True)
             return
+        bucket = self.path.split("/", 1)[0]
         try:
-            self.fs.mkdir(self.path, create_parents=False)
+            if bucket == self.path:  # mkdir of a bucket alone creates it
+                if not self.fs.exists(bucket):
+                    raise FileNotFoundError(bucket)
+            else:
+                self.fs.mkdir(self.path, create_parents=False)
         except FileExistsError:
             pass
         except FileNotFoundError:
-            bucket = self.path.split("/", 1)[0]
             raise CheckpointNotFoundError(
                 f"the bucket {bucket!r} of {self.directory} does not exist (or these "
                 "credentials cannot see it); shardsafe never creates a bucket: check the "
