@@ -611,3 +611,24 @@ def test_an_fsspec_chained_url_is_refused_and_never_a_local_directory(
     with pytest.raises(CheckpointError, match="is an fsspec chained URL"):
         shardsafe.CheckpointManager("filecache::s3://bucket/run").save(1, {"w": torch.ones(2)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_manager_of_the_same_process_saves_on_s3_as_on_a_filesystem(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """Two CheckpointManager objects on one root in one process (a script's second phase):
+    the second one's second save read the lock back, found the first one's token, and
+    refused, blaming 'another run (pid <this pid> on host <this host>)'."""
+    root = f"s3://{s3_bucket}/run"
+    first = shardsafe.CheckpointManager(root, keep_last=3)
+    first.save(1, {"w": torch.ones(2)})
+    second = shardsafe.CheckpointManager(root, keep_last=3)
+    state = {"w": torch.zeros(2)}
+    second.load_latest(state)
+    assert torch.equal(state["w"], torch.ones(2))
+    second.save(2, {"w": torch.ones(2)})
+    second.save(3, {"w": torch.full((2,), 3.0)})
+    assert second.latest() == f"{root}/step-000000003"
+    second.close()
+    first.close()
+    assert "run/.shardsafe.lock" not in s3_server.keys(s3_bucket)

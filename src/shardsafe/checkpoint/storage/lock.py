@@ -129,7 +129,7 @@ class RootLock:
         if not owner and backend.empty_is_unwritten and backend.age(LOCK_NAME) > _UNWRITTEN_GRACE_S:
             owner = {"host": self.me["host"]}  # a writer died between create and write
         same_host = owner.get("host") == self.me["host"]
-        if same_host and owner.get("pid") == self.me["pid"]:
+        if self._this_process(owner):
             # This process already owns the root (another manager object): share its lock,
             # which the last of them to release removes.
             self.me["token"] = owner.get("token")
@@ -179,6 +179,10 @@ class RootLock:
                 "Two runs saving into one root interleave checkpoints and delete each "
                 "other's: stop one, and give each run its own root."
             )
+
+    def _this_process(self, owner: dict[str, Any]) -> bool:
+        """Whether ``owner`` is this process (another manager object on the same root)."""
+        return owner.get("host") == self.me["host"] and owner.get("pid") == self.me["pid"]
 
     def _owner(self, root: Storage, backend: LockBackend) -> dict[str, Any]:
         """Who the lock names, every field checked (``lock_owner``); ``{}`` if there is
