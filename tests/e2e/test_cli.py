@@ -466,6 +466,26 @@ def test_an_object_store_without_credentials_is_a_clear_error(
 
 
 @pytest.mark.timeout(60)
+def test_fit_with_a_run_dir_in_a_bucket_that_does_not_exist_is_refused_before_any_step(
+    s3_server: Any, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run trained up to its first checkpoint, then failed in the lock's PUT with the
+    client's bare 'FileNotFoundError: The specified bucket does not exist'."""
+    monkeypatch.chdir(tmp_path)
+    missing = f"{s3_bucket}-typo"
+    proc = run_cli(
+        "fit", "--max-steps", "30", "--checkpoint-every", "20", "--run-dir", f"s3://{missing}/exp"
+    )
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stdout
+    assert proc.stderr == (
+        f"shardsafe: error: the bucket {missing!r} of s3://{missing}/exp/checkpoints does not "
+        "exist (or these credentials cannot see it); shardsafe never creates a bucket: check "
+        "the URL and the endpoint, or create the bucket first\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
 def test_a_path_that_is_no_directory_is_named_by_its_kind(tmp_path: Path) -> None:
     """A FIFO or a device passed as the checkpoint was called "a file"."""
     fifo = tmp_path / "pipe"

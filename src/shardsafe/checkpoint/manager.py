@@ -235,11 +235,22 @@ class CheckpointManager:
 
     def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
         """Runs on rank 0 before any data is written: own the root, and never go back in time."""
+        if not self._lock.held:
+            self.require_writable_root()
         self._lock.acquire()
         self.check_not_behind(step)
         self._check_pointer_replaceable()
         if then is not None:
             then()
+
+    def require_writable_root(self) -> None:
+        """On an object store, refuse a root whose bucket does not exist (shardsafe never
+        creates one), naming it, before anything is written: the lock's PUT failed with the
+        client's bare 'The specified bucket does not exist'. Nothing to do on a filesystem
+        (the root is made as needed)."""
+        if is_url(self.root):
+            with self._root_storage() as root:
+                root.make_directory()
 
     def _check_pointer_replaceable(self) -> None:
         """Refuse, before any data is written, a directory where ``latest`` belongs.

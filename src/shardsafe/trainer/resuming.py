@@ -35,6 +35,7 @@ from .metrics import say
 def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
     """The checkpoint a run starts from; refuses to start over an existing run by accident."""
     manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
+    manager.require_writable_root()  # a missing bucket: now, not at the first save
     if resume is None:
         steps = manager.complete_steps()
         if steps:
