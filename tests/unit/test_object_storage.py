@@ -635,3 +635,17 @@ def test_a_second_manager_of_the_same_process_saves_on_s3_as_on_a_filesystem(
     second.close()
     first.close()
     assert "run/.shardsafe.lock" not in s3_server.keys(s3_bucket)
+
+
+def test_an_uppercase_scheme_is_named_as_written_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'S3://b/x' was refused as "fsspec does not know the scheme 's3'", which it does."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.save("S3://bucket/x", {"w": torch.ones(2)})
+    assert str(caught.value) == (
+        "S3://bucket/x: fsspec does not know the scheme 'S3' (Protocol not known: S3); "
+        "schemes are lowercase: s3://"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -78,7 +78,9 @@ def open_storage(
         ) from None
     except ValueError as e:
         if "not known" in str(e) or "protocol" in str(e).lower():
+            written = text.partition("://")[0]
+            case = "" if written.islower() else f"; schemes are lowercase: {written.lower()}://"
             raise CheckpointError(
-                f"{text}: fsspec does not know the scheme {scheme(text)!r} ({e})"
+                f"{text}: fsspec does not know the scheme {written!r} ({e}){case}"
             ) from None
         raise
