@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..distributed import Coordinator, Phase, world
+from ..distributed import rank_zero_answer, world
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle
@@ -422,18 +422,13 @@ class CheckpointManager:
         is every rank's."""
         if world()[1] == 1:
             return next(candidates, None)
-        coord = Coordinator("load", f"{self.root}#latest", timeout=opts.timeout)
-        try:
-            coord.enter(opts.entry_timeout)
-
-            def decide(payloads: list[Any]) -> list[str | None]:
-                return [next(candidates, None)] * len(payloads)
-
-            with coord.phase(Phase.PLAN, decide=decide) as chosen:
-                pass
-        finally:
-            coord.close()
-        return None if chosen.part is None else str(chosen.part)
+        return rank_zero_answer(
+            "load",
+            f"{self.root}#latest",
+            lambda: next(candidates, None),
+            timeout=opts.timeout,
+            entry_timeout=opts.entry_timeout,
+        )
 
     def _open(self, name: str) -> Storage:
         return open_storage(

@@ -325,3 +325,33 @@ class Coordinator:
         """Delete this rank's payload keys that no rank will read any more."""
         if self._link.store is not None:
             self._payloads.release(self._link.store)
+
+
+def rank_zero_answer(
+    operation: str,
+    name: str,
+    answer: Callable[[], str | None],
+    *,
+    timeout: float,
+    entry_timeout: float,
+) -> str | None:
+    """``answer()`` as rank 0 gives it, on every rank; its error is every rank's.
+
+    For a lookup that each rank could make on its own but might see differently (an
+    object store that one rank cannot reach, a checkpoint committed in between): every
+    rank then acts on one answer, or raises one agreed error, instead of one rank
+    raising the store's error alone while the others wait for it in a collective.
+    ``operation`` and ``name`` label the agreement (``operation`` as in the errors:
+    ``"load"``)."""
+    coord = Coordinator(operation, name, timeout=timeout)
+    try:
+        coord.enter(entry_timeout)
+
+        def decide(payloads: list[Any]) -> list[str | None]:
+            return [answer()] * len(payloads)
+
+        with coord.phase(Phase.PLAN, decide=decide) as chosen:
+            pass
+    finally:
+        coord.close()
+    return None if chosen.part is None else str(chosen.part)

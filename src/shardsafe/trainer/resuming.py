@@ -23,7 +23,7 @@ from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions
-from ..distributed import Coordinator, Phase
+from ..distributed import rank_zero_answer
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
@@ -66,18 +66,13 @@ def agreed_checkpoint(config: TrainerConfig, resume: str | None, world_size: int
     if world_size == 1:
         return find_checkpoint(config, resume)
     defaults = LoadOptions()
-    coord = Coordinator("load", f"{config.checkpoint_dir}#resume", timeout=defaults.timeout)
-    try:
-        coord.enter(defaults.entry_timeout)
-
-        def decide(payloads: list[Any]) -> list[str | None]:
-            return [find_checkpoint(config, resume)] * len(payloads)
-
-        with coord.phase(Phase.PLAN, decide=decide) as chosen:
-            pass
-    finally:
-        coord.close()
-    return None if chosen.part is None else str(chosen.part)
+    return rank_zero_answer(
+        "load",
+        f"{config.checkpoint_dir}#resume",
+        lambda: find_checkpoint(config, resume),
+        timeout=defaults.timeout,
+        entry_timeout=defaults.entry_timeout,
+    )
 
 
 def saved_progress(values: Mapping[str, Any]) -> dict[str, Any]:
