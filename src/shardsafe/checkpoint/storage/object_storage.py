@@ -281,16 +281,25 @@ class FsspecStorage:
             return 0
         bucket, prefix = self.path.split("/", 1)
         aborted = 0
+        page: dict[str, str] = {}
         with contextlib.suppress(Exception):
-            found = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
-            for upload in found.get("Uploads", []):
-                call(
-                    "abort_multipart_upload",
-                    Bucket=bucket,
-                    Key=upload["Key"],
-                    UploadId=upload["UploadId"],
-                )
-                aborted += 1
+            while True:  # a listing returns 1,000 uploads at most: a save of more ranks
+                found = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/", **page)
+                for upload in found.get("Uploads", []):
+                    call(
+                        "abort_multipart_upload",
+                        Bucket=bucket,
+                        Key=upload["Key"],
+                        UploadId=upload["UploadId"],
+                    )
+                    aborted += 1
+                after = {
+                    "KeyMarker": found.get("NextKeyMarker") or "",
+                    "UploadIdMarker": found.get("NextUploadIdMarker") or "",
+                }
+                if not found.get("IsTruncated") or not after["KeyMarker"] or after == page:
+                    break  # the last page (or a store that does not move on: stop)
+                page = after
         return aborted
 
     def sync_directory(self) -> None:
