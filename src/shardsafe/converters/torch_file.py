@@ -179,23 +179,26 @@ class _Pickler(pickle.Pickler):
         stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
         hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         args = (ref, 0, tuple(t.shape), stride, False, hooks)
+        if _storage_type(t.dtype) is torch.UntypedStorage:
+            return torch._utils._rebuild_tensor_v3, (*args, t.dtype)
         return torch._utils._rebuild_tensor_v2, args
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, _Storage):
             return None
-        return ("storage", _storage_type(obj.key, obj.tensor.dtype), obj.record, "cpu",
-                math.prod(obj.tensor.shape))  # fmt: skip
+        kind = _storage_type(obj.tensor.dtype)
+        size = math.prod(obj.tensor.shape)
+        if kind is torch.UntypedStorage:  # counted in bytes, as torch.save counts it
+            size *= dtypes.itemsize(obj.tensor.dtype)
+        return ("storage", kind, obj.record, "cpu", size)
 
 
-def _storage_type(key: str, dtype: torch.dtype) -> Any:
+def _storage_type(dtype: torch.dtype) -> Any:
+    """The storage class ``torch.save`` records for a tensor of ``dtype``: a typed one
+    (``FloatStorage``) where torch has one, else ``UntypedStorage`` with the dtype passed
+    to ``_rebuild_tensor_v3`` (float8, uint16/32/64: torch's own "new dtypes")."""
     name = torch.storage._dtype_to_storage_type_map().get(dtype)
-    if name is None:
-        raise CheckpointError(
-            f"{key!r} is {dtypes.dtype_name(dtype)}, which the torch.save format has no "
-            "storage type for; convert to safetensors (--to hf or shardsafe) instead"
-        )
-    return getattr(torch, name)
+    return torch.UntypedStorage if name is None else getattr(torch, name)
 
 
 def write(

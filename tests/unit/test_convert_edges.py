@@ -1,0 +1,43 @@
+"""Conversions at the edges: dtypes torch stores without a typed storage, and the like."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+)
+def test_dtypes_without_a_typed_storage_convert_to_torch_save_bitwise(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """torch.save stores float8 and uint16/32/64 tensors (an fp8 model's weights) in an
+    untyped storage rebuilt by ``_rebuild_tensor_v3``; ``--to torch`` refused them as
+    having "no storage type", though torch.save itself writes them."""
+    weights = {
+        "w": torch.arange(-6, 6, dtype=torch.float32).reshape(3, 4).to(dtype),
+        "b": torch.ones(3),
+    }
+    torch.save(weights, tmp_path / "src.pt")
+    shardsafe.convert(tmp_path / "src.pt", tmp_path / "ss")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pickle note
+        shardsafe.convert(tmp_path / "ss", tmp_path / "out.pt", to="torch")
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert set(back) == {"model"} and set(back["model"]) == {"w", "b"}
+    for name, t in weights.items():
+        got = back["model"][name]
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(_bits(got), _bits(t)), name
