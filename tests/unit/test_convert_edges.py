@@ -41,3 +41,30 @@ def test_dtypes_without_a_typed_storage_convert_to_torch_save_bitwise(
         got = back["model"][name]
         assert got.dtype == t.dtype and got.shape == t.shape
         assert torch.equal(_bits(got), _bits(t)), name
+
+
+@pytest.mark.parametrize("lightning", [False, True])
+def test_a_file_with_both_state_dict_and_model_keeps_both(tmp_path: Path, lightning: bool) -> None:
+    """``{"state_dict": weights, "model": "resnet50"}`` (the architecture's name beside the
+    weights): ``state_dict`` was read as the entry ``model`` and then overwritten by the
+    file's own ``model``, so the weights were dropped and 0 tensors converted, silently."""
+    weights = {"fc.weight": torch.randn(3, 4), "fc.bias": torch.randn(3)}
+    raw: dict[str, object] = {"state_dict": weights, "model": "resnet50", "epoch": 3}
+    if lightning:
+        raw["pytorch-lightning_version"] = "2.4.0"
+        raw["model"] = {"arch": torch.tensor([1.0, 2.0])}
+    torch.save(raw, tmp_path / "last.ckpt")
+    result = shardsafe.convert(tmp_path / "last.ckpt", tmp_path / "ss")
+    assert result.tensors == len(weights) + (1 if lightning else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pickle note
+        shardsafe.convert(tmp_path / "ss", tmp_path / "back.ckpt", to="torch")
+    back = torch.load(tmp_path / "back.ckpt", weights_only=True)
+    assert set(back) == set(raw)
+    assert set(back["state_dict"]) == set(weights)
+    for name, t in weights.items():
+        assert torch.equal(back["state_dict"][name], t), name
+    if lightning:
+        assert torch.equal(back["model"]["arch"], torch.tensor([1.0, 2.0]))
+    else:
+        assert back["model"] == "resnet50" and back["epoch"] == 3

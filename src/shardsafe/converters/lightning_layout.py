@@ -40,7 +40,8 @@ def lightning_layout(tree: dict[str, Any], where: str) -> dict[str, Any] | None:
         taken = {LIGHTNING, MODEL, *optimizers}
         out.update({k: v for k, v in tree.items() if k not in taken and k not in out})
         return out
-    if VERSION_KEY in tree and isinstance(tree.get(MODEL), Mapping):  # a .ckpt read back
+    if VERSION_KEY in tree and isinstance(tree.get(MODEL), Mapping) and STATE_DICT not in tree:
+        # a .ckpt read back (its state_dict read as model; one that held both kept both)
         return {(STATE_DICT if k == MODEL else k): v for k, v in tree.items()}
     return None
 

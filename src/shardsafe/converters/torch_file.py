@@ -69,7 +69,9 @@ def read(storage: Storage, name: str) -> Source:
             f"{where} does not hold a dict with string keys, so it has no named entries to convert"
         )
     tree: dict[str, Any]
-    if "state_dict" in raw and isinstance(raw["state_dict"], dict):
+    if "state_dict" in raw and isinstance(raw["state_dict"], dict) and "model" not in raw:
+        # Only where "model" is free: {"state_dict": ..., "model": "resnet50"} would lose
+        # one of them; then both keep their names.
         tree = {"model": raw["state_dict"], **{k: v for k, v in raw.items() if k != "state_dict"}}
     elif is_module(raw):
         tree = {"model": raw}
