@@ -68,3 +68,26 @@ def test_a_file_with_both_state_dict_and_model_keeps_both(tmp_path: Path, lightn
         assert torch.equal(back["model"]["arch"], torch.tensor([1.0, 2.0]))
     else:
         assert back["model"] == "resnet50" and back["epoch"] == 3
+
+
+def test_a_top_level_dcp_tensor_beside_a_model_entry_is_kept(tmp_path: Path) -> None:
+    """``dcp.save({"model": msd, "rng": torch.get_rng_state()})``: the reader of
+    torchtitan's flat layout skipped every top-level tensor once *an* entry named
+    ``model`` was in its output, the checkpoint's own included, so ``rng`` vanished from
+    the conversion without a word (DCP's own ``dcp_to_torch_save`` keeps it)."""
+    import torch.distributed.checkpoint as dcp
+
+    rng = torch.get_rng_state()
+    weights = {"fc.weight": torch.randn(3, 4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
+        dcp.save({"model": weights, "rng": rng}, checkpoint_id=str(tmp_path / "dcp"))
+    result = shardsafe.convert(tmp_path / "dcp", tmp_path / "ss")
+    assert result.tensors == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pickle note
+        shardsafe.convert(tmp_path / "ss", tmp_path / "out.pt", to="torch")
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert set(back) == {"model", "rng"}
+    assert back["rng"].dtype == torch.uint8 and torch.equal(back["rng"], rng)
+    assert torch.equal(back["model"]["fc.weight"], weights["fc.weight"])

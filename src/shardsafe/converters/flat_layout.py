@@ -44,10 +44,11 @@ def unflatten(tree: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tops = {k: v for k, v in tree.items() if isinstance(v, torch.Tensor)}
     flat_optimizer = any(is_flat_optimizer(v) for v in tree.values())
-    if tops and "model" not in tree and (flat_optimizer or all("." in k for k in tops)):
+    moved = bool(tops) and "model" not in tree and (flat_optimizer or all("." in k for k in tops))
+    if moved:
         out["model"] = tops
     for name, sub in tree.items():
-        if name in tops and "model" in out:
+        if name in tops and moved:  # not when "model" is the tree's own: "rng" beside it
             continue
         out[name] = _nested_optimizer(sub) if is_flat_optimizer(sub) else sub
     return out
