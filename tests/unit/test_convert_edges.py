@@ -91,3 +91,26 @@ def test_a_top_level_dcp_tensor_beside_a_model_entry_is_kept(tmp_path: Path) -> 
     assert set(back) == {"model", "rng"}
     assert back["rng"].dtype == torch.uint8 and torch.equal(back["rng"], rng)
     assert torch.equal(back["model"]["fc.weight"], weights["fc.weight"])
+
+
+def test_a_dcp_optimizer_without_state_converts_to_an_optimizer(tmp_path: Path) -> None:
+    """SGD without momentum keeps no state: ``get_state_dict`` gives ``{"state": {},
+    "param_groups": [...]}``, and DCP, which stores leaves, drops the empty ``state``. The
+    converter then read the optimizer as plain data, so ``shardsafe.load`` of the converted
+    checkpoint into the optimizer failed with a mismatch."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    msd, osd = get_state_dict(model, opt)
+    assert osd["state"] == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    shardsafe.convert(tmp_path / "dcp", tmp_path / "ss")
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.5)
+    shardsafe.load(tmp_path / "ss", {"model": model2, "optimizer": opt2})
+    assert opt2.param_groups[0]["lr"] == 0.01
+    assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)

@@ -27,7 +27,7 @@ from ..errors import CheckpointCorruptError
 from ..pickles import load_torch
 from .bounds import loaded, require_dense
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
-from .entries import to_entries
+from .entries import is_optimizer, to_entries
 from .flat_layout import unflatten
 from .source import Source, SourceChunk, SourceTensor, Unbacked, checked, one_chunk
 
@@ -142,7 +142,7 @@ def read(storage: Storage) -> Source:
             unbacked = _unbacked(md, files, fqn, item, where)
             return SourceTensor(key, dtype, size, chunks, unbacked=unbacked)
 
-        values, tensors = to_entries(unflatten(_top_level(tree, where)), make)
+        values, tensors = to_entries(unflatten(_with_empty_states(_top_level(tree, where))), make)
     except BaseException:
         files.close()
         raise
@@ -218,6 +218,20 @@ def _listify(node: Any) -> Any:
     out = {k: _listify(v) for k, v in node.items()}
     if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
         return [out[i] for i in range(len(out))]
+    return out
+
+
+def _with_empty_states(tree: dict[str, Any]) -> dict[str, Any]:
+    """Each optimizer's ``state`` back where DCP dropped it. DCP stores leaves, so an
+    optimizer with no state yet or ever (``SGD`` without momentum: ``{"state": {},
+    "param_groups": [...]}``) comes back as ``{"param_groups": [...]}``, which would be
+    plain data that ``shardsafe.load`` refuses to put into the optimizer."""
+    out = dict(tree)
+    for name, sub in tree.items():
+        if isinstance(sub, dict) and set(sub) == {"param_groups"}:
+            candidate = {"state": {}, **sub}
+            if is_optimizer(candidate):
+                out[name] = candidate
     return out
 
 
