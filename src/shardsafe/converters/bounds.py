@@ -64,6 +64,16 @@ def require_dense(where: str, key: str, tensor: torch.Tensor) -> None:
         )
 
 
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values with any pending conjugation or negation applied.
+    ``torch.save`` keeps those bits (``x.conj()`` is its storage plus ``{"conj": True}``),
+    so a loaded tensor may be such a view, whose bytes are not its values (and which
+    torch will not view as bytes): its values are written, as a new tensor."""
+    if tensor.is_conj() or tensor.is_neg():
+        return tensor.resolve_conj().resolve_neg()
+    return tensor
+
+
 def loaded(
     where: str, key: str, tensor: torch.Tensor, release: Callable[[], None] | None = None
 ) -> SourceTensor:
@@ -77,7 +87,7 @@ def loaded(
     unbacked = None
     if tensor.numel() * tensor.element_size() > end - first:
         unbacked = Unbacked(tensor.numel(), end - first, where)
-    return one_chunk(key, tensor.dtype, shape, lambda: tensor, release, unbacked)
+    return one_chunk(key, tensor.dtype, shape, lambda: resolved(tensor), release, unbacked)
 
 
 def check_allocation(source: Source, limit: int) -> None:

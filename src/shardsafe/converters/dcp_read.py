@@ -25,7 +25,7 @@ from ..checkpoint.format.geometry import tiling_problem
 from ..checkpoint.storage.protocol import FileReader, Storage
 from ..errors import CheckpointCorruptError
 from ..pickles import load_torch
-from .bounds import loaded, require_dense
+from .bounds import loaded, require_dense, resolved
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .entries import is_optimizer, to_entries
 from .flat_layout import unflatten
@@ -172,7 +172,7 @@ def _chunk(md: Any, files: _Files, fqn: str, item: Any, chunk: Any, where: str) 
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointCorruptError(f"{reader.name}: {fqn!r} holds no tensor")
         require_dense(reader.name, fqn, tensor)
-        return checked(fqn, tensor, dtype, shape)
+        return checked(fqn, resolved(tensor), dtype, shape)
 
     return SourceChunk(offsets, shape, load)
 
