@@ -64,12 +64,18 @@ def _nested_optimizer(flat: Mapping[str, Any]) -> dict[str, Any]:
             raise CheckpointError(f"optimizer key {key!r} names no parameter")
         rest.setdefault(fqn, {})[field] = value
     groups: list[dict[str, Any]] = []
+    by_text: dict[str, dict[str, Any]] = {}
     for fqn, hyper in hypers.items():
-        same = next((g for g in groups if _hyper(g) == hyper), None)
-        if same is None:
-            groups.append({**hyper, "params": [fqn]})
-        else:
+        # Found by its text, not by comparing with every group: a checkpoint with a group
+        # per parameter (or a crafted one) would take quadratic time. Only values that are
+        # equal and print alike share a group.
+        text = repr(sorted(hyper.items()))
+        same = by_text.get(text)
+        if same is not None and _hyper(same) == hyper:
             same["params"].append(fqn)
+        else:
+            groups.append({**hyper, "params": [fqn]})
+            by_text.setdefault(text, groups[-1])
     return {"state": state, "param_groups": groups}
 
 
