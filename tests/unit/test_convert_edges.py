@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -182,3 +183,50 @@ def test_flat_dcp_param_groups_are_rebuilt_in_linear_time() -> None:
     assert len(groups) == n + 1
     assert groups[5] == {"lr": 5, "params": ["p5", "r"]}
     assert groups[-1] == {"lr": 3, "wd": 0.1, "params": ["q"]}
+
+
+def _open_under(directory: Path) -> int:
+    """How many ``.distcp`` files of ``directory`` this process has open."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        count += target.startswith(str(directory)) and target.endswith(".distcp")
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_a_dcp_checkpoint_of_more_files_than_descriptors_converts(tmp_path: Path) -> None:
+    """DCP writes a file per rank and writer thread; the reader kept every one open, so
+    a checkpoint of 1,100 files failed under the common default limit of 1,024
+    descriptors (``Too many open files``). Here the limit is lowered below the number of
+    files instead: at most half of it is spent on them now."""
+    import resource
+
+    import torch.distributed.checkpoint as dcp
+
+    baseline = len(list(Path("/proc/self/fd").iterdir()))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = 2 * baseline + 100
+    n = baseline + 150  # more than the lowered limit leaves, beside what is open already
+    weights = {f"l{i}.w": torch.full((3,), float(i)) for i in range(n)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
+        writer = dcp.FileSystemWriter(str(tmp_path / "dcp"), thread_count=n)
+        dcp.save({"model": weights}, storage_writer=writer)
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == n
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        with shardsafe.converters.read_source(tmp_path / "dcp") as source:
+            assert _open_under(tmp_path / "dcp") <= lowered // 2
+            for name, t in weights.items():
+                assert torch.equal(source.tensors[f"model/{name}"].load_whole(), t), name
+            assert _open_under(tmp_path / "dcp") <= lowered // 2
+        shardsafe.convert(tmp_path / "dcp", tmp_path / "ss")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert shardsafe.converters.read_source(tmp_path / "ss").tensors.keys() == {
+        f"model/{name}" for name in weights
+    }
