@@ -230,3 +230,30 @@ def test_a_dcp_checkpoint_of_more_files_than_descriptors_converts(tmp_path: Path
     assert shardsafe.converters.read_source(tmp_path / "ss").tensors.keys() == {
         f"model/{name}" for name in weights
     }
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"only": "model"},
+            r"^only='model' must be a list of entry names, such as only=\['model'\]$",
+        ),
+        ({"only": iter(["model"])}, r"^only=<list_iterator .*> must be a list of entry names"),
+        ({"dry_run": "no"}, r"^dry_run='no' must be True or False$"),
+        ({"progress": "yes"}, r"^progress='yes' must be True, False or None$"),
+        ({"to": "hf", "strip_prefix": 1}, r"^strip_prefix=1 must be a string or None$"),
+        ({"to": "hf", "max_shard_size": True}, r"^max_shard_size=True is not a size$"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_naming_the_field(
+    tmp_path: Path, options: dict[str, object], message: str
+) -> None:
+    """``convert(src, dst, only="model")`` read the string letter by letter and refused
+    ``--only m, o, d, e, l``; ``dry_run="no"`` (truthy) wrote nothing; ``strip_prefix=1``
+    failed with a raw ``TypeError`` from ``str.startswith``. Each is now refused before
+    anything is read, naming the field (docs/converting.md)."""
+    torch.save({"model": {"w": torch.ones(2, 2)}}, tmp_path / "src.pt")
+    with pytest.raises(ValueError, match=message):
+        shardsafe.convert(tmp_path / "src.pt", tmp_path / "out", **options)  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()

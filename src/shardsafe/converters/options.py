@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
+from .hf import parse_size
 from .hf_config import config_files
 from .source import FORMATS, Format
 
@@ -73,7 +74,32 @@ class ConvertOptions:
         if self.dcp_layout not in DCP_LAYOUTS:
             raise ValueError(f"dcp_layout={self.dcp_layout!r} is not 'nested' or 'flat'")
         self._check_target_options()
+        self._check_types()
         _torch_dtype(self.dtype)
+
+    def _check_types(self) -> None:
+        """Values of the wrong type are refused here, naming the field: ``only="model"``
+        was read letter by letter (``--only m, o, d, e, l: ... holds no such entry``),
+        ``dry_run="no"`` converted nothing, ``strip_prefix=1`` failed deep inside."""
+        only = self.only
+        if only is not None and (
+            isinstance(only, (str, bytes))
+            or not isinstance(only, Sequence)
+            or not all(isinstance(name, str) for name in only)
+        ):
+            raise ValueError(
+                f"only={self.only!r} must be a list of entry names, such as only=['model']"
+            )
+        for name in ("strip_prefix", "add_prefix"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string or None")
+        if not isinstance(self.dry_run, bool):
+            raise ValueError(f"dry_run={self.dry_run!r} must be True or False")
+        if not isinstance(self.progress, (bool, type(None))):
+            raise ValueError(f"progress={self.progress!r} must be True, False or None")
+        if isinstance(self.max_shard_size, bool):
+            raise ValueError(f"max_shard_size={self.max_shard_size!r} is not a size")
+        parse_size(self.max_shard_size)
 
     def _check_target_options(self) -> None:
         """Options of one target format are refused for another, as ``config`` is: they
