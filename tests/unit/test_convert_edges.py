@@ -257,3 +257,21 @@ def test_options_of_the_wrong_type_are_refused_naming_the_field(
     with pytest.raises(ValueError, match=message):
         shardsafe.convert(tmp_path / "src.pt", tmp_path / "out", **options)  # type: ignore[arg-type]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_weight_named_like_safetensors_metadata_is_refused_before_writing(
+    tmp_path: Path,
+) -> None:
+    """A weight named ``__metadata__`` overwrote the safetensors header's metadata: the
+    file written did not parse ("__metadata__ is not a map of strings", said about the
+    output) and stayed on disk. It is refused before anything is written, with the way out."""
+    torch.save({"__metadata__": torch.ones(2), "w": torch.ones(3)}, tmp_path / "src.pt")
+    with pytest.raises(shardsafe.CheckpointError, match=r"safetensors reserves .*--add-prefix"):
+        shardsafe.convert(tmp_path / "src.pt", tmp_path / "hf", to="hf")
+    assert not (tmp_path / "hf").exists()
+    shardsafe.convert(tmp_path / "src.pt", tmp_path / "hf", to="hf", add_prefix="m.")
+    from safetensors.torch import load_file
+
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(back) == {"m.__metadata__", "m.w"}
+    assert torch.equal(back["m.__metadata__"], torch.ones(2))

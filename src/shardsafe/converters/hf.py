@@ -42,6 +42,8 @@ from .source import Source, one_chunk
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_INDEX_BYTES = 256 << 20
+_RESERVED = "__metadata__"
+"""The header's metadata, in every safetensors file: no tensor may have that name."""
 _BLOCK = 1 << 62
 """One CRC per tensor: the read-back check compares whole tensors."""
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -93,6 +95,12 @@ def weight_names(
             if len(modules) > 1:
                 name = f"{value.name}.{name}"
             where = f"{value.name}[{fqn!r}]"
+            if name == _RESERVED:
+                raise CheckpointError(
+                    f"{where} would be named {name!r}, which safetensors reserves for the "
+                    "file's metadata (the weight would overwrite it); rename it with "
+                    "add_prefix (--add-prefix)"
+                )
             if name in seen:
                 raise CheckpointError(
                     f"two tensors would both be named {name!r}: {seen[name]} and {where}; "
