@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.checkpoint.storage.files import LocalFileReader
+from shardsafe.checkpoint.storage.local import LocalStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -275,3 +278,46 @@ def test_a_weight_named_like_safetensors_metadata_is_refused_before_writing(
     back = load_file(tmp_path / "hf" / "model.safetensors")
     assert set(back) == {"m.__metadata__", "m.w"}
     assert torch.equal(back["m.__metadata__"], torch.ones(2))
+
+
+class _FlipsOnRead(LocalStorage):
+    """Reads back a byte in the middle of every file flipped: a bad disk or cache, which
+    the converter's read-back exists to catch."""
+
+    def open_reader(self, name: str) -> LocalFileReader:
+        reader = super().open_reader(name)
+        middle, read_into = reader.size // 2, reader.read_into
+
+        def flipped(offset: int, out: memoryview) -> None:
+            read_into(offset, out)
+            view = out.cast("B") if out.format != "B" else out
+            if offset <= middle < offset + view.nbytes:
+                view[middle - offset] ^= 0xFF
+
+        reader.read_into = flipped  # type: ignore[method-assign]
+        return reader
+
+
+@pytest.mark.parametrize("to", ["dcp", "hf", "torch"])
+def test_an_output_that_does_not_read_back_as_written_is_removed(tmp_path: Path, to: str) -> None:
+    """The read-back ran after the output was committed (DCP's ``.metadata``, the HF
+    index or single file, the ``torch.save`` file) and a failure left it in place: output
+    that ``dcp.load``, ``from_pretrained`` or ``torch.load`` then reads without any
+    checksum, corrupt. It is removed now, and the error says what did not read back."""
+    from shardsafe.converters import dcp_write, hf, torch_file
+
+    torch.save({"model": {"w": torch.arange(1 << 14, dtype=torch.float32)}}, tmp_path / "a.pt")
+    out = tmp_path / "out"
+    if to == "torch":
+        out.mkdir()
+    with (
+        shardsafe.converters.read_source(tmp_path / "a.pt") as source,
+        pytest.raises(shardsafe.CheckpointError, match=re.escape(str(out))),
+    ):
+        if to == "dcp":
+            dcp_write.write(source, _FlipsOnRead(str(out)))
+        elif to == "hf":
+            hf.write(source, _FlipsOnRead(str(out)))
+        else:
+            torch_file.write(source, _FlipsOnRead(str(out)), "model.pt")
+    assert not out.exists() if to != "torch" else list(out.iterdir()) == []

@@ -184,9 +184,17 @@ def write(
         storage_data=out.storage_data,
         version="1.0.0",
     )
-    storage.sync_directory()
-    storage.commit(METADATA_NAME, pickle.dumps(md))
-    verify(storage, out.crcs, [leaf.fqn for leaf in leaves])
+    try:
+        storage.sync_directory()
+        storage.commit(METADATA_NAME, pickle.dumps(md))
+        verify(storage, out.crcs, [leaf.fqn for leaf in leaves])
+    except BaseException:
+        # A checkpoint that does not read back as written is not left for dcp.load
+        # (which checks no checksums): the metadata goes first, then the data.
+        storage.remove(METADATA_NAME)
+        storage.remove(DATA_FILE)
+        remove_if_created(storage, created)
+        raise
     return written
 
 

@@ -164,12 +164,14 @@ def write(
             storage.sync_directory()
             storage.commit(INDEX_NAME, index)
             sizes.append((INDEX_NAME, len(index)))
+        verify(storage, expected)
     except BaseException:
-        for name in written:
+        # Also when the read-back fails: files that do not verify are not left to load
+        # (safetensors has no checksums). The index (or the one file) goes first.
+        for name in reversed(written):
             storage.remove(name)
         remove_if_created(storage, created)
         raise
-    verify(storage, expected)
     return sizes
 
 

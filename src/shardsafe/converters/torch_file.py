@@ -230,7 +230,11 @@ def write(
         sink.abort()
         storage.remove(name)
         raise
-    verify(storage, name, source, pickler.storages)
+    try:
+        verify(storage, name, source, pickler.storages)
+    except BaseException:
+        storage.remove(name)  # a file that does not read back as written is not left
+        raise
     return size
 
 
