@@ -321,3 +321,17 @@ def test_an_output_that_does_not_read_back_as_written_is_removed(tmp_path: Path,
         else:
             torch_file.write(source, _FlipsOnRead(str(out)), "model.pt")
     assert not out.exists() if to != "torch" else list(out.iterdir()) == []
+
+
+def test_hf_output_without_a_module_says_what_a_module_is(tmp_path: Path) -> None:
+    """A file whose tensors are not a module (``{"w": t, "step": 3}``: plain values)
+    was refused with "Name the entry with --only", which cannot help: ``--only w`` gave
+    the same error, since ``--only`` keeps entries but makes none a module."""
+    torch.save({"w": torch.ones(2, 2), "step": 3}, tmp_path / "src.pt")
+    for only in (None, ["w"]):
+        with pytest.raises(shardsafe.CheckpointError) as caught:
+            shardsafe.convert(tmp_path / "src.pt", tmp_path / "hf", to="hf", only=only)
+        assert "Name the entry with --only" not in str(caught.value)
+        assert "a dict of tensors by name such as a model's state_dict()" in str(caught.value)
+        assert "w (value)" in str(caught.value)
+    assert not (tmp_path / "hf").exists()

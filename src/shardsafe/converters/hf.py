@@ -10,7 +10,7 @@ shardsafe's safetensors writer (one tensor in memory at a time, assembled from h
 many ranks' chunks), the index is written last, and every file is read back and checked
 against the CRC32s computed while writing.
 
-Only model weights go into these files: module entries, or what ``--only`` names.
+Only model weights go into these files: the module entries (of those ``--only`` keeps).
 Names are the module's FQNs, with ``strip_prefix`` removed and ``add_prefix`` put in
 front; with several modules, each name is prefixed by its entry name.
 
@@ -79,9 +79,12 @@ def weight_names(
     """``(HF name, source key)`` for every module tensor of ``source``."""
     modules = [v for v in source.values.values() if v.kind == "module"]
     if not modules:
+        held = ", ".join(f"{n} ({v.kind})" for n, v in sorted(source.values.items()))
         raise CheckpointError(
-            f"{source.where} holds no model weights (no module entry; it holds "
-            f"{', '.join(sorted(source.values)) or 'nothing'}). Name the entry with --only."
+            f"{source.where} holds no model weights to write as Hugging Face weights: none "
+            f"of the entries converted ({held or 'nothing'}) is a module, a dict of tensors "
+            "by name such as a model's state_dict() (--only keeps entries, it does not "
+            "make one a module)"
         )
     out: list[tuple[str, str]] = []
     seen: dict[str, str] = {}
