@@ -335,3 +335,27 @@ def test_hf_output_without_a_module_says_what_a_module_is(tmp_path: Path) -> Non
         assert "a dict of tensors by name such as a model's state_dict()" in str(caught.value)
         assert "w (value)" in str(caught.value)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("to", ["shardsafe", "hf"])
+def test_a_dtype_safetensors_cannot_store_is_refused_with_a_way_out(
+    tmp_path: Path, to: str
+) -> None:
+    """An MX scale tensor (``float8_e8m0fnu``) or any other dtype with no safetensors
+    code crashed the conversion with ``KeyError: torch.float8_e8m0fnu`` from inside the
+    header builder ("a bug in shardsafe" on the command line). It is refused, naming the
+    tensor and the formats that can hold it; ``--to torch`` converts it bitwise."""
+    scales = torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e4m3fnuz)  # as e8m0fnu (torch 2.7+)
+    torch.save({"w": torch.ones(3), "w_scale": scales}, tmp_path / "src.pt")
+    with pytest.raises(
+        shardsafe.CheckpointError,
+        match=r"'model/w_scale' is float8_e4m3fnuz, which safetensors cannot store, so "
+        rf"--to {to} cannot hold it; convert to torch or dcp instead",
+    ):
+        shardsafe.convert(tmp_path / "src.pt", tmp_path / "out", to=to)
+    assert not (tmp_path / "out").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pickle note
+        shardsafe.convert(tmp_path / "src.pt", tmp_path / "out.pt", to="torch")
+    back = torch.load(tmp_path / "out.pt", weights_only=True)["model"]["w_scale"]
+    assert back.dtype == scales.dtype and torch.equal(_bits(back), _bits(scales))

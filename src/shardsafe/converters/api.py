@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import dtypes
 from .._text import human_bytes
 from ..checkpoint.storage.locations import open_storage
 from ..errors import CheckpointError
@@ -172,8 +173,23 @@ def _chosen(source: Source, options: ConvertOptions) -> Source:
     chosen = cast(single_values(selected), options.torch_dtype)
     if options.to == "hf":
         chosen = _only_weights(chosen, _hf_plan(chosen, options))
+    if options.to in ("shardsafe", "hf"):
+        _refuse_unstorable(chosen, options.to)
     check_allocation(chosen, options.untrusted_bytes_limit)
     return chosen
+
+
+def _refuse_unstorable(source: Source, to: Format) -> None:
+    """Refuse, before anything is written, a tensor whose dtype safetensors (the files of
+    shardsafe and Hugging Face output) has no code for (``float8_e8m0fnu``,
+    ``float4_e2m1fn_x2``, ``complex32``, ...); ``torch.save`` and DCP store it."""
+    for t in source.tensors.values():
+        if not dtypes.is_supported(t.dtype):
+            raise CheckpointError(
+                f"{source.where}: tensor {t.key!r} is {dtypes.dtype_name(t.dtype)}, which "
+                f"safetensors cannot store, so --to {to} cannot hold it; convert to torch or "
+                "dcp instead, or leave its entry out with --only (nothing was written)"
+            )
 
 
 def _hf_plan(source: Source, options: ConvertOptions) -> list[hf.Shard]:
