@@ -359,3 +359,39 @@ def test_a_dtype_safetensors_cannot_store_is_refused_with_a_way_out(
         shardsafe.convert(tmp_path / "src.pt", tmp_path / "out.pt", to="torch")
     back = torch.load(tmp_path / "out.pt", weights_only=True)["model"]["w_scale"]
     assert back.dtype == scales.dtype and torch.equal(_bits(back), _bits(scales))
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module whose extra state is plain data (settings, an fp8 recipe's, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 3)
+        self.scale = 1
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.scale = state["scale"]
+
+
+@pytest.mark.parametrize("via", ["torch", "dcp"])
+def test_a_module_with_extra_state_stays_a_module(tmp_path: Path, via: str) -> None:
+    """A state dict holding ``<fqn>._extra_state`` beside its tensors (what
+    ``get_extra_state`` returns) was not read as a module: shardsafe -> torch/DCP ->
+    shardsafe gave a plain value, which ``shardsafe.load`` refused to put into the module
+    ("saved as a 'value' value but is loaded into a ... ('module')")."""
+    model = _WithExtraState()
+    model.scale = 7
+    shardsafe.save(tmp_path / "ss", {"model": model})
+    middle = tmp_path / ("mid.pt" if via == "torch" else "mid")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pickle note
+        shardsafe.convert(tmp_path / "ss", middle, to=via)  # type: ignore[arg-type]
+    shardsafe.convert(middle, tmp_path / "back")
+    again = _WithExtraState()
+    shardsafe.load(tmp_path / "back", {"model": again})
+    assert again.scale == 7
+    assert torch.equal(again.fc.weight, model.fc.weight)
+    assert torch.equal(again.fc.bias, model.fc.bias)

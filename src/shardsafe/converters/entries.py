@@ -37,15 +37,40 @@ MakeTensor = Callable[[str, torch.Tensor], SourceTensor]
 
 
 def is_module(sub: Any) -> bool:
-    """A module's state dict: tensors by name, one at least not a scalar. A dict of scalars
-    alone (``train_state={"step": tensor(5)}``, as older torchtitan saved it) is plain data,
+    """A module's state dict: tensors by name, one at least not a scalar, and the extra
+    state of its submodules (``<fqn>._extra_state``, what ``get_extra_state`` returned:
+    plain data, as the module adapter saves it). A dict of scalars alone
+    (``train_state={"step": tensor(5)}``, as older torchtitan saved it) is plain data,
     which ``load`` returns as a value, not weights to load into a module."""
     return (
         isinstance(sub, Mapping)
         and bool(sub)
-        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sub.items())
-        and any(v.dim() > 0 for v in sub.values())
+        and all(
+            isinstance(k, str) and (isinstance(v, torch.Tensor) or is_extra_state(k, v))
+            for k, v in sub.items()
+        )
+        and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in sub.values())
     )
+
+
+def is_extra_state(name: str, value: Any) -> bool:
+    """``value`` under ``name`` is a submodule's extra state that is not a tensor (a dict
+    of settings, say): what ``nn.Module.state_dict`` puts under ``<prefix>_extra_state``,
+    holding no tensor (the module adapter keeps such state as JSON)."""
+    return (name == _EXTRA or name.endswith("." + _EXTRA)) and not _holds_tensor(value)
+
+
+_EXTRA = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(k) or _holds_tensor(v) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def is_optimizer(sub: Any) -> bool:
@@ -88,9 +113,14 @@ def to_entries(
     for name, sub in tree.items():
         if is_module(sub):
             module_sink = sink_under(name)
+            names, extra = [], {}
             for fqn, t in sub.items():
-                module_sink((fqn,), t)
-            values[name] = SavedValue(name, "module", {"tensors": list(sub), "extra": {}})
+                if isinstance(t, torch.Tensor):
+                    module_sink((fqn,), t)
+                    names.append(fqn)
+                else:  # extra state: JSON, as the module adapter saves it
+                    extra[fqn] = _tree.encode(t, f"the entry {name!r}", module_sink)
+            values[name] = SavedValue(name, "module", {"tensors": names, "extra": extra})
         elif is_optimizer(sub):
             values[name] = SavedValue(name, "optimizer", _optimizer_meta(name, sub, sink_under))
         else:
