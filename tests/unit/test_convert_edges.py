@@ -395,3 +395,41 @@ def test_a_module_with_extra_state_stays_a_module(tmp_path: Path, via: str) -> N
     assert again.scale == 7
     assert torch.equal(again.fc.weight, model.fc.weight)
     assert torch.equal(again.fc.bias, model.fc.bias)
+
+
+def _hub_snapshot(root: Path) -> Path:
+    """A Hugging Face cache snapshot: every file a link into ``blobs/``."""
+    from safetensors.torch import save_file
+
+    (root / "blobs").mkdir(parents=True)
+    snapshot = root / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    save_file({"w": torch.arange(4.0)}, root / "blobs" / "a1")
+    torch.save({"w": torch.arange(4.0)}, root / "blobs" / "b2")
+    (snapshot / "model.safetensors").symlink_to("../../blobs/a1")
+    (snapshot / "pytorch_model.bin").symlink_to("../../blobs/b2")
+    return snapshot
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_source_file_named_through_a_link_converts(tmp_path: Path, name: str) -> None:
+    """A file the user names may be a symbolic link (docs/guarantees.md; the engine's
+    own imports follow one), as every file of a Hugging Face cache snapshot is; the
+    converter refused it ("is a symbolic link, not a file")."""
+    snapshot = _hub_snapshot(tmp_path / "hub")
+    shardsafe.convert(snapshot / name, tmp_path / "out")
+    with shardsafe.converters.read_source(tmp_path / "out") as source:
+        assert torch.equal(source.tensors["model/w"].load_whole(), torch.arange(4.0))
+
+
+def test_a_checkpoint_directory_of_links_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    """Links inside a checkpoint directory stay unfollowed, but the refusal says why and
+    what to pass instead, rather than only that a link is not read."""
+    snapshot = _hub_snapshot(tmp_path / "hub")
+    with pytest.raises(
+        shardsafe.CheckpointError,
+        match=r"model\.safetensors is a symbolic link, and links inside a checkpoint are "
+        r"never followed .*; pass .*model\.safetensors itself",
+    ):
+        shardsafe.convert(snapshot, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -18,7 +18,7 @@ from ..checkpoint.finding import where_checkpoints_are
 from ..checkpoint.format.manifest_format import MANIFEST_NAME
 from ..checkpoint.storage.locations import is_url, local_path, open_storage
 from ..checkpoint.storage.protocol import Storage
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from .dcp_metadata import METADATA_NAME
 from .hf import INDEX_NAME, SINGLE_NAME
 from .source import Format
@@ -51,13 +51,39 @@ def _is_file(path: str) -> bool:
     return os.path.isfile(local_path(path))
 
 
+def _followed(path: str) -> str:
+    """The file a local path names, through a symbolic link: a path the user names may
+    be one (``docs/guarantees.md``), as Lightning's ``last.ckpt`` or every file of a
+    Hugging Face cache snapshot (``snapshots/<rev>/model.safetensors`` ->
+    ``../../blobs/<hash>``) is. Names inside a checkpoint are never followed; an index
+    (``.json``) is not either, since the files it names are beside the link."""
+    if is_url(path) or not os.path.islink(local_path(path)):
+        return path
+    return os.path.realpath(local_path(path))
+
+
+def _linked(path: str, name: str) -> str:
+    """Why a directory whose checkpoint file is a symbolic link is refused, and the way
+    out (a Hugging Face cache snapshot is made of links into ``blobs/``)."""
+    way = (
+        f"pass {os.path.join(path, name)} itself (a file you name may be a link)"
+        if name == SINGLE_NAME
+        else "copy it with its links resolved (cp -rL), or download it with "
+        "huggingface_hub.snapshot_download(..., local_dir=...)"
+    )
+    return (
+        f"{path}: {name} is a symbolic link, and links inside a checkpoint are never "
+        f"followed (a Hugging Face cache snapshot links its files into blobs/); {way}"
+    )
+
+
 def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Located:
     """The format of the source at ``path`` (see the module docstring)."""
     if _is_file(path):
-        directory, name = split(path)
-        storage = open_storage(directory, storage_options=storage_options)
-        ext = os.path.splitext(name)[1].lower()
+        ext = os.path.splitext(split(path)[1])[1].lower()  # the name the user gave
         fmt: Format = "hf" if ext in (".safetensors", ".json") else "torch"
+        directory, name = split(_followed(path) if ext != ".json" else path)
+        storage = open_storage(directory, storage_options=storage_options)
         return Located(fmt, storage, name)
     storage = open_storage(path, storage_options=storage_options)
     try:
@@ -69,6 +95,8 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
             (SINGLE_NAME, "hf", SINGLE_NAME),
         )
         for name, found, file in candidates:
+            if storage.kind(name) == "symlink":
+                raise CheckpointError(_linked(path, name))
             if storage.exists(name):
                 return Located(found, storage, file)
         names = storage.names()
