@@ -433,3 +433,22 @@ def test_a_checkpoint_directory_of_links_is_refused_with_the_way_out(tmp_path: P
     ):
         shardsafe.convert(snapshot, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", ["shardsafe", "hf"])
+def test_a_tensor_name_that_is_no_utf8_is_refused_for_safetensors_output(
+    tmp_path: Path, to: str
+) -> None:
+    """A pickle may hold a name with a lone surrogate (``"w\\ud800"``). ``--to hf`` wrote a
+    ``model.safetensors`` that passed the converter's own read-back but that
+    ``safetensors`` refuses ("invalid JSON in header"); ``--to shardsafe`` failed its
+    verification after committing. Refused before anything is written; torch keeps it."""
+    name = "w\ud800"
+    torch.save({name: torch.ones(2), "b": torch.ones(3)}, tmp_path / "src.pt")
+    with pytest.raises(shardsafe.CheckpointError, match="is not UTF-8 text"):
+        shardsafe.convert(tmp_path / "src.pt", tmp_path / "out", to=to)
+    assert not (tmp_path / "out").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the pickle note
+        shardsafe.convert(tmp_path / "src.pt", tmp_path / "out.pt", to="torch")
+    assert set(torch.load(tmp_path / "out.pt", weights_only=True)["model"]) == {name, "b"}

@@ -182,8 +182,19 @@ def _chosen(source: Source, options: ConvertOptions) -> Source:
 def _refuse_unstorable(source: Source, to: Format) -> None:
     """Refuse, before anything is written, a tensor whose dtype safetensors (the files of
     shardsafe and Hugging Face output) has no code for (``float8_e8m0fnu``,
-    ``float4_e2m1fn_x2``, ``complex32``, ...); ``torch.save`` and DCP store it."""
+    ``float4_e2m1fn_x2``, ``complex32``, ...), or whose name is no UTF-8 text (a lone
+    surrogate, which a pickle can hold): the safetensors header would be JSON that no
+    safetensors reader parses. ``torch.save`` and DCP store both."""
     for t in source.tensors.values():
+        try:
+            t.key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointError(
+                f"{source.where}: tensor {t.key!r} has a name that is not UTF-8 text (a lone "
+                f"surrogate), which safetensors cannot store, so --to {to} cannot hold it; "
+                "convert to torch or dcp instead, or leave its entry out with --only "
+                "(nothing was written)"
+            ) from None
         if not dtypes.is_supported(t.dtype):
             raise CheckpointError(
                 f"{source.where}: tensor {t.key!r} is {dtypes.dtype_name(t.dtype)}, which "
