@@ -452,3 +452,26 @@ def test_a_tensor_name_that_is_no_utf8_is_refused_for_safetensors_output(
         warnings.simplefilter("ignore", UserWarning)  # the pickle note
         shardsafe.convert(tmp_path / "src.pt", tmp_path / "out.pt", to="torch")
     assert set(torch.load(tmp_path / "out.pt", weights_only=True)["model"]) == {name, "b"}
+
+
+@pytest.mark.parametrize("to", ["shardsafe", "dcp", "hf"])
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_a_destination_that_is_no_directory_is_refused_by_name(
+    tmp_path: Path, to: str, kind: str
+) -> None:
+    """A destination that exists as a file (or a link to nothing) was refused with only
+    ``[Errno 17] File exists: '...'`` from ``os.makedirs``; and it is left as it was."""
+    torch.save({"w": torch.ones(2, 2)}, tmp_path / "src.pt")
+    dst = tmp_path / "dst"
+    if kind == "file":
+        dst.write_text("mine")
+    else:
+        dst.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(
+        shardsafe.CheckpointError,
+        match=rf"^{re.escape(str(dst))} exists and is not a directory .*nothing is ever "
+        "overwritten",
+    ):
+        shardsafe.convert(tmp_path / "src.pt", dst, to=to)  # type: ignore[arg-type]
+    assert dst.read_text() == "mine" if kind == "file" else dst.is_symlink()
+    assert not (tmp_path / "nowhere").exists()

@@ -22,7 +22,7 @@ import torch
 
 from .. import dtypes
 from .._text import human_bytes
-from ..checkpoint.storage.locations import open_storage
+from ..checkpoint.storage.locations import is_url, local_path, open_storage
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
 from .bounds import check_allocation
@@ -238,6 +238,7 @@ def _write(
             raise CheckpointError(f"{dst} names no file for the torch.save output")
         with open_storage(directory, storage_options=options.storage_options) as storage:
             return [(name, torch_file.write(source, storage, name, on_bytes))]
+    _refuse_non_directory(dst)
     with open_storage(dst, storage_options=options.storage_options) as storage:
         if options.to == "shardsafe":
             manifest = shardsafe_format.write(source, storage, on_bytes)
@@ -253,6 +254,19 @@ def _write(
             add_prefix=options.add_prefix,
             on_bytes=on_bytes,
             extra=config_files(options.config, options.generation_config),
+        )
+
+
+def _refuse_non_directory(dst: str) -> None:
+    """A destination directory that exists as something else (a file, a dangling link)
+    is refused by name; creating it failed with only ``[Errno 17] File exists: 'dst'``."""
+    if is_url(dst):
+        return
+    path = local_path(dst)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(
+            f"{dst} exists and is not a directory (a file or a link to none); convert "
+            "into a new directory (nothing is ever overwritten)"
         )
 
 
