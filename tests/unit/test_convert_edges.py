@@ -13,6 +13,7 @@ import torch
 import shardsafe
 from shardsafe.checkpoint.storage.files import LocalFileReader
 from shardsafe.checkpoint.storage.local import LocalStorage
+from shardsafe.checkpoint.storage.protocol import FileSink
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -475,3 +476,28 @@ def test_a_destination_that_is_no_directory_is_refused_by_name(
         shardsafe.convert(tmp_path / "src.pt", dst, to=to)  # type: ignore[arg-type]
     assert dst.read_text() == "mine" if kind == "file" else dst.is_symlink()
     assert not (tmp_path / "nowhere").exists()
+
+
+class _AnotherWriterFirst(LocalStorage):
+    """Another conversion into the same directory creates each file just before this one
+    does (the race two runs launched at once into one new directory have)."""
+
+    def create(self, name: str, size_hint: int = 0) -> FileSink:
+        (Path(self.directory) / name).write_bytes(b"the other run's")
+        return super().create(name, size_hint)
+
+
+def test_a_failed_hf_conversion_never_deletes_a_file_it_did_not_create(tmp_path: Path) -> None:
+    """The shard's name was recorded as written before the file was created, so when
+    ``create`` refused it (another run had just made it), the cleanup deleted the other
+    run's file."""
+    from shardsafe.converters import hf
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "src.pt")
+    out = tmp_path / "out"
+    with (
+        shardsafe.converters.read_source(tmp_path / "src.pt") as source,
+        pytest.raises(shardsafe.CheckpointError, match="appeared while"),
+    ):
+        hf.write(source, _AnotherWriterFirst(str(out)))
+    assert (out / "model.safetensors").read_bytes() == b"the other run's"

@@ -154,8 +154,7 @@ def write(
     expected: dict[str, dict[str, int]] = {}
     try:
         for shard in shards:
-            written.append(shard.name)
-            size, expected[shard.name] = _write_shard(source, storage, shard, on_bytes)
+            size, expected[shard.name] = _write_shard(source, storage, shard, on_bytes, written)
             sizes.append((shard.name, size))
         for name, raw in (extra or {}).items():
             written.append(name)
@@ -192,12 +191,22 @@ def index_json(shards: list[Shard]) -> bytes:
 
 
 def _write_shard(
-    source: Source, storage: Storage, shard: Shard, on_bytes: Callable[[int], None] | None
+    source: Source,
+    storage: Storage,
+    shard: Shard,
+    on_bytes: Callable[[int], None] | None,
+    written: list[str],
 ) -> tuple[int, dict[str, int]]:
+    """Write one shard; its name joins ``written`` (removed after a failure) only once this
+    conversion has created it: a file of that name that appeared meanwhile (another
+    conversion into the same directory) is refused by ``create`` and is not ours to
+    delete."""
     header = [
         (name, source.tensors[key].dtype, source.tensors[key].shape) for name, key in shard.keys
     ]
-    writer = StreamWriter(storage.create(shard.name, size_hint=shard.nbytes), header, _BLOCK)
+    sink = storage.create(shard.name, size_hint=shard.nbytes)
+    written.append(shard.name)
+    writer = StreamWriter(sink, header, _BLOCK)
     try:
         for _, key in shard.keys:
             tensor = source.tensors[key].load_whole().contiguous()
