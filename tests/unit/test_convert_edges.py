@@ -434,6 +434,10 @@ def test_a_checkpoint_directory_of_links_is_refused_with_the_way_out(tmp_path: P
     ):
         shardsafe.convert(snapshot, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    (snapshot / "model.safetensors.index.json").symlink_to("../../blobs/a1")
+    with pytest.raises(shardsafe.CheckpointError, match=r"links inside a checkpoint .*cp -rL"):
+        shardsafe.convert(snapshot / "model.safetensors.index.json", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("to", ["shardsafe", "hf"])

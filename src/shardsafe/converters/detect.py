@@ -82,6 +82,8 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
     if _is_file(path):
         ext = os.path.splitext(split(path)[1])[1].lower()  # the name the user gave
         fmt: Format = "hf" if ext in (".safetensors", ".json") else "torch"
+        if ext == ".json" and _followed(path) != path:
+            raise CheckpointError(_linked(split(path)[0], split(path)[1]))
         directory, name = split(_followed(path) if ext != ".json" else path)
         storage = open_storage(directory, storage_options=storage_options)
         return Located(fmt, storage, name)
