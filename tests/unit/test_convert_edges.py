@@ -505,3 +505,30 @@ def test_a_failed_hf_conversion_never_deletes_a_file_it_did_not_create(tmp_path:
     ):
         hf.write(source, _AnotherWriterFirst(str(out)))
     assert (out / "model.safetensors").read_bytes() == b"the other run's"
+
+
+class _SwappedAfterOpen(LocalStorage):
+    """Once a file is opened for reading, its name is made to name another file (a race
+    with whoever can write the destination directory)."""
+
+    def open_reader(self, name: str) -> LocalFileReader:
+        reader = super().open_reader(name)
+        other = Path(self.directory) / "other.pt"
+        if other.exists():
+            os.replace(other, Path(self.directory) / name)
+        return reader
+
+
+def test_torch_output_is_verified_through_the_descriptor_it_opened(tmp_path: Path) -> None:
+    """The read-back of a ``torch.save`` output checked its records through one
+    descriptor, then ``torch.load``-ed the file again by its name: whatever the name
+    named by then (another file, a link) was read, unscanned, and judged."""
+    from shardsafe.converters import torch_file
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "src.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"something": "else"}, out / "other.pt")
+    with shardsafe.converters.read_source(tmp_path / "src.pt") as source:
+        torch_file.write(source, _SwappedAfterOpen(str(out)), "model.pt")
+    assert torch.load(out / "model.pt", weights_only=True) == {"something": "else"}

@@ -36,7 +36,6 @@ import torch
 
 from .. import dtypes
 from ..checkpoint.format.tensor_bytes import byte_view, memory
-from ..checkpoint.storage.locations import is_url
 from ..checkpoint.storage.protocol import Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..pickles import load_torch, load_torch_mapped
@@ -276,18 +275,22 @@ def _record(zf: zipfile.ZipFile, stream: SinkStream, name: str, pieces: list[mem
 def verify(storage: Storage, name: str, source: Source, storages: list[_Storage]) -> None:
     """Read the archive back: every record's bytes against its zip CRC32 (zipfile checks
     it as a record is read to its end), piece by piece; and, for a local file, the pickle
-    through ``torch.load(weights_only=True, mmap=True)`` (no data read), each tensor's
-    dtype and shape."""
+    through ``torch.load(weights_only=True, mmap=True)`` of the same descriptor (no data
+    read), each tensor's dtype and shape."""
     where = storage.where(name)
     try:
-        with storage.open_reader(name) as reader, zipfile.ZipFile(_whole(reader)) as zf:
-            for info in zf.infolist():
-                with zf.open(info) as member:
-                    while member.read(PIECE_BYTES):
-                        pass
-        if not is_url(storage.directory):
-            loaded = torch.load(storage.where(name), weights_only=True, mmap=True)
-            _check_structure(loaded, source, where)
+        with storage.open_reader(name) as reader:
+            with zipfile.ZipFile(_whole(reader)) as zf:
+                for info in zf.infolist():
+                    with zf.open(info) as member:
+                        while member.read(PIECE_BYTES):
+                            pass
+            # The file just checked, through its descriptor: never reopened by name, which
+            # may name another file (or a link) by now.
+            path = reader.mapping_path()
+            if path is not None:
+                loaded = torch.load(path, weights_only=True, mmap=True)
+                _check_structure(loaded, source, where)
     except CheckpointError:
         raise
     except Exception as e:
