@@ -14,6 +14,7 @@ import shardsafe
 from shardsafe.checkpoint.storage.files import LocalFileReader
 from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.checkpoint.storage.protocol import FileSink
+from tests.s3server import S3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -532,3 +533,27 @@ def test_torch_output_is_verified_through_the_descriptor_it_opened(tmp_path: Pat
     with shardsafe.converters.read_source(tmp_path / "src.pt") as source:
         torch_file.write(source, _SwappedAfterOpen(str(out)), "model.pt")
     assert torch.load(out / "model.pt", weights_only=True) == {"something": "else"}
+
+
+def test_storage_options_go_to_the_object_store_end(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str
+) -> None:
+    """``convert("last.ckpt", "s3://...", storage_options=...)`` (the documented way to
+    pass credentials) was refused: the options were applied to the local source too,
+    and a local path refuses them. They now go to the URL end alone, both ways."""
+    options = {
+        "key": s3_server.env["AWS_ACCESS_KEY_ID"],
+        "secret": s3_server.env["AWS_SECRET_ACCESS_KEY"],
+        "endpoint_url": s3_server.endpoint,
+    }
+    weights = {"w": torch.randn(3, 4)}
+    torch.save({"state_dict": weights, "epoch": 3}, tmp_path / "last.ckpt")
+    url = f"s3://{s3_bucket}/imported"
+    shardsafe.convert(tmp_path / "last.ckpt", url, storage_options=options, progress=False)
+    assert "imported/manifest.json" in s3_server.keys(s3_bucket)
+    shardsafe.convert(url, tmp_path / "back", to="hf", storage_options=options, progress=False)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "back" / "model.safetensors")["w"], weights["w"])
+    with pytest.raises(ValueError, match="which is a local path"):  # both local: a mistake
+        shardsafe.convert(tmp_path / "last.ckpt", tmp_path / "x", storage_options=options)

@@ -115,7 +115,7 @@ def convert(
     ``"flat"`` (torchtitan's). ``dry_run`` writes nothing and returns what would be
     written. ``progress``: a tqdm bar on stderr (default: when stderr is a terminal and
     tqdm is installed). Memory: the largest tensor plus fixed buffers. Paths may be
-    object-store URLs, with fsspec's ``storage_options``.
+    object-store URLs, with fsspec's ``storage_options`` (for the end that is a URL).
 
     ``untrusted_bytes_limit`` (as ``shardsafe.load``'s) bounds what the source can make
     the conversion allocate beyond the bytes it holds (expanded views, DCP chunks larger
@@ -142,7 +142,7 @@ def convert(
 
 def _convert(src: str | os.PathLike[str], dst: str, options: ConvertOptions) -> Conversion:
     """:func:`convert` with its options validated: plan, then (unless a dry run) write."""
-    with read_source(src, options.storage_options) as source:
+    with read_source(src, _options_for(os.fspath(src), dst, options)) as source:
         chosen = _chosen(source, options)
         planned = Conversion(
             source.format,
@@ -232,14 +232,15 @@ def _planned(source: Source, dst: str, options: ConvertOptions) -> list[tuple[st
 def _write(
     source: Source, dst: str, on_bytes: Callable[[int], None], options: ConvertOptions
 ) -> list[tuple[str, int]]:
+    storage_options = _options_for(dst, source.where, options)
     if options.to == "torch":
         directory, name = split(dst)
         if not name:
             raise CheckpointError(f"{dst} names no file for the torch.save output")
-        with open_storage(directory, storage_options=options.storage_options) as storage:
+        with open_storage(directory, storage_options=storage_options) as storage:
             return [(name, torch_file.write(source, storage, name, on_bytes))]
     _refuse_non_directory(dst)
-    with open_storage(dst, storage_options=options.storage_options) as storage:
+    with open_storage(dst, storage_options=storage_options) as storage:
         if options.to == "shardsafe":
             manifest = shardsafe_format.write(source, storage, on_bytes)
             return [*sorted(manifest.files.items()), ("manifest.json", manifest.manifest_bytes)]
@@ -255,6 +256,16 @@ def _write(
             on_bytes=on_bytes,
             extra=config_files(options.config, options.generation_config),
         )
+
+
+def _options_for(path: str, other: str, options: ConvertOptions) -> Mapping[str, Any] | None:
+    """``storage_options`` for one end of a conversion: the object store's, so not for a
+    local path when the other end is a URL (``convert("last.ckpt", "s3://...",
+    storage_options=...)`` was refused: "storage_options were given for a local path").
+    With both ends local they still go through, to be refused as the mistake they are."""
+    if options.storage_options is not None and not is_url(path) and is_url(other):
+        return None
+    return options.storage_options
 
 
 def _refuse_non_directory(dst: str) -> None:
