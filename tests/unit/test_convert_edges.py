@@ -557,3 +557,18 @@ def test_storage_options_go_to_the_object_store_end(
     assert torch.equal(load_file(tmp_path / "back" / "model.safetensors")["w"], weights["w"])
     with pytest.raises(ValueError, match="which is a local path"):  # both local: a mistake
         shardsafe.convert(tmp_path / "last.ckpt", tmp_path / "x", storage_options=options)
+
+
+def test_an_hf_index_that_maps_no_tensor_is_refused(tmp_path: Path) -> None:
+    """``{"weight_map": {}}`` beside real shards converted to a checkpoint of nothing,
+    silently (0 tensors, a manifest and no data)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(2)}, tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(shardsafe.CheckpointCorruptError, match="empty weight_map"):
+        shardsafe.convert(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

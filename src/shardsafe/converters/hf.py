@@ -295,6 +295,8 @@ def _weight_map(storage: Storage, name: str) -> dict[str, str] | None:
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointCorruptError(f"{where} has no weight_map of tensor names to files")
+    if not weight_map:  # else a conversion of nothing, whatever the shards beside it hold
+        raise CheckpointCorruptError(f"{where} has an empty weight_map: it maps no tensor")
     return weight_map
 
 
