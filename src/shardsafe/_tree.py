@@ -70,14 +70,20 @@ def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ())
         return [encode(v, where, sink, (*path, str(i))) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         return _encode_mapping(value, where, sink, path)
-    item = getattr(value, "item", None)
-    if callable(item) and type(value).__module__ == "numpy" and getattr(value, "ndim", 1) == 0:
-        return encode(item(), where, sink, path)  # a numpy scalar; arrays are refused below
+    if is_numpy_scalar(value):  # arrays are refused below
+        return encode(value.item(), where, sink, path)
     raise CheckpointError(
         f"cannot save {where}{_format_path(path)}: a value of type {type(value).__qualname__} is "
         "neither a tensor nor JSON-able data, and shardsafe never pickles. Convert it to "
         "numbers, strings, lists or dicts (or a tensor) in state_dict(), or leave it out."
     )
+
+
+def is_numpy_scalar(value: Any) -> bool:
+    """Whether ``value`` is a numpy scalar (``np.float32(0.25)``, what a metric often is),
+    which :func:`encode` saves as the Python number it equals."""
+    item = getattr(value, "item", None)
+    return callable(item) and type(value).__module__ == "numpy" and getattr(value, "ndim", 1) == 0
 
 
 def _encode_mapping(

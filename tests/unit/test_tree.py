@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import shardsafe
 from shardsafe import _tree
 from shardsafe.errors import CheckpointCorruptError, CheckpointError
 
@@ -103,6 +105,18 @@ def test_bytes_and_dtypes() -> None:
 def test_numpy_scalars_become_python_numbers() -> None:
     out = roundtrip({"i": np.int64(7), "f": np.float32(1.5), "b": np.bool_(True)})
     assert same(out, {"i": 7, "f": 1.5, "b": True})
+
+
+def test_a_state_entry_saves_every_value_it_could_hold_nested(tmp_path: Path) -> None:
+    """What a list may hold, a state entry may be: a metric that is a numpy scalar, a
+    dtype or bytes at the top of the state were refused ("does not know how to save")
+    while the same value one level down saved."""
+    values = {"loss": np.float32(0.25), "step": np.int64(7), "dtype": torch.bfloat16}
+    state = {**values, "raw": b"\x00\xff", "nested": [*values.values(), b"\x00\xff"]}
+    shardsafe.save(tmp_path / "ckpt", state)
+    out = shardsafe.load(tmp_path / "ckpt", {})
+    expected = {"loss": 0.25, "step": 7, "dtype": torch.bfloat16, "raw": b"\x00\xff"}
+    assert same(out, {**expected, "nested": [0.25, 7, torch.bfloat16, b"\x00\xff"]})
 
 
 def test_tensors_are_cut_out_as_references() -> None:

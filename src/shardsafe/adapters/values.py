@@ -42,7 +42,10 @@ from ..protocol import (
 from . import dtensor
 from .module import check_writable
 
-_PLAIN = (type(None), bool, int, float, str, list, tuple, dict, torch.Tensor)
+_PLAIN = (type(None), bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, torch.dtype)
+"""What :class:`PlainDataAdapter` takes as a state entry: whatever ``_tree.encode`` saves
+inside a value (numpy scalars too: :func:`_tree.is_numpy_scalar`), so that a value a list
+or dict may hold is never refused on its own."""
 
 
 def encode_replicated(
@@ -244,7 +247,7 @@ class PlainDataAdapter(Adapter):
     returns_value = True
 
     def handles(self, obj: object) -> bool:
-        return isinstance(obj, _PLAIN)
+        return isinstance(obj, _PLAIN) or _tree.is_numpy_scalar(obj)
 
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         return encode_replicated(obj, ctx, self.kind, "rank 0's")
