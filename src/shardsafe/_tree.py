@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import _names, dtypes
+from .checkpoint.format.strict_json import MAX_INT_DIGITS
 from .errors import CheckpointCorruptError, CheckpointError
 
 JSON = Any
@@ -36,6 +37,12 @@ _TAGS = (
 (``adapters.values.merge_per_rank``)."""
 
 
+_TOO_MANY_DIGITS = 10**MAX_INT_DIGITS
+"""The smallest integer ``encode`` refuses: one more digit than a manifest's reader accepts
+(``strict_json.MAX_INT_DIGITS``). Compared, not converted to text: Python's own limit on
+that conversion would fail the save deep in ``json`` with advice to raise the limit, which
+would only make the checkpoint unloadable."""
+
 MAX_DEPTH = 80
 """Deepest nesting ``encode`` accepts: tags add levels, and a manifest holds at most 100."""
 
@@ -53,6 +60,13 @@ def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ())
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
+        if abs(value) >= _TOO_MANY_DIGITS:
+            raise CheckpointError(
+                f"cannot save {where}{_format_path(path)}: an integer of more than "
+                f"{MAX_INT_DIGITS} digits, more than a checkpoint holds (its manifest is read "
+                "as hostile input, whatever the interpreter's own limit). Save it as a string "
+                "or split it into smaller numbers (nothing was written)"
+            )
         return int(value)
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else {"__float__": repr(float(value))}

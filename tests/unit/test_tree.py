@@ -119,6 +119,26 @@ def test_a_state_entry_saves_every_value_it_could_hold_nested(tmp_path: Path) ->
     assert same(out, {**expected, "nested": [0.25, 7, torch.bfloat16, b"\x00\xff"]})
 
 
+def test_an_integer_longer_than_a_manifest_holds_is_refused_naming_its_path(
+    tmp_path: Path,
+) -> None:
+    """Python's own limit failed the save deep in ``json`` ("ValueError: Exceeds the
+    limit ... use sys.set_int_max_str_digits()"), naming no key and advising a setting
+    that only made the checkpoint unloadable; the longest a manifest holds round-trips."""
+    longest = -(10**4300 - 1)
+    shardsafe.save(tmp_path / "ok", {"cfg": {"seed": [longest]}})
+    assert shardsafe.load(tmp_path / "ok", {})["cfg"]["seed"] == [longest]
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.save(tmp_path / "long", {"cfg": {"seed": [10**4300]}})
+    assert str(caught.value) == (
+        "cannot save state['cfg']['seed']['0']: an integer of more than 4300 digits, more "
+        "than a checkpoint holds (its manifest is read as hostile input, whatever the "
+        "interpreter's own limit). Save it as a string or split it into smaller numbers "
+        "(nothing was written)"
+    )
+    assert not (tmp_path / "long").exists()
+
+
 def test_tensors_are_cut_out_as_references() -> None:
     a, b = torch.arange(6).reshape(2, 3), torch.tensor(1.5, dtype=torch.bfloat16)
     seen: list[tuple[tuple[str, ...], torch.Tensor]] = []
