@@ -46,16 +46,26 @@ would only make the checkpoint unloadable."""
 MAX_DEPTH = 80
 """Deepest nesting ``encode`` accepts: tags add levels, and a manifest holds at most 100."""
 
+MAX_LEVELS = 90
+"""Deepest nesting ``encode`` accepts in JSON levels as stored (a tuple takes two, a dict
+whose keys are not all strings three: their tags): a manifest holds at most 100, and the
+manifest's and the adapters' records around a value take up to ten."""
 
-def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ()) -> JSON:
+
+def encode(
+    value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = (), *, levels: int = 0
+) -> JSON:
     """Encode ``value`` as JSON, handing every tensor to ``sink``.
 
-    ``where`` names the value for error messages (e.g. ``state['scheduler']``).
-    """
-    if len(path) > MAX_DEPTH:
+    ``where`` names the value for error messages (e.g. ``state['scheduler']``);
+    ``levels``: how many JSON containers its encoding sits in. Nesting is measured as
+    stored too, not only by ``path``: else 40 dicts with int keys passed here, and the
+    save failed reading its own manifest back ("nested too deeply; the file is damaged")."""
+    if len(path) > MAX_DEPTH or levels > MAX_LEVELS:
         raise CheckpointError(
-            f"cannot save {where}: it is nested more than {MAX_DEPTH} levels deep, more than "
-            "a checkpoint holds (it may contain itself)"
+            f"cannot save {where}: it is nested more than {MAX_DEPTH} levels deep (or more "
+            f"than {MAX_LEVELS} as stored: a tuple takes two levels, a dict with keys that are "
+            "not strings three), more than a checkpoint holds (it may contain itself)"
         )
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -79,13 +89,18 @@ def encode(value: Any, where: str, sink: TensorSink, path: tuple[str, ...] = ())
     if isinstance(value, bytes):
         return {"__bytes__": base64.b64encode(value).decode("ascii")}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, where, sink, (*path, str(i))) for i, v in enumerate(value)]}
+        items = [
+            encode(v, where, sink, (*path, str(i)), levels=levels + 2) for i, v in enumerate(value)
+        ]
+        return {"__tuple__": items}
     if isinstance(value, list):
-        return [encode(v, where, sink, (*path, str(i))) for i, v in enumerate(value)]
+        return [
+            encode(v, where, sink, (*path, str(i)), levels=levels + 1) for i, v in enumerate(value)
+        ]
     if isinstance(value, Mapping):
-        return _encode_mapping(value, where, sink, path)
+        return _encode_mapping(value, where, sink, path, levels)
     if is_numpy_scalar(value):  # arrays are refused below
-        return encode(value.item(), where, sink, path)
+        return encode(value.item(), where, sink, path, levels=levels)
     raise CheckpointError(
         f"cannot save {where}{_format_path(path)}: a value of type {type(value).__qualname__} is "
         "neither a tensor nor JSON-able data, and shardsafe never pickles. Convert it to "
@@ -101,11 +116,11 @@ def is_numpy_scalar(value: Any) -> bool:
 
 
 def _encode_mapping(
-    value: Mapping[Any, Any], where: str, sink: TensorSink, path: tuple[str, ...]
+    value: Mapping[Any, Any], where: str, sink: TensorSink, path: tuple[str, ...], levels: int
 ) -> JSON:
     plain = all(isinstance(k, str) and k not in _TAGS for k in value)
     if plain:
-        return {k: encode(v, where, sink, (*path, k)) for k, v in value.items()}
+        return {k: encode(v, where, sink, (*path, k), levels=levels + 1) for k, v in value.items()}
     pairs = []
     for k, v in value.items():
         if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
@@ -114,7 +129,8 @@ def _encode_mapping(
                 f"{type(k).__qualname__} is not a string, number or tuple."
             )
         part = k if isinstance(k, str) else _names.DictKey(k)  # 1 and "1": two paths
-        pairs.append([encode(k, where, sink, path), encode(v, where, sink, (*path, part))])
+        key = encode(k, where, sink, path, levels=levels + 3)
+        pairs.append([key, encode(v, where, sink, (*path, part), levels=levels + 3)])
     return {"__dict__": pairs}
 
 

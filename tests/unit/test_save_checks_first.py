@@ -13,6 +13,7 @@ from torch import nn
 import shardsafe
 from shardsafe.checkpoint import saving
 from shardsafe.checkpoint.storage.local import LocalStorage
+from shardsafe.protocol import LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
 
 
 class _Recording(LocalStorage):
@@ -25,18 +26,40 @@ class _Recording(LocalStorage):
         return super().create(name, size_hint)
 
 
-def _deep(depth: int) -> Any:
-    value: Any = 1
-    for _ in range(depth):
-        value = (value,)
-    return value
+class _Deep:
+    """A value whose adapter records metadata nested deeper than a manifest holds (plain
+    values deeper than that are refused earlier, by ``_tree.encode``, naming their entry)."""
+
+
+class _DeepAdapter(shardsafe.Adapter):
+    kind = "too-deep"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, _Deep)
+
+    def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
+        meta: Any = 1
+        for _ in range(120):
+            meta = [meta]
+        return SaveItem(self.kind, meta, [])
+
+    def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
+        return LoadRequests()
+
+    def restore(self, obj: Any, saved: SavedValue, tensors: Any, ctx: LoadContext) -> None:
+        pass
+
+
+def _deep() -> _Deep:
+    shardsafe.register_adapter(_DeepAdapter())
+    return _Deep()
 
 
 def test_what_load_would_refuse_is_refused_before_any_data_file_is_created(
     tmp_path: Path,
 ) -> None:
     _Recording.created = []
-    state = {"model": nn.Linear(4, 4), "deep": _deep(60)}
+    state = {"model": nn.Linear(4, 4), "deep": _deep()}
     with pytest.raises(shardsafe.CheckpointError) as refused:
         shardsafe.save(tmp_path / "c", state, storage=_Recording)
     assert "refusing to save a checkpoint that shardsafe could not load back" in str(refused.value)
@@ -75,7 +98,7 @@ def test_a_save_parses_its_manifest_once_and_writes_what_it_parsed(
 
 
 def test_a_background_save_refuses_it_too_and_commits_nothing(tmp_path: Path) -> None:
-    handle = shardsafe.async_save(tmp_path / "c", {"model": nn.Linear(4, 4), "deep": _deep(60)})
+    handle = shardsafe.async_save(tmp_path / "c", {"model": nn.Linear(4, 4), "deep": _deep()})
     with pytest.raises(shardsafe.CheckpointError, match="could not load back"):
         handle.wait()
     assert not (tmp_path / "c" / "manifest.json").exists()

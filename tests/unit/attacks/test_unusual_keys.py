@@ -107,8 +107,8 @@ def _nested(depth: int, wrap: Callable[[Any], Any]) -> dict[str, Any]:
         (lambda: {"t" * 3100: torch.ones(2)}, CheckpointError, "characters long"),
         (lambda: _nested(200, lambda v: [v]), CheckpointError, "nested more than 80 levels"),
         (lambda: _nested(200, lambda v: {"k": v}), CheckpointError, "nested more than 80"),
-        (lambda: _nested(60, lambda v: (v,)), CheckpointError, "could not load back"),
-        (lambda: _nested(40, lambda v: {1: v}), CheckpointError, "could not load back"),
+        (lambda: _nested(60, lambda v: (v,)), CheckpointError, "more than 90 as stored"),
+        (lambda: _nested(40, lambda v: {1: v}), CheckpointError, "more than 90 as stored"),
         (lambda: {"big": 10**5000, "t": torch.ones(1)}, CheckpointError, "4300 digits"),
         (lambda: {"a/b": 1}, ValueError, "must be a non-empty string without '/'"),
         (lambda: {"@x": 1}, ValueError, "does not start with '@'"),
@@ -147,3 +147,27 @@ def test_nesting_right_at_the_limit_round_trips(tmp_path: Path) -> None:
     shardsafe.save(tmp_path / "c", state)
     assert shardsafe.load(tmp_path / "c", {}) == state
     assert run_cli("verify", str(tmp_path / "c"))[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("wrap", "limit"),
+    [(lambda v: {1: v}, 30), (lambda v: (v,), 45)],
+    ids=["int-keyed dicts", "tuples"],
+)
+def test_nesting_that_tags_deepen_is_refused_by_its_entry_before_anything_is_written(
+    tmp_path: Path, wrap: Callable[[Any], Any], limit: int
+) -> None:
+    """Tags make a level of nesting several in the manifest: 31 dicts with int keys
+    passed the 80-level limit and the save failed reading its own manifest back, as
+    "manifest.json is nested too deeply (over 100 levels); the file is damaged"."""
+    state = _nested(limit, wrap)
+    shardsafe.save(tmp_path / "ok", state)
+    assert shardsafe.load(tmp_path / "ok", {}) == state
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.save(tmp_path / "deep", _nested(limit + 1, wrap))
+    assert str(caught.value) == (
+        "cannot save state['deep']: it is nested more than 80 levels deep (or more than 90 "
+        "as stored: a tuple takes two levels, a dict with keys that are not strings three), "
+        "more than a checkpoint holds (it may contain itself)"
+    )
+    assert not (tmp_path / "deep").exists()
