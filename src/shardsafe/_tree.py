@@ -129,9 +129,24 @@ def _encode_mapping(
                 f"{type(k).__qualname__} is not a string, number or tuple."
             )
         part = k if isinstance(k, str) else _names.DictKey(k)  # 1 and "1": two paths
-        key = encode(k, where, sink, path, levels=levels + 3)
+        where_key = f"{where}{_format_path(path)}: dict key {k!r}"
+        key = encode(k, where, _no_tensor_in_key(where_key), path, levels=levels + 3)
         pairs.append([key, encode(v, where, sink, (*path, part), levels=levels + 3)])
     return {"__dict__": pairs}
+
+
+def _no_tensor_in_key(where: str) -> TensorSink:
+    """The sink for a dict key's tuple: a tensor there is refused, as a tensor key is. Its
+    path would be the dict's own with the tuple's index (a string key ``"0"`` beside it
+    has that path too), and it would come back as a new tensor, which finds nothing."""
+
+    def refuse(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        raise CheckpointError(
+            f"cannot save {where}: it holds a tensor, and a dict key must be a string, "
+            "number or tuple of them. Key the dict by name or index instead."
+        )
+
+    return refuse
 
 
 def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:

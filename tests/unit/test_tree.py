@@ -139,6 +139,24 @@ def test_an_integer_longer_than_a_manifest_holds_is_refused_naming_its_path(
     assert not (tmp_path / "long").exists()
 
 
+def test_a_tensor_inside_a_tuple_dict_key_is_refused_as_a_tensor_key_is(tmp_path: Path) -> None:
+    """A tensor in a tuple key was stored under the dict's path and the tuple's index,
+    the path of the string key "0" beside it: refused as "gives two different tensors
+    the key 'v/0' ... make keys with ctx.key(*path)", and alone it came back as a new
+    tensor, a key that finds nothing."""
+    state = {"v": {(torch.ones(2),): "a", "0": torch.zeros(2)}}
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.save(tmp_path / "c", state)
+    assert str(caught.value) == (
+        "cannot save state['v']: dict key (tensor([1., 1.]),): it holds a tensor, and a "
+        "dict key must be a string, number or tuple of them. Key the dict by name or index "
+        "instead."
+    )
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(CheckpointError, match=r"dict key .* holds a tensor"):
+        shardsafe.save(tmp_path / "c", {"v": {(1, torch.ones(2)): "a"}})
+
+
 def test_tensors_are_cut_out_as_references() -> None:
     a, b = torch.arange(6).reshape(2, 3), torch.tensor(1.5, dtype=torch.bfloat16)
     seen: list[tuple[tuple[str, ...], torch.Tensor]] = []
