@@ -181,8 +181,39 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
                     raise CheckpointCorruptError(
                         f"malformed {tag} pair in the manifest: {pair!r:.80}"
                     )
-            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in pairs}
+            return _decode_pairs(pairs, tensors)
     return {k: decode(v, tensors) for k, v in obj.items()}
+
+
+MAX_SAME_HASH = 16
+"""Most keys of one ``__dict__`` that may share a hash value. Python's int hash is the
+value modulo 2**61 - 1, so a crafted manifest can give every key one hash, and a dict of
+n such keys takes n**2 / 2 comparisons to build (20,000 keys in half a megabyte: 1.5 s;
+a million: hours). A saved dict has keys like 1 and 2**61 (one hash) only by chance."""
+
+
+def _decode_pairs(pairs: list[list[Any]], tensors: Mapping[str, torch.Tensor]) -> dict[Any, Any]:
+    """A ``__dict__`` tag's pairs as a dict, in time linear in their number: a key that
+    appears twice (``1`` and ``1``, or ``1`` and ``True``, which no saved dict holds) would
+    make one pair silently overwrite another, and keys sharing a hash beyond
+    :data:`MAX_SAME_HASH` would take quadratic time; both are refused."""
+    out: dict[Any, Any] = {}
+    per_hash: dict[int, int] = {}  # a hash's own hash is itself: no collisions here
+    for k, v in pairs:
+        key = _hashable(decode(k, tensors))
+        seen = per_hash[hash(key)] = per_hash.get(hash(key), 0) + 1
+        if seen > MAX_SAME_HASH:
+            raise CheckpointCorruptError(
+                f"malformed __dict__ value in the manifest: more than {MAX_SAME_HASH} of its "
+                "keys share one hash value, which no saved dict holds (checking them would "
+                "take time quadratic in their number)"
+            )
+        if key in out:
+            raise CheckpointCorruptError(
+                f"malformed __dict__ value in the manifest: the key {key!r:.80} appears twice"
+            )
+        out[key] = decode(v, tensors)
+    return out
 
 
 class _AnyTensor(Mapping[str, Any]):
