@@ -17,6 +17,7 @@ the fully qualified name of its parameter (:func:`param_names`), never by positi
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -273,10 +274,20 @@ def unwrap(module: nn.Module) -> nn.Module:
             module = module.module
             continue
         orig = getattr(module, "_orig_mod", None)
-        if isinstance(orig, nn.Module):
+        if isinstance(orig, nn.Module) and _compiled(module):
             module = orig
             continue
         return module
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (an ``OptimizedModule``), known by
+    its class: a module of a user's own with a child named ``_orig_mod`` is not one, and
+    taken for one, its other parameters were silently left out of every save and load.
+    One exists only once ``torch._dynamo`` is imported (not imported here: it is slow)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return isinstance(optimized, type) and isinstance(module, optimized)
 
 
 def param_names(state: Mapping[str, Any]) -> dict[int, str]:

@@ -629,6 +629,40 @@ def test_blocks_compiled_one_by_one_save_and_load_under_their_own_names(
     _loads_into_both(tmp_path / "ckpt", model, opt, _maybe_compiled)
 
 
+class _OwnOrigMod(nn.Module):
+    """A module of a user's own with a child it happens to call ``_orig_mod``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._orig_mod = nn.Linear(2, 2)
+        self.head = nn.Linear(2, 3)
+
+
+def test_a_module_with_a_child_named_orig_mod_saves_and_loads_all_of_itself(
+    tmp_path: Path,
+) -> None:
+    """It was taken for torch.compile's wrapper and unwrapped to that child: 'head' was
+    left out of the save and of the load, without a word, even with strict=True."""
+    torch.manual_seed(0)
+    model = _OwnOrigMod()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.head(model._orig_mod(torch.ones(1, 2))).sum().backward()
+    opt.step()
+    shardsafe.save(tmp_path / "c", {"model": model, "optimizer": opt})
+    tensors = set(shardsafe.read_manifest(tmp_path / "c").tensors)
+    assert {"model/head.weight", "model/weight", "optimizer/head.weight/momentum_buffer"} <= tensors
+    torch.manual_seed(1)
+    other = _OwnOrigMod()
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    shardsafe.load(tmp_path / "c", {"model": other, "optimizer": other_opt})
+    for (name, p), q in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert torch.equal(
+        opt.state[model.head.weight]["momentum_buffer"],
+        other_opt.state[other.head.weight]["momentum_buffer"],
+    )
+
+
 def test_a_checkpoint_keyed_with_orig_mod_still_loads_into_its_compiled_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
