@@ -331,10 +331,23 @@ def _all_names(state: Mapping[str, Any]) -> list[tuple[str, str, nn.Parameter]]:
         if isinstance(value, nn.Module)
         for fqn, p in without_wrappers(list(unwrap(value).named_parameters(remove_duplicate=False)))
     ]
-    owners: dict[str, set[int]] = {}
-    for _, fqn, p in found:
-        owners.setdefault(fqn, set()).add(id(p))
-    return [(fqn if len(owners[fqn]) == 1 else f"{key}.{fqn}", fqn, p) for key, fqn, p in found]
+    names = [fqn for _, fqn, _ in found]
+    while True:
+        # A name two parameters have is qualified by the state key; a qualified name may
+        # be another module's own (``model.fc.weight`` of a module with a child ``model``
+        # beside a model and its EMA copy), which is then qualified in turn. Until every
+        # name is unique, or the names left alike are all qualified (state keys holding
+        # ``.``: the optimizer refuses them, naming the key).
+        owners: dict[str, set[int]] = {}
+        for name, (_, _, p) in zip(names, found):
+            owners.setdefault(name, set()).add(id(p))
+        renamed = [
+            f"{key}.{fqn}" if len(owners[name]) > 1 else name
+            for name, (key, fqn, _) in zip(names, found)
+        ]
+        if renamed == names:
+            return [(name, fqn, p) for name, (_, fqn, p) in zip(names, found)]
+        names = renamed
 
 
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})

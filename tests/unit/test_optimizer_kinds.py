@@ -162,6 +162,49 @@ def test_transformers_adafactor_factors_round_trip(tmp_path: Path, stepped: bool
     assert plain_steps(model2, opt2, 3) == plain_steps(model, opt, 3)
 
 
+class _Student(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+class _Holder(nn.Module):
+    """A module whose own names are what a model's qualified ones become."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Student()
+
+
+def _with_ema_and_holder(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    student, holder = _Student(), _Holder()
+    opt = torch.optim.Adam([*student.parameters(), *holder.parameters()], lr=0.1)
+    x = torch.randn(3, 2)
+    (student.fc(x).sum() + 2 * holder.model.fc(x).sum()).backward()
+    opt.step()
+    return {"model": student, "ema": copy.deepcopy(student), "other": holder, "optimizer": opt}
+
+
+def test_a_qualified_name_that_another_module_has_as_its_own_is_qualified_too(
+    tmp_path: Path,
+) -> None:
+    """The model's fc.weight, qualified as model.fc.weight beside its EMA copy, met the
+    holder's own model.fc.weight: the save was refused, saying an adapter "gives two
+    different tensors the key 'optimizer/model.fc.weight/step' ... make keys with
+    ctx.key(*path)"."""
+    saved = _with_ema_and_holder(0)
+    shardsafe.save(tmp_path / "c", saved)
+    keys = set(shardsafe.read_manifest(tmp_path / "c").tensors)
+    assert {"optimizer/model.fc.weight/exp_avg", "optimizer/other.model.fc.weight/exp_avg"} <= keys
+    live = _with_ema_and_holder(1)
+    shardsafe.load(tmp_path / "c", live)
+    for module in ("model", "other"):
+        for p, q in zip(saved[module].parameters(), live[module].parameters()):
+            for name, value in saved["optimizer"].state[p].items():
+                assert torch.equal(value, live["optimizer"].state[q][name]), (module, name)
+
+
 def test_optimizer_state_loads_after_an_ema_copy_joins_the_state(tmp_path: Path) -> None:
     # A deep-copied EMA model beside the model gives every name two owners, so the live
     # names became "model.mid.weight": a checkpoint saved before the EMA was added (as
