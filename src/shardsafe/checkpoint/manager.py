@@ -32,7 +32,8 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..distributed import rank_zero_answer, world
+from ..distributed import world
+from ..distributed.coordinator import rank_zero_answer
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import background, loading
 from .background import SaveHandle

@@ -14,7 +14,7 @@ training).
 
 from __future__ import annotations
 
-from .coordinator import Coordinator, PhaseOutcome, rank_zero_answer
+from .coordinator import Coordinator, PhaseOutcome
 from .group import comm_device, world
 from .heartbeat import DEAD_AFTER_S
 from .phases import Phase
@@ -26,7 +26,6 @@ __all__ = [
     "Phase",
     "PhaseOutcome",
     "comm_device",
-    "rank_zero_answer",
     "reset_store_requests",
     "store_requests",
     "world",

@@ -23,7 +23,7 @@ from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions
-from ..distributed import rank_zero_answer
+from ..distributed.coordinator import rank_zero_answer
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
