@@ -198,3 +198,24 @@ def merged(*snapshots: dict[str, Any]) -> dict[str, Any]:
     for snap in snapshots:
         out.update(snap)
     return out
+
+
+class AppState:
+    """DCP's tutorial wrapper around a model and its optimizer: ``get_state_dict`` hands
+    out DTensors under FSDP2, and ``set_state_dict`` wants DTensors back."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )

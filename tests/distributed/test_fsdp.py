@@ -13,6 +13,7 @@ from torch import nn
 
 import shardsafe
 from tests.distributed import zero_setup
+from tests.distributed.layouts import AppState
 from tests.distributed.zero_setup import assert_same_optimizer_state
 from tests.harness import run_ranks
 
@@ -219,27 +220,6 @@ def test_each_save_writes_the_dtensor_geometry_it_has_now(tmp_path: Path) -> Non
 def plain_load_run(rank: int, world: int, path: str) -> torch.Tensor:
     values: torch.Tensor = shardsafe.load(path, {})["values"]["t"]
     return values
-
-
-class AppState:
-    """DCP's tutorial wrapper around an FSDP2 model: ``get_state_dict`` hands out DTensors,
-    and ``set_state_dict`` wants DTensors back."""
-
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        self.model, self.opt = model, opt
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
 
 
 def app_run(rank: int, world: int, path: str, save: bool) -> Any:

@@ -22,6 +22,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe.errors import CheckpointError
+from tests.distributed.layouts import AppState
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -261,26 +262,6 @@ def test_verify_replicas_refuses_large_stateful_tensors_that_differ_and_says_wha
     ) in errors[0]
     assert errors[0].endswith("nothing was written")
     assert not os.path.exists(path)
-
-
-class AppState:
-    """DCP's tutorial wrapper: model and optimizer behind one state_dict()."""
-
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        self.model, self.opt = model, opt
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
 
 
 def _save_app(rank: int, world: int, path: str) -> torch.Tensor:
