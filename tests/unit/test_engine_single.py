@@ -517,6 +517,18 @@ def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> 
     assert str(missing.value) == f"{tmp_path / 'absent'} does not exist"
 
 
+def _names_as_before(state: dict[str, Any]) -> dict[int, str]:
+    """Parameter names as saves made them before wrapper segments were dropped: each
+    module's own ``named_parameters()``, ``_checkpoint_wrapped_module`` and ``_orig_mod``
+    included."""
+    return {
+        id(p): n
+        for value in state.values()
+        if isinstance(value, nn.Module)
+        for n, p in value.named_parameters()
+    }
+
+
 def _maybe_checkpointed(wrapped: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Two linear blocks, each under activation checkpointing's wrapper if ``wrapped``
     (as torchtitan applies it per block), with AdamW after one step."""
@@ -562,17 +574,9 @@ def test_a_checkpoint_keyed_with_activation_checkpointing_segments_still_loads(
     it loads into the model with activation checkpointing and without."""
     from shardsafe.checkpoint.plan import collecting
 
-    def as_before(state: dict[str, Any]) -> dict[int, str]:
-        return {
-            id(p): n
-            for value in state.values()
-            if isinstance(value, nn.Module)
-            for n, p in value.named_parameters()
-        }
-
     model, opt = _maybe_checkpointed(True)
     with monkeypatch.context() as patched:
-        patched.setattr(collecting, "param_names", as_before)
+        patched.setattr(collecting, "param_names", _names_as_before)
         shardsafe.save(tmp_path / "old", {"model": model, "optimizer": opt})
     tensors = shardsafe.read_manifest(tmp_path / "old").tensors
     assert "optimizer/0._checkpoint_wrapped_module.weight/exp_avg" in tensors
@@ -671,17 +675,9 @@ def test_a_checkpoint_keyed_with_orig_mod_still_loads_into_its_compiled_model(
     from shardsafe.adapters import module as module_adapter
     from shardsafe.checkpoint.plan import collecting
 
-    def names_as_before(state: dict[str, Any]) -> dict[int, str]:
-        return {
-            id(p): n
-            for value in state.values()
-            if isinstance(value, nn.Module)
-            for n, p in value.named_parameters()
-        }
-
     model, opt = _maybe_compiled(True)
     with monkeypatch.context() as patched:
-        patched.setattr(collecting, "param_names", names_as_before)
+        patched.setattr(collecting, "param_names", _names_as_before)
         patched.setattr(module_adapter, "_without_wrappers", lambda state: state)
         shardsafe.save(tmp_path / "old", {"model": model, "optimizer": opt})
     tensors = shardsafe.read_manifest(tmp_path / "old").tensors
