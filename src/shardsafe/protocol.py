@@ -191,10 +191,10 @@ class LoadContext(SaveContext):
     """Every tensor key in the checkpoint with its dtype and global shape."""
     param_aliases: Mapping[str, str] = field(default_factory=dict)
     """Every other name of a parameter shared by several modules (a tied weight) -> the
-    name :attr:`param_names` gives it (:func:`param_aliases`)."""
+    name :attr:`param_names` gives it (:func:`load_names`)."""
     param_unqualified: Mapping[str, str] = field(default_factory=dict)
     """Each name :attr:`param_names` qualifies by its state key -> the module's own name
-    (:func:`unqualified_names`)."""
+    (:func:`load_names`)."""
 
 
 class Adapter(ABC):
@@ -298,28 +298,26 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     both use is qualified by the state key (``generator.fc.weight``) to keep it unique.
     A parameter shared by several modules keeps the first name it is found under.
     """
+    return load_names(state)[0]
+
+
+def load_names(
+    state: Mapping[str, Any],
+) -> tuple[dict[int, str], dict[str, str], dict[str, str]]:
+    """What a load needs to find a checkpoint's parameter names, from one walk over the
+    modules: :func:`param_names`; every other name of a parameter shared by several
+    modules -> the name it has (``lm_head.weight`` -> ``embed.weight``: which of a tied
+    weight's names comes first depends on the order the modules were registered in);
+    and each name qualified by its state key -> the module's own name
+    (``model.fc.weight`` -> ``fc.weight`` beside an EMA copy: a checkpoint saved before
+    the copy was added names it ``fc.weight``; ``optimizer._meta`` finds it there)."""
+    found = _all_names(state)
     names: dict[int, str] = {}
-    for name, _, p in _all_names(state):
+    for name, _, p in found:
         names.setdefault(id(p), name)
-    return names
-
-
-def param_aliases(state: Mapping[str, Any]) -> dict[str, str]:
-    """Every name of a parameter shared by several modules other than the one
-    :func:`param_names` gives it -> that name: ``lm_head.weight`` -> ``embed.weight``.
-    Which of a tied weight's names comes first depends on the order the modules were
-    registered in, so a load finds the parameter under any of them."""
-    names = param_names(state)
-    return {name: names[id(p)] for name, _, p in _all_names(state) if name != names[id(p)]}
-
-
-def unqualified_names(state: Mapping[str, Any]) -> dict[str, str]:
-    """Each name :func:`param_names` qualifies by its state key -> the module's own name:
-    ``model.fc.weight`` -> ``fc.weight`` when an EMA copy beside the model has an
-    ``fc.weight`` of its own. A checkpoint saved before the copy was added names the
-    model's parameter ``fc.weight``; an optimizer over it finds it there
-    (``optimizer._meta``)."""
-    return {name: plain for name, plain, _ in _all_names(state) if name != plain}
+    aliases = {name: names[id(p)] for name, _, p in found if name != names[id(p)]}
+    unqualified = {name: plain for name, plain, _ in found if name != plain}
+    return names, aliases, unqualified
 
 
 def _all_names(state: Mapping[str, Any]) -> list[tuple[str, str, nn.Parameter]]:

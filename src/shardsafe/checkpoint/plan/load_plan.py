@@ -23,9 +23,7 @@ from ...protocol import (
     LoadContext,
     ReadRequest,
     SavedValue,
-    param_aliases,
-    param_names,
-    unqualified_names,
+    load_names,
 )
 from ..format.manifest import Manifest, TensorRecord
 
@@ -91,7 +89,7 @@ def plan_load(
     not excuse it when no entry asked for is in the checkpoint: that load would restore
     nothing, silently; when others are, it is left as it is (``LoadPlan.absent``).
     """
-    names, aliases, unqualified = param_names(state), param_aliases(state), unqualified_names(state)
+    names, aliases, unqualified = load_names(state)
     saved_tensors = {k: (r.dtype, r.shape) for k, r in manifest.tensors.items()}
 
     def context(name: str) -> LoadContext:
