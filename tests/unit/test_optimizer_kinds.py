@@ -223,3 +223,33 @@ def test_optimizer_state_loads_after_an_ema_copy_joins_the_state(tmp_path: Path)
         assert all(torch.equal(opt2.state[p2][k], v) for k, v in opt.state[p].items()), name
     assert not any(opt2.state[p] for p in ema.parameters())
     assert tied_steps(model2, opt2, 3) == tied_steps(model, opt, 3)
+
+
+def test_another_optimizer_class_is_refused_before_anything_is_restored(tmp_path: Path) -> None:
+    """An SGD's state loaded into an Adam: torch's own load fails inside Adam's
+    ``__setstate__`` (KeyError: 'step') after the model was restored; shardsafe names both
+    classes up front and restores nothing."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": sgd})
+    fresh = nn.Linear(4, 4)
+    before = copy.deepcopy(fresh.state_dict())
+    adam = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    with pytest.raises(shardsafe.CheckpointMismatchError) as caught:
+        shardsafe.load(tmp_path / "ckpt", {"model": fresh, "optim": adam})
+    assert (
+        "optim: the checkpoint holds the state of optimizer class SGD, the live optimizer's "
+        "is Adam; build the same optimizer class as when saving, or leave 'optim' out of the "
+        "state you load to start it afresh"
+    ) in str(caught.value)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+    assert adam.state_dict()["state"] == {}
+    # The same class loads, and so does the model alone into the Adam's run.
+    sgd2 = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    shardsafe.load(tmp_path / "ckpt", {"model": fresh, "optim": sgd2})
+    assert torch.equal(
+        sgd2.state_dict()["state"][0]["momentum_buffer"], sgd.state[model.weight]["momentum_buffer"]
+    )

@@ -39,6 +39,13 @@ from . import dtensor
 from .module import uninitialized
 from .optimizer_merge import merge_optimizer_metas
 
+CLASS = "class"
+"""The optimizer's class name (``Adam``) in its metadata: a checkpoint of one optimizer
+class is refused up front by another (an SGD's ``momentum_buffer`` cannot drive an Adam,
+whose ``load_state_dict`` or first ``step`` would fail inside torch after the model was
+restored). Checkpoints written before it, and converted ones, have none and are not
+checked."""
+
 GROUPS = _names.Reserved("@groups")
 """Key segment for tensors inside param-group hyperparameters: reserved, so stored as it
 is, while an FQN spelled the same is encoded (``%40groups``) and never meets it."""
@@ -91,7 +98,12 @@ def export_state(
             }
         )
     shapes = {ctx.param_fqn(p): list(p.shape) for g in groups for p in g["params"]}
-    meta = {"param_groups": groups_meta, "param_shapes": shapes, "state": state}
+    meta = {
+        "param_groups": groups_meta,
+        "param_shapes": shapes,
+        "state": state,
+        CLASS: type(local).__qualname__,
+    }
     return SaveItem("optimizer", meta, chunks)
 
 
@@ -109,6 +121,14 @@ def plan_import(
     meta = _meta(saved, ctx, groups)
     saved_groups = meta["param_groups"]
     shapes = meta["param_shapes"]
+    saved_class, live_class = meta.get(CLASS), type(local).__qualname__
+    if saved_class is not None and saved_class != live_class:
+        plan.mismatched.append(
+            f"{ctx.name}: the checkpoint holds the state of optimizer class {saved_class}, "
+            f"the live optimizer's is {live_class}; build the same optimizer class as when "
+            f"saving, or leave {ctx.name!r} out of the state you load to start it afresh"
+        )
+        return plan
     live_names = {ctx.param_fqn(p) for g in groups for p in g["params"]}
     saved_names = {n for g in saved_groups for n in g["params"]}
     if saved_names and not saved_names & live_names:
@@ -465,6 +485,8 @@ def _meta_problem(meta: Any) -> str | None:
         and isinstance(meta.get("param_shapes"), dict)
     ):
         return "'param_groups', 'state' or 'param_shapes' is missing"
+    if CLASS in meta and not (isinstance(meta[CLASS], str) and 0 < len(meta[CLASS]) <= 256):
+        return "its optimizer class is not a name"
     for i, g in enumerate(meta["param_groups"]):
         if not (
             isinstance(g, dict)

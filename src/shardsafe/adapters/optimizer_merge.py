@@ -58,7 +58,11 @@ def merge_optimizer_metas(metas: list[JSON]) -> JSON:
             continue  # ZeRO, OSS, a stage's replicas: the same groups as rank 0's
         for index, group in enumerate(meta["param_groups"]):
             groups.add(rank, index, group)
-    return {"param_groups": groups.merged(), "param_shapes": shapes, "state": state}
+    merged = {"param_groups": groups.merged(), "param_shapes": shapes, "state": state}
+    classes = {meta.get("class") for meta in metas}
+    if len(classes) == 1 and None not in classes:  # stages of one optimizer class
+        merged["class"] = classes.pop()
+    return merged
 
 
 class _Groups:

@@ -77,6 +77,10 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         _set((*OPT, "param_groups", 0, "hyper", "betas"), {"__tuple__": 0.9}),
         "malformed __tuple__ value",
     ),
+    "optimizer class is a list": (
+        _set((*OPT, "class"), ["Adam"]),
+        "is not valid optimizer metadata: its optimizer class is not a name",
+    ),
     "rng per_rank not a list": (_set(("rng", "meta", "per_rank"), {}), "is not RNG state"),
     "rng torch is a float tensor": (
         _set((*RNG0, "torch"), {"__tensor__": "x"}),
