@@ -190,15 +190,15 @@ def test_flat_dcp_param_groups_are_rebuilt_in_linear_time() -> None:
     assert groups[-1] == {"lr": 3, "wd": 0.1, "params": ["q"]}
 
 
-def _open_under(directory: Path) -> int:
-    """How many ``.distcp`` files of ``directory`` this process has open."""
+def _open_under(directory: Path, suffix: str = ".distcp") -> int:
+    """How many ``suffix`` files of ``directory`` this process has open."""
     count = 0
     for fd in Path("/proc/self/fd").iterdir():
         try:
             target = os.readlink(fd)
         except OSError:
             continue
-        count += target.startswith(str(directory)) and target.endswith(".distcp")
+        count += target.startswith(str(directory)) and target.endswith(suffix)
     return count
 
 
@@ -235,6 +235,41 @@ def test_a_dcp_checkpoint_of_more_files_than_descriptors_converts(tmp_path: Path
     assert shardsafe.converters.read_source(tmp_path / "ss").tensors.keys() == {
         f"model/{name}" for name in weights
     }
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_a_hugging_face_index_of_more_shards_than_descriptors_converts(tmp_path: Path) -> None:
+    """The Hugging Face reader opened every shard an index names and kept them all open,
+    so an index of more shards than the process has descriptors failed with ``Too many
+    open files``; it shares the DCP reader's bound now."""
+    import json
+    import resource
+
+    from safetensors.torch import save_file
+
+    baseline = len(list(Path("/proc/self/fd").iterdir()))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = 2 * baseline + 100
+    n = baseline + 150
+    src = tmp_path / "hf"
+    src.mkdir()
+    weights = {f"l{i}.w": torch.full((3,), float(i)) for i in range(n)}
+    weight_map = {}
+    for i, (name, t) in enumerate(weights.items()):
+        weight_map[name] = f"model-{i:05d}.safetensors"
+        save_file({name: t}, str(src / weight_map[name]))
+    index = src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        with shardsafe.converters.read_source(index) as source:
+            assert _open_under(src, ".safetensors") <= lowered // 2
+            for name, t in weights.items():
+                assert torch.equal(source.tensors[f"model/{name}"].load_whole(), t), name
+            assert _open_under(src, ".safetensors") <= lowered // 2
+        assert _open_under(src, ".safetensors") == 0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.parametrize(

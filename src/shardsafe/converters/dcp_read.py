@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import io
 import math
-from collections import OrderedDict
 from typing import IO, Any, cast
 
 import torch
 
 from .. import dtypes
 from ..checkpoint.format.geometry import tiling_problem
-from ..checkpoint.io.reader import MAX_OPEN_FILES, _same_file
 from ..checkpoint.storage.protocol import FileReader, Storage
 from ..errors import CheckpointCorruptError
 from ..pickles import load_torch
@@ -31,62 +29,11 @@ from .bounds import loaded, require_dense, resolved
 from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, parse_metadata
 from .entries import is_optimizer, to_entries
 from .flat_layout import unflatten
+from .open_files import OpenFiles
 from .source import Source, SourceChunk, SourceTensor, Unbacked, checked, one_chunk
 
 MAX_BYTES_ITEM = 256 << 20
 """A non-tensor item (a hyperparameter, a step count) is read whole; refuse a huge one."""
-
-
-class _Files:
-    """The ``.distcp`` files of one checkpoint, opened without following links.
-
-    At most half the process's descriptor limit stay open (``_open_limit``): DCP writes a
-    file per rank (and per writer thread), so a checkpoint of a thousand ranks would
-    otherwise exhaust a default limit of 1,024 (``Too many open files``), while closing
-    them sooner would reopen every file for every tensor (an FSDP tensor has a chunk in
-    each). A file closed to make room and needed again must be the file first opened
-    (``_same_file``)."""
-
-    def __init__(self, storage: Storage) -> None:
-        self.storage = storage
-        self.open: OrderedDict[str, FileReader] = OrderedDict()
-        self.identities: dict[str, object] = {}
-        self.limit = _open_limit()
-
-    def get(self, name: str) -> FileReader:
-        reader = self.open.get(name)
-        if reader is not None:
-            self.open.move_to_end(name)
-            return reader
-        if len(self.open) >= self.limit:
-            self.open.popitem(last=False)[1].close()
-        reader = self.storage.open_reader(name)
-        try:
-            _same_file(self.identities, name, reader)
-        except BaseException:
-            reader.close()
-            raise
-        self.open[name] = reader
-        return reader
-
-    def close(self) -> None:
-        for reader in self.open.values():
-            reader.close()
-        self.open.clear()
-
-
-def _open_limit() -> int:
-    """How many ``.distcp`` files may stay open: half the soft ``RLIMIT_NOFILE`` (the rest
-    is the process's own), at least ``MAX_OPEN_FILES`` (``load``'s bound)."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no such limit here (Windows)
-        return MAX_OPEN_FILES
-    if soft == resource.RLIM_INFINITY:
-        return 1 << 16
-    return max(MAX_OPEN_FILES, min(soft // 2, 1 << 16))
 
 
 class RangeFile(io.RawIOBase):
@@ -140,7 +87,7 @@ def read(storage: Storage) -> Source:
 
     where = storage.where(METADATA_NAME)
     md = parse_metadata(storage.read_small(METADATA_NAME, MAX_METADATA_BYTES), where)
-    files = _Files(storage)
+    files = OpenFiles(storage)
     try:
         tree: dict[Any, Any] = {}
         stand_ins: dict[int, tuple[str, Any]] = {}
@@ -195,7 +142,7 @@ def _info(md: Any, index: Any, where: str) -> Any:
     return info
 
 
-def _chunk(md: Any, files: _Files, fqn: str, item: Any, chunk: Any, where: str) -> SourceChunk:
+def _chunk(md: Any, files: OpenFiles, fqn: str, item: Any, chunk: Any, where: str) -> SourceChunk:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     offsets, shape = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -213,7 +160,7 @@ def _chunk(md: Any, files: _Files, fqn: str, item: Any, chunk: Any, where: str) 
     return SourceChunk(offsets, shape, load)
 
 
-def _unbacked(md: Any, files: _Files, fqn: str, item: Any, where: str) -> Unbacked | None:
+def _unbacked(md: Any, files: OpenFiles, fqn: str, item: Any, where: str) -> Unbacked | None:
     """The chunks of ``item`` declared larger than the bytes of the range that stores
     them (cut at its file's end). DCP stores a chunk as ``torch.save`` of it: its bytes
     plus a container, unless it is an overlapping view or the metadata lies. Ranges never

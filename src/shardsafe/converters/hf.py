@@ -37,6 +37,7 @@ from ..checkpoint.storage.protocol import FileReader, Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
 from .dcp_write import refuse_non_empty, remove_if_created
+from .open_files import OpenFiles
 from .source import Source, one_chunk
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -254,22 +255,24 @@ def _crc_of(reader: FileReader, entry: HeaderEntry) -> int:
 
 def read(storage: Storage, name: str) -> Source:
     """``name`` (a ``.safetensors`` file or an index) in ``storage`` as a :class:`Source`
-    with one module entry, ``model``, keyed by the file's tensor names."""
+    with one module entry, ``model``, keyed by the file's tensor names. The shards are
+    opened a bounded number at a time (``OpenFiles``): an index may name more files than
+    the process has descriptors."""
     weight_map = _weight_map(storage, name)
     files = sorted(set(weight_map.values())) if weight_map is not None else [name]
-    readers: list[FileReader] = []
+    opened = OpenFiles(storage)
     tensors = {}
     names: dict[str, str] = {}
     try:
         for fname in files:
-            reader = storage.open_reader(fname)
-            readers.append(reader)
-            for tname, entry in read_header(reader).items():
+            for tname, entry in read_header(opened.get(fname)).items():
                 if tname in names:
                     raise CheckpointCorruptError(f"tensor {tname!r} is in two files")
                 names[tname] = fname
                 key = _names.join("model", tname)
-                tensors[key] = one_chunk(key, entry.dtype, entry.shape, _reading(reader, entry))
+                tensors[key] = one_chunk(
+                    key, entry.dtype, entry.shape, _reading(opened, fname, entry)
+                )
         if weight_map is not None and names != weight_map:
             wrong = sorted(set(names.items()) ^ set(weight_map.items()))[0][0]
             raise CheckpointCorruptError(
@@ -277,12 +280,10 @@ def read(storage: Storage, name: str) -> Source:
                 "mapped to a file that does not hold it, or held by a file it is not mapped to"
             )
     except BaseException:
-        for reader in readers:
-            reader.close()
+        opened.close()
         raise
     values = {"model": SavedValue("model", "module", {"tensors": list(names), "extra": {}})}
-    closers = [r.close for r in readers]
-    return Source("hf", storage.where(name), values, tensors, closers)
+    return Source("hf", storage.where(name), values, tensors, [opened.close])
 
 
 def _weight_map(storage: Storage, name: str) -> dict[str, str] | None:
@@ -300,11 +301,11 @@ def _weight_map(storage: Storage, name: str) -> dict[str, str] | None:
     return weight_map
 
 
-def _reading(reader: FileReader, entry: HeaderEntry) -> Callable[[], torch.Tensor]:
+def _reading(opened: OpenFiles, fname: str, entry: HeaderEntry) -> Callable[[], torch.Tensor]:
     def load() -> torch.Tensor:
         out = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
         if entry.nbytes:
-            reader.read_into(entry.start, memory(byte_view(out)))
+            opened.get(fname).read_into(entry.start, memory(byte_view(out)))
         return out
 
     return load
