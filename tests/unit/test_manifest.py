@@ -471,3 +471,28 @@ def test_arbitrary_json_parses_or_raises_corrupt(doc: Any) -> None:
 @given(st.binary(max_size=64))
 def test_arbitrary_bytes_parse_or_raise_corrupt(data: bytes) -> None:
     _parse_or_corrupt(data)
+
+
+def test_the_garbage_collector_is_paused_while_parsing_and_left_as_it_was() -> None:
+    """Manifests are parsed with the collector paused (its traversals made large manifests
+    superlinear, ``shardsafe._gc``); afterwards it is as the program left it, after a
+    refusal too, and a program that disabled it finds it still disabled."""
+    import gc
+
+    from shardsafe import _gc
+
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="inside"), _gc.paused():
+        assert not gc.isenabled()
+        raise ValueError("inside")
+    assert gc.isenabled()
+    with pytest.raises(CheckpointCorruptError):
+        parse(b"{not json")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(CheckpointCorruptError):
+            parse(b"{not json")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

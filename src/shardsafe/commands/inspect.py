@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from .. import _gc
 from .._text import human_bytes, plural, terminal_safe
 from ._format import table
 
@@ -33,11 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint.inspecting import inspect
 
-    report = inspect(args.path)
-    if args.json:  # ASCII: control chars escaped
-        print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
-    else:
-        print("\n".join(terminal_safe(line) for line in render(report)))
+    with _gc.paused():  # a report of many files is many small objects, in no cycle
+        report = inspect(args.path)
+        if args.json:  # ASCII: control chars escaped
+            print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
+        else:
+            print("\n".join(terminal_safe(line) for line in render(report)))
     return 0
 
 

@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import dtypes
+from ... import _gc, dtypes
 from ...errors import CheckpointCorruptError, CheckpointVersionError
 from ...protocol import SavedValue
 from . import manifest_table
@@ -165,7 +165,13 @@ def _tensor_to_json(rec: TensorRecord) -> dict[str, Any]:
 
 
 def parse(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
-    """Parse and validate manifest bytes; raise :class:`CheckpointCorruptError` on anything off."""
+    """Parse and validate manifest bytes; raise :class:`CheckpointCorruptError` on anything
+    off. The garbage collector is paused meanwhile (``_gc``: the document has no cycles)."""
+    with _gc.paused():
+        return _parse(raw, where)
+
+
+def _parse(raw: bytes, where: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(f"{where} is {len(raw)} bytes, larger than any real manifest")
     has_trailer = verify_trailer(raw, where)
