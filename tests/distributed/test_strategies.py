@@ -113,3 +113,23 @@ def test_resume_at_another_world_size(
         "epoch": 0,
         "position": (9 * before + 3 * after) * BATCH,
     }
+
+
+def fit_in_own_directory(rank: int, world_size: int, base: str) -> int:
+    """``fit`` with a relative run_dir, each rank in a directory of its own (as on nodes
+    whose run_dir is node-local): rank 1's holds a newer checkpoint, rank 0's none."""
+    import os
+
+    os.chdir(os.path.join(base, f"node{rank}"))
+    torch.manual_seed(0)
+    trainer = Trainer(strategy="ddp", devices=world_size, max_steps=2, run_dir="run")
+    return trainer.fit(ExampleModule()).step
+
+
+@pytest.mark.timeout(60)
+def test_the_check_for_newer_checkpoints_is_rank_zeros_on_every_rank(tmp_path: Path) -> None:
+    # Rank 1 listed the checkpoints on its own and raised alone; rank 0 went on into the
+    # first step's all-reduce and failed there with gloo's 'Connection closed by peer'.
+    (tmp_path / "node0").mkdir()
+    CheckpointManager(tmp_path / "node1" / "run" / "checkpoints").save(5, {"w": torch.ones(1)})
+    assert run_ranks(fit_in_own_directory, 2, str(tmp_path)) == [2, 2]

@@ -25,7 +25,7 @@ from .config import TrainerConfig
 from .data import DataPosition, DataStream, loader_spec
 from .metrics import MetricsLog, ProgressBar, say
 from .module import TrainingModule, TrainingStep
-from .resuming import agreed_checkpoint, restore, restore_tiered
+from .resuming import agreed_checkpoint, agreed_not_behind, restore, restore_tiered
 from .saving import Saving, TieredSaving, open_tiers
 
 
@@ -71,7 +71,7 @@ def train(
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
     # Before the first step, not at the first save; and for a run that saves nothing too:
     # its metrics.jsonl would lose the newer steps' losses, and its history fork.
-    saving.manager.check_not_behind(start)
+    agreed_not_behind(saving.manager, start, world_size)
     metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 

@@ -75,6 +75,31 @@ def agreed_checkpoint(config: TrainerConfig, resume: str | None, world_size: int
     )
 
 
+def agreed_not_behind(manager: CheckpointManager, start: int, world_size: int) -> None:
+    """``manager.check_not_behind(start)`` on rank 0; its error is every rank's.
+
+    Each rank listing the checkpoints on its own could see them differently (a node-local
+    ``run_dir``, a listing that failed on one rank only, a checkpoint committed in
+    between): that rank raised alone while the others went on into the first step's
+    collective, and failed there with gloo's 'Connection closed by peer' (or waited for
+    it until the process group's timeout). Rank 0 decides, as it does at each save."""
+    if world_size == 1:
+        manager.check_not_behind(start)
+        return
+    defaults = LoadOptions()
+
+    def check() -> None:
+        manager.check_not_behind(start)
+
+    rank_zero_answer(
+        "load",
+        f"{manager.root}#behind",
+        check,
+        timeout=defaults.timeout,
+        entry_timeout=defaults.entry_timeout,
+    )
+
+
 def saved_progress(values: Mapping[str, Any]) -> dict[str, Any]:
     """The ``trainer`` entry of a manifest's values or of what ``load`` returned
     (``{}`` if it has none)."""
