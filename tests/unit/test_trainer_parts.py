@@ -405,6 +405,38 @@ def test_a_metrics_file_that_is_no_regular_file_is_refused(tmp_path: Path) -> No
     assert (tmp_path / "elsewhere.txt").read_text() == "mine\n"
 
 
+@pytest.mark.timeout(30)
+def test_a_metrics_temporary_that_is_no_regular_file_is_refused_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """Resuming rewrites metrics.jsonl through metrics.jsonl.tmp, which was opened by name:
+    a link there was written through, over a file outside the run's directory (and
+    metrics.jsonl became a link to it); a FIFO made the run wait forever before step 1."""
+    (tmp_path / "elsewhere.txt").write_text("mine\n")
+    makers = {
+        "a symbolic link": lambda p: p.symlink_to(tmp_path / "elsewhere.txt"),
+        "a directory": lambda p: p.mkdir(),
+        "a named pipe (FIFO)": lambda p: os.mkfifo(p),
+    }
+    for number, (kind, make) in enumerate(makers.items()):
+        path = tmp_path / f"run{number}" / "metrics.jsonl"
+        path.parent.mkdir()
+        path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
+        make(tmp_path / f"run{number}" / "metrics.jsonl.tmp")
+        with pytest.raises(
+            shardsafe.CheckpointError, match=f"{path}.tmp is {re.escape(kind)}, not"
+        ):
+            MetricsLog(str(path), after_step=1)
+        assert path.read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n'
+        assert not path.is_symlink()
+    assert (tmp_path / "elsewhere.txt").read_text() == "mine\n"
+    # A regular one a crash left is reused.
+    (tmp_path / "run0" / "metrics.jsonl.tmp").unlink()
+    (tmp_path / "run0" / "metrics.jsonl.tmp").write_text("stale")
+    MetricsLog(str(tmp_path / "run0" / "metrics.jsonl"), after_step=1).close()
+    assert read_metrics(str(tmp_path / "run0" / "metrics.jsonl")) == [{"step": 1, "loss": 0.5}]
+
+
 class FailsAtStep(Tiny):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         raise RuntimeError("the step failed")

@@ -7,7 +7,7 @@ import os
 import stat
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from ..checkpoint.format.strict_json import int_parser, why_not_json
 from ..checkpoint.storage.files import describe_mode
@@ -76,15 +76,41 @@ def _drop_after(path: str, step: int) -> None:
     if not stat.S_ISREG(mode):
         # A FIFO made the run wait forever before step 1; a directory failed with a bare
         # errno; a link was followed out of the run's directory.
-        raise CheckpointError(
-            f"{path} is {describe_mode(mode)}, not the run's metrics file; move it away (or "
-            "choose another run_dir) and start again"
-        )
+        raise _not_a_metrics_file(path, mode)
     kept = [r for r in read_metrics(path) if r["step"] <= step]
     temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
+    with _open_temporary(temporary) as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(temporary, path)
+
+
+def _open_temporary(path: str) -> TextIO:
+    """``path`` truncated for writing, where it is a regular file or absent (a stale one
+    a crash left is reused); anything else is refused, not opened by name.
+
+    ``open(path, "w")`` wrote through a link there, over the file it named outside the
+    run's directory (which ``os.replace`` then made ``metrics.jsonl`` a link to), and
+    waited forever before step 1 on a FIFO."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError:
+        mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise _not_a_metrics_file(path, mode) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # a FIFO that a reader held open
+        os.close(fd)
+        raise _not_a_metrics_file(path, mode)
+    return open(fd, "w", encoding="utf-8")
+
+
+def _not_a_metrics_file(path: str, mode: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is {describe_mode(mode)}, not the run's metrics file; move it away (or "
+        "choose another run_dir) and start again"
+    )
 
 
 PROGRESS_EVERY_S = 5.0
