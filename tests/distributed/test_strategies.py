@@ -115,21 +115,33 @@ def test_resume_at_another_world_size(
     }
 
 
-def fit_in_own_directory(rank: int, world_size: int, base: str) -> int:
+def fit_in_own_directory(rank: int, world_size: int, base: str) -> tuple[int, str]:
     """``fit`` with a relative run_dir, each rank in a directory of its own (as on nodes
-    whose run_dir is node-local): rank 1's holds a newer checkpoint, rank 0's none."""
+    whose run_dir is node-local): rank 1's holds a newer checkpoint, rank 0's none. Then
+    a run whose metrics.jsonl rank 0 refuses: what each rank raised."""
     import os
 
     os.chdir(os.path.join(base, f"node{rank}"))
     torch.manual_seed(0)
-    trainer = Trainer(strategy="ddp", devices=world_size, max_steps=2, run_dir="run")
-    return trainer.fit(ExampleModule()).step
+    trainer = Trainer(strategy="ddp", devices=world_size, max_steps=1, run_dir="run")
+    step = trainer.fit(ExampleModule()).step
+    trainer = Trainer(strategy="ddp", devices=world_size, max_steps=1, run_dir=f"{base}/bad")
+    with pytest.raises(shardsafe.CheckpointError) as raised:
+        trainer.fit(ExampleModule())
+    return step, str(raised.value)
 
 
 @pytest.mark.timeout(60)
-def test_the_check_for_newer_checkpoints_is_rank_zeros_on_every_rank(tmp_path: Path) -> None:
+def test_what_rank_zero_checks_before_step_one_is_agreed_on_every_rank(tmp_path: Path) -> None:
     # Rank 1 listed the checkpoints on its own and raised alone; rank 0 went on into the
     # first step's all-reduce and failed there with gloo's 'Connection closed by peer'.
     (tmp_path / "node0").mkdir()
     CheckpointManager(tmp_path / "node1" / "run" / "checkpoints").save(5, {"w": torch.ones(1)})
-    assert run_ranks(fit_in_own_directory, 2, str(tmp_path)) == [2, 2]
+    # Rank 0 alone refused this metrics.jsonl; rank 1 waited in step 1's all-reduce until
+    # the process group's timeout.
+    (tmp_path / "bad" / "metrics.jsonl").mkdir(parents=True)
+    refused = (
+        f"fit failed on rank 0: {tmp_path}/bad/metrics.jsonl is a directory, not the run's "
+        "metrics file; move it away (or choose another run_dir) and start again"
+    )
+    assert run_ranks(fit_in_own_directory, 2, str(tmp_path)) == [(1, refused), (1, refused)]

@@ -23,9 +23,9 @@ from ..checkpoint.manager import CheckpointManager
 from ..strategies.base import Strategy
 from .config import TrainerConfig
 from .data import DataPosition, DataStream, loader_spec
-from .metrics import MetricsLog, ProgressBar, say
+from .metrics import ProgressBar, say
 from .module import TrainingModule, TrainingStep
-from .resuming import agreed_checkpoint, agreed_not_behind, restore, restore_tiered
+from .resuming import agreed_checkpoint, agreed_start, restore, restore_tiered
 from .saving import Saving, TieredSaving, open_tiers
 
 
@@ -71,8 +71,7 @@ def train(
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
     # Before the first step, not at the first save; and for a run that saves nothing too:
     # its metrics.jsonl would lose the newer steps' losses, and its history fork.
-    agreed_not_behind(saving.manager, start, world_size)
-    metrics = MetricsLog(config.metrics_path, after_step=start) if leader else None
+    metrics = agreed_start(saving.manager, config, start, world_size)
     bar = ProgressBar(total=config.max_steps, initial=start, enabled=leader)
 
     step, loss = start, math.nan

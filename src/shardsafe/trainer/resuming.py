@@ -29,7 +29,7 @@ from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
 from .config import TrainerConfig
 from .data import DataPosition
-from .metrics import say
+from .metrics import MetricsLog, say
 
 
 def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
@@ -75,29 +75,37 @@ def agreed_checkpoint(config: TrainerConfig, resume: str | None, world_size: int
     )
 
 
-def agreed_not_behind(manager: CheckpointManager, start: int, world_size: int) -> None:
-    """``manager.check_not_behind(start)`` on rank 0; its error is every rank's.
+def agreed_start(
+    manager: CheckpointManager, config: TrainerConfig, start: int, world_size: int
+) -> MetricsLog | None:
+    """Rank 0 checks that ``run_dir`` holds no checkpoint newer than ``start`` and opens
+    the run's metrics log (returned on rank 0, ``None`` elsewhere); its error is every
+    rank's.
 
     Each rank listing the checkpoints on its own could see them differently (a node-local
     ``run_dir``, a listing that failed on one rank only, a checkpoint committed in
-    between): that rank raised alone while the others went on into the first step's
-    collective, and failed there with gloo's 'Connection closed by peer' (or waited for
-    it until the process group's timeout). Rank 0 decides, as it does at each save."""
-    if world_size == 1:
-        manager.check_not_behind(start)
-        return
-    defaults = LoadOptions()
+    between), and a ``metrics.jsonl`` that rank 0 refuses is rank 0's alone: that rank
+    raised alone while the others went on into the first step's collective, and failed
+    there with gloo's 'Connection closed by peer' or waited for it until the process
+    group's timeout (30 minutes). Rank 0 decides, as it does at each save."""
+    opened: list[MetricsLog] = []
 
     def check() -> None:
         manager.check_not_behind(start)
+        opened.append(MetricsLog(config.metrics_path, after_step=start))
 
-    rank_zero_answer(
-        "load",
-        f"{manager.root}#behind",
-        check,
-        timeout=defaults.timeout,
-        entry_timeout=defaults.entry_timeout,
-    )
+    if world_size == 1:
+        check()
+    else:
+        defaults = LoadOptions()
+        rank_zero_answer(
+            "fit",
+            f"{manager.root}#start",
+            check,
+            timeout=defaults.timeout,
+            entry_timeout=defaults.entry_timeout,
+        )
+    return opened[0] if opened else None
 
 
 def saved_progress(values: Mapping[str, Any]) -> dict[str, Any]:
