@@ -649,3 +649,25 @@ def test_an_uppercase_scheme_is_named_as_written_with_the_fix(
         "schemes are lowercase: s3://"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_trainer_run_on_s3_looks_for_its_bucket_once(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Trainer checked the bucket before step 1 through one manager, and its first save
+    checked it again through another: a round trip to the store for nothing."""
+    from shardsafe.trainer.example import ExampleModule
+
+    looked: list[str] = []
+    make_directory = FsspecStorage.make_directory
+
+    def spied(self: FsspecStorage) -> None:
+        looked.append(self.directory)
+        make_directory(self)
+
+    monkeypatch.setattr(FsspecStorage, "make_directory", spied)
+    monkeypatch.chdir(tmp_path)  # the run's metrics are local
+    root = f"s3://{s3_bucket}/run/checkpoints"
+    trainer = shardsafe.Trainer(max_steps=2, checkpoint_every=2, run_dir=f"s3://{s3_bucket}/run")
+    assert trainer.fit(ExampleModule()).checkpoint == f"{root}/step-000000002"
+    assert looked == [root, f"{root}/step-000000002"]  # the bucket; the step's directory

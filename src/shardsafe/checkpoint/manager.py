@@ -116,6 +116,8 @@ class CheckpointManager:
         checkpoint to continue from (``latest``, ``load_latest``): see ``_warn_if_fresh``."""
         self._handle: SaveHandle | None = None
         self._stager = Stager()
+        self._root_checked = False
+        """Whether :meth:`require_writable_root` found the bucket (it asks once)."""
 
     def close(self) -> None:
         """Wait for a save in flight, then give up this process's claim on the root (also
@@ -248,10 +250,12 @@ class CheckpointManager:
         """On an object store, refuse a root whose bucket does not exist (shardsafe never
         creates one), naming it, before anything is written: the lock's PUT failed with the
         client's bare 'The specified bucket does not exist'. Nothing to do on a filesystem
-        (the root is made as needed)."""
-        if is_url(self.root):
+        (the root is made as needed). Once per manager: the Trainer asks before its first
+        step, and the first save asked again, a round trip to the store for nothing."""
+        if is_url(self.root) and not self._root_checked:
             with self._root_storage() as root:
                 root.make_directory()
+            self._root_checked = True
 
     def _check_pointer_replaceable(self) -> None:
         """Refuse, before any data is written, a directory where ``latest`` belongs.

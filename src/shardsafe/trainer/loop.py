@@ -55,8 +55,13 @@ def train(
     started = time.monotonic()
     rank, world_size = strategy.env.rank, strategy.env.world_size
     leader = rank == 0
-    checkpoint = agreed_checkpoint(config, resume, world_size)
     tiered = config.local_checkpoint_dir is not None
+    manager = None  # with a local tier, the tiered manager's (built later: a collective)
+    if not tiered:  # one manager finds the checkpoint and saves: one look for the bucket
+        manager = CheckpointManager(
+            config.checkpoint_dir, config.keep_last, warn_if_not_empty=False
+        )
+    checkpoint = agreed_checkpoint(config, resume, world_size, manager)
     if leader and resume == "latest" and checkpoint is None and not tiered:
         say(f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0")
     seed_everything(config.seed + rank)
@@ -66,7 +71,7 @@ def train(
     model = strategy.wrap_model(TrainingStep(module))
     optimizer, scheduler = strategy.configure_optimizers(module)
     state = {**strategy.checkpoint_state(module, optimizer, scheduler), "rng": RNGState()}
-    saving, start, position = _restored(config, resume, checkpoint, state, leader)
+    saving, start, position = _restored(config, resume, checkpoint, state, leader, manager)
 
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
     # Before the first step, not at the first save; and for a run that saves nothing too:
@@ -105,13 +110,12 @@ def _restored(
     checkpoint: str | None,
     state: dict[str, Any],
     leader: bool,
+    manager: CheckpointManager | None,
 ) -> tuple[Saving, int, DataPosition]:
-    """How the run saves, and the step and data position it starts from (``resuming.py``)."""
-    if config.local_checkpoint_dir is None:
+    """How the run saves (through ``manager``, without a local tier), and the step and
+    data position it starts from (``resuming.py``)."""
+    if manager is not None:
         start, position = restore(checkpoint, state, config, leader)
-        manager = CheckpointManager(
-            config.checkpoint_dir, config.keep_last, warn_if_not_empty=False
-        )
         return Saving(manager, config), start, position
     tiered = open_tiers(config, leader)
     start, position = restore_tiered(tiered, config, resume, checkpoint, state, leader)

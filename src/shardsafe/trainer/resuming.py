@@ -32,9 +32,15 @@ from .data import DataPosition
 from .metrics import MetricsLog, say
 
 
-def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
-    """The checkpoint a run starts from; refuses to start over an existing run by accident."""
-    manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
+def find_checkpoint(
+    config: TrainerConfig, resume: str | None, manager: CheckpointManager | None = None
+) -> str | None:
+    """The checkpoint a run starts from; refuses to start over an existing run by accident.
+
+    ``manager``: the one the run saves through, if built already (its bucket is then
+    checked once, here, not again at the first save)."""
+    if manager is None:
+        manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
     manager.require_writable_root()  # a missing bucket: now, not at the first save
     if resume is None:
         steps = manager.complete_steps()
@@ -56,7 +62,12 @@ def find_checkpoint(config: TrainerConfig, resume: str | None) -> str | None:
     return checkpoint
 
 
-def agreed_checkpoint(config: TrainerConfig, resume: str | None, world_size: int) -> str | None:
+def agreed_checkpoint(
+    config: TrainerConfig,
+    resume: str | None,
+    world_size: int,
+    manager: CheckpointManager | None = None,
+) -> str | None:
     """:func:`find_checkpoint` on rank 0; its answer, or its error, is every rank's.
 
     Each rank looking on its own could see the store differently (a request that failed
@@ -64,12 +75,12 @@ def agreed_checkpoint(config: TrainerConfig, resume: str | None, world_size: int
     store's error alone while the others built their models and waited for it in a
     collective (on a run with an ``s3://`` run_dir: gloo's 'Connection closed by peer')."""
     if world_size == 1:
-        return find_checkpoint(config, resume)
+        return find_checkpoint(config, resume, manager)
     defaults = LoadOptions()
     return rank_zero_answer(
         "load",
         f"{config.checkpoint_dir}#resume",
-        lambda: find_checkpoint(config, resume),
+        lambda: find_checkpoint(config, resume, manager),
         timeout=defaults.timeout,
         entry_timeout=defaults.entry_timeout,
     )
