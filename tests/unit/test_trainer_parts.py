@@ -458,3 +458,33 @@ def test_a_failed_one_process_fit_leaves_no_process_group_behind(tmp_path: Path)
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_whose_step_or_data_position_no_run_reaches_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each was trusted as it was, after the load: a negative position trained on an empty
+    batch (torch's bare IndexError from collate), an epoch of 2**70 overflowed torch's
+    seed ('Overflow when unpacking long long'), a negative step trained steps -1, 0, ..."""
+    from shardsafe.trainer.example import ExampleModule
+    from shardsafe.trainer.resuming import progress_of
+
+    config = TrainerConfig(max_steps=4, run_dir=str(tmp_path / "unused"))
+    for name, bad in [("position", -64), ("epoch", 2**70), ("step", -3), ("position", True)]:
+        progress = {"step": 2, "seed": 0, "epoch": 0, "position": 64, name: bad}
+        with pytest.raises(shardsafe.CheckpointMismatchError) as raised:
+            progress_of({"trainer": progress}, "ckpt", config)
+        assert str(raised.value) == (
+            f"ckpt holds {name}={bad!r} in its 'trainer' entry, where a step and data "
+            "position are whole numbers from 0 to 2**63 - 1: it is damaged or was not "
+            "written by shardsafe.Trainer, so training cannot resume from it"
+        )
+    # As a run meets one: a checkpoint whose data position is negative.
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(DataStream, "state", lambda self: {"epoch": 0, "position": -64})
+        Trainer(max_steps=2, checkpoint_every=2, run_dir=str(run)).fit(ExampleModule())
+    with pytest.raises(shardsafe.CheckpointMismatchError, match="holds position=-64 in its"):
+        Trainer(max_steps=4, run_dir=str(run)).fit(ExampleModule(), resume="latest")
+    assert read_metrics(str(run / "metrics.jsonl"))[-1]["step"] == 2  # no step trained

@@ -216,8 +216,27 @@ def progress_of(
             f"{source} was not written by shardsafe.Trainer (it has no 'trainer' entry "
             "with the step and data position), so training cannot resume from it"
         )
+    out_of_range = [
+        f"{k}={progress[k]!r:.40}"
+        for k in ("step", "epoch", "position")
+        if isinstance(progress[k], bool) or not 0 <= progress[k] < PROGRESS_LIMIT
+    ]
+    if out_of_range:
+        # A negative position trained on an empty batch (torch's bare IndexError from
+        # collate), a huge epoch overflowed torch's seed, a negative step trained steps
+        # that no save could name: each after the checkpoint had been loaded.
+        raise CheckpointMismatchError(
+            f"{source} holds {', '.join(out_of_range)} in its 'trainer' entry, where a "
+            "step and data position are whole numbers from 0 to 2**63 - 1: it is damaged "
+            "or was not written by shardsafe.Trainer, so training cannot resume from it"
+        )
     check_seed(values, config, source)
     return progress["step"], DataPosition(progress["epoch"], progress["position"])
+
+
+PROGRESS_LIMIT = 2**63
+"""Above every step and data position a run reaches; ``seed + epoch`` stays a seed that
+torch takes (below 2**64)."""
 
 
 def restore_tiered(
