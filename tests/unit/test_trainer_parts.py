@@ -488,3 +488,33 @@ def test_a_checkpoint_whose_step_or_data_position_no_run_reaches_is_refused(
     with pytest.raises(shardsafe.CheckpointMismatchError, match="holds position=-64 in its"):
         Trainer(max_steps=4, run_dir=str(run)).fit(ExampleModule(), resume="latest")
     assert read_metrics(str(run / "metrics.jsonl"))[-1]["step"] == 2  # no step trained
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_root_that_is_no_directory_is_refused_before_step_one(
+    tmp_path: Path,
+) -> None:
+    """A file, a FIFO or a broken link named run_dir/checkpoints was found only by the first
+    save, after checkpoint_every steps of training; a broken link then as a bare
+    'FileNotFoundError: [Errno 2] No such file or directory'."""
+    from shardsafe.trainer.example import ExampleModule
+
+    makers = {
+        "a regular file": lambda p: p.write_text("mine"),
+        "a named pipe (FIFO)": lambda p: os.mkfifo(p),
+        "a broken link": lambda p: p.symlink_to(tmp_path / "nowhere"),
+    }
+    for number, (kind, make) in enumerate(makers.items()):
+        run = tmp_path / f"run{number}"
+        run.mkdir()
+        make(run / "checkpoints")
+        trainer = Trainer(max_steps=2, checkpoint_every=2, run_dir=str(run))
+        with pytest.raises(shardsafe.CheckpointError) as raised:
+            trainer.fit(ExampleModule())
+        assert str(raised.value) == (
+            f"{run}/checkpoints is {kind}, not a directory, where the checkpoints belong; "
+            "shardsafe will not follow or delete it: move it away, or save into another "
+            "root (run_dir)"
+        )
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]  # no step ran
+    assert (tmp_path / "run0" / "checkpoints").read_text() == "mine"

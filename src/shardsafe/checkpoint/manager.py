@@ -49,6 +49,7 @@ from .options import (
     storage_factory,
 )
 from .saving import save as _save
+from .storage.files import describe_mode
 from .storage.locations import is_url, open_storage
 from .storage.lock import RootLock
 from .storage.protocol import Storage
@@ -249,10 +250,13 @@ class CheckpointManager:
     def require_writable_root(self) -> None:
         """On an object store, refuse a root whose bucket does not exist (shardsafe never
         creates one), naming it, before anything is written: the lock's PUT failed with the
-        client's bare 'The specified bucket does not exist'. Nothing to do on a filesystem
-        (the root is made as needed). Once per manager: the Trainer asks before its first
-        step, and the first save asked again, a round trip to the store for nothing."""
-        if is_url(self.root) and not self._root_checked:
+        client's bare 'The specified bucket does not exist'. Once per manager: the Trainer
+        asks before its first step, and the first save asked again, a round trip to the
+        store for nothing. On a filesystem the root is made as needed; something else in
+        its place is refused (:func:`_require_directory_or_absent`)."""
+        if not is_url(self.root):
+            _require_directory_or_absent(self.root)
+        elif not self._root_checked:
             with self._root_storage() as root:
                 root.make_directory()
             self._root_checked = True
@@ -496,6 +500,21 @@ def _make_root(root: str) -> None:
     and every rank raises it."""
     with contextlib.suppress(OSError):
         os.makedirs(root, exist_ok=True)
+
+
+def _require_directory_or_absent(root: str) -> None:
+    """Refuse a local root that exists as anything but a directory (or a link to one).
+
+    The Trainer asks before its first step: a file, a FIFO or a broken link named
+    ``run_dir/checkpoints`` was found only by the first save, after ``checkpoint_every``
+    steps of training, and a broken link then as a bare 'No such file or directory'."""
+    if not os.path.lexists(root) or os.path.isdir(root):
+        return
+    what = describe_mode(os.stat(root).st_mode) if os.path.exists(root) else "a broken link"
+    raise CheckpointError(
+        f"{root} is {what}, not a directory, where the checkpoints belong; shardsafe will "
+        "not follow or delete it: move it away, or save into another root (run_dir)"
+    )
 
 
 def _warn(message: str, stacklevel: int = 3) -> None:
