@@ -491,12 +491,13 @@ def test_a_checkpoint_whose_step_or_data_position_no_run_reaches_is_refused(
 
 
 @pytest.mark.timeout(60)
-def test_a_checkpoint_root_that_is_no_directory_is_refused_before_step_one(
+def test_a_checkpoint_root_that_cannot_be_saved_into_is_refused_before_step_one(
     tmp_path: Path,
 ) -> None:
-    """A file, a FIFO or a broken link named run_dir/checkpoints was found only by the first
-    save, after checkpoint_every steps of training; a broken link then as a bare
-    'FileNotFoundError: [Errno 2] No such file or directory'."""
+    """A file, a FIFO or a broken link named run_dir/checkpoints, or a directory named
+    latest in it, was found only by the first save, after checkpoint_every steps of
+    training; a broken link then as a bare 'FileNotFoundError: [Errno 2] No such file or
+    directory'."""
     from shardsafe.trainer.example import ExampleModule
 
     makers = {
@@ -518,3 +519,9 @@ def test_a_checkpoint_root_that_is_no_directory_is_refused_before_step_one(
         )
         assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]  # no step ran
     assert (tmp_path / "run0" / "checkpoints").read_text() == "mine"
+    # Nor a directory where the latest pointer belongs, which the first save refused.
+    (tmp_path / "run3" / "checkpoints" / "latest").mkdir(parents=True)
+    trainer = Trainer(max_steps=2, checkpoint_every=2, run_dir=str(tmp_path / "run3"))
+    with pytest.raises(shardsafe.CheckpointError, match=r"latest is a directory, where Che"):
+        trainer.fit(ExampleModule())
+    assert sorted(p.name for p in (tmp_path / "run3").iterdir()) == ["checkpoints"]

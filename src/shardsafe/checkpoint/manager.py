@@ -253,9 +253,12 @@ class CheckpointManager:
         client's bare 'The specified bucket does not exist'. Once per manager: the Trainer
         asks before its first step, and the first save asked again, a round trip to the
         store for nothing. On a filesystem the root is made as needed; something else in
-        its place is refused (:func:`_require_directory_or_absent`)."""
+        its place is refused (:func:`_require_directory_or_absent`), and so is a directory
+        where ``latest`` belongs (:meth:`_check_pointer_replaceable`)."""
         if not is_url(self.root):
             _require_directory_or_absent(self.root)
+            if os.path.isdir(self.root):
+                self._check_pointer_replaceable()
         elif not self._root_checked:
             with self._root_storage() as root:
                 root.make_directory()
