@@ -61,6 +61,10 @@ def test_fit_flags_reach_the_workers_and_need_each_other(
     alone = parser.parse_args(["--max-steps", "5", "--run-dir", "r", "--local-every", "2"])
     assert fit.run(alone) == 2
     assert "--local-every applies to the local tier" in capsys.readouterr().err
+    # A value starting with '-' (written --run-dir=-r) reached the workers as an option.
+    dashed = ["--max-steps", "5", "--run-dir=-r", "--resume=-r/checkpoints/step-000000002"]
+    args = parser.parse_args([*dashed, "--local-checkpoint-dir=-l"])
+    assert parser.parse_args(fit.worker_arguments(args)) == args
 
 
 def test_describe_names_each_ranks_tier() -> None:

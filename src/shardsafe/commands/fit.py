@@ -148,14 +148,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def worker_arguments(args: argparse.Namespace) -> list[str]:
-    """The command-line options that reproduce ``args``."""
+    """The command-line options that reproduce ``args``.
+
+    Each value is joined to its flag (``--run-dir=-r``): apart, a value starting with
+    ``-`` (which the user wrote as ``--run-dir=-r``) was taken by every worker for an
+    option, and the run failed with 'argument --run-dir: expected one argument'."""
     argv: list[str] = []
     for flag, dest in _OPTIONS:
         value = getattr(args, dest)
         if value is True:
             argv.append(flag)  # a switch
         elif value is not None and value is not False:
-            argv += [flag, str(value)]
+            argv.append(f"{flag}={value}")
     return argv
 
 
