@@ -276,3 +276,21 @@ def test_inspect_on_a_trainer_run_directory_names_the_newest_checkpoint(tmp_path
         f"{tmp_path / 'run' / 'checkpoints'}; the newest is "
         f"{tmp_path / 'run' / 'checkpoints' / 'step-000000003'}"
     )
+
+
+# ----------------------------------------------------------------- a background save's handle
+
+
+@pytest.mark.timeout(60)
+def test_a_handle_waits_without_limit_for_infinity_and_refuses_nan(tmp_path: Path) -> None:
+    """``wait(math.inf)`` raised 'OverflowError: timestamp out of range for platform
+    time_t' from threading; ``wait(nan)`` returned at once, as a timeout."""
+    handle = shardsafe.async_save(tmp_path / "c", {"w": torch.arange(4.0)})
+    with pytest.raises(ValueError) as raised:
+        handle.wait(float("nan"))
+    assert str(raised.value) == (
+        "timeout=nan is not a number of seconds; pass seconds, or None to wait until the "
+        "save has ended"
+    )
+    assert handle.wait(float("inf")) == str(tmp_path / "c")
+    assert handle.wait(1e300) == str(tmp_path / "c")

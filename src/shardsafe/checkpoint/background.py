@@ -81,6 +81,7 @@ class SaveHandle:
         as it can from training; from the first wait on (even ``wait(timeout=0)``) it
         writes through the page cache, at the disk's full buffered speed."""
         self._check_open()
+        timeout = _seconds(timeout)
         self._hurry.set()
         if not self._finished.wait(timeout):
             raise TimeoutError(f"the save to {self.path} is still running after {timeout:g} s")
@@ -146,6 +147,21 @@ class SaveHandle:
             named = CheckpointError(f"{what}: {type(error).__name__}: {error}")
         named.__cause__ = error
         return named
+
+
+def _seconds(timeout: float | None) -> float | None:
+    """``wait``'s timeout as ``Event.wait`` takes it: one longer than it can wait
+    (``math.inf``) is no limit, where it raised 'OverflowError: timestamp out of range
+    for platform time_t'; NaN is refused, where it returned at once as a timeout
+    ('still running after nan s'). A negative one polls, as ``Event.wait``'s does."""
+    if timeout is None:
+        return None
+    if timeout != timeout:
+        raise ValueError(
+            f"timeout={timeout!r} is not a number of seconds; pass seconds, or None to wait "
+            "until the save has ended"
+        )
+    return None if timeout > threading.TIMEOUT_MAX else timeout
 
 
 def drain() -> None:
