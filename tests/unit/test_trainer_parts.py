@@ -525,3 +525,26 @@ def test_a_checkpoint_root_that_cannot_be_saved_into_is_refused_before_step_one(
     with pytest.raises(shardsafe.CheckpointError, match=r"latest is a directory, where Che"):
         trainer.fit(ExampleModule())
     assert sorted(p.name for p in (tmp_path / "run3").iterdir()) == ["checkpoints"]
+
+
+@pytest.mark.timeout(10)
+def test_the_report_of_an_exception_that_causes_itself_ends() -> None:
+    """``raise e from e`` in a training_step: the failing rank followed __cause__ round
+    forever before printing its report, so it never exited and the run hung, its peers
+    waiting for it in the step's all-reduce (about 30 minutes, gloo's timeout)."""
+    from shardsafe.trainer.failures import _where_and_what
+
+    try:
+        try:
+            raise ValueError("a bad batch")
+        except ValueError as e:
+            raise e from e
+    except ValueError as caught:
+        itself = caught
+    assert _where_and_what(itself).splitlines()[-1] == "ValueError: a bad batch"
+    first, second = RuntimeError("first"), shardsafe.CheckpointError("second")
+    first.__cause__, second.__cause__ = second, first  # a loop of two
+    assert _where_and_what(second).splitlines() == [
+        "RuntimeError: first",
+        "shardsafe.errors.CheckpointError: second",
+    ]

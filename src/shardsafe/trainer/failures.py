@@ -96,11 +96,14 @@ def _where_and_what(error: BaseException) -> str:
 
     An error agreed between ranks is raised from the exception that caused it: the
     cause's traceback shows the failing line (often the user's own code); the frames of
-    the agreement itself would only bury it.
+    the agreement itself would only bury it. A chain of causes that loops (``raise e from
+    e`` in the user's code) ends where it comes back: followed round, the report never
+    ended, and the run hung, its peers waiting for this rank in a collective.
     """
-    root = error
-    while root.__cause__ is not None:
+    root, seen = error, {id(error)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
         root = root.__cause__
+        seen.add(id(root))
     text = "".join(traceback.format_exception(root, chain=False))
     if root is not error:
         text += f"{type(error).__module__}.{type(error).__qualname__}: {error}\n"
