@@ -548,3 +548,40 @@ def test_the_report_of_an_exception_that_causes_itself_ends() -> None:
         "RuntimeError: first",
         "shardsafe.errors.CheckpointError: second",
     ]
+
+
+@pytest.mark.timeout(30)
+def test_a_second_sigterm_while_the_launcher_stops_its_workers_is_not_a_traceback() -> None:
+    """coreutils' ``timeout`` sends SIGTERM twice (to the launcher, then to its process
+    group): the second one, during the workers' grace period, raised the launcher's
+    private ``_Stop`` out of ``launch`` (a traceback, status 1, the workers' stop cut
+    short), where the first one meant a clean stop with status 143."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    from shardsafe.trainer.launcher import launch
+
+    # A worker that takes a second to stop, as one finishing its step does.
+    worker = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(143)))\n"
+        "time.sleep(30)\n"
+    )
+
+    def terminate_twice() -> None:
+        time.sleep(0.5)  # the worker has started
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)  # while the launcher waits for the worker to stop
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=terminate_twice)
+    handler = signal.getsignal(signal.SIGTERM)
+    sender.start()
+    try:
+        status = launch([sys.executable, "-c", worker], 1)
+    finally:
+        sender.join()
+    assert status == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == handler  # given back

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -92,8 +93,22 @@ def launch(command: Sequence[str], nprocs: int) -> int:
     except _Stop:
         return 128 + signal.SIGTERM
     finally:
+        _stop_undisturbed(workers, previous)
+
+
+def _stop_undisturbed(workers: list[subprocess.Popen[bytes]], sigterm: Any) -> None:
+    """:func:`_stop`, deaf to a second SIGTERM or Ctrl-C; then SIGTERM's ``sigterm`` handler
+    is back. coreutils' ``timeout`` sends SIGTERM twice (to the launcher, then to its
+    process group) and an impatient user presses Ctrl-C again: raised inside the grace
+    period, either ended the launcher with the traceback of ``_Stop`` (or of a
+    ``KeyboardInterrupt``) and status 1, the workers' stop cut short."""
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
         _stop(workers)
-        signal.signal(signal.SIGTERM, previous)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def worker_environment(rank: int, nprocs: int, port: int) -> dict[str, str]:
