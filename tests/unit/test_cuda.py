@@ -410,3 +410,45 @@ def test_threaded_load_fills_cuda_targets_on_the_callers_thread_and_stream(
     assert _same(gpu, fresh_gpu) and _same(cpu, fresh_cpu)
     assert threads_of["cuda"] == {"MainThread"}
     assert any(name.startswith("shardsafe-read") for name in threads_of["cpu"])
+
+
+_FEATURES = 1 << 20
+
+
+class _Normalized(shardsafe.TrainingModule):
+    """BatchNorm, whose forward updates its running statistics in place, behind 256 MiB of
+    parameters that an async save stages first: the buffers' copy to host is queued late,
+    while the next step's forward is already updating them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ballast = nn.Parameter(torch.zeros(1 << 26))
+        self.norm = nn.BatchNorm1d(_FEATURES)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        # The statistics as this step begins: what the previous step's checkpoint holds.
+        self.seen.append(self.norm.running_mean.detach().clone())
+        return self.norm(x.repeat(1, _FEATURES // x.shape[1])).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_async_trainer_checkpoint_holds_its_own_steps_buffers(tmp_path: Path) -> None:
+    """``Trainer(async_save=True)`` overlaps the copies to host with the next step; a
+    forward that updates buffers in place must wait for them (``Saving.before_forward``),
+    or a checkpoint holds one step's parameters beside the next step's statistics."""
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(0)))
+    module = _Normalized()
+    trainer = shardsafe.Trainer(
+        max_steps=6, run_dir=tmp_path, checkpoint_every=1, async_save=True, batch_size=8
+    )
+    trainer.fit(module, data)
+    for step in range(1, 6):
+        saved = _Normalized()
+        shardsafe.load(tmp_path / f"checkpoints/step-{step:09d}", {"model": saved}, strict=False)
+        assert torch.equal(saved.norm.running_mean, module.seen[step].cpu()), step

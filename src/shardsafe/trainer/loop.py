@@ -72,6 +72,7 @@ def train(
     optimizer, scheduler = strategy.configure_optimizers(module)
     state = {**strategy.checkpoint_state(module, optimizer, scheduler), "rng": RNGState()}
     saving, start, position = _restored(config, resume, checkpoint, state, leader, manager)
+    saving.forward_changes_state = any(True for _ in module.buffers())
 
     stream = DataStream(spec, position, rank=rank, world_size=world_size, seed=config.seed)
     # Before the first step, not at the first save; and for a run that saves nothing too:
@@ -132,9 +133,10 @@ def _step(
     saving: Saving,
 ) -> float:
     """One optimization step; the loss, averaged over ranks."""
+    saving.before_forward()  # a forward that updates buffers waits for an async save's copies
     step_loss = model(to_device(batch, strategy.device), batch_idx)
     step_loss.backward()
-    saving.staged()  # an async save's copies overlap the forward and backward
+    saving.staged()  # else they overlap the forward and backward
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:

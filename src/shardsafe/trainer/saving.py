@@ -34,6 +34,11 @@ class Saving:
     def __init__(self, manager: CheckpointManager, config: TrainerConfig) -> None:
         self.manager, self.config = manager, config
         self.pending: SaveHandle | None = None
+        self.forward_changes_state = False
+        """Whether the forward changes saved tensors in place: a module with buffers
+        (BatchNorm's running statistics; under DDP, rank 0's buffers broadcast into the
+        others'). Its async save's copies to host then land before the forward; otherwise
+        they overlap the forward and backward and land before the optimizer step."""
 
     def due(self, step: int) -> bool:
         """Whether anything is saved after ``step``."""
@@ -51,6 +56,14 @@ class Saving:
         """Before parameters change: an async save's copies must have landed."""
         if self.pending is not None:
             self.pending.wait_staged()
+
+    def before_forward(self) -> None:
+        """Before the forward: the copies must have landed if it changes saved tensors
+        (a CUDA copy on the staging stream would otherwise race the forward's in-place
+        updates, and the checkpoint hold the next step's buffers beside this step's
+        parameters)."""
+        if self.forward_changes_state:
+            self.staged()
 
     def finish(self) -> str | None:
         """Wait for the last save; its path once committed (its error otherwise)."""
