@@ -475,14 +475,14 @@ def test_arbitrary_bytes_parse_or_raise_corrupt(data: bytes) -> None:
 
 def test_the_garbage_collector_is_paused_while_parsing_and_left_as_it_was() -> None:
     """Manifests are parsed with the collector paused (its traversals made large manifests
-    superlinear, ``shardsafe._gc``); afterwards it is as the program left it, after a
+    superlinear, ``gc_pause``); afterwards it is as the program left it, after a
     refusal too, and a program that disabled it finds it still disabled."""
     import gc
 
-    from shardsafe import _gc
+    from shardsafe.checkpoint.format import gc_pause
 
     assert gc.isenabled()
-    with pytest.raises(ValueError, match="inside"), _gc.paused():
+    with pytest.raises(ValueError, match="inside"), gc_pause.paused():
         assert not gc.isenabled()
         raise ValueError("inside")
     assert gc.isenabled()

@@ -10,8 +10,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from .. import _gc
 from .._text import human_bytes, plural, terminal_safe
+from ..checkpoint.format.gc_pause import paused
 from ._format import table
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint.inspecting import inspect
 
-    with _gc.paused():  # a report of many files is many small objects, in no cycle
+    with paused():  # a report of many files is many small objects, in no cycle
         report = inspect(args.path)
         if args.json:  # ASCII: control chars escaped
             print(json.dumps(report.to_dict(), indent=2, allow_nan=False))

@@ -36,11 +36,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import _gc, dtypes
+from ... import dtypes
 from ...errors import CheckpointCorruptError, CheckpointVersionError
 from ...protocol import SavedValue
 from . import manifest_table
 from .crc import crc32
+from .gc_pause import paused
 from .manifest_checks import Checker, covers_of, is_int, verify_trailer
 from .manifest_format import (
     COVERS,
@@ -166,8 +167,8 @@ def _tensor_to_json(rec: TensorRecord) -> dict[str, Any]:
 
 def parse(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate manifest bytes; raise :class:`CheckpointCorruptError` on anything
-    off. The garbage collector is paused meanwhile (``_gc``: the document has no cycles)."""
-    with _gc.paused():
+    off. The garbage collector is paused meanwhile (``gc_pause``: the document has no cycles)."""
+    with paused():
         return _parse(raw, where)
 
 
