@@ -310,3 +310,36 @@ def test_a_checkpoint_accelerate_itself_wrote_is_refused_saying_so(
         "shardsafe.accelerate.save_state writes"
     )
     assert torch.equal(model.weight, torch.zeros_like(model.weight))
+
+
+def test_checkpoints_accelerate_itself_named_are_pointed_to_by_the_automatic_load(
+    tmp_path: Path,
+) -> None:
+    """A run switched from ``accelerator.save_state()`` with automatic naming keeps its
+    ``checkpoint_<n>`` folders in the same ``project_dir/checkpoints``: ``load_state()``
+    said "save one first", which sends the run (or a script that starts afresh on
+    ``CheckpointNotFoundError``) training from scratch while they sit there."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    try:
+        prepared(accelerator)
+        for _ in range(11):
+            accelerator.save_state()
+        (tmp_path / "checkpoints" / "checkpoint_99").mkdir()  # not Accelerate's: no files
+        config.iteration = 0
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+            load_state(accelerator)
+        root = tmp_path / "checkpoints"
+        assert str(refused.value) == (
+            f"no complete checkpoint shardsafe wrote in {root} to load, but Accelerate's own "
+            f"save_state wrote {', '.join(f'checkpoint_{i}' for i in range(11))} there (no "
+            "manifest.json): load the newest with accelerator.load_state(); "
+            "shardsafe.accelerate.load_state loads the checkpoints "
+            "shardsafe.accelerate.save_state writes"
+        )
+        assert config.iteration == 0
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

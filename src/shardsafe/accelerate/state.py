@@ -138,10 +138,7 @@ def load_state(
         manager = _manager(accelerator, options.pop("storage_options", None))
         values = manager._load_latest_chosen(choose, **options)
         if values is None:
-            raise CheckpointNotFoundError(
-                f"no complete checkpoint in {manager.root} to load: save one first, or pass "
-                "input_dir"
-            )
+            raise CheckpointNotFoundError(_nothing_to_load(manager.root))
         newest = manager.latest()
         assert newest is not None  # load_latest just loaded it
         accelerator.project_configuration.iteration = _step_of(newest) + 1
@@ -250,8 +247,45 @@ def _check_project(config: Any) -> None:
         )
 
 
-_ACCELERATE_FILES = ("random_states_0.pkl", "optimizer.bin", "model.safetensors", "model.bin")
-"""Files ``accelerator.save_state`` writes (``random_states_0.pkl`` always)."""
+_ACCELERATE_FILES = (
+    "random_states_0.pkl",
+    "optimizer.bin",
+    "model.safetensors",
+    "pytorch_model.bin",
+)
+"""Files ``accelerator.save_state`` writes (``random_states_0.pkl`` always; the model as
+``model.safetensors``, or ``pytorch_model.bin`` with ``safe_serialization=False``)."""
+
+_ACCELERATE_FOLDER = re.compile(r"checkpoint_([0-9]+)")
+"""The folders Accelerate's own ``save_state`` names under ``project_dir/checkpoints`` with
+automatic checkpoint naming (``checkpoint_0``, ...), the root shardsafe's manager uses."""
+
+
+def _accelerates_files(path: str) -> list[str]:
+    """The files of Accelerate's own ``save_state`` in the local directory ``path``."""
+    return [name for name in _ACCELERATE_FILES if os.path.lexists(os.path.join(path, name))]
+
+
+def _nothing_to_load(root: str) -> str:
+    """Why ``load_state()`` under automatic naming found nothing to load in ``root``.
+
+    A run switched from Accelerate's own ``save_state`` has its checkpoints in the same
+    ``project_dir/checkpoints``, as ``checkpoint_<n>``: "save one first" would send it
+    training from scratch, or a script that starts afresh on ``CheckpointNotFoundError``
+    would do so without a word, while its checkpoints sit there."""
+    own: list[str] = []
+    if not is_url(root) and os.path.isdir(root):
+        found = (_ACCELERATE_FOLDER.fullmatch(name) for name in os.listdir(root))
+        numbered = sorted((int(m.group(1)), m.group(0)) for m in found if m is not None)
+        own = [name for _, name in numbered if _accelerates_files(os.path.join(root, name))]
+    if not own:
+        return f"no complete checkpoint in {root} to load: save one first, or pass input_dir"
+    return (
+        f"no complete checkpoint shardsafe wrote in {root} to load, but Accelerate's own "
+        f"save_state wrote {', '.join(own)} there (no {MANIFEST_NAME}): load the newest with "
+        "accelerator.load_state(); shardsafe.accelerate.load_state loads the checkpoints "
+        "shardsafe.accelerate.save_state writes"
+    )
 
 
 def _refuse_accelerates_own(path: str) -> None:
@@ -266,7 +300,7 @@ def _refuse_accelerates_own(path: str) -> None:
         or os.path.lexists(os.path.join(path, MANIFEST_NAME))
     ):
         return
-    found = [name for name in _ACCELERATE_FILES if os.path.lexists(os.path.join(path, name))]
+    found = _accelerates_files(path)
     if found:
         raise CheckpointNotFoundError(
             f"{path} is a checkpoint Accelerate's own save_state wrote (it holds "
