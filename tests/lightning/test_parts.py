@@ -137,6 +137,53 @@ def test_removal_deletes_only_what_shardsafe_wrote(tmp_path: Path) -> None:
     ]
 
 
+def test_removal_stays_inside_the_checkpoint_callbacks_directories(tmp_path: Path) -> None:
+    """``ModelCheckpoint`` removes the paths its state names (``best_k_models``,
+    ``last_model_path``), state a resume loads from a checkpoint that may come from anyone.
+    Lightning checks them by their text only, so ``ckpts/../elsewhere/...`` made
+    ``save_top_k`` delete another run's checkpoint (and any empty directory) outside the
+    run; with ``pl_hostile.py``'s crafted checkpoint, in a real resumed fit."""
+    pl = _namespace.lightning()
+    ckpts, elsewhere = tmp_path / "ckpts", tmp_path / "elsewhere"
+    for name in ("old.ckpt", "sub/step.ckpt", "../exc/on_exception.ckpt"):
+        shardsafe.save(ckpts / name, {"w": torch.ones(2)})
+    for name in ("production.ckpt", "linked/step.ckpt"):
+        shardsafe.save(elsewhere / name, {"w": torch.ones(2)})
+    (elsewhere / "empty").mkdir()
+    (ckpts / "through").symlink_to(elsewhere / "linked")
+    trainer = pl.Trainer(
+        strategy=ShardsafeDDPStrategy(),
+        accelerator="cpu",
+        devices=1,
+        callbacks=[
+            pl.callbacks.ModelCheckpoint(dirpath=ckpts),
+            pl.callbacks.OnExceptionCheckpoint(tmp_path / "exc"),  # removed at on_train_end
+        ],
+        logger=False,
+    )
+    module = pl.LightningModule()
+    module.trainer = trainer
+    trainer.strategy.connect(module)
+    outside = [
+        f"{ckpts}/../elsewhere/production.ckpt",
+        f"{ckpts}/../elsewhere/empty",
+        f"{ckpts}/through/step.ckpt",
+        "s3://bucket/ckpts/old.ckpt",
+        str(ckpts),
+    ]
+    for path in outside:
+        with pytest.warns(UserWarning, match="outside the checkpoint directories of this run"):
+            trainer.strategy.remove_checkpoint(path)
+    trainer.strategy.remove_checkpoint(ckpts / "old.ckpt")
+    trainer.strategy.remove_checkpoint(ckpts / "sub" / "step.ckpt")
+    trainer.strategy.remove_checkpoint(tmp_path / "exc" / "on_exception.ckpt")
+    assert os.listdir(tmp_path / "exc") == []
+    assert sorted(os.listdir(ckpts)) == ["sub", "through"] and os.listdir(ckpts / "sub") == []
+    assert sorted(os.listdir(elsewhere)) == ["empty", "linked", "production.ckpt"]
+    for kept in ("production.ckpt", "linked/step.ckpt"):
+        assert torch.equal(shardsafe.load(elsewhere / kept, {})["w"], torch.ones(2))
+
+
 def test_a_lightning_outside_the_supported_range_is_refused() -> None:
     too_new = types.ModuleType("pytorch_lightning")
     too_new.__version__ = "3.0.0"  # type: ignore[attr-defined]

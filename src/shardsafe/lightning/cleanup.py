@@ -8,6 +8,13 @@ else (a ``.ckpt`` file from before, a directory holding files of yours) is left 
 with a warning. A failure to delete is a warning too: the new checkpoint is committed by
 then, and an old one left behind must not end the run.
 
+Only inside the directory of one of the run's checkpoint callbacks (:func:`inside_run`):
+``ModelCheckpoint`` removes the paths its state names (``best_k_models``,
+``last_model_path``), and that state comes back from the checkpoint a fit resumes from,
+which may come from anyone. Lightning's own check of those paths is by their text
+(``ckpts/../other-run/best.ckpt`` passes it, and it skips URLs altogether), so a crafted
+checkpoint made ``save_top_k`` delete another run's checkpoint, or any empty directory.
+
 And, when a fit starts, clearing what a run interrupted mid-save left (its hidden
 ``.<name>.shardsafe-partial`` staging directory, never committed), which would otherwise
 stay until that very name is saved again. Under an object-store ``dirpath`` (``s3://``)
@@ -23,7 +30,7 @@ from typing import Any
 
 from ..checkpoint.storage import object_placement, placement
 from ..checkpoint.storage.local import LocalStorage
-from ..checkpoint.storage.locations import is_url, open_storage
+from ..checkpoint.storage.locations import is_url, local_path, open_storage
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.storage.removal import delete_checkpoint, warn
 
@@ -52,6 +59,35 @@ def remove(path: str) -> None:
                 )
     except Exception as e:  # see the module docstring (a store's errors are not all OSError)
         warn(f"could not remove the old checkpoint {path}: {type(e).__name__}: {e}")
+
+
+def inside_run(path: str, trainer: Any) -> bool:
+    """Whether ``path`` is inside the directory of one of ``trainer``'s checkpoint callbacks
+    (its parent resolved, links and ``..`` included; a URL by its segments); if not, say
+    that it is left in place (see the module docstring)."""
+    dirpaths = [getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks]
+    roots = [os.fspath(d) for d in dirpaths if d]
+    if any(_inside(path, root) for root in roots):
+        return True
+    warn(
+        f"left {path} in place: it is outside the checkpoint directories of this run "
+        f"({', '.join(roots) or 'none'}), so the checkpoint callback's state that names it "
+        "came from elsewhere (a checkpoint this fit resumed from); shardsafe deletes old "
+        "checkpoints only inside them"
+    )
+    return False
+
+
+def _inside(path: str, root: str) -> bool:
+    if is_url(path) or is_url(root):
+        prefix = root.rstrip("/") + "/"
+        rest = path[len(prefix) :].rstrip("/").split("/")
+        return path.startswith(prefix) and all(s not in ("", ".", "..") for s in rest)
+    parent, name = os.path.split(os.path.abspath(local_path(path)))
+    real_root = os.path.realpath(local_path(root))
+    real_parent = os.path.realpath(parent)
+    under = real_parent == real_root or real_parent.startswith(real_root.rstrip(os.sep) + os.sep)
+    return bool(name) and under
 
 
 def clear_interrupted(trainer: Any) -> None:

@@ -214,12 +214,17 @@ class ShardsafeCheckpointing(Strategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete an old checkpoint (``ModelCheckpoint``'s ``save_top_k``), on rank 0; with
-        a save in flight, once that one has committed."""
+        a save in flight, once that one has committed. Only inside a checkpoint callback's
+        directory: the paths come from that callback's state, which a resume loads."""
         if self.is_global_zero:
+            path = path_text(filepath)
+            module = self.lightning_module
+            if module is not None and not cleanup.inside_run(path, module.trainer):
+                return
             if self._in_flight is not None:
-                self._removals.append(path_text(filepath))
+                self._removals.append(path)
             else:
-                cleanup.remove(path_text(filepath))
+                cleanup.remove(path)
 
     # -- loading -----------------------------------------------------------------------------
 
