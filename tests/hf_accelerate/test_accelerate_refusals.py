@@ -343,3 +343,26 @@ def test_checkpoints_accelerate_itself_named_are_pointed_to_by_the_automatic_loa
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+@pytest.mark.parametrize("bad", ["12abc", [3], None, 2.5, True, -1])
+def test_a_step_that_is_not_a_number_of_steps_is_refused_before_anything_loads(
+    accelerator: Any, tmp_path: Path, bad: Any
+) -> None:
+    """A checkpoint (from anyone) whose ``accelerator_step`` is not a whole number: the
+    load restored everything, then ``int()`` raised a bare ``ValueError``/``TypeError``
+    (or cut ``2.5`` and ``true`` to 2 and 1 without a word)."""
+    model, _ = prepared(accelerator)
+    state = state_of(accelerator)
+    state["accelerator_step"] = bad
+    shardsafe.save(tmp_path / "c", state)
+    with torch.no_grad():
+        model.weight.zero_()
+    accelerator.step = 7
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        load_state(accelerator, tmp_path / "c")
+    assert str(refused.value) == (
+        f"the checkpoint's 'accelerator_step' is {bad!r}, not a number of steps (a whole "
+        "number, 0 or more) as shardsafe.accelerate.save_state writes it; nothing was restored"
+    )
+    assert torch.equal(model.weight, torch.zeros_like(model.weight)) and accelerator.step == 7

@@ -31,7 +31,7 @@ from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, storage_factory
 from ..checkpoint.storage.locations import is_url
-from ..errors import CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from .positions import DataLoaderPosition
 
 STEP = "accelerator_step"
@@ -173,6 +173,7 @@ def _nothing_left_behind(
     it and nothing is restored."""
 
     def choose(manifest: Manifest) -> dict[str, Any]:
+        _check_step(manifest)
         left = [n for n in manifest.values if n not in state and _ACCELERATOR_ENTRY.fullmatch(n)]
         if strict and left:
             raise CheckpointMismatchError(
@@ -185,6 +186,23 @@ def _nothing_left_behind(
         return state
 
     return choose
+
+
+def _check_step(manifest: Manifest) -> None:
+    """Refuse, before anything is restored (inside the load's plan, so on every process),
+    an ``accelerator_step`` that is not a whole number of steps: ``int()`` of it after the
+    restore raised a bare ``ValueError``/``TypeError`` with everything already loaded, or
+    cut ``2.5`` and ``true`` to 2 and 1 without a word."""
+    saved = manifest.values.get(STEP)
+    if saved is None:
+        return
+    step = saved.meta if saved.kind == "value" else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        shown = step if saved.kind == "value" else f"a {saved.kind}"
+        raise CheckpointCorruptError(
+            f"the checkpoint's {STEP!r} is {shown!r}, not a number of steps (a whole number, "
+            "0 or more) as shardsafe.accelerate.save_state writes it; nothing was restored"
+        )
 
 
 def _load_chosen(
