@@ -85,6 +85,47 @@ def test_an_edited_state_dict_beside_an_optimizer_saves_and_restores(tmp_path: P
     )
 
 
+@pytest.mark.parametrize("lightning", [None, ["epoch", 3], "x"])
+def test_a_checkpoint_without_lightnings_dict_is_refused_before_anything_loads(
+    tmp_path: Path, lightning: Any
+) -> None:
+    """``fit(ckpt_path=...)`` (or ``validate``) with a checkpoint ``shardsafe.save`` wrote
+    directly (no ``lightning`` entry) restored the module and optimizer, then ended in
+    Lightning's bare ``KeyError: 'pytorch-lightning_version'``; with a ``lightning`` entry
+    that is not a dict, in a bare ``ValueError`` from ``dict()``."""
+    saved_module = nn.Linear(2, 1)
+    saved: dict[str, Any] = {
+        "model": saved_module,
+        "optimizer": torch.optim.SGD(saved_module.parameters(), lr=0.1),
+    }
+    if lightning is not None:
+        saved["lightning"] = lightning
+    shardsafe.save(tmp_path / "c", saved)
+    module = nn.Linear(2, 1)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    path = str(tmp_path / "c")
+    expected: type[Exception] = shardsafe.CheckpointCorruptError
+    message = (
+        f"{path} holds a 'lightning' entry that is not Lightning's checkpoint dict (it is a "
+        f"value of {type(lightning).__name__}), so a shardsafe Lightning strategy did not "
+        "write it as it is; nothing was restored"
+    )
+    if lightning is None:
+        expected = shardsafe.CheckpointMismatchError
+        message = (
+            f"{path} is a shardsafe checkpoint, but not one a Lightning strategy saved (it has "
+            "no 'lightning' entry: no epoch, step or loops to resume). Load its weights with "
+            "shardsafe.load(path, {'model': module}) instead, then call fit, validate, test or "
+            "predict without ckpt_path"
+        )
+    for optimizers in ([optimizer], None):  # a fit, and validate/test/predict
+        with pytest.raises(expected) as refused:
+            restore.load_directory(path, module, optimizers, LoadOptions())
+        assert str(refused.value) == message
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+
+
 def test_a_weights_only_checkpoint_saves_no_optimizer() -> None:
     module = nn.Linear(2, 1)
     record = state.StateDictRecord()

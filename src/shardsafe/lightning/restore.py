@@ -30,7 +30,12 @@ from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import open_storage
 from ..checkpoint.storage.object_placement import committed_copy, split
-from ..errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, STATE_DICT, optimizer_names
 
 
@@ -86,6 +91,7 @@ def load_directory(
 
     def choose(manifest: Manifest) -> dict[str, Any]:
         saved = manifest.values
+        _check_lightning_part(path, saved.get(LIGHTNING))
         saved_optimizers.extend(n for n in optimizer_names(len(saved)) if n in saved)
         if MODEL in saved:
             chosen[MODEL] = module
@@ -104,6 +110,28 @@ def load_directory(
     # Lightning loads into the module after on_load_checkpoint: the module is not done.
     model_done = MODEL in chosen and STATE_DICT not in checkpoint
     return checkpoint, Restored(model=model_done, optimizers=restored_optimizers)
+
+
+def _check_lightning_part(path: str, part: Any) -> None:
+    """Refuse, before anything is restored (inside the load's plan, on every rank), a
+    checkpoint without Lightning's dict: one ``shardsafe.save`` wrote directly (or
+    ``shardsafe.accelerate``, or shardsafe's own Trainer), which ended in a bare
+    ``KeyError: 'pytorch-lightning_version'`` from Lightning after the module and
+    optimizers were restored; or one whose ``lightning`` entry is not a dict (a bare
+    ``ValueError`` from ``dict()``)."""
+    if part is None:
+        raise CheckpointMismatchError(
+            f"{path} is a shardsafe checkpoint, but not one a Lightning strategy saved (it has "
+            f"no {LIGHTNING!r} entry: no epoch, step or loops to resume). Load its weights with "
+            "shardsafe.load(path, {'model': module}) instead, then call fit, validate, test or "
+            "predict without ckpt_path"
+        )
+    if part.kind != "value" or not isinstance(part.meta, dict):
+        raise CheckpointCorruptError(
+            f"{path} holds a {LIGHTNING!r} entry that is not Lightning's checkpoint dict (it is "
+            f"a {part.kind} of {type(part.meta).__name__}), so a shardsafe Lightning strategy "
+            "did not write it as it is; nothing was restored"
+        )
 
 
 def _check_count(path: str, saved: int, live: int) -> None:
