@@ -366,3 +366,46 @@ def test_a_step_that_is_not_a_number_of_steps_is_refused_before_anything_loads(
         "number, 0 or more) as shardsafe.accelerate.save_state writes it; nothing was restored"
     )
     assert torch.equal(model.weight, torch.zeros_like(model.weight)) and accelerator.step == 7
+
+
+@pytest.mark.parametrize("total_limit", [None, 1])
+def test_a_restarted_script_that_did_not_load_is_told_the_accelerate_way_out(
+    tmp_path: Path, total_limit: int | None
+) -> None:
+    """A script restarted without ``load_state()`` saves at ``iteration`` 0 over steps 0
+    and 1 (or, with ``total_limit=1``, behind step 1 alone): refused, as before, but
+    in the manager's words: "step-000000000 already holds a committed checkpoint ... or
+    delete it first", or "CheckpointManager.load_latest(state), or resume='latest' in
+    the Trainer"."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=total_limit
+    )
+    root = tmp_path / "checkpoints"
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        prepared(accelerator)
+        save_state(accelerator)
+        save_state(accelerator)
+        before = sorted(os.listdir(root))
+        AcceleratorState._reset_state(True)  # the restarted script
+        GradientState._reset_state()
+        config.iteration = 0
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        prepared(accelerator)
+        with pytest.raises(shardsafe.CheckpointError) as refused:
+            save_state(accelerator)
+        assert str(refused.value) == (
+            f"{root} already holds checkpoints up to step 1, and this accelerator's first "
+            "save is step 0 (ProjectConfiguration.iteration): it did not resume from them. "
+            "Call shardsafe.accelerate.load_state(accelerator) without input_dir before "
+            "training, which restores the newest and sets iteration past it, or give this "
+            "run another project_dir; nothing was written"
+        )
+        assert sorted(os.listdir(root)) == before and config.iteration == 0
+        load_state(accelerator)  # the way out
+        assert save_state(accelerator) == str(root / "step-000000002")
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -31,7 +31,12 @@ from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, storage_factory
 from ..checkpoint.storage.locations import is_url
-from ..errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 from .positions import DataLoaderPosition
 
 STEP = "accelerator_step"
@@ -98,9 +103,12 @@ def save_state(
     _refuse_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook")
     state = state_of(accelerator)
     if output_dir is None:
+        first = accelerator not in _MANAGERS
         manager = _manager(accelerator, options.pop("storage_options", None))
         config = accelerator.project_configuration
         step = int(config.iteration)
+        if first:
+            _refuse_behind(manager, step)
         if async_save:
             handle = manager.async_save(step, state, **options)
         else:
@@ -244,6 +252,29 @@ def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> Checkp
             "(or none after the first)"
         )
     return manager
+
+
+def _refuse_behind(manager: CheckpointManager, step: int) -> None:
+    """Refuse the first save of an accelerator that did not resume from the checkpoints
+    already in its project (a script restarted without ``load_state()``: ``iteration``
+    back at 0), before anything is written, on every process, with the way out.
+
+    The manager refuses it too, but in its own words: step 0 still there was "already
+    holds a committed checkpoint ... or delete it first" (deleting it would not help: step
+    1 is next), and a newer step pointed at ``CheckpointManager.load_latest`` and
+    shardsafe's Trainer, which an Accelerate script does not use."""
+    try:
+        steps = manager.complete_steps()
+    except Exception:  # a store this process cannot reach: the save itself fails, agreed
+        return
+    if steps and steps[-1] >= step:
+        raise CheckpointError(
+            f"{manager.root} already holds checkpoints up to step {steps[-1]}, and this "
+            f"accelerator's first save is step {step} (ProjectConfiguration.iteration): it "
+            "did not resume from them. Call shardsafe.accelerate.load_state(accelerator) "
+            "without input_dir before training, which restores the newest and sets "
+            "iteration past it, or give this run another project_dir; nothing was written"
+        )
 
 
 def _check_project(config: Any) -> None:
