@@ -205,6 +205,36 @@ def test_a_state_dict_a_hook_edited_is_loaded_after_on_load_checkpoint(tmp_path:
         load_from_checkpoint(Regression, tmp_path / "c")  # no hook to rename them back
 
 
+class ReplacedMeanwhile(Regression):
+    """Sees the step of the dict it is given; then the checkpoint's name is replaced, as a
+    training job's save replaces ``last.ckpt`` (step 20 committed beside, then renamed in)
+    while an evaluation job loads it: the moment that exchange can land between reads."""
+
+    seen_step: Any = None
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        ReplacedMeanwhile.seen_step = checkpoint["global_step"]
+        last = Path(checkpoint["last"])
+        last.rename(last.with_name("old"))
+        last.with_name("new").rename(last)
+
+
+def test_the_weights_come_from_the_checkpoint_the_dict_came_from(tmp_path: Path) -> None:
+    """The path was opened three times (the dict, the weights' names, the weights): a
+    name replaced meanwhile gave ``on_load_checkpoint`` step 10's dict and the module
+    step 20's weights, without a word."""
+    for name, step, value in (("last.ckpt", 10, 1.0), ("new", 20, 2.0)):
+        saved = Regression("plain")
+        torch.nn.init.constant_(saved.net[0].weight, value)
+        part = {"hyper_parameters": dict(saved.hparams), "global_step": step}
+        part["last"] = str(tmp_path / "last.ckpt")
+        shardsafe.save(tmp_path / name, {"model": saved, "lightning": part})
+    module = load_from_checkpoint(ReplacedMeanwhile, tmp_path / "last.ckpt")
+    assert ReplacedMeanwhile.seen_step == 10
+    weight = module.net[0].weight
+    assert torch.equal(weight, torch.full_like(weight, 1.0))
+
+
 class Grouped(pl.LightningModule):
     """Keeps its hyper-parameters as one argument (``hparams_name`` = "config")."""
 

@@ -30,9 +30,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..checkpoint.api import load
+from ..checkpoint import loading
 from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import is_url, open_storage
+from ..checkpoint.storage.protocol import Storage
 from ..errors import CheckpointError, CheckpointNotFoundError
 from . import hparams as saved_hparams
 from ._namespace import lightning
@@ -89,7 +91,23 @@ def load_from_checkpoint(
         )
     if is_url(path):
         path = committed_url(path)  # the staged copy, if a crash interrupted a replacement
-    checkpoint = _lightning_part(path)
+    # Opened once, and every read goes through it: a name replaced meanwhile (a training
+    # job's last.ckpt, exchanged at each save) gave the hyper-parameters and the dict
+    # on_load_checkpoint sees from one checkpoint and the weights from the next.
+    with open_storage(path) as storage:
+        return _build(cls, storage, map_location, hparams_file, strict, kwargs)
+
+
+def _build(
+    cls: type[Module],
+    storage: Storage,
+    map_location: str | torch.device | None,
+    hparams_file: str | os.PathLike[str] | None,
+    strict: bool | None,
+    kwargs: dict[str, Any],
+) -> Module:
+    """:func:`load_from_checkpoint` of the opened shardsafe checkpoint ``storage``."""
+    checkpoint = _lightning_part(storage)
     keys = _Keys.of(cls)
     hparams = dict(checkpoint.get(keys.hparams) or {})
     if hparams_file is not None:
@@ -104,14 +122,14 @@ def load_from_checkpoint(
         return datamodule
     strict = getattr(module, "strict_loading", True) if strict is None else strict
     edited = STATE_DICT in checkpoint  # an on_save_checkpoint hook edited it: saved as such
-    _configure_model(module, set(checkpoint[STATE_DICT]) if edited else _saved_weights(path))
+    _configure_model(module, set(checkpoint[STATE_DICT]) if edited else _saved_weights(storage))
     if not edited:
         checkpoint[STATE_DICT] = module.state_dict()  # what the hook sees; loaded in place
     module.on_load_checkpoint(checkpoint)
     if edited:  # as Lightning does: what the hook left in the dict
         module.load_state_dict(checkpoint[STATE_DICT], strict=strict)
     else:  # the usual case: the module itself was saved, as entry "model"
-        load(path, {MODEL: module}, strict=strict)
+        loading.load(storage, {MODEL: module}, LoadOptions.of(strict=strict))
     result: Module = module.to(map_location) if map_location is not None else module
     return result
 
@@ -138,22 +156,22 @@ def _configure_model(module: Any, saved: set[str]) -> None:
         configure()
 
 
-def _saved_weights(path: str) -> set[str]:
-    """The names of the module's weights in the checkpoint at ``path`` (its ``model`` entry)."""
-    with open_storage(path) as storage:
-        tensors = read_manifest_from(storage).tensors
+def _saved_weights(storage: Storage) -> set[str]:
+    """The names of the module's weights in the checkpoint ``storage`` (its ``model`` entry)."""
+    tensors = read_manifest_from(storage).tensors
     prefix = f"{MODEL}/"
     return {key[len(prefix) :] for key in tensors if key.startswith(prefix)}
 
 
-def _lightning_part(path: str) -> dict[str, Any]:
+def _lightning_part(storage: Storage) -> dict[str, Any]:
     """Lightning's checkpoint dict without the module and optimizers (plain values only)."""
-    values = load(path, {})
+    values = loading.load(storage, {}, LoadOptions())
     part = values.get(LIGHTNING)
     if not isinstance(part, dict):
         raise CheckpointError(
-            f"{path} is a shardsafe checkpoint, but not one a Lightning strategy saved (it has "
-            f"no {LIGHTNING!r} entry); load it with shardsafe.load(path, {{'model': module}})"
+            f"{storage.directory} is a shardsafe checkpoint, but not one a Lightning strategy "
+            f"saved (it has no {LIGHTNING!r} entry); load it with "
+            "shardsafe.load(path, {'model': module})"
         )
     return dict(part)
 
