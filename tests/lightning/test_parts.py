@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import shardsafe
-from shardsafe.checkpoint import LoadOptions
+from shardsafe.checkpoint import LoadOptions, SaveOptions
+from shardsafe.checkpoint.replacing import save_replacing
+from shardsafe.checkpoint.storage import placement
 from shardsafe.lightning import ShardsafeDDPStrategy, _namespace, checks, cleanup, restore, state
 
 
@@ -223,6 +225,38 @@ def test_removal_stays_inside_the_checkpoint_callbacks_directories(tmp_path: Pat
     assert sorted(os.listdir(elsewhere)) == ["empty", "linked", "production.ckpt"]
     for kept in ("production.ckpt", "linked/step.ckpt"):
         assert torch.equal(shardsafe.load(elsewhere / kept, {})["w"], torch.ones(2))
+
+
+def test_interrupted_saves_in_the_folders_a_filename_makes_are_cleared(tmp_path: Path) -> None:
+    """``filename="{epoch}-{train/loss:.2f}"`` (a metric logged as ``train/loss``) saves
+    ``epoch=0-train/loss=1.00.ckpt``: the staging directory of a save interrupted there
+    (a whole checkpoint's size) was left when the next fit started, as only ``dirpath``
+    itself was looked at."""
+    from tests.unit.test_placement import _age, _Interrupted
+
+    pl = _namespace.lightning()
+    ckpts = tmp_path / "ckpts"
+    kept = ckpts / "epoch=0-train" / "loss=2.00.ckpt"
+    shardsafe.save(kept, {"w": torch.ones(3)})
+    for name in ("epoch=0-train/loss=1.00.ckpt", "last.ckpt"):
+        with pytest.raises(KeyboardInterrupt):
+            save_replacing(
+                str(ckpts / name), {"w": torch.ones(3)}, SaveOptions(storage=_Interrupted)
+            )
+    staged = [
+        ckpts / "epoch=0-train" / ".loss=1.00.ckpt.shardsafe-partial",
+        ckpts / ".last.ckpt.shardsafe-partial",
+    ]
+    for directory in staged:
+        _age(directory, placement.QUIET_S + 1)
+    callback = pl.callbacks.ModelCheckpoint(dirpath=ckpts, filename="{epoch}-{train/loss:.2f}")
+    trainer = pl.Trainer(
+        strategy=ShardsafeDDPStrategy(), accelerator="cpu", devices=1, callbacks=[callback]
+    )
+    cleanup.clear_interrupted(trainer)
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-train"]
+    assert os.listdir(ckpts / "epoch=0-train") == ["loss=2.00.ckpt"]
+    assert torch.equal(shardsafe.load(kept, {})["w"], torch.ones(3))
 
 
 def test_a_lightning_outside_the_supported_range_is_refused() -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.storage import object_placement, placement
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.locations import is_url, local_path, open_storage
@@ -92,8 +93,38 @@ def _inside(path: str, root: str) -> bool:
 
 def clear_interrupted(trainer: Any) -> None:
     """Delete the uncommitted staging directories in every ``ModelCheckpoint``'s directory
-    (rank 0, when a fit starts, before any save of this run)."""
+    (rank 0, when a fit starts, before any save of this run), and in the folders under it
+    that its ``filename`` makes: a ``/`` there (``"{epoch}-{val/loss:.2f}"``, a metric
+    logged as ``val/loss``) puts each checkpoint, and its staging directory, in a
+    subdirectory (``epoch=3-val/loss=0.25.ckpt``), where a save interrupted was left,
+    a whole checkpoint's size, until that very name was saved again."""
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath and not is_url(os.fspath(dirpath)):  # see module docstring
-            placement.clear_interrupted(os.fspath(dirpath))
+            depth = str(getattr(callback, "filename", None) or "").count("/")
+            for directory in _folders(os.fspath(dirpath), depth):
+                placement.clear_interrupted(directory)
+
+
+def _folders(root: str, depth: int) -> list[str]:
+    """``root`` and the directories under it down to ``depth`` levels: never through a
+    symbolic link, never into a hidden one (a staging directory), nor past a checkpoint
+    (a directory holding a manifest)."""
+    found, level = [root], [root]
+    for _ in range(depth):
+        below = []
+        for parent in level:
+            try:
+                entries = list(os.scandir(parent))
+            except OSError:
+                continue
+            below += [
+                e.path
+                for e in entries
+                if not e.name.startswith(".")
+                and e.is_dir(follow_symlinks=False)
+                and not os.path.lexists(os.path.join(e.path, MANIFEST_NAME))
+            ]
+        found += below
+        level = below
+    return found
