@@ -155,3 +155,42 @@ def test_the_others_wait_for_the_main_process_writing_a_big_model(tmp_path: Path
     done = launch(tmp_path / "whole", "--steps", "5", "--slow-model-write", "65")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert shardsafe.verify(tmp_path / "whole" / "checkpoint-5" / "shardsafe").ok
+
+
+def test_a_run_resumed_with_a_gradient_scaler_it_did_not_save_gets_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    """Saved without a scaler (bf16 or fp32), resumed with one (fp16: the accelerator
+    makes a GradScaler, set here by hand as there is no GPU): the Trainer's own code
+    resumes with a fresh scaler (no ``scaler.pt``); the strict load refused the resume
+    with 'the checkpoint has no entry "scaler"'. In one process."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardsafe.transformers import ShardsafeTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 12))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def trainer(steps: int) -> ShardsafeTrainer:
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=steps, save_steps=2, use_cpu=True,
+            report_to=[], per_device_train_batch_size=4, disable_tqdm=True,
+        )  # fmt: skip
+        config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+        return ShardsafeTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+
+    saving = trainer(2)
+    saving.train()
+    assert saving.accelerator.scaler is None
+    resuming = trainer(4)
+    resuming.create_optimizer_and_scheduler(num_training_steps=4)
+    resuming.accelerator.scaler = torch.amp.GradScaler("cpu")
+    resuming._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-2"))
+    resuming._load_scaler(str(tmp_path / "checkpoint-2"))
+    assert resuming.accelerator.scaler.state_dict() == torch.amp.GradScaler("cpu").state_dict()
+    saved, loaded = saving.optimizer.state_dict(), resuming.optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for index, state in saved["state"].items():
+        assert all(torch.equal(v, loaded["state"][index][k]) for k, v in state.items())
+    assert resuming.lr_scheduler.state_dict() == saving.lr_scheduler.state_dict()

@@ -25,14 +25,16 @@ from typing import Any
 
 from transformers import Trainer
 
-from ..checkpoint.api import load
-from ..checkpoint.options import SaveOptions
+from ..checkpoint import loading
+from ..checkpoint.format.manifest import Manifest
+from ..checkpoint.options import LoadOptions, SaveOptions
 from ..checkpoint.replacing import save_replacing
 from ..checkpoint.storage.locations import open_storage
 from ..checkpoint.storage.protocol import Storage
 
 SHARDSAFE_DIR = "shardsafe"
 """The shardsafe checkpoint's folder inside each ``checkpoint-N`` folder."""
+SCALER = "scaler"
 
 
 class ShardsafeTrainer(Trainer):
@@ -56,12 +58,9 @@ class ShardsafeTrainer(Trainer):
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        load(
-            os.path.join(checkpoint, SHARDSAFE_DIR),
-            self._checkpointed(),
-            storage=_unfollowed,
-            entry_timeout=self._arrival(),
-        )
+        options = LoadOptions.of(entry_timeout=self._arrival())
+        with _unfollowed(os.path.join(checkpoint, SHARDSAFE_DIR)) as storage:
+            loading.load_chosen(storage, self._to_restore, options)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):
@@ -86,13 +85,26 @@ class ShardsafeTrainer(Trainer):
 
         return not (is_torch_xla_available() or is_sagemaker_mp_enabled())
 
+    def _to_restore(self, manifest: Manifest) -> dict[str, Any]:
+        """What a resume restores: everything saved, and a gradient scaler only if one was.
+
+        The accelerator makes its scaler for ``fp16``: a run saved in bf16 or fp32 and
+        resumed in fp16 has one the checkpoint lacks, and the Trainer's own ``_load_scaler``
+        then keeps it fresh (no ``scaler.pt``); a strict load refused the resume. (Saved
+        with one and resumed without, the saved one is left unread, as the Trainer
+        cannot load it either.)"""
+        state = self._checkpointed()
+        if SCALER not in manifest.values:
+            state.pop(SCALER, None)
+        return state
+
     def _checkpointed(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer}
         if self.lr_scheduler is not None:
             state["scheduler"] = self.lr_scheduler
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
-            state["scaler"] = scaler
+            state[SCALER] = scaler
         return state
 
 
