@@ -409,3 +409,31 @@ def test_a_restarted_script_that_did_not_load_is_told_the_accelerate_way_out(
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+@pytest.mark.parametrize(
+    ("kind", "engine"), [("DEEPSPEED", "DeepSpeed"), ("MEGATRON_LM", "Megatron-LM")]
+)
+def test_deepspeed_and_megatron_are_refused_as_the_docs_say(
+    accelerator: Any, tmp_path: Path, kind: str, engine: str
+) -> None:
+    """docs/accelerate.md lists them under "What is refused", but a save went ahead and
+    saved the engine's objects as plain torch ones. deepspeed is not installed here: the
+    distributed type is set as Accelerate sets it when it prepares such a plugin (as
+    test_accelerate.py sets FSDP)."""
+    from accelerate.utils import DistributedType
+
+    prepared(accelerator)
+    shardsafe.save(tmp_path / "saved", state_of(accelerator))
+    AcceleratorState().distributed_type = DistributedType(kind)
+    message = (
+        f"the accelerator runs {engine}, which saves its models and optimizers through its "
+        "own engine; shardsafe.accelerate does not wrap it: use accelerator.save_state and "
+        "accelerator.load_state"
+    )
+    with pytest.raises(ValueError) as refused:
+        save_state(accelerator, tmp_path / "c")
+    assert str(refused.value) == message and not (tmp_path / "c").exists()
+    with pytest.raises(ValueError) as refused:
+        load_state(accelerator, tmp_path / "saved")
+    assert str(refused.value) == message

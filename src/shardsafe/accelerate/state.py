@@ -49,6 +49,7 @@ def state_of(accelerator: Any) -> dict[str, Any]:
     ``CheckpointManager`` or a ``TieredCheckpointManager``, on every process, and to their
     loads to restore it; then set ``accelerator.step`` from the ``"accelerator_step"``
     value ``load`` returns (``load_state`` does all of this)."""
+    _refuse_engines(accelerator)
     _refuse_fsdp1(accelerator)
     state: dict[str, Any] = {}
     state.update(_numbered("model", accelerator._models))
@@ -376,6 +377,25 @@ def _refuse_hooks(hooks: Any, registered_with: str) -> None:
             "checkpoint does not have. Register what they save with "
             "accelerator.register_for_checkpointing (any object with state_dict and "
             "load_state_dict), and remove the hooks"
+        )
+
+
+_ENGINES = {"DEEPSPEED": "DeepSpeed", "MEGATRON_LM": "Megatron-LM"}
+"""Accelerate's distributed types whose engines own their state (``docs/accelerate.md``)."""
+
+
+def _refuse_engines(accelerator: Any) -> None:
+    """Refuse DeepSpeed and Megatron-LM, as the docs say, on every process before anything
+    is written or read: their prepared objects are the engine's (``DeepSpeedEngine``, a
+    ZeRO optimizer over flattened fp32 partitions, ZeRO-3's empty parameter
+    placeholders), whose state only the engine's own checkpointing saves; they were saved
+    as if they were plain torch objects."""
+    kind = getattr(getattr(accelerator, "distributed_type", None), "value", None)
+    if kind in _ENGINES:
+        raise ValueError(
+            f"the accelerator runs {_ENGINES[kind]}, which saves its models and optimizers "
+            "through its own engine; shardsafe.accelerate does not wrap it: use "
+            "accelerator.save_state and accelerator.load_state"
         )
 
 
