@@ -437,3 +437,28 @@ def test_deepspeed_and_megatron_are_refused_as_the_docs_say(
     with pytest.raises(ValueError) as refused:
         load_state(accelerator, tmp_path / "saved")
     assert str(refused.value) == message
+
+
+def test_the_folder_of_automatic_checkpoints_is_named_as_such(tmp_path: Path) -> None:
+    """``load_state(accelerator, "project/checkpoints")`` (the folder, not a checkpoint in
+    it) said it "has no manifest.json ... a save into it may have been interrupted",
+    which sends the user looking for a crash."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    try:
+        prepared(accelerator)
+        for _ in range(5):
+            save_state(accelerator)
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+            load_state(accelerator, tmp_path / "checkpoints")
+        assert str(refused.value) == (
+            f"{tmp_path / 'checkpoints'} is a folder of checkpoints (it holds step-000000002, "
+            "step-000000003, step-000000004 ... and latest), not one checkpoint: pass one of "
+            "them, or, with automatic checkpoint naming, call load_state(accelerator) without "
+            "input_dir to load the newest"
+        )
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -28,7 +28,7 @@ from ..adapters import RNGState
 from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import LATEST, CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions, storage_factory
 from ..checkpoint.storage.locations import is_url
 from ..errors import (
@@ -339,9 +339,10 @@ def _nothing_to_load(root: str) -> str:
 
 
 def _refuse_accelerates_own(path: str) -> None:
-    """Refuse a local directory ``accelerator.save_state`` wrote, saying so.
+    """Refuse a local directory ``accelerator.save_state`` wrote, or the folder of
+    automatic checkpoints itself (``project_dir/checkpoints``), saying so.
 
-    shardsafe's own error for it (no ``manifest.json``: "a save into it may have been
+    shardsafe's own error for them (no ``manifest.json``: "a save into it may have been
     interrupted") sends a user migrating from Accelerate looking for a crash. Every
     process sees the same directory, so every process raises, before any collective."""
     if (
@@ -350,6 +351,17 @@ def _refuse_accelerates_own(path: str) -> None:
         or os.path.lexists(os.path.join(path, MANIFEST_NAME))
     ):
         return
+    try:
+        steps = sorted(name for name in os.listdir(path) if step_of(name) is not None)
+    except OSError:  # unreadable: the load says what it cannot read
+        return
+    if steps and os.path.lexists(os.path.join(path, LATEST)):
+        raise CheckpointNotFoundError(
+            f"{path} is a folder of checkpoints (it holds {', '.join(steps[-3:])}"
+            f"{' ...' if len(steps) > 3 else ''} and {LATEST}), not one checkpoint: pass one "
+            "of them, or, with automatic checkpoint naming, call load_state(accelerator) "
+            "without input_dir to load the newest"
+        )
     found = _accelerates_files(path)
     if found:
         raise CheckpointNotFoundError(
