@@ -259,6 +259,24 @@ def test_interrupted_saves_in_the_folders_a_filename_makes_are_cleared(tmp_path:
     assert torch.equal(shardsafe.load(kept, {})["w"], torch.ones(3))
 
 
+def test_the_folder_of_checkpoints_passed_as_ckpt_path_is_named_as_such(tmp_path: Path) -> None:
+    """``fit(ckpt_path="ckpts")`` (ModelCheckpoint's ``dirpath``, not a checkpoint in it)
+    said it "is a directory without manifest.json ... a save into it may have been
+    interrupted", which sends the user looking for a crash."""
+    ckpts = tmp_path / "ckpts"
+    for step in (5, 10, 15, 20):
+        shardsafe.save(ckpts / f"epoch=0-step={step}.ckpt", {"w": torch.ones(2)})
+    (ckpts / "last.ckpt").symlink_to("epoch=0-step=20.ckpt")
+    (ckpts / "empty.ckpt").mkdir()  # not a checkpoint: not named
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+        restore.load_file(str(ckpts))  # what fit(ckpt_path=...) calls for a non-shardsafe path
+    assert str(refused.value) == (
+        f"{ckpts} is a folder of checkpoints (it holds epoch=0-step=20.ckpt, "
+        "epoch=0-step=5.ckpt, last.ckpt ...), not one checkpoint: pass one of them, or "
+        "ckpt_path='last' (or 'best') for the one ModelCheckpoint keeps track of"
+    )
+
+
 def test_a_lightning_outside_the_supported_range_is_refused() -> None:
     too_new = types.ModuleType("pytorch_lightning")
     too_new.__version__ = "3.0.0"  # type: ignore[attr-defined]

@@ -164,6 +164,13 @@ def uncommitted_directory(path: str) -> str:
     Lightning's own FSDP and ModelParallel strategies save a DCP directory under the same
     ``epoch=0-step=5.ckpt`` names: a run switched to a shardsafe strategy must hear that,
     not that a save may have been interrupted, which sends it looking for a crash."""
+    held = _checkpoints_in(path)
+    if held:
+        return (
+            f"{path} is a folder of checkpoints (it holds {', '.join(held[-3:])}"
+            f"{' ...' if len(held) > 3 else ''}), not one checkpoint: pass one of them, or "
+            "ckpt_path='last' (or 'best') for the one ModelCheckpoint keeps track of"
+        )
     if os.path.lexists(os.path.join(path, DCP_METADATA)):
         return (
             f"{path} is a torch.distributed.checkpoint (DCP) directory (it holds "
@@ -176,6 +183,20 @@ def uncommitted_directory(path: str) -> str:
         f"{path} is a directory without {MANIFEST_NAME}, so it is not a committed "
         "shardsafe checkpoint (a save into it may have been interrupted)"
     )
+
+
+def _checkpoints_in(path: str) -> list[str]:
+    """The ``.ckpt`` checkpoints (directories or files) directly in ``path``, by name: a
+    ``ModelCheckpoint`` ``dirpath`` passed where one of them was meant."""
+    try:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".ckpt"))
+    except OSError:
+        return []
+    return [
+        n
+        for n in names
+        if os.path.isfile(os.path.join(path, n)) or is_shardsafe_checkpoint(os.path.join(path, n))
+    ]
 
 
 def load_optimizers_from_file(
