@@ -690,10 +690,12 @@ def session(
     saves: list[tuple[int, float]],
     options: dict[str, Any],
     fail: dict[int, int] | None = None,
+    wait_each: bool = False,
 ) -> dict[str, Any]:
     """One run of 2 ranks as 2 nodes of 1: restore (what, from where, whether exactly
     its values), then save ``(step, value)``s locally (rank ``r``'s own write of step
-    ``fail[r]`` fails); every warning's text."""
+    ``fail[r]`` fails; ``wait_each``: each save replicated before the next); every
+    warning's text."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
     if fail and rank in fail:
         _fail_own_write_of(fail[rank])
@@ -715,6 +717,9 @@ def session(
             }
             for at, value in saves:
                 manager.save(at, valued(value))
+                if wait_each:
+                    with contextlib.suppress(shardsafe.CheckpointError):  # a local write's
+                        manager.wait()
             with contextlib.suppress(shardsafe.CheckpointError):  # a local write's
                 manager.wait()
         finally:
@@ -762,6 +767,19 @@ def test_after_a_restart_retention_still_bounds_the_older_steps_found_on_disk(
     assert [(r["step"], r["exact"]) for r in second] == [(3, True)] * 2
     for node in (0, 1):
         assert committed(base, node) == {"step-000000003": both, "step-000000004": both}
+
+
+def test_a_step_saved_twice_counts_each_ranks_replication_once(tmp_path: Path) -> None:
+    """keep_local=1: steps 1-2, then step 3 twice, rank 1's writes of step 3 failing. Rank 0
+    replicates step 3 twice; counted twice it was taken for complete everywhere, and rank
+    0 deleted its step 2 on node 0: losing node 1 then left no complete step. Step 2 is
+    the newest complete one and must stay on both nodes."""
+    base, keep = str(tmp_path), {"keep_local": 1}
+    saves = [(1, 1.0), (2, 2.0), (3, 3.0), (3, 3.0)]
+    run_ranks(session, 2, base, saves, keep, {1: 3}, True, timeout=60)
+    both = ["rank-00000", "rank-00001"]
+    for node in (0, 1):
+        assert committed(base, node) == {"step-000000002": both, "step-000000003": ["rank-00000"]}
 
 
 FALLBACKS = {

@@ -875,10 +875,10 @@ class Counted:
     def __init__(self, steps: set[int]) -> None:
         self.steps = steps
 
-    def everywhere(self, step: int) -> bool:
+    def everywhere(self, step: int, save: int) -> bool:
         return step in self.steps
 
-    def mark(self, step: int) -> None:
+    def mark(self, step: int, save: int) -> None:
         pass
 
 

@@ -67,6 +67,14 @@ class Record:
     restore, of the restored step and older ones (retention counts them as written)."""
     errors: list[BaseException] = field(default_factory=list)
 
+    def forget(self, step: int) -> None:
+        """``step`` is saved again: its earlier copies are about to be replaced, so what
+        happened to them no longer counts (a step is never written, replicated or
+        received twice in the record)."""
+        for steps in (self.written, self.replicated, *self.received.values()):
+            while step in steps:
+                steps.remove(step)
+
 
 class Replicator:
     """The two threads of one manager (see the module docstring)."""
@@ -94,6 +102,11 @@ class Replicator:
         self._write: Future[None] | None = None
         self._replications: list[Future[None]] = []
         self._broken = False
+        self._saves = 0
+        """Local saves submitted so far: every rank submits every local save, in order, so
+        the ``n``-th is the same save on every rank (the tally counts each apart)."""
+        self._save_of: dict[int, int] = {}
+        """Per step: the number of its latest save (a step saved again gets a new one)."""
 
     def submit(self, step: int, items: Collected | None) -> Future[None]:
         """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
@@ -102,10 +115,17 @@ class Replicator:
         ``None``: this rank has nothing for the step (its snapshot failed), but takes part
         in the step's transfers, saying so, so that every pair stays in step."""
         self.wait_written()
+        if step in self._save_of:  # saved again: its earlier copies are sent, then replaced
+            self.drain()
+            self.record.forget(step)
         while len(self._replications) > 1:
             self._replications.pop(0).result()
+        self._saves += 1
+        self._save_of[step] = save = self._saves
         self._write = self._writer.submit(self._write_step, step, items)
-        self._replications.append(self._sender.submit(self._replicate_after, step, self._write))
+        self._replications.append(
+            self._sender.submit(self._replicate_after, step, save, self._write)
+        )
         return self._write
 
     def wait_written(self) -> None:
@@ -152,18 +172,22 @@ class Replicator:
             stacklevel=1,
         )
 
-    def _replicate_after(self, step: int, write: Future[None]) -> None:
+    def _replicate_after(self, step: int, save: int, write: Future[None]) -> None:
         write.result()
+        replicated = False
         if not self._broken and (self.peers.targets or self.peers.sources):
-            self._replicate(step)
+            replicated = self._replicate(step)
         elif not self.peers.targets and step in self.record.written:
             self.record.replicated.append(step)
-        if self.tally is not None and step in self.record.replicated:
+            replicated = True
+        if self.tally is not None and replicated:  # this save's copies, not an earlier one's
             with contextlib.suppress(Exception):  # the store gone: retention keeps more
-                self.tally.mark(step)
+                self.tally.mark(step, save)
         self._retain(step)
 
-    def _replicate(self, step: int) -> None:
+    def _replicate(self, step: int) -> bool:
+        """Send this rank's checkpoint of ``step`` and receive its sources'; whether every
+        target committed this rank's."""
         own = step in self.record.written
         jobs: list[tuple[str, int, Future[bool]]] = []
         transfers = len(self.peers.targets) + len(self.peers.sources)
@@ -194,6 +218,7 @@ class Replicator:
                 self.record.received.setdefault(peer, []).append(step)
         if own and sent:
             self.record.replicated.append(step)
+        return own and sent
 
     def _send(self, step: int, target: int, own: bool) -> bool:
         if not own:
@@ -264,7 +289,7 @@ class Replicator:
             return max(steps, default=None)
         for step in sorted(self.record.written, reverse=True)[: self.keep_local + 2]:
             with contextlib.suppress(Exception):
-                if self.tally.everywhere(step):
+                if self.tally.everywhere(step, self._save_of.get(step, 0)):
                     self.record.everywhere = max(self.record.everywhere or -1, step)
                     break
         return self.record.everywhere
@@ -275,16 +300,19 @@ class Tally:
     keeps the newest step every rank replicated, so that a lost node never leaves only
     steps some rank lacks. Counting never blocks (a rank that never replicates a step
     simply leaves it uncounted). ``run`` (agreed at construction) keeps a restarted job's
-    counts apart from an earlier attempt's in a store that outlived it."""
+    counts apart from an earlier attempt's in a store that outlived it. Each local save
+    ``save`` (its number, the same on every rank) is counted apart: a step saved again
+    replaces its earlier copies, so the ranks that replicated those do not count for it
+    (nor does one rank, twice)."""
 
     def __init__(self, store: Any, prefix: str, world_size: int) -> None:
         self._store, self._prefix, self._world_size = store, prefix, world_size
 
-    def mark(self, step: int) -> None:
-        self._store.add(f"{self._prefix}/{step}", 1)
+    def mark(self, step: int, save: int) -> None:
+        self._store.add(f"{self._prefix}/{step}/{save}", 1)
 
-    def everywhere(self, step: int) -> bool:
-        return int(self._store.add(f"{self._prefix}/{step}", 0)) >= self._world_size
+    def everywhere(self, step: int, save: int) -> bool:
+        return int(self._store.add(f"{self._prefix}/{step}/{save}", 0)) >= self._world_size
 
 
 def retained(
