@@ -286,7 +286,7 @@ def test_a_receiver_that_cannot_make_its_directory_refuses_the_copy_without_a_ha
     step 2 is restored, instead of the sender waiting for a receiver that gave up."""
     base = str(tmp_path)
     saved = run_ranks(train, 2, base, 3, None, 1, timeout=100)
-    assert saved[1]["written"] == [1, 2, 3]
+    assert saved[1]["written"][-2:] == [2, 3]
     copy = rank_ckpt(base, 1, 3, 1)
     shutil.rmtree(copy)
     (tmp_path / "elsewhere").mkdir()

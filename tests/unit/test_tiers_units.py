@@ -722,6 +722,26 @@ def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Pat
     assert not (tmp_path / "p").exists() or os.listdir(tmp_path / "p") == []
 
 
+def test_the_record_of_a_long_run_holds_the_kept_steps_only(tmp_path: Path) -> None:
+    """Before, the replication record kept one entry per step saved (and one save
+    number per step), sorted by retention at every step: quadratic over a long run."""
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", replicas=0, persist_every=None, keep_local=2
+    )
+    state = trained(0)
+    try:
+        for step in range(1, 14):
+            manager.async_save(step, state)
+        manager.wait()
+        replicator = manager._replicator
+        record = replicator.record
+        assert (record.written, record.replicated) == ([12, 13], [12, 13])
+        assert replicator._save_of == {12: 12, 13: 13}
+    finally:
+        manager.close()
+    assert sorted(os.listdir(tmp_path / "l")) == ["step-000000012", "step-000000013"]
+
+
 # ------------------------------------------------------------------------ node_dir
 
 

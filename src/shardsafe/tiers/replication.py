@@ -52,7 +52,8 @@ class Peers:
 
 @dataclass
 class Record:
-    """What happened to each local step on this rank (for retention and for tests)."""
+    """What happened to each local step on this rank that is still here (for retention
+    and for tests): retention forgets the steps it deletes (``Replicator._prune``)."""
 
     written: list[int] = field(default_factory=list)
     replicated: list[int] = field(default_factory=list)
@@ -254,8 +255,34 @@ class Replicator:
                 kept = retained(steps, self.keep_local, everywhere, upto=step)
                 if kept is not None:
                     _drop_older(self.node, owner, kept)
+                    self._prune(owner, kept)
         except (CheckpointError, OSError) as e:
             warnings.warn(f"shardsafe: local retention failed: {e}", stacklevel=1)
+        finally:
+            self._forget_saves(upto=step)
+
+    def _prune(self, owner: int, kept: set[int]) -> None:
+        """Forget ``owner``'s steps that retention deleted (older than the newest of
+        ``kept``, not in it), so that the record (sorted at every step) holds about
+        ``keep_local`` steps however long the run, not one per step saved. Removed one by
+        one: the writer thread appends to ``written`` meanwhile."""
+        newest = max(kept)
+        lists = (
+            [self.record.written, self.record.replicated]
+            if owner == self.rank
+            else [self.record.received.get(owner, [])]
+        )
+        for steps in (*lists, self.record.found.get(owner, [])):
+            for gone in [s for s in steps if s < newest and s not in kept]:
+                with contextlib.suppress(ValueError):
+                    steps.remove(gone)
+
+    def _forget_saves(self, *, upto: int) -> None:
+        """Forget the save numbers of steps up to ``upto`` this rank no longer holds (the
+        tally is asked about written steps only)."""
+        for old in [s for s in list(self._save_of) if s <= upto]:
+            if old not in self.record.written:
+                self._save_of.pop(old, None)
 
     def resumed_from(self, step: int) -> None:
         """After a restore of ``step``: count it complete everywhere (every rank just
