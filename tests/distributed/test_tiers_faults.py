@@ -782,6 +782,59 @@ def test_a_step_saved_twice_counts_each_ranks_replication_once(tmp_path: Path) -
         assert committed(base, node) == {"step-000000002": both, "step-000000003": ["rank-00000"]}
 
 
+def _steps_differ(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank r saves step 3 + r first (refused), then step 1, then step 3 + r again."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    local = local_dir(base, rank)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        manager = TieredCheckpointManager(
+            os.path.join(base, "persistent"), local, persist_every=None, timeout=30.0
+        )
+        try:
+            with pytest.raises(CheckpointError) as first:
+                manager.save(3 + rank, valued(3))
+            out["first"] = str(first.value)
+            out["written"] = sorted(os.listdir(local)) if os.path.exists(local) else []
+            manager.save(1, valued(1))
+            manager.save(3 + rank, valued(3))
+            with pytest.raises(CheckpointError) as later:
+                manager.wait()
+            out["later"] = str(later.value)
+        finally:
+            manager.close()
+    return out
+
+
+def test_ranks_saving_different_steps_are_refused_on_every_rank_naming_both(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 saves step 3 where rank 1 saves step 4. Before, replication failed without
+    a word (each refused the other's manifest) and neither step was ever complete. The
+    first local save is refused before anything is written; a later one, by replication
+    (its transfers compare the steps), raised by wait() on both ranks."""
+    base = str(tmp_path)
+    first, second = run_ranks(_steps_differ, 2, base, timeout=60)
+    refused = (
+        "the ranks saved different steps: step 3 on rank 0 but step 4 on rank 1. "
+        "TieredCheckpointManager.save/async_save is collective: pass the same step on every "
+        "rank"
+    )
+    assert first["first"] == second["first"] == refused
+    assert first["written"] == second["written"] == []
+    for out, (rank, step, peer, theirs) in ((first, (0, 3, 1, 4)), (second, (1, 4, 0, 3))):
+        assert out["later"] == (
+            f"the ranks saved different steps: step {step} on rank {rank} but step {theirs} on "
+            f"rank {peer} (at the same local save). TieredCheckpointManager.save/async_save "
+            "is collective: pass the same step on every rank. Neither step is complete, and "
+            f"from here on rank {rank} does not replicate its local checkpoints"
+        )
+    both = ["rank-00000", "rank-00001"]
+    assert committed(base, 0) == {"step-000000001": both, "step-000000003": ["rank-00000"]}
+    assert committed(base, 1) == {"step-000000001": both, "step-000000004": ["rank-00001"]}
+
+
 FALLBACKS = {
     # steps saved (local every 40th, persistent every 50th; then persistent 100, damaged),
     # the local step damaged on rank 1, what is restored

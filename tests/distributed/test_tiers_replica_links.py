@@ -114,7 +114,7 @@ def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
         if case == "unreadable":  # a link in its place: the sender sends zeros instead
             os.rename(root / "theirs" / BULK, root / "moved")
             os.symlink(root / "moved", root / "theirs" / BULK)
-        return transfer.send(dist.group.WORLD, 1, LocalStorage(str(root / "theirs")))
+        return transfer.send(dist.group.WORLD, 1, LocalStorage(str(root / "theirs")), 1)
     if case == "swapped":
         compared = transfer.loadable_manifest
 

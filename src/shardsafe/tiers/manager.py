@@ -221,21 +221,24 @@ class TieredCheckpointManager:
                 self._ranks.exchange(Phase.SURVEY, lambda: _raise(failure))
             raise
         if not self._budget_checked:
-            self._check_budget(budget.staged_bytes(staged.items))
+            self._check_budget(step, budget.staged_bytes(staged.items))
             if self.replicas:
                 self._replicator.group = self._ranks.transfers()
         self._replicator.submit(step, staged.items)
 
-    def _check_budget(self, own_bytes: int) -> None:
-        """Before the first local write: every node must have room for its steps."""
+    def _check_budget(self, step: int, own_bytes: int) -> None:
+        """Before the first local write: every rank saves the same step (later steps are
+        compared by replication's transfers, ``transfer.StepsDiffer``), and every node
+        has room for its steps."""
         owned = {self.rank, *self._replicator.peers.sources}
 
         def report() -> dict[str, Any]:
             free, used = self.node.free_bytes(), self.node.used_bytes(owned)
             own = budget.Report(own_bytes, free, used).to_json()
-            return {"report": own, "root": self.node.root}
+            return {"report": own, "root": self.node.root, "step": step}
 
         docs = self._ranks.exchange(Phase.SURVEY, report)
+        _check_steps([d["step"] for d in docs])
         self.budget = budget.check(
             [budget.Report.from_json(d["report"]) for d in docs],
             self.topology,
@@ -352,6 +355,19 @@ def _check_same(settings: list[dict[str, Any]]) -> None:
                     f"{first!r} on rank 0 but {field}={other!r} on rank {rank}; pass the same "
                     f"{field} on every rank"
                 )
+
+
+def _check_steps(steps: list[int]) -> None:
+    """Refuse a first local save whose step differs between ranks (every rank sees every
+    rank's, so each raises the same error, before anything is written): a step is
+    restorable only once every rank has a checkpoint of it."""
+    for rank, step in enumerate(steps):
+        if step != steps[0]:
+            raise CheckpointError(
+                f"the ranks saved different steps: step {steps[0]} on rank 0 but step {step} "
+                f"on rank {rank}. TieredCheckpointManager.save/async_save is collective: pass "
+                "the same step on every rank"
+            )
 
 
 def _raise(error: Exception) -> NoReturn:

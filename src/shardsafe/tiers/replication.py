@@ -198,9 +198,17 @@ class Replicator:
             for source in self.peers.sources:
                 jobs.append(("receive", source, pool.submit(self._receive, step, source)))
         sent = True
+        differ: CheckpointError | None = None
         for kind, peer, job in jobs:
             try:
                 ok = job.result()
+            except transfer.StepsDiffer as e:  # a caller's error: both ends raise it
+                if not differ:  # once, though every transfer of the step finds it
+                    differ = self._steps_differ(e, peer)
+                    self.record.errors.append(differ)
+                    warnings.warn(f"shardsafe: {differ}", stacklevel=1)
+                self._broken = True
+                ok = False
             except Exception as e:  # a peer gone: stop replicating, keep training
                 self._broken = True
                 # Raised by wait() as it is: not "a local checkpoint failed" (they are whole).
@@ -221,11 +229,22 @@ class Replicator:
             self.record.replicated.append(step)
         return own and sent
 
+    def _steps_differ(self, e: transfer.StepsDiffer, peer: int) -> CheckpointError:
+        """The error both ends of a transfer record when their ranks saved different
+        steps at the same local save (``transfer.StepsDiffer``)."""
+        return CheckpointError(
+            f"the ranks saved different steps: step {e.ours} on rank {self.rank} but step "
+            f"{e.theirs} on rank {peer} (at the same local save). TieredCheckpointManager."
+            "save/async_save is collective: pass the same step on every rank. Neither step "
+            f"is complete, and from here on rank {self.rank} does not replicate its local "
+            "checkpoints"
+        )
+
     def _send(self, step: int, target: int, own: bool) -> bool:
         if not own:
-            return transfer.send(self.group, target, None)
+            return transfer.send(self.group, target, None, step)
         with self.node.rank_storage(step, self.rank, create=False) as storage:
-            return transfer.send(self.group, target, storage)
+            return transfer.send(self.group, target, storage, step)
 
     def _receive(self, step: int, source: int) -> bool:
         self._forget_found(step, source)

@@ -272,7 +272,7 @@ class Restorer:
 
     def _send_copy(self, step: int, rank: int) -> bool:
         with self.node.rank_storage(step, rank, create=False) as storage:
-            return transfer.send(self.ranks.group, rank, storage)
+            return transfer.send(self.ranks.group, rank, storage, step)
 
     def _from_local(
         self,

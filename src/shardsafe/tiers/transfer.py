@@ -2,8 +2,8 @@
 
 One transfer, between a sender and a receiver that both know it is due::
 
-    sender -> receiver   [has it, manifest bytes]         (tag DATA)
-    receiver -> sender   [go on?]                          (tag CONTROL)
+    sender -> receiver   [has it, manifest bytes, step]   (tag DATA)
+    receiver -> sender   [go on?, step]                    (tag CONTROL)
     sender -> receiver   the manifest
     receiver -> sender   [go on?]   (the manifest parsed, and is the expected rank's and step's)
     receiver -> sender   [wanted?] per data file, in name order   (only if it goes on)
@@ -33,6 +33,10 @@ and the link, fails that check and the replica is not committed (the step is the
 replicated, as after any failed check). Two different 16 MiB blocks with equal CRC32s
 would be taken for equal (a chance of 2^-32 per block, and only where replicas have
 diverged).
+
+Both ends name the step they are at, and refuse (:class:`StepsDiffer`, on both) a
+transfer between ranks that saved different steps: replication pairs the ranks' local
+saves in order, so the step numbers tell that a caller passed different ones.
 
 Two tags keep the directions apart: with two nodes, ranks ``a`` and ``b`` replicate to
 each other at once, so ``a`` sends data to ``b`` while acknowledging ``b``'s data.
@@ -77,12 +81,24 @@ def _recv_ints(group: Any, src: int, count: int, tag: int) -> list[int]:
     return [int(v) for v in out.tolist()]
 
 
-def send(group: Any, dst: int, source: LocalStorage | None) -> bool:
-    """Send the committed rank checkpoint in ``source`` (``None``: this rank has none, and
-    says so) to rank ``dst``; True once ``dst`` has committed it."""
+class StepsDiffer(CheckpointError):
+    """The two ends of a transfer are at different steps: ``ours`` here, ``theirs`` there."""
+
+    def __init__(self, ours: int, theirs: int) -> None:
+        super().__init__(f"this rank is at step {ours}, the other at step {theirs}")
+        self.ours, self.theirs = ours, theirs
+
+
+def send(group: Any, dst: int, source: LocalStorage | None, step: int) -> bool:
+    """Send the committed rank checkpoint of ``step`` in ``source`` (``None``: this rank
+    has none, and says so) to rank ``dst``; True once ``dst`` has committed it. Raises
+    :class:`StepsDiffer` if ``dst`` expects another step."""
     raw, manifest = _own(source)
-    _send_ints(group, dst, [int(manifest is not None), len(raw)], DATA)
-    if manifest is None or source is None or not _recv_ints(group, dst, 1, CONTROL)[0]:
+    _send_ints(group, dst, [int(manifest is not None), len(raw), step], DATA)
+    go, theirs = _recv_ints(group, dst, 2, CONTROL)
+    if theirs != step:
+        raise StepsDiffer(step, theirs)
+    if manifest is None or source is None or not go:
         return False
     dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group, tag=DATA)
     if not _recv_ints(group, dst, 1, CONTROL)[0]:
@@ -143,12 +159,13 @@ def receive(
     """Receive rank ``rank``'s checkpoint of ``step`` from ``src`` into ``target()``
     (made only once the manifest is accepted); True once verified and committed.
     ``held()``: a committed checkpoint on this node whose identical data files are linked
-    instead of received (this rank's own of the same step; see the module docstring)."""
-    has, length = _recv_ints(group, src, 2, DATA)
-    if not has:
-        return False
-    accept = 0 < length <= MAX_MANIFEST_BYTES
-    _send_ints(group, src, [int(accept)], CONTROL)
+    instead of received (this rank's own of the same step; see the module docstring).
+    Raises :class:`StepsDiffer` if ``src`` sends another step."""
+    has, length, theirs = _recv_ints(group, src, 3, DATA)
+    accept = bool(has) and theirs == step and 0 < length <= MAX_MANIFEST_BYTES
+    _send_ints(group, src, [int(accept), step], CONTROL)
+    if theirs != step:
+        raise StepsDiffer(step, theirs)
     if not accept:
         return False
     raw_tensor = torch.empty(length, dtype=torch.uint8, device="cpu")
