@@ -694,8 +694,8 @@ def session(
 ) -> dict[str, Any]:
     """One run of 2 ranks as 2 nodes of 1: restore (what, from where, whether exactly
     its values), then save ``(step, value)``s locally (rank ``r``'s own write of step
-    ``fail[r]`` fails; ``wait_each``: each save replicated before the next); every
-    warning's text."""
+    ``fail[r]`` fails; ``wait_each``: each save replicated before the next); the steps
+    whose replication count is still in the job's store; every warning's text."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
     if fail and rank in fail:
         _fail_own_write_of(fail[rank])
@@ -722,6 +722,12 @@ def session(
                         manager.wait()
             with contextlib.suppress(shardsafe.CheckpointError):  # a local write's
                 manager.wait()
+            tally = manager._replicator.tally
+            out["counted"] = [
+                at
+                for save, (at, _) in enumerate(saves, 1)
+                if tally is not None and tally._store.check([f"{tally._prefix}/{at}/{save}"])
+            ]
         finally:
             manager.close()
     return {**out, "warnings": [str(w.message) for w in caught]}
@@ -833,6 +839,17 @@ def test_ranks_saving_different_steps_are_refused_on_every_rank_naming_both(
     both = ["rank-00000", "rank-00001"]
     assert committed(base, 0) == {"step-000000001": both, "step-000000003": ["rank-00000"]}
     assert committed(base, 1) == {"step-000000001": both, "step-000000004": ["rank-00001"]}
+
+
+def test_the_job_store_holds_the_replication_counts_of_the_kept_steps_only(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1, steps 1-6. Before, each step left its count in the job's store (the
+    torchrun agent's) for the rest of the job: one key per step saved. Those of the
+    steps retention deleted are deleted too."""
+    saves = [(step, float(step)) for step in range(1, 7)]
+    for out in run_ranks(session, 2, str(tmp_path), saves, {"keep_local": 1}, timeout=60):
+        assert set(out["counted"]) <= {5, 6}
 
 
 FALLBACKS = {

@@ -41,6 +41,10 @@ from . import rank_checkpoint, transfer
 from .node_dir import NodeDir
 from .ranks import background_priority
 
+FORGOTTEN_COUNTS = 64
+"""Counts of forgotten saves a rank leaves in the store while no newer step is counted
+everywhere (:meth:`Replicator._drop_counts`)."""
+
 
 @dataclass
 class Peers:
@@ -108,6 +112,9 @@ class Replicator:
         the ``n``-th is the same save on every rank (the tally counts each apart)."""
         self._save_of: dict[int, int] = {}
         """Per step: the number of its latest save (a step saved again gets a new one)."""
+        self._forgotten: list[tuple[int, int]] = []
+        """``(step, save)`` of the saves this rank no longer asks the tally about, whose
+        counts are deleted from the store once safe (:meth:`_drop_counts`)."""
 
     def submit(self, step: int, items: Collected | None) -> Future[None]:
         """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
@@ -119,6 +126,7 @@ class Replicator:
         if step in self._save_of:  # saved again: its earlier copies are sent, then replaced
             self.drain()
             self.record.forget(step)
+            self._forgotten.append((step, self._save_of[step]))
         while len(self._replications) > 1:
             self._replications.pop(0).result()
         self._saves += 1
@@ -301,7 +309,30 @@ class Replicator:
         tally is asked about written steps only)."""
         for old in [s for s in list(self._save_of) if s <= upto]:
             if old not in self.record.written:
-                self._save_of.pop(old, None)
+                save = self._save_of.pop(old, None)
+                if save is not None:
+                    self._forgotten.append((old, save))
+        self._drop_counts()
+
+    def _drop_counts(self) -> None:
+        """Delete the tally's counts of the saves this rank forgot, so that the job's store
+        holds a few keys per rank, not one per step saved: those of steps older than the
+        newest step counted everywhere (every rank counted it, so each has counted the
+        older ones it ever will), and the oldest beyond :data:`FORGOTTEN_COUNTS` (while
+        no newer step is counted everywhere, a replication failed for good: a rank that
+        counts such a step later finds fewer ranks, and retention keeps more)."""
+        if self.tally is None:
+            self._forgotten.clear()
+            return
+        newest = self.record.everywhere if self.record.everywhere is not None else -1
+        ordered = sorted(self._forgotten)
+        older = [c for c in ordered if c[0] < newest]
+        rest = [c for c in ordered if c[0] >= newest]
+        excess = max(len(rest) - FORGOTTEN_COUNTS, 0)
+        for step, save in older + rest[:excess]:
+            with contextlib.suppress(Exception):  # the store gone: nothing to keep small
+                self.tally.forget(step, save)
+        self._forgotten[:] = rest[excess:]
 
     def resumed_from(self, step: int) -> None:
         """After a restore of ``step``: count it complete everywhere (every rank just
@@ -359,6 +390,10 @@ class Tally:
 
     def everywhere(self, step: int, save: int) -> bool:
         return int(self._store.add(f"{self._prefix}/{step}/{save}", 0)) >= self._world_size
+
+    def forget(self, step: int, save: int) -> None:
+        """Delete the count of ``save`` (every rank that held it does: the first deletes)."""
+        self._store.delete_key(f"{self._prefix}/{step}/{save}")
 
 
 def retained(
