@@ -1025,3 +1025,34 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank(
     )
     assert outcomes == [("CheckpointError", said)] * 2
     assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("field", "said"),
+    [
+        (
+            "keep_local",
+            (
+                "CheckpointError",
+                "TieredCheckpointManager's settings differ between ranks: keep_local=2 on rank "
+                "0 but keep_local=0 on rank 1; pass the same keep_local on every rank",
+            ),
+        ),
+        (
+            "keep_last",
+            (
+                "ValueError",
+                "rank 1: keep_last=0 must be at least 1 (or None to keep all); pass valid "
+                "settings on every rank",
+            ),
+        ),
+    ],
+)
+def test_a_setting_invalid_on_one_rank_only_is_refused_on_every_rank_at_once(
+    tmp_path: Path, field: str, said: tuple[str, str]
+) -> None:
+    """Before, rank 1 raised its ValueError alone, before the ranks' first exchange, and
+    rank 0 waited for it there until the timeout, then said that rank 1 never called."""
+    outcomes = run_ranks(_settings_differ, 2, str(tmp_path), {field: 0}, timeout=100)
+    assert outcomes == [said] * 2
+    assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))

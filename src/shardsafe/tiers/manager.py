@@ -76,25 +76,32 @@ class TieredCheckpointManager:
         storage_options: dict[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
-        _check(local_every, persist_every, replicas, keep_local, timeout)
+        _check_timeout(timeout)  # the agreement below waits this long
+        # Refused once every rank has seen every rank's (below): refused here, on one rank
+        # only, the others waited for it in the exchange until the timeout, then said it
+        # never called.
+        problem = _problem(local_every, persist_every, replicas, keep_local, keep_last)
         self.local_every, self.persist_every = local_every, persist_every
         self.keep_local, self.timeout = keep_local, timeout
         self.persistent = CheckpointManager(
-            persistent, keep_last, warn_if_not_empty=False, storage_options=storage_options
+            persistent,
+            None if problem else keep_last,
+            warn_if_not_empty=False,
+            storage_options=storage_options,
         )
         self.node = NodeDir(os.fspath(local))
         self._ranks = Ranks(f"tiers:{name if name is not None else self.persistent.root}", timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         settings = {
-            "local_every": local_every,
-            "persist_every": persist_every,
-            "replicas": replicas,
-            "keep_local": keep_local,
+            "local_every": _as_json(local_every),
+            "persist_every": _as_json(persist_every),
+            "replicas": _as_json(replicas),
+            "keep_local": _as_json(keep_local),
         }
 
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
             _check_apart(self.node.root, self.persistent.root)
-            return [node_name(), uuid.uuid4().hex, settings]
+            return [node_name(), uuid.uuid4().hex, settings, problem]
 
         try:
             names = self._ranks.exchange(Phase.SURVEY, identity)
@@ -103,7 +110,8 @@ class TieredCheckpointManager:
             raise
         try:
             _check_same([n[2] for n in names])
-        except CheckpointError:
+            _refuse([n[3] for n in names])
+        except (CheckpointError, ValueError):
             self.persistent.close()
             raise
         self.topology = Topology.of([str(n[0]) for n in names])
@@ -301,21 +309,45 @@ class TieredCheckpointManager:
         self._restorer.drop_newer(step)
 
 
-def _check(
+def _problem(
     local_every: int | None,
     persist_every: int | None,
     replicas: int,
     keep_local: int,
-    timeout: float,
-) -> None:
-    """Refuse a value the manager cannot work with, naming the argument."""
+    keep_last: int | None,
+) -> str | None:
+    """What is wrong with a value the manager cannot work with, naming the argument."""
     for field, value in (("local_every", local_every), ("persist_every", persist_every)):
         if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{field}={value!r} must be a positive int, or None for never")
+            return f"{field}={value!r} must be a positive int, or None for never"
     if not isinstance(replicas, int) or replicas < 0:
-        raise ValueError(f"replicas={replicas!r} must be a non-negative int")
+        return f"replicas={replicas!r} must be a non-negative int"
     if not isinstance(keep_local, int) or keep_local < 1:
-        raise ValueError(f"keep_local={keep_local!r} must be at least 1")
+        return f"keep_local={keep_local!r} must be at least 1"
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        return f"keep_last={keep_last!r} must be at least 1 (or None to keep all)"
+    return None
+
+
+def _refuse(problems: list[str | None]) -> None:
+    """Raise the first rank's problem with its settings (``_problem``) on every rank: as
+    it is where every rank has it, else naming the rank."""
+    found = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
+    if not found:
+        return
+    rank, problem = found[0]
+    if len(found) == len(problems) and all(p == problem for _, p in found):
+        raise ValueError(problem)
+    raise ValueError(f"rank {rank}: {problem}; pass valid settings on every rank")
+
+
+def _as_json(value: Any) -> Any:
+    """A setting as the ranks compare it: itself, or its ``repr`` if JSON cannot hold it."""
+    return value if value is None or type(value) in (int, float, str, bool) else repr(value)
+
+
+def _check_timeout(timeout: float) -> None:
+    """Refuse a timeout the ranks cannot wait for each other with."""
     # Deep inside, None or a string failed with a TypeError, a negative value with gloo's
     # "Invalid timeout", and 0 (gloo: no limit) let a rank wait for a dead one forever.
     number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
