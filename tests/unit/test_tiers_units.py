@@ -93,9 +93,23 @@ def test_a_replica_never_lives_on_its_owners_node(sizes: tuple[int, ...]) -> Non
             nodes = [topo.node_of[t] for t in targets]
             assert topo.node_of[rank] not in nodes
             assert len(set(nodes)) == len(nodes)  # one replica per other node
+            every = [r for r in range(len(order)) if rank in topo.targets(r, replicas)]
+            assert topo.sources(rank, replicas) == every
             for source in topo.sources(rank, replicas):
                 assert not topo.same_node(source, rank)
                 assert rank in topo.targets(source, replicas)
+
+
+@pytest.mark.timeout(20)
+def test_the_budget_of_a_large_job_is_checked_in_linear_time() -> None:
+    """8,192 ranks as 1,024 nodes of 8: each rank's sources were found by a pass over
+    every rank's targets, and the budget check (on every rank, before the first local
+    write) asks for all of them: about a minute, quadratic in the world size."""
+    topo = Topology.of([f"n{rank // 8}" for rank in range(8192)])
+    reports = [budget.Report(MIB, 1 << 40, 0)] * 8192
+    checked = budget.check(reports, topo, 1, 2, ["/shm"] * 8192)
+    assert checked.step_bytes == [16 * MIB] * 1024
+    assert topo.sources(8, 1) == [0] and topo.sources(0, 1) == [8184]
 
 
 def test_a_single_node_job_warns_that_it_has_no_replicas(tmp_path: Path) -> None:
