@@ -405,7 +405,8 @@ def test_a_state_one_rank_cannot_stage_at_a_persistent_step_is_one_agreed_error(
     assert refused in zero[0] and where in zero[0]
     assert one[0] == zero[0]
     # Rank 1's own: no local checkpoint of step 2, warned and raised by wait().
-    assert len(one) == 2 and one[1].startswith(f"wait: {refused.split(': ', 1)[1]}")
+    failed = "wait: rank 1 could not write its local checkpoint of step 2: "
+    assert len(one) == 2 and one[1].startswith(failed + refused.split(": ", 1)[1])
     dirs = rank_dirs(str(tmp_path), 1)  # replication went on in step
     assert "rank-00001" not in dirs.get("step-000000002", [])
     assert dirs["step-000000003"] == ["rank-00000", "rank-00001"]

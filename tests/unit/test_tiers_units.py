@@ -4,6 +4,7 @@ manifests), the local-space budget, and the node directory facing links and FIFO
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import shutil
@@ -754,6 +755,43 @@ def test_the_record_of_a_long_run_holds_the_kept_steps_only(tmp_path: Path) -> N
     finally:
         manager.close()
     assert sorted(os.listdir(tmp_path / "l")) == ["step-000000012", "step-000000013"]
+
+
+def test_a_failed_local_write_is_raised_by_wait_naming_its_step_and_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, wait() raised 'a local checkpoint failed: [Errno 28] No space left on
+    device': which step was missing, it did not say."""
+    write = rank_checkpoint.write
+
+    def full_at_7(storage: Any, items: Any, *, rank: int, world_size: int, step: int) -> int:
+        if step == 7:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(storage, items, rank=rank, world_size=world_size, step=step)
+
+    monkeypatch.setattr(rank_checkpoint, "write", full_at_7)
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", replicas=0, persist_every=None, keep_local=3
+    )
+    try:
+        with pytest.warns(UserWarning, match="could not write its local checkpoint of step 7"):
+            for step in (6, 7, 8):
+                manager.async_save(step, {"model": nn.Linear(2, 2)})
+            with pytest.raises(CheckpointError) as caught:
+                manager.wait()
+    finally:
+        manager.close()
+    assert str(caught.value) == (
+        "rank 0 could not write its local checkpoint of step 7: [Errno 28] No space left on device"
+    )
+    assert isinstance(caught.value.__cause__, OSError)
+    local = tmp_path / "l"
+    committed = [
+        s
+        for s in sorted(os.listdir(local))
+        if (local / s / "rank-00000" / "manifest.json").exists()
+    ]
+    assert committed == ["step-000000006", "step-000000008"]
 
 
 # ------------------------------------------------------------------------ node_dir

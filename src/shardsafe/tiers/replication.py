@@ -173,13 +173,14 @@ class Replicator:
 
     def failed(self, step: int, error: Exception) -> None:
         """Record (for ``wait``) and warn that this rank has no local checkpoint of
-        ``step``: its write failed, or its snapshot did."""
-        self.record.errors.append(error)
-        warnings.warn(
-            f"shardsafe: rank {self.rank} could not write its local checkpoint of step "
-            f"{step}: {error}",
-            stacklevel=1,
+        ``step``: its write failed, or its snapshot did. Raised by ``wait`` naming the
+        step and the rank (the error alone, an ``OSError`` of a full disk, named neither)."""
+        failure = CheckpointError(
+            f"rank {self.rank} could not write its local checkpoint of step {step}: {error}"
         )
+        failure.__cause__ = error
+        self.record.errors.append(failure)
+        warnings.warn(f"shardsafe: {failure}", stacklevel=1)
 
     def _replicate_after(self, step: int, save: int, write: Future[None]) -> None:
         write.result()
