@@ -861,7 +861,8 @@ def test_a_link_in_place_of_a_step_or_rank_directory_is_never_followed_or_delete
     manager.close()
     where = local / STEP7 if link == "step" else local / STEP7 / RANK0
     assert str(caught.value) == (
-        f"{where} is a symbolic link, not a directory; shardsafe does not follow it"
+        f"rank 0 could not write its local checkpoint of step 7: {where} is a symbolic link, "
+        "not a directory; shardsafe does not follow it"
     )
     assert tree(local) == inside
     the_same_outside(elsewhere, outside)

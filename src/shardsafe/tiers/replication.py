@@ -175,9 +175,11 @@ class Replicator:
         """Record (for ``wait``) and warn that this rank has no local checkpoint of
         ``step``: its write failed, or its snapshot did. Raised by ``wait`` naming the
         step and the rank (the error alone, an ``OSError`` of a full disk, named neither)."""
-        failure = CheckpointError(
-            f"rank {self.rank} could not write its local checkpoint of step {step}: {error}"
-        )
+        said = f"rank {self.rank} could not write its local checkpoint of step {step}: {error}"
+        failure = CheckpointError(said)
+        if isinstance(error, CheckpointError):  # of its kind (a link refused: corrupt)
+            with contextlib.suppress(TypeError):
+                failure = type(error)(said)
         failure.__cause__ = error
         self.record.errors.append(failure)
         warnings.warn(f"shardsafe: {failure}", stacklevel=1)
