@@ -482,6 +482,18 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_by_name(
     assert not (tmp_path / "p").exists() and not (tmp_path / "l").exists()
 
 
+def test_a_timeout_too_large_to_wait_for_is_refused_by_name(tmp_path: Path) -> None:
+    """Before, timeout=1e18 (for "never") was taken, and the first local save on several
+    ranks failed with a raw 'OverflowError: Python int too large to convert to C int'."""
+    with pytest.raises(ValueError) as caught:
+        TieredCheckpointManager(tmp_path / "p", tmp_path / "l", timeout=1e18)
+    assert str(caught.value) == (
+        "timeout=1e+18 is more than the 1e+09 seconds (about 31 years) a rank can wait for "
+        "another; pass a smaller number of seconds"
+    )
+    assert not (tmp_path / "p").exists() and not (tmp_path / "l").exists()
+
+
 # ------------------------------------------------------- a damaged only copy
 
 

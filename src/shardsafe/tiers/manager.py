@@ -346,6 +346,10 @@ def _as_json(value: Any) -> Any:
     return value if value is None or type(value) in (int, float, str, bool) else repr(value)
 
 
+MAX_TIMEOUT_S = 1e9
+"""The longest ``timeout``: threads and gloo overflow at about 9.2e9 seconds."""
+
+
 def _check_timeout(timeout: float) -> None:
     """Refuse a timeout the ranks cannot wait for each other with."""
     # Deep inside, None or a string failed with a TypeError, a negative value with gloo's
@@ -353,6 +357,13 @@ def _check_timeout(timeout: float) -> None:
     number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
     if not number or not 0 < timeout < math.inf:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    # Larger, the constructor took it and the first local save failed on every rank with
+    # a raw OverflowError (a thread's wait, gloo's timeout in a C int).
+    if timeout > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout={timeout!r} is more than the {MAX_TIMEOUT_S:.0e} seconds (about 31 "
+            "years) a rank can wait for another; pass a smaller number of seconds"
+        )
 
 
 def _check_apart(local: str, persistent: str) -> None:
