@@ -749,6 +749,33 @@ def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Pat
     assert not (tmp_path / "p").exists() or os.listdir(tmp_path / "p") == []
 
 
+def test_a_restore_in_the_middle_of_a_run_forgets_the_newer_steps_it_deleted(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1. A run counted step 7 replicated everywhere, then restored step 5 (its
+    newer copies damaged), which deletes steps 6 and 7. Before, the record still held 7
+    as written and counted everywhere: after the new step 6, retention kept '7' (gone)
+    as the step to protect and deleted step 5, the only complete one."""
+    node = NodeDir(str(tmp_path))
+    for step in (5, 6, 7):
+        node.rank_storage(step, 0, create=True).close()
+    replicator = Replicator(node, 0, 2, Peers([1], []), None, 1, Counted({7}))
+    try:
+        replicator.record.written[:] = [5, 6, 7]
+        replicator.record.replicated[:] = [5, 6, 7]
+        replicator.record.everywhere = 7
+        for later in (6, 7):  # what the restore's drop_newer does
+            node.remove(later, 0, prune=True)
+        replicator.resumed_from(5)
+        assert (replicator.record.everywhere, replicator.record.written) == (5, [5])
+        node.rank_storage(6, 0, create=True).close()  # the new step 6, not yet counted
+        replicator.record.written.append(6)
+        replicator._retain(6)
+        assert node.steps() == [5, 6]
+    finally:
+        replicator.close()
+
+
 def test_the_record_of_a_long_run_holds_the_kept_steps_only(tmp_path: Path) -> None:
     """Before, the replication record kept one entry per step saved (and one save
     number per step), sorted by retention at every step: quadratic over a long run."""

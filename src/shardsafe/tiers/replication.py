@@ -343,8 +343,18 @@ class Replicator:
         deletes it before a newer step is counted; and count the committed checkpoints of
         it and older steps found here (this rank's and its sources') in the keep window,
         so that retention bounds them too. (Never seeded from the disk without a restore:
-        newer steps of an abandoned run would then push this run's first steps out.)"""
-        self.record.everywhere = max(self.record.everywhere or -1, step)
+        newer steps of an abandoned run would then push this run's first steps out.)
+
+        The restore deleted every later step (``Restorer.drop_newer``): in the middle of a
+        run, what the record says of them is forgotten, and ``step`` is the newest step
+        counted everywhere even if a later one was (kept, a step gone would be the one
+        retention protects, and the restored step could be deleted)."""
+        self.record.everywhere = step
+        for later in [s for s in list(self._save_of) if s > step]:
+            self._forgotten.append((later, self._save_of.pop(later)))
+        for steps in (self.record.written, self.record.replicated, *self.record.received.values()):
+            for later in [s for s in steps if s > step]:
+                steps.remove(later)
         self.record.found = {}
         for held in self.node.steps():
             for owner in (self.rank, *self.peers.sources):
