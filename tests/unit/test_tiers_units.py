@@ -22,7 +22,7 @@ from shardsafe.checkpoint import loading
 from shardsafe.checkpoint.options import LoadOptions
 from shardsafe.checkpoint.plan.collecting import collect
 from shardsafe.checkpoint.storage.local import LocalStorage
-from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint
+from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint, replication
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
 from shardsafe.tiers.replication import Peers, Replicator, retained
@@ -794,6 +794,34 @@ def test_the_record_of_a_long_run_holds_the_kept_steps_only(tmp_path: Path) -> N
     finally:
         manager.close()
     assert sorted(os.listdir(tmp_path / "l")) == ["step-000000012", "step-000000013"]
+
+
+def test_a_local_disk_failing_at_every_step_keeps_a_bounded_number_of_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, every failed local write kept its error (and its traceback's frames) until
+    the next wait(): a disk full for a whole run held about 4 KiB per step saved."""
+
+    def full(storage: Any, items: Any, *, rank: int, world_size: int, step: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rank_checkpoint, "write", full)
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", replicas=0, persist_every=None
+    )
+    state = {"model": nn.Linear(2, 2)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(1, 41):
+                manager.async_save(step, state)
+            manager._replicator.drain()
+            assert len(manager._replicator.record.errors) == replication.KEPT_ERRORS
+            with pytest.raises(CheckpointError, match="local checkpoint of step 1: "):
+                manager.wait()
+            assert manager._replicator.record.errors == []
+    finally:
+        manager.close()
 
 
 def test_a_failed_local_write_is_raised_by_wait_naming_its_step_and_rank(

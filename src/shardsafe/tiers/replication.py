@@ -41,6 +41,9 @@ from . import rank_checkpoint, transfer
 from .node_dir import NodeDir
 from .ranks import background_priority
 
+KEPT_ERRORS = 16
+"""Errors a replicator keeps for ``wait`` (:meth:`Replicator._record`)."""
+
 FORGOTTEN_COUNTS = 64
 """Counts of forgotten saves a rank leaves in the store while no newer step is counted
 everywhere (:meth:`Replicator._drop_counts`)."""
@@ -181,8 +184,16 @@ class Replicator:
             with contextlib.suppress(TypeError):
                 failure = type(error)(said)
         failure.__cause__ = error
-        self.record.errors.append(failure)
+        self._record(failure)
         warnings.warn(f"shardsafe: {failure}", stacklevel=1)
+
+    def _record(self, error: BaseException) -> None:
+        """Keep ``error`` for ``wait``, which raises the first: the later ones were warned
+        about when they happened. At most :data:`KEPT_ERRORS` are kept: a local disk full
+        for a whole run kept one (with its traceback's frames) per step saved, about 4 KiB
+        each, until a ``wait`` that the Trainer makes only at the end of the run."""
+        if len(self.record.errors) < KEPT_ERRORS:
+            self.record.errors.append(error)
 
     def _replicate_after(self, step: int, save: int, write: Future[None]) -> None:
         write.result()
@@ -216,7 +227,7 @@ class Replicator:
             except transfer.StepsDiffer as e:  # a caller's error: both ends raise it
                 if not differ:  # once, though every transfer of the step finds it
                     differ = self._steps_differ(e, peer)
-                    self.record.errors.append(differ)
+                    self._record(differ)
                     warnings.warn(f"shardsafe: {differ}", stacklevel=1)
                 self._broken = True
                 ok = False
@@ -229,7 +240,7 @@ class Replicator:
                     f"{e}. Its local checkpoints are whole; from that step on they are not "
                     "copied to other nodes"
                 )
-                self.record.errors.append(stopped)
+                self._record(stopped)
                 warnings.warn(f"shardsafe: {stopped}", stacklevel=1)
                 ok = False
             if kind == "send":
