@@ -40,8 +40,9 @@ from ..errors import CheckpointError
 from . import budget
 from .node_dir import NodeDir
 from .ranks import Ranks
-from .replication import Peers, Replicator, Tally
+from .replication import Peers, Replicator
 from .restore import Restored, Restorer
+from .retention import Tally
 from .topology import Topology, node_name
 
 if sys.version_info >= (3, 11):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from ..errors import CheckpointError
 from . import rank_checkpoint, transfer
 from .node_dir import NodeDir
 from .ranks import background_priority
+from .retention import Tally, drop_older, retained
 
 KEPT_ERRORS = 16
 """Errors a replicator keeps for ``wait`` (:meth:`Replicator._record`)."""
@@ -295,7 +295,7 @@ class Replicator:
                 steps = {*done, *self.record.found.get(owner, [])}
                 kept = retained(steps, self.keep_local, everywhere, upto=step)
                 if kept is not None:
-                    _drop_older(self.node, owner, kept)
+                    drop_older(self.node, owner, kept)
                     self._prune(owner, kept)
         except (CheckpointError, OSError) as e:
             warnings.warn(f"shardsafe: local retention failed: {e}", stacklevel=1)
@@ -394,55 +394,3 @@ class Replicator:
                     self.record.everywhere = max(self.record.everywhere or -1, step)
                     break
         return self.record.everywhere
-
-
-class Tally:
-    """Counts, in the job's store, the ranks that have replicated each step: retention
-    keeps the newest step every rank replicated, so that a lost node never leaves only
-    steps some rank lacks. Counting never blocks (a rank that never replicates a step
-    simply leaves it uncounted). ``run`` (agreed at construction) keeps a restarted job's
-    counts apart from an earlier attempt's in a store that outlived it. Each local save
-    ``save`` (its number, the same on every rank) is counted apart: a step saved again
-    replaces its earlier copies, so the ranks that replicated those do not count for it
-    (nor does one rank, twice)."""
-
-    def __init__(self, store: Any, prefix: str, world_size: int) -> None:
-        self._store, self._prefix, self._world_size = store, prefix, world_size
-
-    def mark(self, step: int, save: int) -> None:
-        self._store.add(f"{self._prefix}/{step}/{save}", 1)
-
-    def everywhere(self, step: int, save: int) -> bool:
-        return int(self._store.add(f"{self._prefix}/{step}/{save}", 0)) >= self._world_size
-
-    def forget(self, step: int, save: int) -> None:
-        """Delete the count of ``save`` (every rank that held it does: the first deletes)."""
-        self._store.delete_key(f"{self._prefix}/{step}/{save}")
-
-
-def retained(
-    steps: Iterable[int], keep: int, everywhere: int | None, *, upto: int
-) -> set[int] | None:
-    """The steps of one rank's checkpoints that retention keeps here: the ``keep`` newest
-    of ``steps`` (its steps this run wrote or received, and those found at a restore)
-    up to ``upto`` (the step just replicated: a later one the writer has done is not
-    replicated yet, and must not push a replicated one out) and ``everywhere`` (the
-    newest step every rank replicated, or the restored one), once there are ``keep`` of
-    them; ``None`` (keep everything) before. A replication that fails for good then
-    still leaves at most ``keep + 1`` steps, and the last step complete on other nodes
-    is never the one deleted."""
-    window = sorted(s for s in set(steps) if s <= upto)
-    if len(window) < keep:
-        return None
-    kept = set(window[-keep:])
-    if everywhere is not None:
-        kept.add(everywhere)
-    return kept
-
-
-def _drop_older(node: NodeDir, rank: int, kept: set[int]) -> None:
-    """Delete ``rank``'s checkpoints here older than the newest of ``kept`` but those."""
-    newest = max(kept)
-    for step in node.steps():
-        if step not in kept and step < newest and rank in node.ranks_in(step):
-            node.remove(step, rank, prune=True)
