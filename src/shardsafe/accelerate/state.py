@@ -28,10 +28,9 @@ from ..adapters import RNGState
 from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
-from ..checkpoint.manager import LATEST, CheckpointManager
+from ..checkpoint.manager import LATEST, CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions, storage_factory
 from ..checkpoint.storage.locations import is_url
-from ..checkpoint.storage.step_names import step_of
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,

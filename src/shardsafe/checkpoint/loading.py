@@ -29,7 +29,7 @@ import torch
 
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
-from ..errors import CheckpointError, CheckpointNotFoundError, with_message
+from ..errors import CheckpointNotFoundError, with_message
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -48,7 +48,6 @@ from .plan.load_plan import (
 from .storage.locations import open_storage
 from .storage.protocol import Storage
 from .storage.spool import Spool, spool_for
-from .storage.step_names import step_dir_name, step_of
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",
@@ -71,30 +70,12 @@ def read_manifest_from(storage: Storage) -> Manifest:
     """The validated manifest of an open checkpoint directory."""
     storage.require_directory()
     if not storage.exists(MANIFEST_NAME):
-        raise CheckpointNotFoundError(_no_manifest(storage))
+        raise CheckpointNotFoundError(
+            f"{storage.directory} has no {MANIFEST_NAME}, so it is not a committed checkpoint "
+            "(a save into it may have been interrupted)"
+        )
     raw = storage.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     return parse(raw, storage.where(MANIFEST_NAME))
-
-
-def _no_manifest(storage: Storage) -> str:
-    """Why a directory without a manifest is not loaded: an interrupted save, or (its
-    entries named like a manager's steps) a :class:`~shardsafe.CheckpointManager`'s root,
-    passed where one of its checkpoints belongs, which 'interrupted' sent looking for a
-    crash. Listed only here, on the way to the error."""
-    said = f"{storage.directory} has no {MANIFEST_NAME}, so it is not a committed checkpoint"
-    try:
-        steps = sorted(s for s in map(step_of, storage.names()) if s is not None)
-    except (CheckpointError, OSError):
-        steps = []
-    if not steps:
-        return f"{said} (a save into it may have been interrupted)"
-    newest = storage.where(step_dir_name(steps[-1]))
-    return (
-        f"{said}: it is a CheckpointManager's root, holding {len(steps)} step "
-        f"director{'y' if len(steps) == 1 else 'ies'}. Load one of them (the newest is "
-        f"{newest}), or the newest complete one with "
-        f"CheckpointManager({storage.directory!r}).load_latest(state)"
-    )
 
 
 def load(storage: Storage, state: Mapping[str, Any], options: LoadOptions) -> dict[str, Any]:

@@ -54,7 +54,6 @@ from .storage.locations import is_url, open_storage
 from .storage.lock import RootLock
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
-from .storage.step_names import step_dir_name, step_of
 from .storage.target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):
@@ -62,6 +61,7 @@ if sys.version_info >= (3, 11):
 else:  # a dependency of torch's
     from typing_extensions import Unpack
 
+_STEP_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 LATEST = "latest"
 _POINTER_TEMP = re.compile(r"\.latest\.tmp-[0-9]+", re.ASCII)
 """The temporary names of the pointer's commits (``commit_temp_name``: a pid), the only
@@ -69,6 +69,20 @@ ones of the root's other entries the manager removes, never a directory (a link 
 unlinked itself): any name starting ``.latest.tmp-`` was removed, a file of yours with
 it, and a directory so named failed every save after its commit (retention never ran)."""
 _S = SaveOptions()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a directory name the manager writes, else ``None`` (``step-1``,
+    ``step-0000000001`` and non-ASCII digits are not its names)."""
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_dir_name(step) == name else None
 
 
 class CheckpointManager:

@@ -51,10 +51,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import is_url, open_storage
 from ..checkpoint.storage.object_placement import committed_copy
-from ..checkpoint.storage.step_names import step_dir_name
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..tiers import Restored, TieredCheckpointManager
 from . import hparams, restore, state

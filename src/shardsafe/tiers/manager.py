@@ -30,11 +30,10 @@ import warnings
 from typing import Any, NoReturn
 
 from ..checkpoint.io.staging import Stager
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadKeywords
 from ..checkpoint.plan.collecting import check_state, collect
 from ..checkpoint.storage.locations import is_url, local_path
-from ..checkpoint.storage.step_names import step_of
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError

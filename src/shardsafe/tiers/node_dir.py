@@ -21,11 +21,10 @@ from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 from ..checkpoint.format.manifest import MANIFEST_NAME
-from ..checkpoint.manager import loadable_manifest
+from ..checkpoint.manager import loadable_manifest, step_dir_name, step_of
 from ..checkpoint.storage.files import check_name, open_directory
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.removal import delete_checkpoint
-from ..checkpoint.storage.step_names import step_dir_name, step_of
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import rank_checkpoint
 

@@ -20,10 +20,9 @@ from typing import Any
 from ..checkpoint import loading
 from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.io.reader import CheckpointReader
-from ..checkpoint.manager import LATEST, CheckpointManager
+from ..checkpoint.manager import LATEST, CheckpointManager, step_dir_name, step_of
 from ..checkpoint.options import LoadKeywords, LoadOptions
 from ..checkpoint.storage.locations import open_storage
-from ..checkpoint.storage.step_names import step_dir_name, step_of
 from ..distributed import Phase, world
 from ..errors import (
     CheckpointCorruptError,

@@ -21,9 +21,8 @@ from typing import Any
 
 from ..checkpoint.api import load
 from ..checkpoint.loading import read_manifest
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage.step_names import step_of
 from ..distributed.coordinator import rank_zero_answer
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue
