@@ -67,6 +67,37 @@ def test_a_step_directory_without_a_manifest_is_not_a_checkpoint(tmp_path: Path)
     assert (tmp_path / "latest").read_text() == "step-000000020\n"
 
 
+def test_loading_a_root_or_run_directory_names_the_newest_checkpoint(tmp_path: Path) -> None:
+    """``shardsafe.load("run/checkpoints", ...)`` said only 'a save into it may have been
+    interrupted', which sends the user looking for a crash; it now gives the hint that
+    ``inspect`` and ``verify`` give (docs/saving-and-loading.md)."""
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints")
+    for step in (10, 20):
+        manager.save(step, {"t": torch.ones(2)})
+    manager.close()
+    missing = (
+        "has no manifest.json, so it is not a committed checkpoint (a save into it may have "
+        "been interrupted)"
+    )
+    newest = tmp_path / "run" / "checkpoints" / "step-000000020"
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+        shardsafe.load(tmp_path / "run" / "checkpoints", {"t": torch.zeros(2)})
+    assert str(caught.value) == (
+        f"{tmp_path / 'run' / 'checkpoints'} {missing}. It looks like a checkpoint root; the "
+        f"newest committed checkpoint in it is {newest}"
+    )
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+        shardsafe.load(tmp_path / "run", {"t": torch.zeros(2)})
+    assert str(caught.value) == (
+        f"{tmp_path / 'run'} {missing}. It looks like a Trainer run directory: its checkpoints "
+        f"are under {tmp_path / 'run' / 'checkpoints'}; the newest is {newest}"
+    )
+    (tmp_path / "other").mkdir()
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as caught:
+        shardsafe.load(tmp_path / "other", {})
+    assert str(caught.value) == f"{tmp_path / 'other'} {missing}"
+
+
 def test_without_keep_last_everything_is_kept(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
     for step in range(4):

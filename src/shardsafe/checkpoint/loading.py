@@ -78,6 +78,22 @@ def read_manifest_from(storage: Storage) -> Manifest:
     return parse(raw, storage.where(MANIFEST_NAME))
 
 
+def _manifest_to_load(storage: Storage) -> Manifest:
+    """:func:`read_manifest_from`, whose error for a checkpoint root or a Trainer's run
+    directory (``shardsafe.load("run/checkpoints", ...)``) names the newest checkpoint in
+    it, as ``inspect`` and ``verify`` do (``finding.where_checkpoints_are``), instead of
+    suggesting only an interrupted save, which sent users looking for a crash."""
+    try:
+        return read_manifest_from(storage)
+    except CheckpointNotFoundError as e:
+        from .finding import where_checkpoints_are  # the error path only: it imports this
+
+        hint = where_checkpoints_are(storage.directory, getattr(storage, "storage_options", None))
+        if not hint:
+            raise
+        raise CheckpointNotFoundError(f"{e}{hint}") from None
+
+
 def load(storage: Storage, state: Mapping[str, Any], options: LoadOptions) -> dict[str, Any]:
     """Run the phases of a load on this rank; return the plain values the checkpoint holds."""
     if not isinstance(state, Mapping):
@@ -109,7 +125,7 @@ def load_chosen(
     coord.enter(options.entry_timeout)
     try:
         with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
-            manifest = read_manifest_from(storage)
+            manifest = _manifest_to_load(storage)
             if view is not None:
                 manifest = view(manifest)
             state = choose(manifest)
