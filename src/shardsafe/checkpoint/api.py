@@ -13,6 +13,7 @@ from typing import Any
 
 from . import background, loading, saving
 from .background import SaveHandle
+from .finding import where_checkpoints_are
 from .format.manifest_format import Layout
 from .loading import read_manifest
 from .options import (
@@ -24,6 +25,7 @@ from .options import (
     VerifyMode,
     storage_factory,
 )
+from .storage.protocol import Storage
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -169,7 +171,12 @@ def load(
         read_threads=read_threads,
     )
     with storage_factory(storage, storage_options)(os.fspath(path)) as opened:
-        return loading.load(opened, state, options)
+        return loading.load(opened, state, options, hint=_where_checkpoints_are)
+
+
+def _where_checkpoints_are(storage: Storage) -> str:
+    """For a load of a checkpoint root or run directory: where its checkpoints are."""
+    return where_checkpoints_are(storage.directory, getattr(storage, "storage_options", None))
 
 
 __all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save"]

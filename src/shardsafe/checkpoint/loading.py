@@ -78,27 +78,33 @@ def read_manifest_from(storage: Storage) -> Manifest:
     return parse(raw, storage.where(MANIFEST_NAME))
 
 
-def _manifest_to_load(storage: Storage) -> Manifest:
+Hint = Callable[[Storage], str]
+"""Where a directory without a manifest points to (``finding.where_checkpoints_are``, given
+by ``api.load``: the finder imports this module), appended to the error; ``""``: nothing."""
+
+
+def _manifest_to_load(storage: Storage, hint: Hint | None) -> Manifest:
     """:func:`read_manifest_from`, whose error for a checkpoint root or a Trainer's run
     directory (``shardsafe.load("run/checkpoints", ...)``) names the newest checkpoint in
-    it, as ``inspect`` and ``verify`` do (``finding.where_checkpoints_are``), instead of
-    suggesting only an interrupted save, which sent users looking for a crash."""
+    it, as ``inspect`` and ``verify`` do, instead of suggesting only an interrupted save,
+    which sent users looking for a crash."""
     try:
         return read_manifest_from(storage)
     except CheckpointNotFoundError as e:
-        from .finding import where_checkpoints_are  # the error path only: it imports this
-
-        hint = where_checkpoints_are(storage.directory, getattr(storage, "storage_options", None))
-        if not hint:
+        said = hint(storage) if hint is not None else ""
+        if not said:
             raise
-        raise CheckpointNotFoundError(f"{e}{hint}") from None
+        raise CheckpointNotFoundError(f"{e}{said}") from None
 
 
-def load(storage: Storage, state: Mapping[str, Any], options: LoadOptions) -> dict[str, Any]:
-    """Run the phases of a load on this rank; return the plain values the checkpoint holds."""
+def load(
+    storage: Storage, state: Mapping[str, Any], options: LoadOptions, *, hint: Hint | None = None
+) -> dict[str, Any]:
+    """Run the phases of a load on this rank; return the plain values the checkpoint holds.
+    ``hint``: see :data:`Hint`."""
     if not isinstance(state, Mapping):
         raise ValueError("state must be a dict of name -> object to restore")
-    return load_chosen(storage, lambda manifest: state, options)
+    return load_chosen(storage, lambda manifest: state, options, hint=hint)
 
 
 def load_chosen(
@@ -108,6 +114,7 @@ def load_chosen(
     *,
     agree_as: str | None = None,
     view: Callable[[Manifest], Manifest] | None = None,
+    hint: Hint | None = None,
 ) -> dict[str, Any]:
     """:func:`load`, with the state to restore chosen from the manifest by ``choose``.
 
@@ -118,14 +125,14 @@ def load_chosen(
     ``agree_as`` names the load for the agreement between ranks (default: the
     directory), for ranks that each load a directory of their own (the tiered manager's
     node-local rank checkpoints); ``view`` turns the validated manifest into the one the
-    load plans from (``tiers/rank_checkpoint.py``).
+    load plans from (``tiers/rank_checkpoint.py``); ``hint``: see :data:`Hint`.
     """
     where = storage.directory if agree_as is None else agree_as
     coord = Coordinator("load", where, timeout=options.timeout, aftermath=AFTERMATH)
     coord.enter(options.entry_timeout)
     try:
         with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
-            manifest = _manifest_to_load(storage)
+            manifest = _manifest_to_load(storage, hint)
             if view is not None:
                 manifest = view(manifest)
             state = choose(manifest)
