@@ -462,3 +462,53 @@ def test_the_folder_of_automatic_checkpoints_is_named_as_such(tmp_path: Path) ->
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+class _Forged:
+    """A stateful object whose state is whatever a forger chose (saved as 'stateful', as a
+    dataloader position is)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"iteration": "3"}, "holds iteration '3', not a whole number from 0 to"),
+        ({"iteration": True}, "holds iteration True, not a whole number from 0 to"),
+        ({"sampler": {"epoch": 1, "seed": 1 << 70}}, f"holds sampler seed {1 << 70}, not a"),
+        ({"sampler": {"epoch": -1, "seed": 0}}, "holds sampler epoch -1, not a whole number"),
+        ({"sampler": [1, 2]}, "holds sampler epoch None, not a whole number"),
+    ],
+)
+def test_a_dataloader_position_out_of_range_is_refused_before_anything_loads(
+    accelerator: Any, tmp_path: Path, edit: dict[str, Any], said: str
+) -> None:
+    """A dataloader position (from anyone) whose epoch counter or seed is no whole number
+    in range: a string failed in ``int()`` after everything else was restored, and a seed
+    of 2**70 only when the next epoch reseeded the sampler, mid-run."""
+    from torch.utils.data import DataLoader
+
+    model, _ = prepared(accelerator)
+    accelerator.prepare(DataLoader(list(range(8)), batch_size=2))
+    state = state_of(accelerator)
+    saved = dict(state)
+    saved["dataloader"] = _Forged({**state["dataloader"].state_dict(), **edit})
+    shardsafe.save(tmp_path / "c", saved)
+    with torch.no_grad():
+        model.weight.zero_()
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        load_state(accelerator, tmp_path / "c")
+    assert said in str(refused.value)
+    assert str(refused.value).startswith("the checkpoint's 'dataloader' holds ")
+    assert str(refused.value).endswith(
+        "as shardsafe.accelerate.save_state writes it; nothing was restored"
+    )
+    assert torch.equal(model.weight, torch.zeros_like(model.weight))

@@ -183,6 +183,7 @@ def _nothing_left_behind(
 
     def choose(manifest: Manifest) -> dict[str, Any]:
         _check_step(manifest)
+        _check_positions(manifest, state)
         left = [n for n in manifest.values if n not in state and _ACCELERATOR_ENTRY.fullmatch(n)]
         if strict and left:
             raise CheckpointMismatchError(
@@ -212,6 +213,37 @@ def _check_step(manifest: Manifest) -> None:
             f"the checkpoint's {STEP!r} is {shown!r}, not a number of steps (a whole number, "
             "0 or more) as shardsafe.accelerate.save_state writes it; nothing was restored"
         )
+
+
+def _check_positions(manifest: Manifest, state: dict[str, Any]) -> None:
+    """Refuse, before anything is restored, a dataloader position (``positions.py``) whose
+    epoch counter or sampler seed is not a whole number in range: restored as it was, a
+    string failed in ``int()`` after every other object was restored, and a seed of
+    2**70 only when the next epoch reseeded the sampler, mid-run."""
+    for name, saved in manifest.values.items():
+        if not isinstance(state.get(name), DataLoaderPosition) or saved.kind != "stateful":
+            continue
+        meta = saved.meta if isinstance(saved.meta, dict) else {}
+        sampler = meta.get("sampler")
+        fields = [("iteration", meta.get("iteration"), 0, _MAX_COUNT)]
+        if sampler is not None:
+            if not isinstance(sampler, dict):
+                sampler = {}  # its epoch and seed are then reported missing (None)
+            fields += [
+                ("sampler epoch", sampler.get("epoch"), 0, _MAX_COUNT),
+                ("sampler seed", sampler.get("seed"), -(1 << 63), 1 << 64),
+            ]
+        for field, value, low, high in fields:
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+                raise CheckpointCorruptError(
+                    f"the checkpoint's {name!r} holds {field} {value!r}, not a whole number "
+                    f"from {low} to {high - 1} as shardsafe.accelerate.save_state writes it; "
+                    "nothing was restored"
+                )
+
+
+_MAX_COUNT = 1 << 63
+"""An epoch counter past this is no run's (and overflows torch's seeding)."""
 
 
 def _load_chosen(
