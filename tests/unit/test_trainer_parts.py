@@ -585,3 +585,32 @@ def test_a_second_sigterm_while_the_launcher_stops_its_workers_is_not_a_tracebac
         sender.join()
     assert status == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
+
+
+def test_workers_are_launched_from_the_main_thread_only(tmp_path: Path) -> None:
+    """``Trainer(devices=2).fit`` called from a thread failed in ``signal.signal`` with a bare
+    'signal only works in main thread'; it now says why and what to do, before any worker
+    starts."""
+    import threading
+
+    from shardsafe.trainer.launcher import launch
+
+    marker = tmp_path / "started"
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            launch(["touch", str(marker)], 2)
+        except BaseException as e:  # the test reads it below
+            caught.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert len(caught) == 1 and type(caught[0]) is RuntimeError
+    assert str(caught[0]) == (
+        "devices=2 runs its workers from the main thread, which alone can stop them on "
+        "SIGTERM or Ctrl-C; call Trainer.fit from the main thread, or start the script with "
+        "`torchrun --nproc-per-node 2`"
+    )
+    assert not marker.exists()

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
@@ -75,6 +76,13 @@ def script_command() -> list[str]:
 
 def launch(command: Sequence[str], nprocs: int) -> int:
     """Run ``command`` as ``nprocs`` workers of one process group; return the exit status."""
+    if threading.current_thread() is not threading.main_thread():
+        # signal.signal below raised a bare "signal only works in main thread".
+        raise RuntimeError(
+            f"devices={nprocs} runs its workers from the main thread, which alone can stop "
+            "them on SIGTERM or Ctrl-C; call Trainer.fit from the main thread, or start the "
+            f"script with `torchrun --nproc-per-node {nprocs}`"
+        )
     port = _free_port()
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     workers: list[subprocess.Popen[bytes]] = []
