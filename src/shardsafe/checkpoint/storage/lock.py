@@ -81,10 +81,12 @@ class RootLock:
 
     def __init__(self, open_root: Callable[[], Storage]) -> None:
         self._open_root = open_root
+        self._pid = os.getpid()
         self.me = {
-            "pid": os.getpid(),
+            "pid": self._pid,
             "host": socket.gethostname(),
-            "started": _start_time(os.getpid()),
+            "started": None,  # read at the first acquire: a manager that never saves
+            # (a load's hint of where checkpoints are) opens nothing outside its root
             "token": uuid.uuid4().hex,
             "since": time.time(),
         }
@@ -105,6 +107,8 @@ class RootLock:
             if self._recheck:
                 self._confirm()
             return
+        if self.me["started"] is None:
+            self.me["started"] = _start_time(self._pid)
         with self._open_root() as root:
             backend = root.lock_backend()
             raw = json.dumps(self.me).encode()
