@@ -146,13 +146,18 @@ def test_a_symlinked_shardsafe_folder_is_refused_not_followed(tmp_path: Path) ->
     ), errors[0]
 
 
-@pytest.mark.slow
 def test_the_others_wait_for_the_main_process_writing_a_big_model(tmp_path: Path) -> None:
     """The main process writes ``model.safetensors`` alone before the shardsafe save;
     taking 65 s (a model of several GB), the others waited for it only shardsafe's
     default 60 s and the run died at its first checkpoint. They now wait the Trainer's
-    ``ddp_timeout``, as its own collectives do."""
-    done = launch(tmp_path / "whole", "--steps", "5", "--slow-model-write", "65")
+    ``ddp_timeout``, as its own collectives do. Shown in seconds: shardsafe's default is
+    shortened to 2 s in the workers (``--default-entry-timeout``) and the write takes 6 s,
+    which the run survives only if the Trainer passes its own wait (as ``_arrival`` does;
+    without it, this run dies at step 5)."""
+    done = launch(
+        tmp_path / "whole", "--steps", "5", "--slow-model-write", "6",
+        "--default-entry-timeout", "2",
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert shardsafe.verify(tmp_path / "whole" / "checkpoint-5" / "shardsafe").ok
 
