@@ -674,14 +674,14 @@ def holds(state: dict[str, Any], step: int) -> bool:
 
 def _fail_own_write_of(failing_step: int) -> None:
     """This process's local write of ``failing_step`` fails as on a full disk."""
-    write = rank_checkpoint.write
+    write = rank_checkpoint.write_uncommitted
 
-    def failing(storage: Any, items: Any, *, rank: int, world_size: int, step: int) -> int:
-        if step == failing_step:
+    def failing(storage: Any, items: Any, **options: Any) -> Any:
+        if options["step"] == failing_step:
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-        return write(storage, items, rank=rank, world_size=world_size, step=step)
+        return write(storage, items, **options)
 
-    rank_checkpoint.write = failing  # type: ignore[assignment]
+    rank_checkpoint.write_uncommitted = failing
 
 
 def session(

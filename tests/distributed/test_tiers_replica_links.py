@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import shardsafe
 from tests.distributed.tiers_setup import local_dir
 from tests.harness import run_ranks
 
@@ -101,9 +102,10 @@ def _flip_last_byte(path: Path) -> None:
         f.write(bytes([last ^ 1]))
 
 
-def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
+def _replicate_once(rank: int, world: int, base: str, case: str, trust: bool = False) -> Any:
     """Rank 0 sends its checkpoint of step 1; rank 1 receives it beside its own (damaged
-    before the transfer, or swapped for another file right after it was compared)."""
+    before the transfer, or swapped for another file right after it was compared).
+    ``trust``: rank 1 names its own file's identity as it wrote it (``trusted``)."""
     import torch.distributed as dist
 
     from shardsafe.checkpoint.storage.local import LocalStorage
@@ -115,6 +117,8 @@ def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
             os.rename(root / "theirs" / BULK, root / "moved")
             os.symlink(root / "moved", root / "theirs" / BULK)
         return transfer.send(dist.group.WORLD, 1, LocalStorage(str(root / "theirs")), 1)
+    found = os.stat(root / "own" / BULK)
+    trusted = {BULK: (found.st_dev, found.st_ino)} if trust else None
     if case == "swapped":
         compared = transfer.loadable_manifest
 
@@ -137,16 +141,22 @@ def _replicate_once(rank: int, world: int, base: str, case: str) -> Any:
         step=1,
         target=target,
         held=None if case == "unreadable" else lambda: LocalStorage(str(root / "own")),
+        trusted=trusted,
     )
 
 
 @pytest.mark.parametrize("case", ["damaged", "swapped", "unreadable", "intact"])
+@pytest.mark.parametrize("trust", [False, True], ids=["", "trusted"])
 def test_a_linked_file_is_checked_like_a_received_one_before_the_replica_commits(
-    tmp_path: Path, case: str
+    tmp_path: Path, case: str, trust: bool
 ) -> None:
     """``unreadable``: nothing linked, and the sender cannot read its file, so it sends
     zeros in its place; the receiver refuses them (it once looped forever on their
-    zero-length header) and both return."""
+    zero-length header) and both return. ``trusted``: the receiver's own file is the
+    inode it wrote (as the replicator records at each local write), so a link to it is
+    not read again; a file swapped in is still refused. A byte flipped in place in that
+    very inode then reaches the replica, which its checksums refuse at any load (as they
+    do the damaged own checkpoint itself: the same inode)."""
     from shardsafe.checkpoint.plan.collecting import collect
     from shardsafe.checkpoint.storage.local import LocalStorage
     from shardsafe.tiers import rank_checkpoint
@@ -161,8 +171,12 @@ def test_a_linked_file_is_checked_like_a_received_one_before_the_replica_commits
     elif case == "swapped":
         shutil.copyfile(tmp_path / "own" / BULK, tmp_path / "forged")
         _flip_last_byte(tmp_path / "forged")
-    sent, received = run_ranks(_replicate_once, 2, str(tmp_path), case)
+    sent, received = run_ranks(_replicate_once, 2, str(tmp_path), case, trust)
     committed = (tmp_path / "replica" / "manifest.json").exists()
+    if case == "damaged" and trust:
+        assert [sent, received, committed] == [True] * 3
+        assert not shardsafe.verify(tmp_path / "replica").ok
+        return
     assert [sent, received, committed] == [case == "intact"] * 3
     if case == "intact":
         assert _stat(tmp_path / "replica" / BULK) == _stat(tmp_path / "own" / BULK)

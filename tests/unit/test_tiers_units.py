@@ -802,10 +802,10 @@ def test_a_local_disk_failing_at_every_step_keeps_a_bounded_number_of_errors(
     """Before, every failed local write kept its error (and its traceback's frames) until
     the next wait(): a disk full for a whole run held about 4 KiB per step saved."""
 
-    def full(storage: Any, items: Any, *, rank: int, world_size: int, step: int) -> int:
+    def full(storage: Any, items: Any, **options: Any) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rank_checkpoint, "write", full)
+    monkeypatch.setattr(rank_checkpoint, "write_uncommitted", full)
     manager = TieredCheckpointManager(
         tmp_path / "p", tmp_path / "l", replicas=0, persist_every=None
     )
@@ -829,14 +829,14 @@ def test_a_failed_local_write_is_raised_by_wait_naming_its_step_and_rank(
 ) -> None:
     """Before, wait() raised 'a local checkpoint failed: [Errno 28] No space left on
     device': which step was missing, it did not say."""
-    write = rank_checkpoint.write
+    write = rank_checkpoint.write_uncommitted
 
-    def full_at_7(storage: Any, items: Any, *, rank: int, world_size: int, step: int) -> int:
-        if step == 7:
+    def full_at_7(storage: Any, items: Any, **options: Any) -> Any:
+        if options["step"] == 7:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write(storage, items, rank=rank, world_size=world_size, step=step)
+        return write(storage, items, **options)
 
-    monkeypatch.setattr(rank_checkpoint, "write", full_at_7)
+    monkeypatch.setattr(rank_checkpoint, "write_uncommitted", full_at_7)
     manager = TieredCheckpointManager(
         tmp_path / "p", tmp_path / "l", replicas=0, persist_every=None, keep_local=3
     )

@@ -30,11 +30,17 @@ from .format.manifest import Manifest
 from .format.manifest_format import CRC_BLOCK_BYTES
 from .format.tensor_bytes import byte_view, memory
 from .io.writing import write_own_files
-from .io.written import WriteOptions
+from .io.written import WriteOptions, WrittenFile
 from .loading import read_manifest_from
 from .options import DEFAULT_BUFFER_BYTES
 from .plan.offer import ChunkOffer
-from .plan.save_plan import plan_save, set_apart_small
+from .plan.save_plan import (
+    SavePlan,
+    part_file_name,
+    plan_save,
+    set_apart_small,
+    split_into_parts,
+)
 from .saving import BACKGROUND_PIECE_BYTES, check_loadable, commit
 from .storage import target_directory
 from .storage.protocol import Storage
@@ -138,6 +144,78 @@ def write_unverified(
     cache-sized pieces on this one thread (beside a training loop, as ``async_save``
     does); ``extra_info`` joins the manifest's ``info``; ``small_apart``: chunks of fewer
     bytes go into a file of their own (``plan.save_plan.set_apart_small``)."""
+    write_uncommitted(
+        storage,
+        values,
+        chunks,
+        on_bytes=on_bytes,
+        buffer_bytes=buffer_bytes,
+        background=background,
+        extra_info=extra_info,
+        small_apart=small_apart,
+    ).commit({})
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Chunks written once for several writers (``tiers/node_share.py``): ``part_of``
+    maps a chunk (its index in the chunk list) to the part whose file holds it; this
+    writer writes the file of part ``own`` of ``count`` and links in the others."""
+
+    part_of: dict[int, int]
+    count: int
+    own: int
+
+
+@dataclass
+class Uncommitted:
+    """A checkpoint whose own data files are written and durable, not yet committed:
+    :meth:`commit` it, with the records of the files others wrote (``elsewhere``, each
+    with the names of its tensors, linked into the directory by then), or
+    :meth:`abandon` it."""
+
+    storage: Storage
+    plan: SavePlan
+    values: dict[str, SavedValue]
+    written: dict[str, WrittenFile]
+    extra_info: Mapping[str, Any] | None
+    existed: bool
+    elsewhere: dict[str, list[str]]
+
+    def commit(self, theirs: dict[str, WrittenFile]) -> None:
+        if set(theirs) != set(self.elsewhere):
+            self.abandon()
+            raise CheckpointError(
+                f"the files written elsewhere are {sorted(self.elsewhere)}, but the records "
+                f"given are of {sorted(theirs)}"
+            )
+        try:
+            written = {**self.written, **theirs}
+            commit(self.storage, self.plan, self.values, [written], None, self.extra_info)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Remove what was written (and linked) for it, unless it was committed before."""
+        if not self.existed:
+            target_directory.remove_uncommitted(self.storage)
+
+
+def write_uncommitted(
+    storage: Storage,
+    values: dict[str, SavedValue],
+    chunks: list[StreamedChunk],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    background: bool = False,
+    extra_info: Mapping[str, Any] | None = None,
+    small_apart: int = 0,
+    parts: Parts | None = None,
+) -> Uncommitted:
+    """:func:`write_unverified` up to its commit; with ``parts``, the files of the other
+    parts are neither written nor read (a chunk of theirs may have no data here)."""
     existed = target_directory.refuse_committed(storage)
     try:
         token = target_directory.prepare(storage)
@@ -149,20 +227,29 @@ def write_unverified(
         plan = plan_save([offers], "sharded", list(values))
         if small_apart:
             plan = set_apart_small(plan, small_apart)
+        elsewhere: dict[str, list[str]] = {}
+        if parts is not None and parts.part_of:
+            plan = split_into_parts(plan, parts.part_of, parts.count)
+            theirs = {part_file_name(p, parts.count) for p in parts.part_of.values()}
+            theirs.discard(part_file_name(parts.own, parts.count))
+            elsewhere = {
+                f.name: [e.name for e in f.entries] for f in plan.files if f.name in theirs
+            }
         check_loadable(plan, values, extra_info)
         target_directory.record_plan(storage, token, [f.name for f in plan.files])
         cache_bytes = BACKGROUND_PIECE_BYTES if background else 0
         options = WriteOptions(CRC_BLOCK_BYTES, buffer_bytes, cache_bytes)
         sources = LazyChunkBytes(chunks, on_bytes)
+        mine = [f for f in plan.files_of(0) if f.name not in elsewhere]
         try:
-            written = write_own_files(plan.files_of(0), sources, storage, options)
+            written = write_own_files(mine, sources, storage, options)
         finally:
             sources.close()
-        commit(storage, plan, values, [written], None, extra_info)
     except BaseException:
         if not existed:
             target_directory.remove_uncommitted(storage)
         raise
+    return Uncommitted(storage, plan, values, written, extra_info, existed, elsewhere)
 
 
 def verify_committed(storage: Storage) -> Manifest:

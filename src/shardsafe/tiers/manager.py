@@ -39,6 +39,7 @@ from ..distributed.group import default_store
 from ..errors import CheckpointError
 from . import budget
 from .node_dir import NodeDir
+from .node_share import NodeShare
 from .ranks import Ranks
 from .replication import Peers, Replicator
 from .restore import Restored, Restorer
@@ -122,8 +123,16 @@ class TieredCheckpointManager:
             self.topology.targets(self.rank, self.replicas),
             self.topology.sources(self.rank, self.replicas),
         )
+        mates = list(self.topology.nodes[self.topology.node_of[self.rank]])
         self._replicator = Replicator(
-            self.node, self.rank, self.world_size, peers, None, keep_local, self._tally(names)
+            self.node,
+            self.rank,
+            self.world_size,
+            peers,
+            None,
+            keep_local,
+            self._tally(names),
+            NodeShare(self.node, self.rank, mates) if len(mates) > 1 else None,
         )
         self._stager = Stager()
         self._budget_checked = False
@@ -212,7 +221,8 @@ class TieredCheckpointManager:
             # others' replication of this step (as "none"), or the pairs fall out of step.
             check_state(state)
             items = collect(state, self.rank, self.world_size)
-            staged = self._stager.stage(items)
+            share = self._replicator.share
+            staged = self._stager.stage(items, share.keep(items) if share is not None else None)
             staged.ready()
         except BaseException as e:
             if self._budget_checked:  # the others replicate this step: take part, empty
@@ -231,7 +241,8 @@ class TieredCheckpointManager:
             raise
         if not self._budget_checked:
             self._check_budget(step, budget.staged_bytes(staged.items))
-            if self.replicas:
+            # Collective: every rank asks, if any node shares (node_share.py) or replicates.
+            if self.replicas or any(len(ranks) > 1 for ranks in self.topology.nodes):
                 self._replicator.group = self._ranks.transfers()
         self._replicator.submit(step, staged.items)
 

@@ -25,13 +25,15 @@ from dataclasses import replace
 from typing import Any
 
 from ..adapters.registry import adapter_for
+from ..checkpoint import streaming
 from ..checkpoint.format.manifest import ChunkRecord, Manifest, TensorRecord
 from ..checkpoint.format.manifest_format import shape_problem
 from ..checkpoint.plan.collecting import Collected
 from ..checkpoint.storage.protocol import Storage
-from ..checkpoint.streaming import StreamedChunk, write_unverified
+from ..checkpoint.streaming import StreamedChunk, Uncommitted
+from ..dtypes import dtype_name
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from ..protocol import SavedValue
+from ..protocol import Chunk, SavedValue
 
 INFO_KEY = "rank_checkpoint"
 SMALL_APART_BYTES = 1 << 20
@@ -43,10 +45,32 @@ often each rank's own (RNG states, a sampler's generator)."""
 
 def write(storage: Storage, items: Collected, *, rank: int, world_size: int, step: int) -> int:
     """Write and commit the rank checkpoint of ``items`` (staged copies) into ``storage``;
-    return the bytes of tensor data written."""
+    return the bytes of the data files written."""
+    written = write_uncommitted(
+        storage, items, rank=rank, world_size=world_size, step=step, shared=None
+    )
+    written.commit({})
+    return sum(w["bytes"] for w in written.written.values())
+
+
+def write_uncommitted(
+    storage: Storage,
+    items: Collected,
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    shared: Mapping[Candidate, int] | None,
+    parts: int = 1,
+    own_part: int = 0,
+) -> Uncommitted:
+    """The rank checkpoint of ``items`` written but for its commit; with ``shared`` (which
+    part of the node each shared chunk is in, ``node_share.py``), the chunks of the other
+    parts are left to their writers (their staged tensors hold no data)."""
     values: dict[str, SavedValue] = {}
     chunks: list[StreamedChunk] = []
     placements: dict[str, list[list[int]]] = {}
+    part_of: dict[int, int] = {}
     for name, (_, item) in items.items():
         values[name] = SavedValue(name, item.kind, item.meta)
         for chunk in item.chunks:
@@ -57,6 +81,10 @@ def write(storage: Storage, items: Collected, *, rank: int, world_size: int, ste
                     "persistent tier only (local_every=None)"
                 )
             placements[chunk.key] = [list(chunk.offsets), list(chunk.global_shape)]
+            key = candidate(chunk) if shared else None
+            part = shared.get(key) if shared and key is not None else None
+            if part is not None:
+                part_of[len(chunks)] = part
             shape = tuple(chunk.tensor.shape)
             tensor = chunk.tensor
             chunks.append(
@@ -70,15 +98,39 @@ def write(storage: Storage, items: Collected, *, rank: int, world_size: int, ste
                 )
             )
     info = {"rank": rank, "world_size": world_size, "step": step, "placements": placements}
-    write_unverified(
+    return streaming.write_uncommitted(
         storage,
         values,
         chunks,
         background=True,
         extra_info={INFO_KEY: info},
         small_apart=SMALL_APART_BYTES,
+        parts=streaming.Parts(part_of, parts, own_part) if part_of else None,
     )
-    return sum(c.nbytes for c in chunks)
+
+
+Candidate = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""A chunk the ranks of a node may share (``node_share.py``): its key, dtype, shape,
+offsets and global shape."""
+
+
+def candidate(chunk: Chunk) -> Candidate | None:
+    """``chunk`` as a node's ranks may write it once between them: a replicated chunk of
+    at least :data:`SMALL_APART_BYTES`, which every rank holding it holds the same (as
+    the persistent tier's saves assume, writing it once in all); not a buffer (each rank
+    restores its own), nor a rank's own small state."""
+    if not chunk.replicated or chunk.lowest_rank_wins or chunk.per_rank_if_different:
+        return None
+    tensor = chunk.tensor
+    if tensor.numel() * tensor.element_size() < SMALL_APART_BYTES:
+        return None
+    return (
+        chunk.key,
+        dtype_name(tensor.dtype),
+        tuple(tensor.shape),
+        tuple(chunk.offsets),
+        tuple(chunk.global_shape),
+    )
 
 
 def saved_by(manifest: Manifest) -> tuple[int, int, int]:

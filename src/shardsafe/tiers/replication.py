@@ -29,15 +29,20 @@ found on disk count among the ``keep_local``.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.plan.collecting import Collected
+from ..checkpoint.storage.local import LocalStorage
+from ..checkpoint.streaming import Uncommitted
 from ..errors import CheckpointError
-from . import rank_checkpoint, transfer
+from . import node_share, rank_checkpoint, transfer
 from .node_dir import NodeDir
+from .node_share import Linked, NodeShare, Split
 from .ranks import background_priority
 from .retention import Tally, drop_older, retained
 
@@ -96,8 +101,11 @@ class Replicator:
         group: Any,
         keep_local: int,
         tally: Tally | None = None,
+        share: NodeShare | None = None,
     ) -> None:
         self.node, self.rank, self.world_size = node, rank, world_size
+        self.share = share
+        """How this rank shares its node's data-parallel tensors (``node_share.py``)."""
         self.peers, self.group, self.keep_local = peers, group, keep_local
         self.tally = tally
         self.record = Record()
@@ -115,6 +123,9 @@ class Replicator:
         the ``n``-th is the same save on every rank (the tally counts each apart)."""
         self._save_of: dict[int, int] = {}
         """Per step: the number of its latest save (a step saved again gets a new one)."""
+        self._identities: dict[int, dict[str, tuple[int, int]]] = {}
+        """Per step this rank wrote: the identity (device, inode) of each data file of its
+        checkpoint, as it wrote or linked them (``transfer.receive``'s ``trusted``)."""
         self._forgotten: list[tuple[int, int]] = []
         """``(step, save)`` of the saves this rank no longer asks the tally about, whose
         counts are deleted from the store once safe (:meth:`_drop_counts`)."""
@@ -134,7 +145,8 @@ class Replicator:
             self._replications.pop(0).result()
         self._saves += 1
         self._save_of[step] = save = self._saves
-        self._write = self._writer.submit(self._write_step, step, items)
+        split = self.share.split if self.share is not None else None
+        self._write = self._writer.submit(self._write_step, step, items, split)
         self._replications.append(
             self._sender.submit(self._replicate_after, step, save, self._write)
         )
@@ -158,21 +170,54 @@ class Replicator:
 
     # -- the threads
 
-    def _write_step(self, step: int, items: Collected | None) -> None:
-        if items is None:
+    def _write_step(self, step: int, items: Collected | None, split: Split | None) -> None:
+        share = self.share if self.share is not None and self.share.active else None
+        if items is None and share is None:
             return
+        storage: LocalStorage | None = None
+        written: Uncommitted | None = None
+        own: dict[str, tuple[int, int]] = {}
+        self._identities.pop(step, None)
+        shared = node_share.candidates(items) if items is not None else None
         try:
-            self._forget_found(step, self.rank)
-            self.node.remove(step, self.rank)  # an earlier attempt at this step
-            with self.node.rank_storage(step, self.rank, create=True) as storage:
-                rank_checkpoint.write(
-                    storage, items, rank=self.rank, world_size=self.world_size, step=step
+            if items is not None:
+                self._forget_found(step, self.rank)
+                self.node.remove(step, self.rank)  # an earlier attempt at this step
+                storage = self.node.rank_storage(step, self.rank, create=True)
+                written = rank_checkpoint.write_uncommitted(
+                    storage,
+                    items,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    step=step,
+                    shared=split.part_of if split is not None else None,
+                    parts=split.parts if split is not None else 1,
+                    own_part=share.position if share is not None else 0,
                 )
-            self.record.written.append(step)
+                own = _identities(storage, written.written)
         except Exception as e:  # recorded; replication sends "none" for this step
             self.failed(step, e)
         finally:
-            items.clear()
+            if items is not None:
+                items.clear()
+        try:
+            theirs = Linked({}, {})
+            if share is not None:  # even without a write: the node's ranks wait for it
+                theirs = share.settle(self.group, step, shared, written, storage)
+            if written is not None:
+                written.commit(theirs.records)
+                self._identities[step] = {**own, **theirs.identities}
+                self.record.written.append(step)
+        except Exception as e:
+            if written is not None:
+                written.abandon()
+                self.failed(step, e)
+            elif share is not None and share.broken:
+                self._record(e)
+                warnings.warn(f"shardsafe: {e}", stacklevel=1)
+        finally:
+            if storage is not None:
+                storage.close()
 
     def failed(self, step: int, error: Exception) -> None:
         """Record (for ``wait``) and warn that this rank has no local checkpoint of
@@ -279,6 +324,7 @@ class Replicator:
             step=step,
             target=lambda: self.node.rank_storage(step, source, create=True),
             held=(lambda: self.node.rank_storage(step, self.rank, create=False)) if own else None,
+            trusted=self._identities.get(step, {}) if own else {},
         )
 
     def _retain(self, step: int) -> None:
@@ -320,7 +366,10 @@ class Replicator:
 
     def _forget_saves(self, *, upto: int) -> None:
         """Forget the save numbers of steps up to ``upto`` this rank no longer holds (the
-        tally is asked about written steps only)."""
+        tally is asked about written steps only), and their files' identities."""
+        for old in [s for s in list(self._identities) if s <= upto]:
+            if old not in self.record.written:
+                self._identities.pop(old, None)
         for old in [s for s in list(self._save_of) if s <= upto]:
             if old not in self.record.written:
                 save = self._save_of.pop(old, None)
@@ -394,3 +443,13 @@ class Replicator:
                     self.record.everywhere = max(self.record.everywhere or -1, step)
                     break
         return self.record.everywhere
+
+
+def _identities(storage: LocalStorage, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """The (device, inode) of each of ``names`` in ``storage``, right after this rank
+    wrote (or linked and checked) them."""
+    found = {}
+    for name in names:
+        stat = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
+        found[name] = (stat.st_dev, stat.st_ino)
+    return found

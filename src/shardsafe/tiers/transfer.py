@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -155,11 +155,14 @@ def receive(
     step: int,
     target: Callable[[], LocalStorage],
     held: Callable[[], LocalStorage] | None = None,
+    trusted: Mapping[str, tuple[int, int]] | None = None,
 ) -> bool:
     """Receive rank ``rank``'s checkpoint of ``step`` from ``src`` into ``target()``
     (made only once the manifest is accepted); True once verified and committed.
     ``held()``: a committed checkpoint on this node whose identical data files are linked
-    instead of received (this rank's own of the same step; see the module docstring).
+    instead of received (this rank's own of the same step; see the module docstring);
+    ``trusted``: the identity (device, inode) of each of its data files as this rank
+    wrote or linked them, whose bytes a link to the same inode needs no check of.
     Raises :class:`StepsDiffer` if ``src`` sends another step."""
     has, length, theirs = _recv_ints(group, src, 3, DATA)
     accept = bool(has) and theirs == step and 0 < length <= MAX_MANIFEST_BYTES
@@ -194,8 +197,9 @@ def receive(
             for name in names
         ]
         if all(whole):
+            checked = set(names) | _still_ours(storage, linked, trusted or {})
             with contextlib.suppress(CheckpointError, OSError):
-                committed = _commit_if_whole(storage, manifest, raw, set(names))
+                committed = _commit_if_whole(storage, manifest, raw, checked)
     finally:
         try:  # the sender may be gone: its error is raised, the directory still closed
             _send_ints(group, src, [int(committed)], CONTROL)
@@ -261,6 +265,23 @@ def _commit_if_whole(
             return False
     storage.commit(MANIFEST_NAME, raw)
     return True
+
+
+def _still_ours(
+    storage: LocalStorage, linked: set[str], trusted: Mapping[str, tuple[int, int]]
+) -> set[str]:
+    """The ``linked`` files of ``storage`` that are the very inodes this rank wrote or
+    linked at its own save of the step (``trusted``): their bytes are the ones its own
+    manifest's checksums were computed from as they were written, and equal the
+    sender's (``_same_file``), so they are not read again. Any other file (swapped in
+    since) is checked byte by byte."""
+    found = set()
+    for name in linked:
+        with contextlib.suppress(OSError):
+            stat = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
+            if trusted.get(name) == (stat.st_dev, stat.st_ino):
+                found.add(name)
+    return found
 
 
 def _link_identical(

@@ -97,6 +97,34 @@ def set_apart_small(plan: SavePlan, below: int) -> SavePlan:
     return SavePlan(plan.layout, plan.world_size, plan.tensors, files)
 
 
+def part_file_name(part: int, parts: int) -> str:
+    """The file of part ``part`` of ``parts`` of a node's shared chunks
+    (:func:`split_into_parts`)."""
+    return f"part-{part:05d}-of-{parts:05d}.safetensors"
+
+
+def split_into_parts(plan: SavePlan, part_of: dict[int, int], parts: int) -> SavePlan:
+    """``plan`` (one writer's) with each entry whose chunk ``part_of`` names (by offer
+    index) moved to the file of its part (:func:`part_file_name`), in the plan's order.
+
+    Why: the ranks of one node holding the same data-parallel tensors each write one
+    part of them, and link the others' part files into their own rank checkpoint
+    (``tiers/node_share.py``); every rank's plan of a part is then the same file."""
+    files: list[FilePlan] = []
+    moved: dict[int, FilePlan] = {}
+    for f in plan.files:
+        kept = [e for e in f.entries if part_of.get(e.sources[0].index) is None]
+        for e in f.entries:
+            part = part_of.get(e.sources[0].index)
+            if part is not None:
+                name = part_file_name(part, parts)
+                moved.setdefault(part, FilePlan(name, f.writer)).entries.append(e)
+        if kept:
+            files.append(FilePlan(f.name, f.writer, kept))
+    files.extend(moved[part] for part in sorted(moved))
+    return SavePlan(plan.layout, plan.world_size, plan.tensors, files)
+
+
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}")
 
 

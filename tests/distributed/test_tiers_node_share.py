@@ -1,0 +1,178 @@
+"""The ranks of one node write their shared data-parallel tensors once between them, on
+real ranks: 4 ranks as 2 nodes of 2, each node with its own local directory.
+
+The first local save writes every tensor on every rank; from the second on, each rank of
+a node stages and writes one part of the large replicated tensors (``part-<i>-of-2``)
+and links its node-mate's part into its own rank checkpoint, which stays whole: a local
+restore and a lost node's restore from replicas are bitwise. A node-mate whose write
+fails leaves the step committed on neither rank of the node; tensors only some ranks of
+a node hold are written by each of them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.tiers_setup import local_dir
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+PARTS = ["part-00000-of-00002.safetensors", "part-00001-of-00002.safetensors"]
+
+
+def _state(rank: int, extra: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(600, 600) for _ in range(4)])  # 1.4 MiB each
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt}
+    if extra and rank == 1:  # large tensors only rank 1 of node 0 holds (another stage's)
+        torch.manual_seed(1)
+        state["stage"] = torch.nn.Linear(600, 600)
+    return state
+
+
+def _train(state: dict[str, Any], step: int) -> None:
+    torch.manual_seed(step)  # the same on every rank: data parallel
+    model, opt = state["model"], state["optimizer"]
+    model(torch.randn(4, 600)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _live(state: dict[str, Any]) -> list[torch.Tensor]:
+    found = list(state["model"].state_dict().values())
+    if "stage" in state:
+        found.extend(state["stage"].state_dict().values())
+    for per_param in state["optimizer"].state.values():
+        found.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    return found
+
+
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [t.clone() for t in _live(state)]
+
+
+def _session(
+    rank: int, world: int, base: str, extra: bool, fail_rank1_at: int | None, restore: bool
+) -> Any:
+    from shardsafe import TieredCheckpointManager
+    from shardsafe.tiers import rank_checkpoint
+
+    os.environ["SHARDSAFE_NODE"] = str(rank // 2)
+    if fail_rank1_at is not None and rank == 1:
+        write = rank_checkpoint.write_uncommitted
+
+        def failing(storage: Any, items: Any, **options: Any) -> Any:
+            if options["step"] == fail_rank1_at:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            return write(storage, items, **options)
+
+        rank_checkpoint.write_uncommitted = failing
+    state = _state(rank, extra)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"),
+        local_dir(base, rank // 2),
+        persist_every=None,
+        keep_local=4,
+    )
+    try:
+        if restore:
+            _train(state, 0)  # the optimizer's state exists, to be overwritten
+            with torch.no_grad():
+                for t in _live(state):
+                    t.zero_()
+            manager.load_latest(state)
+            assert manager.restored is not None
+            return manager.restored.step, manager.restored.tiers, _tensors(state)
+        saved, staged = {}, []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in (1, 2, 3, 4):
+                _train(state, step)
+                saved[step] = _tensors(state)
+                manager.async_save(step, state)
+                manager._replicator.wait_written()
+                staged.append(manager._stager.nbytes)
+            errors = []
+            try:
+                manager.wait()
+            except Exception as e:
+                errors.append(str(e))
+        return saved, staged, [str(w.message) for w in caught], errors
+    finally:
+        manager.close()
+
+
+def _rank_dir(base: str, node: int, rank: int, step: int) -> Path:
+    return Path(local_dir(base, node)) / f"step-{step:09d}" / f"rank-{rank:05d}"
+
+
+def _restored_bitwise(restored: list[Any], saved: list[Any], step: int) -> None:
+    for rank, (got_step, _, tensors) in enumerate(restored):
+        assert got_step == step
+        expected = saved[rank][0][step]
+        assert len(tensors) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+
+
+def test_a_node_writes_its_shared_tensors_once_and_every_rank_restores_bitwise(
+    tmp_path: Path,
+) -> None:
+    base = str(tmp_path)
+    saved = run_ranks(_session, 4, base, False, None, False, timeout=200)
+    whole, shared = saved[0][1][0], saved[0][1][1]
+    assert shared < 0.6 * whole  # from the second save on, half the large tensors staged
+    for node in (0, 1):
+        first = sorted(os.listdir(_rank_dir(base, node, 2 * node, 3)))
+        assert set(PARTS) <= set(first)
+        for part in PARTS:  # one inode, in both ranks' checkpoints (and the replicas)
+            inodes = {os.stat(_rank_dir(base, node, rank, 4) / part).st_ino for rank in range(4)}
+            assert len(inodes) == 1
+        # The first save wrote every tensor on every rank: no part files.
+        assert not set(PARTS) & set(os.listdir(_rank_dir(base, node, 2 * node, 1)))
+    assert all(not r[3] for r in saved), [r[3] for r in saved]
+    restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
+    assert [r[1] for r in restored] == [["local"] * 4] * 4
+    _restored_bitwise(restored, saved, 4)
+    shutil.rmtree(local_dir(base, 1))  # node 1 lost: its ranks restore from replicas
+    restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
+    assert restored[0][1] == ["local", "local", "peer", "peer"]
+    _restored_bitwise(restored, saved, 4)
+
+
+def test_a_node_mates_failed_write_leaves_the_step_on_neither_rank_of_the_node(
+    tmp_path: Path,
+) -> None:
+    base = str(tmp_path)
+    saved = run_ranks(_session, 4, base, False, 3, False, timeout=200)
+    node0 = [_rank_dir(base, 0, rank, 3) / "manifest.json" for rank in (0, 1)]
+    assert not any(p.exists() for p in node0)
+    assert all((_rank_dir(base, 0, rank, 4) / "manifest.json").exists() for rank in (0, 1))
+    said = [w for w in saved[0][2] if "step 3" in w]
+    assert said == [
+        "shardsafe: rank 0 could not write its local checkpoint of step 3: rank 1, on this "
+        "node, has no part 1 of the node's shared tensors of step 3 (its write failed, or "
+        "it held other tensors)"
+    ]
+    restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
+    _restored_bitwise(restored, saved, 4)
+
+
+def test_tensors_only_some_ranks_of_a_node_hold_are_written_by_each_of_them(
+    tmp_path: Path,
+) -> None:
+    base = str(tmp_path)
+    saved = run_ranks(_session, 4, base, True, None, False, timeout=200)
+    assert all(not r[3] for r in saved), [r[3] for r in saved]
+    for rank in (0, 1):
+        assert set(PARTS) <= set(os.listdir(_rank_dir(base, 0, rank, 4)))
+    restored = run_ranks(_session, 4, base, True, None, True, timeout=200)
+    _restored_bitwise(restored, saved, 4)
