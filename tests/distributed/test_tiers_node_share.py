@@ -61,12 +61,24 @@ def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _session(
-    rank: int, world: int, base: str, extra: bool, fail_rank1_at: int | None, restore: bool
+    rank: int,
+    world: int,
+    base: str,
+    extra: bool,
+    fail_rank1_at: int | None,
+    restore: bool,
+    no_links_on_node0: bool = False,
 ) -> Any:
     from shardsafe import TieredCheckpointManager
     from shardsafe.tiers import rank_checkpoint
 
     os.environ["SHARDSAFE_NODE"] = str(rank // 2)
+    if no_links_on_node0 and rank // 2 == 0:  # a filesystem without hard links
+
+        def refused(*args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted (simulated)")
+
+        os.link = refused
     if fail_rank1_at is not None and rank == 1:
         write = rank_checkpoint.write_uncommitted
 
@@ -175,4 +187,23 @@ def test_tensors_only_some_ranks_of_a_node_hold_are_written_by_each_of_them(
     for rank in (0, 1):
         assert set(PARTS) <= set(os.listdir(_rank_dir(base, 0, rank, 4)))
     restored = run_ranks(_session, 4, base, True, None, True, timeout=200)
+    _restored_bitwise(restored, saved, 4)
+
+
+def test_a_node_whose_directory_cannot_hard_link_writes_everything_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Node 0's directory refuses hard links (probed at the first local save): its ranks
+    never share and every step is committed there, whole; node 1's ranks share. Before
+    the probe, every shared step failed on node 0, where the ranks cannot link."""
+    base = str(tmp_path)
+    saved = run_ranks(_session, 4, base, False, None, False, True, timeout=200)
+    assert all(not r[3] for r in saved) and not any(r[2] for r in saved), saved[0][2:]
+    for step in (1, 2, 3, 4):
+        for rank in (0, 1):
+            files = os.listdir(_rank_dir(base, 0, rank, step))
+            assert "manifest.json" in files and not set(PARTS) & set(files)
+    assert set(PARTS) <= set(os.listdir(_rank_dir(base, 1, 2, 4)))
+    assert not [n for n in os.listdir(local_dir(base, 0)) if n.startswith(".link-probe")]
+    restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
     _restored_bitwise(restored, saved, 4)

@@ -206,6 +206,29 @@ class NodeDir:
         if not self.committed(step, rank):
             self.remove(step, rank)
 
+    def links_work(self, rank: int) -> bool:
+        """Whether hard links can be made in this directory, which a node's ranks need to
+        share their part files (``node_share.py``): a pair of empty probe files
+        (``.link-probe-<rank>``), removed right after (a leftover one is removed first)."""
+        with self._root() as root:
+            source, target = f".link-probe-{rank}", f".link-probe-{rank}-linked"
+            for name in (source, target):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=root.fd)
+            flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            os.close(os.open(source, flags, 0o600, dir_fd=root.fd))
+            try:
+                os.link(
+                    source, target, src_dir_fd=root.fd, dst_dir_fd=root.fd, follow_symlinks=False
+                )
+                return True
+            except OSError:
+                return False
+            finally:
+                for name in (source, target):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=root.fd)
+
     def free_bytes(self) -> int:
         """Bytes the filesystem of the directory can still take (for an unprivileged user)."""
         with self._root():

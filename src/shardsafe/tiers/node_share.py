@@ -128,6 +128,9 @@ class NodeShare:
         self.split: Split | None = None
         """The split of the next local save (``None``: every rank writes every chunk)."""
         self.broken = False
+        self.links: bool | None = None
+        """Whether hard links work in the node's directory (probed at the first exchange:
+        where they do not, the node's ranks never share, and each writes all it holds)."""
 
     @property
     def active(self) -> bool:
@@ -164,7 +167,13 @@ class NodeShare:
         (that rank's write failed): the step is then not committed here either. A failed
         exchange (a rank gone) stops sharing for good."""
         own = _own_part(written, storage, part_file_name(self.position, len(self.mates)))
+        if self.links is None:
+            try:
+                self.links = self.node.links_work(self.rank)
+            except (CheckpointError, OSError):
+                self.links = False
         message = {
+            "links": self.links,
             "step": step,
             "ok": written is not None,
             "files": own[0],
@@ -186,7 +195,8 @@ class NodeShare:
                 f"{step} failed: {type(e).__name__}: {e}. From here on it writes all of its "
                 "state itself"
             ) from e
-        self.split = _next_split(shared, digests, lists, len(self.mates))
+        links = all(m.get("links") is not False for m in messages)
+        self.split = _next_split(shared, digests, lists, len(self.mates)) if links else None
         for position, theirs in enumerate(messages):
             if theirs["step"] != step:
                 raise CheckpointError(
