@@ -553,7 +553,9 @@ def report(got: dict[str, Any], where: str, repeat: int) -> tuple[str, list[Targ
         f"{table(costs)}\n\n"
         "shardsafe.async_save stages about 1/4 of a DDP rank's state (the 4 ranks agree on "
         "who writes each replicated tensor); a local rank checkpoint holds all of it, so "
-        "that each rank can restore from its own node."
+        "that each rank can restore from its own node, but from the second local save on "
+        "the 2 ranks of a node write their data-parallel tensors once between them: each "
+        "stages about 1/2 and links the other's part (docs/async-and-tiers.md)."
     )
     targets = []
     for tool in ("local", "peer"):
