@@ -10,9 +10,14 @@ a node hold are written by each of them."""
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
+import shlex
 import shutil
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,9 @@ import pytest
 import torch
 
 from tests.distributed.tiers_setup import local_dir
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -207,3 +214,91 @@ def test_a_node_whose_directory_cannot_hard_link_writes_everything_on_every_rank
     assert not [n for n in os.listdir(local_dir(base, 0)) if n.startswith(".link-probe")]
     restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
     _restored_bitwise(restored, saved, 4)
+
+
+def die_target() -> None:
+    """``python -c '...; die_target()' RANK BASE PORT POINT``: 4 ranks as 2 nodes of 2 save
+    steps 1, 2, 3, ... (each replicated before the next) until rank 1 SIGKILLs all four
+    (their process group) in its write of step 3: ``part``, half-way through its part
+    file; ``settled``, after its node's exchange (rank 0 may have linked its part and
+    committed), before its own commit."""
+    import torch.distributed as dist
+
+    from shardsafe import TieredCheckpointManager
+    from shardsafe.checkpoint.storage.files import LocalFileSink
+    from shardsafe.tiers import node_share
+
+    rank, base, port, point = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    os.environ["SHARDSAFE_NODE"] = str(rank // 2)
+    if rank == 1 and point == "part":
+        write = LocalFileSink.write
+        mine = f"step-000000003{os.sep}rank-00001{os.sep}part-"
+
+        def dying_write(self: LocalFileSink, data: memoryview) -> None:
+            if mine in self.path and self.written >= 1 << 20:
+                os.killpg(0, signal.SIGKILL)
+            write(self, data)
+
+        LocalFileSink.write = dying_write  # type: ignore[method-assign]
+    elif rank == 1:
+        settle = node_share.NodeShare.settle
+
+        def dying_settle(self: Any, group: Any, step: int, *rest: Any) -> Any:
+            linked = settle(self, group, step, *rest)
+            if step == 3:
+                os.killpg(0, signal.SIGKILL)
+            return linked
+
+        node_share.NodeShare.settle = dying_settle  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=4,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    state = _state(rank, False)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank // 2), persist_every=None
+    )
+    for step in range(1, 10):
+        _train(state, step)
+        manager.async_save(step, state)
+        manager.wait()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", ["part", "settled"])
+def test_a_rank_killed_in_its_shared_write_leaves_the_previous_step_restorable_bitwise(
+    tmp_path: Path, point: str
+) -> None:
+    """Every rank SIGKILLed while rank 1 writes its part of step 3 (or has exchanged it,
+    its node-mate perhaps committed with a link to it): step 3 is complete on no node-0
+    rank pair, so the restart restores step 2, every tensor bitwise."""
+    base = str(tmp_path)
+    code = "from tests.distributed.test_tiers_node_share import die_target; die_target()"
+    command = [shlex.quote(sys.executable), "-c", shlex.quote(code)]
+    port = free_port()
+
+    def rank(r: int) -> str:
+        args = " ".join(shlex.quote(a) for a in [str(r), base, str(port), point])
+        return f"{' '.join(command)} {args} 2>{base}/rank{r}.err"
+
+    script = " & ".join(rank(r) for r in (1, 2, 3)) + f" & exec {rank(0)}"
+    proc = subprocess.Popen(["sh", "-c", script], cwd=ROOT, start_new_session=True)
+    try:
+        assert proc.wait(timeout=90) == -signal.SIGKILL, Path(f"{base}/rank1.err").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    rank1 = _rank_dir(base, 0, 1, 3)
+    assert rank1.is_dir() and not (rank1 / "manifest.json").exists()
+    expected = _state(0, False)
+    for step in (1, 2):
+        _train(expected, step)
+    restored = run_ranks(_session, 4, base, False, None, True, timeout=100)
+    for got_step, _, tensors in restored:
+        assert got_step == 2
+        assert all(torch.equal(a, b) for a, b in zip(tensors, _tensors(expected), strict=True))
