@@ -92,7 +92,10 @@ def _session(
         def failing(storage: Any, items: Any, **options: Any) -> Any:
             if options["step"] == fail_rank1_at:
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-            return write(storage, items, **options)
+            written = write(storage, items, **options)
+            if options["step"] == fail_rank1_at - 1:  # its own part gone once written
+                os.unlink(PARTS[1], dir_fd=storage.fd)
+            return written
 
         rank_checkpoint.write_uncommitted = failing
     state = _state(rank, extra)
@@ -170,11 +173,18 @@ def test_a_node_writes_its_shared_tensors_once_and_every_rank_restores_bitwise(
 def test_a_node_mates_failed_write_leaves_the_step_on_neither_rank_of_the_node(
     tmp_path: Path,
 ) -> None:
+    """Rank 1's write fails at step 3; at step 2 its own part file is gone once written.
+    Each time the step is committed on neither rank of node 0, and step 4 is shared again:
+    before, rank 1 then skipped step 2's exchange, rank 0 took its step 3 message for
+    step 2's, and every later step failed on node 0 ("the ranks saved different steps")."""
     base = str(tmp_path)
     saved = run_ranks(_session, 4, base, False, 3, False, timeout=200)
-    node0 = [_rank_dir(base, 0, rank, 3) / "manifest.json" for rank in (0, 1)]
-    assert not any(p.exists() for p in node0)
-    assert all((_rank_dir(base, 0, rank, 4) / "manifest.json").exists() for rank in (0, 1))
+    for step in (2, 3):
+        node0 = [_rank_dir(base, 0, rank, step) / "manifest.json" for rank in (0, 1)]
+        assert not any(p.exists() for p in node0)
+    for rank in (0, 1):
+        assert {"manifest.json", *PARTS} <= set(os.listdir(_rank_dir(base, 0, rank, 4)))
+    assert not [w for r in saved for w in r[2] if "different steps" in w]
     said = [w for w in saved[0][2] if "step 3" in w]
     assert said == [
         "shardsafe: rank 0 could not write its local checkpoint of step 3: rank 1, on this "

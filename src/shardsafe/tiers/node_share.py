@@ -166,7 +166,11 @@ class NodeShare:
         lacks into ``storage``; return those (:class:`Linked`). Raises if one is missing
         (that rank's write failed): the step is then not committed here either. A failed
         exchange (a rank gone) stops sharing for good."""
-        own = _own_part(written, storage, part_file_name(self.position, len(self.mates)))
+        try:
+            own = _own_part(written, storage, part_file_name(self.position, len(self.mates)))
+            lost: OSError | None = None
+        except OSError as e:  # its part gone since written: still exchange (the others
+            own, lost = ({}, {}), e  # wait for it, and would take the next one for this)
         if self.links is None:
             try:
                 self.links = self.node.links_work(self.rank)
@@ -175,7 +179,7 @@ class NodeShare:
         message = {
             "links": self.links,
             "step": step,
-            "ok": written is not None,
+            "ok": written is not None and lost is None,
             "files": own[0],
             "inodes": own[1],
             "digest": _digest(shared) if shared is not None else None,
@@ -205,6 +209,8 @@ class NodeShare:
                     "save). TieredCheckpointManager.save/async_save is collective: pass the "
                     "same step on every rank"
                 )
+        if lost is not None:
+            raise lost
         if written is None or storage is None or not written.elsewhere:
             return Linked({}, {})
         return self._link(step, written, storage, messages)

@@ -197,6 +197,9 @@ class Replicator:
                 own = _identities(storage, written.written)
         except Exception as e:  # recorded; replication sends "none" for this step
             self.failed(step, e)
+            if written is not None:  # written, then not found as written: never committed,
+                written.abandon()  # and the node's other ranks hear so in the exchange
+                written = None
         finally:
             if items is not None:
                 items.clear()
