@@ -17,10 +17,11 @@ writer thread (:meth:`NodeShare.settle`): whether the rank's part was written, i
 file's checksums and identity, and a digest of the chunks it could share. The split of
 the *next* save follows from those, the same on every rank of the node: the chunks every
 rank holds, each given to one rank, largest first to the rank with the fewest bytes so
-far. So the first local save (and the one after any change to the chunks, or a failed
-write) writes every chunk on every rank; later ones share. Data-parallel ranks on other
-nodes compute the same split, so their part files are byte-identical and replication
-still links them instead of sending them (``transfer.py``).
+far. So the first local save (and the one after a rank's snapshot failed) writes every
+chunk on every rank, a chunk new since the last save is written by every rank holding it,
+and later ones share (also after a failed write: its chunks were known). Data-parallel
+ranks on other nodes compute the same split, so their part files are byte-identical and
+replication still links them instead of sending them (``transfer.py``).
 
 A part file is linked as its writer reported it: a regular file of the reported size,
 the inode its writer stat-ed after writing it (a link or another file swapped in is
