@@ -8,6 +8,7 @@ import errno
 import itertools
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -1068,3 +1069,35 @@ def test_after_a_restore_the_restored_step_is_kept_until_a_newer_one_is_counted(
         assert node.steps() == [5]
     finally:
         replicator.close()
+
+
+def test_a_step_whose_local_write_failed_is_saved_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first save of step 7 fails to write (a full disk); saving step 7 again raised a
+    raw ``KeyError: 7`` from ``save`` whenever its replication was still in flight: the
+    retention that ends it forgets the save number of a step not written, which the
+    second save then looked up. (Held up here by a job ahead of it on its thread.)"""
+    write = rank_checkpoint.write_uncommitted
+    failures = [OSError(errno.ENOSPC, "No space left on device (simulated)")]
+
+    def failing_once(storage: Any, items: Any, **options: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return write(storage, items, **options)
+
+    monkeypatch.setattr(rank_checkpoint, "write_uncommitted", failing_once)
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    state = trained(0)
+    held = manager._replicator._sender.submit(time.sleep, 0.3)
+    with pytest.warns(UserWarning, match="could not write its local checkpoint of step 7"):
+        manager.save(7, state)
+    assert not held.done()  # the failed save's replication and retention: still to come
+    manager.save(7, state)
+    with pytest.raises(CheckpointError, match=r"step 7: \[Errno 28\] No space left"):
+        manager.wait()
+    live = trained(1)
+    assert manager.load_latest(live) is not None
+    manager.close()
+    assert manager.restored is not None and manager.restored.step == 7
+    assert same(snapshot(live), snapshot(state))

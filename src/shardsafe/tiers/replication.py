@@ -140,7 +140,9 @@ class Replicator:
         if step in self._save_of:  # saved again: its earlier copies are sent, then replaced
             self.drain()
             self.record.forget(step)
-            self._forgotten.append((step, self._save_of[step]))
+            earlier = self._save_of.get(step)  # forgotten by its retention if its write failed
+            if earlier is not None:
+                self._forgotten.append((step, earlier))
         while len(self._replications) > 1:
             self._replications.pop(0).result()
         self._saves += 1
