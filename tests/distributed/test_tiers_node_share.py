@@ -176,12 +176,15 @@ def test_a_node_mates_failed_write_leaves_the_step_on_neither_rank_of_the_node(
     """Rank 1's write fails at step 3; at step 2 its own part file is gone once written.
     Each time the step is committed on neither rank of node 0, and step 4 is shared again:
     before, rank 1 then skipped step 2's exchange, rank 0 took its step 3 message for
-    step 2's, and every later step failed on node 0 ("the ranks saved different steps")."""
+    step 2's, and every later step failed on node 0 ("the ranks saved different steps");
+    and the failed writes' files stayed on the node's disk until retention."""
     base = str(tmp_path)
     saved = run_ranks(_session, 4, base, False, 3, False, timeout=200)
-    for step in (2, 3):
-        node0 = [_rank_dir(base, 0, rank, step) / "manifest.json" for rank in (0, 1)]
-        assert not any(p.exists() for p in node0)
+    for step in (2, 3):  # nothing left of the failed writes (not even their own parts)
+        assert sorted(os.listdir(Path(local_dir(base, 0)) / f"step-{step:09d}")) == [
+            "rank-00002",  # the replica of node 1's rank 2
+            "rank-00003",
+        ]
     for rank in (0, 1):
         assert {"manifest.json", *PARTS} <= set(os.listdir(_rank_dir(base, 0, rank, 4)))
     assert not [w for r in saved for w in r[2] if "different steps" in w]

@@ -223,6 +223,15 @@ class Replicator:
         finally:
             if storage is not None:
                 storage.close()
+                if step not in self.record.written:  # abandon() keeps the directory made
+                    self._clear(step)  # for it: its files would wait for retention
+
+    def _clear(self, step: int) -> None:
+        """Remove this rank's failed write of ``step`` (a part its node-mates may have
+        linked stays theirs), as retention would only once a newer step is kept."""
+        with contextlib.suppress(CheckpointError, OSError):
+            if not self.node.committed(step, self.rank):
+                self.node.remove(step, self.rank, prune=True)
 
     def failed(self, step: int, error: Exception) -> None:
         """Record (for ``wait``) and warn that this rank has no local checkpoint of
