@@ -4,8 +4,13 @@ On real ranks: ``tests/distributed/test_tiers_node_share.py``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 import torch
 
+from shardsafe import CheckpointError
 from shardsafe.checkpoint.plan.collecting import collect
 from shardsafe.checkpoint.plan.save_plan import FileEntry, FilePlan, SavePlan, split_into_parts
 from shardsafe.protocol import Chunk
@@ -92,3 +97,26 @@ def test_a_plan_moves_each_shared_entry_to_its_parts_file_in_plan_order() -> Non
         ("part-00000-of-00002.safetensors", ["k1", "k3"]),
         ("part-00001-of-00002.safetensors", ["k2"]),
     ]
+
+
+def test_a_node_mates_part_file_gone_before_the_link_is_named(tmp_path: Path) -> None:
+    """A node-mate reported its part, then its directory (or the file) went: its write
+    failed after the exchange and was removed, or the step is being saved again. Linking
+    it raised a raw ``FileNotFoundError: [Errno 2] ... 'part-...' -> 'part-...'``."""
+    node = NodeDir(str(tmp_path))
+    share = NodeShare(node, 0, [0, 1])
+    part = "part-00001-of-00002.safetensors"
+    record = {"bytes": 10, "crc": {"k": [1]}, "header_crc32": 1}
+    messages = [{}, {"ok": True, "files": {part: record}, "inodes": {part: [1, 2]}}]
+    written = SimpleNamespace(elsewhere={part: ["k"]})
+    gone = tmp_path / "step-000000003" / "rank-00001" / part
+    for mate_dir in (False, True):  # its directory gone, or only the file
+        if mate_dir:
+            node.rank_storage(3, 1, create=True).close()
+        storage = node.rank_storage(3, 0, create=True)
+        with storage, pytest.raises(CheckpointError) as caught:
+            share._link(3, written, storage, messages)  # type: ignore[arg-type]
+        assert str(caught.value) == (
+            f"{gone}, the part file rank 1 wrote, is gone since it reported it (its write of "
+            "the step failed after the exchange, or the step is being saved again)"
+        )

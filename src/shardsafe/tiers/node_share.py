@@ -234,9 +234,20 @@ class NodeShare:
                     f"tensors of step {step} (its write failed, or it held other tensors)"
                 )
             with self.node.rank_storage(step, mate, create=False) as source:
-                os.link(
-                    name, name, src_dir_fd=source.fd, dst_dir_fd=storage.fd, follow_symlinks=False
-                )
+                try:
+                    os.link(
+                        name,
+                        name,
+                        src_dir_fd=source.fd,
+                        dst_dir_fd=storage.fd,
+                        follow_symlinks=False,
+                    )
+                except FileNotFoundError as e:  # a raw "[Errno 2] ... -> ..." named neither
+                    raise CheckpointError(
+                        f"{source.where(name)}, the part file rank {mate} wrote, is gone since "
+                        "it reported it (its write of the step failed after the exchange, or "
+                        "the step is being saved again)"
+                    ) from e
             found = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
             inode = theirs["inodes"].get(name)
             if (
