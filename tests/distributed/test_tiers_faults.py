@@ -412,6 +412,36 @@ def test_a_state_one_rank_cannot_stage_at_a_persistent_step_is_one_agreed_error(
     assert dirs["step-000000003"] == ["rank-00000", "rank-00001"]
 
 
+def _saved_again_refused(rank: int, world: int, base: str) -> int | None:
+    """Each rank a node of its own: steps 0 and 1 saved, then step 1 saved again with a
+    state rank 1 cannot stage. The step ``latest`` would restore then."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    with contextlib.closing(
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+        )
+    ) as manager:
+        state: dict[str, Any] = {"model": torch.nn.Linear(2, 2)}
+        for save, step in enumerate((0, 1, 1)):
+            if save == 2 and rank == 1:  # refused: this rank has nothing of this save
+                state["sampler"] = object()
+            manager.save(step, state)
+        with contextlib.suppress(CheckpointError):
+            manager.wait()
+        return manager.latest()
+
+
+def test_a_step_saved_again_that_one_rank_cannot_stage_is_not_restored_from_both_saves(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 kept its checkpoint of step 1's first save, committed, beside rank 0's of the
+    second: ``load_latest`` restored step 1 from two different saves, silently."""
+    assert run_ranks(_saved_again_refused, 2, str(tmp_path), timeout=100) == [0, 0]
+    dirs = rank_dirs(str(tmp_path), 1)
+    assert "rank-00001" not in dirs.get("step-000000001", [])
+
+
 # ------------------------------------------------------------- FSDP2 and ZeRO
 
 

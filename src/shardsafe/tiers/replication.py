@@ -174,8 +174,10 @@ class Replicator:
 
     def _write_step(self, step: int, items: Collected | None, split: Split | None) -> None:
         share = self.share if self.share is not None and self.share.active else None
-        if items is None and share is None:
-            return
+        if items is None:  # no snapshot: an earlier save's copy of this step is not this one's
+            self._drop_earlier(step)  # (restored beside the others' copies of this save)
+            if share is None:
+                return
         storage: LocalStorage | None = None
         written: Uncommitted | None = None
         own: dict[str, tuple[int, int]] = {}
@@ -225,6 +227,12 @@ class Replicator:
                 storage.close()
                 if step not in self.record.written:  # abandon() keeps the directory made
                     self._clear(step)  # for it: its files would wait for retention
+
+    def _drop_earlier(self, step: int) -> None:
+        """Remove this rank's checkpoint of ``step`` from an earlier save of the step."""
+        with contextlib.suppress(CheckpointError, OSError):
+            self._forget_found(step, self.rank)
+            self.node.remove(step, self.rank)
 
     def _clear(self, step: int) -> None:
         """Remove this rank's failed write of ``step`` (a part its node-mates may have
