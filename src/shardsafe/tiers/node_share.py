@@ -263,6 +263,9 @@ class NodeShare:
                 )
             linked.records[name] = record
             linked.identities[name] = (found.st_dev, found.st_ino)
+        # The links' names durable before the manifest that names them is committed (the
+        # files' bytes are: their writers finished them before the exchange).
+        storage.sync_directory()
         return linked
 
     def _exchange(self, group: Any, message: dict[str, Any]) -> list[Any]:
