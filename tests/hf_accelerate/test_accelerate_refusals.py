@@ -453,11 +453,11 @@ def test_the_folder_of_automatic_checkpoints_is_named_as_such(tmp_path: Path) ->
             save_state(accelerator)
         with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
             load_state(accelerator, tmp_path / "checkpoints")
+        folder = tmp_path / "checkpoints"
         assert str(refused.value) == (
-            f"{tmp_path / 'checkpoints'} is a folder of checkpoints (it holds step-000000002, "
-            "step-000000003, step-000000004 ... and latest), not one checkpoint: pass one of "
-            "them, or, with automatic checkpoint naming, call load_state(accelerator) without "
-            "input_dir to load the newest"
+            f"{folder} is a folder of checkpoints, not one checkpoint (the newest committed one "
+            f"in it is {folder / 'step-000000004'}): pass one of them, or, with automatic "
+            "checkpoint naming, call load_state(accelerator) without input_dir to load the newest"
         )
     finally:
         AcceleratorState._reset_state(True)

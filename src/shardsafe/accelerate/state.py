@@ -27,8 +27,9 @@ from typing import Any, Literal, overload
 from ..adapters import RNGState
 from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
+from ..checkpoint.finding import newest_checkpoint
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
-from ..checkpoint.manager import LATEST, CheckpointManager, step_of
+from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, storage_factory
 from ..checkpoint.storage.locations import is_url
 from ..errors import (
@@ -383,16 +384,12 @@ def _refuse_accelerates_own(path: str) -> None:
         or os.path.lexists(os.path.join(path, MANIFEST_NAME))
     ):
         return
-    try:
-        steps = sorted(name for name in os.listdir(path) if step_of(name) is not None)
-    except OSError:  # unreadable: the load says what it cannot read
-        return
-    if steps and os.path.lexists(os.path.join(path, LATEST)):
+    newest = newest_checkpoint(path)
+    if newest is not None:
         raise CheckpointNotFoundError(
-            f"{path} is a folder of checkpoints (it holds {', '.join(steps[-3:])}"
-            f"{' ...' if len(steps) > 3 else ''} and {LATEST}), not one checkpoint: pass one "
-            "of them, or, with automatic checkpoint naming, call load_state(accelerator) "
-            "without input_dir to load the newest"
+            f"{path} is a folder of checkpoints, not one checkpoint (the newest committed one "
+            f"in it is {newest}): pass one of them, or, with automatic checkpoint naming, call "
+            "load_state(accelerator) without input_dir to load the newest"
         )
     found = _accelerates_files(path)
     if found:

@@ -48,12 +48,18 @@ def where_checkpoints_are(path: str, storage_options: dict[str, Any] | None = No
         return ""
 
 
-def _hint(path: str, storage_options: dict[str, Any] | None) -> str:
+def newest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The newest committed checkpoint under the checkpoint root ``root``, or ``None``
+    (for error messages: it validates what it finds, as ``CheckpointManager.latest``)."""
     from .manager import CheckpointManager  # the error path only: it imports the save side
 
+    manager = CheckpointManager(root, warn_if_not_empty=False, storage_options=storage_options)
+    return manager.latest()
+
+
+def _hint(path: str, storage_options: dict[str, Any] | None) -> str:
     def newest(root: str) -> str | None:
-        manager = CheckpointManager(root, warn_if_not_empty=False, storage_options=storage_options)
-        return manager.latest()
+        return newest_checkpoint(root, storage_options)
 
     latest = newest(path)
     if latest is not None:
