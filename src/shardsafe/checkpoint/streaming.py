@@ -123,37 +123,8 @@ def write_checkpoint(
     The directory must be new or empty (``save``'s rule). On any error nothing is
     committed and what was written is removed. Returns the committed manifest, verified.
     """
-    write_unverified(storage, values, chunks, on_bytes=on_bytes)
+    write_uncommitted(storage, values, chunks, on_bytes=on_bytes).commit({})
     return verify_committed(storage)
-
-
-def write_unverified(
-    storage: Storage,
-    values: dict[str, SavedValue],
-    chunks: list[StreamedChunk],
-    *,
-    on_bytes: Callable[[int], None] | None = None,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    background: bool = False,
-    extra_info: Mapping[str, Any] | None = None,
-    small_apart: int = 0,
-) -> None:
-    """:func:`write_checkpoint` without reading it back: for bytes that were checksummed
-    as they were written from memory (the tiered manager's rank checkpoints), where a
-    second pass would only double the cost. ``background``: checksum and write in
-    cache-sized pieces on this one thread (beside a training loop, as ``async_save``
-    does); ``extra_info`` joins the manifest's ``info``; ``small_apart``: chunks of fewer
-    bytes go into a file of their own (``plan.save_plan.set_apart_small``)."""
-    write_uncommitted(
-        storage,
-        values,
-        chunks,
-        on_bytes=on_bytes,
-        buffer_bytes=buffer_bytes,
-        background=background,
-        extra_info=extra_info,
-        small_apart=small_apart,
-    ).commit({})
 
 
 @dataclass(frozen=True)
@@ -214,8 +185,15 @@ def write_uncommitted(
     small_apart: int = 0,
     parts: Parts | None = None,
 ) -> Uncommitted:
-    """:func:`write_unverified` up to its commit; with ``parts``, the files of the other
-    parts are neither written nor read (a chunk of theirs may have no data here)."""
+    """Write the data files of a checkpoint of ``values`` whose tensors are ``chunks``, up
+    to its commit (:meth:`Uncommitted.commit`), without reading them back: for bytes
+    checksummed as they were written from memory, where a second pass would only double
+    the cost (:func:`write_checkpoint` verifies after committing). ``background``:
+    checksum and write in cache-sized pieces on this one thread (beside a training loop,
+    as ``async_save`` does); ``extra_info`` joins the manifest's ``info``; ``small_apart``:
+    chunks of fewer bytes go into a file of their own (``plan.save_plan.set_apart_small``);
+    ``parts``: the files of the other parts are neither written nor read (a chunk of
+    theirs may have no data here)."""
     existed = target_directory.refuse_committed(storage)
     try:
         token = target_directory.prepare(storage)
