@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import warnings
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..checkpoint.format.manifest import MANIFEST_NAME
@@ -228,6 +229,47 @@ class NodeDir:
                 for name in (source, target):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=root.fd)
+
+    def link_reported(
+        self,
+        step: int,
+        rank: int,
+        name: str,
+        storage: LocalStorage,
+        *,
+        reported: tuple[Sequence[int], int],
+        what: str,
+        gone: str,
+    ) -> tuple[int, int]:
+        """Hard-link the file ``name`` of ``rank``'s directory of ``step``, which a node-mate
+        wrote or received there and reported as ``(device, inode)`` and size
+        (``reported``), into ``storage`` under the same name; its identity. Its bytes are
+        not read: the mate checked them (see the callers). Refused with a
+        :class:`CheckpointError` naming it as ``what`` (and nothing left in ``storage``)
+        if it is gone (``gone``: why it may be) or is not that file (another one, or a
+        link, swapped in)."""
+        with self.rank_storage(step, rank, create=False) as source:
+            try:
+                os.link(
+                    name, name, src_dir_fd=source.fd, dst_dir_fd=storage.fd, follow_symlinks=False
+                )
+            except FileNotFoundError as e:  # a raw "[Errno 2] ... -> ..." named neither
+                raise CheckpointError(
+                    f"{source.where(name)}, {what}, is gone since it reported it ({gone})"
+                ) from e
+            found = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
+            inode, size = reported
+            if (
+                not stat.S_ISREG(found.st_mode)
+                or [found.st_dev, found.st_ino] != list(inode)
+                or found.st_size != size
+            ):
+                with contextlib.suppress(OSError):
+                    storage.remove(name)
+                raise CheckpointError(
+                    f"{source.where(name)} is not {what} (another file, or a link, is in its place)"
+                )
+        return found.st_dev, found.st_ino
 
     def free_bytes(self) -> int:
         """Bytes the filesystem of the directory can still take (for an unprivileged user)."""

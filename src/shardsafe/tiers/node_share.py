@@ -34,11 +34,9 @@ the persistent tier's saves assume when they write a replicated tensor once in a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -233,36 +231,18 @@ class NodeShare:
                     f"rank {mate}, on this node, has no part {position} of the node's shared "
                     f"tensors of step {step} (its write failed, or it held other tensors)"
                 )
-            with self.node.rank_storage(step, mate, create=False) as source:
-                try:
-                    os.link(
-                        name,
-                        name,
-                        src_dir_fd=source.fd,
-                        dst_dir_fd=storage.fd,
-                        follow_symlinks=False,
-                    )
-                except FileNotFoundError as e:  # a raw "[Errno 2] ... -> ..." named neither
-                    raise CheckpointError(
-                        f"{source.where(name)}, the part file rank {mate} wrote, is gone since "
-                        "it reported it (its write of the step failed after the exchange, or "
-                        "the step is being saved again)"
-                    ) from e
-            found = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
-            inode = theirs["inodes"].get(name)
-            if (
-                not stat.S_ISREG(found.st_mode)
-                or [found.st_dev, found.st_ino] != inode
-                or found.st_size != record.get("bytes")
-            ):
-                with contextlib.suppress(OSError):
-                    storage.remove(name)
-                raise CheckpointError(
-                    f"{source.where(name)} is not the part file rank {mate} wrote (another "
-                    "file, or a link, is in its place)"
-                )
+            identity = self.node.link_reported(
+                step,
+                mate,
+                name,
+                storage,
+                reported=(theirs["inodes"].get(name) or [], record.get("bytes", -1)),
+                what=f"the part file rank {mate} wrote",
+                gone="its write of the step failed after the exchange, or the step is being "
+                "saved again",
+            )
             linked.records[name] = record
-            linked.identities[name] = (found.st_dev, found.st_ino)
+            linked.identities[name] = identity
         # The links' names durable before the manifest that names them is committed (the
         # files' bytes are: their writers finished them before the exchange).
         storage.sync_directory()
