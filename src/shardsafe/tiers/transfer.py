@@ -45,8 +45,12 @@ each other at once, so ``a`` sends data to ``b`` while acknowledging ``b``'s dat
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,7 +97,7 @@ def send(group: Any, dst: int, source: LocalStorage | None, step: int) -> bool:
     """Send the committed rank checkpoint of ``step`` in ``source`` (``None``: this rank
     has none, and says so) to rank ``dst``; True once ``dst`` has committed it. Raises
     :class:`StepsDiffer` if ``dst`` expects another step."""
-    raw, manifest = _own(source)
+    raw, manifest = manifest_of(source)
     _send_ints(group, dst, [int(manifest is not None), len(raw), step], DATA)
     go, theirs = _recv_ints(group, dst, 2, CONTROL)
     if theirs != step:
@@ -114,7 +118,9 @@ def _wanted(names: list[str], flags: list[int]) -> list[str]:
     return [name for name, want in zip(names, flags) if want]
 
 
-def _own(source: LocalStorage | None) -> tuple[bytes, Manifest | None]:
+def manifest_of(source: LocalStorage | None) -> tuple[bytes, Manifest | None]:
+    """The committed manifest of ``source`` (as bytes, and parsed); ``(b"", None)`` if
+    there is none that parses."""
     if source is None:
         return b"", None
     try:
@@ -147,6 +153,32 @@ def _send_file(
             reader.close()
 
 
+@dataclass
+class Arrived:
+    """A rank checkpoint received into ``storage`` (open; the caller closes it), not yet
+    committed: ``received``, its data files that arrived, every byte checked as it
+    arrived; ``skipped``, those not asked for (linked, or to be linked)."""
+
+    storage: LocalStorage
+    manifest: Manifest
+    raw: bytes
+    received: set[str]
+    skipped: set[str]
+    whole: bool
+    """Whether every received file arrived, passed its checks and was written."""
+    linked: set[str] = field(default_factory=set)
+    """Skipped files linked since, whose bytes a node-mate checked as they arrived."""
+
+    def commit(self, checked: AbstractSet[str] = frozenset()) -> bool:
+        """Commit it if every file's header and every byte not ``received`` or
+        ``checked`` (already known to hold the manifest's bytes) passes; whether it did."""
+        with contextlib.suppress(CheckpointError, OSError):
+            return self.whole and _commit_if_whole(
+                self.storage, self.manifest, self.raw, self.received | checked
+            )
+        return False
+
+
 def receive(
     group: Any,
     src: int,
@@ -164,13 +196,73 @@ def receive(
     ``trusted``: the identity (device, inode) of each of its data files as this rank
     wrote or linked them, whose bytes a link to the same inode needs no check of.
     Raises :class:`StepsDiffer` if ``src`` sends another step."""
+
+    def link(manifest: Manifest, storage: LocalStorage) -> set[str]:
+        return _link_identical(manifest, held, storage) if held is not None else set()
+
+    arrived = _arrive(group, src, rank=rank, step=step, target=target, skip=link)
+    if arrived is None:
+        return False
+    committed = False
+    try:
+        committed = arrived.commit(_still_ours(arrived.storage, arrived.skipped, trusted or {}))
+    finally:
+        try:  # the sender may be gone: its error is raised, the directory still closed
+            _send_ints(group, src, [int(committed)], CONTROL)
+        finally:
+            arrived.storage.close()
+    return committed
+
+
+def receive_uncommitted(
+    group: Any,
+    src: int,
+    *,
+    rank: int,
+    step: int,
+    target: Callable[[], LocalStorage],
+    skip: Callable[[Manifest], set[str]],
+) -> Arrived | None:
+    """As :func:`receive`, but without the data files ``skip(manifest)`` names (another
+    rank of this node receives them, to be linked) and without the commit: the checked
+    arrival, for the caller to complete, commit and close; ``None`` if it did not arrive
+    whole (the sender is told either way)."""
+    arrived = _arrive(
+        group, src, rank=rank, step=step, target=target, skip=lambda m, _: skip(m) & set(m.files)
+    )
+    if arrived is None:
+        return None
+    try:
+        _send_ints(group, src, [int(arrived.whole)], CONTROL)
+    except BaseException:
+        arrived.storage.close()
+        raise
+    if not arrived.whole:
+        arrived.storage.close()
+        return None
+    return arrived
+
+
+def _arrive(
+    group: Any,
+    src: int,
+    *,
+    rank: int,
+    step: int,
+    target: Callable[[], LocalStorage],
+    skip: Callable[[Manifest, LocalStorage], set[str]],
+) -> Arrived | None:
+    """The receiving side of the protocol up to the last message (see the module
+    docstring): ``None`` if it ended before the files (the sender has stopped too); else
+    the arrival, the sender waiting for the last message. The data files ``skip`` names
+    (given the manifest and the made directory) are not asked for."""
     has, length, theirs = _recv_ints(group, src, 3, DATA)
     accept = bool(has) and theirs == step and 0 < length <= MAX_MANIFEST_BYTES
     _send_ints(group, src, [int(accept), step], CONTROL)
     if theirs != step:
         raise StepsDiffer(step, theirs)
     if not accept:
-        return False
+        return None
     raw_tensor = torch.empty(length, dtype=torch.uint8, device="cpu")
     dist.recv(raw_tensor, src, group=group, tag=DATA)
     raw = raw_tensor.numpy().tobytes()
@@ -183,29 +275,25 @@ def receive(
             storage = target()
     _send_ints(group, src, [int(storage is not None)], CONTROL)
     if manifest is None or storage is None:
-        return False
-    committed = False
+        return None
     try:
         names = sorted(manifest.files)
-        linked = _link_identical(manifest, held, storage) if held is not None else set()
-        _send_ints(group, src, [int(name not in linked) for name in names], CONTROL)
-        names = [name for name in names if name not in linked]
+        skipped = skip(manifest, storage)
+        _send_ints(group, src, [int(name not in skipped) for name in names], CONTROL)
+        names = [name for name in names if name not in skipped]
         buffer = _buffer({name: manifest.files[name] for name in names})
         pieces = pieces_by_file(manifest)
         whole = [
             _receive_file(group, src, storage, ArrivingFile(manifest, name, pieces[name]), buffer)
             for name in names
         ]
-        if all(whole):
-            checked = set(names) | _still_ours(storage, linked, trusted or {})
-            with contextlib.suppress(CheckpointError, OSError):
-                committed = _commit_if_whole(storage, manifest, raw, checked)
-    finally:
+    except BaseException:
         try:  # the sender may be gone: its error is raised, the directory still closed
-            _send_ints(group, src, [int(committed)], CONTROL)
+            _send_ints(group, src, [0], CONTROL)
         finally:
             storage.close()
-    return committed
+        raise
+    return Arrived(storage, manifest, raw, set(names), skipped, all(whole))
 
 
 def _expected(raw: bytes, rank: int, step: int) -> Manifest | None:
@@ -312,24 +400,34 @@ def _same_file(
 ) -> bool:
     """Whether data file ``name`` holds the same bytes in both checkpoints, as far as the
     manifests' sizes and checksums tell (``pieces``: each manifest's, by file)."""
-    if name not in ours.files or ours.files[name] != theirs.files[name]:
+    if name not in ours.files:
         return False
-    if ours.block_bytes != theirs.block_bytes:  # equal CRC lists of other blocks
-        return False
-    header = theirs.header_crc32.get(name)
-    return (
-        header is not None
-        and header == ours.header_crc32.get(name)
-        and _contents(pieces[0][name]) == _contents(pieces[1][name])
-    )
+    mine = fingerprint(theirs, name, pieces[0][name])
+    return mine is not None and mine == fingerprint(ours, name, pieces[1][name])
 
 
-def _contents(pieces: list[Piece]) -> list[tuple[Any, ...]]:
-    """A file's tensor pieces, with their block checksums, in a comparable order."""
-    return sorted(
-        (key, str(rec.dtype), rec.shape, c.name, c.offsets, c.shape, c.crc32)
+def fingerprint(manifest: Manifest, name: str, pieces: list[Piece]) -> str | None:
+    """A digest of what ``manifest`` says data file ``name`` holds (``pieces``: its
+    tensor pieces): its size, its header's checksum, and every piece with its block
+    checksums. Two files of equal fingerprints hold the same bytes, as far as checksums
+    tell (see the module docstring); ``None`` (never equal) without a header checksum."""
+    header = manifest.header_crc32.get(name)
+    if header is None:
+        return None
+    contents = sorted(
+        (key, str(rec.dtype), list(rec.shape), c.name, list(c.offsets), list(c.shape), c.crc32)
         for key, rec, c in pieces
     )
+    described = [manifest.files[name], manifest.block_bytes, header, contents]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()
+
+
+def fingerprints(manifest: Manifest) -> dict[str, tuple[int, str]]:
+    """Every data file of ``manifest`` that has a :func:`fingerprint`: its size and
+    fingerprint."""
+    pieces = pieces_by_file(manifest)
+    found = {name: fingerprint(manifest, name, pieces[name]) for name in manifest.files}
+    return {name: (manifest.files[name], f) for name, f in found.items() if f is not None}
 
 
 def _buffer(files: dict[str, int]) -> torch.Tensor:
