@@ -75,11 +75,13 @@ def _session(
     fail_rank1_at: int | None,
     restore: bool,
     no_links_on_node0: bool = False,
+    fetch_fault: str | None = None,
 ) -> Any:
     from shardsafe import TieredCheckpointManager
     from shardsafe.tiers import rank_checkpoint
 
     os.environ["SHARDSAFE_NODE"] = str(rank // 2)
+    _arm_fetch_fault(rank, fetch_fault)
     if no_links_on_node0 and rank // 2 == 0:  # a filesystem without hard links
 
         def refused(*args: Any, **kwargs: Any) -> None:
@@ -111,9 +113,12 @@ def _session(
             with torch.no_grad():
                 for t in _live(state):
                     t.zero_()
-            manager.load_latest(state)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                manager.load_latest(state)
             assert manager.restored is not None
-            return manager.restored.step, manager.restored.tiers, _tensors(state)
+            said = [str(w.message) for w in caught]
+            return manager.restored.step, manager.restored.tiers, _tensors(state), said
         saved, staged = {}, []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -133,12 +138,45 @@ def _session(
         manager.close()
 
 
+def _arm_fetch_fault(rank: int, fault: str | None) -> None:
+    """In a restore of node 1's ranks from replicas, once: ``"full"``, rank 3 cannot
+    create the first part file it receives (its disk full); ``"swapped"``, rank 3's
+    received part file is replaced by a copy (another inode) just before rank 2 links it."""
+    from shardsafe.checkpoint.storage.local import LocalStorage
+    from shardsafe.tiers.node_dir import NodeDir
+
+    armed = [True]
+    if fault == "full" and rank == 3:
+        create = LocalStorage.create
+
+        def full(self: LocalStorage, name: str, size_hint: int = 0) -> Any:
+            if armed[0] and name.startswith("part-"):
+                armed[0] = False
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            return create(self, name, size_hint)
+
+        LocalStorage.create = full  # type: ignore[method-assign]
+    elif fault == "swapped" and rank == 2:
+        link = NodeDir.link_reported
+
+        def swapped(self: NodeDir, step: int, mate: int, name: str, *rest: Any, **kw: Any) -> Any:
+            if armed[0]:
+                armed[0] = False
+                with self.rank_storage(step, mate, create=False) as theirs:
+                    path = Path(theirs.where(name))
+                shutil.copyfile(path, f"{path}.copy")
+                os.replace(f"{path}.copy", path)
+            return link(self, step, mate, name, *rest, **kw)
+
+        NodeDir.link_reported = swapped  # type: ignore[method-assign]
+
+
 def _rank_dir(base: str, node: int, rank: int, step: int) -> Path:
     return Path(local_dir(base, node)) / f"step-{step:09d}" / f"rank-{rank:05d}"
 
 
 def _restored_bitwise(restored: list[Any], saved: list[Any], step: int) -> None:
-    for rank, (got_step, _, tensors) in enumerate(restored):
+    for rank, (got_step, _, tensors, _) in enumerate(restored):
         assert got_step == step
         expected = saved[rank][0][step]
         assert len(tensors) == len(expected)
@@ -168,6 +206,45 @@ def test_a_node_writes_its_shared_tensors_once_and_every_rank_restores_bitwise(
     restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
     assert restored[0][1] == ["local", "local", "peer", "peer"]
     _restored_bitwise(restored, saved, 4)
+    # Each part was received once, by one of node 1's ranks, and linked by the other.
+    for part in PARTS:
+        inodes = {os.stat(_rank_dir(base, 1, rank, 4) / part).st_ino for rank in (2, 3)}
+        assert len(inodes) == 1
+    received = {(_rank_dir(base, 1, rank, 4) / p).stat().st_nlink for rank in (2, 3) for p in PARTS}
+    assert received == {2}
+
+
+@pytest.mark.parametrize("fault", ["full", "swapped"])
+def test_a_lost_node_whose_shared_receipt_fails_restores_the_step_before_bitwise(
+    tmp_path: Path, fault: str
+) -> None:
+    """Node 1 lost; its ranks receive each part once between them. ``full``: rank 3
+    cannot store the part it receives for both, so neither rank's copy of step 4 is
+    committed; ``swapped``: another file is in place of the part rank 3 received when
+    rank 2 links it, and rank 2's copy of step 4 is refused. Either way step 4 is
+    incomplete and step 3 is restored, every tensor bitwise, its parts again received
+    once; nothing of step 4 is left on node 1."""
+    base = str(tmp_path)
+    saved = run_ranks(_session, 4, base, False, None, False, timeout=200)
+    shutil.rmtree(local_dir(base, 1))
+    restored = run_ranks(_session, 4, base, False, None, True, False, fault, timeout=200)
+    assert restored[0][1] == ["local", "local", "peer", "peer"]
+    _restored_bitwise(restored, saved, 3)
+    for part in PARTS:
+        inodes = {os.stat(_rank_dir(base, 1, rank, 3) / part).st_ino for rank in (2, 3)}
+        assert len(inodes) == 1
+    assert sorted(os.listdir(local_dir(base, 1))) == ["step-000000003"]
+    said = [w for r in restored for w in r[3]]
+    if fault == "swapped":  # rank 2 names the part it was to link from rank 3
+        assert said in (
+            [
+                f"shardsafe: restoring step 4: {_rank_dir(base, 1, 3, 4) / part} is not the file "
+                "rank 3 received for step 4 (another file, or a link, is in its place)"
+            ]
+            for part in PARTS
+        )
+    else:
+        assert said == []
 
 
 def test_a_node_mates_failed_write_leaves_the_step_on_neither_rank_of_the_node(
@@ -312,6 +389,6 @@ def test_a_rank_killed_in_its_shared_write_leaves_the_previous_step_restorable_b
     for step in (1, 2):
         _train(expected, step)
     restored = run_ranks(_session, 4, base, False, None, True, timeout=100)
-    for got_step, _, tensors in restored:
+    for got_step, _, tensors, _ in restored:
         assert got_step == 2
         assert all(torch.equal(a, b) for a, b in zip(tensors, _tensors(expected), strict=True))

@@ -11,6 +11,7 @@ checkpoints of later steps (of a run that no longer exists) are deleted.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from ..errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from . import rank_checkpoint, recovery, transfer
+from . import fetch_plan, rank_checkpoint, recovery, transfer
 from .node_dir import NodeDir
 from .ranks import Ranks
 from .replication import Replicator
@@ -232,7 +233,9 @@ class Restorer:
 
     def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> bool:
         """Send the peers' copies to the ranks that need them; False (and the failed copies
-        excluded) if one did not arrive whole."""
+        excluded) if one did not arrive whole. Where several ranks of a node receive
+        copies, a file they all need is received by one of them and linked by the others
+        (``fetch_plan.py``)."""
         step = choice.step
         assert step is not None
         if not choice.sends:  # every rank restores from its own node (the same on all)
@@ -240,35 +243,135 @@ class Restorer:
         self.ranks.transfers()
         mine = [r for r, sender in choice.sends.items() if sender == self.rank]
         needed = choice.sends.get(self.rank)
-        ok = True
+        together = fetch_plan.together(choice.sends, self.topology.node_of)
+        elsewhere: dict[str, int] = {}  # files a node-mate receives for this rank
+        if together:
+            reports = self.ranks.exchange(Phase.FETCH, lambda: self._copies(step, mine))
+            copies = {
+                int(r): fetch_plan.parse_files(files) for p in reports for r, files in p.items()
+            }
+            elsewhere = fetch_plan.delegate(copies, self.topology.node_of).get(self.rank, {})
+        arrived = None
         with ThreadPoolExecutor(max(1, len(mine) + 1)) as pool:
             jobs = [pool.submit(self._send_copy, step, r) for r in mine]
             if needed is not None:
-                ok = self._receive_copy(step, needed)
+                arrived = self._receive_copy(step, needed, set(elsewhere))
             for job in jobs:
                 with contextlib.suppress(Exception):  # the receiver reports it
                     job.result()
-        outcomes = self.ranks.exchange(Phase.FETCH, ok)
-        for rank, arrived in enumerate(outcomes):
-            if not arrived:
+        fault = "own" if needed is not None and arrived is None else None
+        committed = False
+        try:
+            if together:
+                report = self._arrival(arrived, needed is None)
+                arrivals = self.ranks.exchange(Phase.FETCH, report)
+                if arrived is not None:
+                    fault = self._complete(step, arrived, elsewhere, arrivals)
+            if arrived is not None and fault is None:
+                committed = arrived.commit(arrived.linked)
+                fault = None if committed else "own"
+        finally:
+            if arrived is not None:
+                arrived.storage.close()
+        if arrived is not None and not committed:  # nothing of it left behind
+            with contextlib.suppress(CheckpointError, OSError):
+                self.node.remove(step, self.rank)
+        # "own": this rank's copy failed (excluded); "mate": a node-mate's, which this
+        # one needed, did (the mate's is excluded; this one may be asked for again).
+        # (A list: a None payload would not be read.)
+        faults = [f for [f] in self.ranks.exchange(Phase.FETCH, [fault])]
+        for rank, its in enumerate(faults):
+            if its == "own":
                 excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
-        return all(outcomes)
+        return not any(faults)
 
-    def _receive_copy(self, step: int, sender: int) -> bool:
-        """This rank's checkpoint of ``step`` from ``sender``, verified before commit; False
-        if it did not arrive whole (agreed by :meth:`_fetch`)."""
+    def _copies(self, step: int, mine: list[int]) -> dict[str, Any]:
+        """The data files (sizes and fingerprints) of the copies this rank sends, by
+        receiving rank; a copy it cannot read: none (nothing is planned for it)."""
+        found: dict[str, Any] = {}
+        for rank in mine:
+            with contextlib.suppress(CheckpointError, OSError):
+                with self.node.rank_storage(step, rank, create=False) as storage:
+                    manifest = transfer.manifest_of(storage)[1]
+                if manifest is not None:
+                    files = transfer.fingerprints(manifest)
+                    found[str(rank)] = {name: list(entry) for name, entry in files.items()}
+        return found
+
+    def _arrival(self, arrived: transfer.Arrived | None, sends_only: bool) -> dict[str, Any]:
+        """What this rank's node-mates need to link what it received: whether it did, and
+        each received file's identity, size and fingerprint (from its own manifest)."""
+        if arrived is None:
+            return {"ok": sends_only, "files": {}}
+        files: dict[str, Any] = {}
+        mine = transfer.fingerprints(arrived.manifest)
+        for name in arrived.received:
+            with contextlib.suppress(OSError):
+                found = os.stat(name, dir_fd=arrived.storage.fd, follow_symlinks=False)
+                if name in mine:
+                    files[name] = [found.st_dev, found.st_ino, *mine[name]]
+        return {"ok": True, "files": files}
+
+    def _complete(
+        self,
+        step: int,
+        arrived: transfer.Arrived,
+        elsewhere: dict[str, int],
+        arrivals: list[Any],
+    ) -> str | None:
+        """Link into ``arrived`` the files node-mates received for it (``elsewhere``), each
+        only if the mate reported it arrived with this copy's fingerprint; those linked go
+        to ``arrived.linked`` (their bytes checked by the mate as they arrived). ``None``
+        if all were; else whose copy failed: ``"mate"`` (its copy did not arrive), or
+        ``"own"`` (any other problem: this copy is excluded)."""
+        mine = transfer.fingerprints(arrived.manifest)
+        for name, mate in sorted(elsewhere.items()):
+            if name not in arrived.skipped:  # not a file of this copy
+                continue
+            theirs = arrivals[mate]
+            if not isinstance(theirs, dict) or not theirs.get("ok"):
+                return "mate"
+            reported = theirs.get("files", {}).get(name)
+            if name not in mine or not isinstance(reported, list) or len(reported) != 4:
+                return "own"
+            dev, ino, size, digest = reported
+            if (size, digest) != mine[name]:
+                return "own"
+            try:
+                self.node.link_reported(
+                    step,
+                    mate,
+                    name,
+                    arrived.storage,
+                    reported=([dev, ino], size),
+                    what=f"the file rank {mate} received for step {step}",
+                    gone="its copy was removed since",
+                )
+            except (CheckpointError, OSError) as e:
+                warnings.warn(f"shardsafe: restoring step {step}: {e}", stacklevel=5)
+                return "own"
+            arrived.linked.add(name)
+        with contextlib.suppress(OSError):
+            arrived.storage.sync_directory()
+        return None
+
+    def _receive_copy(self, step: int, sender: int, elsewhere: set[str]) -> transfer.Arrived | None:
+        """This rank's checkpoint of ``step`` from ``sender`` but the files in
+        ``elsewhere``, checked as it arrived, not committed; ``None`` if it did not arrive
+        whole (agreed by :meth:`_fetch`)."""
         try:
             self.node.remove(step, self.rank)
-            return transfer.receive(
+            return transfer.receive_uncommitted(
                 self.ranks.group,
                 sender,
                 rank=self.rank,
                 step=step,
                 target=lambda: self.node.rank_storage(step, self.rank, create=True),
+                skip=lambda manifest: elsewhere,
             )
         except Exception as e:  # agreed by the caller, as a copy that did not arrive
             warnings.warn(f"shardsafe: receiving step {step} failed: {e}", stacklevel=5)
-            return False
+            return None
 
     def _send_copy(self, step: int, rank: int) -> bool:
         with self.node.rank_storage(step, rank, create=False) as storage:
@@ -354,7 +457,8 @@ class Restorer:
     def drop_newer(self, step: int) -> None:
         """After restoring ``step``, the local checkpoints of later steps are of a run that
         no longer exists: delete those this rank surveys (the ones it owns; on the node's
-        lowest rank also those no rank of the node owns, left by another node layout), so
+        lowest rank also those no rank of the node owns, left by another node layout; and
+        their step directories once empty), so
         that they never mix with the steps this run writes next (a rank whose node lost
         its copy of such a step would be sent the old run's). Then retention learns of
         the restored step (never to be deleted before a newer one is complete everywhere)
@@ -363,7 +467,7 @@ class Restorer:
             if later > step:
                 for rank in self.node.ranks_in(later):
                     if rank in self._surveyed:
-                        self.node.remove(later, rank)
+                        self.node.remove(later, rank, prune=True)
         self._replicator.resumed_from(step)
 
 
