@@ -673,6 +673,20 @@ def test_the_budget_reserves_every_step_that_can_be_on_disk_at_once() -> None:
         budget.check(short, two_by_two(), 1, 1, ["x"] * 4)
 
 
+def test_a_node_whose_ranks_share_their_data_parallel_tensors_counts_them_once() -> None:
+    """Node 0's 2 ranks each hold 90 MiB of data-parallel tensors of their 100 MiB and
+    write them once between them (node_share.py): its own step is 110 MiB, not 200; the
+    replicas it keeps of node 1's ranks (which do not share) count whole. Before, every
+    rank's whole checkpoint counted, and a node that fits once it shares was refused."""
+    reports = [budget.Report(100 * MIB, 10 << 30, 0)] * 4
+    result = budget.check(reports, two_by_two(), 1, 1, ["x"] * 4, [90 * MIB, 0])
+    assert result == budget.Budget([310 * MIB, 400 * MIB], 1, [110 * MIB, 200 * MIB])
+    fits = [budget.Report(100 * MIB, 1040 * MIB, 0)] * 2 + reports[2:]
+    budget.check(fits, two_by_two(), 1, 1, ["x"] * 4, [90 * MIB, 0])  # 3 x 310 + 110
+    with pytest.raises(CheckpointError, match=r"needs 1\.37 GiB on the node of ranks \[0, 1\]"):
+        budget.check(fits, two_by_two(), 1, 1, ["x"] * 4)  # counted whole: 3 x 400 + 200
+
+
 def test_the_space_older_steps_take_counts_as_free_and_uneven_nodes_add_up() -> None:
     reports = [budget.Report(100 * MIB, 10 << 30, 0)] * 2 + [
         budget.Report(100 * MIB, 500 * MIB, 650 * MIB)

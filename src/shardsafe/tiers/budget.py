@@ -11,7 +11,9 @@ received); and, of its own ranks' checkpoints, the step before it, written but s
 being replicated (retention counts a step only once it is replicated). The check asks
 for room for all of it, ``keep_local + 2`` steps plus one step of the node's own ranks'
 checkpoints: free space plus what the tier's older steps already take (they are
-replaced).
+replaced). The data-parallel tensors a node's ranks write once between them
+(``node_share.py``), when they do from the first save on, count once for the node's
+own checkpoints.
 """
 
 from __future__ import annotations
@@ -67,16 +69,25 @@ class Budget:
 
 
 def check(
-    reports: list[Report], topology: Topology, replicas: int, keep_local: int, where: list[str]
+    reports: list[Report],
+    topology: Topology,
+    replicas: int,
+    keep_local: int,
+    where: list[str],
+    shared: list[int] | None = None,
 ) -> Budget:
     """The budget of every node; a :class:`CheckpointError` naming the first node without
     room for it (by its ranks and ``where[rank]``, each rank's local directory), the same
-    on every rank."""
+    on every rank. ``shared[node]``: the bytes of data-parallel tensors each rank of that
+    node holds alike and the node writes once (``node_share.py``), counted once for its
+    own ranks' checkpoints (the replicas it keeps are counted whole)."""
     step_bytes, own_bytes = [], []
-    for ranks in topology.nodes:
-        kept = set(ranks) | {s for r in ranks for s in topology.sources(r, replicas)}
-        step_bytes.append(sum(reports[r].own_bytes for r in kept))
-        own_bytes.append(sum(reports[r].own_bytes for r in ranks))
+    for node, ranks in enumerate(topology.nodes):
+        sources = {s for r in ranks for s in topology.sources(r, replicas)} - set(ranks)
+        once = (len(ranks) - 1) * (shared[node] if shared is not None else 0)
+        own = sum(reports[r].own_bytes for r in ranks) - once
+        step_bytes.append(own + sum(reports[r].own_bytes for r in sources))
+        own_bytes.append(own)
     result = Budget(step_bytes, keep_local, own_bytes)
     for node, ranks in enumerate(topology.nodes):
         available = reports[ranks[0]].free_bytes + sum(reports[r].used_bytes for r in ranks)

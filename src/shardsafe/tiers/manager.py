@@ -32,14 +32,15 @@ from typing import Any, NoReturn
 from ..checkpoint.io.staging import Stager
 from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadKeywords
-from ..checkpoint.plan.collecting import check_state, collect
+from ..checkpoint.plan.collecting import Collected, check_state, collect
 from ..checkpoint.storage.locations import is_url, local_path
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError
-from . import budget
+from . import budget, node_share
 from .node_dir import NodeDir
 from .node_share import NodeShare
+from .rank_checkpoint import Candidate
 from .ranks import Ranks
 from .replication import Peers, Replicator
 from .restore import Restored, Restorer
@@ -216,55 +217,83 @@ class TieredCheckpointManager:
 
     def _local_save(self, step: int, state: Any) -> None:
         self._replicator.wait_written()  # its staging buffers are about to be reused
+        items = self._collect(step, state)
+        if items is None:
+            return
+        share = self._replicator.share
+        if not self._budget_checked:
+            shared = node_share.candidates(items) if share is not None else {}
+            self._check_budget(step, budget.staged_bytes(items), share, shared)
+            # Collective: every rank asks, if any node shares (node_share.py) or replicates.
+            if self.replicas or any(len(ranks) > 1 for ranks in self.topology.nodes):
+                self._replicator.group = self._ranks.transfers()
+        try:
+            staged = self._stager.stage(items, share.keep(items) if share is not None else None)
+            staged.ready()
+        except BaseException as e:
+            # The others replicate this step: take part, empty.
+            self._replicator.submit(step, None)
+            if isinstance(e, Exception):
+                # This rank's alone, as a failed write is: warned, raised by wait().
+                # Raised here, it would leave the others waiting in the persistent save of
+                # the step, where this state is refused on every rank at once.
+                self._replicator.failed(step, e)
+                return
+            raise
+        self._replicator.submit(step, staged.items)
+
+    def _collect(self, step: int, state: Any) -> Collected | None:
+        """``state``'s items; ``None`` if it is refused after the first local save (as a
+        failed write: warned, raised by ``wait()``)."""
         try:
             # Inside: a state refused on one rank only must still take part in the
             # others' replication of this step (as "none"), or the pairs fall out of step.
             check_state(state)
-            items = collect(state, self.rank, self.world_size)
-            share = self._replicator.share
-            staged = self._stager.stage(items, share.keep(items) if share is not None else None)
-            staged.ready()
+            return collect(state, self.rank, self.world_size)
         except BaseException as e:
             if self._budget_checked:  # the others replicate this step: take part, empty
                 self._replicator.submit(step, None)
                 if isinstance(e, Exception):
-                    # This rank's alone, as a failed write is: warned, raised by wait().
-                    # Raised here, it would leave the others waiting in the persistent
-                    # save of the step, where this state is refused on every rank at once.
                     self._replicator.failed(step, e)
-                    return
+                    return None
             elif isinstance(e, Exception) and self.world_size > 1:
                 # The others wait in the budget's exchange: every rank raises the same
                 # CheckpointError (from this one's error here).
                 failure = e
                 self._ranks.exchange(Phase.SURVEY, lambda: _raise(failure))
             raise
-        if not self._budget_checked:
-            self._check_budget(step, budget.staged_bytes(staged.items))
-            # Collective: every rank asks, if any node shares (node_share.py) or replicates.
-            if self.replicas or any(len(ranks) > 1 for ranks in self.topology.nodes):
-                self._replicator.group = self._ranks.transfers()
-        self._replicator.submit(step, staged.items)
 
-    def _check_budget(self, step: int, own_bytes: int) -> None:
+    def _check_budget(
+        self,
+        step: int,
+        own_bytes: int,
+        share: NodeShare | None,
+        shared: dict[Candidate, int],
+    ) -> None:
         """Before the first local write: every rank saves the same step (later steps are
-        compared by replication's transfers, ``transfer.StepsDiffer``), and every node
-        has room for its steps."""
+        compared by replication's transfers, ``transfer.StepsDiffer``), every node has
+        room for its steps, and the ranks of a node agree whether its first save shares
+        their data-parallel tensors (``node_share.py``; the room is counted so)."""
         owned = {self.rank, *self._replicator.peers.sources}
 
         def report() -> dict[str, Any]:
             free, used = self.node.free_bytes(), self.node.used_bytes(owned)
             own = budget.Report(own_bytes, free, used).to_json()
-            return {"report": own, "root": self.node.root, "step": step}
+            offer = share.offer(shared) if share is not None else None
+            return {"report": own, "root": self.node.root, "step": step, "share": offer}
 
         docs = self._ranks.exchange(Phase.SURVEY, report)
         _check_steps([d["step"] for d in docs])
+        offers = [[docs[r]["share"] for r in ranks] for ranks in self.topology.nodes]
+        if share is not None:
+            share.start(shared, offers[self.topology.node_of[self.rank]])
         self.budget = budget.check(
             [budget.Report.from_json(d["report"]) for d in docs],
             self.topology,
             self.replicas,
             self.keep_local,
             [str(d["root"]) for d in docs],
+            [o[0]["bytes"] if node_share.first_shares(o) else 0 for o in offers],
         )
         self._budget_checked = True
 

@@ -17,9 +17,12 @@ writer thread (:meth:`NodeShare.settle`): whether the rank's part was written, i
 file's checksums and identity, and a digest of the chunks it could share. The split of
 the *next* save follows from those, the same on every rank of the node: the chunks every
 rank holds, each given to one rank, largest first to the rank with the fewest bytes so
-far. So the first local save (and the one after a rank's snapshot failed) writes every
-chunk on every rank, a chunk new since the last save is written by every rank holding it,
-and later ones share (also after a failed write: its chunks were known). Data-parallel
+far. The first local save's split is agreed before it stages, in the exchange of the
+tiers' space check (:meth:`NodeShare.offer`, :meth:`NodeShare.start`): a node whose
+ranks all can link and hold the same chunks shares from its first save on; otherwise
+that save (like the one after a rank's snapshot failed) writes every chunk on every
+rank. A chunk new since the last save is written by every rank holding it, and later
+ones share (also after a failed write: its chunks were known). Data-parallel
 ranks on other nodes compute the same split, so their part files are byte-identical and
 replication still links them instead of sending them (``transfer.py``).
 
@@ -134,6 +137,23 @@ class NodeShare:
     @property
     def active(self) -> bool:
         return len(self.mates) > 1 and not self.broken
+
+    def offer(self, shared: Mapping[Candidate, int]) -> dict[str, Any]:
+        """What this rank tells the others before its first local save (in the budget's
+        exchange, so that the first save shares too): whether hard links work here
+        (probed now), a digest of the chunks it could share, and their bytes."""
+        try:
+            self.links = self.node.links_work(self.rank)
+        except (CheckpointError, OSError):
+            self.links = False
+        return {"links": self.links, "digest": _digest(shared), "bytes": sum(shared.values())}
+
+    def start(self, shared: Mapping[Candidate, int], offers: list[Any]) -> None:
+        """The first save's split, from every node-mate's :meth:`offer` (by position):
+        of this rank's chunks if every rank of the node holds the same ones and can
+        link, else none (the first save is then whole, and the exchange after it sets the
+        next save's split, as after any save)."""
+        self.split = split(shared, len(self.mates)) if first_shares(offers) else None
 
     def keep(self, items: Collected) -> set[int] | None:
         """The chunks (by offer index) this rank stages for the next save: all but the
@@ -272,6 +292,19 @@ class NodeShare:
             message if m == self.rank else json.loads(buffers[m].numpy().tobytes())
             for m in self.mates
         ]
+
+
+def first_shares(offers: list[Any]) -> bool:
+    """Whether a node whose ranks made these :meth:`NodeShare.offer` s shares its first
+    save: every rank can link and holds the same shareable chunks, some."""
+    return (
+        len(offers) > 1
+        and all(isinstance(o, dict) and o.get("links") is True for o in offers)
+        and len({o.get("digest") for o in offers}) == 1
+        and all(o.get("bytes") == offers[0].get("bytes") for o in offers)
+        and isinstance(offers[0].get("bytes"), int)
+        and offers[0]["bytes"] > 0
+    )
 
 
 def _all(works: list[Any]) -> None:
