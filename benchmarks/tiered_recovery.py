@@ -20,10 +20,8 @@ Timed, in one launch of 4 ranks (each row's slowest rank counts):
   model and optimizer are built (fresh ones, their tensors zeroed so that a restore
   that did nothing would show) until every rank's state is restored: constructing
   ``TieredCheckpointManager`` (its node survey and its gloo group) plus
-  ``load_latest(state)``, barrier to barrier. Steps 1 and 2 were saved to every tier
-  before, and step 2 is restored: from the second local save on, as through the rest
-  of a run, a node's ranks write their data-parallel tensors once between them, in
-  part files (the first local save is whole on every rank). ``local``: every node's directory intact; ``peer``: node 1's directory
+  ``load_latest(state)``, barrier to barrier. Step 1 was saved once to every tier
+  before. ``local``: every node's directory intact; ``peer``: node 1's directory
   deleted (its ranks get their checkpoints from node 0's replicas, sent over, verified,
   then loaded); ``persistent``: both deleted (the S3 tier). Against DCP: ``dcp.save``
   of the same state to the same filesystem as the local tier, then ``get_state_dict``
@@ -391,12 +389,10 @@ def bench(
     paths = Paths(holder[0], rank // PER_NODE)
     state = {"model": model, "optimizer": opt}
     try:
-        # The checkpoint every restore restores: step 2 in every tier (a local save after
-        # the first, as a run's are), and DCP's copy.
+        # The checkpoint every restore restores: step 1 in every tier, and DCP's copy.
         first = _manager(persistent, paths.local(paths.node), persist_every=1)
-        for saved_step in (1, 2):
-            first.save(saved_step, state)
-            first.wait()
+        first.save(1, state)
+        first.wait()
         first.close()
         recovery = Recovery(rank, d, paths, persistent, (model, opt))
         recovery.save_dcp(model, opt)
@@ -557,8 +553,8 @@ def report(got: dict[str, Any], where: str, repeat: int) -> tuple[str, list[Targ
         f"{table(costs)}\n\n"
         "shardsafe.async_save stages about 1/4 of a DDP rank's state (the 4 ranks agree on "
         "who writes each replicated tensor); a local rank checkpoint holds all of it, so "
-        "that each rank can restore from its own node, but from the second local save on "
-        "the 2 ranks of a node write their data-parallel tensors once between them: each "
+        "that each rank can restore from its own node, but the 2 ranks of a node write "
+        "their data-parallel tensors once between them: each "
         "stages about 1/2 and links the other's part (docs/async-and-tiers.md)."
     )
     targets = []
