@@ -28,6 +28,9 @@ Timed, in one launch of 4 ranks (each row's slowest rank counts):
   on the fresh objects, ``dcp.load``, ``set_state_dict``. The order rotates each
   repetition; after each restore every parameter and optimizer tensor is compared with
   the saved ones. ``load_latest s`` is the manager's own figure (``restored.seconds``).
+  Shown with them, untargeted: the **floor** of a restore from the local tier on this
+  machine: each rank reads its rank checkpoint's data files from its node's directory
+  into memory made and touched beforehand (no checksum, nothing restored, no manager).
 * **stall**: the ``async_save`` call with only the local tier due (it returns once the
   state is staged), against ``shardsafe.async_save`` of the same state to a path on
   the same filesystem; background work finished before each call (so the stall is the
@@ -96,7 +99,7 @@ RECOVERY_VS_DCP = 0.5
 STALL_VS_ASYNC_SAVE = 1.0
 TRAINING_SPEED = 0.9
 SAVE_EVERY_STEP = 0.15
-RECOVERIES = ("local", "peer", "persistent", "dcp")
+RECOVERIES = ("local", "peer", "persistent", "dcp", "floor")
 EXPECTED_TIERS = {
     "local": ["local"] * WORLD,
     "peer": ["local"] * PER_NODE + ["peer"] * (WORLD - PER_NODE),
@@ -107,6 +110,7 @@ LABELS = {
     "peer": "peer replica (node 1's directory deleted)",
     "persistent": "persistent tier (both directories deleted)",
     "dcp": "DCP: dcp.load, same filesystem as the local tier",
+    "floor": "floor: each rank's local files read into touched memory (no check, no restore)",
 }
 BUCKET = "shardsafe-bench-tiers"
 
@@ -183,6 +187,7 @@ class Recovery:
         self.manager: Any = None
         self.seconds: dict[str, list[float]] = {}
         self.dcp_path = os.path.join(paths.base, "dcp")
+        self.floor: list[tuple[str, torch.Tensor]] = []
 
     def save_dcp(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -198,11 +203,26 @@ class Recovery:
                 t.zero_()
         if self.rank % PER_NODE == 0:  # one rank per node deletes its node's directory
             clean(self.paths.lost(self.paths.node))
+        if tool == "floor" and not self.floor:  # the buffers made and touched once
+            rank_dir = os.path.join(
+                self.paths.local(self.paths.node), "step-000000001", f"rank-{self.rank:05d}"
+            )
+            for name in sorted(os.listdir(rank_dir)):
+                if name.endswith(".safetensors"):
+                    path = os.path.join(rank_dir, name)
+                    self.floor.append((path, torch.zeros(os.path.getsize(path), dtype=torch.uint8)))
         dist.barrier()
 
     def run(self, tool: str) -> None:
         if tool == "dcp":
             self._dcp_load()
+            return
+        if tool == "floor":  # the least any restore from the local files does
+            for path, buffer in self.floor:
+                with open(path, "rb", buffering=0) as f:
+                    view, done = memoryview(buffer.numpy()), 0
+                    while done < len(view):
+                        done += f.readinto(view[done:]) or len(view)
             return
         node = self.paths.node
         lost = tool == "persistent" or (tool == "peer" and node == 1)
@@ -222,6 +242,8 @@ class Recovery:
 
     def finish(self, tool: str) -> None:
         """Untimed: check what was restored, and from which tier; close the manager."""
+        if tool == "floor":
+            return
         restored = tensors(self.model, self.opt)
         if len(restored) != len(self.saved) or not all(
             torch.equal(a, b) for a, b in zip(restored, self.saved)
