@@ -8,7 +8,9 @@ is read from its name: under layout "sharded" rank ``r`` of ``n`` writes
 ``shard-<r>-of-<n>.safetensors`` (a replicated tensor, a pipeline stage's or a buffer, is
 in the file of the one rank that wrote it; a tiered manager's rank checkpoint also has
 ``small-<r>-of-<n>``, its small pieces); under "consolidated" rank 0 writes every file.
-A file whose name says nothing (a manifest from elsewhere) has writer ``None``.
+A file whose name says nothing (a manifest from elsewhere) has writer ``None``; so has a
+tiered rank checkpoint's ``part-<i>-of-<n>``, written by the ``i``-th rank of a node that
+the manifest does not name (``tiers/node_share.py``).
 """
 
 from __future__ import annotations
