@@ -41,7 +41,7 @@ from . import budget, node_share
 from .node_dir import NodeDir
 from .node_share import NodeShare
 from .rank_checkpoint import Candidate
-from .ranks import Ranks
+from .ranks import Ranks, steps_differ
 from .replication import Peers, Replicator
 from .restore import Restored, Restorer
 from .retention import Tally
@@ -447,11 +447,7 @@ def _check_steps(steps: list[int]) -> None:
     restorable only once every rank has a checkpoint of it."""
     for rank, step in enumerate(steps):
         if step != steps[0]:
-            raise CheckpointError(
-                f"the ranks saved different steps: step {steps[0]} on rank 0 but step {step} "
-                f"on rank {rank}. TieredCheckpointManager.save/async_save is collective: pass "
-                "the same step on every rank"
-            )
+            raise steps_differ(steps[0], 0, step, rank, same_save=False)
 
 
 def _raise(error: Exception) -> NoReturn:

@@ -55,6 +55,7 @@ from ..checkpoint.streaming import Uncommitted
 from ..errors import CheckpointError
 from .node_dir import NodeDir
 from .rank_checkpoint import Candidate, candidate
+from .ranks import steps_differ
 
 NODE = 3
 """The gloo tag of the node's exchanges (``transfer.py`` uses 1 and 2)."""
@@ -222,12 +223,7 @@ class NodeShare:
         self.split = _next_split(shared, digests, lists, len(self.mates)) if links else None
         for position, theirs in enumerate(messages):
             if theirs["step"] != step:
-                raise CheckpointError(
-                    f"the ranks saved different steps: step {step} on rank {self.rank} but "
-                    f"step {theirs['step']} on rank {self.mates[position]} (at the same local "
-                    "save). TieredCheckpointManager.save/async_save is collective: pass the "
-                    "same step on every rank"
-                )
+                raise steps_differ(step, self.rank, theirs["step"], self.mates[position])
         if lost is not None:
             raise lost
         if written is None or storage is None or not written.elsewhere:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..distributed import Coordinator, Phase, world
 from ..distributed.background_groups import background_group, lower_priority
+from ..errors import CheckpointError
 
 
 class Ranks:
@@ -59,3 +60,17 @@ BACKGROUND_NICENESS = 10
 
 background_priority = functools.partial(lower_priority, BACKGROUND_NICENESS)
 """Lower the calling thread to :data:`BACKGROUND_NICENESS` (a thread pool's initializer)."""
+
+
+def steps_differ(
+    step: int, rank: int, theirs: int, other: int, *, same_save: bool = True, then: str = ""
+) -> CheckpointError:
+    """The error for ranks that passed different steps to one collective save: ``step``
+    on ``rank`` but ``theirs`` on ``other`` (``same_save``: found by pairing the ranks'
+    local saves in order; ``then``: what follows from it, as a sentence)."""
+    at = " (at the same local save)" if same_save else ""
+    return CheckpointError(
+        f"the ranks saved different steps: step {step} on rank {rank} but step {theirs} on "
+        f"rank {other}{at}. TieredCheckpointManager.save/async_save is collective: pass the "
+        f"same step on every rank{'. ' + then if then else ''}"
+    )

@@ -43,7 +43,7 @@ from ..errors import CheckpointError
 from . import node_share, rank_checkpoint, transfer
 from .node_dir import NodeDir
 from .node_share import Linked, NodeShare, Split
-from .ranks import background_priority
+from .ranks import background_priority, steps_differ
 from .retention import Tally, drop_older, retained
 
 KEPT_ERRORS = 16
@@ -321,12 +321,13 @@ class Replicator:
     def _steps_differ(self, e: transfer.StepsDiffer, peer: int) -> CheckpointError:
         """The error both ends of a transfer record when their ranks saved different
         steps at the same local save (``transfer.StepsDiffer``)."""
-        return CheckpointError(
-            f"the ranks saved different steps: step {e.ours} on rank {self.rank} but step "
-            f"{e.theirs} on rank {peer} (at the same local save). TieredCheckpointManager."
-            "save/async_save is collective: pass the same step on every rank. Neither step "
-            f"is complete, and from here on rank {self.rank} does not replicate its local "
-            "checkpoints"
+        return steps_differ(
+            e.ours,
+            self.rank,
+            e.theirs,
+            peer,
+            then=f"Neither step is complete, and from here on rank {self.rank} does not "
+            "replicate its local checkpoints",
         )
 
     def _send(self, step: int, target: int, own: bool) -> bool:
