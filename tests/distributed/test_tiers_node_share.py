@@ -216,38 +216,37 @@ def test_a_node_writes_its_shared_tensors_once_and_every_rank_restores_bitwise(
     assert received == {2}
 
 
+@pytest.mark.parametrize("fault", ["full", "swapped"])
 def test_a_lost_node_whose_shared_receipt_fails_restores_the_step_before_bitwise(
-    tmp_path: Path,
+    tmp_path: Path, fault: str
 ) -> None:
     """Node 1 lost; its ranks receive each part once between them. ``full``: rank 3
     cannot store the part it receives for both, so neither rank's copy of step 4 is
     committed; ``swapped``: another file is in place of the part rank 3 received when
     rank 2 links it, and rank 2's copy of step 4 is refused. Either way step 4 is
     incomplete and step 3 is restored, every tensor bitwise, its parts again received
-    once; nothing of step 4 is left on node 1. (One save, copied for the second fault.)"""
-    saved = run_ranks(_session, 4, str(tmp_path / "full"), False, None, False, timeout=200)
-    shutil.copytree(tmp_path / "full", tmp_path / "swapped")
-    for fault in ("full", "swapped"):
-        base = str(tmp_path / fault)
-        shutil.rmtree(local_dir(base, 1))
-        restored = run_ranks(_session, 4, base, False, None, True, False, fault, timeout=200)
-        assert restored[0][1] == ["local", "local", "peer", "peer"]
-        _restored_bitwise(restored, saved, 3)
-        for part in PARTS:
-            inodes = {os.stat(_rank_dir(base, 1, rank, 3) / part).st_ino for rank in (2, 3)}
-            assert len(inodes) == 1
-        assert sorted(os.listdir(local_dir(base, 1))) == ["step-000000003"]
-        said = [w for r in restored for w in r[3]]
-        if fault == "swapped":  # rank 2 names the part it was to link from rank 3
-            assert said in [
-                [
-                    f"shardsafe: restoring step 4: {_rank_dir(base, 1, 3, 4) / part} is not the "
-                    "file rank 3 received for step 4 (another file, or a link, is in its place)"
-                ]
-                for part in PARTS
+    once; nothing of step 4 is left on node 1."""
+    base = str(tmp_path)
+    saved = run_ranks(_session, 4, base, False, None, False, timeout=200)
+    shutil.rmtree(local_dir(base, 1))
+    restored = run_ranks(_session, 4, base, False, None, True, False, fault, timeout=200)
+    assert restored[0][1] == ["local", "local", "peer", "peer"]
+    _restored_bitwise(restored, saved, 3)
+    for part in PARTS:
+        inodes = {os.stat(_rank_dir(base, 1, rank, 3) / part).st_ino for rank in (2, 3)}
+        assert len(inodes) == 1
+    assert sorted(os.listdir(local_dir(base, 1))) == ["step-000000003"]
+    said = [w for r in restored for w in r[3]]
+    if fault == "swapped":  # rank 2 names the part it was to link from rank 3
+        assert said in (
+            [
+                f"shardsafe: restoring step 4: {_rank_dir(base, 1, 3, 4) / part} is not the file "
+                "rank 3 received for step 4 (another file, or a link, is in its place)"
             ]
-        else:
-            assert said == []
+            for part in PARTS
+        )
+    else:
+        assert said == []
 
 
 def test_a_node_mates_failed_write_leaves_the_step_on_neither_rank_of_the_node(
