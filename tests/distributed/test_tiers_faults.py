@@ -278,12 +278,22 @@ def restore_run(rank: int, world: int, base: str) -> dict[str, Any]:
         manager.close()
 
 
+def restore_refused(rank: int, world: int, base: str) -> str:
+    """:func:`restore_run`, which must raise: the error's text."""
+    with pytest.raises(CheckpointError) as raised:
+        restore_run(rank, world, base)
+    return str(raised.value)
+
+
 def test_a_receiver_that_cannot_make_its_directory_refuses_the_copy_without_a_hang(
     tmp_path: Path,
 ) -> None:
     """Rank 1's own copy of step 3 is gone, and a link (never followed) stands where node
     1's copy of it would be received: the receipt is refused before any data is sent, and
-    step 2 is restored, instead of the sender waiting for a receiver that gave up."""
+    step 2 is restored, instead of the sender waiting for a receiver that gave up. Then
+    the same for step 2, with no persistent checkpoint: nothing can be restored, but node
+    0 holds step 2, which a fresh start (``None``) would silently abandon: an error on
+    every rank instead."""
     base = str(tmp_path)
     saved = run_ranks(train, 2, base, 3, None, 1, timeout=100)
     assert saved[1]["written"][-2:] == [2, 3]
@@ -295,6 +305,21 @@ def test_a_receiver_that_cannot_make_its_directory_refuses_the_copy_without_a_ha
     assert restored == [{"step": 2, "tiers": ["local", "local"]}] * 2
     assert os.listdir(tmp_path / "elsewhere") == []
     assert copy.is_symlink()
+    shutil.rmtree(rank_ckpt(base, 1, 2, 1))
+    rank_ckpt(base, 1, 2, 1).symlink_to(tmp_path / "elsewhere")
+    shutil.rmtree(os.path.join(base, "persistent"))
+    assert (
+        run_ranks(restore_refused, 2, base, timeout=60)
+        == [
+            "nothing was restored, but the local tiers hold step 2: rank(s) 1 could not receive "
+            "their copy of it from another node (their local directory full or not writable, or "
+            "the copy sent damaged), and no older step or persistent checkpoint was left to "
+            "restore. Returning nothing would start the run afresh and abandon it: make room in "
+            "(or repair) those ranks' local directory and restart"
+        ]
+        * 2
+    )
+    assert (Path(local_dir(base, 0)) / "step-000000002" / "rank-00001" / "manifest.json").exists()
 
 
 def test_a_replica_that_cannot_be_received_is_refused_and_training_goes_on(

@@ -116,6 +116,7 @@ class Restorer:
         opts = LoadOptions.of(**{"verify": "inline", **options})
         excluded: set[tuple[int, int, int]] = set()
         damaged: list[CheckpointError] = []
+        unfetched: list[tuple[int, list[int]]] = []  # (step, ranks that could not receive it)
         persistent = True
         floor: int | None = None  # a persistent step that loaded, then was overwritten
         for _ in range(3 * self.world_size + 3):
@@ -124,7 +125,7 @@ class Restorer:
                 break  # no local step newer than the persistent one that loaded is left
             if choice.step is None:
                 _refuse_stranded(choice, self.world_size)
-                return _or_damaged(None, damaged)
+                return _or_damaged(None, damaged, unfetched)
             if recovery.PERSISTENT in choice.tiers:
                 try:
                     values = self._from_persistent(state, options, started)
@@ -147,8 +148,10 @@ class Restorer:
                         continue
                 if loaded is not None:
                     self.drop_newer(loaded)
-                return _or_damaged(values, damaged)
-            if not self._fetch(choice, excluded):
+                return _or_damaged(values, damaged, unfetched)
+            failed = self._fetch(choice, excluded)
+            if failed:
+                unfetched.append((choice.step, failed))
                 continue
             try:
                 values = self._from_local(choice, state, opts, excluded, damaged)
@@ -231,15 +234,15 @@ class Restorer:
         steps = self.persistent.complete_steps()
         return steps[-1] if steps else None
 
-    def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> bool:
-        """Send the peers' copies to the ranks that need them; False (and the failed copies
-        excluded) if one did not arrive whole. Where several ranks of a node receive
-        copies, a file they all need is received by one of them and linked by the others
-        (``fetch_plan.py``)."""
+    def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> list[int]:
+        """Send the peers' copies to the ranks that need them; the ranks whose copy did not
+        arrive whole (the failed copies excluded), none if all did. Where several ranks of
+        a node receive copies, a file they all need is received by one of them and linked
+        by the others (``fetch_plan.py``)."""
         step = choice.step
         assert step is not None
         if not choice.sends:  # every rank restores from its own node (the same on all)
-            return True
+            return []
         self.ranks.transfers()
         mine = [r for r, sender in choice.sends.items() if sender == self.rank]
         needed = choice.sends.get(self.rank)
@@ -283,7 +286,7 @@ class Restorer:
         for rank, its in enumerate(faults):
             if its == "own":
                 excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
-        return not any(faults)
+        return [rank for rank, its in enumerate(faults) if its]
 
     def _copies(self, step: int, mine: list[int]) -> dict[str, Any]:
         """The data files (sizes and fingerprints) of the copies this rank sends, by
@@ -494,12 +497,26 @@ def _refuse_stranded(
 
 
 def _or_damaged(
-    values: dict[str, Any] | None, damaged: list[CheckpointError]
+    values: dict[str, Any] | None,
+    damaged: list[CheckpointError],
+    unfetched: list[tuple[int, list[int]]],
 ) -> dict[str, Any] | None:
     """``values``; but ``None`` ("nothing to restore") after a damaged local copy was found
     while restoring (``verify="inline"`` copies each tensor into its object as it is read)
     would hide that the objects may hold part of it, and that no other source overwrote
-    them: raise instead."""
+    them: raise instead. So too after a step could not be received (``unfetched``: each
+    step, and the ranks whose copy did not arrive): the local tiers hold it, and a fresh
+    start would silently abandon it (a replaced node's full disk, a damaged replica)."""
+    if values is None and unfetched and not damaged:
+        step, ranks = unfetched[0]
+        raise CheckpointError(
+            f"nothing was restored, but the local tiers hold step {step}: rank(s) "
+            f"{', '.join(map(str, ranks))} could not receive their copy of it from another "
+            "node (their local directory full or not writable, or the copy sent damaged), "
+            "and no older step or persistent checkpoint was left to "
+            "restore. Returning nothing would start the run afresh and abandon it: make "
+            "room in (or repair) those ranks' local directory and restart"
+        )
     if values is None and damaged:
         raise CheckpointCorruptError(
             f"no complete step is left in any tier to restore after a damaged local "
