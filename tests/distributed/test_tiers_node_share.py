@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,8 @@ def _session(
 def _arm_fetch_fault(rank: int, fault: str | None) -> None:
     """In a restore of node 1's ranks from replicas, once: ``"full"``, rank 3 cannot
     create the first part file it receives (its disk full); ``"swapped"``, rank 3's
-    received part file is replaced by a copy (another inode) just before rank 2 links it."""
+    received part file is replaced by a copy (another inode) just before rank 2 links it,
+    and rank 3 links its own part from rank 2 only a moment later (rank 2 refused by then)."""
     from shardsafe.checkpoint.storage.local import LocalStorage
     from shardsafe.tiers.node_dir import NodeDir
 
@@ -170,6 +172,16 @@ def _arm_fetch_fault(rank: int, fault: str | None) -> None:
             return link(self, step, mate, name, *rest, **kw)
 
         NodeDir.link_reported = swapped  # type: ignore[method-assign]
+    elif fault == "swapped" and rank == 3:
+        late = NodeDir.link_reported
+
+        def slow(self: NodeDir, *args: Any, **kw: Any) -> Any:
+            if armed[0]:
+                armed[0] = False
+                time.sleep(0.5)
+            return late(self, *args, **kw)
+
+        NodeDir.link_reported = slow  # type: ignore[method-assign]
 
 
 def _rank_dir(base: str, node: int, rank: int, step: int) -> Path:
@@ -223,7 +235,9 @@ def test_a_lost_node_whose_shared_receipt_fails_restores_the_step_before_bitwise
     """Node 1 lost; its ranks receive each part once between them. ``full``: rank 3
     cannot store the part it receives for both, so neither rank's copy of step 4 is
     committed; ``swapped``: another file is in place of the part rank 3 received when
-    rank 2 links it, and rank 2's copy of step 4 is refused. Either way step 4 is
+    rank 2 links it, and rank 2's copy of step 4 is refused, and only it: rank 3, which
+    links its part from rank 2's copy a moment later, still finds it (rank 2 removed its
+    copy before, and rank 3 passed over its own too). Either way step 4 is
     incomplete and step 3 is restored, every tensor bitwise, its parts again received
     once; nothing of step 4 is left on node 1."""
     base = str(tmp_path)

@@ -276,13 +276,16 @@ class Restorer:
         finally:
             if arrived is not None:
                 arrived.storage.close()
-        if arrived is not None and not committed:  # nothing of it left behind
-            with contextlib.suppress(CheckpointError, OSError):
-                self.node.remove(step, self.rank)
         # "own": this rank's copy failed (excluded); "mate": a node-mate's, which this
         # one needed, did (the mate's is excluded; this one may be asked for again).
         # (A list: a None payload would not be read.)
         faults = [f for [f] in self.ranks.exchange(Phase.FETCH, [fault])]
+        # Nothing of a failed copy left behind, but only now that its node-mates have
+        # linked what they received in it: removed before, a mate still to link a file
+        # of it found it gone, and passed over its own copy, which had arrived whole.
+        if arrived is not None and not committed:
+            with contextlib.suppress(CheckpointError, OSError):
+                self.node.remove(step, self.rank)
         for rank, its in enumerate(faults):
             if its == "own":
                 excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
