@@ -239,10 +239,13 @@ def test_a_lost_node_whose_shared_receipt_fails_restores_the_step_before_bitwise
     links its part from rank 2's copy a moment later, still finds it (rank 2 removed its
     copy before, and rank 3 passed over its own too). Either way step 4 is
     incomplete and step 3 is restored, every tensor bitwise, its parts again received
-    once; nothing of step 4 is left on node 1."""
+    once; nothing of step 4 (or of a later step) is left on node 1."""
     base = str(tmp_path)
     saved = run_ranks(_session, 4, base, False, None, False, timeout=200)
     shutil.rmtree(local_dir(base, 1))
+    # What a restore before left of a step whose copies both ranks of the node removed
+    # after they failed (their links refused): its empty directory.
+    (Path(local_dir(base, 1)) / "step-000000005").mkdir(parents=True)
     restored = run_ranks(_session, 4, base, False, None, True, False, fault, timeout=200)
     assert restored[0][1] == ["local", "local", "peer", "peer"]
     _restored_bitwise(restored, saved, 3)

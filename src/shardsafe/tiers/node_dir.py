@@ -86,6 +86,14 @@ class _Under(LocalStorage):
         return _Under(self, name)
 
 
+def _prune(root: LocalStorage, step_dir: LocalStorage, step: int) -> None:
+    """Delete ``step_dir`` (the directory of ``step`` in ``root``) if it is empty."""
+    if not step_dir.names():
+        step_dir.close()
+        with contextlib.suppress(OSError):  # another rank just wrote into it
+            os.rmdir(step_dir_name(step), dir_fd=root.fd)
+
+
 class NodeDir:
     """The node-local directory at ``root`` (created on first use)."""
 
@@ -180,10 +188,14 @@ class NodeDir:
                 delete_checkpoint(step_dir, rank_dir_name(rank))
                 if step_dir.kind(rank_dir_name(rank)) == "directory":
                     self._uncommit(step_dir, rank)
-            if prune and not step_dir.names():
-                step_dir.close()
-                with contextlib.suppress(OSError):  # another rank just wrote into it
-                    os.rmdir(step_dir_name(step), dir_fd=root.fd)
+            if prune:
+                _prune(root, step_dir, step)
+
+    def prune(self, step: int) -> None:
+        """Delete the directory of ``step`` if nothing is left in it."""
+        with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
+            if step_dir.is_directory():
+                _prune(root, step_dir, step)
 
     def _uncommit(self, step_dir: LocalStorage, rank: int) -> None:
         """``delete_checkpoint`` left ``rank``'s copy (in ``step_dir``) in place (it holds what

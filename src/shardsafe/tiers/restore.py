@@ -464,7 +464,7 @@ class Restorer:
         """After restoring ``step``, the local checkpoints of later steps are of a run that
         no longer exists: delete those this rank surveys (the ones it owns; on the node's
         lowest rank also those no rank of the node owns, left by another node layout; and
-        their step directories once empty), so
+        their step directories once empty, as one a failed fetch emptied already), so
         that they never mix with the steps this run writes next (a rank whose node lost
         its copy of such a step would be sent the old run's). Then retention learns of
         the restored step (never to be deleted before a newer one is complete everywhere)
@@ -474,6 +474,7 @@ class Restorer:
                 for rank in self.node.ranks_in(later):
                     if rank in self._surveyed:
                         self.node.remove(later, rank, prune=True)
+                self.node.prune(later)
         self._replicator.resumed_from(step)
 
 
