@@ -311,7 +311,10 @@ def test_a_node_whose_directory_cannot_hard_link_writes_everything_on_every_rank
 ) -> None:
     """Node 0's directory refuses hard links (probed at the first local save): its ranks
     never share and every step is committed there, whole; node 1's ranks share. Before
-    the probe, every shared step failed on node 0, where the ranks cannot link."""
+    the probe, every shared step failed on node 0, where the ranks cannot link. Lost and
+    replaced by a node that cannot link either, node 0's ranks each receive their whole
+    copy: planned to link each other's files, they failed every step, and restored
+    nothing."""
     base = str(tmp_path)
     saved = run_ranks(_session, 4, base, False, None, False, True, timeout=200)
     assert all(not r[3] for r in saved) and not any(r[2] for r in saved), saved[0][2:]
@@ -323,6 +326,15 @@ def test_a_node_whose_directory_cannot_hard_link_writes_everything_on_every_rank
     assert not [n for n in os.listdir(local_dir(base, 0)) if n.startswith(".link-probe")]
     restored = run_ranks(_session, 4, base, False, None, True, timeout=200)
     _restored_bitwise(restored, saved, 4)
+    # Node 0 lost, replaced by one that cannot hard-link either: its ranks receive their
+    # copies whole, each file on each rank (none left for the other to link).
+    shutil.rmtree(local_dir(base, 0))
+    restored = run_ranks(_session, 4, base, False, None, True, True, timeout=200)
+    assert restored[0][1] == ["peer", "peer", "local", "local"]
+    _restored_bitwise(restored, saved, 4)
+    for rank in (0, 1):
+        files = list(_rank_dir(base, 0, rank, 4).iterdir())
+        assert len(files) > 1 and all(f.stat().st_nlink == 1 for f in files)
 
 
 def die_target() -> None:

@@ -249,9 +249,19 @@ class Restorer:
         together = fetch_plan.together(choice.sends, self.topology.node_of)
         elsewhere: dict[str, int] = {}  # files a node-mate receives for this rank
         if together:
-            reports = self.ranks.exchange(Phase.FETCH, lambda: self._copies(step, mine))
+            reports = self.ranks.exchange(
+                Phase.FETCH,
+                lambda: {"copies": self._copies(step, mine), "links": self._links(needed)},
+            )
+            # A receiver whose directory cannot hard-link receives its whole copy: nothing
+            # is planned for it (else it could link no file of a node-mate's, nor a
+            # node-mate one of its own, and the node's copies would never be whole).
+            linking = {rank for rank, p in enumerate(reports) if p["links"]}
             copies = {
-                int(r): fetch_plan.parse_files(files) for p in reports for r, files in p.items()
+                int(r): fetch_plan.parse_files(files)
+                for p in reports
+                for r, files in p["copies"].items()
+                if int(r) in linking
             }
             elsewhere = fetch_plan.delegate(copies, self.topology.node_of).get(self.rank, {})
         arrived = None
@@ -303,6 +313,15 @@ class Restorer:
                     files = transfer.fingerprints(manifest)
                     found[str(rank)] = {name: list(entry) for name, entry in files.items()}
         return found
+
+    def _links(self, needed: int | None) -> bool:
+        """Whether this rank, if it receives a copy (``needed``: its sender), can hard-link
+        files in its node's directory (probed as the node's saves probe it)."""
+        if needed is None:
+            return False
+        with contextlib.suppress(CheckpointError, OSError):
+            return self.node.links_work(self.rank)
+        return False
 
     def _arrival(self, arrived: transfer.Arrived | None, sends_only: bool) -> dict[str, Any]:
         """What this rank's node-mates need to link what it received: whether it did, and
