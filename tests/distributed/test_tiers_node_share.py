@@ -142,7 +142,8 @@ def _session(
 
 def _arm_fetch_fault(rank: int, fault: str | None) -> None:
     """In a restore of node 1's ranks from replicas, once: ``"full"``, rank 3 cannot
-    create the first part file it receives (its disk full); ``"swapped"``, rank 3's
+    create the first part file it receives (its disk full), and a warning names what of
+    that receipt is still on the disk when it receives the next step; ``"swapped"``, rank 3's
     received part file is replaced by a copy (another inode) just before rank 2 links it,
     and rank 3 links its own part from rank 2 only a moment later (rank 2 refused by then)."""
     from shardsafe.checkpoint.storage.local import LocalStorage
@@ -156,6 +157,10 @@ def _arm_fetch_fault(rank: int, fault: str | None) -> None:
             if armed[0] and name.startswith("part-"):
                 armed[0] = False
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            failed = Path(self.directory).parents[1] / "step-000000004" / "rank-00003"
+            if not armed[0] and "step-000000004" not in self.directory and failed.exists():
+                left = os.listdir(failed)
+                warnings.warn(f"{left} left of step 4 take the room of step 3", stacklevel=2)
             return create(self, name, size_hint)
 
         LocalStorage.create = full  # type: ignore[method-assign]

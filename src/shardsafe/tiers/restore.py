@@ -293,7 +293,9 @@ class Restorer:
         # Nothing of a failed copy left behind, but only now that its node-mates have
         # linked what they received in it: removed before, a mate still to link a file
         # of it found it gone, and passed over its own copy, which had arrived whole.
-        if arrived is not None and not committed:
+        # Nor of one that did not arrive whole: the files that did would take the room
+        # (a replaced node's disk) that the next choice's copies need.
+        if needed is not None and not committed:
             with contextlib.suppress(CheckpointError, OSError):
                 self.node.remove(step, self.rank)
         for rank, its in enumerate(faults):
