@@ -263,9 +263,22 @@ def test_a_later_step_of_an_abandoned_run_left_by_another_node_layout_is_never_r
     ]
 
 
-def restore_run(rank: int, world: int, base: str) -> dict[str, Any]:
-    """Only ``load_latest`` (2 nodes of 1 rank, a short timeout): what it restored."""
+def restore_run(rank: int, world: int, base: str, stale: bool = False) -> dict[str, Any]:
+    """Only ``load_latest`` (2 nodes of 1 rank, a short timeout): what it restored.
+    ``stale``: rank 1 may not delete what its directory of step 2 holds (permission
+    denied), which it does before it receives a copy of step 2 there."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
+    if stale and rank == 1:
+        from shardsafe.tiers.node_dir import NodeDir
+
+        remove = NodeDir.remove
+
+        def refused(self: NodeDir, step: int, owner: int, **kwargs: Any) -> None:
+            if (step, owner) == (2, 1):
+                raise PermissionError(errno.EACCES, "Permission denied (simulated)")
+            remove(self, step, owner, **kwargs)
+
+        NodeDir.remove = refused  # type: ignore[method-assign]
     model, opt = build()
     manager = TieredCheckpointManager(
         os.path.join(base, "persistent"), local_dir(base, rank), persist_every=2, timeout=20
@@ -290,8 +303,9 @@ def test_a_receiver_that_cannot_make_its_directory_refuses_the_copy_without_a_ha
 ) -> None:
     """Rank 1's own copy of step 3 is gone, and a link (never followed) stands where node
     1's copy of it would be received: the receipt is refused before any data is sent, and
-    step 2 is restored, instead of the sender waiting for a receiver that gave up. Then
-    the same for step 2, with no persistent checkpoint: nothing can be restored, but node
+    step 2 is restored, instead of the sender waiting for a receiver that gave up; so
+    too where it may not delete what its directory of step 2 holds. Then the same for
+    step 2, with no persistent checkpoint: nothing can be restored, but node
     0 holds step 2, which a fresh start (``None``) would silently abandon: an error on
     every rank instead."""
     base = str(tmp_path)
@@ -305,7 +319,12 @@ def test_a_receiver_that_cannot_make_its_directory_refuses_the_copy_without_a_ha
     assert restored == [{"step": 2, "tiers": ["local", "local"]}] * 2
     assert os.listdir(tmp_path / "elsewhere") == []
     assert copy.is_symlink()
+    # Rank 1's step 2 gone too, and what its directory holds may not be deleted: refused
+    # at once (the persistent step 2 restored), not with rank 0 waiting for its answer
+    # until the timeout (then "rank(s) 1 never arrived" on rank 0).
     shutil.rmtree(rank_ckpt(base, 1, 2, 1))
+    restored = run_ranks(restore_run, 2, base, True, timeout=60)
+    assert restored == [{"step": 2, "tiers": ["persistent", "persistent"]}] * 2
     rank_ckpt(base, 1, 2, 1).symlink_to(tmp_path / "elsewhere")
     shutil.rmtree(os.path.join(base, "persistent"))
     assert (

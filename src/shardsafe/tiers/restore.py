@@ -23,6 +23,7 @@ from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.io.reader import CheckpointReader
 from ..checkpoint.manager import LATEST, CheckpointManager, step_dir_name, step_of
 from ..checkpoint.options import LoadKeywords, LoadOptions
+from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.locations import open_storage
 from ..distributed import Phase, world
 from ..errors import (
@@ -386,19 +387,35 @@ class Restorer:
         """This rank's checkpoint of ``step`` from ``sender`` but the files in
         ``elsewhere``, checked as it arrived, not committed; ``None`` if it did not arrive
         whole (agreed by :meth:`_fetch`)."""
+        failed: list[Exception] = []
+
+        def target() -> LocalStorage:
+            # A stale copy of the step is removed here, inside the protocol: a removal
+            # that fails refuses the copy as a directory that cannot be made does.
+            # Raised before the protocol, it left the sender waiting for this rank's
+            # answer until the timeout, and every rank failed naming others as missing.
+            try:
+                self.node.remove(step, self.rank)
+            except (CheckpointError, OSError) as e:
+                failed.append(e)
+                raise
+            return self.node.rank_storage(step, self.rank, create=True)
+
+        arrived = None
         try:
-            self.node.remove(step, self.rank)
-            return transfer.receive_uncommitted(
+            arrived = transfer.receive_uncommitted(
                 self.ranks.group,
                 sender,
                 rank=self.rank,
                 step=step,
-                target=lambda: self.node.rank_storage(step, self.rank, create=True),
+                target=target,
                 skip=lambda manifest: elsewhere,
             )
         except Exception as e:  # agreed by the caller, as a copy that did not arrive
-            warnings.warn(f"shardsafe: receiving step {step} failed: {e}", stacklevel=5)
-            return None
+            failed.append(e)
+        if failed:
+            warnings.warn(f"shardsafe: receiving step {step} failed: {failed[0]}", stacklevel=5)
+        return arrived
 
     def _send_copy(self, step: int, rank: int) -> bool:
         with self.node.rank_storage(step, rank, create=False) as storage:
