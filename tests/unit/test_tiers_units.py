@@ -24,10 +24,10 @@ from shardsafe.checkpoint.options import LoadOptions
 from shardsafe.checkpoint.plan.collecting import collect
 from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint, replication
+from shardsafe.tiers.fetch import Fetcher
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
 from shardsafe.tiers.replication import Peers, Replicator, retained
-from shardsafe.tiers.restore import Restorer
 from shardsafe.tiers.topology import Topology
 from tests import forge
 from tests.unit.attacks.common import fifo_reader_probe
@@ -552,14 +552,14 @@ def test_a_copy_gone_between_the_survey_and_the_load_falls_back_to_the_older_ste
     older = trained(0)
     manager.save(1, older)
     manager.save(2, trained(2))
-    fetch = Restorer._fetch
+    fetch = Fetcher.fetch
 
-    def fetch_then_vanish(self: Restorer, choice: Choice, excluded: Any) -> bool:
+    def fetch_then_vanish(self: Fetcher, choice: Choice, excluded: Any) -> list[int]:
         if choice.step == 2:
             (tmp_path / "l" / "step-000000002" / RANK0 / "manifest.json").unlink()
         return fetch(self, choice, excluded)
 
-    monkeypatch.setattr(Restorer, "_fetch", fetch_then_vanish)
+    monkeypatch.setattr(Fetcher, "fetch", fetch_then_vanish)
     live = trained(1)
     with pytest.warns(UserWarning, match="a local checkpoint of step 2 was damaged .*no manifest"):
         assert manager.load_latest(live) == {}

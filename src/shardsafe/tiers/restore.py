@@ -11,10 +11,8 @@ checkpoints of later steps (of a run that no longer exists) are deleted.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +21,6 @@ from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.io.reader import CheckpointReader
 from ..checkpoint.manager import LATEST, CheckpointManager, step_dir_name, step_of
 from ..checkpoint.options import LoadKeywords, LoadOptions
-from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.locations import open_storage
 from ..distributed import Phase, world
 from ..errors import (
@@ -32,7 +29,8 @@ from ..errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from . import fetch_plan, rank_checkpoint, recovery, transfer
+from . import rank_checkpoint, recovery
+from .fetch import Fetcher
 from .node_dir import NodeDir
 from .ranks import Ranks
 from .replication import Replicator
@@ -94,6 +92,7 @@ class Restorer:
         )
         """The rank directories of the node's this rank checks in a survey."""
         self.restored: Restored | None = None
+        self._fetcher = Fetcher(ranks, topology, node)
 
     def latest(self) -> int | None:
         """The step :meth:`load_latest` would restore now, or ``None``."""
@@ -150,7 +149,7 @@ class Restorer:
                 if loaded is not None:
                     self.drop_newer(loaded)
                 return _or_damaged(values, damaged, unfetched)
-            failed = self._fetch(choice, excluded)
+            failed = self._fetcher.fetch(choice, excluded)
             if failed:
                 unfetched.append((choice.step, failed))
                 continue
@@ -234,192 +233,6 @@ class Restorer:
                         return step
         steps = self.persistent.complete_steps()
         return steps[-1] if steps else None
-
-    def _fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> list[int]:
-        """Send the peers' copies to the ranks that need them; the ranks whose copy did not
-        arrive whole (the failed copies excluded), none if all did. Where several ranks of
-        a node receive copies, a file they all need is received by one of them and linked
-        by the others (``fetch_plan.py``)."""
-        step = choice.step
-        assert step is not None
-        if not choice.sends:  # every rank restores from its own node (the same on all)
-            return []
-        self.ranks.transfers()
-        mine = [r for r, sender in choice.sends.items() if sender == self.rank]
-        needed = choice.sends.get(self.rank)
-        together = fetch_plan.together(choice.sends, self.topology.node_of)
-        elsewhere: dict[str, int] = {}  # files a node-mate receives for this rank
-        if together:
-            reports = self.ranks.exchange(
-                Phase.FETCH,
-                lambda: {"copies": self._copies(step, mine), "links": self._links(needed)},
-            )
-            # A receiver whose directory cannot hard-link receives its whole copy: nothing
-            # is planned for it (else it could link no file of a node-mate's, nor a
-            # node-mate one of its own, and the node's copies would never be whole).
-            linking = {rank for rank, p in enumerate(reports) if p["links"]}
-            copies = {
-                int(r): fetch_plan.parse_files(files)
-                for p in reports
-                for r, files in p["copies"].items()
-                if int(r) in linking
-            }
-            elsewhere = fetch_plan.delegate(copies, self.topology.node_of).get(self.rank, {})
-        arrived = None
-        with ThreadPoolExecutor(max(1, len(mine) + 1)) as pool:
-            jobs = [pool.submit(self._send_copy, step, r) for r in mine]
-            if needed is not None:
-                arrived = self._receive_copy(step, needed, set(elsewhere))
-            for job in jobs:
-                with contextlib.suppress(Exception):  # the receiver reports it
-                    job.result()
-        fault = "own" if needed is not None and arrived is None else None
-        committed = False
-        try:
-            if together:
-                report = self._arrival(arrived, needed is None)
-                arrivals = self.ranks.exchange(Phase.FETCH, report)
-                if arrived is not None:
-                    fault = self._complete(step, arrived, elsewhere, arrivals)
-            if arrived is not None and fault is None:
-                committed = arrived.commit(arrived.linked)
-                fault = None if committed else "own"
-        finally:
-            if arrived is not None:
-                arrived.storage.close()
-        # "own": this rank's copy failed (excluded); "mate": a node-mate's, which this
-        # one needed, did (the mate's is excluded; this one may be asked for again).
-        # (A list: a None payload would not be read.)
-        faults = [f for [f] in self.ranks.exchange(Phase.FETCH, [fault])]
-        # Nothing of a failed copy left behind, but only now that its node-mates have
-        # linked what they received in it: removed before, a mate still to link a file
-        # of it found it gone, and passed over its own copy, which had arrived whole.
-        # Nor of one that did not arrive whole: the files that did would take the room
-        # (a replaced node's disk) that the next choice's copies need.
-        if needed is not None and not committed:
-            with contextlib.suppress(CheckpointError, OSError):
-                self.node.remove(step, self.rank)
-        for rank, its in enumerate(faults):
-            if its == "own":
-                excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
-        return [rank for rank, its in enumerate(faults) if its]
-
-    def _copies(self, step: int, mine: list[int]) -> dict[str, Any]:
-        """The data files (sizes and fingerprints) of the copies this rank sends, by
-        receiving rank; a copy it cannot read: none (nothing is planned for it)."""
-        found: dict[str, Any] = {}
-        for rank in mine:
-            with contextlib.suppress(CheckpointError, OSError):
-                with self.node.rank_storage(step, rank, create=False) as storage:
-                    manifest = transfer.manifest_of(storage)[1]
-                if manifest is not None:
-                    files = transfer.fingerprints(manifest)
-                    found[str(rank)] = {name: list(entry) for name, entry in files.items()}
-        return found
-
-    def _links(self, needed: int | None) -> bool:
-        """Whether this rank, if it receives a copy (``needed``: its sender), can hard-link
-        files in its node's directory (probed as the node's saves probe it)."""
-        if needed is None:
-            return False
-        with contextlib.suppress(CheckpointError, OSError):
-            return self.node.links_work(self.rank)
-        return False
-
-    def _arrival(self, arrived: transfer.Arrived | None, sends_only: bool) -> dict[str, Any]:
-        """What this rank's node-mates need to link what it received: whether it did, and
-        each received file's identity, size and fingerprint (from its own manifest)."""
-        if arrived is None:
-            return {"ok": sends_only, "files": {}}
-        files: dict[str, Any] = {}
-        mine = transfer.fingerprints(arrived.manifest)
-        for name in arrived.received:
-            with contextlib.suppress(OSError):
-                found = os.stat(name, dir_fd=arrived.storage.fd, follow_symlinks=False)
-                if name in mine:
-                    files[name] = [found.st_dev, found.st_ino, *mine[name]]
-        return {"ok": True, "files": files}
-
-    def _complete(
-        self,
-        step: int,
-        arrived: transfer.Arrived,
-        elsewhere: dict[str, int],
-        arrivals: list[Any],
-    ) -> str | None:
-        """Link into ``arrived`` the files node-mates received for it (``elsewhere``), each
-        only if the mate reported it arrived with this copy's fingerprint; those linked go
-        to ``arrived.linked`` (their bytes checked by the mate as they arrived). ``None``
-        if all were; else whose copy failed: ``"mate"`` (its copy did not arrive), or
-        ``"own"`` (any other problem: this copy is excluded)."""
-        mine = transfer.fingerprints(arrived.manifest)
-        for name, mate in sorted(elsewhere.items()):
-            if name not in arrived.skipped:  # not a file of this copy
-                continue
-            theirs = arrivals[mate]
-            if not isinstance(theirs, dict) or not theirs.get("ok"):
-                return "mate"
-            reported = theirs.get("files", {}).get(name)
-            if name not in mine or not isinstance(reported, list) or len(reported) != 4:
-                return "own"
-            dev, ino, size, digest = reported
-            if (size, digest) != mine[name]:
-                return "own"
-            try:
-                self.node.link_reported(
-                    step,
-                    mate,
-                    name,
-                    arrived.storage,
-                    reported=([dev, ino], size),
-                    what=f"the file rank {mate} received for step {step}",
-                    gone="its copy was removed since",
-                )
-            except (CheckpointError, OSError) as e:
-                warnings.warn(f"shardsafe: restoring step {step}: {e}", stacklevel=5)
-                return "own"
-            arrived.linked.add(name)
-        with contextlib.suppress(OSError):
-            arrived.storage.sync_directory()
-        return None
-
-    def _receive_copy(self, step: int, sender: int, elsewhere: set[str]) -> transfer.Arrived | None:
-        """This rank's checkpoint of ``step`` from ``sender`` but the files in
-        ``elsewhere``, checked as it arrived, not committed; ``None`` if it did not arrive
-        whole (agreed by :meth:`_fetch`)."""
-        failed: list[Exception] = []
-
-        def target() -> LocalStorage:
-            # A stale copy of the step is removed here, inside the protocol: a removal
-            # that fails refuses the copy as a directory that cannot be made does.
-            # Raised before the protocol, it left the sender waiting for this rank's
-            # answer until the timeout, and every rank failed naming others as missing.
-            try:
-                self.node.remove(step, self.rank)
-            except (CheckpointError, OSError) as e:
-                failed.append(e)
-                raise
-            return self.node.rank_storage(step, self.rank, create=True)
-
-        arrived = None
-        try:
-            arrived = transfer.receive_uncommitted(
-                self.ranks.group,
-                sender,
-                rank=self.rank,
-                step=step,
-                target=target,
-                skip=lambda manifest: elsewhere,
-            )
-        except Exception as e:  # agreed by the caller, as a copy that did not arrive
-            failed.append(e)
-        if failed:
-            warnings.warn(f"shardsafe: receiving step {step} failed: {failed[0]}", stacklevel=5)
-        return arrived
-
-    def _send_copy(self, step: int, rank: int) -> bool:
-        with self.node.rank_storage(step, rank, create=False) as storage:
-            return transfer.send(self.ranks.group, rank, storage, step)
 
     def _from_local(
         self,
