@@ -81,7 +81,7 @@ class Fetcher:
                 if arrived is not None:
                     fault = self._complete(step, arrived, elsewhere, arrivals)
             if arrived is not None and fault is None:
-                committed = arrived.commit(arrived.linked)
+                committed = arrived.commit()
                 fault = None if committed else "own"
         finally:
             if arrived is not None:
@@ -131,7 +131,7 @@ class Fetcher:
         if arrived is None:
             return {"ok": sends_only, "files": {}}
         files: dict[str, Any] = {}
-        mine = transfer.fingerprints(arrived.manifest)
+        mine = arrived.fingerprints
         for name in arrived.received:
             with contextlib.suppress(OSError):
                 found = os.stat(name, dir_fd=arrived.storage.fd, follow_symlinks=False)
@@ -151,7 +151,7 @@ class Fetcher:
         to ``arrived.linked`` (their bytes checked by the mate as they arrived). ``None``
         if all were; else whose copy failed: ``"mate"`` (its copy did not arrive), or
         ``"own"`` (any other problem: this copy is excluded)."""
-        mine = transfer.fingerprints(arrived.manifest)
+        mine = arrived.fingerprints
         for name, mate in sorted(elsewhere.items()):
             if name not in arrived.skipped:  # not a file of this copy
                 continue
@@ -208,7 +208,7 @@ class Fetcher:
                 rank=self.rank,
                 step=step,
                 target=target,
-                skip=lambda manifest: elsewhere,
+                skip=elsewhere,
             )
         except Exception as e:  # agreed by the caller, as a copy that did not arrive
             failed.append(e)

@@ -45,6 +45,7 @@ each other at once, so ``a`` sends data to ``b`` while acknowledging ``b``'s dat
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -169,13 +170,18 @@ class Arrived:
     linked: set[str] = field(default_factory=set)
     """Skipped files linked since, whose bytes a node-mate checked as they arrived."""
 
+    @functools.cached_property
+    def fingerprints(self) -> dict[str, tuple[int, str]]:
+        """Its data files' :func:`fingerprints`, from the manifest it arrived with."""
+        return fingerprints(self.manifest)
+
     def commit(self, checked: AbstractSet[str] = frozenset()) -> bool:
-        """Commit it if every file's header and every byte not ``received`` or
-        ``checked`` (already known to hold the manifest's bytes) passes; whether it did."""
+        """Commit it if every file's header and every byte not ``received``, ``linked``
+        or ``checked`` (already known to hold the manifest's bytes) passes; whether it
+        did."""
+        known = self.received | self.linked | checked
         with contextlib.suppress(CheckpointError, OSError):
-            return self.whole and _commit_if_whole(
-                self.storage, self.manifest, self.raw, self.received | checked
-            )
+            return self.whole and _commit_if_whole(self.storage, self.manifest, self.raw, known)
         return False
 
 
@@ -221,14 +227,14 @@ def receive_uncommitted(
     rank: int,
     step: int,
     target: Callable[[], LocalStorage],
-    skip: Callable[[Manifest], set[str]],
+    skip: AbstractSet[str],
 ) -> Arrived | None:
-    """As :func:`receive`, but without the data files ``skip(manifest)`` names (another
-    rank of this node receives them, to be linked) and without the commit: the checked
-    arrival, for the caller to complete, commit and close; ``None`` if it did not arrive
-    whole (the sender is told either way)."""
+    """As :func:`receive`, but without the data files ``skip`` names (another rank of
+    this node receives them, to be linked) and without the commit: the checked arrival,
+    for the caller to complete, commit and close; ``None`` if it did not arrive whole
+    (the sender is told either way)."""
     arrived = _arrive(
-        group, src, rank=rank, step=step, target=target, skip=lambda m, _: skip(m) & set(m.files)
+        group, src, rank=rank, step=step, target=target, skip=lambda m, _: set(skip) & set(m.files)
     )
     if arrived is None:
         return None
