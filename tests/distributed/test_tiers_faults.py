@@ -137,6 +137,12 @@ def test_a_flipped_byte_in_a_replica_to_be_sent_is_refused_on_receipt(
     assert [r["tiers"] for r in resumed] == [[older] * 4] * 4
     # refused on receipt, by the receiver's checksums: no load ever read it
     assert not any("was damaged" in w for r in resumed for w in r["warnings"])
+    # and said so, naming what failed: step 3 was passed over for a reason the user sees
+    assert [w for w in resumed[3]["warnings"] if "arrived damaged" in w] == [
+        "shardsafe: restoring step 3: rank 3's copy from rank 0 arrived damaged: checksum "
+        "mismatch in shard-00000-of-00001.safetensors, tensor 'rng/rank-00003/torch' (chunk "
+        "at offsets [0], block 0): the data file is damaged"
+    ]
     _same_run(resumed, uninterrupted, 2)
     assert_kept(base, 5)  # the run went on (step 3 written again, if still there)
 

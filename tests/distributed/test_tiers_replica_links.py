@@ -134,7 +134,7 @@ def _replicate_once(rank: int, world: int, base: str, case: str, trust: bool = F
         (root / "replica").mkdir()
         return LocalStorage(str(root / "replica"))
 
-    return transfer.receive(
+    why = transfer.receive(
         dist.group.WORLD,
         0,
         rank=0,
@@ -143,6 +143,7 @@ def _replicate_once(rank: int, world: int, base: str, case: str, trust: bool = F
         held=None if case == "unreadable" else lambda: LocalStorage(str(root / "own")),
         trusted=trusted,
     )
+    return why is None  # committed (else why not)
 
 
 @pytest.mark.parametrize("case", ["damaged", "swapped", "unreadable", "intact"])

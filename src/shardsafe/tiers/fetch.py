@@ -185,24 +185,18 @@ class Fetcher:
     def _receive_copy(self, step: int, sender: int, elsewhere: set[str]) -> transfer.Arrived | None:
         """This rank's checkpoint of ``step`` from ``sender`` but the files in
         ``elsewhere``, checked as it arrived, not committed; ``None`` if it did not arrive
-        whole (agreed by :meth:`_fetch`)."""
-        failed: list[Exception] = []
+        whole (warned, saying why; agreed by :meth:`fetch`)."""
 
         def target() -> LocalStorage:
             # A stale copy of the step is removed here, inside the protocol: a removal
             # that fails refuses the copy as a directory that cannot be made does.
             # Raised before the protocol, it left the sender waiting for this rank's
             # answer until the timeout, and every rank failed naming others as missing.
-            try:
-                self.node.remove(step, self.rank)
-            except (CheckpointError, OSError) as e:
-                failed.append(e)
-                raise
+            self.node.remove(step, self.rank)
             return self.node.rank_storage(step, self.rank, create=True)
 
-        arrived = None
         try:
-            arrived = transfer.receive_uncommitted(
+            return transfer.receive_uncommitted(
                 self.ranks.group,
                 sender,
                 rank=self.rank,
@@ -211,11 +205,21 @@ class Fetcher:
                 skip=elsewhere,
             )
         except Exception as e:  # agreed by the caller, as a copy that did not arrive
-            failed.append(e)
-        if failed:
-            warnings.warn(f"shardsafe: receiving step {step} failed: {failed[0]}", stacklevel=5)
-        return arrived
+            warnings.warn(f"shardsafe: restoring step {step}: {e}", stacklevel=5)
+            return None
 
     def _send_copy(self, step: int, rank: int) -> bool:
-        with self.node.rank_storage(step, rank, create=False) as storage:
-            return transfer.send(self.ranks.group, rank, storage, step)
+        def unopened(e: Exception) -> None:  # the receiver was told, and reports it
+            warnings.warn(
+                f"shardsafe: restoring step {step}: rank {self.rank} could not open rank "
+                f"{rank}'s copy of it on this node to send it: {e}",
+                stacklevel=5,
+            )
+
+        return transfer.send_from(
+            self.ranks.group,
+            rank,
+            lambda: self.node.rank_storage(step, rank, create=False),
+            step,
+            unopened,
+        )

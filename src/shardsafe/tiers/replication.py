@@ -333,22 +333,54 @@ class Replicator:
     def _send(self, step: int, target: int, own: bool) -> bool:
         if not own:
             return transfer.send(self.group, target, None, step)
-        with self.node.rank_storage(step, self.rank, create=False) as storage:
-            return transfer.send(self.group, target, storage, step)
+
+        def unopened(e: Exception) -> None:  # the target was told: the transfers go on
+            unsent = CheckpointError(
+                f"rank {self.rank} could not open its local checkpoint of step {step} to "
+                f"send it to rank {target}, which has no replica of it: {e}"
+            )
+            self._record(unsent)
+            warnings.warn(f"shardsafe: {unsent}", stacklevel=1)
+
+        return transfer.send_from(
+            self.group,
+            target,
+            lambda: self.node.rank_storage(step, self.rank, create=False),
+            step,
+            unopened,
+        )
 
     def _receive(self, step: int, source: int) -> bool:
         self._forget_found(step, source)
-        self.node.remove(step, source)  # an interrupted receipt, or an earlier attempt
         own = step in self.record.written  # committed here: its identical files are linked
-        return transfer.receive(
+        # An interrupted receipt, or an earlier save's copy of the step (never to be
+        # restored beside the source's new one, even if the source now sends none).
+        # A removal that fails is tried again inside the protocol, where its error
+        # refuses the copy at once: raised here, it left the sender waiting for this
+        # rank until the timeout.
+        with contextlib.suppress(CheckpointError, OSError):
+            self.node.remove(step, source)
+
+        def target() -> LocalStorage:
+            self.node.remove(step, source)
+            return self.node.rank_storage(step, source, create=True)
+
+        why = transfer.receive(
             self.group,
             source,
             rank=source,
             step=step,
-            target=lambda: self.node.rank_storage(step, source, create=True),
+            target=target,
             held=(lambda: self.node.rank_storage(step, self.rank, create=False)) if own else None,
             trusted=self._identities.get(step, {}) if own else {},
         )
+        if why is not None and why != transfer.NOT_SENT:  # the sender said why it sent none
+            warnings.warn(
+                f"shardsafe: rank {self.rank} does not keep rank {source}'s replica of step "
+                f"{step}: it {why}",
+                stacklevel=1,
+            )
+        return why is None
 
     def _retain(self, step: int) -> None:
         """Retention after replicating ``step``: its keep window holds steps up to

@@ -115,6 +115,27 @@ def send(group: Any, dst: int, source: LocalStorage | None, step: int) -> bool:
     return bool(_recv_ints(group, dst, 1, CONTROL)[0])
 
 
+def send_from(
+    group: Any,
+    dst: int,
+    open_source: Callable[[], LocalStorage],
+    step: int,
+    unopened: Callable[[Exception], None],
+) -> bool:
+    """:func:`send` of the checkpoint ``open_source()`` opens. One that cannot be opened
+    (its node's directory unusable) is sent as none, so that ``dst`` hears of it at once
+    instead of waiting for this rank until the timeout; then ``unopened(error)``, and
+    False."""
+    try:
+        source = open_source()
+    except (CheckpointError, OSError) as e:
+        send(group, dst, None, step)
+        unopened(e)
+        return False
+    with source:
+        return send(group, dst, source, step)
+
+
 def _wanted(names: list[str], flags: list[int]) -> list[str]:
     return [name for name, want in zip(names, flags) if want]
 
@@ -165,8 +186,9 @@ class Arrived:
     raw: bytes
     received: set[str]
     skipped: set[str]
-    whole: bool
-    """Whether every received file arrived, passed its checks and was written."""
+    problem: str | None
+    """Why not every received file arrived, passed its checks and was written (the
+    first file's problem), or ``None``."""
     linked: set[str] = field(default_factory=set)
     """Skipped files linked since, whose bytes a node-mate checked as they arrived."""
 
@@ -181,7 +203,8 @@ class Arrived:
         did."""
         known = self.received | self.linked | checked
         with contextlib.suppress(CheckpointError, OSError):
-            return self.whole and _commit_if_whole(self.storage, self.manifest, self.raw, known)
+            if self.problem is None:
+                return _commit_if_whole(self.storage, self.manifest, self.raw, known)
         return False
 
 
@@ -194,9 +217,10 @@ def receive(
     target: Callable[[], LocalStorage],
     held: Callable[[], LocalStorage] | None = None,
     trusted: Mapping[str, tuple[int, int]] | None = None,
-) -> bool:
+) -> str | None:
     """Receive rank ``rank``'s checkpoint of ``step`` from ``src`` into ``target()``
-    (made only once the manifest is accepted); True once verified and committed.
+    (made only once the manifest is accepted); ``None`` once verified and committed, else
+    why not (:data:`NOT_SENT` if ``src`` had none to send).
     ``held()``: a committed checkpoint on this node whose identical data files are linked
     instead of received (this rank's own of the same step; see the module docstring);
     ``trusted``: the identity (device, inode) of each of its data files as this rank
@@ -207,8 +231,8 @@ def receive(
         return _link_identical(manifest, held, storage) if held is not None else set()
 
     arrived = _arrive(group, src, rank=rank, step=step, target=target, skip=link)
-    if arrived is None:
-        return False
+    if isinstance(arrived, str):
+        return arrived
     committed = False
     try:
         committed = arrived.commit(_still_ours(arrived.storage, arrived.skipped, trusted or {}))
@@ -217,7 +241,9 @@ def receive(
             _send_ints(group, src, [int(committed)], CONTROL)
         finally:
             arrived.storage.close()
-    return committed
+    if committed:
+        return None
+    return arrived.problem or "failed its last check (a linked file's bytes), or its commit"
 
 
 def receive_uncommitted(
@@ -228,25 +254,35 @@ def receive_uncommitted(
     step: int,
     target: Callable[[], LocalStorage],
     skip: AbstractSet[str],
-) -> Arrived | None:
+) -> Arrived:
     """As :func:`receive`, but without the data files ``skip`` names (another rank of
     this node receives them, to be linked) and without the commit: the checked arrival,
-    for the caller to complete, commit and close; ``None`` if it did not arrive whole
-    (the sender is told either way)."""
+    for the caller to complete, commit and close. Raises :class:`NotReceived`, saying
+    why, if it did not arrive whole (the sender is told either way)."""
     arrived = _arrive(
         group, src, rank=rank, step=step, target=target, skip=lambda m, _: set(skip) & set(m.files)
     )
-    if arrived is None:
-        return None
+    if isinstance(arrived, str):
+        raise NotReceived(f"rank {rank}'s copy from rank {src} {arrived}")
     try:
-        _send_ints(group, src, [int(arrived.whole)], CONTROL)
+        _send_ints(group, src, [int(arrived.problem is None)], CONTROL)
     except BaseException:
         arrived.storage.close()
         raise
-    if not arrived.whole:
+    if arrived.problem is not None:
         arrived.storage.close()
-        return None
+        raise NotReceived(f"rank {rank}'s copy from rank {src} {arrived.problem}")
     return arrived
+
+
+NOT_SENT = "was not sent: the sender has no committed copy that parses"
+"""Why a copy did not arrive when its sender had none (its own write failed: the sender
+said so already)."""
+
+
+class NotReceived(CheckpointError):
+    """A copy that did not arrive whole (:func:`receive_uncommitted`); the message says
+    why."""
 
 
 def _arrive(
@@ -257,9 +293,9 @@ def _arrive(
     step: int,
     target: Callable[[], LocalStorage],
     skip: Callable[[Manifest, LocalStorage], set[str]],
-) -> Arrived | None:
+) -> Arrived | str:
     """The receiving side of the protocol up to the last message (see the module
-    docstring): ``None`` if it ended before the files (the sender has stopped too); else
+    docstring): why not, if it ended before the files (the sender has stopped too); else
     the arrival, the sender waiting for the last message. The data files ``skip`` names
     (given the manifest and the made directory) are not asked for."""
     has, length, theirs = _recv_ints(group, src, 3, DATA)
@@ -267,21 +303,25 @@ def _arrive(
     _send_ints(group, src, [int(accept), step], CONTROL)
     if theirs != step:
         raise StepsDiffer(step, theirs)
+    if not has:
+        return NOT_SENT
     if not accept:
-        return None
+        return f"was refused: its manifest's announced size, {length} bytes, is out of bounds"
     raw_tensor = torch.empty(length, dtype=torch.uint8, device="cpu")
     dist.recv(raw_tensor, src, group=group, tag=DATA)
     raw = raw_tensor.numpy().tobytes()
     manifest = _expected(raw, rank, step)
-    storage = None
+    storage, why = None, f"was refused: its manifest does not parse or is not of step {step}"
     if manifest is not None:
         # Made before the sender is told to go on: a receiver that cannot make it (a link
         # in its place, a full disk) refuses here, never leaving the sender mid-file.
-        with contextlib.suppress(CheckpointError, OSError):
+        try:
             storage = target()
+        except (CheckpointError, OSError) as e:
+            why = f"was refused: its directory could not be made: {e}"
     _send_ints(group, src, [int(storage is not None)], CONTROL)
     if manifest is None or storage is None:
-        return None
+        return why
     try:
         names = sorted(manifest.files)
         skipped = skip(manifest, storage)
@@ -289,7 +329,7 @@ def _arrive(
         names = [name for name in names if name not in skipped]
         buffer = _buffer({name: manifest.files[name] for name in names})
         pieces = pieces_by_file(manifest)
-        whole = [
+        problems = [
             _receive_file(group, src, storage, ArrivingFile(manifest, name, pieces[name]), buffer)
             for name in names
         ]
@@ -299,7 +339,8 @@ def _arrive(
         finally:
             storage.close()
         raise
-    return Arrived(storage, manifest, raw, set(names), skipped, all(whole))
+    problem = next((p for p in problems if p is not None), None)
+    return Arrived(storage, manifest, raw, set(names), skipped, problem)
 
 
 def _expected(raw: bytes, rank: int, step: int) -> Manifest | None:
@@ -313,16 +354,18 @@ def _expected(raw: bytes, rank: int, step: int) -> Manifest | None:
 
 def _receive_file(
     group: Any, src: int, storage: LocalStorage, arriving: ArrivingFile, buffer: torch.Tensor
-) -> bool:
+) -> str | None:
     """Receive the data file ``arriving`` checks into a new file of its name, each
     cache-sized piece fed to the check and then written while it is still in cache (a
     block's CRC32 is compared once the block is whole: nothing is committed before
-    ``finish``); True if all arrived, passed and were written. They are all received
-    whatever happens, so that the sender is not left waiting."""
+    ``finish``); ``None`` if all arrived, passed and were written, else what went wrong.
+    They are all received whatever happens, so that the sender is not left waiting."""
     name, size = arriving.name, arriving.size
-    sink = None
-    with contextlib.suppress(CheckpointError, OSError):
+    sink, unwritten = None, ""
+    try:
         sink = storage.create(name, size)
+    except (CheckpointError, OSError) as e:
+        unwritten = str(e)
     for offset in range(0, size, PIECE_BYTES):
         piece = buffer[: min(PIECE_BYTES, size - offset)]
         dist.recv(piece, src, group=group, tag=DATA)
@@ -332,19 +375,22 @@ def _receive_file(
             if sink is not None and arriving.problem is None:
                 try:
                     sink.write(view)
-                except (CheckpointError, OSError):
+                except (CheckpointError, OSError) as e:
                     sink.abort()
-                    sink = None
-    if sink is None or arriving.finish() is not None:
+                    sink, unwritten = None, str(e)
+    problem = arriving.finish()
+    if problem is not None:
         if sink is not None:
             sink.abort()
-        return False
+        return f"arrived damaged: {problem}"
+    if sink is None:
+        return f"could not be written: {unwritten}"
     try:
         sink.finish()
-    except (CheckpointError, OSError):
+    except (CheckpointError, OSError) as e:
         sink.abort()
-        return False
-    return True
+        return f"could not be written: {e}"
+    return None
 
 
 def _commit_if_whole(
