@@ -11,6 +11,7 @@ steps replicate as before."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 import warnings
@@ -20,9 +21,10 @@ from typing import Any
 import pytest
 import torch
 
+import shardsafe
 from shardsafe import CheckpointError
 from shardsafe.tiers import TieredCheckpointManager
-from tests.distributed.tiers_setup import local_dir
+from tests.distributed.tiers_setup import build, local_dir, train
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,3 +128,72 @@ def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
     ]
     assert sorted(os.listdir(Path(local_dir(base, 1)) / "step-000000002")) == ["rank-00001"]
 
+
+def _restore_where_rank_0_cannot_delete(rank: int, world: int, base: str) -> dict[str, Any]:
+    """``load_latest`` with every deletion in rank 0's local directory failing (an I/O
+    error): what it restored, how long it took, and rank 0's warnings."""
+    from shardsafe.checkpoint.storage import removal
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    if rank == 0:
+
+        def failing(*args: Any) -> None:
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+
+        removal.record = failing  # the first write of a deletion
+    model, opt = build()
+    began = time.monotonic()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        contextlib.closing(
+            TieredCheckpointManager(
+                os.path.join(base, "persistent"), local_dir(base, rank), timeout=TIMEOUT
+            )
+        ) as manager,
+    ):
+        warnings.simplefilter("always")
+        manager.load_latest({"model": model, "optimizer": opt, "rng": shardsafe.RNGState()})
+        assert manager.restored is not None
+        restored = manager.restored
+    return {
+        "step": restored.step,
+        "tiers": restored.tiers,
+        "seconds": time.monotonic() - began,
+        "warnings": [str(w.message) for w in caught if "shardsafe:" in str(w.message)],
+    }
+
+
+def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's own copy of step 3 is damaged, and nothing in its node's directory can be
+    deleted. Before, its failed deletion of that copy was raised on rank 0 alone, inside
+    the restore, while rank 1 waited for it until the timeout (the message, "the new
+    checkpoint is committed, but deleting the old checkpoint ... failed", was retention's).
+    Now each failed deletion is a warning naming the copy: the damaged one, the place the
+    replica from node 1 would be received into (so step 3 cannot be completed), and
+    step 3's copies after step 2 is restored."""
+    base = str(tmp_path)
+    run_ranks(train, 2, base, 3, None, 1, timeout=100)
+    (data,) = _rank_dir(base, 0, 3, 0).glob("*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+    got = run_ranks(_restore_where_rank_0_cannot_delete, 2, base, timeout=100)
+    assert [(g["step"], g["tiers"]) for g in got] == [(2, ["local", "local"])] * 2
+    assert max(g["seconds"] for g in got) < TIMEOUT / 3, got
+    failed = "failed: [Errno 5] Input/output error (simulated)"
+    own, replica = _rank_dir(base, 0, 3, 0), _rank_dir(base, 0, 3, 1)
+    said = [w for w in got[0]["warnings"] if "delete" in w or "refused" in w]
+    assert said == [
+        f"shardsafe: restoring: rank 0 could not delete its damaged copy of step 3 "
+        f"(deleting the checkpoint {own} {failed}); delete it yourself",
+        "shardsafe: restoring step 3: rank 0's copy from rank 1 was refused: its directory "
+        f"could not be made: deleting the checkpoint {own} {failed}",
+        "shardsafe: restoring: rank 0 could not delete rank 0's copy of step 3, a later "
+        f"step (deleting the checkpoint {own} {failed}); delete it yourself",
+        "shardsafe: restoring: rank 0 could not delete rank 1's copy of step 3, a later "
+        f"step (deleting the checkpoint {replica} {failed}); delete it yourself",
+    ]
+    assert not any("delete" in w for w in got[1]["warnings"])
+    assert not Path(local_dir(base, 1), "step-000000003").exists()

@@ -185,7 +185,7 @@ class NodeDir:
             if not step_dir.is_directory():
                 return
             if step_dir.kind(rank_dir_name(rank)) == "directory":
-                delete_checkpoint(step_dir, rank_dir_name(rank))
+                delete_checkpoint(step_dir, rank_dir_name(rank), replaced=False)
                 if step_dir.kind(rank_dir_name(rank)) == "directory":
                     self._uncommit(step_dir, rank)
             if prune:

@@ -260,8 +260,8 @@ class Restorer:
                 )
         except (CheckpointCorruptError, CheckpointNotFoundError) as e:
             bad = not self._verifies(step)
-            if bad:
-                self.node.remove(step, self.rank)
+            if bad:  # excluded below either way; never raised on this rank alone
+                self._remove(step, self.rank, f"its damaged copy of step {step}", prune=False)
             flags = self.ranks.exchange(Phase.FETCH, bad)
             for rank, was_bad in enumerate(flags):
                 if was_bad:
@@ -324,9 +324,27 @@ class Restorer:
             if later > step:
                 for rank in self.node.ranks_in(later):
                     if rank in self._surveyed:
-                        self.node.remove(later, rank, prune=True)
-                self.node.prune(later)
+                        what = f"rank {rank}'s copy of step {later}, a later step"
+                        self._remove(later, rank, what, prune=True)
+                with contextlib.suppress(CheckpointError, OSError):
+                    self.node.prune(later)
         self._replicator.resumed_from(step)
+
+    def _remove(self, step: int, rank: int, what: str, *, prune: bool) -> None:
+        """Delete ``rank``'s copy of ``step`` here (``what``, to name it); a failure is a
+        warning, and the restore goes on: raised on this rank alone, it left the others
+        waiting for this one until the timeout, or failed this rank alone after every
+        rank had restored. The copy is passed over either way (excluded, or older than
+        nothing this run writes next: a later step is complete only if every rank's copy
+        is left)."""
+        try:
+            self.node.remove(step, rank, prune=prune)
+        except (CheckpointError, OSError) as e:
+            warnings.warn(
+                f"shardsafe: restoring: rank {self.rank} could not delete {what} ({e}); "
+                "delete it yourself",
+                stacklevel=4,
+            )
 
 
 def _refuse_stranded(

@@ -22,13 +22,15 @@ def foreign_entries(step: Storage) -> list[str]:
     return [n for n in step.names() if not (OURS.fullmatch(n) and step.kind(n) == "file")]
 
 
-def delete_checkpoint(root: Storage, name: str) -> None:
+def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> None:
     """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
 
     A directory holding anything else is left untouched, with a warning. Otherwise it is
     marked first with a record of its files (so that a crash mid-way leaves a directory
     the next save recognises as its own leftover, and may clear), then loses the
-    manifest, then the data files, then itself.
+    manifest, then the data files, then itself. ``replaced``: a newer checkpoint replaced
+    it (retention), which a failure's error says is committed; else the error names the
+    failed deletion alone (a restore deleting a damaged or a later step's copy).
     """
     try:
         with root.child(name) as step:
@@ -53,10 +55,11 @@ def delete_checkpoint(root: Storage, name: str) -> None:
     except CheckpointNotFoundError:
         return
     except (OSError, CheckpointError) as e:
-        raise CheckpointError(
-            f"the new checkpoint is committed, but deleting the old checkpoint "
-            f"{root.where(name)} failed: {e}"
-        ) from e
+        where = root.where(name)
+        what = f"deleting the checkpoint {where}"
+        if replaced:
+            what = f"the new checkpoint is committed, but deleting the old checkpoint {where}"
+        raise CheckpointError(f"{what} failed: {e}") from e
 
 
 def warn(message: str) -> None:
