@@ -11,6 +11,7 @@ rank.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -70,15 +71,18 @@ def test_store_requests_per_save_and_load_grow_linearly_with_ranks(tmp_path: Pat
         assert per_rank[8][what] <= per_rank[4][what] + 3, per_rank
 
 
-def one_rank_stops_beating(rank: int, world_size: int) -> Any:
+def one_rank_stops_beating(rank: int, world_size: int, done: str) -> Any:
     """Rank 2 enters, then goes silent as a SIGKILLed rank would (its heartbeat stops, it
-    never posts); ranks 0 and 1 wait in the next phase."""
+    never posts, but its process lives on until the others are done, 12 s at most);
+    ranks 0 and 1 wait in the next phase."""
     coord = Coordinator("save", "/silent", timeout=60, dead_after=3.0, aftermath={None: "AFTER."})
     coord.enter(30)
     if rank == 2:
         assert coord._heartbeat is not None
         coord._heartbeat.stop()
-        time.sleep(12)
+        deadline = time.monotonic() + 12
+        while len(os.listdir(done)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     start = time.monotonic()
     try:
@@ -87,14 +91,17 @@ def one_rank_stops_beating(rank: int, world_size: int) -> Any:
         return str(e), time.monotonic() - start
     finally:
         coord.close()
+        open(os.path.join(done, str(rank)), "w").close()
     return "no error", time.monotonic() - start
 
 
 @pytest.mark.timeout(90)
-def test_a_silent_rank_is_named_on_every_rank_though_only_rank_0_watches_it() -> None:
+def test_a_silent_rank_is_named_on_every_rank_though_only_rank_0_watches_it(
+    tmp_path: Path,
+) -> None:
     """Only rank 0 watches rank 2's heartbeat; rank 1 learns of its death from rank 0,
     through the phase's wake key, with the same message (but its own rank)."""
-    results = run_ranks(one_rank_stops_beating, 3, timeout=80)
+    results = run_ranks(one_rank_stops_beating, 3, str(tmp_path), timeout=80)
     for rank in (0, 1):
         message, seconds = results[rank]
         assert message == (

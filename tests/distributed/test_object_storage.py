@@ -286,12 +286,20 @@ def test_a_placement_rank_0_cannot_decide_is_every_ranks_error_and_writes_nothin
     assert torch.equal(shardsafe.load(url, {})["w"], torch.ones(4))  # the old one stands
 
 
-def save_with_rank_1_cut_off(rank: int, world: int, url: str, unreachable: str) -> str:
-    """Rank 1's endpoint is a port nothing listens on (its node cannot reach the store)."""
-    if rank == 1:
-        import os
+def _cut_off(port: int) -> None:
+    """This rank's endpoint is a port nothing listens on (its node cannot reach the
+    store), and its client tries once: botocore's retries, with their backoff, only
+    delayed the same error by about 10 s."""
+    import os
 
-        os.environ["AWS_ENDPOINT_URL"] = unreachable
+    os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+    os.environ["AWS_MAX_ATTEMPTS"] = "1"
+
+
+def save_with_rank_1_cut_off(rank: int, world: int, url: str, port: int) -> str:
+    """Rank 1 cannot reach the store (:func:`_cut_off`)."""
+    if rank == 1:
+        _cut_off(port)
     try:
         shardsafe.save(url, {"w": torch.ones(4)}, entry_timeout=30)
     except Exception as e:
@@ -308,9 +316,7 @@ def test_a_store_one_rank_cannot_reach_is_every_ranks_error_at_once(
     from tests.harness import free_port
 
     url = f"s3://{s3_bucket}/run/step-1"
-    errors = run_ranks(
-        with_env, 2, s3_server.env, save_with_rank_1_cut_off, url, f"http://127.0.0.1:{free_port()}"
-    )
+    errors = run_ranks(with_env, 2, s3_server.env, save_with_rank_1_cut_off, url, free_port())
     assert errors[0] == errors[1], errors
     assert errors[0].startswith(
         "CheckpointError: save failed on rank 1: EndpointConnectionError: Could not connect "
@@ -322,9 +328,7 @@ def test_a_store_one_rank_cannot_reach_is_every_ranks_error_at_once(
 def load_latest_with_a_rank_cut_off(rank: int, world: int, root: str, cut: int, port: int) -> str:
     """Rank ``cut``'s endpoint is a port nothing listens on."""
     if rank == cut:
-        import os
-
-        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+        _cut_off(port)
     manager = shardsafe.CheckpointManager(root)
     try:
         manager.load_latest({"w": torch.zeros(4)}, entry_timeout=30)
@@ -356,9 +360,7 @@ def test_load_latest_with_a_store_one_rank_cannot_reach_is_every_ranks_error_at_
 
 def manager_save_with_rank_0_cut_off(rank: int, world: int, root: str, port: int) -> str:
     if rank == 0:
-        import os
-
-        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+        _cut_off(port)
     try:
         shardsafe.CheckpointManager(root).save(2, {"w": torch.ones(4)}, entry_timeout=30)
     except Exception as e:
@@ -389,9 +391,7 @@ def test_a_managers_save_with_a_store_rank_0_cannot_reach_is_every_ranks_error(
 
 def fit_with_rank_1_cut_off(rank: int, world: int, run_dir: str, cwd: str, port: int) -> str:
     if rank == 1:
-        import os
-
-        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+        _cut_off(port)
     try:
         fit_run(rank, world, run_dir, cwd, 8, "latest")
     except Exception as e:
