@@ -311,7 +311,8 @@ def _arrive(
     dist.recv(raw_tensor, src, group=group, tag=DATA)
     raw = raw_tensor.numpy().tobytes()
     manifest = _expected(raw, rank, step)
-    storage, why = None, f"was refused: its manifest does not parse or is not of step {step}"
+    storage = None
+    why = f"was refused: its manifest does not parse, or is not rank {rank}'s of step {step}"
     if manifest is not None:
         # Made before the sender is told to go on: a receiver that cannot make it (a link
         # in its place, a full disk) refuses here, never leaving the sender mid-file.
