@@ -40,12 +40,23 @@ def _three_steps(rank: int, world: int, base: str) -> dict[str, Any]:
     and its replication, its node's local directory is replaced by a file (so it can
     neither open the copy it sends nor clear the place of the one it receives), and rank
     0 goes on only once rank 1's ``wait()`` of step 2 has returned (or after 15 s), as a
-    rank that keeps training would. What each ``wait()`` raised, the seconds each step
-    took, and the warnings."""
+    rank that keeps training would. At step 1, between rank 1's write and its
+    replication, its manifest is cut short (damaged on disk). What each ``wait()``
+    raised, the seconds each step took, and the warnings."""
     from shardsafe.tiers import replication
 
     os.environ["SHARDSAFE_NODE"] = str(rank)
     signal = Path(base) / "rank-1-waited-for-step-2"
+    if rank == 1:
+        replicate_1 = replication.Replicator._replicate
+
+        def damaged_first(self: Any, step: int) -> bool:
+            if step == 1:
+                manifest = _rank_dir(base, 1, 1, 1) / "manifest.json"
+                manifest.write_bytes(manifest.read_bytes()[:-10])
+            return replicate_1(self, step)
+
+        replication.Replicator._replicate = damaged_first  # type: ignore[method-assign]
     if rank == 0:
         replicate = replication.Replicator._replicate
 
@@ -111,7 +122,17 @@ def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
         2: unsent,
         3: f"rank 0 could not write its local checkpoint of step 3: {unusable}",
     }
-    assert got[1]["raised"] == {}
+    # A manifest that no longer parses was sent as none in silence before: the step was
+    # not replicated, and neither wait() nor a warning said so.
+    damaged = got[1]["raised"][1]
+    assert damaged.startswith(
+        "rank 1 could not open its local checkpoint of step 1 to send it to rank 0, which "
+        f"has no replica of it: {_rank_dir(base, 1, 1, 1) / 'manifest.json'} is not valid "
+        "JSON: "
+    ), damaged
+    assert got[1]["raised"] == {1: damaged}
+    assert f"shardsafe: {damaged}" in got[1]["warnings"]
+    assert os.listdir(Path(local_dir(base, 0) + "-gone") / "step-000000001") == ["rank-00000"]
     for step in (2, 3):  # rank 0 tells rank 1 it has none, and refuses rank 1's
         refused = (
             f"shardsafe: rank 0 does not keep rank 1's replica of step {step}: it was "

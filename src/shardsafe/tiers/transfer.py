@@ -98,7 +98,18 @@ def send(group: Any, dst: int, source: LocalStorage | None, step: int) -> bool:
     """Send the committed rank checkpoint of ``step`` in ``source`` (``None``: this rank
     has none, and says so) to rank ``dst``; True once ``dst`` has committed it. Raises
     :class:`StepsDiffer` if ``dst`` expects another step."""
-    raw, manifest = manifest_of(source)
+    return _send(group, dst, source, *manifest_of(source), step)
+
+
+def _send(
+    group: Any,
+    dst: int,
+    source: LocalStorage | None,
+    raw: bytes,
+    manifest: Manifest | None,
+    step: int,
+) -> bool:
+    """:func:`send`, given the manifest of ``source`` (as bytes, and parsed)."""
     _send_ints(group, dst, [int(manifest is not None), len(raw), step], DATA)
     go, theirs = _recv_ints(group, dst, 2, CONTROL)
     if theirs != step:
@@ -123,9 +134,11 @@ def send_from(
     unopened: Callable[[Exception], None],
 ) -> bool:
     """:func:`send` of the checkpoint ``open_source()`` opens. One that cannot be opened
-    (its node's directory unusable) is sent as none, so that ``dst`` hears of it at once
-    instead of waiting for this rank until the timeout; then ``unopened(error)``, and
-    False."""
+    (its node's directory unusable), or whose manifest cannot be read or does not parse
+    (removed or damaged since it was committed), is sent as none, so that ``dst`` hears
+    of it at once instead of waiting for this rank until the timeout; then
+    ``unopened(error)``, and False. (A manifest that went unread was sent as none in
+    silence: the step was not replicated, and neither end said so.)"""
     try:
         source = open_source()
     except (CheckpointError, OSError) as e:
@@ -133,7 +146,13 @@ def send_from(
         unopened(e)
         return False
     with source:
-        return send(group, dst, source, step)
+        try:
+            raw, manifest = _read_manifest(source)
+        except (CheckpointError, OSError) as e:
+            send(group, dst, None, step)
+            unopened(e)
+            return False
+        return _send(group, dst, source, raw, manifest, step)
 
 
 def _wanted(names: list[str], flags: list[int]) -> list[str]:
@@ -146,10 +165,16 @@ def manifest_of(source: LocalStorage | None) -> tuple[bytes, Manifest | None]:
     if source is None:
         return b"", None
     try:
-        raw = source.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        return raw, parse(raw, source.where(MANIFEST_NAME))
+        return _read_manifest(source)
     except (CheckpointError, OSError):
         return b"", None
+
+
+def _read_manifest(source: LocalStorage) -> tuple[bytes, Manifest]:
+    """The committed manifest of ``source``, as bytes and parsed; raises if there is none
+    that parses."""
+    raw = source.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    return raw, parse(raw, source.where(MANIFEST_NAME))
 
 
 def _send_file(
@@ -276,8 +301,8 @@ def receive_uncommitted(
 
 
 NOT_SENT = "was not sent: the sender has no committed copy that parses"
-"""Why a copy did not arrive when its sender had none (its own write failed: the sender
-said so already)."""
+"""Why a copy did not arrive when its sender had none (its own write failed, or its copy
+could not be opened or read: the sender said so already)."""
 
 
 class NotReceived(CheckpointError):
