@@ -218,3 +218,8 @@ def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
     ]
     assert not any("delete" in w for w in got[1]["warnings"])
     assert not Path(local_dir(base, 1), "step-000000003").exists()
+    # Not deleted, but no longer committed: left so, rank 0's copy of step 3 was restored
+    # after a restart beside rank 1's of the resumed run's step 3 (rank 0's own write of
+    # it failed, its deletion failing again): a mix of two runs, loaded in silence.
+    for copy in (own, replica):
+        assert copy.is_dir() and not (copy / "manifest.json").exists(), sorted(copy.iterdir())

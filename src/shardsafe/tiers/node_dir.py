@@ -180,12 +180,24 @@ class NodeDir:
 
     def remove(self, step: int, rank: int, *, prune: bool = False) -> None:
         """Delete ``step-<step>/rank-<rank>`` (what shardsafe wrote in it); with ``prune``
-        (retention), then the step directory if nothing is left in it."""
+        (retention), then the step directory if nothing is left in it. A deletion that
+        fails (raised) removes the copy's manifest at least, where it can."""
         with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
             if not step_dir.is_directory():
                 return
             if step_dir.kind(rank_dir_name(rank)) == "directory":
-                delete_checkpoint(step_dir, rank_dir_name(rank), replaced=False)
+                try:
+                    delete_checkpoint(step_dir, rank_dir_name(rank), replaced=False)
+                except CheckpointError:
+                    # Failed before its manifest went (the record of what it deletes is
+                    # written first: a full disk, an I/O error refuse it). Left committed,
+                    # a later step of a run restored to an older one was restored again
+                    # after a restart, beside the other ranks' copies the resumed run
+                    # wrote of that step (this rank's write of it failed, as this
+                    # deletion did): a mix of two runs, loaded in silence.
+                    with contextlib.suppress(CheckpointError, OSError):
+                        self._uncommitted(step_dir, rank)
+                    raise
                 if step_dir.kind(rank_dir_name(rank)) == "directory":
                     self._uncommit(step_dir, rank)
             if prune:
@@ -202,17 +214,25 @@ class NodeDir:
         shardsafe did not write): remove its manifest at least, so that it is never
         restored as a step it no longer is (a rank of a run restored to an older step, or
         a copy retention gave up), and say so."""
-        with step_dir.child(rank_dir_name(rank)) as rank_dir:
-            if rank_dir.kind(MANIFEST_NAME) != "file":
-                return
-            rank_dir.remove(MANIFEST_NAME)
-            rank_dir.sync_directory()
+        directory = self._uncommitted(step_dir, rank)
+        if directory is None:
+            return
         warnings.warn(
-            f"shardsafe: removed the manifest of {rank_dir.directory} so that it is never "
+            f"shardsafe: removed the manifest of {directory} so that it is never "
             "restored, but left the directory in place: it holds files shardsafe did not "
             "write; delete it yourself",
             stacklevel=2,
         )
+
+    def _uncommitted(self, step_dir: LocalStorage, rank: int) -> str | None:
+        """Remove the manifest of ``rank``'s copy in ``step_dir``; the copy's directory,
+        or ``None`` if it had none to remove."""
+        with step_dir.child(rank_dir_name(rank)) as rank_dir:
+            if rank_dir.kind(MANIFEST_NAME) != "file":
+                return None
+            rank_dir.remove(MANIFEST_NAME)
+            rank_dir.sync_directory()
+            return str(rank_dir.directory)
 
     def clear_partial(self, step: int, rank: int) -> None:
         """Remove an interrupted write or receipt of ``rank``'s checkpoint of ``step``."""

@@ -334,9 +334,9 @@ class Restorer:
         """Delete ``rank``'s copy of ``step`` here (``what``, to name it); a failure is a
         warning, and the restore goes on: raised on this rank alone, it left the others
         waiting for this one until the timeout, or failed this rank alone after every
-        rank had restored. The copy is passed over either way (excluded, or older than
-        nothing this run writes next: a later step is complete only if every rank's copy
-        is left)."""
+        rank had restored. The copy is passed over either way: excluded, or (a later step)
+        no longer committed where its manifest could be removed (``NodeDir.remove``), so
+        that the copies this run writes of that step never complete it."""
         try:
             self.node.remove(step, rank, prune=prune)
         except (CheckpointError, OSError) as e:
