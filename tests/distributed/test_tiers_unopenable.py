@@ -41,8 +41,10 @@ def _three_steps(rank: int, world: int, base: str) -> dict[str, Any]:
     neither open the copy it sends nor clear the place of the one it receives), and rank
     0 goes on only once rank 1's ``wait()`` of step 2 has returned (or after 15 s), as a
     rank that keeps training would. At step 1, between rank 1's write and its
-    replication, its manifest is cut short (damaged on disk). What each ``wait()``
-    raised, the seconds each step took, and the warnings."""
+    replication, its manifest is cut short (damaged on disk); and rank 1's node has no
+    room for the data files of rank 0's replicas (ENOSPC on their writes). What each
+    ``wait()`` raised, the seconds each step took, and the warnings."""
+    from shardsafe.checkpoint.storage import files
     from shardsafe.tiers import replication
 
     os.environ["SHARDSAFE_NODE"] = str(rank)
@@ -57,6 +59,14 @@ def _three_steps(rank: int, world: int, base: str) -> dict[str, Any]:
             return replicate_1(self, step)
 
         replication.Replicator._replicate = damaged_first  # type: ignore[method-assign]
+        write = files.LocalFileSink.write
+
+        def full(self: Any, data: Any) -> None:
+            if "rank-00000" in self.path and self.path.endswith(".safetensors"):
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            write(self, data)
+
+        files.LocalFileSink.write = full  # type: ignore[method-assign]
     if rank == 0:
         replicate = replication.Replicator._replicate
 
@@ -133,6 +143,13 @@ def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
     assert got[1]["raised"] == {1: damaged}
     assert f"shardsafe: {damaged}" in got[1]["warnings"]
     assert os.listdir(Path(local_dir(base, 0) + "-gone") / "step-000000001") == ["rank-00000"]
+    # A replica that could not be written leaves nothing behind: its files that arrived
+    # were kept before (one directory per step for the whole run, taking the room).
+    assert (
+        "shardsafe: rank 1 does not keep rank 0's replica of step 1: it could not be "
+        "written: [Errno 28] No space left on device (simulated)"
+    ) in got[1]["warnings"]
+    assert not Path(local_dir(base, 1), "step-000000001", "rank-00000").exists()
     for step in (2, 3):  # rank 0 tells rank 1 it has none, and refuses rank 1's
         refused = (
             f"shardsafe: rank 0 does not keep rank 1's replica of step {step}: it was "
@@ -142,11 +159,8 @@ def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
     assert f"shardsafe: {unsent}" in got[0]["warnings"]
     assert not [w for w in got[1]["warnings"] if "stopped replicating" in w]
     assert Path(local_dir(base, 0)).read_text() == "not a directory"
-    assert sorted(os.listdir(local_dir(base, 1))) == [
-        "step-000000001",
-        "step-000000002",
-        "step-000000003",
-    ]
+    # Step 1 (rank 1's own copy, beyond keep_local=2, and no replica) is gone.
+    assert sorted(os.listdir(local_dir(base, 1))) == ["step-000000002", "step-000000003"]
     assert sorted(os.listdir(Path(local_dir(base, 1)) / "step-000000002")) == ["rank-00001"]
 
 

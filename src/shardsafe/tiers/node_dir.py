@@ -234,10 +234,11 @@ class NodeDir:
             rank_dir.sync_directory()
             return str(rank_dir.directory)
 
-    def clear_partial(self, step: int, rank: int) -> None:
-        """Remove an interrupted write or receipt of ``rank``'s checkpoint of ``step``."""
+    def clear_partial(self, step: int, rank: int, *, prune: bool = False) -> None:
+        """Remove an interrupted write or receipt of ``rank``'s checkpoint of ``step``; with
+        ``prune``, then the step directory if nothing is left in it."""
         if not self.committed(step, rank):
-            self.remove(step, rank)
+            self.remove(step, rank, prune=prune)
 
     def links_work(self, rank: int) -> bool:
         """Whether hard links can be made in this directory, which a node's ranks need to

@@ -380,6 +380,13 @@ class Replicator:
                 f"{step}: it {why}",
                 stacklevel=1,
             )
+        if why is not None:
+            # Nothing of a copy not kept is left behind, as a restore's fetch leaves none:
+            # the files that did arrive took the room (a full disk) that the next saves
+            # need, and retention never deleted them while no copy from the source was
+            # kept (one rank directory per step, for the whole run).
+            with contextlib.suppress(CheckpointError, OSError):
+                self.node.clear_partial(step, source, prune=True)
         return why is None
 
     def _retain(self, step: int) -> None:
