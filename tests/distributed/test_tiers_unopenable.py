@@ -195,6 +195,7 @@ def _restore_where_rank_0_cannot_delete(rank: int, world: int, base: str) -> dic
         "tiers": restored.tiers,
         "seconds": time.monotonic() - began,
         "warnings": [str(w.message) for w in caught if "shardsafe:" in str(w.message)],
+        "warned in": sorted({Path(w.filename).name for w in caught if "delete" in str(w.message)}),
     }
 
 
@@ -231,6 +232,7 @@ def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
         f"step (deleting the checkpoint {replica} {failed}); delete it yourself",
     ]
     assert not any("delete" in w for w in got[1]["warnings"])
+    assert got[0]["warned in"] == [Path(__file__).name]  # load_latest's caller, not shardsafe
     assert not Path(local_dir(base, 1), "step-000000003").exists()
     # Not deleted, but no longer committed: left so, rank 0's copy of step 3 was restored
     # after a restart beside rank 1's of the resumed run's step 3 (rank 0's own write of

@@ -343,7 +343,7 @@ class Restorer:
             warnings.warn(
                 f"shardsafe: restoring: rank {self.rank} could not delete {what} ({e}); "
                 "delete it yourself",
-                stacklevel=4,
+                stacklevel=5,  # the caller of TieredCheckpointManager.load_latest
             )
 
 
