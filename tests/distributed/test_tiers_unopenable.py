@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -239,3 +240,55 @@ def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
     # it failed, its deletion failing again): a mix of two runs, loaded in silence.
     for copy in (own, replica):
         assert copy.is_dir() and not (copy / "manifest.json").exists(), sorted(copy.iterdir())
+
+
+def _restore_where_rank_1_cannot_commit(rank: int, world: int, base: str) -> dict[str, Any]:
+    """``load_latest`` where rank 1's commit of its copy of step 3 fails (ENOSPC, as a
+    full disk refuses the manifest): what it restored, and the warnings."""
+    from shardsafe.checkpoint.storage.local import LocalStorage
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    if rank == 1:
+        commit = LocalStorage.commit
+
+        def full(self: LocalStorage, name: str, data: bytes) -> None:
+            if name == "manifest.json" and "step-000000003" in self.directory:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            commit(self, name, data)
+
+        LocalStorage.commit = full  # type: ignore[method-assign]
+    model, opt = build()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        contextlib.closing(
+            TieredCheckpointManager(
+                os.path.join(base, "persistent"), local_dir(base, rank), timeout=TIMEOUT
+            )
+        ) as manager,
+    ):
+        warnings.simplefilter("always")
+        manager.load_latest({"model": model, "optimizer": opt, "rng": shardsafe.RNGState()})
+        assert manager.restored is not None
+        restored = manager.restored
+    return {
+        "step": restored.step,
+        "tiers": restored.tiers,
+        "warnings": [str(w.message) for w in caught if "shardsafe:" in str(w.message)],
+    }
+
+
+def test_a_fetched_copy_that_cannot_commit_says_why_it_was_passed_over(tmp_path: Path) -> None:
+    """Node 1 lost: rank 1 receives its copy of step 3 from rank 0, whole, but cannot
+    commit it. Before, the restore went back to step 2 and no rank said why (a copy that
+    failed its commit, or its last check, was passed over in silence)."""
+    base = str(tmp_path)
+    run_ranks(train, 2, base, 3, None, 1, timeout=100)
+    shutil.rmtree(local_dir(base, 1))
+    got = run_ranks(_restore_where_rank_1_cannot_commit, 2, base, timeout=100)
+    assert [(g["step"], g["tiers"]) for g in got] == [(2, ["local", "peer"])] * 2
+    assert got[1]["warnings"] == [
+        "shardsafe: restoring step 3: rank 1's copy from rank 0 could not be committed: "
+        "[Errno 28] No space left on device (simulated)"
+    ]
+    assert got[0]["warnings"] == []
+    assert not Path(local_dir(base, 1), "step-000000003").exists()

@@ -83,6 +83,12 @@ class Fetcher:
             if arrived is not None and fault is None:
                 committed = arrived.commit()
                 fault = None if committed else "own"
+                if not committed:  # passed over in silence before: say why, as on arrival
+                    warnings.warn(
+                        f"shardsafe: restoring step {step}: rank {self.rank}'s copy from rank "
+                        f"{needed} {arrived.problem}",
+                        stacklevel=4,  # the caller of TieredCheckpointManager.load_latest
+                    )
         finally:
             if arrived is not None:
                 arrived.storage.close()

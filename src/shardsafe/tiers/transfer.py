@@ -225,12 +225,15 @@ class Arrived:
     def commit(self, checked: AbstractSet[str] = frozenset()) -> bool:
         """Commit it if every file's header and every byte not ``received``, ``linked``
         or ``checked`` (already known to hold the manifest's bytes) passes; whether it
-        did."""
+        did (if not, :attr:`problem` says why)."""
+        if self.problem is not None:
+            return False
         known = self.received | self.linked | checked
-        with contextlib.suppress(CheckpointError, OSError):
-            if self.problem is None:
-                return _commit_if_whole(self.storage, self.manifest, self.raw, known)
-        return False
+        try:
+            self.problem = _commit_if_whole(self.storage, self.manifest, self.raw, known)
+        except (CheckpointError, OSError) as e:
+            self.problem = f"could not be committed: {e}"
+        return self.problem is None
 
 
 def receive(
@@ -266,9 +269,7 @@ def receive(
             _send_ints(group, src, [int(committed)], CONTROL)
         finally:
             arrived.storage.close()
-    if committed:
-        return None
-    return arrived.problem or "failed its last check (a linked file's bytes), or its commit"
+    return None if committed else arrived.problem or "could not be committed"
 
 
 def receive_uncommitted(
@@ -421,16 +422,17 @@ def _receive_file(
 
 def _commit_if_whole(
     storage: LocalStorage, manifest: Manifest, raw: bytes, received: set[str] | None = None
-) -> bool:
+) -> str | None:
     """Check every file's header and every byte against ``manifest`` (but the bytes of
     ``received`` files, checked as they arrived), a linked file's as a received one's
     (read through the replica's own name: what is checked is what is committed); commit
-    it if all pass."""
+    it if all pass (``None``), else say what failed."""
     with CheckpointReader(storage, manifest) as reader:
-        if reader.check_files() or reader.verify_all(checked_files=received):
-            return False
+        problems = [*reader.check_files().values()] or reader.verify_all(checked_files=received)
+    if problems:
+        return f"failed its last check: {problems[0]}"
     storage.commit(MANIFEST_NAME, raw)
-    return True
+    return None
 
 
 def _still_ours(
