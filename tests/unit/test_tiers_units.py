@@ -1115,3 +1115,27 @@ def test_a_step_whose_local_write_failed_is_saved_again(
     manager.close()
     assert manager.restored is not None and manager.restored.step == 7
     assert same(snapshot(live), snapshot(state))
+
+
+def test_a_full_disk_does_not_stop_a_copy_being_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deletion writes the record of what it deletes first; on a full disk that write
+    failed (ENOSPC), and nothing could be deleted (retention, a restore's later steps), so
+    the disk stayed full. Here the disk is full until the manifest's block is freed (as on
+    a real 100%-full tmpfs, checked by hand): the copy is deleted whole."""
+    node = NodeDir(str(tmp_path / "local"))
+    with node.rank_storage(3, 0, create=True) as storage:
+        state = {"w": torch.arange(8.0)}
+        rank_checkpoint.write(storage, collect(state, 0, 1), rank=0, world_size=1, step=3)
+    copy = tmp_path / "local" / "step-000000003" / "rank-00000"
+    commit = LocalStorage.commit
+
+    def full(self: LocalStorage, name: str, data: bytes) -> None:
+        if (Path(self.directory) / "manifest.json").exists():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.where(name))
+        commit(self, name, data)
+
+    monkeypatch.setattr(LocalStorage, "commit", full)
+    node.remove(3, 0, prune=True)
+    assert not copy.exists() and os.listdir(tmp_path / "local") == []

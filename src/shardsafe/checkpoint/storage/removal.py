@@ -9,12 +9,16 @@ half-way leaves a directory that is plainly not a checkpoint, never a broken one
 
 from __future__ import annotations
 
+import errno
 import warnings
 
 from ...errors import CheckpointError, CheckpointNotFoundError
 from ..format.manifest import MANIFEST_NAME
 from .leftovers import INCOMPLETE_MARKER, OURS, record
 from .protocol import Storage
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+"""A write refused for want of room (a full disk, a quota)."""
 
 
 def foreign_entries(step: Storage) -> list[str]:
@@ -42,7 +46,18 @@ def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> Non
                 )
                 return
             names = step.names()
-            record(step, names)  # what a save into it may clear, if this is interrupted
+            try:
+                record(step, names)  # what a save into it may clear, if this is interrupted
+            except OSError as e:
+                if e.errno not in _NO_ROOM or MANIFEST_NAME not in names:
+                    raise
+                # No room for the record: a full disk, which deleting is to relieve. The
+                # manifest goes first (the directory is then plainly not a checkpoint),
+                # and its room takes the record. Raised, nothing on a full disk could be
+                # deleted: not by retention, nor by a restore, so it stayed full.
+                step.remove(MANIFEST_NAME)
+                step.sync_directory()
+                record(step, names)
             if MANIFEST_NAME in names:
                 step.remove(MANIFEST_NAME)
                 step.sync_directory()
