@@ -1139,3 +1139,15 @@ def test_a_full_disk_does_not_stop_a_copy_being_deleted(
     monkeypatch.setattr(LocalStorage, "commit", full)
     node.remove(3, 0, prune=True)
     assert not copy.exists() and os.listdir(tmp_path / "local") == []
+    # A failed receipt's files (no manifest) took the last room: no record fits at all.
+    with node.rank_storage(4, 1, create=True) as storage:
+        sink = storage.create("shard-00000-of-00001.safetensors")
+        sink.write(memoryview(b"x" * 100))
+        sink.abort()
+
+    def no_room(self: LocalStorage, name: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.where(name))
+
+    monkeypatch.setattr(LocalStorage, "commit", no_room)
+    node.remove(4, 1, prune=True)
+    assert os.listdir(tmp_path / "local") == []

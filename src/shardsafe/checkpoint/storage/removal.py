@@ -49,15 +49,19 @@ def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> Non
             try:
                 record(step, names)  # what a save into it may clear, if this is interrupted
             except OSError as e:
-                if e.errno not in _NO_ROOM or MANIFEST_NAME not in names:
+                if e.errno not in _NO_ROOM:
                     raise
                 # No room for the record: a full disk, which deleting is to relieve. The
                 # manifest goes first (the directory is then plainly not a checkpoint),
-                # and its room takes the record. Raised, nothing on a full disk could be
-                # deleted: not by retention, nor by a restore, so it stayed full.
-                step.remove(MANIFEST_NAME)
-                step.sync_directory()
-                record(step, names)
+                # and its room takes the record. One without a manifest (an interrupted
+                # write or receipt, whose files took the last room) was never a
+                # checkpoint: its files go without a record, a crash leaving no more than
+                # was there. Raised, nothing on a full disk could be deleted: not by
+                # retention, nor by a restore, nor a failed copy's files, so it stayed full.
+                if MANIFEST_NAME in names:
+                    step.remove(MANIFEST_NAME)
+                    step.sync_directory()
+                    record(step, names)
             if MANIFEST_NAME in names:
                 step.remove(MANIFEST_NAME)
                 step.sync_directory()
