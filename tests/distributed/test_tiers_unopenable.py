@@ -292,3 +292,81 @@ def test_a_fetched_copy_that_cannot_commit_says_why_it_was_passed_over(tmp_path:
     ]
     assert got[0]["warnings"] == []
     assert not Path(local_dir(base, 1), "step-000000003").exists()
+
+
+def _mixed_runs(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
+    """``train``: steps 1-3, each rank's weights ``step + 100 * rank``. ``resume``: rank 0
+    can delete nothing of step 3, not even a manifest; restore, then save step 3 again
+    (weights ``30 + 100 * rank``). ``restart``: restore. What was restored, and its
+    weight."""
+    from shardsafe.checkpoint.storage import removal
+    from shardsafe.tiers.node_dir import NodeDir
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    if rank == 0 and phase == "resume":
+        record = removal.record
+
+        def failing(storage: Any, names: Any) -> None:
+            if "step-000000003" in storage.where("x"):
+                raise OSError(errno.EIO, "Input/output error (simulated)")
+            record(storage, names)
+
+        def kept(self: Any, step_dir: Any, rank: int) -> None:
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+
+        removal.record = failing
+        NodeDir._uncommitted = kept  # type: ignore[method-assign]
+    model = torch.nn.Linear(2, 2)
+    out: dict[str, Any] = {}
+    with (
+        warnings.catch_warnings(),
+        contextlib.closing(
+            TieredCheckpointManager(
+                os.path.join(base, "persistent"),
+                local_dir(base, rank),
+                persist_every=None,
+                keep_local=3,
+                timeout=TIMEOUT,
+            )
+        ) as manager,
+    ):
+        warnings.simplefilter("ignore")
+        if phase == "train":
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    model.weight.fill_(step + 100 * rank)
+                manager.save(step, {"model": model})
+                manager.wait()
+            return out
+        manager.load_latest({"model": model})
+        assert manager.restored is not None
+        out["restored"] = (manager.restored.step, float(model.weight[0, 0]))
+        if phase == "resume":
+            with torch.no_grad():
+                model.weight.fill_(30 + 100 * rank)
+            manager.save(3, {"model": model})
+            with contextlib.suppress(CheckpointError):  # rank 0's write of step 3 fails
+                manager.wait()
+    return out
+
+
+def test_copies_of_one_step_from_two_runs_are_never_restored_together(tmp_path: Path) -> None:
+    """Rank 1's copies of step 3 are damaged, so a restore goes back to step 2; rank 0 can
+    delete nothing of step 3 (not even its manifest), so its copy of the abandoned run's
+    step 3 stays committed; the resumed run saves step 3 again, rank 0's write failing.
+    After a restart, step 3 was restored from rank 0's old copy (weight 3) beside rank
+    1's new one (weight 130): two runs mixed, in silence. Each local checkpoint now
+    records its run's token, and one step is restored only from the copies of one run."""
+    base = str(tmp_path)
+    run_ranks(_mixed_runs, 2, base, "train", timeout=100)
+    for node in (0, 1):
+        (data,) = _rank_dir(base, node, 3, 1).glob("*.safetensors")
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0x01
+        data.write_bytes(bytes(raw))
+    resumed = run_ranks(_mixed_runs, 2, base, "resume", timeout=100)
+    assert [r["restored"] for r in resumed] == [(2, 2.0), (2, 102.0)]
+    assert (_rank_dir(base, 0, 3, 0) / "manifest.json").is_file()  # the old run's, kept
+    assert (_rank_dir(base, 1, 3, 1) / "manifest.json").is_file()  # the new run's
+    restarted = run_ranks(_mixed_runs, 2, base, "restart", timeout=100)
+    assert [r["restored"] for r in restarted] == [(2, 2.0), (2, 102.0)]

@@ -176,6 +176,46 @@ def test_excluded_copies_are_not_asked_for_again() -> None:
     assert choose(held, two_by_two(), 2, {(0, 3, 1), (1, 3, 1)}) == Choice(2, [LOCAL] * 4, {})
 
 
+def test_one_step_is_restored_from_the_copies_of_one_run_only() -> None:
+    """Each copy carries the token of the run that wrote it: a step whose copies are of
+    two runs (an abandoned run's that could not be deleted, a resumed run's) is not
+    complete; of two runs complete at one step, the later one's copies are restored."""
+    old, new = "0000000000000001aa", "0000000000000002bb"
+    step_2 = [(*c, old) for c in everywhere(2)]
+    mixed = [(3, 0, 4, old), (3, 1, 4, new), (3, 2, 4, new), (3, 3, 4, new)]
+    assert choose([step_2 + mixed] * 4, two_by_two(), None) == Choice(2, [LOCAL] * 4, {})
+    # Node 0 holds every rank's copy of step 3 of the old run; node 1, of the new run
+    # (its ranks 2 and 3 hold their own, and replicas of ranks 0 and 1): the new run's,
+    # node 0's ranks sent theirs from node 1.
+    node_0 = [(*c, old) for c in everywhere(3)]
+    node_1 = [(*c, new) for c in everywhere(3)]
+    held = [node_0, node_0, node_1, node_1]
+    assert choose(held, two_by_two(), None) == Choice(3, [PEER, PEER, LOCAL, LOCAL], {0: 2, 1: 3})
+    # Copies without a token (written before tokens were recorded) are one run.
+    assert choose([everywhere(3)] * 4, two_by_two(), None) == Choice(3, [LOCAL] * 4, {})
+
+
+@pytest.mark.parametrize("run", ["ABC", "0" * 65, "../x", 7])
+def test_a_run_token_that_is_not_short_lower_case_hex_is_refused(
+    tmp_path: Path, run: object
+) -> None:
+    """A hostile manifest's run token: the survey passes over its copy (``held``)."""
+    node = NodeDir(str(tmp_path / "local"))
+    with node.rank_storage(3, 0, create=True) as storage:
+        items = collect({"w": torch.ones(2)}, 0, 1)
+        rank_checkpoint.write(storage, items, rank=0, world_size=1, step=3, run="ab12")
+    assert list(node.held()) == [Held(3, 0, 1, "ab12")]
+    copy = tmp_path / "local" / "step-000000003" / "rank-00000"
+    doc = forge.read_manifest(copy)
+    doc["info"]["rank_checkpoint"]["run"] = run
+    forge.write_manifest(copy, doc)
+    with node.rank_storage(3, 0, create=False) as storage:
+        manifest = loading.read_manifest_from(storage)
+    with pytest.raises(CheckpointCorruptError, match="run is not a token of at most 64"):
+        rank_checkpoint.run_of(manifest)
+    assert list(node.held()) == []
+
+
 def test_the_ranks_of_a_lost_node_are_sent_their_copies_by_the_least_loaded_holders() -> None:
     topo = Topology.of(["a", "a", "b", "b", "c", "c"])
     world = everywhere(4, world=6)
@@ -964,7 +1004,8 @@ def test_a_rank_directory_without_a_manifest_is_not_held_and_is_cleared(tmp_path
     assert tree(local) == {STEP7: "dir"}
     manager.save(8, trained(0))
     manager.close()
-    assert list(NodeDir(str(local)).held()) == [Held(8, 0, 1)]
+    run = manager._replicator.run  # this manager's token, in every copy it writes
+    assert len(run) == 32 and list(NodeDir(str(local)).held()) == [Held(8, 0, 1, run)]
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "shard-00000-of-00001.safetensors"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import uuid
 import warnings
 from typing import Any, NoReturn
@@ -104,7 +105,7 @@ class TieredCheckpointManager:
 
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
             _check_apart(self.node.root, self.persistent.root)
-            return [node_name(), uuid.uuid4().hex, settings, problem]
+            return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns()]
 
         try:
             names = self._ranks.exchange(Phase.SURVEY, identity)
@@ -134,6 +135,7 @@ class TieredCheckpointManager:
             keep_local,
             self._tally(names),
             NodeShare(self.node, self.rank, mates) if len(mates) > 1 else None,
+            _run(names[0]),
         )
         self._stager = Stager()
         self._budget_checked = False
@@ -348,6 +350,13 @@ class TieredCheckpointManager:
     def _drop_newer(self, step: int) -> None:
         """What :meth:`load_latest` does after any restore (``Restorer.drop_newer``)."""
         self._restorer.drop_newer(step)
+
+
+def _run(identity: list[Any]) -> str:
+    """This run's token, from rank 0's identity (the same on every rank): its clock in
+    nanoseconds (so a later run's token sorts after an earlier one's) and its random id.
+    Every local checkpoint records it (``rank_checkpoint.run_of``)."""
+    return f"{identity[4]:016x}{identity[1][:16]}"
 
 
 def _problem(

@@ -51,6 +51,8 @@ class Held:
     step: int
     rank: int
     world_size: int
+    run: str = ""
+    """The token of the run that wrote it (``rank_checkpoint.run_of``)."""
 
 
 class _Under(LocalStorage):
@@ -175,7 +177,7 @@ class NodeDir:
             manifest = loadable_manifest(storage)
             saved_rank, world_size, saved_step = rank_checkpoint.saved_by(manifest)
             if (saved_rank, saved_step) == (rank, step):
-                return Held(step, rank, world_size)
+                return Held(step, rank, world_size, rank_checkpoint.run_of(manifest))
         return None
 
     def remove(self, step: int, rank: int, *, prune: bool = False) -> None:

@@ -43,11 +43,13 @@ replication links instead of sending (``transfer.py``); the small file holds wha
 often each rank's own (RNG states, a sampler's generator)."""
 
 
-def write(storage: Storage, items: Collected, *, rank: int, world_size: int, step: int) -> int:
+def write(
+    storage: Storage, items: Collected, *, rank: int, world_size: int, step: int, run: str = ""
+) -> int:
     """Write and commit the rank checkpoint of ``items`` (staged copies) into ``storage``;
     return the bytes of the data files written."""
     written = write_uncommitted(
-        storage, items, rank=rank, world_size=world_size, step=step, shared=None
+        storage, items, rank=rank, world_size=world_size, step=step, shared=None, run=run
     )
     written.commit({})
     return sum(w["bytes"] for w in written.written.values())
@@ -63,10 +65,12 @@ def write_uncommitted(
     shared: Mapping[Candidate, int] | None,
     parts: int = 1,
     own_part: int = 0,
+    run: str = "",
 ) -> Uncommitted:
     """The rank checkpoint of ``items`` written but for its commit; with ``shared`` (which
     part of the node each shared chunk is in, ``node_share.py``), the chunks of the other
-    parts are left to their writers (their staged tensors hold no data)."""
+    parts are left to their writers (their staged tensors hold no data). ``run``: the
+    writing manager's :func:`run_of` token."""
     values: dict[str, SavedValue] = {}
     chunks: list[StreamedChunk] = []
     placements: dict[str, list[list[int]]] = {}
@@ -97,7 +101,13 @@ def write_uncommitted(
                     lambda t=tensor: t,  # type: ignore[misc]
                 )
             )
-    info = {"rank": rank, "world_size": world_size, "step": step, "placements": placements}
+    info = {
+        "rank": rank,
+        "world_size": world_size,
+        "step": step,
+        "run": run,
+        "placements": placements,
+    }
     return streaming.write_uncommitted(
         storage,
         values,
@@ -149,6 +159,28 @@ def saved_by(manifest: Manifest) -> tuple[int, int, int]:
     if rank >= world_size:
         raise CheckpointCorruptError(f"rank {rank} is outside its world size {world_size}")
     return rank, world_size, step
+
+
+RUN_CHARS = frozenset("0123456789abcdef")
+MAX_RUN_CHARS = 64
+
+
+def run_of(manifest: Manifest) -> str:
+    """The token of the run that wrote a rank checkpoint (``""`` for one written before
+    tokens were recorded), validated: lower-case hex of at most :data:`MAX_RUN_CHARS`.
+
+    Every rank of one ``TieredCheckpointManager`` writes the same token, agreed when the
+    manager is made, and a fresh one per run: copies of one step written by two runs
+    (an abandoned run's copy that could not be deleted, beside a resumed run's) are never
+    restored together (``recovery.choose``)."""
+    info = manifest.info.get(INFO_KEY)
+    run = info.get("run", "") if isinstance(info, dict) else ""
+    if not isinstance(run, str) or len(run) > MAX_RUN_CHARS or not set(run) <= RUN_CHARS:
+        raise CheckpointCorruptError(
+            f"the manifest's 'rank_checkpoint' run is not a token of at most {MAX_RUN_CHARS} "
+            "lower-case hex digits"
+        )
+    return run
 
 
 def view(state: Mapping[str, Any], *, rank: int, world_size: int) -> Callable[[Manifest], Manifest]:

@@ -6,7 +6,11 @@ the node, ``Topology.surveyed_by``, and the reports are pooled by node). Rank 0 
 (:func:`choose`, pure): the newest step for which every rank ``r`` of the current world
 has a copy saved at this world size, either on its own node (restored from there:
 ``local``) or on another node (sent to it by a rank of that node first: ``peer``).
-Among several holders the one sending least is asked. If the persistent tier holds a
+Among several holders the one sending least is asked. The copies of one step restored
+together are all of one run (their ``run`` token, ``rank_checkpoint.run_of``): a copy an
+abandoned run left (one that could not be deleted) never completes a step beside the
+copies a resumed run wrote of it; of two runs both complete at a step, the later one's
+are restored. If the persistent tier holds a
 newer step than any complete local one, or no local step is complete, the persistent
 tier is used (``persistent``); if nothing exists anywhere, nothing is restored (but the
 newest step saved at another world size is named, ``Choice.stranded``: ``load_latest``
@@ -37,41 +41,49 @@ class Choice:
     abandon."""
 
 
+Held = tuple[int, int, int] | tuple[int, int, int, str]
+"""A rank checkpoint a rank can read: ``(step, rank, world_size)``, and the token of the
+run that wrote it (``""`` if not given)."""
+
+
 def choose(
-    held: list[Iterable[tuple[int, int, int]]],
+    held: list[Iterable[Held]],
     topology: Topology,
     persistent_step: int | None,
     excluded: set[tuple[int, int, int]] = frozenset(),  # type: ignore[assignment]
 ) -> Choice:
-    """The restore plan. ``held[h]``: ``(step, rank, world_size)`` of every rank checkpoint
-    rank ``h`` can read (its node's); ``excluded``: ``(holder node, step, rank)`` copies
-    found bad (a failed transfer), not to be asked for again."""
+    """The restore plan. ``held[h]``: every rank checkpoint rank ``h`` can read (its
+    node's); ``excluded``: ``(holder node, step, rank)`` copies found bad (a failed
+    transfer), not to be asked for again."""
     world = topology.world_size
-    nodes_holding: dict[tuple[int, int], set[int]] = {}
+    nodes_holding: dict[tuple[int, str, int], set[int]] = {}  # (step, run, rank) -> nodes
     elsewhere: set[tuple[int, int]] = set()  # (step, world size) of other worlds' copies
     for holder, copies in enumerate(held):
         node = topology.node_of[holder]
-        for step, rank, saved_world in copies:
+        for copy in copies:
+            step, rank, saved_world = copy[:3]
+            run = copy[3] if len(copy) > 3 else ""
             if saved_world != world:
                 elsewhere.add((step, saved_world))
             elif 0 <= rank < world and (node, step, rank) not in excluded:
-                nodes_holding.setdefault((step, rank), set()).add(node)
-    steps = sorted({step for step, _ in nodes_holding}, reverse=True)
-    for step in steps:
+                nodes_holding.setdefault((step, str(run), rank), set()).add(node)
+    # Newest step first; at one step, the latest run first (its token sorts last).
+    for step, run in sorted({(step, run) for step, run, _ in nodes_holding}, reverse=True):
         if persistent_step is not None and persistent_step > step:
             break
-        if all((step, r) in nodes_holding for r in range(world)):
-            return _plan(step, nodes_holding, topology)
+        if all((step, run, r) in nodes_holding for r in range(world)):
+            return _plan(step, {r: nodes_holding[(step, run, r)] for r in range(world)}, topology)
     if persistent_step is not None:
         return Choice(persistent_step, [PERSISTENT] * world)
     return Choice(None, [], stranded=max(elsewhere, default=None))
 
 
-def _plan(step: int, nodes_holding: dict[tuple[int, int], set[int]], topology: Topology) -> Choice:
+def _plan(step: int, nodes_holding: dict[int, set[int]], topology: Topology) -> Choice:
+    """``nodes_holding``: by rank, the nodes holding its copy of ``step`` (of one run)."""
     tiers, sends = [], {}
     load: dict[int, int] = {}
     for rank in range(topology.world_size):
-        nodes = nodes_holding[(step, rank)]
+        nodes = nodes_holding[rank]
         if topology.node_of[rank] in nodes:
             tiers.append(LOCAL)
             continue

@@ -102,8 +102,11 @@ class Replicator:
         keep_local: int,
         tally: Tally | None = None,
         share: NodeShare | None = None,
+        run: str = "",
     ) -> None:
         self.node, self.rank, self.world_size = node, rank, world_size
+        self.run = run
+        """The token every rank's local checkpoints record (``rank_checkpoint.run_of``)."""
         self.share = share
         """How this rank shares its node's data-parallel tensors (``node_share.py``)."""
         self.peers, self.group, self.keep_local = peers, group, keep_local
@@ -197,6 +200,7 @@ class Replicator:
                     shared=split.part_of if split is not None else None,
                     parts=split.parts if split is not None else 1,
                     own_part=share.position if share is not None else 0,
+                    run=self.run,
                 )
                 own = _identities(storage, written.written)
         except Exception as e:  # recorded; replication sends "none" for this step

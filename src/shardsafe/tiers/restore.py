@@ -201,13 +201,13 @@ class Restorer:
         self, excluded: set[tuple[int, int, int]], persistent: bool = True
     ) -> recovery.Choice:
         def report() -> dict[str, Any]:
-            held = [[h.step, h.rank, h.world_size] for h in self.node.held(self._surveyed)]
+            held = [[h.step, h.rank, h.world_size, h.run] for h in self.node.held(self._surveyed)]
             persisted = self._persisted_step() if self.rank == 0 and persistent else None
             return {"held": held, "persistent": persisted}
 
         payloads = self.ranks.exchange(Phase.SURVEY, report)
         choice = recovery.choose(
-            [[(c[0], c[1], c[2]) for c in p["held"]] for p in payloads],
+            [[(c[0], c[1], c[2], c[3]) for c in p["held"]] for p in payloads],
             self.topology,
             payloads[0]["persistent"],
             excluded,
