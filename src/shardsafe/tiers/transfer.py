@@ -139,14 +139,9 @@ def send_from(
     of it at once instead of waiting for this rank until the timeout; then
     ``unopened(error)``, and False. (A manifest that went unread was sent as none in
     silence: the step was not replicated, and neither end said so.)"""
-    try:
-        source = open_source()
-    except (CheckpointError, OSError) as e:
-        send(group, dst, None, step)
-        unopened(e)
-        return False
-    with source:
+    with contextlib.ExitStack() as opened:
         try:
+            source = opened.enter_context(open_source())
             raw, manifest = _read_manifest(source)
         except (CheckpointError, OSError) as e:
             send(group, dst, None, step)

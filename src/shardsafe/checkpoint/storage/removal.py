@@ -46,11 +46,10 @@ def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> Non
                 )
                 return
             names = step.names()
+            recorded = True
             try:
                 record(step, names)  # what a save into it may clear, if this is interrupted
             except OSError as e:
-                if e.errno not in _NO_ROOM:
-                    raise
                 # No room for the record: a full disk, which deleting is to relieve. The
                 # manifest goes first (the directory is then plainly not a checkpoint),
                 # and its room takes the record. One without a manifest (an interrupted
@@ -58,13 +57,14 @@ def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> Non
                 # checkpoint: its files go without a record, a crash leaving no more than
                 # was there. Raised, nothing on a full disk could be deleted: not by
                 # retention, nor by a restore, nor a failed copy's files, so it stayed full.
-                if MANIFEST_NAME in names:
-                    step.remove(MANIFEST_NAME)
-                    step.sync_directory()
-                    record(step, names)
+                if e.errno not in _NO_ROOM:
+                    raise
+                recorded = False
             if MANIFEST_NAME in names:
                 step.remove(MANIFEST_NAME)
                 step.sync_directory()
+                if not recorded:
+                    record(step, names)
             for entry in names:
                 if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
                     step.remove(entry)
