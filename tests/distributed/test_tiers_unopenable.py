@@ -40,11 +40,12 @@ def _three_steps(rank: int, world: int, base: str) -> dict[str, Any]:
     """Steps 1-3 saved and waited for, one at a time; at step 2, between rank 0's write
     and its replication, its node's local directory is replaced by a file (so it can
     neither open the copy it sends nor clear the place of the one it receives), and rank
-    0 goes on only once rank 1's ``wait()`` of step 2 has returned (or after 15 s), as a
-    rank that keeps training would. At step 1, between rank 1's write and its
-    replication, its manifest is cut short (damaged on disk); and rank 1's node has no
-    room for the data files of rank 0's replicas (ENOSPC on their writes). What each
-    ``wait()`` raised, the seconds each step took, and the warnings."""
+    0 goes on only once rank 1's ``wait()`` of step 2 has returned (or after longer than
+    the transfers' timeout), as a rank that keeps training would. At step 1, between
+    rank 1's write and its replication, its manifest is cut short (damaged on disk); and
+    rank 1's node has no room for the data files of rank 0's replicas (ENOSPC on their
+    writes). What each
+    ``wait()`` raised, and the warnings."""
     from shardsafe.checkpoint.storage import files
     from shardsafe.tiers import replication
 
@@ -80,7 +81,6 @@ def _three_steps(rank: int, world: int, base: str) -> dict[str, Any]:
 
         replication.Replicator._replicate = unusable_first  # type: ignore[method-assign]
     raised: dict[int, str] = {}
-    seconds: dict[int, float] = {}
     model = torch.nn.Linear(4, 4)
     with (
         warnings.catch_warnings(record=True) as caught,
@@ -95,31 +95,29 @@ def _three_steps(rank: int, world: int, base: str) -> dict[str, Any]:
     ):
         warnings.simplefilter("always")
         for step in (1, 2, 3):
-            began = time.monotonic()
             manager.save(step, {"model": model})
             try:
                 manager.wait()
             except CheckpointError as e:
                 raised[step] = str(e)
-            seconds[step] = time.monotonic() - began
             if step == 2 and rank == 1:
                 signal.touch()
-            while step == 2 and rank == 0 and not signal.exists():
+            # Alive past the transfers' timeout: a rank 1 left waiting for rank 0 times
+            # out and stops replicating ("stopped replicating", asserted absent below).
+            deadline = time.monotonic() + TIMEOUT + 15
+            while step == 2 and rank == 0 and not signal.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
-                if time.monotonic() - began > 15:
-                    break
     said = [str(w.message) for w in caught if "shardsafe:" in str(w.message)]
-    return {"raised": raised, "seconds": seconds, "warnings": said}
+    return {"raised": raised, "warnings": said}
 
 
 def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
     tmp_path: Path,
 ) -> None:
     """Before, rank 1's ``wait()`` of step 2 returned only when rank 0 closed its
-    manager (or after the 30 s timeout), and rank 0 stopped replicating for good."""
+    manager (or after the 30 s timeout), and both stopped replicating for good."""
     base = str(tmp_path)
     got = run_ranks(_three_steps, 2, base, timeout=100)
-    assert max(max(g["seconds"].values()) for g in got) < 5, got
     unusable = (
         f"the local tier's directory {local_dir(base, 0)} cannot be made or opened: File "
         "exists. Give each node a local path it can write (a directory, or nothing yet, on a "
@@ -165,20 +163,11 @@ def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
     assert sorted(os.listdir(Path(local_dir(base, 1)) / "step-000000002")) == ["rank-00001"]
 
 
-def _restore_where_rank_0_cannot_delete(rank: int, world: int, base: str) -> dict[str, Any]:
-    """``load_latest`` with every deletion in rank 0's local directory failing (an I/O
-    error): what it restored, how long it took, and rank 0's warnings."""
-    from shardsafe.checkpoint.storage import removal
-
+def _restored(rank: int, base: str) -> dict[str, Any]:
+    """``load_latest`` on this rank (each rank a node of its own): the step and tiers
+    restored, this rank's warnings, and the files they were attributed to."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
-    if rank == 0:
-
-        def failing(*args: Any) -> None:
-            raise OSError(errno.EIO, "Input/output error (simulated)")
-
-        removal.record = failing  # the first write of a deletion
     model, opt = build()
-    began = time.monotonic()
     with (
         warnings.catch_warnings(record=True) as caught,
         contextlib.closing(
@@ -194,10 +183,23 @@ def _restore_where_rank_0_cannot_delete(rank: int, world: int, base: str) -> dic
     return {
         "step": restored.step,
         "tiers": restored.tiers,
-        "seconds": time.monotonic() - began,
         "warnings": [str(w.message) for w in caught if "shardsafe:" in str(w.message)],
         "warned in": sorted({Path(w.filename).name for w in caught if "delete" in str(w.message)}),
     }
+
+
+def _restore_where_rank_0_cannot_delete(rank: int, world: int, base: str) -> dict[str, Any]:
+    """:func:`_restored`, with every deletion in rank 0's local directory failing (an I/O
+    error)."""
+    from shardsafe.checkpoint.storage import removal
+
+    if rank == 0:
+
+        def failing(*args: Any) -> None:
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+
+        removal.record = failing  # the first write of a deletion
+    return _restored(rank, base)
 
 
 def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
@@ -218,7 +220,6 @@ def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
     data.write_bytes(bytes(raw))
     got = run_ranks(_restore_where_rank_0_cannot_delete, 2, base, timeout=100)
     assert [(g["step"], g["tiers"]) for g in got] == [(2, ["local", "local"])] * 2
-    assert max(g["seconds"] for g in got) < TIMEOUT / 3, got
     failed = "failed: [Errno 5] Input/output error (simulated)"
     own, replica = _rank_dir(base, 0, 3, 0), _rank_dir(base, 0, 3, 1)
     said = [w for w in got[0]["warnings"] if "delete" in w or "refused" in w]
@@ -243,11 +244,10 @@ def test_copies_a_restore_cannot_delete_are_warned_about_and_passed_over(
 
 
 def _restore_where_rank_1_cannot_commit(rank: int, world: int, base: str) -> dict[str, Any]:
-    """``load_latest`` where rank 1's commit of its copy of step 3 fails (ENOSPC, as a
-    full disk refuses the manifest): what it restored, and the warnings."""
+    """:func:`_restored`, where rank 1's commit of its copy of step 3 fails (ENOSPC, as a
+    full disk refuses the manifest)."""
     from shardsafe.checkpoint.storage.local import LocalStorage
 
-    os.environ["SHARDSAFE_NODE"] = str(rank)
     if rank == 1:
         commit = LocalStorage.commit
 
@@ -257,24 +257,7 @@ def _restore_where_rank_1_cannot_commit(rank: int, world: int, base: str) -> dic
             commit(self, name, data)
 
         LocalStorage.commit = full  # type: ignore[method-assign]
-    model, opt = build()
-    with (
-        warnings.catch_warnings(record=True) as caught,
-        contextlib.closing(
-            TieredCheckpointManager(
-                os.path.join(base, "persistent"), local_dir(base, rank), timeout=TIMEOUT
-            )
-        ) as manager,
-    ):
-        warnings.simplefilter("always")
-        manager.load_latest({"model": model, "optimizer": opt, "rng": shardsafe.RNGState()})
-        assert manager.restored is not None
-        restored = manager.restored
-    return {
-        "step": restored.step,
-        "tiers": restored.tiers,
-        "warnings": [str(w.message) for w in caught if "shardsafe:" in str(w.message)],
-    }
+    return _restored(rank, base)
 
 
 def test_a_fetched_copy_that_cannot_commit_says_why_it_was_passed_over(tmp_path: Path) -> None:
