@@ -307,8 +307,8 @@ class TieredCheckpointManager:
         errors = self._replicator.record.errors
         if errors:
             error, errors[:] = errors[0], []
-            if isinstance(error, CheckpointError):
-                raise error
+            if isinstance(error, (CheckpointError, Warning)):  # a Warning: made an error
+                raise error  # by the user's filter (``Replicator._warn``)
             raise CheckpointError(f"a local checkpoint failed: {error}") from error
 
     def close(self) -> None:

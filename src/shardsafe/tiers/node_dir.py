@@ -190,9 +190,11 @@ class NodeDir:
             if step_dir.kind(rank_dir_name(rank)) == "directory":
                 try:
                     delete_checkpoint(step_dir, rank_dir_name(rank), replaced=False)
-                except CheckpointError:
+                except Exception:
                     # Failed before its manifest went (the record of what it deletes is
-                    # written first: a full disk, an I/O error refuse it). Left committed,
+                    # written first: a full disk, an I/O error refuse it; or the warning
+                    # that it holds files of yours was made an error by the user's filter,
+                    # ``-W error``, before the manifest went below). Left committed,
                     # a later step of a run restored to an older one was restored again
                     # after a restart, beside the other ranks' copies the resumed run
                     # wrote of that step (this rank's write of it failed, as this

@@ -24,6 +24,14 @@ other nodes, and a replication that fails for good still leaves at most
 ``keep_local + 1`` steps. After a restore (:meth:`Replicator.resumed_from`) the restored
 step counts as replicated everywhere until a newer one is counted, and the older steps
 found on disk count among the ``keep_local``.
+
+The threads never let an error of a cleanup, or a warning, break off their work: a user's
+filter that makes warnings errors (``-W error``) raised them in the thread, between two
+messages of a transfer (the peer then waited for the rest until the timeout) or in the
+handling of one (the rank stopped replicating for good). A warning so raised is recorded
+for ``wait`` to raise (:meth:`Replicator._warn`); a cleanup's error (a directory left in
+place because it holds a file of the user's, whose warning was raised) is passed over,
+as a cleanup's ``OSError`` always was.
 """
 
 from __future__ import annotations
@@ -225,7 +233,7 @@ class Replicator:
                 self.failed(step, e)
             elif share is not None and share.broken:
                 self._record(e)
-                warnings.warn(f"shardsafe: {e}", stacklevel=1)
+                self._warn(str(e))
         finally:
             if storage is not None:
                 storage.close()
@@ -234,14 +242,14 @@ class Replicator:
 
     def _drop_earlier(self, step: int) -> None:
         """Remove this rank's checkpoint of ``step`` from an earlier save of the step."""
-        with contextlib.suppress(CheckpointError, OSError):
+        with contextlib.suppress(Exception):  # any: see the module docstring
             self._forget_found(step, self.rank)
             self.node.remove(step, self.rank)
 
     def _clear(self, step: int) -> None:
         """Remove this rank's failed write of ``step`` (a part its node-mates may have
         linked stays theirs), as retention would only once a newer step is kept."""
-        with contextlib.suppress(CheckpointError, OSError):
+        with contextlib.suppress(Exception):  # any: see the module docstring
             if not self.node.committed(step, self.rank):
                 self.node.remove(step, self.rank, prune=True)
 
@@ -256,7 +264,18 @@ class Replicator:
                 failure = type(error)(said)
         failure.__cause__ = error
         self._record(failure)
-        warnings.warn(f"shardsafe: {failure}", stacklevel=1)
+        self._warn(str(failure))
+
+    def _warn(self, message: str) -> None:
+        """Warn ``shardsafe: message`` from a background thread. A warning the user's
+        filter turns into an error (``-W error``, pytest's ``filterwarnings = error``) is
+        recorded for ``wait`` to raise instead: raised here, it broke off the thread's
+        work between two messages of a transfer (the peer waiting for the rest until the
+        timeout), or stopped this rank replicating for good."""
+        try:
+            warnings.warn(f"shardsafe: {message}", stacklevel=2)
+        except Warning as raised:
+            self._record(raised)
 
     def _record(self, error: BaseException) -> None:
         """Keep ``error`` for ``wait``, which raises the first: the later ones were warned
@@ -299,7 +318,7 @@ class Replicator:
                 if not differ:  # once, though every transfer of the step finds it
                     differ = self._steps_differ(e, peer)
                     self._record(differ)
-                    warnings.warn(f"shardsafe: {differ}", stacklevel=1)
+                    self._warn(str(differ))
                 self._broken = True
                 ok = False
             except Exception as e:  # a peer gone: stop replicating, keep training
@@ -312,7 +331,7 @@ class Replicator:
                     "copied to other nodes"
                 )
                 self._record(stopped)
-                warnings.warn(f"shardsafe: {stopped}", stacklevel=1)
+                self._warn(str(stopped))
                 ok = False
             if kind == "send":
                 sent = sent and ok
@@ -344,7 +363,7 @@ class Replicator:
                 f"send it to rank {target}, which has no replica of it: {e}"
             )
             self._record(unsent)
-            warnings.warn(f"shardsafe: {unsent}", stacklevel=1)
+            self._warn(str(unsent))
 
         return transfer.send_from(
             self.group,
@@ -359,10 +378,10 @@ class Replicator:
         own = step in self.record.written  # committed here: its identical files are linked
         # An interrupted receipt, or an earlier save's copy of the step (never to be
         # restored beside the source's new one, even if the source now sends none).
-        # A removal that fails is tried again inside the protocol, where its error
-        # refuses the copy at once: raised here, it left the sender waiting for this
-        # rank until the timeout.
-        with contextlib.suppress(CheckpointError, OSError):
+        # A removal that fails is tried again inside the protocol, where its error (of any
+        # kind: a warning made an error by the user's filter too) refuses the copy at
+        # once: raised here, it left the sender waiting for this rank until the timeout.
+        with contextlib.suppress(Exception):
             self.node.remove(step, source)
 
         def target() -> LocalStorage:
@@ -379,17 +398,15 @@ class Replicator:
             trusted=self._identities.get(step, {}) if own else {},
         )
         if why is not None and why != transfer.NOT_SENT:  # the sender said why it sent none
-            warnings.warn(
-                f"shardsafe: rank {self.rank} does not keep rank {source}'s replica of step "
-                f"{step}: it {why}",
-                stacklevel=1,
+            self._warn(
+                f"rank {self.rank} does not keep rank {source}'s replica of step {step}: it {why}"
             )
         if why is not None:
             # Nothing of a copy not kept is left behind, as a restore's fetch leaves none:
             # the files that did arrive took the room (a full disk) that the next saves
             # need, and retention never deleted them while no copy from the source was
             # kept (one rank directory per step, for the whole run).
-            with contextlib.suppress(CheckpointError, OSError):
+            with contextlib.suppress(Exception):  # any: see the module docstring
                 self.node.clear_partial(step, source, prune=True)
         return why is None
 
@@ -409,8 +426,8 @@ class Replicator:
                 if kept is not None:
                     drop_older(self.node, owner, kept)
                     self._prune(owner, kept)
-        except (CheckpointError, OSError) as e:
-            warnings.warn(f"shardsafe: local retention failed: {e}", stacklevel=1)
+        except Exception as e:  # any: see the module docstring
+            self._warn(f"local retention failed: {e}")
         finally:
             self._forget_saves(upto=step)
 

@@ -336,10 +336,12 @@ def _arrive(
     why = f"was refused: its manifest does not parse, or is not rank {rank}'s of step {step}"
     if manifest is not None:
         # Made before the sender is told to go on: a receiver that cannot make it (a link
-        # in its place, a full disk) refuses here, never leaving the sender mid-file.
+        # in its place, a full disk) refuses here, never leaving the sender mid-file. Any
+        # error refuses it, a warning made an error by the user's filter too (raised, it
+        # left the sender waiting for this answer until the timeout).
         try:
             storage = target()
-        except (CheckpointError, OSError) as e:
+        except Exception as e:
             why = f"was refused: its directory could not be made: {e}"
     _send_ints(group, src, [int(storage is not None)], CONTROL)
     if manifest is None or storage is None:
