@@ -109,7 +109,9 @@ def test_a_silent_rank_is_named_on_every_rank_though_only_rank_0_watches_it(
             f"for 3s; this is rank {rank}): they have probably died (killed, out of memory). "
             "AFTER."
         ), message
-        assert 3.0 <= seconds < 8.0, seconds
+        # Named from the heartbeat, not at the phase's 60 s timeout (no tighter bound:
+        # a wall-clock limit near the 3 s it takes here could fail on a loaded machine).
+        assert seconds < 30, seconds
 
 
 def every_rank_fails(rank: int, world_size: int, root: str) -> tuple[str, int]:
