@@ -1192,3 +1192,42 @@ def test_a_full_disk_does_not_stop_a_copy_being_deleted(
     monkeypatch.setattr(LocalStorage, "commit", no_room)
     node.remove(4, 1, prune=True)
     assert os.listdir(tmp_path / "local") == []
+
+
+def test_the_same_failure_at_every_step_is_warned_at_its_first_10th_and_100th_step(
+    tmp_path: Path,
+) -> None:
+    """A node whose disk stays full warned at every step (each warning new by its step
+    number: one line a second for a whole run); a failure of another kind is warned at
+    once, and a warning a filter makes an error is recorded for ``wait()``."""
+    replicator = Replicator(NodeDir(str(tmp_path)), 0, 2, Peers([1], [1]), None, 1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(1, 121):
+                replicator._warn(
+                    f"rank 0 could not write its local checkpoint of step {step}: "
+                    f"{tmp_path}/step-{step:09d}/rank-00000: [Errno 28] No space left on device"
+                )
+                if step == 50:
+                    replicator._warn("rank 0 stopped replicating: the send of step 50 failed")
+        said = [str(w.message) for w in caught]
+        full = "shardsafe: rank 0 could not write its local checkpoint of step {0}: {1}/"
+        full += "step-{0:09d}/rank-00000: [Errno 28] No space left on device"
+        assert said == [
+            full.format(1, tmp_path),
+            full.format(10, tmp_path) + " (the same at 10 steps so far; said again at 100)",
+            "shardsafe: rank 0 stopped replicating: the send of step 50 failed",
+            full.format(100, tmp_path) + " (the same at 100 steps so far; said again at 1000)",
+        ]
+        assert replicator.record.errors == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            replicator._warn("rank 0 does not keep rank 1's replica of step 3: it arrived damaged")
+        [raised] = replicator.record.errors
+        assert isinstance(raised, UserWarning)
+        assert str(raised) == (
+            "shardsafe: rank 0 does not keep rank 1's replica of step 3: it arrived damaged"
+        )
+    finally:
+        replicator.close()

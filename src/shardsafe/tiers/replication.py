@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +57,13 @@ from .retention import Tally, drop_older, retained
 
 KEPT_ERRORS = 16
 """Errors a replicator keeps for ``wait`` (:meth:`Replicator._record`)."""
+
+KEPT_WARNINGS = 256
+"""Warnings a replicator counts (:meth:`Replicator._warn`): one made after that many
+others is repeated at every step."""
+
+_STEP = re.compile(r"step[ -]\d+")
+"""A step number in a warning, as said or in a directory name."""
 
 FORGOTTEN_COUNTS = 64
 """Counts of forgotten saves a rank leaves in the store while no newer step is counted
@@ -140,6 +148,9 @@ class Replicator:
         self._forgotten: list[tuple[int, int]] = []
         """``(step, save)`` of the saves this rank no longer asks the tally about, whose
         counts are deleted from the store once safe (:meth:`_drop_counts`)."""
+        self._warned: dict[str, int] = {}
+        """Per warning, its step numbers masked: how many times it was made
+        (:meth:`_warn` repeats it at the 10th, 100th, ... time only)."""
 
     def submit(self, step: int, items: Collected | None) -> Future[None]:
         """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
@@ -267,11 +278,21 @@ class Replicator:
         self._warn(str(failure))
 
     def _warn(self, message: str) -> None:
-        """Warn ``shardsafe: message`` from a background thread. A warning the user's
+        """Warn ``shardsafe: message`` from a background thread; the same at another step
+        again only at its 10th, 100th, ... time (a node's full disk made two warnings per
+        step, one line a second for a whole run, each new by its step). A warning the user's
         filter turns into an error (``-W error``, pytest's ``filterwarnings = error``) is
         recorded for ``wait`` to raise instead: raised here, it broke off the thread's
         work between two messages of a transfer (the peer waiting for the rest until the
         timeout), or stopped this rank replicating for good."""
+        kind = _STEP.sub("step N", message)
+        times = self._warned.get(kind, 0) + 1
+        if len(self._warned) < KEPT_WARNINGS or kind in self._warned:
+            self._warned[kind] = times
+        if times > 1 and not _power_of_ten(times):
+            return
+        if times > 1:
+            message += f" (the same at {times} steps so far; said again at {10 * times})"
         try:
             warnings.warn(f"shardsafe: {message}", stacklevel=2)
         except Warning as raised:
@@ -536,3 +557,9 @@ def _identities(storage: LocalStorage, names: Iterable[str]) -> dict[str, tuple[
         stat = os.stat(name, dir_fd=storage.fd, follow_symlinks=False)
         found[name] = (stat.st_dev, stat.st_ino)
     return found
+
+
+def _power_of_ten(n: int) -> bool:
+    while n % 10 == 0:
+        n //= 10
+    return n == 1
