@@ -300,7 +300,7 @@ class Replicator:
 
     def _record(self, error: BaseException) -> None:
         """Keep ``error`` for ``wait``, which raises the first: the later ones were warned
-        about when they happened. At most :data:`KEPT_ERRORS` are kept: a local disk full
+        about when they happened (or counted, as repeats: :meth:`_warn`). At most :data:`KEPT_ERRORS` are kept: a local disk full
         for a whole run kept one (with its traceback's frames) per step saved, about 4 KiB
         each, until a ``wait`` that the Trainer makes only at the end of the run."""
         if len(self.record.errors) < KEPT_ERRORS:
@@ -560,6 +560,6 @@ def _identities(storage: LocalStorage, names: Iterable[str]) -> dict[str, tuple[
 
 
 def _power_of_ten(n: int) -> bool:
-    while n % 10 == 0:
+    while n > 1 and n % 10 == 0:
         n //= 10
     return n == 1
