@@ -300,9 +300,10 @@ class Replicator:
 
     def _record(self, error: BaseException) -> None:
         """Keep ``error`` for ``wait``, which raises the first: the later ones were warned
-        about when they happened (or counted, as repeats: :meth:`_warn`). At most :data:`KEPT_ERRORS` are kept: a local disk full
-        for a whole run kept one (with its traceback's frames) per step saved, about 4 KiB
-        each, until a ``wait`` that the Trainer makes only at the end of the run."""
+        about when they happened (or counted, as repeats: :meth:`_warn`). At most
+        :data:`KEPT_ERRORS` are kept: a local disk full for a whole run kept one (with its
+        traceback's frames) per step saved, about 4 KiB each, until a ``wait`` that the
+        Trainer makes only at the end of the run."""
         if len(self.record.errors) < KEPT_ERRORS:
             self.record.errors.append(error)
 
