@@ -809,6 +809,9 @@ def session(
                 for save, (at, _) in enumerate(saves, 1)
                 if tally is not None and tally._store.check([f"{tally._prefix}/{at}/{save}"])
             ]
+            # Rank 0 hosts the store: it must not exit before rank 1 has read it (a broken
+            # pipe on rank 1, seen once on a loaded machine).
+            torch.distributed.barrier()
         finally:
             manager.close()
     return {**out, "warnings": [str(w.message) for w in caught]}
