@@ -1231,3 +1231,43 @@ def test_the_same_failure_at_every_step_is_warned_at_its_first_10th_and_100th_st
         )
     finally:
         replicator.close()
+
+
+def test_a_copy_whose_node_mate_reported_another_file_says_why_it_is_passed_over(
+    tmp_path: Path,
+) -> None:
+    """A node-mate's report of the file it received for this rank's copy (another rank's
+    payload: hostile input) that names no such file, or one whose size or checksums
+    differ from this copy's manifest, passed the copy over in silence; now it is warned."""
+    from shardsafe.tiers import transfer
+
+    fetcher = Fetcher.__new__(Fetcher)
+    fetcher.rank, fetcher.node = 1, NodeDir(str(tmp_path))
+    name = "shard-00000-of-00001.safetensors"
+    arrived = transfer.Arrived(None, None, b"", set(), {name}, None)  # type: ignore[arg-type]
+    arrived.__dict__["fingerprints"] = {name: (1024, "0a1b")}
+    reports = [
+        {"ok": True, "files": {}},
+        {"ok": True, "files": {name: [1, 2, "1024", "0a1b"]}},
+        {"ok": True, "files": {name: [1, 2, 1024, "ffff"]}},
+        {"ok": True, "files": {name: [1, 2, 2048, "0a1b"]}},
+    ]
+    said = []
+    for report in reports:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert fetcher._complete(3, arrived, {name: 0}, [report, None]) == "own"
+        [warning] = caught
+        said.append(str(warning.message))
+    prefix = "shardsafe: restoring step 3: rank 1's copy is passed over: "
+    differs = (
+        f"the file {name} that rank 0 received for it is not the one its manifest names "
+        "(their sizes or checksums differ)"
+    )
+    assert said == [
+        f"{prefix}rank 0, which was to receive its file {name}, reported none",
+        prefix + differs,
+        prefix + differs,
+        prefix + differs,
+    ]
+    assert arrived.linked == set()
