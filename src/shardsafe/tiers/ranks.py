@@ -54,8 +54,12 @@ class Ranks:
         return self.group
 
 
-BACKGROUND_NICENESS = 10
-"""The tiers' background threads' niceness (a local save's write, its replication)."""
+BACKGROUND_NICENESS = 19
+"""The tiers' background threads' niceness (a local save's write, its replication): the
+lowest, as the async save's writer's. At 10 they still took about a tenth of cores the
+training kept busy (training ran at 0.86-0.88 of its speed while a save was replicated,
+4 ranks on 2 cores, ``benchmarks/tiered_recovery.py``; 0.92 at 19). On an idle core they
+run at full speed either way, and a save every step cost the same (0.61-0.68 of a step)."""
 
 
 background_priority = functools.partial(lower_priority, BACKGROUND_NICENESS)
