@@ -5,7 +5,7 @@ niceness, and the training's own threads keep the process's.
 gloo copies every byte received on its own threads: at the training's priority they took
 a full share of the cores it needs (with the tiers' at niceness 10 too, training kept
 0.81-0.84 of its speed while a save was replicated instead of 0.73-0.78; 4 ranks on 2
-cores, benchmarks/tiered_recovery.py; all at 19 since, 0.92)."""
+cores, benchmarks/tiered_recovery.py; at 19 since, as the async save's writer)."""
 
 from __future__ import annotations
 

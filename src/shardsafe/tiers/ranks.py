@@ -56,10 +56,12 @@ class Ranks:
 
 BACKGROUND_NICENESS = 19
 """The tiers' background threads' niceness (a local save's write, its replication): the
-lowest, as the async save's writer's. At 10 they still took about a tenth of cores the
-training kept busy (training ran at 0.86-0.88 of its speed while a save was replicated,
-4 ranks on 2 cores, ``benchmarks/tiered_recovery.py``; 0.92 at 19). On an idle core they
-run at full speed either way, and a save every step cost the same (0.61-0.68 of a step)."""
+lowest, as the async save's writer's, so that every background writer of shardsafe
+yields alike to a training that keeps the cores busy. Measured against 10 (six runs each
+of ``benchmarks/tiered_recovery.py``, 4 ranks on 2 cores): training kept 0.87-0.92 of its
+speed while a save was replicated (0.86-0.90 at 10), and a save every step cost
+0.61-0.68 of a step (0.61-0.66): no difference beyond the noise here. On an idle core
+the threads run at full speed either way."""
 
 
 background_priority = functools.partial(lower_priority, BACKGROUND_NICENESS)
