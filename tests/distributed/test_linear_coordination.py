@@ -109,9 +109,10 @@ def test_a_silent_rank_is_named_on_every_rank_though_only_rank_0_watches_it(
             f"for 3s; this is rank {rank}): they have probably died (killed, out of memory). "
             "AFTER."
         ), message
-        # Named from the heartbeat, not at the phase's 60 s timeout (no tighter bound:
-        # a wall-clock limit near the 3 s it takes here could fail on a loaded machine).
-        assert seconds < 30, seconds
+        # Named from the heartbeat (this message is made only there: the phase's 60 s
+        # timeout says otherwise), with no wall-clock bound, which a loaded machine
+        # could break; the seconds are printed for the log.
+        print(f"rank {rank} named rank 2 after {seconds:.1f}s")
 
 
 def every_rank_fails(rank: int, world_size: int, root: str) -> tuple[str, int]:
