@@ -1,5 +1,5 @@
-"""Replication under a warnings filter that makes every warning an error (``-W error``,
-pytest's ``filterwarnings = error``), on real ranks, each a node of its own.
+"""Replication and restores under a warnings filter that makes every warning an error
+(``-W error``, pytest's ``filterwarnings = error``), on real ranks, each a node of its own.
 
 The replicator's threads warn as they pass a copy over (a replica that could not be
 written, an old one that could not be cleared). Under such a filter each of those
@@ -8,7 +8,8 @@ then waited for the rest until the timeout), or in the handling of a transfer's 
 (this rank then stopped replicating for good, and its peer, left alone in the next
 step's transfer, stopped too). Now the raised warning is recorded, ``wait()`` raises it,
 and the next steps replicate as before; a replica that could not be cleared is never
-left committed beside the new save of its step."""
+left committed beside the new save of its step. A restore's warnings are said as
+``load_latest`` returns, once every rank is done with the restore."""
 
 from __future__ import annotations
 
@@ -107,3 +108,73 @@ def test_warnings_made_errors_are_raised_by_wait_and_replication_goes_on(tmp_pat
     # Step 3 replicated both ways, as if nothing had happened.
     for node, owner in ((0, 1), (1, 0)):
         assert (_replica(base, node, 3, owner) / "manifest.json").is_file()
+
+
+def _restore_past_a_damaged_copy_under_an_error_filter(
+    rank: int, world: int, base: str
+) -> dict[str, Any]:
+    """Steps 1 and 2 saved and replicated; then a byte of rank 1's own copy of step 2 is
+    flipped, and a new manager restores under a filter that makes every warning an
+    error. What ``load_latest`` returned or raised, the tier and the weight restored."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    model = torch.nn.Linear(4, 4)
+
+    def manager() -> TieredCheckpointManager:
+        return TieredCheckpointManager(
+            os.path.join(base, "persistent"),
+            local_dir(base, rank),
+            persist_every=None,
+            timeout=TIMEOUT,
+        )
+
+    with contextlib.closing(manager()) as saving:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(10 * step + rank)
+            saving.save(step, {"model": model})
+            saving.wait()
+    torch.distributed.barrier()
+    if rank == 1:
+        [shard] = _replica(base, 1, 2, 1).glob("*.safetensors")
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    with torch.no_grad():
+        model.weight.zero_()
+    outcome: list[Any]
+    with warnings.catch_warnings(), contextlib.closing(manager()) as restoring:
+        warnings.simplefilter("error")
+        try:
+            values = restoring.load_latest({"model": model})
+            outcome = ["returned", values is not None]
+        except Exception as e:
+            outcome = [type(e).__name__, str(e)]
+        restored = restoring._restorer.restored
+    tier = [restored.step, restored.tier] if restored else None
+    return {"outcome": outcome, "tier": tier, "weight": model.weight.unique().tolist()}
+
+
+def test_a_restores_warning_made_an_error_is_raised_once_every_rank_is_done(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's own copy of step 2 is damaged: rank 0 warns that it was, and the ranks
+    restore step 2 with rank 1's replica from rank 0's node. Before, that warning was
+    raised on rank 0 as it was made, between two exchanges, and rank 1 waited for it
+    until the timeout (``... did not enter ...``); now it is raised as rank 0 leaves
+    ``load_latest``, after the restore, and rank 1 restores as it would without the
+    filter."""
+    base = str(tmp_path)
+    got = run_ranks(_restore_past_a_damaged_copy_under_an_error_filter, 2, base, timeout=100)
+    kind, message = got[0]["outcome"]
+    assert kind == "UserWarning"
+    assert message.startswith(
+        "shardsafe: a local checkpoint of step 2 was damaged (load failed on rank 1: "
+        "checksum mismatch in shard-00000-of-00001.safetensors"
+    )
+    assert message.endswith(
+        "Load a good checkpoint before using these objects.); trying the next copy"
+    )
+    assert got[1]["outcome"] == ["returned", True]
+    assert [got[0]["tier"], got[1]["tier"]] == [[2, "local"], [2, "peer"]]
+    assert [got[0]["weight"], got[1]["weight"]] == [[20.0], [21.0]]

@@ -24,6 +24,7 @@ from shardsafe.checkpoint.options import LoadOptions
 from shardsafe.checkpoint.plan.collecting import collect
 from shardsafe.checkpoint.storage.local import LocalStorage
 from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint, replication
+from shardsafe.tiers.deferred_warnings import DeferredWarnings
 from shardsafe.tiers.fetch import Fetcher
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
@@ -1243,6 +1244,7 @@ def test_a_copy_whose_node_mate_reported_another_file_says_why_it_is_passed_over
 
     fetcher = Fetcher.__new__(Fetcher)
     fetcher.rank, fetcher.node = 1, NodeDir(str(tmp_path))
+    fetcher._said = DeferredWarnings()
     name = "shard-00000-of-00001.safetensors"
     arrived = transfer.Arrived(None, None, b"", set(), {name}, None)  # type: ignore[arg-type]
     arrived.__dict__["fingerprints"] = {name: (1024, "0a1b")}
@@ -1256,7 +1258,9 @@ def test_a_copy_whose_node_mate_reported_another_file_says_why_it_is_passed_over
     for report in reports:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert fetcher._complete(3, arrived, {name: 0}, [report, None]) == "own"
+            with fetcher._said:  # said as the restore ends
+                assert fetcher._complete(3, arrived, {name: 0}, [report, None]) == "own"
+                assert caught == []
         [warning] = caught
         said.append(str(warning.message))
     prefix = "shardsafe: restoring step 3: rank 1's copy is passed over: "
@@ -1271,3 +1275,31 @@ def test_a_copy_whose_node_mate_reported_another_file_says_why_it_is_passed_over
         prefix + differs,
     ]
     assert arrived.linked == set()
+
+
+def test_a_restores_warnings_are_said_as_it_ends_and_an_agreed_error_stays_the_one_raised() -> None:
+    """Said where they arise, a restore's warnings were raised on one rank alone under a
+    filter that makes them errors, and the other ranks waited for it until the timeout;
+    now they are kept until the outermost block ends. Raised there by such a filter, the
+    first is raised; but while an error is raised, that error stays the one raised."""
+    said = DeferredWarnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with said:
+            said.warn("first")
+            with said:  # drop_newer inside load_latest: said by the outer block only
+                said.warn(RuntimeWarning("second"))
+            assert caught == []
+        assert [(w.category, str(w.message)) for w in caught] == [
+            (UserWarning, "first"),
+            (RuntimeWarning, "second"),
+        ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"^kept$"), said:
+            said.warn("kept")
+        with pytest.raises(CheckpointError, match=r"^agreed$"), said:
+            said.warn("passed over")
+            raise CheckpointError("agreed")
+        with said:  # nothing kept from before
+            pass

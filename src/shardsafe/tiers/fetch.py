@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,17 +21,22 @@ from ..checkpoint.storage.local import LocalStorage
 from ..distributed import Phase
 from ..errors import CheckpointError
 from . import fetch_plan, recovery, transfer
+from .deferred_warnings import DeferredWarnings
 from .node_dir import NodeDir
 from .ranks import Ranks
 from .topology import Topology
 
 
 class Fetcher:
-    """One rank's part in sending and receiving a restore's copies (collective)."""
+    """One rank's part in sending and receiving a restore's copies (collective); its
+    warnings are the restore's, said as the restore ends (``said``)."""
 
-    def __init__(self, ranks: Ranks, topology: Topology, node: NodeDir) -> None:
+    def __init__(
+        self, ranks: Ranks, topology: Topology, node: NodeDir, said: DeferredWarnings
+    ) -> None:
         self.ranks, self.topology, self.node = ranks, topology, node
         self.rank = ranks.rank
+        self._said = said
 
     def fetch(self, choice: recovery.Choice, excluded: set[tuple[int, int, int]]) -> list[int]:
         """Send the peers' copies to the ranks that need them; the ranks whose copy did not
@@ -84,10 +88,9 @@ class Fetcher:
                 committed = arrived.commit()
                 fault = None if committed else "own"
                 if not committed:  # passed over in silence before: say why, as on arrival
-                    warnings.warn(
+                    self._said.warn(
                         f"shardsafe: restoring step {step}: rank {self.rank}'s copy from rank "
-                        f"{needed} {arrived.problem}",
-                        stacklevel=4,  # the caller of TieredCheckpointManager.load_latest
+                        f"{needed} {arrived.problem}"
                     )
         finally:
             if arrived is not None:
@@ -102,8 +105,12 @@ class Fetcher:
         # Nor of one that did not arrive whole: the files that did would take the room
         # (a replaced node's disk) that the next choice's copies need.
         if needed is not None and not committed:
-            with contextlib.suppress(CheckpointError, OSError):
+            try:
                 self.node.remove(step, self.rank)
+            except Warning as said:  # the user's filter raised it: said as the restore ends
+                self._said.warn(said)
+            except (CheckpointError, OSError):
+                pass
         for rank, its in enumerate(faults):
             if its == "own":
                 excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))
@@ -174,10 +181,9 @@ class Fetcher:
                     "manifest names (their sizes or checksums differ)"
                 )
             if why is not None:  # passed over in silence before
-                warnings.warn(
+                self._said.warn(
                     f"shardsafe: restoring step {step}: rank {self.rank}'s copy is passed "
-                    f"over: {why}",
-                    stacklevel=5,
+                    f"over: {why}"
                 )
                 return "own"
             dev, ino, size, _ = reported
@@ -192,7 +198,7 @@ class Fetcher:
                     gone="its copy was removed since",
                 )
             except (CheckpointError, OSError) as e:
-                warnings.warn(f"shardsafe: restoring step {step}: {e}", stacklevel=5)
+                self._said.warn(f"shardsafe: restoring step {step}: {e}")
                 return "own"
             arrived.linked.add(name)
         with contextlib.suppress(OSError):
@@ -222,15 +228,14 @@ class Fetcher:
                 skip=elsewhere,
             )
         except Exception as e:  # agreed by the caller, as a copy that did not arrive
-            warnings.warn(f"shardsafe: restoring step {step}: {e}", stacklevel=5)
+            self._said.warn(f"shardsafe: restoring step {step}: {e}")
             return None
 
     def _send_copy(self, step: int, rank: int) -> bool:
         def unopened(e: Exception) -> None:  # the receiver was told, and reports it
-            warnings.warn(
+            self._said.warn(
                 f"shardsafe: restoring step {step}: rank {self.rank} could not open rank "
-                f"{rank}'s copy of it on this node to send it: {e}",
-                stacklevel=5,
+                f"{rank}'s copy of it on this node to send it: {e}"
             )
 
         return transfer.send_from(

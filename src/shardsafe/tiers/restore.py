@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from ..errors import (
     CheckpointNotFoundError,
 )
 from . import rank_checkpoint, recovery
+from .deferred_warnings import DeferredWarnings
 from .fetch import Fetcher
 from .node_dir import NodeDir
 from .ranks import Ranks
@@ -92,7 +92,9 @@ class Restorer:
         )
         """The rank directories of the node's this rank checks in a survey."""
         self.restored: Restored | None = None
-        self._fetcher = Fetcher(ranks, topology, node)
+        self._said = DeferredWarnings()
+        """This restore's warnings, said as it ends (``deferred_warnings.py``)."""
+        self._fetcher = Fetcher(ranks, topology, node, self._said)
 
     def latest(self) -> int | None:
         """The step :meth:`load_latest` would restore now, or ``None``."""
@@ -108,7 +110,12 @@ class Restorer:
 
     def load_latest(self, state: Any, options: LoadKeywords) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get; ``None`` if there is none in
-        any tier. ``options`` are :func:`shardsafe.load`'s."""
+        any tier. ``options`` are :func:`shardsafe.load`'s. Its warnings are said as it
+        ends, on every rank's way out (``deferred_warnings.py``)."""
+        with self._said:
+            return self._restore(state, options)
+
+    def _restore(self, state: Any, options: LoadKeywords) -> dict[str, Any] | None:
         started = time.monotonic()
         self._replicator.drain()
         # A failed load from a local copy is followed by a whole load from the next
@@ -169,10 +176,9 @@ class Restorer:
 
     def _warn_persistent_damaged(self, e: CheckpointCorruptError) -> None:
         if self.rank == 0:
-            warnings.warn(
+            self._said.warn(
                 f"shardsafe: no checkpoint of the persistent tier would load ({e}); "
-                "restoring the newest complete local step",
-                stacklevel=5,  # the caller of TieredCheckpointManager.load_latest
+                "restoring the newest complete local step"
             )
 
     def _after_mismatch(
@@ -186,10 +192,9 @@ class Restorer:
         """Same world size, other sharding (or other objects): only the persistent tier
         can reshard; if the objects are wrong it says so too."""
         if self.rank == 0:
-            warnings.warn(
+            self._said.warn(
                 f"shardsafe: the local checkpoints of step {step} do not fit "
-                f"this run ({e}); loading from the persistent tier",
-                stacklevel=4,  # the caller of TieredCheckpointManager.load_latest
+                f"this run ({e}); loading from the persistent tier"
             )
         values = self._from_persistent(state, options, started)
         if values is None or self.restored is None:  # the mismatch is the answer
@@ -270,10 +275,9 @@ class Restorer:
                 raise e
             damaged.append(e)
             if self.rank == 0:
-                warnings.warn(
+                self._said.warn(
                     f"shardsafe: a local checkpoint of step {step} was damaged ({e}); trying "
-                    "the next copy",
-                    stacklevel=4,  # the caller of TieredCheckpointManager.load_latest
+                    "the next copy"
                 )
             return None
 
@@ -319,7 +323,12 @@ class Restorer:
         that they never mix with the steps this run writes next (a rank whose node lost
         its copy of such a step would be sent the old run's). Then retention learns of
         the restored step (never to be deleted before a newer one is complete everywhere)
-        and of the older ones here (``Replicator.resumed_from``)."""
+        and of the older ones here (``Replicator.resumed_from``). Its warnings are said as
+        it ends (or as the restore that called it does)."""
+        with self._said:
+            self._drop_newer(step)
+
+    def _drop_newer(self, step: int) -> None:
         for later in self.node.steps():
             if later > step:
                 for rank in self.node.ranks_in(later):
@@ -336,14 +345,16 @@ class Restorer:
         waiting for this one until the timeout, or failed this rank alone after every
         rank had restored. The copy is passed over either way: excluded, or (a later step)
         no longer committed where its manifest could be removed (``NodeDir.remove``), so
-        that the copies this run writes of that step never complete it."""
+        that the copies this run writes of that step never complete it. A warning of the
+        deletion's that the user's filter raised is said as the restore ends, as is."""
         try:
             self.node.remove(step, rank, prune=prune)
+        except Warning as said:
+            self._said.warn(said)
         except (CheckpointError, OSError) as e:
-            warnings.warn(
+            self._said.warn(
                 f"shardsafe: restoring: rank {self.rank} could not delete {what} ({e}); "
-                "delete it yourself",
-                stacklevel=5,  # the caller of TieredCheckpointManager.load_latest
+                "delete it yourself"
             )
 
 
