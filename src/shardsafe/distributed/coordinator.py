@@ -282,10 +282,10 @@ class Coordinator:
         skip_reading: bool,
     ) -> list[Any]:
         link = self._link
-        agreement.post(link, phase, payload, error)
+        woke = agreement.post(link, phase, payload, error)
         own = [keys.payload(phase, link.rank)] if payload is not None else []
         try:
-            self._wait(phase, timeout, error, check_first=False)
+            self._wait(phase, timeout, error, check_first=False, woke=woke)
         except CheckpointError:
             self._payloads.failed(own)
             raise
@@ -302,6 +302,7 @@ class Coordinator:
         timeout: float,
         own_error: BaseException | None,
         check_first: bool = True,
+        woke: int | None = None,
     ) -> None:
         """Return once every rank has posted ``phase`` (see ``agreement.wait``)."""
         agreement.wait(
@@ -311,6 +312,7 @@ class Coordinator:
             own_error,
             check_first=check_first,
             withdraw=self._life.withdraw,
+            woke=woke,
         )
 
     def _check_heartbeats(self, phase: Phase | str, now: float) -> None:

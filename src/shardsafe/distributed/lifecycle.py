@@ -168,16 +168,21 @@ class Lifecycle:
             return True
         deadline = time.monotonic() + (INTERRUPTED_ACK_S if interrupted else ACK_TIMEOUT_S)
         last = link.last_posted or Phase.ENTRY
-        exists = False
+        exists = waited = False
         while True:
-            posted = int(store.add(keys.posted(last), 0))
+            # Seen posted by every rank (the usual case): no count to read.
+            everyone = last in link.all_posted
+            posted = link.world_size if everyone else int(store.add(keys.posted(last), 0))
             if int(store.add(keys.CLOSED, 0)) >= posted - 1:
                 return posted >= link.world_size
             now = time.monotonic()
             if link.dead or now > deadline:
                 return False
-            if link.heartbeat is not None and link.heartbeat.dead(now, lambda r: False):
+            # A rank's death is published by this rank's heartbeat (link.dead); it is
+            # looked for here too once this rank has waited (one request per rank).
+            if waited and link.heartbeat is not None and link.heartbeat.dead(now, lambda r: False):
                 return False  # a dead rank never acknowledges; its own operation reports it
+            waited = True
             if exists:  # bumped or created by the alarm, yet not all closed: look again
                 time.sleep(min(deadline - now, BEAT_S / 4))
             else:  # the usual case: the last rank to close bumps closed_all at once

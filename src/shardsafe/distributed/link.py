@@ -57,6 +57,9 @@ class Link:
     """The store failed us: this connection is not handed on."""
     posted_phases: set[Phase] = field(default_factory=set)
     """The phases this rank has posted (ok or error): an interrupt fails the others."""
+    all_posted: set[Phase] = field(default_factory=set)
+    """The phases this rank saw every rank post (ok or error): their count needs no
+    reading at close (``Lifecycle.acknowledge``)."""
     failed: bool = False
     """Every rank has raised (or will raise) an agreed error: nothing left to tell."""
     interrupted: bool = False
