@@ -1,0 +1,152 @@
+"""Start a test's Python script as a process forked from a server that has imported torch
+and Lightning already, instead of as a fresh interpreter.
+
+A Lightning script's process spends about 5 s of CPU importing before it does anything
+(``pytorch_lightning`` pulls in ``torch._dynamo`` and torchmetrics); the Lightning tests
+start about a hundred of them, two at a time on this project's two cores. Forked from a
+server that imported those modules once, a process starts in well under a second, and
+is otherwise what ``python script.py`` with that environment would be: a process of its
+own (its own session, so that a kill reaches everything it starts), its arguments in
+``sys.argv``, the script run as ``__main__``, its environment, output to the given file,
+its exit status or the signal that killed it (:class:`ScriptProcess` answers as
+``subprocess.Popen`` does, for what the tests use). The one difference: what a module
+read from the environment when it was imported, it read in the server. Lightning's
+``rank_zero_only.rank`` is such a value; it is read again here (Lightning sets it again
+anyway once the strategy knows the rank).
+
+The server is this module's own, as ``tests/harness.py``'s is, and is started on first
+use (importing in it takes as long as in one script, once per test session).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import os
+import runpy
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+_CTX = mp.get_context("forkserver")
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "pytorch_lightning",
+    "shardsafe",
+    "shardsafe.lightning",
+]
+"""Imported by the server before it forks (a module that is not installed is skipped)."""
+_SERVER = multiprocessing.forkserver.ForkServer()
+_SERVER.set_forkserver_preload(_PRELOAD)
+_LAUNCHING = threading.Lock()
+
+
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """multiprocessing's forkserver start, asking this module's server for the process."""
+
+    def _launch(self, process_obj: Any) -> None:
+        module = multiprocessing.popen_forkserver.forkserver
+        with _LAUNCHING:
+            shared = module.connect_to_new_process
+            module.connect_to_new_process = _SERVER.connect_to_new_process
+            try:
+                super()._launch(process_obj)
+            finally:
+                module.connect_to_new_process = shared
+
+
+class _Process(_CTX.Process):  # type: ignore[misc, name-defined]
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)
+
+
+def _run_script(argv: list[str], env: dict[str, str], cwd: str | None, output: str) -> None:
+    """In the forked process: become ``python argv...`` as it would start, then exit with
+    the script's status."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    written = os.open(output, os.O_WRONLY | os.O_APPEND)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.dup2(written, 1)
+    os.dup2(written, 2)
+    os.close(written)
+    os.close(nothing)
+    script = os.path.abspath(argv[0])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [os.path.dirname(script), *paths]
+    sys.argv = [argv[0], *argv[1:]]
+    _reread_environment()
+    status = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _reread_environment() -> None:
+    """What preloaded modules read from the environment on import, read again from this
+    process's: Lightning's rank for its rank-zero-only messages."""
+    rank_zero = sys.modules.get("lightning_fabric.utilities.rank_zero")
+    if rank_zero is not None:
+        rank_zero.rank_zero_only.rank = rank_zero._get_rank()  # type: ignore[attr-defined]
+
+
+class ScriptProcess:
+    """A started script, answering as ``subprocess.Popen`` does: ``pid``, ``poll``,
+    ``wait`` (raising ``subprocess.TimeoutExpired``) and ``returncode`` (the negative
+    signal number if a signal killed it)."""
+
+    def __init__(self, process: Any, argv: list[str]) -> None:
+        self._process = process
+        self.args = argv
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        code = self._process.exitcode
+        return None if code is None else int(code)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+
+def start_script(
+    argv: list[str], env: Mapping[str, str], output: str, cwd: str | None = None
+) -> ScriptProcess:
+    """Start ``python argv[0] argv[1:]`` with ``env``, its output (both streams) appended
+    to the file ``output``, in a session of its own."""
+    process = _Process(target=_run_script, args=(list(argv), dict(env), cwd, output), daemon=True)
+    process.start()
+    return ScriptProcess(process, list(argv))
