@@ -68,7 +68,9 @@ class _Process(_CTX.Process):  # type: ignore[misc, name-defined]
         return _Popen(process_obj)
 
 
-def _run_script(argv: list[str], env: dict[str, str], cwd: str | None, output: str) -> None:
+def _run_script(
+    argv: list[str], env: dict[str, str], cwd: str | None, output: str, errors: str | None
+) -> None:
     """In the forked process: become ``python argv...`` as it would start, then exit with
     the script's status."""
     os.setsid()
@@ -76,21 +78,25 @@ def _run_script(argv: list[str], env: dict[str, str], cwd: str | None, output: s
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    written = os.open(output, os.O_WRONLY | os.O_APPEND)
     nothing = os.open(os.devnull, os.O_RDONLY)
     os.dup2(nothing, 0)
-    os.dup2(written, 1)
-    os.dup2(written, 2)
-    os.close(written)
     os.close(nothing)
-    script = os.path.abspath(argv[0])
+    for fd, path in ((1, output), (2, errors or output)):
+        written = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(written, fd)
+        os.close(written)
+    module = argv[1] if argv[0] == "-m" else None
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:0] = [os.path.dirname(script), *paths]
-    sys.argv = [argv[0], *argv[1:]]
+    sys.path[:0] = [first, *paths]
+    sys.argv = [module or argv[0], *argv[2 if module else 1 :]]
     _reread_environment()
     status = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             status = e.code or 0
@@ -143,10 +149,16 @@ class ScriptProcess:
 
 
 def start_script(
-    argv: list[str], env: Mapping[str, str], output: str, cwd: str | None = None
+    argv: list[str],
+    env: Mapping[str, str],
+    output: str,
+    cwd: str | None = None,
+    errors: str | None = None,
 ) -> ScriptProcess:
-    """Start ``python argv[0] argv[1:]`` with ``env``, its output (both streams) appended
-    to the file ``output``, in a session of its own."""
-    process = _Process(target=_run_script, args=(list(argv), dict(env), cwd, output), daemon=True)
+    """Start ``python *argv`` (a script and its arguments, or ``-m module ...``) with
+    ``env``, its output appended to the file ``output`` (and its error stream too, or to
+    ``errors``), in a session of its own."""
+    args = (list(argv), dict(env), cwd, output, errors)
+    process = _Process(target=_run_script, args=args, daemon=True)
     process.start()
     return ScriptProcess(process, list(argv))
