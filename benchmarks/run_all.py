@@ -66,6 +66,7 @@ class Config:
     scale_repeat: int = 3
     big_repeat: int = 2  # for torch's path on states over 400 MiB
     manifest_sizes: tuple[tuple[int, int], ...] = ((100, 1000),)  # 100,000 chunk records
+    manifest_versions: tuple[int, ...] = (1, 2)
     async_layers: int = 16
     coordination_worlds: tuple[int, ...] = (2, 8, 16, 32, 64)  # tiny state: the agreement
     coordination_repeat: int = 3
@@ -79,7 +80,7 @@ class Config:
 
 
 QUICK = Config(
-    2, 2, 2, (1, 2), (2, 4), 1, 1, 1, ((10, 100),),
+    2, 2, 2, (1, 2), (2,), 1, 1, 1, ((10, 100),), (2,),
     async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
     tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1, integration_layers=2,
     integration_repeat=1,
@@ -215,7 +216,7 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
     )
     report.section(
         "Parsing and validating a large manifest",
-        lambda: manifest_scale.section(cfg.manifest_sizes),
+        lambda: manifest_scale.section(cfg.manifest_sizes, cfg.manifest_versions),
     )
     report.section(
         "Hostile-input validation at scale",

@@ -23,8 +23,10 @@ import pytest
 import shardsafe
 from tests.harness import run_ranks
 
-STAY_S = 8.0
-"""How long the interrupted rank lives on after its KeyboardInterrupt (a cleanup)."""
+STAY_S = 30.0
+"""How long at most the interrupted rank lives on after its KeyboardInterrupt (a
+cleanup): until the other rank has its answer, so that its heartbeat keeps beating (and,
+on rank 0, its store keeps serving) for as long as the other rank waits."""
 
 
 class Interrupted:
@@ -63,10 +65,17 @@ def interrupt_one(rank: int, world_size: int, root: str, victim: int, when: str)
         result = {"kind": "ok", "message": ""}
     except KeyboardInterrupt:
         result = {"kind": "KeyboardInterrupt", "message": ""}
-        time.sleep(STAY_S)  # the process lives on: its heartbeat would say nothing
+        # The process lives on (its heartbeat would say nothing) until the other rank
+        # has its answer.
+        answered = os.path.join(root, "answered")
+        deadline = time.monotonic() + STAY_S
+        while not os.path.exists(answered) and time.monotonic() < deadline:
+            time.sleep(0.05)
     except shardsafe.CheckpointError as e:
         result = {"kind": type(e).__name__, "message": str(e)}
     result["seconds"] = time.monotonic() - start
+    if rank != victim:
+        open(os.path.join(root, "answered"), "w").close()
     return result
 
 
