@@ -26,8 +26,10 @@ import multiprocessing.forkserver
 import multiprocessing.popen_forkserver
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Mapping
@@ -90,6 +92,7 @@ def _run_script(
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [first, *paths]
     sys.argv = [module or argv[0], *argv[2 if module else 1 :]]
+    sys.orig_argv = [sys.executable, *argv]  # what a launcher restarts (shardsafe.Trainer)
     _reread_environment()
     status = 0
     try:
@@ -162,3 +165,24 @@ def start_script(
     process = _Process(target=_run_script, args=args, daemon=True)
     process.start()
     return ScriptProcess(process, list(argv))
+
+
+def run_script(
+    argv: list[str], env: Mapping[str, str], timeout: float, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """:func:`start_script`, waited for, as ``subprocess.run(["python", *argv], ...,
+    capture_output=True, text=True)`` would: its exit status and both streams (killed,
+    with everything it started, and ``subprocess.TimeoutExpired`` raised after
+    ``timeout`` seconds)."""
+    with tempfile.TemporaryDirectory() as captured:
+        out, err = os.path.join(captured, "out"), os.path.join(captured, "err")
+        for path in (out, err):
+            open(path, "w").close()
+        started = start_script(argv, env, out, cwd=cwd, errors=err)
+        try:
+            code = started.wait(timeout)
+        finally:
+            if started.poll() is None:
+                os.killpg(started.pid, signal.SIGKILL)
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(argv, code, o.read(), e.read())

@@ -1,9 +1,11 @@
 """Every ```python block of README.md and docs/*.md runs as shown, and every link resolves.
 
-Each block is written to a file and run as a script in a fresh process
-(``sys.executable``), with a temporary directory as its working directory, and must exit
-0; on failure the test shows the block's page and line, and its stderr. A block preceded
-by an HTML comment ``<!-- run: torchrun --nproc-per-node N -->`` runs under
+Each block is written to a file and run as a script in a process of its own (forked from a
+server that has imported torch and Lightning already, ``tests/forked_scripts.py``: as
+``python script.py`` but for the imports' seconds), with a temporary directory as its
+working directory, and must exit 0; on failure the test shows the block's page and line,
+and its stderr. A block preceded by an HTML comment
+``<!-- run: torchrun --nproc-per-node N -->`` runs under
 ``python -m torch.distributed.run --nproc-per-node N --master-port <free port>`` (gloo, on
 CPU), as a reader would start it. ``bash``, ``text`` and ``jsonc`` blocks are not run.
 
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.forked_scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -130,9 +134,12 @@ def test_example_runs(block: Block, tmp_path: Path, request: pytest.FixtureReque
             "--master-port",
             str(free_port()),
         ]
-    proc = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SECONDS
-    )
+    if block.run is None:  # forked with torch imported already: otherwise the same
+        proc = run_script(command[1:], env, SECONDS, cwd=str(tmp_path))
+    else:
+        proc = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SECONDS
+        )
     assert proc.returncode == 0, (
         f"{block.name} exited {proc.returncode}\n--- code\n{code}\n"
         f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"

@@ -14,11 +14,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ import shardsafe
 from shardsafe import cli
 from shardsafe._text import human_bytes
 from tests import forge
-from tests.forked_scripts import start_script
+from tests.forked_scripts import run_script
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 SCRIPT = Path(sys.executable).parent / "shardsafe"
@@ -57,17 +55,7 @@ def run_cli(*args: str | Path, launcher: str = "module") -> subprocess.Completed
 def forked(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``python *argv`` as a process forked from a server that has imported torch
     (``tests/forked_scripts.py``: about 2 s less per command), its streams captured."""
-    with tempfile.TemporaryDirectory() as captured:
-        out, err = Path(captured, "out"), Path(captured, "err")
-        out.touch()
-        err.touch()
-        started = start_script(argv, env, str(out), errors=str(err))
-        try:
-            code = started.wait(50)
-        finally:
-            if started.poll() is None:
-                os.killpg(started.pid, signal.SIGKILL)
-        proc = subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+    proc = run_script(argv, env, timeout=50)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 
