@@ -14,28 +14,26 @@ read from the environment when it was imported, it read in the server. Lightning
 ``rank_zero_only.rank`` is such a value; it is read again here (Lightning sets it again
 anyway once the strategy knows the rank).
 
-The server is this module's own, as ``tests/harness.py``'s is, and is started on first
-use (importing in it takes as long as in one script, once per test session).
+The server is this module's own (``tests/forkservers.py``), as ``tests/harness.py``'s
+is, and is started on first use (importing in it takes as long as in one script, once
+per test session).
 """
 
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
-import multiprocessing.forkserver
-import multiprocessing.popen_forkserver
 import os
 import runpy
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Mapping
 from typing import Any
 
-_CTX = mp.get_context("forkserver")
+from tests.forkservers import ServedProcess, server
+
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -45,29 +43,10 @@ _PRELOAD = [
     "shardsafe.lightning",
 ]
 """Imported by the server before it forks (a module that is not installed is skipped)."""
-_SERVER = multiprocessing.forkserver.ForkServer()
-_SERVER.set_forkserver_preload(_PRELOAD)
-_LAUNCHING = threading.Lock()
 
 
-class _Popen(multiprocessing.popen_forkserver.Popen):
-    """multiprocessing's forkserver start, asking this module's server for the process."""
-
-    def _launch(self, process_obj: Any) -> None:
-        module = multiprocessing.popen_forkserver.forkserver
-        with _LAUNCHING:
-            shared = module.connect_to_new_process
-            module.connect_to_new_process = _SERVER.connect_to_new_process
-            try:
-                super()._launch(process_obj)
-            finally:
-                module.connect_to_new_process = shared
-
-
-class _Process(_CTX.Process):  # type: ignore[misc, name-defined]
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _Popen(process_obj)
+class _Process(ServedProcess):
+    served = server(_PRELOAD)
 
 
 def _run_script(

@@ -7,10 +7,7 @@ well under a second instead of re-importing all that per rank. A rank that raise
 the whole call fail with that rank's traceback; a run that exceeds ``timeout`` is killed
 (every rank, SIGKILL) and fails, so a hang costs seconds.
 
-That forkserver is this harness's own, not multiprocessing's shared one:
-``tests/isolated.py`` forks its cases from the shared one and reports every module a case
-imports, which it could not see for a module its server had preloaded (a hostile pickle
-must not import ``torch._dynamo``, for one).
+That forkserver is this harness's own (``tests/forkservers.py``).
 """
 
 from __future__ import annotations
@@ -18,20 +15,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
-import multiprocessing as mp
-import multiprocessing.forkserver
-import multiprocessing.popen_forkserver
 import os
 import pickle
 import queue
 import socket
 import subprocess
-import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-_CTX = mp.get_context("forkserver")
+from tests.forkservers import CONTEXT, ServedProcess, server
+
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -45,29 +39,10 @@ _PRELOAD = [
 """Imported by the server before it forks (a module that is not installed is skipped).
 Not gcsfs: it reads its environment on import, which the gs:// tests hand to each rank
 (``tests/gcsserver.py``)."""
-_SERVER = multiprocessing.forkserver.ForkServer()
-_SERVER.set_forkserver_preload(_PRELOAD)
-_LAUNCHING = threading.Lock()
 
 
-class _Popen(multiprocessing.popen_forkserver.Popen):
-    """multiprocessing's forkserver start, asking this harness's server for the process."""
-
-    def _launch(self, process_obj: Any) -> None:
-        module = multiprocessing.popen_forkserver.forkserver
-        with _LAUNCHING:
-            shared = module.connect_to_new_process
-            module.connect_to_new_process = _SERVER.connect_to_new_process
-            try:
-                super()._launch(process_obj)
-            finally:
-                module.connect_to_new_process = shared
-
-
-class _Process(_CTX.Process):  # type: ignore[misc, name-defined]
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _Popen(process_obj)
+class _Process(ServedProcess):
+    served = server(_PRELOAD)
 
 
 class RankFailed(AssertionError):
@@ -171,7 +146,7 @@ def _run_ranks(
     init_process_group: bool,
 ) -> list[Any]:
     port = free_port()
-    results = _CTX.Queue()
+    results = CONTEXT.Queue()
     procs = [
         _Process(
             target=_child,
