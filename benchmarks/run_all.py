@@ -80,7 +80,7 @@ class Config:
 
 
 QUICK = Config(
-    2, 2, 2, (1, 2), (2,), 1, 1, 1, ((10, 100),), (2,),
+    2, 2, 2, (1, 2), (2,), 1, 1, 1, ((10, 100),), manifest_versions=(2,),
     async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
     tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1, integration_layers=2,
     integration_repeat=1,

@@ -46,16 +46,9 @@ def run_cli(*args: str | Path, launcher: str = "module") -> subprocess.Completed
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     argv = [*LAUNCHERS[launcher], *map(str, args)]
     if launcher == "module":  # ``python -m shardsafe``, forked with torch imported already
-        return forked(argv[1:], env)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=50, env=env)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
-
-
-def forked(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``python *argv`` as a process forked from a server that has imported torch
-    (``tests/forked_scripts.py``: about 2 s less per command), its streams captured."""
-    proc = run_script(argv, env, timeout=50)
+        proc = run_script(argv[1:], env, timeout=50)
+    else:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=50, env=env)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 

@@ -168,11 +168,11 @@ class Lifecycle:
             return True
         deadline = time.monotonic() + (INTERRUPTED_ACK_S if interrupted else ACK_TIMEOUT_S)
         last = link.last_posted or Phase.ENTRY
+        # Seen posted by every rank (the usual case): no count to read.
+        known = link.world_size if last in link.all_posted else None
         exists = waited = False
         while True:
-            # Seen posted by every rank (the usual case): no count to read.
-            everyone = last in link.all_posted
-            posted = link.world_size if everyone else int(store.add(keys.posted(last), 0))
+            posted = known if known is not None else int(store.add(keys.posted(last), 0))
             if int(store.add(keys.CLOSED, 0)) >= posted - 1:
                 return posted >= link.world_size
             now = time.monotonic()
