@@ -1303,3 +1303,51 @@ def test_a_restores_warnings_are_said_as_it_ends_and_an_agreed_error_stays_the_o
             raise CheckpointError("agreed")
         with said:  # nothing kept from before
             pass
+
+
+# ------------------------------------------------------------------------ agreements
+
+
+def test_a_rank_missing_from_a_managers_agreement_is_told_which_calls_are_collective() -> None:
+    """The manager's agreements are not calls of the user's: the message names the
+    methods to call on every rank (it said ``shardsafe.tiers must be called ...``)."""
+    from shardsafe.distributed.phases import Phase
+    from shardsafe.distributed.reports import missing_message
+
+    assert missing_message("tiers", Phase.ENTRY, [1, 3], 30.0, 0, 4) == (
+        "TieredCheckpointManager's save, async_save, load_latest, latest and close must be "
+        "called on all ranks, but rank(s) 1, 3 never arrived within timeout=30s (this is "
+        "rank 0 of 4). Call them on every rank, in the same order, outside any "
+        "`if rank == 0:` block"
+    )
+
+
+def test_a_load_that_opens_its_directory_closes_it_and_agrees_on_an_open_that_fails(
+    tmp_path: Path,
+) -> None:
+    """``loading.load_opening`` (the tiered manager's local loads): the directory is
+    opened inside the load's plan phase and closed as the load ends; an opener that
+    fails is the load's error (agreed on every rank, as any plan failure is)."""
+    import shardsafe
+
+    model = nn.Linear(3, 3)
+    shardsafe.save(str(tmp_path / "ckpt"), {"model": model})
+    expected = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    opened: list[LocalStorage] = []
+
+    def opener() -> LocalStorage:
+        opened.append(LocalStorage(str(tmp_path / "ckpt")))
+        return opened[-1]
+
+    options = LoadOptions.of()
+    loading.load_opening(opener, "test", lambda manifest: {"model": model}, options)
+    assert torch.equal(model.weight, expected)
+    assert len(opened) == 1 and opened[0]._fd is None  # opened once, and closed
+
+    def gone() -> LocalStorage:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "rank-00001")
+
+    with pytest.raises(CheckpointError, match=r"^FileNotFoundError: \[Errno 2\] No such file"):
+        loading.load_opening(gone, "test", lambda manifest: {"model": model}, options)

@@ -128,10 +128,42 @@ def load_chosen(
     load plans from (``tiers/rank_checkpoint.py``); ``hint``: see :data:`Hint`.
     """
     where = storage.directory if agree_as is None else agree_as
+    return _load(lambda: storage, where, choose, options, view=view, hint=hint)
+
+
+def load_opening(
+    opener: Callable[[], Storage],
+    agree_as: str,
+    choose: Callable[[Manifest], Mapping[str, Any]],
+    options: LoadOptions,
+    *,
+    view: Callable[[Manifest], Manifest] | None = None,
+) -> dict[str, Any]:
+    """:func:`load_chosen` of the directory ``opener`` opens, opened inside the plan phase
+    and closed as the load ends. For ranks that each load a directory of their own (the
+    tiered manager's): one whose directory cannot be opened (gone since the ranks chose
+    it, no file descriptor left) fails the plan, agreed on every rank, instead of raising
+    alone before the load while the others wait for it at the entry until the timeout."""
+    with contextlib.ExitStack() as opened:
+        return _load(lambda: opened.enter_context(opener()), agree_as, choose, options, view=view)
+
+
+def _load(
+    opener: Callable[[], Storage],
+    where: str,
+    choose: Callable[[Manifest], Mapping[str, Any]],
+    options: LoadOptions,
+    *,
+    view: Callable[[Manifest], Manifest] | None = None,
+    hint: Hint | None = None,
+) -> dict[str, Any]:
+    """The phases of a load (the module docstring), agreed as ``where``; ``opener`` gives
+    the directory, inside the plan phase."""
     coord = Coordinator("load", where, timeout=options.timeout, aftermath=AFTERMATH)
     coord.enter(options.entry_timeout)
     try:
         with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
+            storage = opener()
             manifest = _manifest_to_load(storage, hint)
             if view is not None:
                 manifest = view(manifest)
@@ -150,7 +182,7 @@ def load_chosen(
                 warnings.warn(
                     f"shardsafe: strict=False leaves state[{name!r}] as it is: "
                     f"{no_entry(name, list(manifest.values))}",
-                    stacklevel=4,  # the caller of shardsafe.load (or of load_latest)
+                    stacklevel=5,  # the caller of shardsafe.load (or of load_latest), past _load
                 )
         spool = _spool(storage, options, routes, manifest)
         threads = _threads(

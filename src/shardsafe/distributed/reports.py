@@ -59,6 +59,13 @@ def missing_message(
     operation: str, phase: Phase, missing: list[int], timeout: float, rank: int, world_size: int
 ) -> str:
     ranks = ", ".join(map(str, missing))
+    if phase is Phase.ENTRY and operation == "tiers":  # a manager's agreements, not a call
+        return (
+            f"TieredCheckpointManager's save, async_save, load_latest, latest and close must "
+            f"be called on all ranks, but rank(s) {ranks} never arrived within "
+            f"timeout={timeout:g}s (this is rank {rank} of {world_size}). Call them on every "
+            "rank, in the same order, outside any `if rank == 0:` block"
+        )
     if phase is Phase.ENTRY:
         return (
             f"shardsafe.{operation} must be called on all ranks, but rank(s) {ranks} "

@@ -13,6 +13,7 @@ node-mates are done with it); a copy that lacked only a node-mate's file is not.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -76,15 +77,20 @@ class Fetcher:
             for job in jobs:
                 with contextlib.suppress(Exception):  # the receiver reports it
                     job.result()
-        fault = "own" if needed is not None and arrived is None else None
+        # What follows the transfers runs inside the exchanges (the arrival's report, the
+        # links and the commit): an error of theirs on one rank is every rank's, where
+        # raised alone it left the others waiting for this rank until the timeout.
+        arrivals: list[Any] = []
         committed = False
-        try:
-            if together:
-                report = self._arrival(arrived, needed is None)
-                arrivals = self.ranks.exchange(Phase.FETCH, report)
-                if arrived is not None:
-                    fault = self._complete(step, arrived, elsewhere, arrivals)
-            if arrived is not None and fault is None:
+
+        def settled() -> list[str | None]:
+            """This rank's fault (see below), its copy committed if it has none. (A
+            list: a None payload would not be read.)"""
+            nonlocal committed
+            if arrived is None:
+                return ["own" if needed is not None else None]
+            fault = self._complete(step, arrived, elsewhere, arrivals) if together else None
+            if fault is None:
                 committed = arrived.commit()
                 fault = None if committed else "own"
                 if not committed:  # passed over in silence before: say why, as on arrival
@@ -92,13 +98,19 @@ class Fetcher:
                         f"shardsafe: restoring step {step}: rank {self.rank}'s copy from rank "
                         f"{needed} {arrived.problem}"
                     )
+            return [fault]
+
+        try:
+            if together:
+                report = functools.partial(self._arrival, arrived, needed is None)
+                arrivals = self.ranks.exchange(Phase.FETCH, report)
+            # "own": this rank's copy failed (excluded); "mate": a node-mate's, which
+            # this one needed, did (the mate's is excluded; this one may be asked for
+            # again).
+            faults = [f for [f] in self.ranks.exchange(Phase.FETCH, settled)]
         finally:
             if arrived is not None:
                 arrived.storage.close()
-        # "own": this rank's copy failed (excluded); "mate": a node-mate's, which this
-        # one needed, did (the mate's is excluded; this one may be asked for again).
-        # (A list: a None payload would not be read.)
-        faults = [f for [f] in self.ranks.exchange(Phase.FETCH, [fault])]
         # Nothing of a failed copy left behind, but only now that its node-mates have
         # linked what they received in it: removed before, a mate still to link a file
         # of it found it gone, and passed over its own copy, which had arrived whole.

@@ -248,26 +248,32 @@ class Restorer:
         damaged: list[CheckpointError],
     ) -> dict[str, Any] | None:
         """Load this rank's checkpoint of the chosen step from the node's directory; on a
-        damaged copy (anywhere), or one gone since the survey (its manifest deleted: not
-        found), ``None``, the bad copies deleted and excluded, the error added to
-        ``damaged``."""
+        damaged copy (anywhere), or one gone since the survey (its manifest or its step
+        directory deleted: not found), ``None``, the bad copies deleted and excluded, the
+        error added to ``damaged``. The directory is opened inside the load, and the copy
+        judged inside the exchange that follows a failed one: an error of either on one
+        rank is every rank's (raised alone, the others waited for this rank until the
+        timeout)."""
         step = choice.step
         assert step is not None
-        storage = self.node.rank_storage(step, self.rank, create=False)
         try:
-            with storage:
-                return loading.load_chosen(
-                    storage,
-                    lambda manifest: state,
-                    opts,
-                    agree_as=f"{self.ranks.tag}/step-{step}",
-                    view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
-                )
+            return loading.load_opening(
+                lambda: self.node.rank_storage(step, self.rank, create=False),
+                f"{self.ranks.tag}/step-{step}",
+                lambda manifest: state,
+                opts,
+                view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
+            )
         except (CheckpointCorruptError, CheckpointNotFoundError) as e:
-            bad = not self._verifies(step)
-            if bad:  # excluded below either way; never raised on this rank alone
-                self._remove(step, self.rank, f"its damaged copy of step {step}", prune=False)
-            flags = self.ranks.exchange(Phase.FETCH, bad)
+
+            def judged() -> bool:
+                bad = not self._verifies(step)
+                if bad:  # excluded below either way; never raised on this rank alone
+                    what = f"its damaged copy of step {step}"
+                    self._remove(step, self.rank, what, prune=False)
+                return bad
+
+            flags = self.ranks.exchange(Phase.FETCH, judged)
             for rank, was_bad in enumerate(flags):
                 if was_bad:
                     excluded.add((self.topology.node_of[rank], step, rank))
