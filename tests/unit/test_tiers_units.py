@@ -1303,6 +1303,12 @@ def test_a_restores_warnings_are_said_as_it_ends_and_an_agreed_error_stays_the_o
             raise CheckpointError("agreed")
         with said:  # nothing kept from before
             pass
+        # A warning the filter raised inside a deletion is kept, and said at the end.
+        with pytest.raises(UserWarning, match=r"^left in place$"), said:
+            with said.keeping():
+                warnings.warn("left in place", stacklevel=1)
+            reached = True
+        assert reached
 
 
 # ------------------------------------------------------------------------ agreements

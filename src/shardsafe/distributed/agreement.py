@@ -126,11 +126,12 @@ def wait(
         return
     if woke is None:
         woke = woken(link, keys.wake(phase), deadline)
-    if woke % FAILED:  # the last rank to post added ALL_POSTED
+    everyone = woke % FAILED > 0  # the last rank to post added ALL_POSTED
+    if everyone:
         link.all_posted.add(phase)
     if woke // FAILED % (DEAD // FAILED):
         raise agreed(link, phase) from own_error
-    if woke % FAILED:
+    if everyone:
         return
     if woke:
         raise link.dead_error(phase, json.loads(link.store.get(keys.DEAD)))

@@ -12,7 +12,9 @@ the restore's collective work, so the others are not kept waiting.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from types import TracebackType
 
 
@@ -27,6 +29,16 @@ class DeferredWarnings:
     def warn(self, message: str | Warning) -> None:
         """Keep ``message`` (a ``UserWarning``, or the warning given) to be said later."""
         self._kept.append(message if isinstance(message, Warning) else UserWarning(message))
+
+    @contextlib.contextmanager
+    def keeping(self) -> Iterator[None]:
+        """A block whose warning, raised by the user's filter (a deletion's ``left ... in
+        place``), is kept and said later as :meth:`warn`'s are, instead of raised on
+        this rank alone in the middle of the restore."""
+        try:
+            yield
+        except Warning as said:
+            self.warn(said)
 
     def __enter__(self) -> DeferredWarnings:
         self._depth += 1

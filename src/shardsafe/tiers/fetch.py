@@ -117,12 +117,8 @@ class Fetcher:
         # Nor of one that did not arrive whole: the files that did would take the room
         # (a replaced node's disk) that the next choice's copies need.
         if needed is not None and not committed:
-            try:
+            with contextlib.suppress(CheckpointError, OSError), self._said.keeping():
                 self.node.remove(step, self.rank)
-            except Warning as said:  # the user's filter raised it: said as the restore ends
-                self._said.warn(said)
-            except (CheckpointError, OSError):
-                pass
         for rank, its in enumerate(faults):
             if its == "own":
                 excluded.add((self.topology.node_of[choice.sends[rank]], step, rank))

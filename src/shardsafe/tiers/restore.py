@@ -354,9 +354,8 @@ class Restorer:
         that the copies this run writes of that step never complete it. A warning of the
         deletion's that the user's filter raised is said as the restore ends, as is."""
         try:
-            self.node.remove(step, rank, prune=prune)
-        except Warning as said:
-            self._said.warn(said)
+            with self._said.keeping():
+                self.node.remove(step, rank, prune=prune)
         except (CheckpointError, OSError) as e:
             self._said.warn(
                 f"shardsafe: restoring: rank {self.rank} could not delete {what} ({e}); "
