@@ -1234,6 +1234,42 @@ def test_the_same_failure_at_every_step_is_warned_at_its_first_10th_and_100th_st
         replicator.close()
 
 
+def test_the_writer_and_the_sender_warning_at_once_count_every_warning(tmp_path: Path) -> None:
+    """The writer's and the sender's threads warn alike; each count is read and bumped
+    under a lock, so none is lost and no repeat is said twice. Threads switched every
+    microsecond, so that the two steps of a count would interleave without it."""
+    import sys
+    import threading
+
+    replicator = Replicator(NodeDir(str(tmp_path)), 0, 2, Peers([1], [1]), None, 1)
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            def warn(thread: int) -> None:
+                for step in range(thread * 1000, thread * 1000 + 500):
+                    replicator._warn(f"rank 0 could not write step {step}: disk full")
+
+            threads = [threading.Thread(target=warn, args=(t,)) for t in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert replicator._warned == {"rank 0 could not write step N: disk full": 2000}
+        repeats = sorted(str(w.message).partition(" (")[2] for w in caught)
+        assert repeats == [
+            "",
+            "the same at 10 steps so far; said again at 100)",
+            "the same at 100 steps so far; said again at 1000)",
+            "the same at 1000 steps so far; said again at 10000)",
+        ]
+    finally:
+        sys.setswitchinterval(switching)
+        replicator.close()
+
+
 def test_a_copy_whose_node_mate_reported_another_file_says_why_it_is_passed_over(
     tmp_path: Path,
 ) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -151,6 +152,10 @@ class Replicator:
         self._warned: dict[str, int] = {}
         """Per warning, its step numbers masked: how many times it was made
         (:meth:`_warn` repeats it at the 10th, 100th, ... time only)."""
+        self._warned_lock = threading.Lock()
+        """The writer's and the sender's threads both warn: each count is read and
+        bumped under it, so that two threads never both say the same repeat, nor skip
+        one."""
 
     def submit(self, step: int, items: Collected | None) -> Future[None]:
         """Write ``items`` (a staged snapshot) as this rank's checkpoint of ``step``, then
@@ -286,9 +291,10 @@ class Replicator:
         work between two messages of a transfer (the peer waiting for the rest until the
         timeout), or stopped this rank replicating for good."""
         kind = _STEP.sub("step N", message)
-        times = self._warned.get(kind, 0) + 1
-        if len(self._warned) < KEPT_WARNINGS or kind in self._warned:
-            self._warned[kind] = times
+        with self._warned_lock:
+            times = self._warned.get(kind, 0) + 1
+            if len(self._warned) < KEPT_WARNINGS or kind in self._warned:
+                self._warned[kind] = times
         if times > 1 and not _power_of_ten(times):
             return
         if times > 1:
