@@ -500,6 +500,43 @@ def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path
     assert same(snapshot(live), before)
 
 
+@pytest.mark.parametrize(
+    ("timeout", "given", "waits"),
+    [
+        (7.0, {}, (7.0, 7.0)),  # the manager's timeout, at the entry too
+        (300.0, {}, (300.0, 60.0)),  # at the entry, at most shardsafe.load's 60 s
+        (7.0, {"timeout": 50.0, "entry_timeout": 20.0}, (50.0, 20.0)),  # the caller's
+    ],
+)
+def test_a_local_load_waits_for_the_ranks_as_long_as_the_managers_timeout(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    timeout: float,
+    given: dict[str, float],
+    waits: tuple[float, float],
+) -> None:
+    """Before, a load from the local tier took ``shardsafe.load``'s waits (1800 s in a
+    phase, 60 s at the entry) whatever the manager's ``timeout``: a manager made with
+    ``timeout=30`` waited 1800 s for a rank hung in the load."""
+    saving = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    saving.save(7, trained(0))
+    saving.close()
+    seen: list[tuple[float, float]] = []
+    load_opening = loading.load_opening
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args[3].timeout, args[3].entry_timeout))
+        return load_opening(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_opening", recorded)
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0, timeout=timeout)
+    live = trained(1)
+    assert manager.load_latest(live, **given) == {}  # type: ignore[arg-type]
+    manager.close()
+    assert seen == [waits]
+    assert same(snapshot(live), snapshot(trained(0)))
+
+
 @pytest.mark.parametrize("step", ["5", 5.0, True, -1])
 def test_a_step_that_is_not_a_non_negative_int_is_refused_by_name(
     tmp_path: Path, step: object

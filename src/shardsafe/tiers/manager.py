@@ -62,7 +62,9 @@ class TieredCheckpointManager:
     (``None``: never); ``replicas``: how many other nodes keep a copy of each rank's
     local checkpoint (at most the number of other nodes); ``keep_local``: local steps
     kept per rank; ``keep_last``: persistent checkpoints kept. ``timeout``: seconds a
-    rank waits for the others (and a transfer for its peer). ``name``: what the ranks
+    rank waits for the others (and a transfer for its peer; and, unless ``load_latest``
+    is given its own, in a load from the local tier; the persistent tier's saves and
+    loads keep ``shardsafe.save``'s and ``load``'s). ``name``: what the ranks
     agree under (default: the persistent root, which every rank spells the same).
     """
 

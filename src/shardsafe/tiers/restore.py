@@ -120,7 +120,7 @@ class Restorer:
         self._replicator.drain()
         # A failed load from a local copy is followed by a whole load from the next
         # source, which overwrites everything: one read ("inline") suffices there.
-        opts = LoadOptions.of(**{"verify": "inline", **options})
+        opts = LoadOptions.of(**{**self._local_defaults(), **options})
         excluded: set[tuple[int, int, int]] = set()
         damaged: list[CheckpointError] = []
         unfetched: list[tuple[int, list[int]]] = []  # (step, ranks that could not receive it)
@@ -173,6 +173,17 @@ class Restorer:
             self.drop_newer(floor)
             return values
         raise CheckpointError("the local tiers kept failing; load from the persistent tier")
+
+    def _local_defaults(self) -> dict[str, Any]:
+        """What a load from the local tier does unless the caller says otherwise: one
+        read (``"inline"``), and the manager's ``timeout`` for the ranks' waits, as in its
+        own agreements (at the entry, at most ``shardsafe.load``'s default), instead of
+        ``shardsafe.load``'s 1800 s: a node-local read is quick, and a manager made with
+        ``timeout=30`` waited up to 60 s for a rank missing at the load and 1800 s for one
+        hung in it. The persistent tier's load keeps ``shardsafe.load``'s defaults: a
+        large checkpoint on an object store may take longer."""
+        entry = min(LoadOptions.entry_timeout, self.ranks.timeout)
+        return {"verify": "inline", "timeout": self.ranks.timeout, "entry_timeout": entry}
 
     def _warn_persistent_damaged(self, e: CheckpointCorruptError) -> None:
         if self.rank == 0:
