@@ -13,8 +13,10 @@ raise the same error, naming it."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +177,102 @@ def test_an_unexpected_error_committing_a_received_copy_fails_every_rank_at_once
         assert message.startswith(
             "tiers failed on rank 1: RuntimeError: simulated failure while committing the copy"
         ), message
+
+
+def _latest_on_rank_0_only(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Both ranks make a manager with a 3 s timeout; only rank 0 asks it for ``latest()``
+    (under an ``if rank == 0:``). Then both close it."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None, timeout=3
+    )
+    outcome: list[Any] = ["returned"]
+    if rank == 0:
+        try:
+            manager.latest()
+        except Exception as e:
+            outcome = [type(e).__name__, str(e)]
+    torch.distributed.barrier()
+    manager.close()
+    return {"outcome": outcome}
+
+
+def test_a_rank_that_never_comes_to_a_managers_agreement_is_named_with_what_to_call(
+    tmp_path: Path,
+) -> None:
+    """The manager's agreements are not calls of the user's: the error names the methods
+    to call on every rank. It said ``shardsafe.tiers must be called on all ranks ...
+    Call tiers on every rank ... with the same path. Nothing was written.``"""
+    got = run_ranks(_latest_on_rank_0_only, 2, str(tmp_path), timeout=60)
+    assert got[0]["outcome"] == [
+        "CheckpointError",
+        "TieredCheckpointManager(...) and its save, async_save, load_latest, latest and close "
+        "must be called on every rank, in the same order, outside any `if rank == 0:` block, "
+        "but rank(s) 1 never arrived within 3s (this is rank 0 of 2)",
+    ]
+    assert got[1]["outcome"] == ["returned"]
+
+
+def _later_steps_cannot_be_listed(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Steps 1 and 2 saved; rank 1's node directory cannot be listed once its copy of step
+    2 is restored (its disk failing: the listing raises ``EIO``), as the restore looks for
+    later steps to delete. What ``load_latest`` returned or raised, the warnings said, the
+    step restored and the weight."""
+    from shardsafe.tiers.node_dir import NodeDir
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    model = torch.nn.Linear(4, 4)
+    _saved(base, rank, model)
+    if rank == 1:
+
+        def failing(self: Any) -> list[int]:
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+
+        listed = NodeDir.steps
+        after_load = {"restored": False}
+        from shardsafe.checkpoint import loading
+
+        load_opening = loading.load_opening
+
+        def then_failing(*args: Any, **kwargs: Any) -> Any:
+            values = load_opening(*args, **kwargs)
+            after_load["restored"] = True
+            return values
+
+        def steps(self: Any) -> list[int]:
+            return failing(self) if after_load["restored"] else listed(self)
+
+        loading.load_opening = then_failing  # type: ignore[assignment]
+        NodeDir.steps = steps  # type: ignore[method-assign]
+    with torch.no_grad():
+        model.weight.zero_()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with contextlib.closing(_manager(base, rank)) as restoring:
+            restoring.load_latest({"model": model})
+            restored = restoring.restored
+    torch.distributed.barrier()
+    return {
+        "said": [str(w.message) for w in said if "shardsafe" in str(w.message)],
+        "tier": [restored.step, restored.tier] if restored else None,
+        "weight": model.weight.unique().tolist(),
+    }
+
+
+def test_a_node_directory_that_cannot_be_listed_after_the_restore_is_a_warning(
+    tmp_path: Path,
+) -> None:
+    """Every rank has restored step 2 when the restore looks for later steps to delete;
+    rank 1's listing fails. Before, rank 1 raised the ``OSError`` alone, after rank 0 had
+    returned (rank 0 would then wait for it at the next collective: a training step's
+    all-reduce); now it is a warning, and both ranks go on with step 2."""
+    base = str(tmp_path)
+    got = run_ranks(_later_steps_cannot_be_listed, 2, base, timeout=100)
+    assert got[0]["said"] == []
+    assert got[1]["said"] == [
+        f"shardsafe: restored step 2, but rank 1 could not look for the local checkpoints of "
+        f"later steps in {local_dir(base, 1)} to delete them ([Errno 5] Input/output error "
+        "(simulated)); delete any step after it there yourself before this node restores again"
+    ]
+    assert [got[0]["tier"], got[1]["tier"]] == [[2, "local"], [2, "local"]]
+    assert [got[0]["weight"], got[1]["weight"]] == [[20.0], [21.0]]

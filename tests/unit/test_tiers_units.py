@@ -1387,18 +1387,19 @@ def test_a_restores_warnings_are_said_as_it_ends_and_an_agreed_error_stays_the_o
 # ------------------------------------------------------------------------ agreements
 
 
-def test_a_rank_missing_from_a_managers_agreement_is_told_which_calls_are_collective() -> None:
-    """The manager's agreements are not calls of the user's: the message names the
-    methods to call on every rank (it said ``shardsafe.tiers must be called ...``)."""
-    from shardsafe.distributed.phases import Phase
-    from shardsafe.distributed.reports import missing_message
-
-    assert missing_message("tiers", Phase.ENTRY, [1, 3], 30.0, 0, 4) == (
-        "TieredCheckpointManager's save, async_save, load_latest, latest and close must be "
-        "called on all ranks, but rank(s) 1, 3 never arrived within timeout=30s (this is "
-        "rank 0 of 4). Call them on every rank, in the same order, outside any "
-        "`if rank == 0:` block"
-    )
+def test_a_local_loads_warning_points_at_the_caller_of_load_latest(tmp_path: Path) -> None:
+    """A load from the local tier warns through the restore (said as ``load_latest``
+    returns), pointing at its caller; it pointed at ``tiers/restore.py``."""
+    model = nn.Linear(3, 3)
+    saving = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    saving.save(7, {"model": model})
+    saving.close()
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    with pytest.warns(UserWarning, match=r"strict=False leaves state\['ema'\]") as seen:
+        manager.load_latest({"model": model, "ema": nn.Linear(3, 3)}, strict=False)
+    manager.close()
+    assert [w.filename for w in seen] == [__file__]
+    assert manager.restored is not None and manager.restored.tiers == ["local"]
 
 
 def test_a_load_that_opens_its_directory_closes_it_and_agrees_on_an_open_that_fails(

@@ -138,14 +138,26 @@ def load_opening(
     options: LoadOptions,
     *,
     view: Callable[[Manifest], Manifest] | None = None,
+    warn: Callable[[str], None] | None = None,
+    called_as: str | None = None,
 ) -> dict[str, Any]:
     """:func:`load_chosen` of the directory ``opener`` opens, opened inside the plan phase
     and closed as the load ends. For ranks that each load a directory of their own (the
     tiered manager's): one whose directory cannot be opened (gone since the ranks chose
     it, no file descriptor left) fails the plan, agreed on every rank, instead of raising
-    alone before the load while the others wait for it at the entry until the timeout."""
+    alone before the load while the others wait for it at the entry until the timeout.
+    ``warn``: where the load's warnings go (default: said at once, pointing at the caller
+    of ``shardsafe.load``); ``called_as``: see ``Coordinator``."""
     with contextlib.ExitStack() as opened:
-        return _load(lambda: opened.enter_context(opener()), agree_as, choose, options, view=view)
+        return _load(
+            lambda: opened.enter_context(opener()),
+            agree_as,
+            choose,
+            options,
+            view=view,
+            warn=warn,
+            called_as=called_as,
+        )
 
 
 def _load(
@@ -156,10 +168,14 @@ def _load(
     *,
     view: Callable[[Manifest], Manifest] | None = None,
     hint: Hint | None = None,
+    warn: Callable[[str], None] | None = None,
+    called_as: str | None = None,
 ) -> dict[str, Any]:
     """The phases of a load (the module docstring), agreed as ``where``; ``opener`` gives
-    the directory, inside the plan phase."""
-    coord = Coordinator("load", where, timeout=options.timeout, aftermath=AFTERMATH)
+    the directory, inside the plan phase. See :func:`load_opening` for the rest."""
+    coord = Coordinator(
+        "load", where, timeout=options.timeout, aftermath=AFTERMATH, called_as=called_as
+    )
     coord.enter(options.entry_timeout)
     try:
         with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
@@ -179,11 +195,14 @@ def _load(
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
             planned.payload = plan.unexpected
             for name in plan.absent:  # strict=False: others load, this one stays as it is
-                warnings.warn(
+                left = (
                     f"shardsafe: strict=False leaves state[{name!r}] as it is: "
-                    f"{no_entry(name, list(manifest.values))}",
-                    stacklevel=5,  # the caller of shardsafe.load (or of load_latest), past _load
+                    f"{no_entry(name, list(manifest.values))}"
                 )
+                if warn is not None:
+                    warn(left)
+                else:  # the caller of shardsafe.load (or of a manager's load_latest)
+                    warnings.warn(left, stacklevel=5)
         spool = _spool(storage, options, routes, manifest)
         threads = _threads(
             storage, options, spool, coord.world_size, lambda: _files(routes, manifest)

@@ -141,7 +141,9 @@ def wait(
     if phase is Phase.ENTRY and withdraw is not None and not withdraw():
         return
     raise CheckpointError(
-        missing_message(link.operation, phase, missing, timeout, link.rank, link.world_size)
+        missing_message(
+            link.operation, phase, missing, timeout, link.rank, link.world_size, link.called_as
+        )
     )
 
 
@@ -277,5 +279,7 @@ def part(link: Link, phase: Phase, key: str) -> dict[str, Any]:
     if link.dead or "dead" in raw:
         raise link.dead_error(phase, link.dead or raw["dead"])
     raise CheckpointError(
-        missing_message(link.operation, phase, [0], link.timeout, link.rank, link.world_size)
+        missing_message(
+            link.operation, phase, [0], link.timeout, link.rank, link.world_size, link.called_as
+        )
     )

@@ -69,8 +69,10 @@ class Coordinator:
     """Agreement between all ranks of the default process group for one operation.
 
     ``aftermath`` says, per phase (``None``: any other), what a rank dying there means;
-    it ends the dead-rank message. ``group`` (rank, world size, store) replaces the
-    default process group, for tests.
+    it ends the dead-rank message. ``called_as``: what the user calls, named to a rank
+    that waited for one that never came, where the operation is not a function of theirs
+    (``Link.called_as``). ``group`` (rank, world size, store) replaces the default
+    process group, for tests.
     """
 
     def __init__(
@@ -81,10 +83,12 @@ class Coordinator:
         timeout: float,
         dead_after: float = DEAD_AFTER_S,
         aftermath: Mapping[Phase | None, str] | None = None,
+        called_as: str | None = None,
         group: tuple[int, int, Any] | None = None,
     ) -> None:
         rank, world_size = group[:2] if group else world()
         self._link = Link(operation, rank, world_size, timeout, dead_after, dict(aftermath or {}))
+        self._link.called_as = called_as
         self._life = Lifecycle(self._link, keys.tag(operation, path), group[2] if group else None)
         self._payloads = Payloads()
 

@@ -64,6 +64,9 @@ class Link:
     """Every rank has raised (or will raise) an agreed error: nothing left to tell."""
     interrupted: bool = False
     """This rank left the operation by an interrupt it told the others of (``abandon``)."""
+    called_as: str | None = None
+    """What the user calls, for the message to a rank that waited for one that never came
+    (``reports.missing_message``); ``None``: ``shardsafe.<operation>``."""
 
     def guarded(self, phase: Phase, step: Callable[[], Any], error: Any = None) -> Any:
         """Run ``step``; a store that went away becomes a :class:`CheckpointError`."""

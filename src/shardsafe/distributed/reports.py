@@ -56,15 +56,23 @@ def agreed_error(failures: list[RankFailure], operation: str, *, total: int = 0)
 
 
 def missing_message(
-    operation: str, phase: Phase, missing: list[int], timeout: float, rank: int, world_size: int
+    operation: str,
+    phase: Phase,
+    missing: list[int],
+    timeout: float,
+    rank: int,
+    world_size: int,
+    called_as: str | None = None,
 ) -> str:
+    """The error for ranks that did not post ``phase`` within ``timeout``. ``called_as``:
+    what the user calls, where the operation is not a function of theirs (a tiered
+    manager's agreements and loads): named instead of ``shardsafe.<operation>``."""
     ranks = ", ".join(map(str, missing))
-    if phase is Phase.ENTRY and operation == "tiers":  # a manager's agreements, not a call
+    if phase is Phase.ENTRY and called_as is not None:
         return (
-            f"TieredCheckpointManager's save, async_save, load_latest, latest and close must "
-            f"be called on all ranks, but rank(s) {ranks} never arrived within "
-            f"timeout={timeout:g}s (this is rank {rank} of {world_size}). Call them on every "
-            "rank, in the same order, outside any `if rank == 0:` block"
+            f"{called_as} must be called on every rank, in the same order, outside any "
+            f"`if rank == 0:` block, but rank(s) {ranks} never arrived within {timeout:g}s "
+            f"(this is rank {rank} of {world_size})"
         )
     if phase is Phase.ENTRY:
         return (

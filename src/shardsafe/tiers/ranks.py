@@ -34,7 +34,7 @@ class Ranks:
         is called inside the agreed phase: what it reads from this rank's local directory
         (and the error if it cannot) reaches every rank, instead of one rank raising
         alone while the others wait for it until the timeout."""
-        coord = Coordinator("tiers", self.tag, timeout=self.timeout)
+        coord = Coordinator("tiers", self.tag, timeout=self.timeout, called_as=CALLED_AS)
         coord.enter(self.timeout)
         try:
             with coord.phase(phase) as outcome:
@@ -52,6 +52,11 @@ class Ranks:
             timeout = timedelta(seconds=self.timeout)
             self.group = background_group(BACKGROUND_NICENESS, timeout=timeout)
         return self.group
+
+
+CALLED_AS = "TieredCheckpointManager(...) and its save, async_save, load_latest, latest and close"
+"""What the manager's agreements and loads are, to the user (``Coordinator``'s
+``called_as``): a rank missing from one was told ``shardsafe.tiers must be called``."""
 
 
 BACKGROUND_NICENESS = 19

@@ -32,7 +32,7 @@ from . import rank_checkpoint, recovery
 from .deferred_warnings import DeferredWarnings
 from .fetch import Fetcher
 from .node_dir import NodeDir
-from .ranks import Ranks
+from .ranks import CALLED_AS, Ranks
 from .replication import Replicator
 from .topology import Topology
 
@@ -274,6 +274,8 @@ class Restorer:
                 lambda manifest: state,
                 opts,
                 view=rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size),
+                warn=self._said.warn,
+                called_as=CALLED_AS,
             )
         except (CheckpointCorruptError, CheckpointNotFoundError) as e:
 
@@ -320,9 +322,17 @@ class Restorer:
     def _from_persistent_step(
         self, step: int, state: Any, options: LoadKeywords, started: float
     ) -> dict[str, Any] | None:
-        """Load the persistent tier's ``step`` (one that loaded before in this restore)."""
-        with self.persistent._open(step_dir_name(step)) as storage:
-            values = loading.load(storage, state, LoadOptions.of(**options))
+        """Load the persistent tier's ``step`` (one that loaded before in this restore), its
+        directory opened inside the load (an object store's that cannot be opened on one
+        rank is every rank's error)."""
+        name = step_dir_name(step)
+        values = loading.load_opening(
+            lambda: self.persistent._open(name),
+            self.persistent.path_for_name(name),
+            lambda manifest: state,
+            LoadOptions.of(**options),
+            warn=self._said.warn,
+        )
         self.persistent._resumed_from = step
         self._restored_persistent(step, started)
         return values
@@ -346,15 +356,26 @@ class Restorer:
             self._drop_newer(step)
 
     def _drop_newer(self, step: int) -> None:
-        for later in self.node.steps():
-            if later > step:
-                for rank in self.node.ranks_in(later):
-                    if rank in self._surveyed:
-                        what = f"rank {rank}'s copy of step {later}, a later step"
-                        self._remove(later, rank, what, prune=True)
-                with contextlib.suppress(CheckpointError, OSError):
-                    self.node.prune(later)
-        self._replicator.resumed_from(step)
+        """See :meth:`drop_newer`. Every rank has restored when this runs: a failure here
+        is a warning, raised on this rank alone it would fail this rank alone, and the
+        others would wait for it at their next collective (a training step's
+        all-reduce)."""
+        try:
+            for later in self.node.steps():
+                if later > step:
+                    for rank in self.node.ranks_in(later):
+                        if rank in self._surveyed:
+                            what = f"rank {rank}'s copy of step {later}, a later step"
+                            self._remove(later, rank, what, prune=True)
+                    with contextlib.suppress(CheckpointError, OSError):
+                        self.node.prune(later)
+            self._replicator.resumed_from(step)
+        except (CheckpointError, OSError) as e:
+            self._said.warn(
+                f"shardsafe: restored step {step}, but rank {self.rank} could not look for the "
+                f"local checkpoints of later steps in {self.node.root} to delete them ({e}); "
+                "delete any step after it there yourself before this node restores again"
+            )
 
     def _remove(self, step: int, rank: int, what: str, *, prune: bool) -> None:
         """Delete ``rank``'s copy of ``step`` here (``what``, to name it); a failure is a
