@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from shardsafe.tiers import TieredCheckpointManager
-from tests.distributed.tiers_setup import local_dir
+from tests.distributed.tiers_setup import local_dir, node_manager
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,12 +32,15 @@ TIMEOUT = 30
 
 
 def _manager(base: str, rank: int) -> TieredCheckpointManager:
-    return TieredCheckpointManager(
-        os.path.join(base, "persistent"),
-        local_dir(base, rank),
-        persist_every=None,
-        timeout=TIMEOUT,
-    )
+    return node_manager(base, rank, TIMEOUT)
+
+
+def _every_rank_raised(got: list[dict[str, Any]], start: str) -> None:
+    """Both ranks raised the same agreed ``CheckpointError``, beginning with ``start``."""
+    for rank in (0, 1):
+        kind, message = got[rank]["outcome"]
+        assert kind == "CheckpointError"
+        assert message.startswith(start), message
 
 
 def _saved(base: str, rank: int, model: torch.nn.Linear) -> None:
@@ -137,12 +140,9 @@ def test_an_unexpected_error_judging_a_failed_copy_fails_every_rank_at_once(
     exchange of which copies were bad until the timeout."""
     base = str(tmp_path)
     got = run_ranks(_judging_fails_after_a_damaged_copy, 2, base, timeout=100)
-    for rank in (0, 1):
-        kind, message = got[rank]["outcome"]
-        assert kind == "CheckpointError"
-        assert message.startswith(
-            "tiers failed on rank 1: RuntimeError: simulated failure while checking the copy"
-        ), message
+    _every_rank_raised(
+        got, "tiers failed on rank 1: RuntimeError: simulated failure while checking the copy"
+    )
 
 
 def _commit_fails_after_a_transfer(rank: int, world: int, base: str) -> dict[str, Any]:
@@ -171,21 +171,16 @@ def test_an_unexpected_error_committing_a_received_copy_fails_every_rank_at_once
     waited for it in the exchange of which copies arrived until the timeout."""
     base = str(tmp_path)
     got = run_ranks(_commit_fails_after_a_transfer, 2, base, timeout=100)
-    for rank in (0, 1):
-        kind, message = got[rank]["outcome"]
-        assert kind == "CheckpointError"
-        assert message.startswith(
-            "tiers failed on rank 1: RuntimeError: simulated failure while committing the copy"
-        ), message
+    _every_rank_raised(
+        got, "tiers failed on rank 1: RuntimeError: simulated failure while committing the copy"
+    )
 
 
 def _latest_on_rank_0_only(rank: int, world: int, base: str) -> dict[str, Any]:
     """Both ranks make a manager with a 3 s timeout; only rank 0 asks it for ``latest()``
     (under an ``if rank == 0:``). Then both close it."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
-    manager = TieredCheckpointManager(
-        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None, timeout=3
-    )
+    manager = node_manager(base, rank, 3)
     outcome: list[Any] = ["returned"]
     if rank == 0:
         try:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from shardsafe.tiers import TieredCheckpointManager
-from tests.distributed.tiers_setup import local_dir
+from tests.distributed.tiers_setup import local_dir, node_manager
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,14 +57,7 @@ def _saves_under_an_error_filter(rank: int, world: int, base: str) -> dict[str, 
     model = torch.nn.Linear(4, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with contextlib.closing(
-            TieredCheckpointManager(
-                os.path.join(base, "persistent"),
-                local_dir(base, rank),
-                persist_every=None,
-                timeout=TIMEOUT,
-            )
-        ) as manager:
+        with contextlib.closing(node_manager(base, rank, TIMEOUT)) as manager:
             for save, step in enumerate((1, 2, 2, 3)):
                 if save == 2 and rank == 1:
                     (_replica(base, 1, 2, 0) / "notes.txt").write_text("mine")
@@ -120,12 +113,7 @@ def _restore_past_a_damaged_copy_under_an_error_filter(
     model = torch.nn.Linear(4, 4)
 
     def manager() -> TieredCheckpointManager:
-        return TieredCheckpointManager(
-            os.path.join(base, "persistent"),
-            local_dir(base, rank),
-            persist_every=None,
-            timeout=TIMEOUT,
-        )
+        return node_manager(base, rank, TIMEOUT)
 
     with contextlib.closing(manager()) as saving:
         for step in (1, 2):

@@ -29,6 +29,14 @@ def local_dir(base: str, node: int) -> str:
     return os.path.join(base, f"local-node{node}")
 
 
+def node_manager(base: str, node: int, timeout: float) -> TieredCheckpointManager:
+    """A manager of ``base``'s persistent directory and ``node``'s local one, the defaults
+    but for ``timeout`` and no persistent saves (a node per rank, for the 2-rank tests)."""
+    return TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, node), persist_every=None, timeout=timeout
+    )
+
+
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
