@@ -6,6 +6,7 @@ before anything is restored."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,3 +140,65 @@ def test_a_flipped_byte_in_a_gcs_object_is_refused_before_anything_is_restored(
         shardsafe.load(url, {"model": model}, storage_options=options)
     assert data.rsplit("/", 1)[-1] in str(caught.value)
     assert all(torch.equal(v, before[k]) for k, v in model_state(model).items())
+
+
+def broken_node(rank: int, world: int, where: dict[str, str], options: dict[str, Any]) -> Any:
+    """Save, load and a manager's load_latest, with rank 1's credentials file broken."""
+    if rank == 1:  # a node whose image holds a credentials file that is not one
+        options = {**options, "token": where["token"]}
+    opts: dict[str, Any] = {"storage_options": options, "entry_timeout": 20}
+    said = []
+    calls = [
+        lambda: shardsafe.save(where["save"], {"w": torch.ones(4)}, **opts),
+        lambda: shardsafe.load(where["load"], {"w": torch.zeros(4)}, **opts),
+        lambda: shardsafe.CheckpointManager(where["root"], storage_options=options).load_latest(
+            {"w": torch.zeros(4)}, entry_timeout=20
+        ),
+    ]
+    for call in calls:
+        try:
+            call()
+            said.append("no error")
+        except shardsafe.CheckpointError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_node_whose_credentials_file_is_broken_fails_every_ranks_save_and_load_at_once(
+    gcs_server: GcsServer, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """gcsfs reads its credentials file when its client is made, which shardsafe does
+    when it opens the store: that open now comes after the ranks have met, so the node
+    whose file is broken fails the operation on every rank, naming why. (It raised on that
+    rank alone, before the others: they waited out ``entry_timeout`` and then said it
+    never called ``save``/``load``.)"""
+    token = tmp_path / "creds.json"
+    token.write_text('{"type": "authorized_user"}')  # no refresh_token: gcsfs's KeyError
+    options = gcs_server.options
+    where = {
+        "save": f"gs://{gcs_bucket}/broken/new",
+        "load": f"gs://{gcs_bucket}/broken/saved",
+        "root": f"gs://{gcs_bucket}/broken/run",
+        "token": str(token),
+    }
+    shardsafe.save(where["load"], {"w": torch.ones(4)}, storage_options=options)
+    manager = shardsafe.CheckpointManager(where["root"], storage_options=options)
+    manager.save(3, {"w": torch.ones(4)})
+    manager.close()
+    said = run_ranks(with_env, 2, gcs_server.env, broken_node, where, options, timeout=120)
+    cause = (
+        "the gs:// client could not be made from its storage_options and environment "
+        "(KeyError: 'refresh_token'); check the credentials they name on this machine"
+    )
+    for rank, errors in enumerate(said):
+        assert len(errors) == 3, errors
+        save_error, load_error, latest_error = errors
+        for error, operation, url in (
+            (save_error, "save", where["save"]),
+            (load_error, "load", where["load"]),
+            (latest_error, "load", f"{where['root']}/step-000000003"),
+        ):
+            assert f"{url}: {cause}" in error, (rank, error)
+            if rank == 0:
+                assert error.startswith(f"{operation} failed on rank 1"), error
+    assert not gcs_server.keys(gcs_bucket, "broken/new")  # nothing written, nothing left

@@ -25,6 +25,7 @@ from .options import (
     VerifyMode,
     storage_factory,
 )
+from .storage.locations import check_options, directory_name
 from .storage.protocol import Storage
 
 if sys.version_info >= (3, 11):
@@ -170,8 +171,16 @@ def load(
         buffer_bytes=buffer_bytes,
         read_threads=read_threads,
     )
-    with storage_factory(storage, storage_options)(os.fspath(path)) as opened:
-        return loading.load(opened, state, options, hint=_where_checkpoints_are)
+    text = os.fspath(path)
+    if storage is None:
+        check_options(text, storage_options)
+    return loading.load_from(
+        lambda: storage_factory(storage, storage_options)(text),
+        directory_name(text),
+        state,
+        options,
+        hint=_where_checkpoints_are,
+    )
 
 
 def _where_checkpoints_are(storage: Storage) -> str:

@@ -229,8 +229,7 @@ def async_save(
         handle = SaveHandle(path, run, staged, step)
     except BaseException as e:  # an interrupt at the call: no thread will ever end this run
         run.coord.abandon(e)  # the others would wait for this rank's heartbeat to stop
-        run.coord.close()
-        run.storage.close()
+        run.close()
         raise
     with _LOCK:
         _IN_FLIGHT.append(handle)

@@ -102,9 +102,28 @@ def load(
 ) -> dict[str, Any]:
     """Run the phases of a load on this rank; return the plain values the checkpoint holds.
     ``hint``: see :data:`Hint`."""
+    _check_state(state)
+    return load_chosen(storage, lambda manifest: state, options, hint=hint)
+
+
+def load_from(
+    opener: Callable[[], Storage],
+    agree_as: str,
+    state: Mapping[str, Any],
+    options: LoadOptions,
+    *,
+    hint: Hint | None = None,
+) -> dict[str, Any]:
+    """:func:`load` of the directory ``opener`` opens inside the plan phase
+    (:func:`load_opening`): ``shardsafe.load``'s, whose open of an object-store URL can
+    fail on one node alone (its image lacks s3fs, its credentials file is broken)."""
+    _check_state(state)
+    return load_opening(opener, agree_as, lambda manifest: state, options, hint=hint)
+
+
+def _check_state(state: Any) -> None:
     if not isinstance(state, Mapping):
         raise ValueError("state must be a dict of name -> object to restore")
-    return load_chosen(storage, lambda manifest: state, options, hint=hint)
 
 
 def load_chosen(
@@ -138,16 +157,19 @@ def load_opening(
     options: LoadOptions,
     *,
     view: Callable[[Manifest], Manifest] | None = None,
+    hint: Hint | None = None,
     warn: Callable[[str], None] | None = None,
     called_as: str | None = None,
 ) -> dict[str, Any]:
     """:func:`load_chosen` of the directory ``opener`` opens, opened inside the plan phase
-    and closed as the load ends. For ranks that each load a directory of their own (the
-    tiered manager's): one whose directory cannot be opened (gone since the ranks chose
-    it, no file descriptor left) fails the plan, agreed on every rank, instead of raising
-    alone before the load while the others wait for it at the entry until the timeout.
-    ``warn``: where the load's warnings go (default: said at once, pointing at the caller
-    of ``shardsafe.load``); ``called_as``: see ``Coordinator``."""
+    and closed as the load ends. A rank whose directory cannot be opened (an object
+    store's client that cannot be made on its node; a tiered manager's node directory
+    gone since the ranks chose it, no file descriptor left) fails the plan, agreed on
+    every rank, instead of raising alone before the load while the others wait for it
+    at the entry until the timeout. ``agree_as`` names the load as every rank spells it
+    (``Coordinator``'s path); ``warn``: where the load's warnings go (default: said at
+    once, pointing at the caller of ``shardsafe.load``); ``called_as``: see
+    ``Coordinator``."""
     with contextlib.ExitStack() as opened:
         return _load(
             lambda: opened.enter_context(opener()),
@@ -155,6 +177,7 @@ def load_opening(
             choose,
             options,
             view=view,
+            hint=hint,
             warn=warn,
             called_as=called_as,
         )

@@ -411,9 +411,10 @@ class CheckpointManager:
         candidates = self._loadable()
         while (path := self._agreed_next(candidates, opts)) is not None:
             name = path.rstrip("/").rsplit("/", 1)[-1]
-            try:
-                with self._open(name) as storage:
-                    values = loading.load_chosen(storage, choose, opts)
+            try:  # opened inside the load: a node that cannot (its store's client) fails it
+                values = loading.load_opening(
+                    functools.partial(self._open, name), path, choose, opts
+                )
             except CheckpointCorruptError as e:
                 _warn(f"could not load {path}, trying the previous checkpoint: {e}")
                 first = first or e

@@ -36,6 +36,7 @@ from .plan.offer import Offer, check_same_entries, chunks_of
 from .plan.per_rank import split_differing
 from .plan.save_plan import SavePlan, plan_save
 from .storage import target_directory
+from .storage.locations import check_options
 from .storage.protocol import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -89,7 +90,9 @@ class SaveRun:
 
     path: str
     coord: Coordinator
-    storage: Storage
+    opened: Storage | None
+    """The target's storage, opened after the entry barrier (``None`` until then, and
+    if opening failed: ``error`` holds why)."""
     options: SaveOptions
     existed: bool
     items: Collected = field(default_factory=dict)
@@ -110,35 +113,47 @@ class SaveRun:
     """Set once someone waits for a background save: from then on it writes through the
     page cache, at full speed, instead of around it (``direct_writes.py``)."""
 
+    @property
+    def storage(self) -> Storage:
+        """The opened target. Only the phases after a successful open use it: a failed
+        open is ``error``, raised before they touch the target."""
+        if self.opened is None:
+            raise RuntimeError(f"shardsafe: the save to {self.path} has no open target")
+        return self.opened
+
+    def close(self) -> None:
+        """End the run on this rank: its agreement, then its storage."""
+        self.coord.close()
+        if self.opened is not None:
+            self.opened.close()
+
 
 def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
     """Meet every rank (the entry barrier) and turn this rank's state into save items.
 
     A failure after the barrier is kept in the run, so that ``persist`` posts it in the
     collect phase and every rank raises it: ``persist`` must follow on every rank. The
-    first look at the target (a request to an object store, which may fail on one rank
-    alone) comes after the barrier too: before it, a rank whose store was unreachable
-    raised the client's own error while the others waited out ``entry_timeout`` and
-    then blamed it for not calling ``save``.
+    target is opened after the barrier, and first looked at there: an object store's
+    client that cannot be made on one node (s3fs missing from its image, a broken
+    credentials file) or a request that fails on one rank alone raised there, before,
+    while the others waited out ``entry_timeout`` and then blamed it for not calling
+    ``save``.
     """
     check_state(state)
-    storage = storage_factory(options.storage, options.storage_options)(path)
+    if options.storage is None:
+        check_options(path, options.storage_options)
+    coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
+    coord.enter(options.entry_timeout)
+    run = SaveRun(path, coord, None, options, existed=True)  # until known: keep it
     try:
-        coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
-        coord.enter(options.entry_timeout)
-    except BaseException:
-        storage.close()
-        raise
-    run = SaveRun(path, coord, storage, options, existed=True)  # until known: keep it
-    try:
-        run.existed = target_directory.refuse_committed(storage)
+        run.opened = storage_factory(options.storage, options.storage_options)(path)
+        run.existed = target_directory.refuse_committed(run.opened)
         run.items = collect(state, coord.rank, coord.world_size)
     except Exception as e:
         run.error, run.items = e, {}
     except BaseException as e:  # Ctrl-C in a state_dict: no persist will end this run
         coord.abandon(e)
-        coord.close()
-        storage.close()
+        run.close()
         raise
     return run
 
@@ -146,19 +161,18 @@ def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
 def persist(run: SaveRun) -> None:
     """The collect (unless already run), write and commit phases of ``run`` (see the
     module docstring)."""
-    coord, storage = run.coord, run.storage
+    coord = run.coord
     try:
         if run.failed is not None:
             raise run.failed
         _phases(run)
     except BaseException as e:
         if isinstance(e, CheckpointError) and coord.rank == 0 and not run.existed:
-            target_directory.remove_uncommitted(storage)  # everything in it was ours
+            target_directory.remove_uncommitted(run.storage)  # everything in it was ours
         coord.abandon(e)  # unless agreed (Ctrl-C between phases, or in a wait): tell them
         raise
     finally:
-        coord.close()
-        storage.close()
+        run.close()
 
 
 def plan(run: SaveRun) -> None:
@@ -175,7 +189,7 @@ def plan(run: SaveRun) -> None:
 def _collect_phase(run: SaveRun) -> Planned:
     """The collect phase: every rank offers what it holds, rank 0 plans and sends each
     rank its part. A failure kept in ``run.error`` is raised inside it, so it is agreed."""
-    coord, storage, options, items = run.coord, run.storage, run.options, run.items
+    coord, options, items = run.coord, run.options, run.items
     names = list(items)
     offers: list[Offer] = []
     entries: dict[str, SavedValue] = {}
@@ -191,7 +205,7 @@ def _collect_phase(run: SaveRun) -> Planned:
             check_loadable(whole, entries)
         # Before any rank writes a data file (the parts are sent after this returns): what
         # the next save may clear if this one is interrupted, and nothing else.
-        target_directory.record_plan(storage, token, [f.name for f in whole.files])
+        target_directory.record_plan(run.storage, token, [f.name for f in whole.files])
         # The others' parts carry the name of rank 0's probe, which each checks it can see.
         parts = [plan_parts.part_of(whole, r) | {"probe": token} for r in range(1, len(offers))]
         return [whole, *parts]
@@ -204,7 +218,7 @@ def _collect_phase(run: SaveRun) -> Planned:
         if coord.rank == 0:
             if options.hooks.before_write is not None:
                 options.hooks.before_write()
-            token = target_directory.prepare(storage)
+            token = target_directory.prepare(run.storage)
         offer = Offer.of(
             coord.rank,
             {name: item for name, (_, item) in items.items()},

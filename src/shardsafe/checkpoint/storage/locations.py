@@ -45,6 +45,23 @@ def local_path(path: str | os.PathLike[str]) -> str:
     return text
 
 
+def directory_name(path: str | os.PathLike[str]) -> str:
+    """The ``directory`` that :func:`open_storage` gives the storage of ``path``, known
+    without opening it: what ranks name an operation on it by before any has opened it."""
+    text = os.fspath(path)
+    return text.rstrip("/") if is_url(text) else local_path(text)
+
+
+def check_options(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse ``storage_options`` given for a local path (a usage error, raised where it
+    is made: save and load check it before meeting the other ranks)."""
+    if storage_options and not is_url(path):
+        raise ValueError(
+            f"storage_options were given for {os.fspath(path)!r}, which is a local path; they "
+            "apply to object-store URLs (s3://..., gs://...) only"
+        )
+
+
 def open_storage(
     path: str | os.PathLike[str],
     *,
@@ -53,12 +70,8 @@ def open_storage(
 ) -> Storage:
     """The storage of the checkpoint at ``path``: local directory or object-store prefix."""
     text = os.fspath(path)
+    check_options(text, storage_options)
     if not is_url(text):
-        if storage_options:
-            raise ValueError(
-                f"storage_options were given for {text!r}, which is a local path; they "
-                "apply to object-store URLs (s3://..., gs://...) only"
-            )
         return LocalStorage(local_path(text), follow=follow)
     if "::" in text.partition("://")[0]:
         raise CheckpointError(
@@ -83,4 +96,19 @@ def open_storage(
             raise CheckpointError(
                 f"{text}: fsspec does not know the scheme {written!r} ({e}){case}"
             ) from None
+        raise _unmade(text, e) from e
+    except CheckpointError:
         raise
+    except Exception as e:  # the driver's own: gcsfs reading a broken credentials file
+        raise _unmade(text, e) from e
+
+
+def _unmade(url: str, error: Exception) -> CheckpointError:
+    """The error of a store's client that could not be made, which the driver words as
+    its own bare ``KeyError: 'refresh_token'`` (gcsfs, given a credentials file that is
+    not one)."""
+    return CheckpointError(
+        f"{url}: the {scheme(url)}:// client could not be made from its storage_options "
+        f"and environment ({type(error).__name__}: {error}); check the credentials they "
+        "name on this machine"
+    )
