@@ -41,6 +41,7 @@ PRELOAD = (
     "shardsafe",
     "_common",
     "_tools",
+    "pytorch_lightning",  # 3-5 s of CPU per rank otherwise, in each Lightning row's ranks
 )
 _context: Any = None
 

@@ -277,21 +277,22 @@ def bench(rank: int, world: int, tool: str, setup: str, layers: int, repeat: int
     if ratios:
         out["durable_ratio"] = statistics.median(ratios)
     if tool in ("raw", "async", "dcp", "dcp-stager", "tc"):
-        out["training"] = _training_ratio(saver, model, opt)
+        out["training"] = _training_ratio(saver, model, opt, trials=min(5, repeat))
     return out
 
 
-def _training_ratio(saver: Saver, model: Any, opt: Any) -> float:
+def _training_ratio(saver: Saver, model: Any, opt: Any, *, trials: int) -> float:
     """Steps per second while a save is written, over steps per second with none.
 
-    Five pairs of trials, median of their ratios. In each pair the loop first steps from
+    ``trials`` pairs of trials (five in a full run, one in ``--quick``'s smoke run),
+    median of their ratios. In each pair the loop first steps from
     the call until the write is done (at least three steps), then steps as many times
     again with no save; both loops are the same code (each step ends with the agreed
     "is every rank's write done" all-reduce), run back to back, so the pair sees the
     same machine and the ratio measures the save, not the noise between two moments.
     """
     ratios = []
-    for _ in range(5):
+    for _ in range(trials):
         during, steps = _stepped(saver, model, opt, save=True)
         alone, _ = _stepped(saver, model, opt, save=False, steps=steps)
         ratios.append(alone / during)
