@@ -49,11 +49,33 @@ def launch(out: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
+    """A 12-step run of the plain Trainer (its checkpoints pickle the optimizer)."""
+    out = tmp_path_factory.mktemp("plain") / "run"
+    return out, train(out, "--trainer", "plain")
+
+
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 10-step ShardsafeTrainer run; each test damages a copy of it (``copy_of``)."""
+    out = tmp_path_factory.mktemp("ten") / "whole"
+    train(out, "--steps", "10")
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    """A copy of a module fixture's run directory, for a test to change or resume into."""
+    copied = tmp_path / run.name
+    shutil.copytree(run, copied, symlinks=True)
+    return copied
+
+
 def test_a_resumed_run_continues_bitwise_and_the_optimizer_is_not_pickled(
-    tmp_path: Path,
+    plain_run: tuple[Path, dict[str, float]], tmp_path: Path
 ) -> None:
     whole = train(tmp_path / "whole")
-    assert whole == train(tmp_path / "plain", "--trainer", "plain")  # training is unchanged
+    assert whole == plain_run[1]  # training is unchanged
     folders = sorted(os.listdir(tmp_path / "whole"))
     assert [f for f in folders if f.startswith("checkpoint-")] == ["checkpoint-10", "checkpoint-12"]
     checkpoint = tmp_path / "whole" / "checkpoint-10"
@@ -73,19 +95,23 @@ def test_a_resumed_run_continues_bitwise_and_the_optimizer_is_not_pickled(
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), held.parameters()))
 
 
-def test_a_folder_the_plain_trainer_wrote_resumes_through_its_own_code(tmp_path: Path) -> None:
-    whole = train(tmp_path / "plain", "--trainer", "plain")
-    checkpoint = tmp_path / "plain" / "checkpoint-10"
+def test_a_folder_the_plain_trainer_wrote_resumes_through_its_own_code(
+    plain_run: tuple[Path, dict[str, float]], tmp_path: Path
+) -> None:
+    run, whole = plain_run
+    run = copy_of(run, tmp_path)
+    checkpoint = run / "checkpoint-10"
     assert "optimizer.pt" in os.listdir(checkpoint)
-    resumed = train(tmp_path / "plain", "--resume", checkpoint)  # ShardsafeTrainer
+    resumed = train(run, "--resume", checkpoint)  # ShardsafeTrainer
     assert {s: resumed[s] for s in (11, 12)} == {s: whole[s] for s in (11, 12)}
 
 
-def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(tmp_path: Path) -> None:
+def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(
+    ten_steps: Path, tmp_path: Path
+) -> None:
     """One byte flipped in the shardsafe part of ``checkpoint-10``: both ranks stop with
     shardsafe's error naming the file, none hangs, and the folder is left as it was."""
-    train(tmp_path / "whole", "--steps", "10")
-    part = tmp_path / "whole" / "checkpoint-10" / "shardsafe"
+    part = copy_of(ten_steps, tmp_path) / "checkpoint-10" / "shardsafe"
     shard = sorted(part.glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01  # in the last tensor's bytes, past the header
@@ -106,14 +132,13 @@ def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(tmp_pat
 
 
 def test_a_shardsafe_folder_without_its_manifest_stops_the_resume_on_every_rank(
-    tmp_path: Path,
+    ten_steps: Path, tmp_path: Path
 ) -> None:
     """``checkpoint-10/shardsafe/`` whose ``manifest.json`` is gone (lost in a copy): the
     resume stops on both ranks with shardsafe's error, instead of falling back to the
     Trainer's own loader, which finds no ``optimizer.pt`` and silently trains on with a
     fresh optimizer and the schedule back at step 0."""
-    train(tmp_path / "whole", "--steps", "10")
-    part = tmp_path / "whole" / "checkpoint-10" / "shardsafe"
+    part = copy_of(ten_steps, tmp_path) / "checkpoint-10" / "shardsafe"
     (part / "manifest.json").unlink()
     done = launch(tmp_path / "whole", "--resume", part.parent, "--steps", "12")
     assert done.returncode != 0
@@ -127,12 +152,13 @@ def test_a_shardsafe_folder_without_its_manifest_stops_the_resume_on_every_rank(
     ), errors[0]
 
 
-def test_a_symlinked_shardsafe_folder_is_refused_not_followed(tmp_path: Path) -> None:
+def test_a_symlinked_shardsafe_folder_is_refused_not_followed(
+    ten_steps: Path, tmp_path: Path
+) -> None:
     """``checkpoint-10/shardsafe`` replaced by a link to ``checkpoint-5/shardsafe``: the
     resume stops on both ranks, instead of restoring step 5's model, optimizer and
     scheduler under step 10's trainer state."""
-    train(tmp_path / "whole", "--steps", "10")
-    part = tmp_path / "whole" / "checkpoint-10" / "shardsafe"
+    part = copy_of(ten_steps, tmp_path) / "checkpoint-10" / "shardsafe"
     shutil.rmtree(part)
     part.symlink_to(tmp_path / "whole" / "checkpoint-5" / "shardsafe")
     done = launch(tmp_path / "whole", "--resume", part.parent, "--steps", "12")
