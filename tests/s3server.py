@@ -47,6 +47,13 @@ class S3Server:
     def put(self, bucket: str, key: str, data: bytes) -> None:
         self.client().put_object(Bucket=bucket, Key=key, Body=data)
 
+    def copy_bucket(self, bucket: str) -> str:
+        """A new bucket holding a copy of every object of ``bucket`` (server-side copies)."""
+        copied, client = self.new_bucket(), self.client()
+        for key in self.keys(bucket):
+            client.copy_object(Bucket=copied, Key=key, CopySource={"Bucket": bucket, "Key": key})
+        return copied
+
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:

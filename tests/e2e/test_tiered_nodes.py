@@ -6,6 +6,7 @@ must continue bitwise as in an uninterrupted run."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -49,14 +50,28 @@ def reference(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> 
     return [losses(out) for _, out in results]
 
 
-def killed_run(tmp_path: Path, s3_server: S3Server) -> tuple[str, dict[str, str]]:
-    """A run whose workers are all SIGKILLed once step 4 is saved locally and replicated."""
-    env = node_env(s3_server.env)
-    url = f"s3://{s3_server.new_bucket()}/run"
-    for code, out in run_nodes(tmp_path, env, url, str(tmp_path / "local"), "--kill-at", "4"):
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> tuple[Path, str]:
+    """A run whose workers were all SIGKILLed once step 4 was saved locally and
+    replicated: its local directories and its bucket, which no test changes
+    (``killed_run`` copies them)."""
+    tmp = tmp_path_factory.mktemp("killed")
+    bucket = s3_server.new_bucket()
+    args = (f"s3://{bucket}/run", str(tmp / "local"), "--kill-at", "4")
+    for code, out in run_nodes(tmp, node_env(s3_server.env), *args):
         assert code != 0, out
         assert "loss 4 " in out and "loss 5 " not in out, out
-    return url, env
+    return tmp / "local", bucket
+
+
+def killed_run(
+    tmp_path: Path, s3_server: S3Server, killed: tuple[Path, str]
+) -> tuple[str, dict[str, str]]:
+    """A copy of the killed run for one test: its local directories (hard links kept,
+    as the node's shared tensors have them) and its bucket."""
+    local, bucket = killed
+    subprocess.run(["cp", "-a", str(local), str(tmp_path / "local")], check=True)
+    return f"s3://{s3_server.copy_bucket(bucket)}/run", node_env(s3_server.env)
 
 
 def resume(tmp_path: Path, url: str, env: dict[str, str], reference: list[dict]) -> list[str]:
@@ -72,24 +87,24 @@ def resume(tmp_path: Path, url: str, env: dict[str, str], reference: list[dict])
 
 
 def test_whole_job_killed_restores_from_the_local_tiers(
-    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str]
 ) -> None:
-    url, env = killed_run(tmp_path, s3_server)
+    url, env = killed_run(tmp_path, s3_server, killed)
     assert resume(tmp_path, url, env, reference) == ["restored 4 local"] * 2
 
 
 def test_a_lost_node_restores_from_its_replica_on_the_other(
-    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str]
 ) -> None:
-    url, env = killed_run(tmp_path, s3_server)
+    url, env = killed_run(tmp_path, s3_server, killed)
     shutil.rmtree(tmp_path / "local" / "node1")  # the node was replaced
     assert resume(tmp_path, url, env, reference) == ["restored 4 local", "restored 4 peer"]
 
 
 def test_both_nodes_lost_restore_from_the_persistent_tier_on_s3(
-    tmp_path: Path, s3_server: S3Server, reference: list[dict]
+    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str]
 ) -> None:
-    url, env = killed_run(tmp_path, s3_server)
+    url, env = killed_run(tmp_path, s3_server, killed)
     shutil.rmtree(tmp_path / "local")
     assert resume(tmp_path, url, env, reference) == ["restored 4 persistent"] * 2
 
