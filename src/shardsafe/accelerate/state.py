@@ -18,6 +18,7 @@ not running them would lose what they save without a word.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import weakref
@@ -31,7 +32,7 @@ from ..checkpoint.finding import newest_checkpoint
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, storage_factory
-from ..checkpoint.storage.locations import is_url
+from ..checkpoint.storage.locations import directory_name, is_url
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -250,10 +251,11 @@ _MAX_COUNT = 1 << 63
 def _load_chosen(
     path: str, choose: Callable[[Manifest], dict[str, Any]], options: dict[str, Any]
 ) -> dict[str, Any]:
-    """``shardsafe.load(path, ...)`` with the state chosen from the manifest."""
+    """``shardsafe.load(path, ...)`` with the state chosen from the manifest (the store
+    opened inside the load, as ``shardsafe.load`` opens it)."""
     opts = LoadOptions.of(**options)
-    with storage_factory(opts.storage, opts.storage_options)(path) as opened:
-        return loading.load_chosen(opened, choose, opts)
+    opener = functools.partial(storage_factory(opts.storage, opts.storage_options), path)
+    return loading.load_opening(opener, directory_name(path), choose, opts)
 
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, CheckpointManager] = weakref.WeakKeyDictionary()

@@ -15,6 +15,7 @@ consolidated ZeRO/OSS state into a ZeRO/OSS optimizer of any world size.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,7 @@ from .. import interop
 from ..checkpoint import loading
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage.locations import open_storage
+from ..checkpoint.storage.locations import directory_name, open_storage
 from ..checkpoint.storage.object_placement import committed_copy, split
 from ..errors import (
     CheckpointCorruptError,
@@ -100,8 +101,9 @@ def load_directory(
             chosen.update(zip(optimizer_names(len(optimizers)), optimizers))
         return chosen
 
-    with open_storage(path) as storage:  # a local directory (a link followed) or a URL
-        values = loading.load_chosen(storage, choose, options)
+    # A local directory (a link followed) or a URL, opened inside the load (agreed).
+    opener = functools.partial(open_storage, path)
+    values = loading.load_opening(opener, directory_name(path), choose, options)
     checkpoint = dict(values.get(LIGHTNING) or {})
     if saved_optimizers:  # Lightning checks that a full checkpoint has them
         checkpoint[OPTIMIZER_STATES] = [{} for _ in saved_optimizers]
