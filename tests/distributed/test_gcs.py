@@ -188,7 +188,8 @@ def test_a_node_whose_credentials_file_is_broken_fails_every_ranks_save_and_load
     said = run_ranks(with_env, 2, gcs_server.env, broken_node, where, options, timeout=120)
     cause = (
         "the gs:// client could not be made from its storage_options and environment "
-        "(KeyError: 'refresh_token'); check the credentials they name on this machine"
+        "(KeyError: 'refresh_token'); check those options and any credentials they name on "
+        "this machine"
     )
     for rank, errors in enumerate(said):
         assert len(errors) == 3, errors

@@ -140,6 +140,19 @@ def test_automatic_naming_on_an_object_store_takes_storage_options(
         GradientState._reset_state()
 
 
+def test_storage_options_for_a_local_directory_are_refused_before_anything_loads(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    prepared(accelerator)
+    save_state(accelerator, tmp_path / "c")
+    with pytest.raises(ValueError) as refused:
+        load_state(accelerator, tmp_path / "c", storage_options={"anon": True})
+    assert str(refused.value) == (
+        f"storage_options were given for {str(tmp_path / 'c')!r}, which is a local path; "
+        "they apply to object-store URLs (s3://..., gs://...) only"
+    )
+
+
 class Counter:
     """A registered object, as Accelerate's examples register one."""
 

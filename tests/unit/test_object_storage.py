@@ -83,8 +83,22 @@ def test_an_unknown_scheme_is_refused_and_creates_nothing(
 
 
 def test_storage_options_for_a_local_path_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="local path"):
+    """A usage error, raised as a ValueError where it is made (before the ranks meet, so
+    never an agreed CheckpointError), by save, load and a manager's constructor."""
+    said = (
+        f"storage_options were given for {str(tmp_path / 'x')!r}, which is a local path; "
+        "they apply to object-store URLs (s3://..., gs://...) only"
+    )
+    with pytest.raises(ValueError) as refused:
         shardsafe.save(tmp_path / "x", {"w": torch.ones(2)}, storage_options={"anon": True})
+    assert str(refused.value) == said
+    shardsafe.save(tmp_path / "x", {"w": torch.ones(2)})
+    with pytest.raises(ValueError) as refused:
+        shardsafe.load(tmp_path / "x", {"w": torch.ones(2)}, storage_options={"anon": True})
+    assert str(refused.value) == said
+    with pytest.raises(ValueError) as refused:
+        shardsafe.CheckpointManager(tmp_path / "x", storage_options={"anon": True})
+    assert str(refused.value) == said
 
 
 def test_file_urls_are_local_directories(tmp_path: Path) -> None:

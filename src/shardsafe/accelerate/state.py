@@ -32,7 +32,7 @@ from ..checkpoint.finding import newest_checkpoint
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, storage_factory
-from ..checkpoint.storage.locations import directory_name, is_url
+from ..checkpoint.storage.locations import check_options, directory_name, is_url
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -254,6 +254,8 @@ def _load_chosen(
     """``shardsafe.load(path, ...)`` with the state chosen from the manifest (the store
     opened inside the load, as ``shardsafe.load`` opens it)."""
     opts = LoadOptions.of(**options)
+    if opts.storage is None:
+        check_options(path, opts.storage_options)  # a usage error: before the ranks meet
     opener = functools.partial(storage_factory(opts.storage, opts.storage_options), path)
     return loading.load_opening(opener, directory_name(path), choose, opts)
 

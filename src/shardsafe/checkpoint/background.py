@@ -235,9 +235,12 @@ def async_save(
         _IN_FLIGHT.append(handle)
     try:
         handle._start()
-    except BaseException:
+    except BaseException as e:
         with _LOCK:
             _IN_FLIGHT.remove(handle)  # never started: nothing to wait for
+        if isinstance(e, RuntimeError):  # "can't start new thread": no writer will end it
+            run.coord.abandon(e)  # (an interrupt may land once the thread runs: not here)
+            run.close()
         raise
     return handle
 

@@ -50,7 +50,7 @@ from .options import (
 )
 from .saving import save as _save
 from .storage.files import describe_mode
-from .storage.locations import is_url, open_storage
+from .storage.locations import check_options, is_url, open_storage
 from .storage.lock import RootLock
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
@@ -107,6 +107,7 @@ class CheckpointManager:
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
+        check_options(root, storage_options)  # here, not at each rank's first save
         self.root = os.fspath(root).rstrip("/") if is_url(root) else os.fspath(root)
         self.keep_last = keep_last
         self.storage_options = storage_options

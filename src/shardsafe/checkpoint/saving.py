@@ -122,10 +122,13 @@ class SaveRun:
         return self.opened
 
     def close(self) -> None:
-        """End the run on this rank: its agreement, then its storage."""
-        self.coord.close()
-        if self.opened is not None:
-            self.opened.close()
+        """End the run on this rank: its agreement, then its storage (closed even if an
+        interrupt ends the agreement's close)."""
+        try:
+            self.coord.close()
+        finally:
+            if self.opened is not None:
+                self.opened.close()
 
 
 def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:

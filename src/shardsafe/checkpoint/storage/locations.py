@@ -109,6 +109,6 @@ def _unmade(url: str, error: Exception) -> CheckpointError:
     not one)."""
     return CheckpointError(
         f"{url}: the {scheme(url)}:// client could not be made from its storage_options "
-        f"and environment ({type(error).__name__}: {error}); check the credentials they "
-        "name on this machine"
+        f"and environment ({type(error).__name__}: {error}); check those options and any "
+        "credentials they name on this machine"
     )
