@@ -18,7 +18,6 @@ not running them would lose what they save without a word.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import weakref
@@ -31,8 +30,8 @@ from ..checkpoint.background import SaveHandle
 from ..checkpoint.finding import newest_checkpoint
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
-from ..checkpoint.options import LoadOptions, storage_factory
-from ..checkpoint.storage.locations import check_options, directory_name, is_url
+from ..checkpoint.options import LoadOptions, opener_of
+from ..checkpoint.storage.locations import directory_name, is_url
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -254,9 +253,7 @@ def _load_chosen(
     """``shardsafe.load(path, ...)`` with the state chosen from the manifest (the store
     opened inside the load, as ``shardsafe.load`` opens it)."""
     opts = LoadOptions.of(**options)
-    if opts.storage is None:
-        check_options(path, opts.storage_options)  # a usage error: before the ranks meet
-    opener = functools.partial(storage_factory(opts.storage, opts.storage_options), path)
+    opener = opener_of(path, opts.storage, opts.storage_options)
     return loading.load_opening(opener, directory_name(path), choose, opts)
 
 

@@ -23,9 +23,9 @@ from .options import (
     SaveOptions,
     StorageFactory,
     VerifyMode,
-    storage_factory,
+    opener_of,
 )
-from .storage.locations import check_options, directory_name
+from .storage.locations import directory_name
 from .storage.protocol import Storage
 
 if sys.version_info >= (3, 11):
@@ -172,10 +172,8 @@ def load(
         read_threads=read_threads,
     )
     text = os.fspath(path)
-    if storage is None:
-        check_options(text, storage_options)
     return loading.load_from(
-        lambda: storage_factory(storage, storage_options)(text),
+        opener_of(text, storage, storage_options),
         directory_name(text),
         state,
         options,

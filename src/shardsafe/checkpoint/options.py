@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict, get_args
 
 from .format.manifest_format import LAYOUTS, Layout
-from .storage.locations import open_storage
+from .storage.locations import check_options, open_storage
 from .storage.protocol import Storage
 
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -39,6 +39,17 @@ def storage_factory(
     if storage is not None:
         return storage
     return functools.partial(open_storage, storage_options=storage_options)
+
+
+def opener_of(
+    path: str, storage: StorageFactory | None, storage_options: Mapping[str, Any] | None
+) -> Callable[[], Storage]:
+    """What opens ``path``'s storage when called: inside a save's or load's agreement, so
+    that a client one node cannot make fails every rank. ``storage_options`` given for a
+    local path are a usage error, raised now, before the ranks meet."""
+    if storage is None:
+        check_options(path, storage_options)
+    return functools.partial(storage_factory(storage, storage_options), path)
 
 
 @dataclass(frozen=True, kw_only=True)

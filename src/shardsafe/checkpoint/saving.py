@@ -29,14 +29,13 @@ from .format.manifest_format import CRC_BLOCK_BYTES, crc_block_count
 from .format.safetensors_header import build_header
 from .io.writing import write_plan
 from .io.written import WriteOptions, WrittenFile, remove_quietly
-from .options import SaveOptions, storage_factory
+from .options import SaveOptions, opener_of
 from .plan import plan_parts
 from .plan.collecting import Collected, check_state, collect
 from .plan.offer import Offer, check_same_entries, chunks_of
 from .plan.per_rank import split_differing
 from .plan.save_plan import SavePlan, plan_save
 from .storage import target_directory
-from .storage.locations import check_options
 from .storage.protocol import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -143,13 +142,12 @@ def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
     ``save``.
     """
     check_state(state)
-    if options.storage is None:
-        check_options(path, options.storage_options)
+    opener = opener_of(path, options.storage, options.storage_options)
     coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
     coord.enter(options.entry_timeout)
     run = SaveRun(path, coord, None, options, existed=True)  # until known: keep it
     try:
-        run.opened = storage_factory(options.storage, options.storage_options)(path)
+        run.opened = opener()
         run.existed = target_directory.refuse_committed(run.opened)
         run.items = collect(state, coord.rank, coord.world_size)
     except Exception as e:
