@@ -396,3 +396,47 @@ def test_a_manager_root_that_cannot_be_made_fails_on_every_rank_alike(
     assert all(r["took"] < AGREEMENT_S for r in results), results
     assert (tmp_path / "file").read_bytes() == b"mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link"]
+
+
+def save_a_state_wrong_on_one_rank(rank: int, world_size: int, root: str, how: str) -> Any:
+    """Rank 1 passes an empty state (a rank that owns nothing, say); rank 0 a good one."""
+    state: dict[str, Any] = {"w": torch.ones(4)} if rank == 0 else {}
+    manager = CheckpointManager(root)
+    start = time.monotonic()
+    try:
+        if how == "save":
+            shardsafe.save(os.path.join(root, "ckpt"), state, entry_timeout=30.0)
+        elif how == "async_save":
+            shardsafe.async_save(os.path.join(root, "ckpt"), state, entry_timeout=30.0).wait()
+        else:
+            manager.save(1, state, entry_timeout=30.0)
+        error = None
+    except Exception as e:  # what the user sees, whatever its class
+        error = (type(e).__name__, str(e))
+    took = time.monotonic() - start
+    dist.barrier()  # rank 0 stays up until both have raised (its process hosts the store)
+    manager.close()
+    return {"error": error, "took": took}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["save", "async_save", "manager"])
+def test_a_state_refused_on_one_rank_only_fails_every_rank_at_once(
+    tmp_path: Path, how: str
+) -> None:
+    """The refused rank raised its ValueError before the entry barrier, alone: the other
+    waited there for entry_timeout (30 s here) and then said rank 1 never called save."""
+    results = run_ranks(save_a_state_wrong_on_one_rank, 2, str(tmp_path), how, timeout=50)
+    refusal = (
+        "state must be a non-empty dict of name -> value, e.g. "
+        "{'model': model, 'optimizer': optimizer}"
+    )
+    assert results[1]["error"] == ("ValueError", refusal), results
+    cls, msg = results[0]["error"]
+    assert cls == "CheckpointError", results
+    said = f"save failed on rank 1: ValueError: {refusal}"
+    if how == "async_save":  # raised by wait(), which says which save it was
+        said = f"the background save to {tmp_path / 'ckpt'} failed: {said}"
+    assert msg.startswith(said), msg
+    assert all(r["took"] < AGREEMENT_S for r in results), results
+    assert list(tmp_path.iterdir()) == [], sorted(p.name for p in tmp_path.iterdir())

@@ -139,11 +139,18 @@ def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
     client that cannot be made on one node (s3fs missing from its image, a broken
     credentials file) or a request that fails on one rank alone raised there, before,
     while the others waited out ``entry_timeout`` and then blamed it for not calling
-    ``save``.
+    ``save``. A usage error (an empty ``state``, a bad key) is raised as the
+    ``ValueError`` it is, but after this rank has met the others and told them
+    (``Coordinator.refuse``): a state that is wrong on one rank alone fails them all at
+    once, not after ``entry_timeout``.
     """
-    check_state(state)
-    opener = opener_of(path, options.storage, options.storage_options)
     coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
+    try:
+        check_state(state)
+        opener = opener_of(path, options.storage, options.storage_options)
+    except ValueError as e:  # this rank's alone, perhaps (an empty state on one rank)
+        coord.refuse(e, options.entry_timeout)
+        raise
     coord.enter(options.entry_timeout)
     run = SaveRun(path, coord, None, options, existed=True)  # until known: keep it
     try:

@@ -154,6 +154,17 @@ class Coordinator:
             raise
         self._life.start_heartbeat()
 
+    def refuse(self, error: Exception, entry_timeout: float) -> None:
+        """This rank refuses the operation before it begins (``error``: a usage error,
+        such as an empty ``state``, that may be this rank's alone): meet the others at
+        the entry all the same and tell them, so that they raise it at once, naming this
+        rank, instead of waiting ``entry_timeout`` for a rank that never comes and then
+        saying it did not call. Never raises: the caller raises ``error``."""
+        with contextlib.suppress(Exception):  # the others gone too: ``error`` is the news
+            self.enter(entry_timeout)
+            self.abandon(error)
+        self.close()
+
     def close(self) -> None:
         """Rank 0 stays until the others have seen the last outcome; stop the heartbeat;
         the last phase's payloads go once every rank has read them.
