@@ -440,3 +440,33 @@ def test_a_state_refused_on_one_rank_only_fails_every_rank_at_once(
     assert msg.startswith(said), msg
     assert all(r["took"] < AGREEMENT_S for r in results), results
     assert list(tmp_path.iterdir()) == [], sorted(p.name for p in tmp_path.iterdir())
+
+
+def load_into_a_state_wrong_on_one_rank(rank: int, world_size: int, root: str) -> Any:
+    """Rank 1 passes its tensor bare, not in a dict; rank 0 a dict."""
+    path = os.path.join(root, "ckpt")
+    shardsafe.save(path, {"w": torch.arange(4.0)})
+    w = torch.zeros(4)
+    start = time.monotonic()
+    try:
+        shardsafe.load(path, {"w": w} if rank == 0 else w, entry_timeout=30.0)  # type: ignore[arg-type]
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+    took = time.monotonic() - start
+    dist.barrier()
+    return {"error": error, "took": took, "w": w.tolist()}
+
+
+@pytest.mark.timeout(60)
+def test_a_load_state_refused_on_one_rank_only_fails_every_rank_at_once(tmp_path: Path) -> None:
+    results = run_ranks(load_into_a_state_wrong_on_one_rank, 2, str(tmp_path), timeout=50)
+    refusal = "state must be a dict of name -> object to restore"
+    assert results[1]["error"] == ("ValueError", refusal), results
+    cls, msg = results[0]["error"]
+    assert (cls, msg.startswith(f"load failed on rank 1: ValueError: {refusal}")) == (
+        "CheckpointError",
+        True,
+    ), msg
+    assert all(r["took"] < AGREEMENT_S for r in results), results
+    assert [r["w"] for r in results] == [[0.0] * 4] * 2  # nothing restored on either rank

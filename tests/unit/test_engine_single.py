@@ -508,6 +508,15 @@ def test_bad_save_arguments_are_value_errors(
     assert not (tmp_path / "c").exists()
 
 
+def test_a_load_state_that_is_not_a_dict_is_a_value_error(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"w": torch.ones(2)})
+    w = torch.zeros(2)
+    with pytest.raises(ValueError) as info:
+        shardsafe.load(tmp_path / "c", w)  # type: ignore[arg-type]
+    assert str(info.value) == "state must be a dict of name -> object to restore"
+    assert w.tolist() == [0.0, 0.0]
+
+
 def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> None:
     """Code written for files (``except FileNotFoundError``, as Lightning's tests expect of
     a missing checkpoint) catches it, with shardsafe's message."""
