@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import statistics
+import tempfile
+import threading
 import time
+import weakref
+from collections.abc import Mapping
 from typing import Any
+
+from tests.forked_scripts import start_script
 
 SURVIVOR_EXIT_S = 30.0
 """Heartbeats declare a rank dead after 15 s, checked every second; plus exit. About 16 s
@@ -29,7 +36,7 @@ def seeded_moment(seed: int) -> tuple[int, float]:
     return rng.randint(3, 6), rng.uniform(0.0, 1.1)
 
 
-def kill_during_a_save(proc: Any, victim_step: int, fraction: float) -> str:
+def kill_during_a_save(proc: KillTarget, victim_step: int, fraction: float) -> str:
     """Read ``saving``/``saved`` lines; when save ``victim_step`` (3 or later: the typical
     duration is the median of the saves before) starts, SIGKILL the process group
     ``fraction`` of a typical save's duration later. Return where it really died (under
@@ -49,7 +56,10 @@ def kill_during_a_save(proc: Any, victim_step: int, fraction: float) -> str:
                 return f"{'in' if last[0] == 'saving' else 'after'} save {last[1]}"
         elif kind == "saved":
             durations.append(float(rest[1]) - started)
-    raise AssertionError(f"the target exited by itself (status {proc.wait()})")
+    status = proc.wait()
+    with open(proc.errors) as errors:
+        said = errors.read()[-3000:]
+    raise AssertionError(f"the target exited by itself (status {status}):\n{said}")
 
 
 def survivor_error(dead: int, stderr: str, stdout: str) -> str:
@@ -75,3 +85,74 @@ def survivor_error(dead: int, stderr: str, stdout: str) -> str:
         -2000:
     ]
     return "gloo error in the training step after a finished save"
+
+
+class KillTarget:
+    """A kill test's target, forked from the tests' script server (``tests/forked_scripts.py``)
+    instead of started as a fresh interpreter: torch, ``torch._dynamo`` (which an
+    optimizer's step imports) and shardsafe are imported there once, not at about 3 s of
+    CPU per target, of which the kill tests start some forty. Otherwise it is the process
+    ``python script ...`` would be, in a session of its own.
+
+    Its output goes to the file ``output``, or, when that is not given, through a FIFO
+    read as a pipe is (``stdout``: a line read waits for the whole line, and the stream
+    ends once the target has died): :func:`kill_during_a_save` times its kill by it.
+    Its error stream goes to the file ``errors`` (default: one of its own, read by
+    :meth:`communicate`). Answers as the ``subprocess.Popen`` the tests used to start:
+    ``pid``, ``poll``, ``wait``, ``returncode``, ``communicate``; ``kill`` kills its
+    whole session.
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        *,
+        output: str | None = None,
+        errors: str | None = None,
+    ) -> None:
+        scratch = tempfile.mkdtemp(prefix="shardsafe-kill-target-")
+        weakref.finalize(self, shutil.rmtree, scratch, ignore_errors=True)
+        self.errors = errors or os.path.join(scratch, "stderr")
+        followed = output is None
+        output = output or os.path.join(scratch, "stdout")
+        for path in (output, self.errors):
+            if not os.path.exists(path):
+                open(path, "w").close()
+        if followed:
+            os.unlink(output)
+            os.mkfifo(output)
+        self._script = start_script(argv, env, output, errors=self.errors)
+        self.pid = self._script.pid
+        # Opening a FIFO waits for its other end: the target opens it as it starts.
+        self.stdout: Any = open(output) if followed else None  # noqa: SIM115 - closed by communicate
+
+    @property
+    def returncode(self) -> int | None:
+        return self._script.returncode
+
+    def poll(self) -> int | None:
+        return self._script.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._script.wait(timeout)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its whole output and error stream once it has ended (waited for at most
+        ``timeout`` seconds; the FIFO is read meanwhile, so a full one never blocks it)."""
+        out: list[str] = []
+        reader = None
+        if self.stdout is not None:
+            stream = self.stdout
+            reader = threading.Thread(target=lambda: out.append(stream.read()), daemon=True)
+            reader.start()
+        self.wait(timeout)
+        if reader is not None:
+            reader.join()
+            self.stdout.close()
+        with open(self.errors) as errors:
+            return "".join(out), errors.read()

@@ -1,14 +1,15 @@
 """SIGKILL during saves: whatever the moment, the newest complete checkpoint survives.
 
 A real run (``kill_target.py``: CheckpointManager, keep_last=3, 8 MiB of model and
-tensors, a save every step) is started in its own session and killed with a real
-SIGKILL at a chosen moment inside a save: the target prints when each save starts
-and ends (``time.monotonic()``, one clock for every process of the host), and the kill
-lands at a given fraction of a typical save's duration after a given save starts. The
-moments are spread from the start of a save to just after its end, alternating the two
-layouts, in saves before and after retention starts deleting (save 4 is the first that
-does). Four more kills land exactly in windows too narrow to hit by timing
-(``--die-at``).
+tensors, a save every step) is started in its own session (forked from the tests' script
+server, ``kills.KillTarget``: its own process, as ``python kill_target.py`` would be,
+without its imports) and killed with a real SIGKILL at a chosen moment inside a save:
+the target prints when each save starts and ends (``time.monotonic()``, one clock for
+every process of the host), and the kill lands at a given fraction of a typical save's
+duration after a given save starts. The moments are spread from the start of a save to
+just after its end, alternating the two layouts, in saves before and after retention
+starts deleting (save 4 is the first that does). Four more kills land exactly in windows
+too narrow to hit by timing (``--die-at``).
 With two ranks, one rank is killed and the survivor must exit by itself, non-zero,
 naming the dead rank, well before any collective timeout.
 
@@ -34,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ from shardsafe.checkpoint.loading import read_manifest
 from shardsafe.checkpoint.manager import step_dir_name
 from shardsafe.checkpoint.verifying import find_problems
 from tests.e2e import kill_target as target
-from tests.e2e.kills import SURVIVOR_EXIT_S, kill_during_a_save, survivor_error
+from tests.e2e.kills import SURVIVOR_EXIT_S, KillTarget, kill_during_a_save, survivor_error
 from tests.harness import free_port
 
 TARGET = Path(target.__file__)
@@ -73,14 +74,10 @@ ONE_RANK_KILLS = (
 )
 
 
-def start(root: Path, *args: str, stdout: IO[Any] | int, stderr: IO[Any] | int) -> Any:
-    return subprocess.Popen(
-        [sys.executable, str(TARGET), str(root), *args],
-        stdout=stdout,
-        stderr=stderr,
-        text=True,
-        start_new_session=True,  # its own process group: killpg reaches nothing else
-    )
+def start(root: Path, *args: str, output: str | None = None, errors: str | None = None) -> Any:
+    """The target on ``root``, in a session of its own (``KillTarget``: its output
+    followed unless ``output`` names a file)."""
+    return KillTarget([str(TARGET), str(root), *args], os.environ, output=output, errors=errors)
 
 
 def where_it_died(root: Path) -> str:
@@ -146,7 +143,7 @@ def test_killing_the_whole_run_at_moments_across_saves(tmp_path: Path) -> None:
     inside = 0
     for trial, (layout, step, fraction) in enumerate(WHOLE_RUN_KILLS):
         root = tmp_path / f"trial-{trial}"
-        proc = start(root, "--layout", layout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = start(root, "--layout", layout)
         try:
             died = kill_during_a_save(proc, step, fraction)
             assert proc.wait(timeout=10) == -signal.SIGKILL
@@ -171,7 +168,7 @@ def test_a_kill_in_each_narrow_window(tmp_path: Path, point: str) -> None:
         "latest-rename": "committed, latest not yet moved",
         "retention": "latest moved, retention not done",
     }[point]
-    proc = start(tmp_path, "--die-at", point, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start(tmp_path, "--die-at", point)
     out, err = proc.communicate(timeout=50)
     assert proc.returncode == -signal.SIGKILL, err
     assert f"saving {target.DIE_AFTER_STEP} " in out
@@ -192,9 +189,7 @@ def test_killing_async_saves_at_moments_across_their_background_writes(
     inside = 0
     for trial, (layout, step, fraction) in enumerate(ASYNC_KILLS):
         root = tmp_path / f"trial-{trial}"
-        proc = start(
-            root, "--layout", layout, "--async", stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+        proc = start(root, "--layout", layout, "--async")
         try:
             died = kill_during_a_save(proc, step, fraction)
             assert proc.wait(timeout=10) == -signal.SIGKILL
@@ -247,9 +242,10 @@ class TwoRankTrial:
 
     def _stop(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
 
     def _lost_the_port_race(self) -> bool:
         return any(
@@ -262,11 +258,11 @@ class TwoRankTrial:
         self.root.mkdir(parents=True)
         for rank in range(2):
             args = ["--rank", str(rank), "--world-size", "2", "--port", port]
-            with self._file(rank, "out") as out, self._file(rank, "err") as err:
-                stdout: Any = subprocess.PIPE if rank == self.victim else out
-                self.procs.append(
-                    start(self.root, "--layout", self.layout, *args, stdout=stdout, stderr=err)
-                )
+            out = None if rank == self.victim else self._file(rank, "out")
+            err = self._file(rank, "err")
+            self.procs.append(
+                start(self.root, "--layout", self.layout, *args, output=out, errors=err)
+            )
         victim = self.procs[self.victim]
         self.died = kill_during_a_save(victim, self.step, self.fraction)
         self.killed_at = time.monotonic()
@@ -278,8 +274,10 @@ class TwoRankTrial:
             self.survivor_rc = None
         self.survivor_s = time.monotonic() - self.killed_at
 
-    def _file(self, rank: int, kind: str) -> IO[str]:
-        return open(self.root.parent / f"{self.root.name}-rank{rank}.{kind}", "w")
+    def _file(self, rank: int, kind: str) -> str:
+        path = self.root.parent / f"{self.root.name}-rank{rank}.{kind}"
+        path.write_text("")
+        return str(path)
 
     def survivor_output(self, kind: str) -> str:
         return (self.root.parent / f"{self.root.name}-rank{1 - self.victim}.{kind}").read_text()

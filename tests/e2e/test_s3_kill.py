@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import shardsafe
 from shardsafe.checkpoint.verifying import find_problems
 from tests.e2e.kills import (
     SURVIVOR_EXIT_S,
+    KillTarget,
     kill_during_a_save,
     seeded_moment,
     survivor_error,
@@ -34,16 +33,11 @@ TARGET = Path(__file__).with_name("s3_kill_target.py")
 ROOT_DIR = str(Path(__file__).resolve().parents[2])
 
 
-def start(root: str, *args: str, stdout: Any, stderr: Any = None) -> subprocess.Popen[str]:
+def start(root: str, *args: str, output: str | None = None, errors: str | None = None) -> Any:
+    """The target on ``root``, in a session of its own (``KillTarget``: its output
+    followed unless ``output`` names a file)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, ROOT_DIR])}
-    return subprocess.Popen(
-        [sys.executable, str(TARGET), root, *args],
-        env=env,
-        stdout=stdout,
-        stderr=stderr,
-        text=True,
-        start_new_session=True,  # its own process group: killpg reaches nothing else
-    )
+    return KillTarget([str(TARGET), root, *args], env, output=output, errors=errors)
 
 
 def check_latest_then_save_again(s3_server: S3Server, bucket: str, root: str) -> int:
@@ -78,13 +72,12 @@ def test_sigkill_mid_upload_leaves_latest_complete_and_the_next_save_cleans_up(
     s3_server: S3Server, s3_bucket: str, seed: int
 ) -> None:
     root = f"s3://{s3_bucket}/run"
-    proc = start(root, stdout=subprocess.PIPE)
+    proc = start(root)
     try:
         died = kill_during_a_save(proc, *seeded_moment(seed))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.kill()
+        proc.communicate(timeout=30)
     step = check_latest_then_save_again(s3_server, s3_bucket, root)
     print(f"seed {seed}: killed {died}; latest was step {step}")
 
@@ -103,9 +96,8 @@ def one_rank_of_two(s3_server: S3Server, tmp_path: Path, seed: int, victim: int)
     procs = []
     for rank in range(2):
         args = ("--rank", str(rank), "--world-size", "2", "--port", port)
-        with open(tmp_path / "survivor.out", "a") as out, open(err(rank), "w") as errors:
-            stdout: Any = subprocess.PIPE if rank == victim else out
-            procs.append(start(root, *args, stdout=stdout, stderr=errors))
+        out = None if rank == victim else str(tmp_path / "survivor.out")
+        procs.append(start(root, *args, output=out, errors=str(err(rank))))
     survivor = procs[1 - victim]
     try:
         died = kill_during_a_save(procs[victim], *seeded_moment(100 + seed))
@@ -115,9 +107,9 @@ def one_rank_of_two(s3_server: S3Server, tmp_path: Path, seed: int, victim: int)
         took = time.monotonic() - killed_at
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            p.kill()
+        procs[victim].communicate()
+        survivor.wait()
     assert code != 0, f"seed {seed}: the survivor exited 0"
     assert took < SURVIVOR_EXIT_S, f"seed {seed}: the survivor took {took:.1f}s to exit"
     stderr = err(1 - victim).read_text()
