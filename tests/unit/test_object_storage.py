@@ -22,7 +22,8 @@ import torch
 import shardsafe
 from shardsafe import cli
 from shardsafe.checkpoint import loading
-from shardsafe.checkpoint.options import LoadOptions
+from shardsafe.checkpoint.options import LoadOptions, SaveOptions
+from shardsafe.checkpoint.replacing import async_save_replacing, save_replacing
 from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.checkpoint.storage.object_storage import (
     MAX_PARTS,
@@ -99,6 +100,15 @@ def test_storage_options_for_a_local_path_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as refused:
         shardsafe.CheckpointManager(tmp_path / "x", storage_options={"anon": True})
     assert str(refused.value) == said
+    # Saves that replace a name (Lightning's last.ckpt, the transformers integration).
+    for replacing in (save_replacing, async_save_replacing):
+        with pytest.raises(ValueError) as refused:
+            replacing(
+                str(tmp_path / "x"),
+                {"w": torch.ones(2)},
+                SaveOptions.of(storage_options={"anon": True}),
+            )
+        assert str(refused.value) == said
 
 
 def test_file_urls_are_local_directories(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from .background import SaveHandle
 from .io.staging import Stager
 from .options import SaveHooks, SaveOptions
 from .saving import save
-from .storage.locations import is_url, open_storage
+from .storage.locations import check_options, is_url, open_storage
 from .storage.placement import Placement
 
 if TYPE_CHECKING:
@@ -47,6 +47,8 @@ def async_save_replacing(
 def _placed(path: str, options: SaveOptions) -> tuple[Placement | ObjectPlacement, SaveOptions]:
     if options.hooks != SaveHooks():
         raise ValueError("save_replacing() runs its own save hooks; pass SaveOptions without")
+    if options.storage is None:  # the usage error as save's, not wrapped by the agreement
+        check_options(path, options.storage_options)
     placement = _object_placement(path, options) if is_url(path) else Placement.of(path)
     hooks = SaveHooks(before_write=placement.check, after_commit=placement.publish)
     storage = functools.partial(options.storage or open_storage, follow=False)
