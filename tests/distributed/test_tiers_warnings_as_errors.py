@@ -166,3 +166,43 @@ def test_a_restores_warning_made_an_error_is_raised_once_every_rank_is_done(
     assert got[1]["outcome"] == ["returned", True]
     assert [got[0]["tier"], got[1]["tier"]] == [[2, "local"], [2, "peer"]]
     assert [got[0]["weight"], got[1]["weight"]] == [[20.0], [21.0]]
+
+
+def _one_node_manager(rank: int, world: int, base: str, error_filter: bool) -> dict[str, Any]:
+    """Both ranks on one node, replicas=1 (the default): the constructor warns that no
+    replica is possible. What it raised or warned, and what the next call gave."""
+    os.environ["SHARDSAFE_NODE"] = "0"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("error" if error_filter else "always")
+        try:
+            manager = node_manager(base, 0, TIMEOUT)
+        except Exception as e:
+            return {"raised": [type(e).__name__, str(e)]}
+    with contextlib.closing(manager):
+        restored = manager.load_latest({"model": torch.nn.Linear(2, 2)})
+    warned = [(str(w.message), os.path.basename(w.filename)) for w in seen]
+    return {"warned": warned, "restored": restored, "replicas": manager.replicas}
+
+
+@pytest.mark.parametrize("error_filter", [False, True], ids=["warned", "made an error"])
+def test_a_single_node_jobs_missing_replicas_warning_is_raised_alike_on_every_rank(
+    tmp_path: Path, error_filter: bool
+) -> None:
+    """Rank 0 warned after the constructor's agreement: under an error filter it raised
+    alone, and rank 1, holding its manager, waited for rank 0 in ``load_latest`` until the
+    timeout and then said rank 0 never called. Now rank 0 warns inside an exchange: the
+    error is every rank's; without the filter rank 0 alone warns, once, at the caller."""
+    got = run_ranks(_one_node_manager, 2, str(tmp_path), error_filter, timeout=100)
+    said = (
+        "shardsafe: replicas=1, but the job runs on 1 node(s), so a replica on another node "
+        "is possible for 0; a lost node loses its local checkpoints"
+    )
+    if error_filter:
+        assert got[0] == got[1], got
+        kind, message = got[0]["raised"]
+        assert kind == "CheckpointError"
+        assert f"failed on rank 0: UserWarning: {said}" in message, message
+        return
+    caller = "tiers_setup.py"  # node_manager's call of TieredCheckpointManager(...)
+    assert got[0] == {"warned": [(said, caller)], "restored": None, "replicas": 0}
+    assert got[1] == {"warned": [], "restored": None, "replicas": 0}

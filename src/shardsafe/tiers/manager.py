@@ -121,8 +121,12 @@ class TieredCheckpointManager:
             self.persistent.close()
             raise
         self.topology = Topology.of([str(n[0]) for n in names])
+        try:
+            self.replicas = self._possible_replicas(replicas)
+        except CheckpointError:
+            self.persistent.close()
+            raise
         self._store = clients.acquire(default_store()) if self.world_size > 1 else None
-        self.replicas = self._possible_replicas(replicas)
         peers = Peers(
             self.topology.targets(self.rank, self.replicas),
             self.topology.sources(self.rank, self.replicas),
@@ -155,15 +159,29 @@ class TieredCheckpointManager:
         )
 
     def _possible_replicas(self, replicas: int) -> int:
-        """``replicas``, or as many as the job's other nodes allow (rank 0 warns)."""
+        """``replicas``, or as many as the job's other nodes allow (rank 0 warns).
+
+        Every rank knows it is fewer (the topology is every rank's), and rank 0 warns
+        inside an exchange: under a filter that makes warnings errors (``-W error``,
+        pytest's ``filterwarnings = error``) every rank raises the agreed error. Warned
+        after the agreement, rank 0 raised alone from the constructor while the others
+        returned with their managers and then waited for it in their next call until the
+        timeout (300 s), saying it never called."""
         possible = min(replicas, self.topology.max_replicas())
-        if possible < replicas and self.rank == 0:
-            warnings.warn(
+        if possible < replicas:
+            said = (
                 f"shardsafe: replicas={replicas}, but the job runs on "
                 f"{len(self.topology.nodes)} node(s), so a replica on another node is possible "
-                f"for {possible}; a lost node loses its local checkpoints",
-                stacklevel=3,  # the caller of TieredCheckpointManager(...)
+                f"for {possible}; a lost node loses its local checkpoints"
             )
+
+            def warn() -> None:
+                if self.rank == 0:
+                    # At the caller of TieredCheckpointManager(...): this, the exchange,
+                    # this method, the constructor, the caller.
+                    warnings.warn(said, stacklevel=5)
+
+            self._ranks.exchange(Phase.SURVEY, warn)
         return possible
 
     def _tally(self, names: list[Any]) -> Tally | None:
