@@ -1140,3 +1140,62 @@ def test_a_setting_invalid_on_one_rank_only_is_refused_on_every_rank_at_once(
     outcomes = run_ranks(_settings_differ, 2, str(tmp_path), {field: 0}, timeout=100)
     assert outcomes == [said] * 2
     assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))
+
+
+MANY = 12
+"""Steps saved by :func:`_many_damaged_replicas_then_restore`: more damaged copies (10)
+than the 3 x world size + 3 passes that ``load_latest`` used to try before giving up."""
+
+
+def _many_damaged_replicas_then_restore(rank: int, world: int, base: str) -> dict[str, Any]:
+    """2 ranks as 2 nodes save steps 0..11 (all kept locally; step 0 persisted). Node 0
+    is then lost, and node 1's replicas of rank 0's steps 2..11 each have a flipped
+    byte. What a fresh manager's ``load_latest`` restores."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+
+    def manager() -> TieredCheckpointManager:
+        return TieredCheckpointManager(
+            os.path.join(base, "persistent"),
+            local_dir(base, rank),
+            persist_every=1000,
+            keep_local=MANY,
+            timeout=30,
+        )
+
+    model = torch.nn.Linear(4, 4)
+    with contextlib.closing(manager()) as saving:
+        for step in range(MANY):
+            with torch.no_grad():
+                model.weight.fill_(100 * step + rank)
+            saving.save(step, {"model": model})
+            saving.wait()
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.rmtree(local_dir(base, 0))
+        for step in range(2, MANY):
+            flip_a_byte(Path(local_dir(base, 1)) / f"step-{step:09d}" / "rank-00000", "tensor data")
+    torch.distributed.barrier()
+    with torch.no_grad():
+        model.weight.zero_()
+    with warnings.catch_warnings(record=True), contextlib.closing(manager()) as resumed:
+        resumed.load_latest({"model": model})
+        restored = resumed.restored
+    assert restored is not None
+    return {
+        "step": restored.step,
+        "tiers": restored.tiers,
+        "weight": model.weight.unique().tolist(),
+    }
+
+
+def test_every_damaged_copy_is_passed_over_however_many_before_an_older_complete_step(
+    tmp_path: Path,
+) -> None:
+    """``load_latest`` tried at most 3 x world size + 3 sources (9 here), then raised "the
+    local tiers kept failing; load from the persistent tier" on every rank, with step 1
+    complete (rank 0's replica on node 1 intact) and step 0 in the persistent tier."""
+    got = run_ranks(_many_damaged_replicas_then_restore, 2, str(tmp_path), timeout=100)
+    assert got == [
+        {"step": 1, "tiers": ["peer", "local"], "weight": [100.0]},
+        {"step": 1, "tiers": ["peer", "local"], "weight": [101.0]},
+    ]

@@ -126,7 +126,14 @@ class Restorer:
         unfetched: list[tuple[int, list[int]]] = []  # (step, ranks that could not receive it)
         persistent = True
         floor: int | None = None  # a persistent step that loaded, then was overwritten
-        for _ in range(3 * self.world_size + 3):
+        # Each pass that does not return rules a source out: a copy (excluded), the
+        # persistent tier, or what loaded from it (floor). The passes end when every bad
+        # copy is out, however many there are; a fixed number of them gave up with an
+        # older complete step and the persistent tier still untried. A pass that ruled
+        # nothing out would repeat itself: never seen, stopped all the same.
+        ruled_out: tuple[int, bool, int | None] | None = None
+        while ruled_out != (len(excluded), persistent, floor):
+            ruled_out = (len(excluded), persistent, floor)
             choice = self._survey(excluded, persistent)
             if floor is not None and (choice.step is None or choice.step <= floor):
                 break  # no local step newer than the persistent one that loaded is left
