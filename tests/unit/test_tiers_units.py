@@ -422,6 +422,58 @@ def test_forged_entry_metadata_is_refused_as_corrupt_before_anything_is_restored
     assert same(snapshot(state), before)
 
 
+CORRUPT_PLACEMENTS = [
+    case for case, (_, error, _) in FORGED.items() if error is CheckpointCorruptError
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "case"),
+    [("placement", case) for case in CORRUPT_PLACEMENTS]
+    + [("metadata", case) for case in MALFORMED],
+)
+def test_a_forged_newest_copy_is_passed_over_and_the_step_before_restored(
+    tmp_path: Path, what: str, case: str
+) -> None:
+    """A well-formed manifest (its checksum recomputed) whose placements or entry
+    metadata the load refuses: the survey chose its step, the load refused it, its data
+    files' checksums found it sound, so ``load_latest`` raised, at every restart. Now the
+    survey passes over a bad placement (``latest()`` too), and a copy whose metadata the
+    load refuses is judged damaged, removed, and the step before restored."""
+    states = {step: trained(step) for step in (1, 2)}
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", persist_every=None, keep_local=2
+    )
+    for step, state in states.items():
+        manager.save(step, state)
+    manager.close()
+    copy = tmp_path / "l" / "step-000000002" / "rank-00000"
+    doc = forge.read_manifest(copy)
+    if what == "placement":
+        FORGED[case][0](doc["info"]["rank_checkpoint"])
+    else:
+        name, meta, _ = MALFORMED[case]
+        doc["values"][name]["meta"] = meta
+    forge.write_manifest(copy, doc)
+    state = trained(9)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resumed = TieredCheckpointManager(
+            tmp_path / "p", tmp_path / "l", persist_every=None, keep_local=2
+        )
+        assert resumed.latest() == (1 if what == "placement" else 2)
+        resumed.load_latest(state)
+        resumed.close()
+    assert resumed.restored is not None and resumed.restored.step == 1
+    assert same(snapshot(state), snapshot(states[1]))
+    damaged = [str(w.message) for w in said if "was damaged" in str(w.message)]
+    if what == "metadata":
+        assert len(damaged) == 1 and "is malformed: ModuleAdapter.merge failed" in damaged[0]
+        assert not copy.exists()
+    else:
+        assert damaged == []
+
+
 def test_an_entry_saved_as_another_kind_is_a_mismatch_naming_both(
     rank_ckpt: tuple[Path, list[torch.Tensor]],
 ) -> None:
@@ -480,7 +532,35 @@ def test_the_ranks_agree_under_the_name_given_else_the_persistent_root(tmp_path:
     assert default._ranks.tag == f"tiers:{tmp_path / 'q'}"
 
 
-def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path) -> None:
+def test_a_damaged_manifest_of_the_only_step_is_refused_not_a_silent_fresh_start(
+    tmp_path: Path,
+) -> None:
+    """The survey passed over a copy whose manifest fails its checksum, and with nothing
+    else to restore, ``load_latest`` returned ``None``: the run started afresh over it."""
+    manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    manager.save(7, trained(0))
+    manager.close()
+    manifest = tmp_path / "l" / STEP7 / RANK0 / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    raw[20] ^= 0x01
+    manifest.write_bytes(bytes(raw))
+    live = trained(1)
+    before = snapshot(live)
+    resumed = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
+    with pytest.raises(CheckpointCorruptError) as caught:
+        resumed.load_latest(live)
+    resumed.close()
+    said = str(caught.value)
+    assert said.startswith(
+        "nothing was restored, but the local tiers hold rank checkpoints that would not load "
+        "(step 7 of rank 0: CheckpointCorruptError: "
+    ), said
+    assert "is damaged: its content does not match its CRC32 ('manifest_crc32')" in said, said
+    assert same(snapshot(live), before)
+    assert manifest.read_bytes() == bytes(raw)  # left for the user to look at
+
+
+def test_a_forged_placement_alone_is_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
     state = trained(0)
     manager = TieredCheckpointManager(tmp_path / "p", tmp_path / "l", replicas=0)
     manager.save(7, state)
@@ -490,12 +570,17 @@ def test_a_forged_placement_reaches_load_latest_as_the_same_error(tmp_path: Path
     forge.write_manifest(ckpt, doc)
     live = trained(1)
     before = snapshot(live)
+    assert manager.latest() is None  # the survey refuses what the load would
     with pytest.raises(CheckpointCorruptError) as caught:
         manager.load_latest(live)
     manager.close()
     assert str(caught.value) == (
-        f"the rank checkpoint places {W!r} (shape [3, 4]) at offsets [0, 1] of a tensor of "
-        "shape [3, 4], which does not hold it"
+        "nothing was restored, but the local tiers hold rank checkpoints that would not load "
+        f"(step 7 of rank 0: CheckpointCorruptError: the rank checkpoint places {W!r} (shape "
+        "[3, 4]) at offsets [0, 1] of a tensor of shape [3, 4], which does not hold it), and "
+        "no other step or persistent checkpoint was left to restore. Returning nothing would "
+        "start the run afresh and abandon them: repair or delete them (or give this run a "
+        "local directory of its own) and restart"
     )
     assert same(snapshot(live), before)
 
@@ -1061,7 +1146,15 @@ def test_a_fifo_in_place_of_a_file_is_never_opened(tmp_path: Path, name: str) ->
         assert node.committed(7, 0) == (name != "manifest.json")
         node.used_bytes({0})  # a stat, never an open
         manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
-        assert manager.load_latest(trained(1)) is None
+        if name == "manifest.json":  # no manifest: an interrupted write, not a step
+            assert manager.load_latest(trained(1)) is None
+        else:  # a step that would not load: never abandoned for a silent fresh start
+            with pytest.raises(CheckpointCorruptError) as refused:
+                manager.load_latest(trained(1))
+            assert (
+                f"would not load (step 7 of rank 0: CheckpointCorruptError: {name} is not a "
+                "regular file (a named pipe (FIFO))), and no other step"
+            ) in str(refused.value)
         manager.close()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -26,7 +26,7 @@ from ..checkpoint.manager import loadable_manifest, step_dir_name, step_of
 from ..checkpoint.storage.files import check_name, open_directory
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.removal import delete_checkpoint
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from . import rank_checkpoint
 
 _RANK_DIR = re.compile(r"rank-([0-9]{5,})", re.ASCII)
@@ -53,6 +53,15 @@ class Held:
     world_size: int
     run: str = ""
     """The token of the run that wrote it (``rank_checkpoint.run_of``)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A committed rank checkpoint in this node's directory that would not load, and why."""
+
+    step: int
+    rank: int
+    why: str
 
 
 class _Under(LocalStorage):
@@ -154,31 +163,40 @@ class NodeDir:
             return storage.kind(MANIFEST_NAME) == "file"
         return False
 
-    def held(self, ranks: Container[int] | None = None) -> Iterator[Held]:
+    def held(
+        self, ranks: Container[int] | None = None, refused: list[Refused] | None = None
+    ) -> Iterator[Held]:
         """Every committed rank checkpoint here (of ``ranks`` only, if given) that would
         load, newest step first; one that would not (damaged, or naming another rank or
-        step) is passed over."""
+        step) is passed over, and added to ``refused`` if given."""
         for step in reversed(self.steps()):
             for rank in self.ranks_in(step):
                 if ranks is not None and rank not in ranks:
                     continue
                 found = self._check(step, rank)
-                if found is not None:
+                if isinstance(found, Held):
                     yield found
+                elif found is not None and refused is not None:
+                    refused.append(Refused(step, rank, found))
 
-    def _check(self, step: int, rank: int) -> Held | None:
-        with (
-            contextlib.suppress(CheckpointError, OSError),
-            self.rank_storage(step, rank, create=False) as storage,
-        ):
-            if storage.kind(MANIFEST_NAME) != "file":
-                return None
-            # Checked and parsed once (a survey reads them all); a problem is suppressed.
-            manifest = loadable_manifest(storage)
-            saved_rank, world_size, saved_step = rank_checkpoint.saved_by(manifest)
-            if (saved_rank, saved_step) == (rank, step):
+    def _check(self, step: int, rank: int) -> Held | str | None:
+        """The copy, if it would load; else why not, or ``None`` if it is no copy (no
+        manifest: an interrupted write or receipt; gone since it was listed)."""
+        try:
+            with self.rank_storage(step, rank, create=False) as storage:
+                if storage.kind(MANIFEST_NAME) != "file":
+                    return None
+                # Checked and parsed once (a survey reads them all).
+                manifest = loadable_manifest(storage)
+                saved_rank, world_size, saved_step = rank_checkpoint.saved_by(manifest)
+                if (saved_rank, saved_step) != (rank, step):
+                    return f"it holds rank {saved_rank}'s checkpoint of step {saved_step}"
+                rank_checkpoint.placed_tensors(manifest)  # what its load would refuse
                 return Held(step, rank, world_size, rank_checkpoint.run_of(manifest))
-        return None
+        except (FileNotFoundError, CheckpointNotFoundError):
+            return None
+        except (CheckpointError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
 
     def remove(self, step: int, rank: int, *, prune: bool = False) -> None:
         """Delete ``step-<step>/rank-<rank>`` (what shardsafe wrote in it); with ``prune``

@@ -194,16 +194,25 @@ def view(state: Mapping[str, Any], *, rank: int, world_size: int) -> Callable[[M
                 f"this rank checkpoint was saved by rank {saved_rank} of {saved_world}, not "
                 f"rank {rank} of {world_size}"
             )
-        placements = manifest.info[INFO_KEY].get("placements")
-        if not isinstance(placements, dict) or set(placements) != set(manifest.tensors):
-            raise CheckpointCorruptError(
-                "the rank checkpoint's placements do not name exactly its tensors"
-            )
-        tensors = {key: _placed(key, rec, placements[key]) for key, rec in manifest.tensors.items()}
+        tensors = placed_tensors(manifest)
         values = {name: _as_merged(saved, state, rank) for name, saved in manifest.values.items()}
         return replace(manifest, world_size=world_size, tensors=tensors, values=values)
 
     return make
+
+
+def placed_tensors(manifest: Manifest) -> dict[str, TensorRecord]:
+    """Each tensor of a rank checkpoint as the piece of its global tensor that it is;
+    refuses placements that are not valid (``CheckpointCorruptError``). The survey
+    checks them too (``NodeDir.held``): a copy whose placements its load refuses is never
+    chosen, where a well-formed manifest with a bad placement was chosen, refused by the
+    load, found sound by its checksums, and chosen again at every restart."""
+    placements = manifest.info[INFO_KEY].get("placements")
+    if not isinstance(placements, dict) or set(placements) != set(manifest.tensors):
+        raise CheckpointCorruptError(
+            "the rank checkpoint's placements do not name exactly its tensors"
+        )
+    return {key: _placed(key, rec, placements[key]) for key, rec in manifest.tensors.items()}
 
 
 def _placed(key: str, rec: TensorRecord, placement: Any) -> TensorRecord:

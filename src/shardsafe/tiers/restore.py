@@ -31,10 +31,15 @@ from ..errors import (
 from . import rank_checkpoint, recovery
 from .deferred_warnings import DeferredWarnings
 from .fetch import Fetcher
-from .node_dir import NodeDir
+from .node_dir import NodeDir, Refused
 from .ranks import CALLED_AS, Ranks
 from .replication import Replicator
 from .topology import Topology
+
+REFUSED_REPORTED = 3
+"""Refused copies a rank reports in a survey (only named in an error: a few suffice)."""
+MAX_WHY_CHARS = 500
+"""Characters of each refused copy's reason a rank reports."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class Restorer:
         )
         """The rank directories of the node's this rank checks in a survey."""
         self.restored: Restored | None = None
+        self._refused: list[Refused] = []
+        """The copies the last survey refused, every rank's (a few of each)."""
         self._said = DeferredWarnings()
         """This restore's warnings, said as it ends (``deferred_warnings.py``)."""
         self._fetcher = Fetcher(ranks, topology, node, self._said)
@@ -139,6 +146,7 @@ class Restorer:
                 break  # no local step newer than the persistent one that loaded is left
             if choice.step is None:
                 _refuse_stranded(choice, self.world_size)
+                _refuse_unloadable(self._refused, damaged)
                 return _or_damaged(None, damaged, unfetched)
             if recovery.PERSISTENT in choice.tiers:
                 try:
@@ -224,11 +232,17 @@ class Restorer:
         self, excluded: set[tuple[int, int, int]], persistent: bool = True
     ) -> recovery.Choice:
         def report() -> dict[str, Any]:
-            held = [[h.step, h.rank, h.world_size, h.run] for h in self.node.held(self._surveyed)]
+            refused: list[Refused] = []
+            held = [
+                [h.step, h.rank, h.world_size, h.run]
+                for h in self.node.held(self._surveyed, refused)
+            ]
             persisted = self._persisted_step() if self.rank == 0 and persistent else None
-            return {"held": held, "persistent": persisted}
+            bad = [[r.step, r.rank, r.why[:MAX_WHY_CHARS]] for r in refused[:REFUSED_REPORTED]]
+            return {"held": held, "persistent": persisted, "refused": bad}
 
         payloads = self.ranks.exchange(Phase.SURVEY, report)
+        self._refused = [Refused(*r) for p in payloads for r in p["refused"]]
         choice = recovery.choose(
             [[(c[0], c[1], c[2], c[3]) for c in p["held"]] for p in payloads],
             self.topology,
@@ -287,7 +301,7 @@ class Restorer:
         except (CheckpointCorruptError, CheckpointNotFoundError) as e:
 
             def judged() -> bool:
-                bad = not self._verifies(step)
+                bad = not self._verifies(step, state)
                 if bad:  # excluded below either way; never raised on this rank alone
                     what = f"its damaged copy of step {step}"
                     self._remove(step, self.rank, what, prune=False)
@@ -307,12 +321,20 @@ class Restorer:
                 )
             return None
 
-    def _verifies(self, step: int) -> bool:
+    def _verifies(self, step: int, state: Any) -> bool:
+        """Whether this rank's copy of ``step`` is sound: its manifest as its load views
+        it (a well-formed manifest whose placements or metadata the load refuses was
+        judged sound by its checksums alone, and chosen again at every restart), every
+        data file whole, every checksum right. A mismatch with ``state`` is the state's,
+        not the copy's: the copy is judged by its bytes."""
+        view = rank_checkpoint.view(state, rank=self.rank, world_size=self.world_size)
         with (
             contextlib.suppress(CheckpointError, OSError),
             self.node.rank_storage(step, self.rank, create=False) as storage,
         ):
             manifest = loading.read_manifest_from(storage)
+            with contextlib.suppress(CheckpointMismatchError):
+                view(manifest)
             with CheckpointReader(storage, manifest) as reader:
                 return not reader.check_files() and not reader.verify_all()
         return False
@@ -421,6 +443,24 @@ def _refuse_stranded(
         f"but this run's world size is {world_size}: local checkpoints load only at the world "
         f"size that saved them, and {why}. Relaunch with {saved_world} ranks to resume from "
         f"them, {instead}or give this run a local directory of its own to start afresh"
+    )
+
+
+def _refuse_unloadable(refused: list[Refused], damaged: list[CheckpointError]) -> None:
+    """Nothing to restore, but the local tiers hold copies that the survey refused (a
+    manifest that is damaged or names another rank, a placement the load would refuse):
+    returning ``None`` would start the run afresh and silently abandon them, as it did.
+    The same decision on every rank: they all read the same survey. (After a copy found
+    damaged while loading, ``_or_damaged`` says so instead.)"""
+    if not refused or damaged:
+        return
+    newest = sorted(refused, key=lambda r: (-r.step, r.rank))
+    named = "; ".join(f"step {r.step} of rank {r.rank}: {r.why}" for r in newest[:3])
+    raise CheckpointCorruptError(
+        f"nothing was restored, but the local tiers hold rank checkpoints that would not "
+        f"load ({named}), and no other step or persistent checkpoint was left to restore. "
+        "Returning nothing would start the run afresh and abandon them: repair or delete "
+        "them (or give this run a local directory of its own) and restart"
     )
 
 
