@@ -110,10 +110,12 @@ class Restorer:
 
     def refuse_stranded(self, why: str, instead: str) -> None:
         """Raise as :meth:`load_latest` does where the only local checkpoints were saved at
-        another world size (collective; see :func:`_refuse_stranded`)."""
+        another world size or would not load (collective; see :func:`_refuse_stranded`
+        and :func:`_refuse_unloadable`)."""
         choice = self._survey(set())
         if choice.step is None:
             _refuse_stranded(choice, self.world_size, why, instead)
+            _refuse_unloadable(self._refused, [])
 
     def load_latest(self, state: Any, options: LoadKeywords) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get; ``None`` if there is none in
