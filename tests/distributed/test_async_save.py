@@ -282,6 +282,47 @@ def test_a_background_failure_on_one_rank_reaches_every_handle(tmp_path: Path, l
     assert os.listdir(tmp_path / "step-000000001")
 
 
+def staged_copies_fail_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's staged copies fail as its writer thread waits for them (as an overlapped
+    device-to-host copy's error surfaces there), before the save's phases begin."""
+    import threading
+
+    from shardsafe.checkpoint.io import staging
+
+    if rank == 1:
+        ready = staging.Staged.ready
+
+        def failing(self: Any) -> None:
+            if threading.current_thread().name == "shardsafe-save":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            ready(self)
+
+        staging.Staged.ready = failing  # type: ignore[method-assign]
+    start = time.monotonic()
+    handle = shardsafe.async_save(os.path.join(root, "c"), {"t": torch.ones(4) * rank})
+    try:
+        handle.wait(timeout=60)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    return {"error": error, "took": time.monotonic() - start}
+
+
+def test_staged_copies_failing_on_one_ranks_writer_fail_every_handle_alike(
+    tmp_path: Path,
+) -> None:
+    """That failure skipped the save's phases, which tell the others: they waited for
+    rank 1's heartbeat to stop (16 s) and said it had stopped responding, never why."""
+    results = run_ranks(staged_copies_fail_on_rank_1, 2, str(tmp_path), timeout=100)
+    said = (
+        f"the background save to {tmp_path / 'c'} failed: save failed on rank 1: "
+        "RuntimeError: CUDA error: an illegal memory access was encountered"
+    )
+    assert [r["error"][: len(said)] for r in results] == [said, said], results
+    assert all(r["took"] < 10 for r in results), results
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
 def never_waited_run(rank: int, world: int, root: str) -> list[str]:
     """An error nobody waited for surfaces from the next save; the save after works."""
     model, _, opt = _build("plain", 0)

@@ -406,8 +406,10 @@ def save_a_state_wrong_on_one_rank(rank: int, world_size: int, root: str, how: s
     try:
         if how == "save":
             shardsafe.save(os.path.join(root, "ckpt"), state, entry_timeout=30.0)
-        elif how == "async_save":
-            shardsafe.async_save(os.path.join(root, "ckpt"), state, entry_timeout=30.0).wait()
+        elif how in ("async_save", "consolidated async_save"):
+            layout = "consolidated" if how.startswith("consolidated") else "sharded"
+            path = os.path.join(root, "ckpt")
+            shardsafe.async_save(path, state, entry_timeout=30.0, layout=layout).wait()
         else:
             manager.save(1, state, entry_timeout=30.0)
         error = None
@@ -420,12 +422,15 @@ def save_a_state_wrong_on_one_rank(rank: int, world_size: int, root: str, how: s
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["save", "async_save", "manager"])
+@pytest.mark.parametrize("how", ["save", "async_save", "consolidated async_save", "manager"])
 def test_a_state_refused_on_one_rank_only_fails_every_rank_at_once(
     tmp_path: Path, how: str
 ) -> None:
     """The refused rank raised its ValueError before the entry barrier, alone: the other
-    waited there for entry_timeout (30 s here) and then said rank 1 never called save."""
+    waited there for entry_timeout (30 s here) and then said rank 1 never called save.
+    A first consolidated ``async_save`` makes its transfer group only once every rank has
+    got through the collect phase: made at the call, rank 0 waited in ``new_group`` for
+    rank 1, gone, until the process group's timeout."""
     results = run_ranks(save_a_state_wrong_on_one_rank, 2, str(tmp_path), how, timeout=50)
     refusal = (
         "state must be a non-empty dict of name -> value, e.g. "
@@ -435,7 +440,7 @@ def test_a_state_refused_on_one_rank_only_fails_every_rank_at_once(
     cls, msg = results[0]["error"]
     assert cls == "CheckpointError", results
     said = f"save failed on rank 1: ValueError: {refusal}"
-    if how == "async_save":  # raised by wait(), which says which save it was
+    if how.endswith("async_save"):  # raised by wait(), which says which save it was
         said = f"the background save to {tmp_path / 'ckpt'} failed: {said}"
     assert msg.startswith(said), msg
     assert all(r["took"] < AGREEMENT_S for r in results), results

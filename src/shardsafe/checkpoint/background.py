@@ -61,6 +61,8 @@ class SaveHandle:
         self._copies = staged
         self._finished = threading.Event()
         self._go = threading.Event()
+        self._began = threading.Event()
+        """Set by the writer thread as it starts (``_start``, interrupted, asks)."""
         self._error: CheckpointError | None = None
         self._seen = False
         self._closed = False
@@ -124,12 +126,21 @@ class SaveHandle:
             self._go.set()  # even if interrupted: a writer left waiting would hang exit
 
     def _work(self) -> None:
+        self._began.set()
         self._go.wait()
         try:
             lower_priority(WRITER_NICENESS)
-            assert self._run is not None and self._staged is not None
-            self._staged.ready()
-            persist(self._run)
+            run, staged = self._run, self._staged
+            assert run is not None and staged is not None
+            try:
+                staged.ready()  # an overlapped device copy's error surfaces here
+            except Exception as e:
+                # Raised in the save's next phase, agreed, as a failed staging is. Raised
+                # here, outside the phases, it was this rank's alone: the others waited
+                # for its heartbeat to stop, then called it dead, never saying why, and
+                # the run's storage and store keys were left open.
+                run.error, run.items = e, {}
+            persist(run)
         except BaseException as e:
             self._error = self._failed(e)
         finally:
@@ -165,13 +176,20 @@ def _seconds(timeout: float | None) -> float | None:
 
 
 def drain() -> None:
-    """Wait for the save in flight, if any; raise its error if nobody has seen it."""
+    """Wait for the save in flight, if any; raise its error if nobody has seen it.
+
+    A save stays in flight until it has ended: interrupted here (Ctrl-C), the next call
+    waits for it again. Forgotten before it ended, the next save staged into the buffers
+    it was still writing from, and it committed the next save's state under its own
+    name, with checksums that matched."""
     with _LOCK:
         pending = list(_IN_FLIGHT)
-        _IN_FLIGHT.clear()
     for handle in pending:
         handle._hurry.set()
         handle._finished.wait()
+        with _LOCK:
+            if handle in _IN_FLIGHT:
+                _IN_FLIGHT.remove(handle)
         if handle._error is not None and not handle._seen:
             handle._seen = True
             raise handle._error
@@ -223,7 +241,7 @@ def async_save(
     try:
         staged = _stage(run, stager or DEFAULT_STAGER)
         if options.layout == "consolidated" and run.coord.world_size > 1:
-            run.group = _transfer_group()
+            run.group = _agreed_transfer_group(run)
         if not overlap:
             staged.ready()
         handle = SaveHandle(path, run, staged, step)
@@ -236,10 +254,15 @@ def async_save(
     try:
         handle._start()
     except BaseException as e:
-        with _LOCK:
-            _IN_FLIGHT.remove(handle)  # never started: nothing to wait for
-        if isinstance(e, RuntimeError):  # "can't start new thread": no writer will end it
-            run.coord.abandon(e)  # (an interrupt may land once the thread runs: not here)
+        # "can't start new thread" (RuntimeError), or an interrupt in Thread.start: before
+        # the thread was made, or while start() waited for it to run. A writer that runs
+        # stays in flight (the next save waits for it, as for any other); one that never
+        # will is taken out, and its run ended here, told to the others.
+        started = not isinstance(e, RuntimeError) and handle._began.wait(THREAD_START_S)
+        if not started:
+            with _LOCK:
+                _IN_FLIGHT.remove(handle)
+            run.coord.abandon(e)
             run.close()
         raise
     return handle
@@ -293,6 +316,17 @@ def _plans_first(run: SaveRun) -> bool:
     return 0 < total <= 4 * replicated
 
 
+def _agreed_transfer_group(run: SaveRun) -> Any:
+    """The transfer group, made (the first time) only once every rank is known to go on:
+    after the collect phase, run here at the call, has succeeded on every rank. A rank
+    that left at the call (its state refused, Ctrl-C in a ``state_dict``) never reaches
+    ``new_group``, which waited for it until the process group's timeout (30 minutes by
+    default) on every other rank. ``None`` if the phase failed: ``persist`` raises it."""
+    if id(dist.group.WORLD) not in _GROUPS and run.planned is None and run.failed is None:
+        plan(run)
+    return None if run.failed is not None else _transfer_group()
+
+
 def _transfer_group() -> Any:
     """A gloo group of every rank for the background's transfers, made once per default
     group (``new_group`` is collective: every rank calls it here, after the barrier)."""
@@ -304,6 +338,10 @@ def _transfer_group() -> Any:
         _GROUPS[key] = background_group(WRITER_NICENESS)
     return _GROUPS[key]
 
+
+THREAD_START_S = 5.0
+"""How long ``async_save``, interrupted in ``Thread.start``, waits for the writer thread to
+run before it takes it for never made (a thread that exists runs within milliseconds)."""
 
 WRITER_NICENESS = 19
 """The background writer's niceness: the write takes longer only while training keeps

@@ -124,12 +124,18 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for a save in flight, then give up this process's claim on the root (also
         done at exit). Raises the save's error if nobody has seen it."""
-        handle, self._handle = self._handle, None
-        try:
-            if handle is not None:
+        handle = self._handle
+        if handle is not None:
+            try:
                 handle.close()
-        finally:
-            self._lock.release()
+            except BaseException:
+                if not handle._finished.is_set():  # interrupted while it still writes:
+                    raise  # keep the claim on the root, and the save to wait for again
+                self._handle = None
+                self._lock.release()
+                raise
+            self._handle = None
+        self._lock.release()
 
     def path_for(self, step: int) -> str:
         return (
@@ -197,8 +203,19 @@ class CheckpointManager:
     def wait(self) -> str | None:
         """Wait for this manager's save in flight; return its path (``None`` if none), or
         raise its error."""
-        handle, self._handle = self._handle, None
-        return None if handle is None else handle.wait()
+        handle = self._handle
+        if handle is None:
+            return None
+        try:
+            path = handle.wait()
+        except BaseException:
+            # Forgotten while it still wrote (Ctrl-C in the wait), close() returned at
+            # once and gave up the root's lock under a save that went on to commit.
+            if handle._finished.is_set():
+                self._handle = None
+            raise
+        self._handle = None
+        return path
 
     def _prepared(self, step: int, opts: SaveOptions) -> tuple[str, SaveOptions]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
