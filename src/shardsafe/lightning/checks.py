@@ -70,7 +70,7 @@ def parts(trainer: Any) -> Iterator[Part]:
 
 def _hyper_parameters(owner: Any) -> Iterator[Part]:
     cls = type(owner).__qualname__
-    for key, value in dict(hparams.plain_value(owner.hparams)).items():
+    for key, value in dict(hparams.plain_hparams(owner.hparams)).items():
         yield Part(
             f"hyper-parameter {key!r} of {cls}",
             _constant(value),

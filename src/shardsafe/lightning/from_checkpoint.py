@@ -110,6 +110,9 @@ def _build(
     checkpoint = _lightning_part(storage)
     keys = _Keys.of(cls)
     hparams = dict(checkpoint.get(keys.hparams) or {})
+    configs = checkpoint.get(saved_hparams.CONFIG_ENTRIES)
+    if isinstance(configs, dict):  # Hydra's dict of configs: each a config again
+        hparams = saved_hparams.rebuild_entries(hparams, configs.get(keys.hparams))
     if hparams_file is not None:
         hparams = _hparams_from_file(os.fspath(hparams_file))
     hparams.update(kwargs)

@@ -20,20 +20,66 @@ HPARAMS_TYPES = ("hparams_type", "datamodule_hparams_type")
 """Where Lightning's checkpoint holds the class of the module's (datamodule's) hparams."""
 HPARAMS = ("hyper_parameters", "datamodule_hyper_parameters")
 DICT_CONFIG = "omegaconf.dictconfig.DictConfig"
+CONFIG_ENTRIES = "shardsafe_config_hyper_parameters"
+"""Where a shardsafe checkpoint names the hyper-parameters that were OmegaConf configs one
+level down (``{"hyper_parameters": ["model_cfg", "optim_cfg"]}``): Hydra's other pattern,
+``__init__(self, model_cfg: DictConfig, optim_cfg: DictConfig)`` with
+``self.save_hyperparameters()``, whose ``hparams`` is a dict of configs."""
 
 
 def plain(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """``checkpoint`` (Lightning's dict, or a part of it) with its hyper-parameters as
     plain data and their class as its name, so that a checkpoint can hold them."""
     result = dict(checkpoint)
+    entries: dict[str, list[str]] = {}
     for key in HPARAMS:
         if key in result:
-            result[key] = plain_value(result[key])
+            result[key], configs = _plain_hparams(result[key])
+            if configs:
+                entries[key] = configs
+    if entries:
+        result[CONFIG_ENTRIES] = entries
     for key in HPARAMS_TYPES:
         kind = result.get(key)
         if isinstance(kind, type):
             result[key] = f"{kind.__module__}.{kind.__qualname__}"
     return result
+
+
+def plain_hparams(value: Any) -> Any:
+    """A module's ``hparams`` as plain data: a config, or a dict whose values may be."""
+    return _plain_hparams(value)[0]
+
+
+def _plain_hparams(value: Any) -> tuple[Any, list[str]]:
+    """``value`` as plain data, and the names of its entries that were configs (a config
+    itself is converted whole: its class is Lightning's ``hparams_type``)."""
+    if _is_config(value) or not isinstance(value, Mapping):
+        return plain_value(value), []
+    configs = [key for key, entry in value.items() if _is_config(entry)]
+    if not configs:
+        return value, []
+    return {key: plain_value(entry) for key, entry in value.items()}, [str(k) for k in configs]
+
+
+def _is_config(value: Any) -> bool:
+    return plain_value(value) is not value
+
+
+def rebuild_entries(hparams: dict[str, Any], configs: Any) -> dict[str, Any]:
+    """``hparams`` with the entries named in ``configs`` (``CONFIG_ENTRIES``'s list) made
+    OmegaConf configs again, as ``__init__`` received them (if OmegaConf is installed)."""
+    if not isinstance(configs, list) or not configs:
+        return hparams
+    try:
+        omegaconf = importlib.import_module("omegaconf")
+    except ImportError:
+        return hparams
+    rebuilt = dict(hparams)
+    for name in configs:
+        if isinstance(name, str) and isinstance(rebuilt.get(name), (dict, list)):
+            rebuilt[name] = omegaconf.OmegaConf.create(rebuilt[name])
+    return rebuilt
 
 
 def plain_value(value: Any) -> Any:
