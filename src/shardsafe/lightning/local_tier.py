@@ -148,7 +148,8 @@ class LocalTier:
             if k not in (state.STATE_DICT, state.OPTIMIZER_STATES)
         }
         saved: dict[str, Any] = {state.MODEL: module, state.LIGHTNING: rest}
-        saved.update(zip(state.optimizer_names(len(optimizers)), optimizers))
+        real = state.real_optimizers(optimizers)
+        saved.update(zip(state.optimizer_names(len(real)), real))
         self.manager.async_save(step, saved)
 
     # -- resuming ------------------------------------------------------------------------------
@@ -193,7 +194,8 @@ class LocalTier:
         still resumes from the newest step there is."""
         assert self.manager is not None
         loaded: dict[str, Any] = {state.MODEL: module}
-        loaded.update(zip(state.optimizer_names(len(optimizers)), optimizers))
+        real = state.real_optimizers(optimizers)
+        loaded.update(zip(state.optimizer_names(len(real)), real))
         try:
             values = self.manager.load_latest(
                 loaded,

@@ -37,7 +37,14 @@ from ..errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, STATE_DICT, optimizer_names
+from .state import (
+    LIGHTNING,
+    MODEL,
+    OPTIMIZER_STATES,
+    STATE_DICT,
+    optimizer_names,
+    real_optimizers,
+)
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ def load_directory(
     return Lightning's checkpoint dict without them."""
     saved_optimizers: list[str] = []
     chosen: dict[str, Any] = {}
+    live = None if optimizers is None else real_optimizers(optimizers)
 
     def choose(manifest: Manifest) -> dict[str, Any]:
         saved = manifest.values
@@ -96,9 +104,9 @@ def load_directory(
         saved_optimizers.extend(n for n in optimizer_names(len(saved)) if n in saved)
         if MODEL in saved:
             chosen[MODEL] = module
-        if optimizers is not None and saved_optimizers:
-            _check_count(path, len(saved_optimizers), len(optimizers))
-            chosen.update(zip(optimizer_names(len(optimizers)), optimizers))
+        if live is not None and saved_optimizers:
+            _check_count(path, len(saved_optimizers), len(live))
+            chosen.update(zip(optimizer_names(len(live)), live))
         return chosen
 
     # A local directory (a link followed) or a URL, opened inside the load (agreed).
@@ -108,6 +116,11 @@ def load_directory(
     if saved_optimizers:  # Lightning checks that a full checkpoint has them
         checkpoint[OPTIMIZER_STATES] = [{} for _ in saved_optimizers]
     restored_optimizers = len(chosen) > (MODEL in chosen)
+    if optimizers is not None and not live and checkpoint.get(OPTIMIZER_STATES) == []:
+        # A full checkpoint of a module without optimizers (state.real_optimizers): the
+        # stand-ins Lightning keeps for one have nothing to restore.
+        checkpoint[OPTIMIZER_STATES] = [{} for _ in optimizers]
+        restored_optimizers = True
     # An edited state dict (saved beside the module for the optimizers' names) is what
     # Lightning loads into the module after on_load_checkpoint: the module is not done.
     model_done = MODEL in chosen and STATE_DICT not in checkpoint
@@ -213,5 +226,7 @@ def load_optimizers_from_file(
             f"the checkpoint holds {count} optimizer state(s), but configure_optimizers() "
             f"returned {len(optimizers)} optimizer(s)"
         )
+    real = real_optimizers(optimizers)
     for optimizer, state in zip(optimizers, states):
-        interop.load_optimizer_state_dict(optimizer, module, state)
+        if optimizer in real:  # Lightning's stand-in for none has no state to take
+            interop.load_optimizer_state_dict(optimizer, module, state)

@@ -50,6 +50,14 @@ def optimizer_names(count: int) -> list[str]:
     return ["optimizer"] + [f"optimizer_{i}" for i in range(1, count)]
 
 
+def real_optimizers(optimizers: Sequence[Optimizer]) -> list[Optimizer]:
+    """``optimizers`` without Lightning's stand-in for a module that has none
+    (``configure_optimizers`` returning ``None``: Lightning trains nothing and keeps one
+    ``_MockOptimizer``, whose ``state_dict()`` is ``{}``). Saved as an optimizer, it failed
+    every save with ``KeyError: 'state'``; it has no state to save or restore."""
+    return [o for o in optimizers if type(o).__name__ != "_MockOptimizer"]
+
+
 class FailedDump(dict[str, Any]):
     """What the guarded ``dump_checkpoint`` returns on this rank when it raised."""
 
@@ -137,7 +145,10 @@ def save_state(
         state[MODEL] = module
     elif model_state is not None:
         rest[STATE_DICT] = model_state  # edited by a hook: saved as it now is
+    optimizers = real_optimizers(optimizers)
     if rest.pop(OPTIMIZER_STATES, None) is not None:  # absent from weights-only checkpoints
+        if not optimizers:  # a full checkpoint all the same: Lightning's stand-in only
+            rest[OPTIMIZER_STATES] = []
         if edited and optimizers:
             # The optimizers' state is keyed by the module's parameter names, so the module
             # is saved too; a load restores it, then applies the edited dict over it after
