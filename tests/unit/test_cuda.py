@@ -452,3 +452,38 @@ def test_an_async_trainer_checkpoint_holds_its_own_steps_buffers(tmp_path: Path)
         saved = _Normalized()
         shardsafe.load(tmp_path / f"checkpoints/step-{step:09d}", {"model": saved}, strict=False)
         assert torch.equal(saved.norm.running_mean, module.seen[step].cpu()), step
+
+
+def test_cuda_generator_states_of_more_devices_than_seen_restore_those_seen() -> None:
+    """Saved by a process that saw more GPUs than this one: ``set_rng_state_all`` raised
+    an ``IndexError`` for the first device missing, after the rest was restored."""
+    import warnings
+
+    from shardsafe.adapters import rng
+
+    torch.cuda.init()
+    saved = rng.capture()
+    count = torch.cuda.device_count()
+    saved["cuda"] = [*saved["cuda"], saved["cuda"][0].clone()]  # one device more
+    rng.check_state(saved)
+    torch.cuda.manual_seed_all(12345)  # moved on since
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        rng.restore_state(saved)
+    assert [str(w.message) for w in said] == [
+        f"shardsafe: the checkpoint holds the CUDA generator states of {count + 1} devices, "
+        f"but this process sees {count}: restored those of the first {count}"
+    ]
+    assert torch.equal(torch.cuda.get_rng_state(0), saved["cuda"][0])
+
+
+def test_a_cuda_generator_state_of_another_size_is_refused_before_anything_is_restored() -> None:
+    from shardsafe.adapters import rng
+
+    torch.cuda.init()
+    saved = rng.capture()
+    size = torch.cuda.get_rng_state().numel()
+    saved["cuda"] = [torch.zeros(size + 1, dtype=torch.uint8)]
+    with pytest.raises(ValueError) as refused:
+        rng.check_state(saved)
+    assert str(refused.value) == f"the CUDA generator states are not {size} bytes each"

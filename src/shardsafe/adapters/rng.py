@@ -83,6 +83,10 @@ def check_state(state: Any) -> None:
         and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)
     ):
         raise ValueError("the CUDA generator states are not uint8 tensors")
+    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        size = torch.cuda.get_rng_state().numel()  # every device's is this size
+        if any(t.dim() != 1 or t.numel() != size for t in cuda):
+            raise ValueError(f"the CUDA generator states are not {size} bytes each")
     if "numpy" in state and np is not None:
         s = state["numpy"]
         keys = s.get("keys")
@@ -126,7 +130,7 @@ def restore_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _restore_cuda(state["cuda"])
     if "numpy" in state and np is not None:
         s = state["numpy"]
         np.random.set_state(
@@ -138,6 +142,22 @@ def restore_state(state: dict[str, Any]) -> None:
                 s["cached"],
             )
         )
+
+
+def _restore_cuda(saved: list[torch.Tensor]) -> None:
+    """Each device's generator from its saved state, for the devices this process sees.
+    Saved by a process that saw more (8 GPUs then, 4 now), the rest are left, with a
+    warning: ``set_rng_state_all`` raised an ``IndexError`` for the first device missing,
+    after the other state was restored, or, before CUDA is initialized, at its first use."""
+    count = torch.cuda.device_count()
+    if len(saved) > count:
+        warnings.warn(
+            f"shardsafe: the checkpoint holds the CUDA generator states of {len(saved)} "
+            f"devices, but this process sees {count}: restored those of the first {count}",
+            stacklevel=2,
+        )
+    for device, state in enumerate(saved[:count]):
+        torch.cuda.set_rng_state(state, device)
 
 
 class RNGAdapter(Adapter):
