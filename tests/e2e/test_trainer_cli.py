@@ -93,6 +93,10 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         err = capsys.readouterr().err
         assert err.startswith("shardsafe fit: error: --example-optimizer zero makes the")
         assert f"runs under --strategy ddp (not {strategy})" in err
+    # A relative module path: importlib's TypeError, a traceback, before.
+    assert cli.main([*base, "--module", ".mymodel:Net"]) == 2
+    err = capsys.readouterr().err
+    assert "--module '.mymodel:Net' must look like package.module:ClassName" in err
     for option in (["--keep-last", "2"], ["--async-save"]):  # ignored by a run saving none
         assert cli.main([*base, *option]) == 2
         err = capsys.readouterr().err

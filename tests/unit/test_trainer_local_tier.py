@@ -31,6 +31,16 @@ from tests.e2e.trainer_helpers import losses
         ({"local_checkpoint_dir": "s3://b/l"}, "local_checkpoint_dir='s3://b/l' is a URL"),
         ({"local_checkpoint_dir": "r/checkpoints"}, "overlaps the persistent checkpoints"),
         ({"local_checkpoint_dir": "r"}, "overlaps the persistent checkpoints"),
+        # Accepted and silently ignored by a run that writes only the local tier:
+        (
+            {"local_checkpoint_dir": "l", "keep_last": 1},
+            "keep_last=1 applies to the checkpoints of checkpoint_every, but this run "
+            "writes only the local tier",
+        ),
+        (
+            {"local_checkpoint_dir": "l", "layout": "consolidated"},
+            "layout='consolidated' applies to the checkpoints of checkpoint_every",
+        ),
     ],
 )
 def test_local_tier_settings_are_checked(options: dict[str, object], named: str) -> None:
@@ -139,3 +149,46 @@ def test_after_local_checkpoints_only_ctrl_c_says_resume_latest(
     ), said
     with pytest.raises(CheckpointError, match="holds step 3, but this is a new run"):
         Trainer(max_steps=5, **config).fit(ExampleModule())
+
+
+class FailsOnce(ExampleModule):
+    """The example module, raising once in its training step at call ``fail_at``."""
+
+    calls = 0
+    fail_at: int | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        type(self).calls += 1
+        if type(self).calls == self.fail_at:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_a_failed_fit_leaves_no_save_running_and_a_retry_resumes_the_newest_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tier: str
+) -> None:
+    """``fit`` raised while an async save was still written, and left it running: a
+    ``fit(resume="latest")`` in the same process (a notebook's cell run again) found the
+    step before it, and was refused once that save committed (``already holds step 7,
+    newer than step 6``); with the local tier, the two runs' threads raced."""
+    options: dict[str, Any] = {"async_save": True, "checkpoint_every": 1}
+    if tier == "local":
+        options = {"async_save": True, "local_checkpoint_dir": str(tmp_path / "local")}
+    FailsOnce.calls, FailsOnce.fail_at = 0, 8
+    run = Trainer(max_steps=12, run_dir=str(tmp_path / "run"), **options)
+    with pytest.raises(RuntimeError, match="boom"):
+        run.fit(FailsOnce())
+    FailsOnce.fail_at = None
+    capsys.readouterr()
+    Trainer(max_steps=12, run_dir=str(tmp_path / "run"), **options).fit(
+        FailsOnce(), resume="latest"
+    )
+    out = capsys.readouterr().out
+    said = {
+        "persistent": f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-000000007'} "
+        "(step 7)",
+        "local": "resuming from step 7, from the local tier",
+    }[tier]
+    assert said in out, out

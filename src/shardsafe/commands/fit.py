@@ -190,7 +190,7 @@ def _module_class(args: argparse.Namespace) -> type | None:
     if args.module is None:
         return None
     path, _, name = args.module.partition(":")
-    if not path or not name:
+    if not path or not name or path.startswith("."):  # relative: import_module's TypeError
         raise ValueError(f"--module {args.module!r} must look like package.module:ClassName")
     from ..trainer import TrainingModule
 

@@ -93,19 +93,33 @@ class TrainerConfig:
             )
 
     def _check_something_is_saved(self) -> None:
-        """``keep_last`` and ``async_save`` shape saves; a run that saves none would
-        accept them and silently do nothing (as ``local_every`` without its tier)."""
-        if self.checkpoint_every is not None or self.local_checkpoint_dir is not None:
-            return
-        for field, value, default in (
+        """``keep_last``, ``layout`` and ``async_save`` shape saves; a run that saves none
+        would accept them and silently do nothing (as ``local_every`` without its tier).
+        ``keep_last`` and ``layout`` shape the run directory's checkpoints only: a run
+        that writes only the local tier (which keeps its newest 2 steps, each rank's own)
+        accepted them too, and did nothing with them."""
+        shaping = [
             ("keep_last", self.keep_last, None),
+            ("layout", self.layout, "sharded"),
             ("async_save", self.async_save, False),
-        ):
-            if value != default:
+        ]
+        if self.checkpoint_every is not None:
+            return
+        for field, value, default in shaping:
+            if value == default:
+                continue
+            if self.local_checkpoint_dir is None:
                 raise ValueError(
                     f"{field}={value!r} applies to checkpoints, but this run saves none; "
                     "pass checkpoint_every=N (--checkpoint-every N) too, or leave "
                     f"{field} out"
+                )
+            if field != "async_save":  # the local tier's saves are asynchronous too
+                raise ValueError(
+                    f"{field}={value!r} applies to the checkpoints of checkpoint_every, but "
+                    "this run writes only the local tier (which keeps its newest 2 steps, "
+                    "each rank's own); pass checkpoint_every=N (--checkpoint-every N) too, "
+                    f"or leave {field} out"
                 )
 
     def _check_local_tier(self) -> None:

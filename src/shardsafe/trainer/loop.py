@@ -93,6 +93,9 @@ def train(
                 saved = {**state, "trainer": progress}
                 checkpoint = saving.save(step, saved) or checkpoint
         checkpoint = saving.finish() or checkpoint
+    except BaseException:
+        saving.settle()  # nothing is still written once fit has raised
+        raise
     finally:
         bar.close()
         if metrics is not None:

@@ -17,6 +17,7 @@ saves do. Both tiers are therefore one manager's, which ``load_latest`` chooses 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -73,6 +74,19 @@ class Saving:
     def close(self) -> None:
         """Nothing to let go of: the root's lock goes with the process."""
 
+    def settle(self) -> None:
+        """After the run failed: wait for the save in flight, its error dropped (the run's
+        is the one raised), and let go of what :meth:`close` does. Left running, it went
+        on writing after ``fit`` had raised, and a ``fit(resume="latest")`` retried in the
+        same process (a notebook's cell run again) looked for the newest step while it
+        was being committed, resumed the one before, and was refused: a newer step was
+        there by the time it started."""
+        self.pending = None
+        with contextlib.suppress(Exception):
+            self.manager.wait()
+        with contextlib.suppress(Exception):
+            self.close()
+
 
 class TieredSaving(Saving):
     """:class:`Saving`, and every ``local_every`` steps the local tier (module docstring)."""
@@ -112,6 +126,12 @@ class TieredSaving(Saving):
     def close(self) -> None:
         """Stop the local tier's threads (everything in flight is done by then)."""
         self.tiered.close()
+
+    def settle(self) -> None:
+        """:meth:`Saving.settle`, and the local tier's writes and replications too."""
+        with contextlib.suppress(Exception):
+            self.tiered.wait()
+        super().settle()
 
 
 def open_tiers(config: TrainerConfig, leader: bool) -> TieredCheckpointManager:
