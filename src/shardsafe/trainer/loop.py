@@ -94,7 +94,11 @@ def train(
                 checkpoint = saving.save(step, saved) or checkpoint
         checkpoint = saving.finish() or checkpoint
     except BaseException:
-        saving.settle()  # nothing is still written once fit has raised
+        # Where the error returns to the caller, whose process goes on: nothing is still
+        # written once fit has raised. (A launched worker exits at once: its threads end
+        # with it, and a restart is not kept waiting for a save to a lost peer.)
+        if not strategy.env.launched:
+            saving.settle()
         raise
     finally:
         bar.close()
