@@ -22,7 +22,7 @@ import torch
 import shardsafe
 from shardsafe import cli
 from shardsafe.checkpoint import loading
-from shardsafe.checkpoint.options import LoadOptions, SaveOptions
+from shardsafe.checkpoint.options import LoadOptions, SaveHooks, SaveOptions
 from shardsafe.checkpoint.replacing import async_save_replacing, save_replacing
 from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.checkpoint.storage.object_storage import (
@@ -695,3 +695,74 @@ def test_a_trainer_run_on_s3_looks_for_its_bucket_once(
     trainer = shardsafe.Trainer(max_steps=2, checkpoint_every=2, run_dir=f"s3://{s3_bucket}/run")
     assert trainer.fit(ExampleModule()).checkpoint == f"{root}/step-000000002"
     assert looked == [root, f"{root}/step-000000002"]  # the bucket; the step's directory
+
+
+def test_retention_never_deletes_a_step_it_could_not_read(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request refused during retention (S3's 503 SlowDown once botocore's retries are
+    spent) made the checkpoint it asked about count as incomplete, and it was deleted:
+    keep_last=2 lost step 3 and kept step 2 in its place."""
+    import s3fs.core
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    manager = shardsafe.CheckpointManager(f"s3://{s3_bucket}/run", keep_last=2)
+    for step in (1, 2, 3):
+        manager.save(step, {"w": torch.full((4,), float(step))})
+    call = s3fs.core.S3FileSystem._call_s3
+    refused = {"armed": False, "left": 1}
+    throttled = ClientError(
+        {
+            "Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+            "ResponseMetadata": {"HTTPStatusCode": 503},
+        },
+        "HeadObject",
+    )
+
+    async def once_throttled(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        asked = kwargs.get("Key") == "run/step-000000003/manifest.json"
+        if refused["armed"] and method == "head_object" and asked and refused["left"]:
+            refused["left"] -= 1
+            raise translate_boto_error(throttled)
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", once_throttled)
+    arm = SaveHooks(before_write=lambda: refused.update(armed=True))  # after the checks
+    with pytest.warns(UserWarning) as said:
+        manager.save(4, {"w": torch.full((4,), 4.0)}, hooks=arm)
+    monkeypatch.undo()
+    assert refused["left"] == 0
+    messages = [str(w.message) for w in said]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(
+        f"shardsafe: retention left s3://{s3_bucket}/run/step-000000003 in place: whether it "
+        "is a complete checkpoint could not be read ("
+    ), messages
+    assert "reduce your request rate" in messages[0], messages
+    assert manager.complete_steps() == [2, 3, 4]  # nothing kept was lost; one more kept
+    manager.save(5, {"w": torch.full((4,), 5.0)})  # the next save's retention catches up
+    assert manager.complete_steps() == [4, 5]
+    manager.close()
+
+
+def test_a_managers_unmade_client_is_an_error_not_no_checkpoint(tmp_path: Path) -> None:
+    """A store's client that cannot be made (a broken gcsfs credentials file) read as "no
+    checkpoint": latest() and load_latest() returned None without asking the store, and
+    a run started afresh over its checkpoints."""
+    pytest.importorskip("gcsfs")
+    broken = tmp_path / "credentials.json"
+    broken.write_text(json.dumps({"type": "authorized_user", "client_id": "x"}))
+    options = {"token": str(broken), "project": "p"}
+    manager = shardsafe.CheckpointManager("gs://bucket/run", storage_options=options)
+    said = (
+        "gs://bucket/run: the gs:// client could not be made from its storage_options and "
+        "environment (KeyError: 'refresh_token')"
+    )
+    with pytest.raises(CheckpointError) as latest:
+        manager.latest()
+    assert str(latest.value).startswith(said), latest.value
+    with pytest.raises(CheckpointError) as loaded:
+        manager.load_latest({"w": torch.zeros(2)})
+    assert str(loaded.value).startswith(said), loaded.value
+    manager.close()

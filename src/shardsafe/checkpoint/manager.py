@@ -34,7 +34,7 @@ from typing import Any
 
 from ..distributed import world
 from ..distributed.coordinator import rank_zero_answer
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from . import background, loading
 from .background import SaveHandle
 from .format.manifest import MANIFEST_NAME, Manifest
@@ -332,7 +332,7 @@ class CheckpointManager:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
         with self._root_storage() as root:
             root.commit(LATEST, (step_dir_name(step) + "\n").encode())
-            keep = self.complete_steps()
+            keep, unknown = self._classified_steps()
             if self.keep_last is not None:
                 keep = keep[-self.keep_last :]
             for name in root.names():
@@ -341,7 +341,15 @@ class CheckpointManager:
                 if self._lock.is_stale_claim(root, name):
                     root.remove(name)  # a lock claim killed before its link
             for found, name in self._step_dirs():
-                if found not in keep and found != step:
+                if found in unknown and found != step:
+                    # Counted as incomplete, it was deleted: one throttled request (S3's
+                    # 503 SlowDown after its retries) cost a checkpoint keep_last kept,
+                    # and an older one was kept in its place. The next save looks again.
+                    _warn(
+                        f"retention left {root.where(name)} in place: whether it is a "
+                        f"complete checkpoint could not be read ({unknown[found]})"
+                    )
+                elif found not in keep and found != step:
                     delete_checkpoint(root, name)
                 elif found != step:
                     self._drop_stale_marker(name)
@@ -359,7 +367,10 @@ class CheckpointManager:
         try:
             root = self._root_storage()
             names = root.names()
-        except (FileNotFoundError, NotADirectoryError, CheckpointError):
+        except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
+            # No root yet. Any other error is raised: a store's client that cannot be made
+            # (a broken credentials file) read as "no checkpoint", and load_latest started
+            # the run afresh without ever asking the store.
             return
         with root:
             found = sorted(((s, n) for n in names if (s := step_of(n)) is not None), reverse=True)
@@ -373,12 +384,21 @@ class CheckpointManager:
     def complete_steps(self) -> list[int]:
         """Steps of every committed checkpoint under ``root`` (a step directory holding a
         regular ``manifest.json``), oldest first."""
-        steps = []
+        return self._classified_steps()[0]
+
+    def _classified_steps(self) -> tuple[list[int], dict[int, str]]:
+        """:meth:`complete_steps`, and the steps that could not be classified, with why
+        (the check of their manifest raised: a request the store refused, a directory
+        that could not be opened)."""
+        steps, unknown = [], {}
         for step, name in self._step_dirs():
-            with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
-                if storage.kind(MANIFEST_NAME) == "file":
-                    steps.append(step)
-        return sorted(steps)
+            try:
+                with self._open(name) as storage:
+                    if storage.kind(MANIFEST_NAME) == "file":
+                        steps.append(step)
+            except (CheckpointError, OSError) as e:
+                unknown[step] = f"{type(e).__name__}: {e}"
+        return sorted(steps), unknown
 
     def latest(self) -> str | None:
         """Path of the newest checkpoint that would load, or ``None`` if there is none.
