@@ -519,3 +519,53 @@ class _Holder(nn.Module):
         super().__init__()
         self.register_buffer("a", torch.zeros(a))
         self.register_buffer("tail", torch.zeros(tail))
+
+
+def test_metadata_keys_colliding_apart_from_their_unhashed_index_are_refused(
+    dcp_dir: Path,
+) -> None:
+    """MetadataIndex's ``index`` field takes no part in its hash (``hash=False``), but the
+    scan counted it in: keys of one real hash, each with its own index, looked distinct
+    in hash, and a 344 KB file took seconds (2 MB, minutes) to fill its dict."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = pickle.loads((dcp_dir / ".metadata").read_bytes())  # our own file: trusted here
+    for n, k in enumerate(P.colliding_ints(2000)):
+        key = MetadataIndex("model.weight", torch.Size([k]), index=n)
+        md.storage_data[key] = _StorageInfo("x", 0, 0)
+    outcome = run_isolated(_parse_metadata, pickle.dumps(md), seconds=SECONDS)
+    assert_refused(outcome, "2000 distinct keys of one dict or set share a hash")
+
+
+def test_complex_keys_crafted_to_collide_are_refused() -> None:
+    """``hash(complex(x, y))`` is ``hash(x) + 1000003 * hash(y)``, as knowable as an
+    int's, but a complex key was taken for unknowable and never counted: torch.load
+    filled a dict of 60,000 such keys (2 MB) in about a minute."""
+    keys = [complex(float(1000003 * k), float(-k)) for k in range(2, 2002)]
+    assert len({hash(k) for k in keys}) == 1 and len(set(keys)) == 2000
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(2), "extra": dict.fromkeys(keys, 0)}, buffer)
+    outcome = run_isolated(_load_torch_bytes, buffer.getvalue(), seconds=SECONDS)
+    assert_refused(outcome, "2000 distinct keys of one dict or set share a hash")
+
+
+def test_torchs_error_is_said_without_its_cpp_stack() -> None:
+    """A tensor rebuilt with a size of 2**80: torch's error carried its C++ stack
+    ("Exception raised from THPUtils_unpackLong ... frame #0: c10::Error::Error")."""
+    storage = P.glob("torch", "FloatStorage")
+    reference = (
+        P.MARK + P.s("storage") + storage + P.s("0") + P.s("cpu") + P.i(4) + P.TUPLE + b"Q"
+    )  # BINPERSID
+    size = P.MARK + P.long1(2**80) + P.TUPLE
+    rebuild = P.glob("torch._utils", "_rebuild_tensor_v2") + P.MARK + reference + P.i(0)
+    rebuild += size + P.MARK + P.i(1) + P.TUPLE + b"\x89"  # NEWFALSE
+    rebuild += P.glob("collections", "OrderedDict") + P.EMPTY_TUPLE + P.REDUCE
+    rebuild += P.TUPLE + P.REDUCE
+    pickled = P.PROTO2 + P.EMPTY_DICT + P.s("w") + rebuild + P.SETITEM + P.STOP
+    archive = P.torch_archive(pickled, storages={"0": bytes(16)})
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        load_torch(io.BytesIO(archive), "crafted.pt")
+    said = str(refused.value)
+    assert said.startswith("cannot read crafted.pt with torch.load(weights_only=True): "), said
+    assert "Exception raised from" not in said and "frame #" not in said, said

@@ -159,8 +159,9 @@ def _torch_load(file: str | IO[bytes], where: str, *, mapped: bool) -> Any:
     except CheckpointError:
         raise
     except Exception as e:  # torch raises many types for a damaged archive
+        said = str(e).split("\nException raised from", 1)[0]  # not torch's C++ stack
         raise CheckpointCorruptError(
             f"cannot read {where} with torch.load(weights_only=True): {type(e).__name__}: "
-            f"{str(e)[:1000]}. shardsafe reads only files made of tensors and plain data; "
+            f"{said[:1000]}. shardsafe reads only files made of tensors and plain data; "
             "re-save it without custom objects."
         ) from None

@@ -53,8 +53,26 @@ def _rebuild(machine: Machine, node: int, done: dict[int, Any]) -> Any:
         result = _tuple(machine, machine.children[node] or [], done)
     elif kind == OBJECT and value in machine.policy.hashes_as:
         result = _object(machine, node, machine.policy.hashes_as[value], done)
+    elif kind == OBJECT and value == _COMPLEX:
+        result = _complex(machine, node, done)
     done[node] = result
     return result
+
+
+_COMPLEX = ("builtins", "complex")
+
+
+def _complex(machine: Machine, node: int, done: dict[int, Any]) -> Any:
+    """``complex(real, imag)`` of rebuilt scalars: its hash, ``hash(real) + 1000003 *
+    hash(imag)``, is as knowable (and as easily forced to collide) as a number's, where
+    it was taken for unknowable and keys of one hash were never counted."""
+    items = _tuple(machine, (machine.children[node] or [])[1:], done)  # its scalars
+    if items is _UNKNOWN:
+        return _UNKNOWN
+    try:
+        return complex(*items)
+    except (TypeError, ValueError, OverflowError):
+        return _UNKNOWN  # the unpickler's own call fails the same way
 
 
 def _tuple(machine: Machine, nodes: list[int], done: dict[int, Any]) -> Any:
