@@ -302,6 +302,23 @@ def test_overlapping_views_count_together_and_dry_run_refuses_too(tmp_path: Path
     assert not (tmp_path / "out").exists()
 
 
+def test_many_views_of_one_storage_count_beyond_a_tensor_and_one_alias(tmp_path: Path) -> None:
+    """Each view of one storage spans its bytes of the file, so each was backed, but each
+    is written whole: a 1 MB file naming one 256 KiB storage 5000 times made a 1.2 GiB
+    output (20,000 views of 4 MiB: 80 GB). A tensor and one alias (tied weights) are
+    free; the rest counts against the limit, and the dry run refuses too."""
+    base = torch.arange(2**16, dtype=torch.float32)  # 256 KiB
+    src = save(tmp_path / "shared.pt", {f"w{i}": base for i in range(5000)})
+    assert os.path.getsize(src) < 2 << 20
+    outcome = attack(src, tmp_path / "out", dry_run=True)
+    refused(outcome, f"would allocate {4998 * 2**18} bytes")  # all but base and one alias
+    assert "one of more than 2 tensors viewing one storage" in outcome.message
+    assert not (tmp_path / "out").exists()
+    tied = save(tmp_path / "tied.pt", {"embed": base, "head": base, "bias": torch.ones(3)})
+    converted = attack(tied, tmp_path / "tied", untrusted_bytes_limit=0)
+    assert converted.exitcode == 0 and converted.error is None, converted.describe()
+
+
 def test_the_limit_is_an_option(tmp_path: Path) -> None:
     """4 MiB of expanded view: refused at 1 MiB, converted at 8 MiB and by default."""
     src = expanded_file(tmp_path / "w.pt", 2**20)

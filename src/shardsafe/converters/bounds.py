@@ -23,6 +23,8 @@ count overflows int64 is refused as corrupt, not left to torch's ``RuntimeError`
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -90,6 +92,37 @@ def loaded(
     return one_chunk(key, tensor.dtype, shape, lambda: resolved(tensor), release, unbacked)
 
 
+ALIASES_FREE = 2
+"""How many times a ``torch.save`` file's storage may be written out, summed over the
+tensors viewing it, before the rest counts as unbacked: a tensor and one alias (tied
+weights, as a language model's embedding and output layer) cost nothing beyond the file."""
+
+
+def aliased(where: str, tensors: dict[str, SourceTensor], viewed: dict[str, torch.Tensor]) -> None:
+    """Count against ``untrusted_bytes_limit`` what the views of one storage materialize
+    beyond :data:`ALIASES_FREE` copies of it (in ``tensors``, replaced in place).
+
+    Each view alone spans its bytes of the file, so each was backed; but every view is
+    written out whole, and a few kilobytes of file naming one storage thousands of times
+    (``{f"w{i}": base for i in range(20000)}``) made a conversion write tens of
+    gigabytes. ``viewed``: the loaded tensor of each key."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for key, tensor in viewed.items():
+        source = tensors.get(key)
+        if source is None or source.unbacked is not None or tensor.numel() == 0:
+            continue  # an overlapping view is counted whole already
+        storage = tensor.untyped_storage()
+        groups.setdefault((storage.data_ptr(), storage.nbytes()), []).append(key)
+    for (_, storage_bytes), keys in groups.items():
+        free, spent = ALIASES_FREE * storage_bytes, 0
+        for key in keys:
+            source = tensors[key]
+            spent += source.nbytes
+            if spent > free:
+                extra = Unbacked(math.prod(source.shape), storage_bytes, where)
+                tensors[key] = dataclasses.replace(source, unbacked=extra)
+
+
 def check_allocation(source: Source, limit: int) -> None:
     """Refuse, before anything is read or written, a conversion of ``source`` whose
     unbacked tensors would take more than ``limit`` bytes (module docstring)."""
@@ -103,8 +136,10 @@ def check_allocation(source: Source, limit: int) -> None:
         "tensors whose size only the file gives, beyond the bytes it holds of them "
         f"(largest: {', '.join(map(_described, largest))}), more than "
         f"untrusted_bytes_limit={limit} ({_gib(limit)}). Such a tensor is an expanded or "
-        "overlapping view (torch.save of tensor.expand(...)) or a DCP chunk declared larger "
-        "than its bytes in the file, and converting it materializes it in full. If the "
+        "overlapping view (torch.save of tensor.expand(...)), one of more than "
+        f"{ALIASES_FREE} tensors viewing one storage (each is written whole), or a DCP "
+        "chunk declared larger than its bytes in the file, and converting it materializes "
+        "it in full. If the "
         "file is trusted, pass a larger untrusted_bytes_limit to shardsafe.convert "
         "(--untrusted-bytes-limit on the command line)."
     )

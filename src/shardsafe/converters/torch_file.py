@@ -39,7 +39,7 @@ from ..checkpoint.format.tensor_bytes import byte_view, memory
 from ..checkpoint.storage.protocol import Storage
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..pickles import load_torch, load_torch_mapped
-from .bounds import loaded, view_span
+from .bounds import aliased, loaded, view_span
 from .dcp_read import RangeFile
 from .entries import is_module, nested, to_entries
 from .lightning_layout import lightning_layout
@@ -77,12 +77,16 @@ def read(storage: Storage, name: str) -> Source:
     else:
         tree = raw
 
+    viewed: dict[str, torch.Tensor] = {}
+
     def make(key: str, tensor: torch.Tensor) -> SourceTensor:
         # Only pages of the file mapping may be dropped: anonymous memory would be zeroed.
         release = (lambda: drop_pages(tensor)) if mapped else None
+        viewed[key] = tensor
         return loaded(where, key, tensor, release)
 
     values, tensors = to_entries(tree, make)
+    aliased(where, tensors, viewed)  # many views of one storage: each written whole
     return Source("torch", where, values, tensors)
 
 
