@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import shardsafe
 from tests.harness import run_ranks
@@ -100,3 +101,50 @@ def test_ctrl_c_on_one_rank_is_raised_at_once_on_the_other(
     # had died or that the store was lost. How soon is measured, not asserted (a loaded
     # machine): results[...]["seconds"].
     assert not (tmp_path / "ckpt" / "manifest.json").exists() or operation == "load"
+
+
+def interrupted_at_the_entry(rank: int, world_size: int, root: str, op: str) -> dict[str, Any]:
+    """Rank 1 gets Ctrl-C while it waits at the entry for rank 0, which arrives 2 s late."""
+    import threading
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    path = os.path.join(root, "ckpt")
+    state = {"w": torch.ones(4)}
+    if op == "load":
+        shardsafe.save(path, state)
+    if rank == 1:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    else:
+        time.sleep(2.0)
+    try:
+        if op == "save":
+            shardsafe.save(path, state, timeout=60.0)
+        else:
+            shardsafe.load(path, state, timeout=60.0)
+        result = {"kind": "ok", "message": ""}
+    except KeyboardInterrupt:
+        result = {"kind": "KeyboardInterrupt", "message": ""}
+        answered = os.path.join(root, "answered")
+        deadline = time.monotonic() + STAY_S
+        while not os.path.exists(answered) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except shardsafe.CheckpointError as e:
+        result = {"kind": type(e).__name__, "message": str(e)}
+    if rank == 0:
+        open(os.path.join(root, "answered"), "w").close()
+    return result
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_ctrl_c_while_waiting_at_the_entry_is_raised_on_the_other(tmp_path: Path, op: str) -> None:
+    """Its arrival counted, so the other rank went on into the first phase, told nothing:
+    16 s later it said rank 1 had stopped responding, "probably died (killed, out of
+    memory)"."""
+    results = run_ranks(interrupted_at_the_entry, 2, str(tmp_path), op, timeout=80)
+    assert results[1]["kind"] == "KeyboardInterrupt", results
+    assert results[0]["kind"] == "CheckpointError", results
+    assert results[0]["message"].startswith(
+        f"{op} failed on rank 1: KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
+    ), results
+    assert not (tmp_path / "ckpt" / "manifest.json").exists() or op == "load"

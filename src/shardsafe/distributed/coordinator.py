@@ -149,10 +149,26 @@ class Coordinator:
             if self._link.store is not None:
                 self._life.first_beat()
             self.exchange(Phase.ENTRY, None, None, timeout=entry_timeout)
-        except BaseException:
+        except BaseException as e:
+            if not isinstance(e, Exception) and self._arrival_stands():
+                # Ctrl-C in the entry's wait: this rank's arrival counts, so the others
+                # go on into the first phase. Told nothing, they waited there for its
+                # heartbeat, never started, and then said it had died.
+                self._life.start_heartbeat()
+                self.abandon(e)
+                self.close()
             self._life.give_back()
             raise
         self._life.start_heartbeat()
+
+    def _arrival_stands(self) -> bool:
+        """Whether this rank's arrival at the entry was posted and not taken back."""
+        link = self._link
+        return (
+            link.store is not None
+            and Phase.ENTRY in link.posted_phases
+            and not (self._life.withdrawn)
+        )
 
     def refuse(self, error: Exception, entry_timeout: float) -> None:
         """This rank refuses the operation before it begins (``error``: a usage error,
