@@ -143,6 +143,9 @@ class SaveContext:
     world_size: int
     param_names: Mapping[int, str] = field(default_factory=dict)
     """``id(parameter)`` -> fully qualified name, from the modules in the same state dict."""
+    param_unqualified: Mapping[str, str] = field(default_factory=dict)
+    """Each name :attr:`param_names` qualifies by its state key -> the module's own name
+    (:func:`load_names`)."""
     claims: _names.Claims = field(
         default_factory=_names.Claims, init=False, repr=False, compare=False
     )
@@ -192,9 +195,6 @@ class LoadContext(SaveContext):
     param_aliases: Mapping[str, str] = field(default_factory=dict)
     """Every other name of a parameter shared by several modules (a tied weight) -> the
     name :attr:`param_names` gives it (:func:`load_names`)."""
-    param_unqualified: Mapping[str, str] = field(default_factory=dict)
-    """Each name :attr:`param_names` qualifies by its state key -> the module's own name
-    (:func:`load_names`)."""
 
 
 class Adapter(ABC):

@@ -225,6 +225,46 @@ def test_optimizer_state_loads_after_an_ema_copy_joins_the_state(tmp_path: Path)
     assert tied_steps(model2, opt2, 3) == tied_steps(model, opt, 3)
 
 
+class _Wrapper(nn.Module):
+    """A backbone child called ``model`` (as Hugging Face models have) beside a ``norm`` of
+    its own: the model's ``norm.weight``, qualified by the state key ``model`` beside an
+    EMA copy, is ``model.norm.weight``: the child's own name of its ``norm.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.norm = nn.LayerNorm(4)
+        self.norm = nn.LayerNorm(4)
+
+
+def _wrapper_stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    net = _Wrapper()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    for p in net.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return net, opt
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_optimizer_state_saved_beside_an_ema_copy_loads_without_it_to_each_own_parameter(
+    tmp_path: Path, strict: bool
+) -> None:
+    """Saved beside its EMA copy, the model's ``norm.weight`` was named ``model.norm.weight``
+    and, loaded without the copy, matched the child's ``model.norm.weight``: under
+    ``strict=False`` the child's parameters took the model's state without a word (and
+    ``strict=True`` refused the load)."""
+    net, opt = _wrapper_stepped(0)
+    shardsafe.save(tmp_path / "c", {"model": net, "ema": copy.deepcopy(net), "opt": opt})
+    net2, opt2 = _wrapper_stepped(1)
+    shardsafe.load(tmp_path / "c", {"model": net2, "opt": opt2}, strict=strict)
+    for (name, p), p2 in zip(net.named_parameters(), net2.parameters()):
+        assert sorted(opt2.state[p2]) == sorted(opt.state[p]), name
+        for k, v in opt.state[p].items():
+            assert torch.equal(opt2.state[p2][k], v), (name, k)
+
+
 def test_another_optimizer_class_is_refused_before_anything_is_restored(tmp_path: Path) -> None:
     """An SGD's state loaded into an Adam: torch's own load fails inside Adam's
     ``__setstate__`` (KeyError: 'step') after the model was restored; shardsafe names both

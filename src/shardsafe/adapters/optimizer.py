@@ -40,6 +40,9 @@ from .module import uninitialized
 from .optimizer_merge import merge_optimizer_metas
 
 CLASS = "class"
+QUALIFIED = "qualified"
+"""Optimizer metadata: each parameter name the save qualified by its state key -> the
+module's own name (``protocol.load_names``), so that a load maps it to the live name."""
 """The optimizer's class name (``Adam``) in its metadata: a checkpoint of one optimizer
 class is refused up front by another (an SGD's ``momentum_buffer`` cannot drive an Adam,
 whose ``load_state_dict`` or first ``step`` would fail inside torch after the model was
@@ -104,6 +107,9 @@ def export_state(
         "state": state,
         CLASS: type(local).__qualname__,
     }
+    qualified = {n: ctx.param_unqualified[n] for n in shapes if n in ctx.param_unqualified}
+    if qualified:  # a model beside its EMA copy: each name the state key qualified
+        meta[QUALIFIED] = qualified
     return SaveItem("optimizer", meta, chunks)
 
 
@@ -437,10 +443,30 @@ def _meta(saved: SavedValue, ctx: LoadContext, groups: list[dict[str, Any]]) -> 
         raise CheckpointCorruptError(
             f"the manifest entry for {saved.name!r} is not valid optimizer metadata: {problem}"
         )
+    meta = _renamed(meta, _as_qualified_live(meta.get(QUALIFIED), ctx))
     meta = _renamed(meta, fqn_without_wrappers)
     meta = _renamed(meta, lambda name: ctx.param_aliases.get(name, name))
     qualified = _qualified_names(groups, ctx)
     return _renamed(meta, lambda name: qualified.get(name, name))
+
+
+def _as_qualified_live(recorded: Any, ctx: LoadContext) -> Callable[[str], str]:
+    """Each saved name its save qualified by the state key (``QUALIFIED``: a model saved
+    beside its EMA copy) as the live state names that parameter: the same qualified name
+    where the live state qualifies it so too, else the module's own name. Compared as
+    saved, ``model.norm.weight`` (the model's own ``norm``, qualified) matched the live
+    parameter whose own name it is (the ``norm`` of a child called ``model``), which took
+    the other's state without a word under ``strict=False``."""
+    if not isinstance(recorded, dict):
+        return lambda name: name  # saved with nothing qualified, or before this record
+
+    def live(name: str) -> str:
+        own = recorded.get(name)
+        if not isinstance(own, str) or ctx.param_unqualified.get(name) == own:
+            return name
+        return own
+
+    return live
 
 
 def _qualified_names(groups: list[dict[str, Any]], ctx: LoadContext) -> dict[str, str]:
@@ -487,6 +513,12 @@ def _meta_problem(meta: Any) -> str | None:
         return "'param_groups', 'state' or 'param_shapes' is missing"
     if CLASS in meta and not (isinstance(meta[CLASS], str) and 0 < len(meta[CLASS]) <= 256):
         return "its optimizer class is not a name"
+    recorded = meta.get(QUALIFIED, {})
+    if not (
+        isinstance(recorded, dict)
+        and all(isinstance(n, str) and isinstance(own, str) for n, own in recorded.items())
+    ):
+        return "its qualified parameter names are not a map of names"
     for i, g in enumerate(meta["param_groups"]):
         if not (
             isinstance(g, dict)

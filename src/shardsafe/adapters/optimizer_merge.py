@@ -62,6 +62,9 @@ def merge_optimizer_metas(metas: list[JSON]) -> JSON:
     classes = {meta.get("class") for meta in metas}
     if len(classes) == 1 and None not in classes:  # stages of one optimizer class
         merged["class"] = classes.pop()
+    qualified = {n: own for meta in metas for n, own in meta.get("qualified", {}).items()}
+    if qualified:  # every rank's (a ZeRO rank records the names of its own shard)
+        merged["qualified"] = qualified
     return merged
 
 
