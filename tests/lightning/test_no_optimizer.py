@@ -10,18 +10,34 @@ process, a real ``Trainer`` on CPU, as Lightning's own "ddp" strategy does it.
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardsafe.lightning import ShardsafeDDPStrategy
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def as_it_was() -> Iterator[None]:
+    """Lightning's strategy, run in this process, makes the default process group and sets
+    its variables (``MASTER_ADDR``, ``WORLD_SIZE``, ...); the tests after this one expect
+    neither."""
+    before = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(before)
 
 
 class NoOptimizer(pl.LightningModule):
