@@ -6,6 +6,7 @@ A target prints ``saving <step> <t>`` before and ``saved <step> <t>`` after each
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -138,8 +139,11 @@ class KillTarget:
         return self._script.wait(timeout)
 
     def kill(self) -> None:
+        """SIGKILL its session, unless it has ended. (Dead but not yet reported by the
+        server that forked it, its session is gone: nothing to kill.)"""
         if self.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Its whole output and error stream once it has ended (waited for at most
