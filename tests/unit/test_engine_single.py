@@ -526,6 +526,13 @@ def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> 
     assert str(missing.value) == f"{tmp_path / 'absent'} does not exist"
 
 
+def _load_names_as_before(
+    state: dict[str, Any],
+) -> tuple[dict[int, str], dict[str, str], dict[str, str]]:
+    """``protocol.load_names`` as a save before the fix used it: :func:`_names_as_before`."""
+    return _names_as_before(state), {}, {}
+
+
 def _names_as_before(state: dict[str, Any]) -> dict[int, str]:
     """Parameter names as saves made them before wrapper segments were dropped: each
     module's own ``named_parameters()``, ``_checkpoint_wrapped_module`` and ``_orig_mod``
@@ -585,7 +592,7 @@ def test_a_checkpoint_keyed_with_activation_checkpointing_segments_still_loads(
 
     model, opt = _maybe_checkpointed(True)
     with monkeypatch.context() as patched:
-        patched.setattr(collecting, "param_names", _names_as_before)
+        patched.setattr(collecting, "load_names", _load_names_as_before)
         shardsafe.save(tmp_path / "old", {"model": model, "optimizer": opt})
     tensors = shardsafe.read_manifest(tmp_path / "old").tensors
     assert "optimizer/0._checkpoint_wrapped_module.weight/exp_avg" in tensors
@@ -686,7 +693,7 @@ def test_a_checkpoint_keyed_with_orig_mod_still_loads_into_its_compiled_model(
 
     model, opt = _maybe_compiled(True)
     with monkeypatch.context() as patched:
-        patched.setattr(collecting, "param_names", _names_as_before)
+        patched.setattr(collecting, "load_names", _load_names_as_before)
         patched.setattr(module_adapter, "_without_wrappers", lambda state: state)
         shardsafe.save(tmp_path / "old", {"model": model, "optimizer": opt})
     tensors = shardsafe.read_manifest(tmp_path / "old").tensors

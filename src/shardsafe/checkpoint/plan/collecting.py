@@ -15,7 +15,7 @@ import torch
 from ... import _names, dtypes
 from ...adapters.registry import adapter_for
 from ...errors import CheckpointError
-from ...protocol import Adapter, Chunk, SaveContext, SaveItem, load_names, param_names
+from ...protocol import Adapter, Chunk, SaveContext, SaveItem, load_names
 from ..format import geometry
 from ..format.manifest_format import MAX_NAME_CHARS, MAX_NDIM, valid_value_name
 from ..format.tensor_bytes import byte_view, has_memory
@@ -43,8 +43,7 @@ def check_state(state: Mapping[str, Any]) -> None:
 
 def collect(state: Mapping[str, Any], rank: int, world_size: int) -> Collected:
     """What every entry of ``state`` becomes on this rank."""
-    names = param_names(state)
-    unqualified = load_names(state)[2]  # the names an EMA copy beside its model qualifies
+    names, _, unqualified = load_names(state)  # one walk: names, and those an EMA qualifies
     items: Collected = {}
     for name, obj in state.items():
         adapter, obj = adapter_for(obj, name)
