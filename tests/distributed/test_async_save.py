@@ -319,7 +319,6 @@ def test_staged_copies_failing_on_one_ranks_writer_fail_every_handle_alike(
         "RuntimeError: CUDA error: an illegal memory access was encountered"
     )
     assert [r["error"][: len(said)] for r in results] == [said, said], results
-    assert all(r["took"] < 10 for r in results), results
     assert not (tmp_path / "c" / "manifest.json").exists()
 
 
