@@ -29,7 +29,7 @@ keys that are not strings arrive as :class:`~shardsafe._names.DictKey` s (so ``1
 
 PER_RANK = "__per_rank__"
 """Wraps one encoded tree per rank (``adapters.values.merge_per_rank``); not decoded here."""
-_TAGS = (
+TAGS = (
     "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__", PER_RANK,
 )  # fmt: skip
 """Keys ``encode`` never leaves in a plain dict (such dicts become ``__dict__`` pairs).
@@ -108,6 +108,11 @@ def encode(
     )
 
 
+def is_tag(name: str) -> bool:
+    """Whether ``name`` is spelled like one of the encoding's tags (``__tensor__``)."""
+    return name in TAGS
+
+
 def is_numpy_scalar(value: Any) -> bool:
     """Whether ``value`` is a numpy scalar (``np.float32(0.25)``, what a metric often is),
     which :func:`encode` saves as the Python number it equals."""
@@ -118,7 +123,7 @@ def is_numpy_scalar(value: Any) -> bool:
 def _encode_mapping(
     value: Mapping[Any, Any], where: str, sink: TensorSink, path: tuple[str, ...], levels: int
 ) -> JSON:
-    plain = all(isinstance(k, str) and k not in _TAGS for k in value)
+    plain = all(isinstance(k, str) and k not in TAGS for k in value)
     if plain:
         return {k: encode(v, where, sink, (*path, k), levels=levels + 1) for k, v in value.items()}
     pairs = []
@@ -244,7 +249,7 @@ def describe(obj: JSON) -> str:
     """What an encoded value is, in a word, for mismatch messages."""
     if isinstance(obj, dict) and len(obj) == 1:
         tag: str = next(iter(obj))
-        if tag in _TAGS:
+        if tag in TAGS:
             return tag.strip("_")
     names = {dict: "dict", list: "list", str: "string", bool: "bool", int: "int"}
     return names.get(type(obj), type(obj).__name__)

@@ -293,3 +293,42 @@ def test_another_optimizer_class_is_refused_before_anything_is_restored(tmp_path
     assert torch.equal(
         sgd2.state_dict()["state"][0]["momentum_buffer"], sgd.state[model.weight]["momentum_buffer"]
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [(0, "the entry 0 (int)"), (("a", 1), "the entry ('a', 1) (tuple)"),
+     ("__float__", "the entry '__float__' (str)")],
+)  # fmt: skip
+def test_a_state_entry_that_would_not_come_back_as_it_was_is_refused_and_nothing_written(
+    tmp_path: Path, name: Any, shown: str
+) -> None:
+    """A per-parameter state entry named ``0`` came back as ``"0"`` (a silently different
+    state); one named ``__float__`` alone came back as a float, and the load failed inside
+    torch (TypeError). The save now refuses both, naming the parameter and the entry."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight][name] = 5
+    with pytest.raises(shardsafe.CheckpointError) as caught:
+        shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": opt})
+    assert (
+        f"cannot save state['optim']: the state of parameter 'weight' has {shown}; "
+        "per-parameter optimizer state is stored by name, so its names must be strings"
+    ) in str(caught.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_state_entry_names_that_are_only_unusual_strings_round_trip(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # (No string values: torch's own load_state_dict turns one into its generator's repr.)
+    odd = {"a/b": torch.ones(2, 2), "": 7, "%40x": [1, 2], "__float__x": 1.5}
+    opt.state[model.weight].update(odd)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": opt})
+    model2 = nn.Linear(2, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    shardsafe.load(tmp_path / "ckpt", {"model": model2, "optim": opt2})
+    back = opt2.state[model2.weight]
+    assert sorted(back) == sorted(odd)
+    assert torch.equal(back["a/b"], odd["a/b"])
+    assert (back[""], back["%40x"], back["__float__x"]) == (7, [1, 2], 1.5)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import _names, _tree
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import (
     JSON,
     Adapter,
@@ -40,14 +40,15 @@ from .module import uninitialized
 from .optimizer_merge import merge_optimizer_metas
 
 CLASS = "class"
-QUALIFIED = "qualified"
-"""Optimizer metadata: each parameter name the save qualified by its state key -> the
-module's own name (``protocol.load_names``), so that a load maps it to the live name."""
 """The optimizer's class name (``Adam``) in its metadata: a checkpoint of one optimizer
 class is refused up front by another (an SGD's ``momentum_buffer`` cannot drive an Adam,
 whose ``load_state_dict`` or first ``step`` would fail inside torch after the model was
 restored). Checkpoints written before it, and converted ones, have none and are not
 checked."""
+
+QUALIFIED = "qualified"
+"""Optimizer metadata: each parameter name the save qualified by its state key -> the
+module's own name (``protocol.load_names``), so that a load maps it to the live name."""
 
 GROUPS = _names.Reserved("@groups")
 """Key segment for tensors inside param-group hyperparameters: reserved, so stored as it
@@ -80,6 +81,7 @@ def export_state(
     state: dict[str, Any] = {}
     for index, param_state in local.state_dict()["state"].items():
         fqn = ctx.param_fqn(local_params[index])
+        _check_state_names(param_state, fqn, where)
         state[fqn] = {
             name: _tree.encode(value, where, sink_under(fqn, name))
             for name, value in param_state.items()
@@ -111,6 +113,23 @@ def export_state(
     if qualified:  # a model beside its EMA copy: each name the state key qualified
         meta[QUALIFIED] = qualified
     return SaveItem("optimizer", meta, chunks)
+
+
+def _check_state_names(param_state: Mapping[Any, Any], fqn: str, where: str) -> None:
+    """Refuse per-parameter state names that would not come back as they were.
+
+    The state is stored as a JSON object keyed by name, so a name must be a string: an
+    int key would come back as ``"0"`` (a subtly different state). A name spelled like
+    one of the encoding's tags (``__float__``) would, alone, be read as that tag."""
+    for name in param_state:
+        if not isinstance(name, str) or _tree.is_tag(name):
+            raise CheckpointError(
+                f"cannot save {where}: the state of parameter {fqn!r} has the entry {name!r} "
+                f"({type(name).__qualname__}); per-parameter optimizer state is stored by "
+                "name, so its names must be strings, and not one of "
+                f"{', '.join(_tree.TAGS)}. Rename the entry in the optimizer's state "
+                "(nothing was written)"
+            )
 
 
 def plan_import(
@@ -532,8 +551,8 @@ def _meta_problem(meta: Any) -> str | None:
         if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
             return f"the shape of parameter {fqn!r} is not a list of non-negative ints"
     for fqn, state in meta["state"].items():
-        if not isinstance(state, dict):
-            return f"the state of parameter {fqn!r} is not an object"
+        if not isinstance(state, dict) or (len(state) == 1 and _tree.is_tag(next(iter(state)))):
+            return f"the state of parameter {fqn!r} is not an object of named entries"
         _tree.check_structure(state, f"the state of parameter {fqn!r}")
     return None
 

@@ -65,6 +65,14 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         _set((*OPT, "state", "0.weight"), [1, 2]),
         "the state of parameter '0.weight' is not an object",
     ),
+    "state entry is a float tag": (
+        _set((*OPT, "state", "0.weight"), {"__float__": "inf"}),
+        "the state of parameter '0.weight' is not an object of named entries",
+    ),
+    "state entry is a tensor tag": (
+        _set((*OPT, "state", "0.weight"), {"__tensor__": "x"}),
+        "the state of parameter '0.weight' is not an object of named entries",
+    ),
     "param group names not strings": (
         _set((*OPT, "param_groups", 0, "params"), [0, 1, 2, 3]),
         "param group 0 has no list of parameter names",
