@@ -24,6 +24,7 @@ from shardsafe import cli
 from shardsafe.checkpoint import loading
 from shardsafe.checkpoint.options import LoadOptions, SaveHooks, SaveOptions
 from shardsafe.checkpoint.replacing import async_save_replacing, save_replacing
+from shardsafe.checkpoint.storage import target_directory
 from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.checkpoint.storage.object_storage import (
     MAX_PARTS,
@@ -216,6 +217,24 @@ def test_an_aborted_upload_leaves_no_object_and_no_pending_multipart(
     assert s3_server.keys(s3_bucket) == []
     uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket)
     assert not uploads.get("Uploads"), uploads
+
+
+def test_removing_a_failed_save_aborts_a_killed_ranks_unfinished_upload(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """Rank 1 killed mid-upload, rank 0 removing the failed save: the dead rank's
+    multipart upload (invisible in listings, billed) went with it, not only when a later
+    save came to the same prefix."""
+    storage = open_storage(f"s3://{s3_bucket}/ck")
+    target_directory.prepare(storage)  # the marker: the prefix is a save's
+    s3_server.client().create_multipart_upload(
+        Bucket=s3_bucket, Key="ck/shard-00001-of-00002.safetensors"
+    )
+    s3_server.client().create_multipart_upload(Bucket=s3_bucket, Key="other/x")
+    target_directory.remove_uncommitted(storage)
+    assert s3_server.keys(s3_bucket) == []
+    uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket)["Uploads"]
+    assert [u["Key"] for u in uploads] == ["other/x"]  # another prefix's: untouched
 
 
 def test_parts_grow_only_for_objects_too_large_for_ten_thousand_of_them() -> None:

@@ -111,14 +111,17 @@ def check_shared(storage: Storage, token: str, rank: int) -> None:
 
 def remove_uncommitted(storage: Storage) -> None:
     """Delete a directory a failed save created, unless a manifest got committed: the
-    save's own files by the rules of ``leftovers.py``, then the directory if that left it
-    empty. Anything else in it (someone else's file) stays, and so does the directory."""
+    save's own files by the rules of ``leftovers.py`` and its unfinished uploads, then the
+    directory if that left it empty. Anything else in it (someone else's file) stays, and so does the directory."""
     try:
         if not storage.is_directory() or storage.exists(MANIFEST_NAME):
             return
         names = storage.names()
         if names and INCOMPLETE_MARKER not in names:
             return  # the save failed before it marked the directory: nothing in it is its
+        # A killed rank's unfinished upload (an object store's): invisible in listings but
+        # billed, and nothing clears it if no save comes to this prefix again.
+        storage.abort_pending_uploads()
         if names:
             ours, foreign = partition(storage, names)
             _clear(storage, ours)
