@@ -18,9 +18,11 @@ import faulthandler
 import os
 import pickle
 import queue
+import signal
 import socket
 import subprocess
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -117,24 +119,47 @@ def _child(
                 dist.destroy_process_group()
 
 
+class RanksCrashed(AssertionError):
+    """Ranks died of a signal before reporting (exit codes ``-signal``)."""
+
+    def __init__(self, dead: list[int], codes: list[int | None]) -> None:
+        super().__init__(f"rank(s) {dead} died without a result (exit codes {codes})")
+        self.codes = codes
+
+
+NATIVE_CRASHES = {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT, -signal.SIGFPE}
+"""Exit codes of a crash in native code: shardsafe is pure Python, so such a crash is
+torch's or gloo's (a rare one, of 4-rank gloo collectives on sub-meshes in CI)."""
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     timeout: float = 90,
     init_process_group: bool = True,
+    rerun_after_native_crash: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     A rendezvous that loses the race for its port (picked free, then taken by another
     process before rank 0 binds it) is retried once on a new port: a harness race, not a
-    finding about the code under test.
+    finding about the code under test. With ``rerun_after_native_crash``, a rank killed
+    by a crash in native code (:data:`NATIVE_CRASHES`) makes the run start over once,
+    after that callable undid what the first run left (its checkpoint), with a warning
+    in the test report: the crash is printed, never hidden, and a second one fails.
     """
     try:
         return _run_ranks(fn, world_size, args, timeout, init_process_group)
     except RankFailed as e:
         if "EADDRINUSE" not in e.text:
             raise
+        return _run_ranks(fn, world_size, args, timeout, init_process_group)
+    except RanksCrashed as e:
+        if rerun_after_native_crash is None or not NATIVE_CRASHES.intersection(e.codes):
+            raise
+        warnings.warn(f"{fn.__name__}: {e}; run once more", RuntimeWarning, stacklevel=2)
+        rerun_after_native_crash()
         return _run_ranks(fn, world_size, args, timeout, init_process_group)
 
 
@@ -176,10 +201,7 @@ def _run_ranks(
                     try:
                         rank, status, value = results.get(timeout=2.0)
                     except queue.Empty:
-                        raise AssertionError(
-                            f"rank(s) {dead} died without a result "
-                            f"(exit codes {[procs[r].exitcode for r in dead]})"
-                        ) from None
+                        raise RanksCrashed(dead, [procs[r].exitcode for r in dead]) from None
                 else:
                     continue
             outcomes[rank] = (status, value)

@@ -6,6 +6,7 @@ TP x FSDP2 (#26). Each save runs once (module fixtures) and is loaded several wa
 
 from __future__ import annotations
 
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,17 @@ def _load_pp_counting_reads(rank: int, world: int, path: str) -> tuple[dict[str,
     return L.snapshot(stage, opt), reads
 
 
+def _ranks(fn: Any, world: int, path: Path, *args: Any) -> list[Any]:
+    """``run_ranks`` over ``path``, run once more after a native crash of gloo's (these
+    4-rank runs on 2-D meshes are where CI met one), a save's first checkpoint removed."""
+
+    def undo() -> None:
+        if fn.__name__.startswith("_save"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    return run_ranks(fn, world, str(path), *args, rerun_after_native_crash=undo)
+
+
 def _on_one_rank(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     """FSDP/HSDP/TP ranks each gathered the whole state: all alike, so any one will do."""
     for snap in snaps[1:]:
@@ -209,7 +221,7 @@ def _assert_stages(expected: dict[str, Any], stages: list[dict[str, Any]]) -> No
 @pytest.fixture(scope="module")
 def pp_dp(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     path = tmp_path_factory.mktemp("ppdp") / "ckpt"
-    ranks = run_ranks(_save_pp_dp, 4, str(path))
+    ranks = _ranks(_save_pp_dp, 4, path)
     L.assert_same(ranks[0], ranks[1])  # the dp replicas of a stage agree
     L.assert_same(ranks[2], ranks[3])
     return path, L.merged(*ranks)
@@ -245,7 +257,7 @@ def test_pp_dp_stores_each_replicated_tensor_once_with_both_replicas_writing(
 
 def test_pp_dp_loads_into_fsdp2_on_two_ranks(pp_dp: Saved) -> None:
     path, expected = pp_dp
-    L.assert_same(expected, _on_one_rank(run_ranks(_load_fsdp, 2, str(path))))
+    L.assert_same(expected, _on_one_rank(_ranks(_load_fsdp, 2, path)))
 
 
 def test_each_pp_stage_reads_only_its_own_bytes(pp_dp: Saved) -> None:
@@ -254,7 +266,7 @@ def test_each_pp_stage_reads_only_its_own_bytes(pp_dp: Saved) -> None:
     same ranges), and it opens only the files its stage's replicas wrote."""
     path, expected = pp_dp
     manifest = shardsafe.read_manifest(path)
-    loaded = run_ranks(_load_pp_counting_reads, 2, str(path))
+    loaded = _ranks(_load_pp_counting_reads, 2, path)
     _assert_stages(expected, [snap for snap, _ in loaded])
     for stage, (_, reads) in enumerate(loaded):
         wanted = {
@@ -285,13 +297,13 @@ def _read_data_bytes(file: Path, ranges: list[tuple[int, int]]) -> int:
 
 def test_fsdp2_on_four_ranks_loads_into_pp2(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    expected = _on_one_rank(run_ranks(_save_fsdp, 4, str(path)))
-    _assert_stages(expected, run_ranks(_load_pp, 2, str(path)))
+    expected = _on_one_rank(_ranks(_save_fsdp, 4, path))
+    _assert_stages(expected, _ranks(_load_pp, 2, path))
 
 
 def test_pp_with_fsdp2_stages_loads_into_one_process(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    ranks = run_ranks(_save_pp_fsdp, 4, str(path))
+    ranks = _ranks(_save_pp_fsdp, 4, path)
     L.assert_same(ranks[0], ranks[1])
     L.assert_same(ranks[2], ranks[3])
     expected = L.merged(*ranks)
@@ -303,7 +315,7 @@ def test_pp_with_fsdp2_stages_loads_into_one_process(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     path = tmp_path_factory.mktemp("hsdp") / "ckpt"
-    return path, _on_one_rank(run_ranks(_save_hsdp, 4, str(path)))
+    return path, _on_one_rank(_ranks(_save_hsdp, 4, path))
 
 
 def test_hsdp_stores_each_shard_once_with_every_replica_writing(hsdp: Saved) -> None:
@@ -327,7 +339,7 @@ def test_hsdp_loads_into_one_process(hsdp: Saved) -> None:
 
 def test_hsdp_loads_into_fsdp2_on_two_ranks(hsdp: Saved) -> None:
     path, expected = hsdp
-    L.assert_same(expected, _on_one_rank(run_ranks(_load_fsdp, 2, str(path))))
+    L.assert_same(expected, _on_one_rank(_ranks(_load_fsdp, 2, path)))
 
 
 def test_tp_with_fsdp2_loads_into_pp_dp_and_back_into_itself(tmp_path: Path) -> None:
@@ -335,14 +347,14 @@ def test_tp_with_fsdp2_loads_into_pp_dp_and_back_into_itself(tmp_path: Path) -> 
     both tp ranks of a dp coordinate hold the same shard: stored once (it used to be
     refused as shards that overlap), by either of them."""
     path = tmp_path / "ckpt"
-    expected = _on_one_rank(run_ranks(_save_tp_fsdp, 4, str(path)))
+    expected = _on_one_rank(_ranks(_save_tp_fsdp, 4, path))
     tensors = shardsafe.read_manifest(path).tensors
     for key in ("model/tok.weight", "optimizer/out.bias/exp_avg"):
         assert sorted(c.offsets[0] for c in tensors[key].chunks) == [0, 4], key
     for key in ("model/layers.0.lin.weight", "model/layers.1.lin.weight"):  # dp x tp shards
         assert len(tensors[key].chunks) == 4, key
-    _assert_stages(expected, run_ranks(_load_pp_dp, 4, str(path)))
-    L.assert_same(expected, _on_one_rank(run_ranks(_load_tp_fsdp, 4, str(path))))
+    _assert_stages(expected, _ranks(_load_pp_dp, 4, path))
+    L.assert_same(expected, _on_one_rank(_ranks(_load_tp_fsdp, 4, path)))
 
 
 @pytest.mark.parametrize("save", [_save_pp_dp, _save_tp_fsdp])
@@ -350,7 +362,7 @@ def test_consolidated_saves_load_into_one_process(tmp_path: Path, save: Any) -> 
     """Rank 0 writes every tensor whole: stage 1's from its replicas, TP x FSDP2's
     assembled from dp x tp shards (one copy of each shard tensor parallelism leaves)."""
     path = tmp_path / "ckpt"
-    expected = L.merged(*run_ranks(save, 4, str(path), "consolidated"))
+    expected = L.merged(*_ranks(save, 4, path, "consolidated"))
     assert {p.name for p in path.iterdir()} >= {"model.safetensors", "optimizer.safetensors"}
     L.assert_same(expected, _load_whole(path))
 

@@ -112,7 +112,8 @@ def check_shared(storage: Storage, token: str, rank: int) -> None:
 def remove_uncommitted(storage: Storage) -> None:
     """Delete a directory a failed save created, unless a manifest got committed: the
     save's own files by the rules of ``leftovers.py`` and its unfinished uploads, then the
-    directory if that left it empty. Anything else in it (someone else's file) stays, and so does the directory."""
+    directory if that left it empty. Anything else in it (someone else's file) stays, and
+    so does the directory."""
     try:
         if not storage.is_directory() or storage.exists(MANIFEST_NAME):
             return
