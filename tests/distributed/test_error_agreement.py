@@ -34,7 +34,7 @@ import shardsafe
 from shardsafe import CheckpointError, CheckpointManager
 from shardsafe.checkpoint.io.reader import CheckpointReader
 from shardsafe.checkpoint.loading import read_manifest
-from shardsafe.checkpoint.options import SaveOptions
+from shardsafe.checkpoint.options import SaveHooks, SaveOptions
 from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
 from shardsafe.checkpoint.storage.local import LocalStorage
 from tests.harness import run_ranks
@@ -473,3 +473,31 @@ def test_a_load_state_refused_on_one_rank_only_fails_every_rank_at_once(tmp_path
         True,
     ), msg
     assert [r["w"] for r in results] == [[0.0] * 4] * 2  # nothing restored on either rank
+
+
+def save_with_rank0_slower_than_the_timeout(rank: int, world_size: int, root: str) -> Any:
+    hooks = SaveHooks(before_write=lambda: time.sleep(4.0))  # rank 0 only (e.g. a lock)
+    path = os.path.join(root, "ckpt")
+    return outcome(lambda: shardsafe.save(path, make_state(rank), timeout=2.0, hooks=hooks))
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_timed_out_leaves_its_payload_for_a_slow_rank_0_to_read(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 timed out waiting for a slow rank 0 and deleted its payload of the phase on
+    its way out; rank 0 then posted, found every rank posted, and blocked reading that
+    payload until the store's timeout (120 s here, 30 min by default). It now reads it,
+    and raises at its own next timeout."""
+    results = run_ranks(save_with_rank0_slower_than_the_timeout, 2, str(tmp_path), timeout=140)
+    assert results[1]["error"] == (
+        "CheckpointError",
+        "rank(s) 0 did not finish the 'collect' phase of save within 2s (this is rank 1); "
+        "they may have died or hung. The previous checkpoint is untouched.",
+    )
+    assert results[0]["error"] == (
+        "CheckpointError",
+        "rank(s) 1 did not finish the 'write' phase of save within 2s (this is rank 0); "
+        "they may have died or hung. The previous checkpoint is untouched.",
+    )
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()

@@ -318,7 +318,11 @@ class Coordinator:
         try:
             self._wait(phase, timeout, error, check_first=False, woke=woke)
         except CheckpointError:
-            self._payloads.failed(own)
+            if self._phase_failed(phase):
+                self._payloads.failed(own)
+            # else this rank timed out (or called a slow rank dead): the others may yet
+            # all post and read every payload, so its own stays (one key), rather than
+            # leave a reader blocked on it until the store's timeout.
             raise
         # Every rank has posted this phase, so every rank has read the earlier payloads.
         self._payloads.agreed(phase, own)
@@ -326,6 +330,14 @@ class Coordinator:
         if payload is None or skip_reading:
             return [None] * link.world_size
         return agreement.read_payloads(link, phase)
+
+    def _phase_failed(self, phase: Phase) -> bool:
+        """Whether a rank posted an error of ``phase`` (then nobody reads its payloads);
+        True if the store is gone (nobody reads them either)."""
+        try:
+            return int(self._link.store.add(keys.failed(phase), 0)) > 0
+        except (RuntimeError, OSError):
+            return True
 
     def _wait(
         self,
