@@ -58,24 +58,31 @@ def interrupt_one(rank: int, world_size: int, root: str, victim: int, when: str)
         shardsafe.save(path, {"x": Interrupted(rank, victim, "")})
     state = {"x": Interrupted(rank, victim, when)}
     start = time.monotonic()
+    if when == "load_state_dict":
+        result = outcome(lambda: shardsafe.load(path, state), root, answers=rank != victim)
+    else:
+        result = outcome(
+            lambda: shardsafe.save(path, state, timeout=40.0), root, answers=rank != victim
+        )
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+def outcome(call: Any, root: str, *, answers: bool) -> dict[str, Any]:
+    """What ``call`` raised. An interrupted rank's process lives on (its heartbeat would
+    say nothing) until the rank that ``answers`` has its answer."""
     try:
-        if when == "load_state_dict":
-            shardsafe.load(path, state)
-        else:
-            shardsafe.save(path, state, timeout=40.0)
+        call()
         result = {"kind": "ok", "message": ""}
     except KeyboardInterrupt:
         result = {"kind": "KeyboardInterrupt", "message": ""}
-        # The process lives on (its heartbeat would say nothing) until the other rank
-        # has its answer.
         answered = os.path.join(root, "answered")
         deadline = time.monotonic() + STAY_S
         while not os.path.exists(answered) and time.monotonic() < deadline:
             time.sleep(0.05)
     except shardsafe.CheckpointError as e:
         result = {"kind": type(e).__name__, "message": str(e)}
-    result["seconds"] = time.monotonic() - start
-    if rank != victim:
+    if answers:
         open(os.path.join(root, "answered"), "w").close()
     return result
 
@@ -116,23 +123,9 @@ def interrupted_at_the_entry(rank: int, world_size: int, root: str, op: str) -> 
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     else:
         time.sleep(2.0)
-    try:
-        if op == "save":
-            shardsafe.save(path, state, timeout=60.0)
-        else:
-            shardsafe.load(path, state, timeout=60.0)
-        result = {"kind": "ok", "message": ""}
-    except KeyboardInterrupt:
-        result = {"kind": "KeyboardInterrupt", "message": ""}
-        answered = os.path.join(root, "answered")
-        deadline = time.monotonic() + STAY_S
-        while not os.path.exists(answered) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except shardsafe.CheckpointError as e:
-        result = {"kind": type(e).__name__, "message": str(e)}
-    if rank == 0:
-        open(os.path.join(root, "answered"), "w").close()
-    return result
+    if op == "save":
+        return outcome(lambda: shardsafe.save(path, state, timeout=60.0), root, answers=rank == 0)
+    return outcome(lambda: shardsafe.load(path, state, timeout=60.0), root, answers=rank == 0)
 
 
 @pytest.mark.timeout(90)
