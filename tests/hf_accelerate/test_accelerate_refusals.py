@@ -525,3 +525,41 @@ def test_a_dataloader_position_out_of_range_is_refused_before_anything_loads(
         "as shardsafe.accelerate.save_state writes it; nothing was restored"
     )
     assert torch.equal(model.weight, torch.zeros_like(model.weight))
+
+
+def _seedable_run(path: Path, resume: bool, after_the_loop: bool = False) -> list[list[int]]:
+    """Epochs 1 and 2 of 8 samples in batches of 2 under a seedable sampler; epoch 0's
+    last batch saves, or its loop once ended (``resume``: loads that save instead of
+    running epoch 0)."""
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from torch.utils.data import DataLoader
+
+    set_seed(0)
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    made = accelerate.Accelerator(cpu=True, dataloader_config=config)
+    try:
+        loader = made.prepare(DataLoader(list(range(8)), batch_size=2, shuffle=True))
+        if resume:
+            load_state(made, path)
+        else:
+            for i, _ in enumerate(loader):
+                if i == 3 and not after_the_loop:  # Accelerate has not counted the epoch yet
+                    save_state(made, path)
+            if after_the_loop:
+                save_state(made, path)
+        return [[x for batch in loader for x in batch.tolist()] for _ in range(2)]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_a_save_at_an_epochs_last_batch_resumes_with_the_next_epochs_shuffle(
+    tmp_path: Path,
+) -> None:
+    """The saved epoch counter was the finished epoch's (Accelerate counts it after the
+    loop), and the resumed loader replayed that epoch's order, every later epoch one
+    behind the uninterrupted run's."""
+    uninterrupted = _seedable_run(tmp_path / "c", resume=False)
+    assert _seedable_run(tmp_path / "c", resume=True) == uninterrupted
+    assert _seedable_run(tmp_path / "d", resume=False, after_the_loop=True) == uninterrupted
+    assert _seedable_run(tmp_path / "d", resume=True) == uninterrupted

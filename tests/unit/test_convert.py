@@ -503,3 +503,47 @@ def test_an_option_of_another_target_is_refused_not_ignored(
     err = capsys.readouterr().err
     assert err.startswith("shardsafe: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_a_dry_run_refuses_every_destination_the_real_run_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dry run said it "would write" into a taken destination that the real run then
+    refused; it checked none."""
+    dcp_checkpoint(tmp_path / "dcp")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "model.safetensors").write_bytes(b"mine")
+    (tmp_path / "f.pt").write_bytes(b"mine")
+    (tmp_path / "file").write_bytes(b"mine")
+    cases = [("taken", "shardsafe", "is not empty"), ("taken", "dcp", "is not empty"),
+             ("taken", "hf", "is not empty"), ("f.pt", "torch", "f.pt exists; nothing is ever"),
+             ("file", "dcp", "exists and is not a directory")]  # fmt: skip
+    for dst, to, message in cases:
+        args = ["convert", str(tmp_path / "dcp"), str(tmp_path / dst), "--to", to]
+        assert cli.main([*args, "--dry-run"]) == 1, (dst, to)
+        assert message in capsys.readouterr().err, (dst, to)
+        assert cli.main(args) == 1
+        assert message in capsys.readouterr().err, (dst, to)
+    assert (tmp_path / "taken" / "model.safetensors").read_bytes() == b"mine"
+    new = shardsafe.convert(
+        tmp_path / "dcp", tmp_path / "new" / "deep.pt", to="torch", dry_run=True
+    )
+    assert new.dry_run and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float64, torch.uint8])
+def test_a_dtype_that_is_not_one_of_the_three_is_refused_as_a_torch_dtype_too(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """``torch.int8`` was let through where ``"int8"`` was refused, and 300.0 became 44."""
+    dcp_checkpoint(tmp_path / "dcp")
+    with pytest.raises(ValueError, match=r"is not one of bfloat16, float16, float32"):
+        shardsafe.convert(tmp_path / "dcp", tmp_path / "o", dtype=dtype)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("size", [2e9, [1], None])
+def test_a_max_shard_size_of_another_type_is_a_clear_error(tmp_path: Path, size: Any) -> None:
+    dcp_checkpoint(tmp_path / "dcp")
+    with pytest.raises(ValueError, match=r"max_shard_size=.* is not a size: give bytes as an int"):
+        shardsafe.convert(tmp_path / "dcp", tmp_path / "o", to="hf", max_shard_size=size)

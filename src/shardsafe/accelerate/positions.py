@@ -23,7 +23,13 @@ class DataLoaderPosition:
         self.dataloader = dataloader
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"iteration": int(getattr(self.dataloader, "iteration", 0))}
+        iteration = int(getattr(self.dataloader, "iteration", 0))
+        if _in_its_last_batch(self.dataloader):
+            # Accelerate counts the epoch done only once its loop ends, after the last
+            # batch: saved during it, the resumed loader replayed the finished epoch's
+            # shuffle (its next ``__iter__`` reseeds the sampler from ``iteration``).
+            iteration += 1
+        state: dict[str, Any] = {"iteration": iteration}
         sampler = _seedable_sampler(self.dataloader)
         if sampler is not None:
             state["sampler"] = {"epoch": int(sampler.epoch), "seed": int(sampler.initial_seed)}
@@ -51,3 +57,12 @@ def _seedable_sampler(dataloader: Any) -> Any:
     get = getattr(dataloader, "get_sampler", None)
     sampler = get() if callable(get) else None
     return sampler if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def _in_its_last_batch(dataloader: Any) -> bool:
+    """Whether ``dataloader`` has handed out the last batch of an epoch whose loop has
+    not ended yet (it is still the accelerator's active dataloader)."""
+    if not getattr(dataloader, "end_of_dataloader", False):
+        return False
+    gradient_state = getattr(dataloader, "gradient_state", None)
+    return getattr(gradient_state, "active_dataloader", None) is dataloader

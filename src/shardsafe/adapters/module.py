@@ -122,6 +122,18 @@ class ModuleAdapter(Adapter):
         tied = _tied_names(module)
         extra_state = _ExtraState(module)
         for name, value in live.items():
+            if (
+                as_saved(name) in extra
+                and isinstance(value, torch.Tensor)
+                and not extra_state(name, value)
+            ):
+                # torch's load_state_dict would refuse it after the tensors before it
+                # (and other entries) were restored.
+                raise CheckpointMismatchError(
+                    f"{saved.name}: the checkpoint holds {name!r} as a value that is not a "
+                    "tensor, but the live module's is a parameter or buffer; load it into "
+                    "the module it was saved from"
+                )
             if as_saved(name) not in saved_names:
                 # Extra state is missing as a tensor is (torch says "Missing key(s)").
                 twins = {as_saved(n) for n in tied.get(name, set())}
@@ -316,6 +328,13 @@ def _without_wrappers(state: dict[str, Any]) -> dict[str, Any]:
     own), unless that would give two entries one name: then as it is."""
     renamed = {fqn_without_wrappers(name): value for name, value in state.items()}
     return renamed if len(renamed) == len(state) else state
+
+
+def check_module_meta(saved: SavedValue) -> None:
+    """Raise what a load of a module entry whose metadata is malformed raises (for
+    ``verify``, which must not pass a checkpoint that no load accepts)."""
+    _saved_names(saved)
+    _extra(saved)
 
 
 def _saved_names(saved: SavedValue) -> list[str]:

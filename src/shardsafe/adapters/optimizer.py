@@ -419,6 +419,28 @@ def state_dict_for(
     return {"state": state, "param_groups": local_groups}
 
 
+def check_adoptable(
+    local: torch.optim.Optimizer, state_dict: dict[str, Any], saved: SavedValue
+) -> None:
+    """Refuse, before anything is restored, a built ``state_dict`` that the optimizer's
+    own ``__setstate__`` (what ``load_state_dict`` ends with) would reject: a forged
+    ``step`` of ``"abc"`` or none at all made torch's Adam raise there, after the model
+    had been restored. Run on a stand-in of the optimizer's class holding shallow copies
+    (``__setstate__`` edits the dicts it gets), so the live optimizer is untouched."""
+    params = [p for g in local.param_groups for p in g["params"]]
+    state = {params[i]: dict(v) for i, v in state_dict["state"].items() if i < len(params)}
+    groups = [{**g, "params": [params[i] for i in g["params"]]} for g in state_dict["param_groups"]]
+    stand_in = object.__new__(type(local))
+    stand_in.__dict__["defaults"] = dict(local.defaults)
+    try:
+        type(local).__setstate__(stand_in, {"state": state, "param_groups": groups})
+    except Exception as e:  # any: whatever the class's own code raises on this state
+        raise CheckpointCorruptError(
+            f"the optimizer state in the manifest entry for {saved.name!r} is not valid "
+            f"state for the live {type(local).__qualname__}: {type(e).__name__}: {e}"
+        ) from e
+
+
 def import_state(
     groups: list[dict[str, Any]],
     local: torch.optim.Optimizer,
@@ -588,7 +610,7 @@ class OptimizerAdapter(Adapter):
         tensors: Mapping[str, torch.Tensor],
         ctx: LoadContext,
     ) -> None:
-        state_dict_for(obj.param_groups, obj, saved, tensors, ctx)
+        check_adoptable(obj, state_dict_for(obj.param_groups, obj, saved, tensors, ctx), saved)
 
     def restore(
         self,

@@ -24,7 +24,14 @@ import torch
 
 from ..errors import CheckpointError
 from ..protocol import JSON, Adapter, LoadContext, LoadRequests, SaveContext, SavedValue, SaveItem
-from .optimizer import export_state, import_state, live_targets, plan_import, state_dict_for
+from .optimizer import (
+    check_adoptable,
+    export_state,
+    import_state,
+    live_targets,
+    plan_import,
+    state_dict_for,
+)
 from .optimizer_merge import merge_optimizer_metas
 
 
@@ -74,7 +81,8 @@ class PartitionedOptimizerAdapter(Adapter):
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
-        state_dict_for(obj.param_groups, self.local(obj), saved, tensors, ctx)
+        local = self.local(obj)
+        check_adoptable(local, state_dict_for(obj.param_groups, local, saved, tensors, ctx), saved)
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext

@@ -226,9 +226,11 @@ def representative(meta: JSON, name: str = "") -> JSON:
 def module_tensor_keys(saved: SavedValue, stored: Container[str]) -> list[str]:
     """The tensor keys a module entry's metadata names, in order (``stored``: every
     tensor key of its checkpoint, which tells a name with a ``/`` apart); non-string
-    names, which the adapter refuses on load, are left out."""
+    names (or a ``tensors`` that is no list), which the adapter refuses on load, are left
+    out."""
     meta = saved.meta if isinstance(saved.meta, dict) else {}
-    names = [n for n in meta.get("tensors", []) if isinstance(n, str)]
+    listed = meta.get("tensors", [])
+    names = [n for n in listed if isinstance(n, str)] if isinstance(listed, list) else []
     key = _names.module_keys(saved.name, names, stored)
     return [key(n) for n in names]
 

@@ -336,8 +336,14 @@ def _tensor_doc(t: TensorSummary) -> dict[str, Any]:
 
 
 def _number(value: object) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None  # type: ignore[arg-type]
+    """``value`` as a float, if it is a number a float holds (not ``10**400``)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range: valid JSON, no time
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _string(value: object) -> str | None:

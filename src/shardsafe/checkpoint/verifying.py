@@ -170,10 +170,12 @@ def _references(value: SavedValue, manifest: Manifest) -> list[str]:
     """The tensor keys an entry's metadata refers to, in order, each once: a module's by
     its names; an entry recorded with per-rank copies, every saving rank's record's."""
     from .. import _names, _tree
+    from ..adapters.module import check_module_meta
     from ..adapters.values import PER_RANK, checked_form, module_tensor_keys
 
     meta = value.meta
     if value.kind == "module" and isinstance(meta, dict):
+        check_module_meta(value)
         return list(dict.fromkeys(module_tensor_keys(value, manifest.tensors)))
     if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
         form = checked_form(meta[PER_RANK], value.name)

@@ -22,6 +22,7 @@ import torch
 
 from .. import dtypes
 from .._text import human_bytes
+from ..checkpoint.storage import target_directory
 from ..checkpoint.storage.locations import is_url, local_path, open_storage
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
@@ -156,6 +157,7 @@ def _convert(src: str | os.PathLike[str], dst: str, options: ConvertOptions) -> 
             [torch_file.PICKLE_WARNING] if options.to == "torch" else [],
         )
         if options.dry_run:
+            _refuse_taken_destination(dst, source.where, options)
             return planned
         what = f"{source.format} -> {options.to}"
         with _progress(options.progress, chosen.total_bytes, what) as on_bytes:
@@ -256,6 +258,27 @@ def _write(
             on_bytes=on_bytes,
             extra=config_files(options.config, options.generation_config),
         )
+
+
+def _refuse_taken_destination(dst: str, source_where: str, options: ConvertOptions) -> None:
+    """A dry run refuses what the real run would refuse before writing: an existing
+    ``torch.save`` file, a directory that is not empty (DCP, Hugging Face) or holds a
+    committed checkpoint (shardsafe), a destination that is no directory. It said it
+    "would write" them all."""
+    storage_options = _options_for(dst, source_where, options)
+    if options.to == "torch":
+        directory, name = split(dst)
+        if not name:
+            raise CheckpointError(f"{dst} names no file for the torch.save output")
+        with open_storage(directory, storage_options=storage_options) as storage:
+            torch_file.refuse_existing(storage, name)
+        return
+    _refuse_non_directory(dst)
+    with open_storage(dst, storage_options=storage_options) as storage:
+        if options.to == "shardsafe":
+            target_directory.refuse_unusable(storage)
+        else:
+            dcp_write.check_empty(storage)
 
 
 def _options_for(path: str, other: str, options: ConvertOptions) -> Mapping[str, Any] | None:

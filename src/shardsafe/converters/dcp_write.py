@@ -128,14 +128,20 @@ def refuse_non_empty(storage: Storage) -> bool:
     """Make the output directory; converters write only into a new or empty one, so that
     nothing of the user's is overwritten or mixed with the output. Returns whether it was
     created here (a failed conversion then removes it)."""
+    existed = check_empty(storage)
+    storage.make_directory()
+    return not existed
+
+
+def check_empty(storage: Storage) -> bool:
+    """Whether the output directory exists; refuse it if it is not empty."""
     existed = storage.is_directory()
     if existed and storage.names():
         raise CheckpointError(
             f"{storage.directory} exists and is not empty; convert into a new directory "
             "(nothing is ever overwritten)"
         )
-    storage.make_directory()
-    return not existed
+    return existed
 
 
 def remove_if_created(storage: Storage, created: bool) -> None:

@@ -97,8 +97,11 @@ class ConvertOptions:
             raise ValueError(f"dry_run={self.dry_run!r} must be True or False")
         if not isinstance(self.progress, (bool, type(None))):
             raise ValueError(f"progress={self.progress!r} must be True, False or None")
-        if isinstance(self.max_shard_size, bool):
-            raise ValueError(f"max_shard_size={self.max_shard_size!r} is not a size")
+        if isinstance(self.max_shard_size, bool) or not isinstance(self.max_shard_size, (int, str)):
+            raise ValueError(
+                f"max_shard_size={self.max_shard_size!r} is not a size: give bytes as an int "
+                "or a string such as '5GB'"
+            )
         parse_size(self.max_shard_size)
 
     def _check_target_options(self) -> None:
@@ -123,7 +126,11 @@ class ConvertOptions:
 
 
 def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None:
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():  # torch.int8 wrapped 300.0 to 44, silently
+            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")

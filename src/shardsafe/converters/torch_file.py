@@ -206,12 +206,17 @@ def _storage_type(dtype: torch.dtype) -> Any:
     return torch.UntypedStorage if name is None else getattr(torch, name)
 
 
+def refuse_existing(storage: Storage, name: str) -> None:
+    """Refuse an output file that exists: nothing is ever overwritten."""
+    if storage.is_directory() and storage.exists(name):
+        raise CheckpointError(f"{storage.where(name)} exists; nothing is ever overwritten")
+
+
 def write(
     source: Source, storage: Storage, name: str, on_bytes: Callable[[int], None] | None = None
 ) -> int:
     """Write ``source`` as the ``torch.save`` file ``name``; return its size."""
-    if storage.is_directory() and storage.exists(name):
-        raise CheckpointError(f"{storage.where(name)} exists; nothing is ever overwritten")
+    refuse_existing(storage, name)
     storage.make_directory()
     buf = io.BytesIO()
     pickler = _Pickler(buf, source)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 import shardsafe
 from tests import forge
@@ -72,6 +73,15 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "state entry is a tensor tag": (
         _set((*OPT, "state", "0.weight"), {"__tensor__": "x"}),
         "the state of parameter '0.weight' is not an object of named entries",
+    ),
+    "optimizer step is a string": (
+        _set((*OPT, "state", "2.bias", "step"), "abc"),
+        "the optimizer state in the manifest entry for 'optimizer' is not valid state for the "
+        "live Adam: ValueError: could not convert string to float: 'abc'",
+    ),
+    "optimizer step missing": (
+        lambda doc: doc["values"]["optimizer"]["meta"]["state"]["2.bias"].pop("step"),
+        "is not valid state for the live Adam: KeyError: 'step'",
     ),
     "param group names not strings": (
         _set((*OPT, "param_groups", 0, "params"), [0, 1, 2, 3]),
@@ -143,6 +153,29 @@ def test_hostile_adapter_metadata_restores_nothing(copy_of: Any, layout: str, ca
     opt = make_optimizer(model)
     err = load_refused(ckpt, {"model": model, "optimizer": opt, "rng": shardsafe.RNGState()})
     assert fragment in str(err), str(err)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_a_module_tensor_forged_as_extra_state_is_refused_before_anything_is_restored(
+    copy_of: Any,
+) -> None:
+    """``load_state_dict`` refused the string after every tensor had been filled."""
+    ckpt = copy_of("sharded")
+    doc = manifest_doc(ckpt)
+    meta = doc["values"]["model"]["meta"]
+    meta["tensors"].remove("2.bias")
+    meta["extra"]["2.bias"] = "not a tensor"
+    forge.write_manifest(ckpt, doc)
+    model = make_model(1)
+    opt = make_optimizer(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(shardsafe.CheckpointMismatchError) as caught:
+        shardsafe.load(ckpt, {"model": model, "optimizer": opt})
+    assert str(caught.value) == (
+        "model: the checkpoint holds '2.bias' as a value that is not a tensor, but the live "
+        "module's is a parameter or buffer; load it into the module it was saved from"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert opt.state_dict()["state"] == {}
 
 

@@ -140,6 +140,7 @@ def _numbers_case(name: str) -> Callable[[Path], None]:
                 "created_unix string": "yesterday",
                 "created_unix true": True,
                 "created_unix 10**30": 10**30,
+                "created_unix 10**400": 10**400,  # beyond a float: OverflowError
             }[name]
         elif name == "world_size 10**30":
             doc["world_size"] = 10**30
@@ -173,6 +174,7 @@ HUGE = {
     "created_unix 1e300": (0, None),
     "created_unix -1e300": (0, None),
     "created_unix 10**30": (0, None),
+    "created_unix 10**400": (0, None),
     "created_unix string": (0, None),
     "created_unix true": (0, None),
     "world_size 10**30": (0, None),
@@ -206,6 +208,7 @@ def test_inspect_on_huge_numbers_is_clean(copy_of: Any, case: str) -> None:
     if case.startswith("created_unix"):
         value = info["info"]["created_unix"]
         finite = isinstance(value, (int, float)) and not isinstance(value, bool)
+        finite = finite and case != "created_unix 10**400"
         assert doc["created_unix"] == (float(value) if finite else None)
         assert doc["created"] is None
         assert "created     ? by shardsafe" in text
@@ -344,3 +347,21 @@ def test_verify_escapes_the_path_in_its_failed_line(tmp_path: Path) -> None:
     rc, out, err = run_cli("verify", str(ckpt))
     assert rc == 1
     _assert_terminal_safe(out, err)
+
+
+@pytest.mark.parametrize("tensors", [5, None, True, 1.5])
+def test_verify_reports_module_metadata_that_no_load_accepts(copy_of: Any, tensors: Any) -> None:
+    """A module entry whose 'tensors' is not a list: verify ended in a raw TypeError
+    ("verify failed unexpectedly ... a bug in shardsafe"), while load refused it."""
+    ckpt = copy_of("sharded")
+    doc = manifest_doc(ckpt)
+    doc["values"]["model"]["meta"]["tensors"] = tensors
+    forge.write_manifest(ckpt, doc)
+    rc, out, err = run_cli("verify", str(ckpt))
+    assert (rc, err) == (1, ""), (out, err)
+    assert (
+        "state entry 'model': the manifest entry for 'model' is not valid module metadata: "
+        "'tensors' is not a list of names"
+    ) in out
+    report = shardsafe.verify(ckpt)
+    assert not report.ok and "'tensors' is not a list of names" in report.problems[0]

@@ -31,6 +31,7 @@ __all__ = [
     "probe_name",
     "record_plan",
     "refuse_committed",
+    "refuse_unusable",
     "remove_uncommitted",
 ]
 
@@ -46,6 +47,16 @@ def refuse_committed(storage: Storage) -> bool:
         )
     storage.close()  # reopened when written: rank 0 may create it in between
     return existed
+
+
+def refuse_unusable(storage: Storage) -> None:
+    """What a save into ``storage`` refuses before it writes, found without writing (a
+    converter's dry run): a committed checkpoint, or files that are not an interrupted
+    save's."""
+    refuse_committed(storage)
+    names = storage.names() if storage.is_directory() else []
+    if names:
+        own_leftovers(storage, names)
 
 
 def prepare(storage: Storage) -> str:
