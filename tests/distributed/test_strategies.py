@@ -145,3 +145,29 @@ def test_what_rank_zero_checks_before_step_one_is_agreed_on_every_rank(tmp_path:
         "metrics file; move it away (or choose another run_dir) and start again"
     )
     assert run_ranks(fit_in_own_directory, 2, str(tmp_path)) == [(1, refused), (1, refused)]
+
+
+def fit_in_a_group_of_the_callers(rank: int, world_size: int, run_dir: str) -> str:
+    """``Trainer(strategy="single")`` (devices=1) called on each rank of a process group
+    the caller initialized without torchrun's variables (``mp.spawn``): what it raised."""
+    import os
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(name, None)
+    trainer = Trainer(max_steps=2, run_dir=run_dir)
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(ExampleModule())
+    return str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_devices_that_do_not_match_a_callers_process_group_are_refused(tmp_path: Path) -> None:
+    """It trained two replicas whose gradients were never averaged, and saved one
+    checkpoint stitched from both (some tensors written by rank 0, others by rank 1)."""
+    refused = (
+        "devices=1, but this process is one of 2 ranks of the process group already "
+        "initialized (init_process_group); make devices match it, with a strategy that runs "
+        "on several processes (ddp, zero, fsdp)"
+    )
+    assert run_ranks(fit_in_a_group_of_the_callers, 2, str(tmp_path / "run")) == [refused] * 2
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import shardsafe
 from shardsafe import Trainer, TrainingModule
@@ -119,6 +126,17 @@ def test_loader_spec_keeps_the_loader_settings_or_says_why_not() -> None:
     weighted = WeightedRandomSampler([1.0] * 20, 20)
     with pytest.raises(ValueError, match="WeightedRandomSampler"):
         loader_spec(DataLoader(DATA, batch_size=4, sampler=weighted), None)
+    # A RandomSampler of 8 of the 20 samples was taken as shuffle=True: epochs of 20.
+    fewer = RandomSampler(DATA, num_samples=8)
+    with pytest.raises(ValueError, match="uses a RandomSampler, which the trainer cannot"):
+        loader_spec(DataLoader(DATA, batch_size=4, sampler=fewer), None)
+
+    class Reversed(SequentialSampler):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(reversed(range(len(DATA))))
+
+    with pytest.raises(ValueError, match="uses a Reversed, which the trainer cannot"):
+        loader_spec(DataLoader(DATA, batch_size=4, sampler=Reversed(DATA)), None)
 
     class Stream(IterableDataset[int]):
         def __iter__(self):  # type: ignore[no-untyped-def]

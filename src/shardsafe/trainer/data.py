@@ -90,9 +90,16 @@ def _from_loader(loader: DataLoader[Any]) -> LoaderSpec:
             "(and shuffle=) to split batches across ranks and resume mid-epoch"
         )
     sampler = loader.sampler
-    if isinstance(sampler, RandomSampler) and not sampler.replacement:
+    # Exactly these classes: a subclass, or a RandomSampler of another num_samples, draws
+    # an order (or an epoch length) the trainer's own would silently replace.
+    plain_random = (
+        type(sampler) is RandomSampler
+        and not sampler.replacement
+        and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
+    )
+    if plain_random:
         shuffle = True
-    elif isinstance(sampler, SequentialSampler):
+    elif type(sampler) is SequentialSampler:
         shuffle = False
     elif isinstance(sampler, DistributedSampler):
         shuffle = sampler.shuffle

@@ -57,7 +57,16 @@ def current_environment(devices: int) -> Environment | None:
         local_rank = int(variables.get("LOCAL_RANK", rank))
         return Environment(rank, world_size, local_rank, launched)
     if dist.is_available() and dist.is_initialized():
-        return Environment(dist.get_rank(), dist.get_world_size(), dist.get_rank())
+        world_size = dist.get_world_size()
+        if world_size != devices:
+            # Not checked, strategy="single" in a group of 2 trained two replicas whose
+            # gradients were never averaged, and saved one checkpoint stitched from both.
+            raise ValueError(
+                f"devices={devices}, but this process is one of {world_size} ranks of the "
+                "process group already initialized (init_process_group); make devices match "
+                "it, with a strategy that runs on several processes (ddp, zero, fsdp)"
+            )
+        return Environment(dist.get_rank(), world_size, dist.get_rank())
     if devices == 1:
         return Environment()
     return None
