@@ -54,16 +54,12 @@ def plain_hparams(value: Any) -> Any:
 def _plain_hparams(value: Any) -> tuple[Any, list[str]]:
     """``value`` as plain data, and the names of its entries that were configs (a config
     itself is converted whole: its class is Lightning's ``hparams_type``)."""
-    if _is_config(value) or not isinstance(value, Mapping):
-        return plain_value(value), []
-    configs = [key for key, entry in value.items() if _is_config(entry)]
-    if not configs:
-        return value, []
-    return {key: plain_value(entry) for key, entry in value.items()}, [str(k) for k in configs]
-
-
-def _is_config(value: Any) -> bool:
-    return plain_value(value) is not value
+    whole = plain_value(value)
+    if whole is not value or not isinstance(value, Mapping):
+        return whole, []  # a config (converted), or plain data
+    converted = {key: plain_value(entry) for key, entry in value.items()}
+    configs = [str(key) for key, entry in value.items() if converted[key] is not entry]
+    return (converted, configs) if configs else (value, [])
 
 
 def rebuild_entries(hparams: dict[str, Any], configs: Any) -> dict[str, Any]:
