@@ -11,6 +11,7 @@ the only way to store it would be pickle.
 from __future__ import annotations
 
 import base64
+import collections
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,7 +31,8 @@ keys that are not strings arrive as :class:`~shardsafe._names.DictKey` s (so ``1
 PER_RANK = "__per_rank__"
 """Wraps one encoded tree per rank (``adapters.values.merge_per_rank``); not decoded here."""
 TAGS = (
-    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__", PER_RANK,
+    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__",
+    "__counter__", PER_RANK,
 )  # fmt: skip
 """Keys ``encode`` never leaves in a plain dict (such dicts become ``__dict__`` pairs).
 ``__per_rank__`` is not decoded here: it wraps one encoded tree per rank
@@ -97,10 +99,16 @@ def encode(
         return [
             encode(v, where, sink, (*path, str(i)), levels=levels + 1) for i, v in enumerate(value)
         ]
+    if isinstance(value, collections.Counter):
+        # A Counter's methods are its point: MultiStepLR's milestones, a plain dict after
+        # a resume, failed in SequentialLR's hand-over (no ``elements()``).
+        return {"__counter__": encode(dict(value), where, sink, path, levels=levels + 1)}
     if isinstance(value, Mapping):
         return _encode_mapping(value, where, sink, path, levels)
-    if is_numpy_scalar(value):  # arrays are refused below
-        return encode(value.item(), where, sink, path, levels=levels)
+    # Arrays are refused below, and so is a scalar whose item() is no Python number
+    # (np.longdouble's is another np.longdouble: the call recursed until Python's limit).
+    if is_numpy_scalar(value) and not is_numpy_scalar(item := value.item()):
+        return encode(item, where, sink, path, levels=levels)
     raise CheckpointError(
         f"cannot save {where}{_format_path(path)}: a value of type {type(value).__qualname__} is "
         "neither a tensor nor JSON-able data, and shardsafe never pickles. Convert it to "
@@ -179,6 +187,13 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
             if dtype is None:
                 raise CheckpointCorruptError(f"unknown dtype {payload!r:.80} in the manifest")
             return dtype
+        if tag == "__counter__":
+            counts = decode(payload, tensors)
+            if not isinstance(counts, dict):
+                raise CheckpointCorruptError(
+                    f"malformed {tag} value in the manifest: {payload!r:.80}"
+                )
+            return collections.Counter(counts)
         if tag == "__dict__":
             pairs = _expect(payload, list, tag)
             for pair in pairs:

@@ -17,6 +17,7 @@ import contextlib
 import io
 import pickle
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,25 @@ CALLS: dict[str, tuple[bytes, str, str]] = {  # pickle, fragment for DCP, for to
         + P.STOP,
         "sets the state (BUILD) of a collections.OrderedDict it made",
         "sets 'items' on a OrderedDict",
+    ),
+    "a Counter given a list": (
+        P.PROTO2 + P.call("collections", "Counter", P.EMPTY_LIST) + P.STOP,
+        "the global collections.Counter",
+        "calls collections.Counter with arguments no real pickle gives it (one dict only)",
+    ),
+    "a Counter of colliding ints": (
+        P.PROTO2
+        + P.call(
+            "collections",
+            "Counter",
+            P.EMPTY_DICT
+            + P.MARK
+            + b"".join(P.long1(k) + P.i(1) for k in P.colliding_ints(100))
+            + P.SETITEMS,
+        )
+        + P.STOP,
+        "the global collections.Counter",
+        "share a hash",
     ),
     "a set of colliding ints": (
         P.PROTO2
@@ -380,6 +400,8 @@ def test_real_torch_files_still_load(tmp_path: Path) -> None:
         "optimizer_states": [opt.state_dict()],
         "tied": [model[0].weight, model[0].weight],
         "extra": {"bytes": b"\x00\xff", "set": {1, 2}, "complex": 1j, "dtype": torch.bfloat16},
+        # MultiStepLR's milestones are a Counter: a Lightning checkpoint with one was refused
+        "lr_schedulers": [torch.optim.lr_scheduler.MultiStepLR(opt, [3, 9, 9]).state_dict()],
         "u16": torch.zeros(3, dtype=torch.uint16),
         "param": nn.Parameter(torch.ones(2)),
     }
@@ -390,6 +412,8 @@ def test_real_torch_files_still_load(tmp_path: Path) -> None:
     assert loaded["state_dict"]._metadata == saved["state_dict"]._metadata
     assert loaded["optimizer_states"][0]["param_groups"][0]["betas"] == (0.8, 0.9)
     assert loaded["extra"] == saved["extra"]
+    milestones = loaded["lr_schedulers"][0]["milestones"]
+    assert type(milestones) is Counter and milestones == Counter({3: 1, 9: 2})
     assert loaded["tied"][0] is loaded["tied"][1]
     assert loaded["u16"].dtype == torch.uint16 and isinstance(loaded["param"], nn.Parameter)
 

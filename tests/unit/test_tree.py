@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ def test_string_keys_that_look_like_tags_are_not_misread() -> None:
         "inner": {"__tuple__": [1, 2]},
         "f": {"__float__": "inf"},
         "d": {"__dtype__": "float32"},
+        "c": {"__counter__": {"a": 1}},
     }
     out = roundtrip(value)
     assert same(out, value)
@@ -211,6 +213,55 @@ def test_an_unhashable_or_unknown_dict_key_is_refused_naming_its_path() -> None:
         _tree.encode({"a": {object(): 1}}, "state['x']", _no_tensors)
 
 
+def test_a_counter_stays_a_counter() -> None:
+    """MultiStepLR's milestones came back a dict, which SequentialLR's hand-over to it
+    then failed on (``'dict' object has no attribute 'elements'``)."""
+    value = {"milestones": Counter({30: 1, 80: 2}), "words": Counter({"a": 3}), "empty": Counter()}
+    assert same(roundtrip(value), value)
+
+
+def test_a_sequential_warmup_into_multistep_resumes_as_it_ran(tmp_path: Path) -> None:
+    def run(resume_at: int | None) -> list[float]:
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+        decay = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4], gamma=0.1)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, decay], milestones=[2])
+        state = {"model": model, "optimizer": opt, "scheduler": sched}
+        lrs = []
+        for step in range(8):
+            if step == resume_at:
+                shardsafe.save(tmp_path / "c", state)
+                return run_from(tmp_path / "c", lrs)
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    def run_from(path: Path, lrs: list[float]) -> list[float]:
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+        decay = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4], gamma=0.1)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, decay], milestones=[2])
+        shardsafe.load(path, {"model": model, "optimizer": opt, "scheduler": sched})
+        for _ in range(8 - len(lrs)):
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    assert run(resume_at=1) == run(resume_at=None)
+
+
+def test_a_numpy_scalar_whose_item_is_no_python_number_is_refused() -> None:
+    """``np.longdouble(0.1).item()`` is a longdouble: encode recursed until RecursionError."""
+    with pytest.raises(
+        CheckpointError, match=r"state\['v'\]\['decay'\]: a value of type longdouble"
+    ):
+        _tree.encode({"decay": np.longdouble(0.1)}, "state['v']", _no_tensors)
+
+
 def test_a_numpy_array_is_refused_naming_its_path() -> None:
     # Only numpy scalars are plain numbers; an array would need pickle (or a tensor).
     with pytest.raises(CheckpointError, match=r"state\['sampler'\]\['order'\].*ndarray"):
@@ -228,6 +279,8 @@ def test_a_numpy_array_is_refused_naming_its_path() -> None:
         {"__dtype__": "Tensor"},
         {"__dtype__": "__class__"},
         {"__dict__": "x"},
+        {"__counter__": [1, 2]},
+        {"__counter__": 3},
         {"__dict__": [1]},
         {"__dict__": [[1, 2, 3]]},
         {"__dict__": [[[1], 2]]},

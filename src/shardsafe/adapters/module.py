@@ -60,9 +60,19 @@ class ModuleAdapter(Adapter):
         chunks: list[Chunk] = []
         names: list[str] = []
         extra: dict[str, Any] = {}
-        for name, value in _without_wrappers(_state_of(module)).items():
+        state = _state_of(module)
+        for name in state:
+            if not isinstance(name, str):
+                raise CheckpointError(
+                    f"cannot save state[{ctx.name!r}]: its state_dict() has the key {name!r} "
+                    f"({type(name).__qualname__}); a module's state-dict keys are names "
+                    "(strings), as load_state_dict's prefixes assume: rename it (nothing was "
+                    "written)"
+                )
+        for name, value in _without_wrappers(state).items():
             if not isinstance(value, torch.Tensor):
-                extra[name] = _tree.encode(value, f"state[{ctx.name!r}][{name!r}]", _refuse_tensor)
+                where = f"state[{ctx.name!r}][{name!r}]"
+                extra[name] = _tree.encode(value, where, _refusing_tensors_in(where))
                 continue
             names.append(name)
             key = ctx.key(name)
@@ -375,11 +385,22 @@ def _buffer_chunk(key: str, tensor: torch.Tensor) -> Chunk:
     return Chunk(key, tensor, shape, (0,) * len(shape), replicated=True, lowest_rank_wins=True)
 
 
-def _refuse_tensor(path: tuple[str, ...], tensor: torch.Tensor) -> str:
-    raise CheckpointError(
-        "a module's extra state holds a tensor inside a non-tensor value; return tensors as "
-        "ordinary state-dict entries instead"
-    )
+def _refusing_tensors_in(where: str) -> _tree.TensorSink:
+    """The sink of a module's non-tensor state-dict value: a tensor inside it is refused,
+    by the entry's name and its place in the value (torch's dynamically quantized
+    ``Linear`` keeps a tuple of tensors there: ``_packed_params._packed_params``)."""
+
+    def refuse(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        inside = "".join(f"[{p!r}]" for p in path)
+        raise CheckpointError(
+            f"cannot save {where}{inside}: a tensor inside a value that is not a tensor (a "
+            "tuple, list or dict in the module's state_dict(); a dynamically quantized "
+            "module's packed parameters, say), which shardsafe cannot store as a "
+            "state-dict entry; return each tensor as an entry of its own, or save the "
+            "float module (nothing was written)"
+        )
+
+    return refuse
 
 
 def _state_of(module: nn.Module) -> dict[str, Any]:

@@ -12,18 +12,19 @@ what it is given. So each callable has a rule, checked on the stand-ins at the c
   path's parts, a layout's name);
 * ``LATIN1``: ``(text, "latin1")``, how protocol 2 pickles ``bytes``;
 * ``SIZE``: one list or tuple of numbers (``torch.Size``);
-* ``ELEMENTS``: one list, whose members are hashed as a set's (``set``, ``frozenset``).
+* ``ELEMENTS``: one list, whose members are hashed as a set's (``set``, ``frozenset``);
+* ``MAPPING``: one dict, already filled (``Counter``, how protocol 2 pickles one).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .nodes import ATOM, LIST, STR, TUPLE, Refused
+from .nodes import ATOM, DICT, LIST, STR, TUPLE, Refused
 
-ANY, NO_ARGS, SCALARS, LATIN1, SIZE, ELEMENTS = (
+ANY, NO_ARGS, SCALARS, LATIN1, SIZE, ELEMENTS, MAPPING = (
     "any", "no arguments", "numbers and strings", "text and 'latin1'",
-    "one list of numbers", "one list",
+    "one list of numbers", "one list", "one dict",
 )  # fmt: skip
 
 
@@ -45,6 +46,8 @@ def check(machine: Any, rule: str, name: str, given: list[int]) -> list[int]:
     elif rule == SIZE:
         ok = len(given) == 1 and kinds[given[0]] in (LIST, TUPLE)
         ok = ok and all(kinds[c] == ATOM for c in machine.children[given[0]] or ())
+    elif rule == MAPPING:  # its keys were hashed (and bounded) as the dict was filled
+        ok = len(given) == 1 and kinds[given[0]] == DICT
     else:
         ok = rule == ELEMENTS and len(given) <= 1 and all(kinds[a] == LIST for a in given)
     if not ok:

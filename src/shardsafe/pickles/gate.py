@@ -40,6 +40,7 @@ _TORCH_CALLS = {
     ("torch", "device"): calls.SCALARS,
     ("torch.serialization", "_get_layout"): calls.SCALARS,
     ("collections", "OrderedDict"): calls.NO_ARGS,  # then filled by SETITEMS
+    ("collections", "Counter"): calls.MAPPING,  # MultiStepLR's milestones
     ("_codecs", "encode"): calls.LATIN1,  # bytes, in protocol 2
     ("builtins", "set"): calls.ELEMENTS,
     ("builtins", "frozenset"): calls.ELEMENTS,
@@ -65,8 +66,8 @@ TORCH_POLICY = Policy(
 """What ``torch.save`` writes for tensors, parameters and plain data (a model's or an
 optimizer's state dict, a Lightning checkpoint without custom objects): a subset of
 ``torch.load(weights_only=True)``'s own allowlist, without sparse, quantized, nested and
-subclass tensors (which no converter writes out), tensors carrying attributes,
-``Counter`` and ``bytearray``, each callable held to the arguments ``torch.save`` gives
+subclass tensors (which no converter writes out), tensors carrying attributes and
+``bytearray``, each callable held to the arguments ``torch.save`` gives
 it (``calls.py``)."""
 
 _ZIP_MAGIC = b"PK\x03\x04"
