@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointMismatchError
 from ..protocol import Chunk
 
 _DTENSOR_MODULES = ("torch.distributed.tensor._api", "torch.distributed._tensor.api")
@@ -113,6 +113,18 @@ def _geometry(value: Any) -> Geometry:
     return "shard", offsets, local
 
 
+def refuse_partial_target(key: str, value: Any) -> None:
+    """Refuse to load into a DTensor with a Partial placement, before anything is restored:
+    each rank would take the whole value as its share, and the DTensor's value, their sum,
+    would be world-size times the saved one (no error)."""
+    if is_dtensor(value) and geometry(value)[0] == "partial":
+        raise CheckpointMismatchError(
+            f"{key!r} is loaded into a DTensor with a Partial placement, whose value is the "
+            "sum of every rank's share; redistribute it to Shard or Replicate placements "
+            "before loading (nothing was restored)"
+        )
+
+
 def local_chunk(key: str, value: Any) -> Chunk:
     """The chunk this rank offers for a DTensor."""
     role, offsets, shape = geometry(value)
@@ -166,6 +178,17 @@ def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(template):
         return local
     t: Any = template
+    own = local_of(template)
+    if (
+        local.data_ptr() == own.data_ptr()
+        and local.shape == own.shape
+        and local.device == own.device
+    ):
+        # Read in place: the template itself. Wrapped anew, its local would be a view of
+        # the same memory with other strides (from_local makes them contiguous), which
+        # torch's copy_ refuses as an overlap (a (1, 3) weight split on dim 1).
+        detached: torch.Tensor = template.detach()
+        return detached
     wrapped: torch.Tensor = _dtensor_class().from_local(
         local.to(t.device_mesh.device_type),
         t.device_mesh,

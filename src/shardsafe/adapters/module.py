@@ -369,6 +369,7 @@ def _extra(saved: SavedValue) -> dict[str, Any]:
 
 
 def _request(key: str, value: torch.Tensor) -> ReadRequest:
+    dtensor.refuse_partial_target(key, value)
     if uninitialized(value):  # a lazy module's: load_state_dict gives it the saved shape
         return ReadRequest(key, dtype=value.dtype)
     if dtensor.is_dtensor(value):

@@ -465,13 +465,28 @@ def _shaped_like(
         return tensors
     offsets, local = dtensor.local_box(param)
     whole = tuple(param.shape)
+    # ``step`` stays a plain tensor, as torch keeps it; told apart by its name where the
+    # parameter is 0-dim too (its moments, left plain, failed the next step inside torch).
+    steps = {ref for name, ref in _direct_refs(raw) if name == "step"}
     out = {}
     for ref in _tree.tensor_refs(raw):
         t = tensors[ref]
         if tuple(t.shape) == whole and whole != local:
             t = t[tuple(slice(o, o + n) for o, n in zip(offsets, local))]
-        out[ref] = dtensor.like(param, t) if tuple(t.shape) == local and t.dim() else t
+        shaped = tuple(t.shape) == local and (t.dim() > 0 or ref not in steps)
+        out[ref] = dtensor.like(param, t) if shaped else t
     return out
+
+
+def _direct_refs(raw: Any) -> list[tuple[str, str]]:
+    """``(state name, tensor key)`` of each entry of a parameter's state that is a tensor."""
+    if not isinstance(raw, dict):
+        return []
+    return [
+        (name, enc["__tensor__"])
+        for name, enc in raw.items()
+        if isinstance(enc, dict) and len(enc) == 1 and isinstance(enc.get("__tensor__"), str)
+    ]
 
 
 def _meta(saved: SavedValue, ctx: LoadContext, groups: list[dict[str, Any]]) -> dict[str, Any]:

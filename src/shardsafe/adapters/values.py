@@ -361,11 +361,12 @@ def live_dtensors(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
 def shard_request(req: ReadRequest, live: torch.Tensor | None, ctx: LoadContext) -> ReadRequest:
     """``req`` for this rank's box of the live DTensor ``live`` if it matches the saved
     tensor's dtype and shape (else unchanged: read whole, as for a plain tensor)."""
-    if live is None or ctx.saved_tensors.get(req.key) != (live.dtype, tuple(live.shape)):
+    if live is None:
+        return req
+    dtensor.refuse_partial_target(req.key, live)
+    if ctx.saved_tensors.get(req.key) != (live.dtype, tuple(live.shape)):
         return req
     role, offsets, shape = dtensor.geometry(live)
-    if role == "partial":
-        return req
     whole = tuple(live.shape)
     if role == "replicated":
         return ReadRequest(req.key, dtype=live.dtype, global_shape=whole)

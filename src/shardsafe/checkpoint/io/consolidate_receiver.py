@@ -154,7 +154,9 @@ class ConsolidatedReceiver:
             self.error = self.error or e
         for src, message_ids in step.pieces:
             received = [self._receive(i).clone() for i in message_ids]
-            if full is None or self.error is not None:
+            if full is None or self.error is not None or src.nbytes == 0:
+                # An empty piece has no messages, whoever's it is: taken for the writer's
+                # own, the writer's chunk at that index was reshaped to it and failed.
                 continue
             try:
                 flat = torch.cat(received) if message_ids else self.sources.view(src.index).cpu()
