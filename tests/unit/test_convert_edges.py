@@ -283,7 +283,10 @@ def test_a_hugging_face_index_of_more_shards_than_descriptors_converts(tmp_path:
         ({"dry_run": "no"}, r"^dry_run='no' must be True or False$"),
         ({"progress": "yes"}, r"^progress='yes' must be True, False or None$"),
         ({"to": "hf", "strip_prefix": 1}, r"^strip_prefix=1 must be a string or None$"),
-        ({"to": "hf", "max_shard_size": True}, r"^max_shard_size=True is not a size$"),
+        (
+            {"to": "hf", "max_shard_size": True},
+            r"^max_shard_size=True is not a size: give bytes as",
+        ),
     ],
 )
 def test_options_of_the_wrong_type_are_refused_naming_the_field(

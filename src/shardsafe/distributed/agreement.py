@@ -178,6 +178,15 @@ def settled(link: Link, phase: Phase, own_error: BaseException | None) -> bool:
     return bool(everyone)
 
 
+def phase_failed(link: Link, phase: Phase) -> bool:
+    """Whether a rank posted an error of ``phase`` (then nobody reads its payloads); True
+    if the store is gone (nobody reads them either)."""
+    try:
+        return int(link.store.add(keys.failed(phase), 0)) > 0
+    except (RuntimeError, OSError):
+        return True
+
+
 def failures(link: Link, phase: Phase) -> list[RankFailure]:
     """The reports of the first ranks to fail ``phase`` (at most :data:`REPORTS_READ`),
     in the order they failed.

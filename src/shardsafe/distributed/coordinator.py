@@ -318,7 +318,7 @@ class Coordinator:
         try:
             self._wait(phase, timeout, error, check_first=False, woke=woke)
         except CheckpointError:
-            if self._phase_failed(phase):
+            if agreement.phase_failed(link, phase):
                 self._payloads.failed(own)
             # else this rank timed out (or called a slow rank dead): the others may yet
             # all post and read every payload, so its own stays (one key), rather than
@@ -330,14 +330,6 @@ class Coordinator:
         if payload is None or skip_reading:
             return [None] * link.world_size
         return agreement.read_payloads(link, phase)
-
-    def _phase_failed(self, phase: Phase) -> bool:
-        """Whether a rank posted an error of ``phase`` (then nobody reads its payloads);
-        True if the store is gone (nobody reads them either)."""
-        try:
-            return int(self._link.store.add(keys.failed(phase), 0)) > 0
-        except (RuntimeError, OSError):
-            return True
 
     def _wait(
         self,
