@@ -185,6 +185,23 @@ def _load_per_stage_schedulers(rank: int, world: int, path: str) -> dict[str, An
     return {"scheduler": sched.state_dict(), "lr": opt.param_groups[0]["lr"]}
 
 
+def _load_with_a_new_group(rank: int, world: int, path: str) -> list[tuple[float, float]]:
+    """Stage 1 adds a head in a param group of its own (lr 0.5, no weight decay), loaded
+    with strict=False: each group's (lr, weight_decay)."""
+    import warnings
+
+    stage = L.stage_of(L.Net(seed=1), rank, world)
+    groups = [{"params": list(stage.parameters()), "lr": 1.0, "weight_decay": 0.1}]
+    if rank == 1:
+        stage.head2 = torch.nn.Linear(4, 3)
+        groups.append({"params": list(stage.head2.parameters()), "lr": 0.5, "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # head2 is not in the checkpoint
+        shardsafe.load(path, {"model": stage, "optimizer": opt}, strict=False)
+    return [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+
+
 def test_per_stage_schedulers_and_learning_rates_come_back_as_they_were(tmp_path: Path) -> None:
     """Stages with their own decay: two param groups in the manifest, one scheduler
     record per rank; each stage gets its own back, and a single process is refused the
@@ -193,6 +210,11 @@ def test_per_stage_schedulers_and_learning_rates_come_back_as_they_were(tmp_path
     saved = run_ranks(_save_per_stage_schedulers, 2, str(path))
     assert saved[0]["lr"] != saved[1]["lr"]
     assert run_ranks(_load_per_stage_schedulers, 2, str(path)) == saved
+    # A group none of whose parameters were saved keeps its own hyperparameters: the two
+    # saved groups are the two stages', and the new one took stage 1's, second by position.
+    grouped = run_ranks(_load_with_a_new_group, 2, str(path))
+    assert [lr for lr, _ in grouped[0]] == [saved[0]["lr"]]
+    assert grouped[1] == [(saved[1]["lr"], 0.1), (0.5, 0.0)]
     model = L.Net(seed=1)
     opt = L.adamw(model)
     with pytest.raises(CheckpointError, match="saved with a different value on each of 2 ranks"):

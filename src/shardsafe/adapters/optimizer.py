@@ -208,13 +208,20 @@ def match_groups(
     found by name; several saved groups are fine if their hyperparameters are equal (a
     checkpoint merged from pipeline stages), otherwise the group cannot be restored
     exactly and is a mismatch. A live group none of whose parameters were saved takes
-    the saved group at its position if both have as many groups, else keeps its own.
+    the saved group at its position if both have as many groups and every other live
+    group found its parameters at its own position, else keeps its own: a checkpoint
+    merged from pipeline stages with their own learning rates holds one group per stage,
+    and a stage's new group, second on that stage, took the other stage's group.
     """
     chosen: list[int | None] = []
     problems = []
-    for i, found in enumerate(_taken(groups, saved_groups, ctx)):
+    taken = _taken(groups, saved_groups, ctx)
+    aligned = len(groups) == len(saved_groups) and all(
+        found == [i] for i, found in enumerate(taken) if found
+    )
+    for i, found in enumerate(taken):
         if not found:
-            chosen.append(i if len(groups) == len(saved_groups) else None)
+            chosen.append(i if aligned else None)
             continue
         first = _compared(saved_groups[found[0]]["hyper"], ctx)
         differing = [j for j in found if _compared(saved_groups[j]["hyper"], ctx) != first]
