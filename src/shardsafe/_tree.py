@@ -31,13 +31,15 @@ keys that are not strings arrive as :class:`~shardsafe._names.DictKey` s (so ``1
 PER_RANK = "__per_rank__"
 """Wraps one encoded tree per rank (``adapters.values.merge_per_rank``); not decoded here."""
 TAGS = (
-    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__",
-    "__counter__", PER_RANK,
+    "__tensor__", "__tuple__", "__float__", "__dict__", "__bytes__", "__dtype__", PER_RANK,
 )  # fmt: skip
 """Keys ``encode`` never leaves in a plain dict (such dicts become ``__dict__`` pairs).
 ``__per_rank__`` is not decoded here: it wraps one encoded tree per rank
 (``adapters.values.merge_per_rank``)."""
 
+
+COUNTER = "__counter__"
+"""Marks a ``collections.Counter``: ``{"__dict__": pairs, "__counter__": true}``."""
 
 _TOO_MANY_DIGITS = 10**MAX_INT_DIGITS
 """The smallest integer ``encode`` refuses: one more digit than a manifest's reader accepts
@@ -101,8 +103,11 @@ def encode(
         ]
     if isinstance(value, collections.Counter):
         # A Counter's methods are its point: MultiStepLR's milestones, a plain dict after
-        # a resume, failed in SequentialLR's hand-over (no ``elements()``).
-        return {"__counter__": encode(dict(value), where, sink, path, levels=levels + 1)}
+        # a resume, failed in SequentialLR's hand-over (no ``elements()``). Its pairs
+        # beside a COUNTER mark: an object no earlier encoding could hold (a "__dict__"
+        # key never stays in a plain dict), so no older checkpoint reads as a Counter.
+        pairs = _encode_pairs(value, where, sink, path, levels)
+        return {"__dict__": pairs, COUNTER: True}
     if isinstance(value, Mapping):
         return _encode_mapping(value, where, sink, path, levels)
     # Arrays are refused below, and so is a scalar whose item() is no Python number
@@ -134,6 +139,13 @@ def _encode_mapping(
     plain = all(isinstance(k, str) and k not in TAGS for k in value)
     if plain:
         return {k: encode(v, where, sink, (*path, k), levels=levels + 1) for k, v in value.items()}
+    return {"__dict__": _encode_pairs(value, where, sink, path, levels)}
+
+
+def _encode_pairs(
+    value: Mapping[Any, Any], where: str, sink: TensorSink, path: tuple[str, ...], levels: int
+) -> list[list[JSON]]:
+    """``value``'s items as encoded ``[key, value]`` pairs (keys of any plain type)."""
     pairs = []
     for k, v in value.items():
         if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
@@ -145,7 +157,7 @@ def _encode_mapping(
         where_key = f"{where}{_format_path(path)}: dict key {k!r}"
         key = encode(k, where, _no_tensor_in_key(where_key), path, levels=levels + 3)
         pairs.append([key, encode(v, where, sink, (*path, part), levels=levels + 3)])
-    return {"__dict__": pairs}
+    return pairs
 
 
 def _no_tensor_in_key(where: str) -> TensorSink:
@@ -187,22 +199,19 @@ def decode(obj: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
             if dtype is None:
                 raise CheckpointCorruptError(f"unknown dtype {payload!r:.80} in the manifest")
             return dtype
-        if tag == "__counter__":
-            counts = decode(payload, tensors)
-            if not isinstance(counts, dict):
-                raise CheckpointCorruptError(
-                    f"malformed {tag} value in the manifest: {payload!r:.80}"
-                )
-            return collections.Counter(counts)
         if tag == "__dict__":
-            pairs = _expect(payload, list, tag)
-            for pair in pairs:
-                if not (isinstance(pair, list) and len(pair) == 2):
-                    raise CheckpointCorruptError(
-                        f"malformed {tag} pair in the manifest: {pair!r:.80}"
-                    )
-            return _decode_pairs(pairs, tensors)
+            return _decode_pairs(_checked_pairs(payload, tag), tensors)
+    if len(obj) == 2 and obj.get(COUNTER) is True and "__dict__" in obj:
+        return collections.Counter(_decode_pairs(_checked_pairs(obj["__dict__"], COUNTER), tensors))
     return {k: decode(v, tensors) for k, v in obj.items()}
+
+
+def _checked_pairs(payload: Any, tag: str) -> list[list[Any]]:
+    pairs: list[list[Any]] = _expect(payload, list, tag)
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise CheckpointCorruptError(f"malformed {tag} pair in the manifest: {pair!r:.80}")
+    return pairs
 
 
 MAX_SAME_HASH = 16

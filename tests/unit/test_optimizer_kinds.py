@@ -332,3 +332,54 @@ def test_state_entry_names_that_are_only_unusual_strings_round_trip(tmp_path: Pa
     assert sorted(back) == sorted(odd)
     assert torch.equal(back["a/b"], odd["a/b"])
     assert (back[""], back["%40x"], back["__float__x"]) == (7, [1, 2], 1.5)
+
+
+def _renaming_step_in_hooks(model: nn.Module) -> torch.optim.Optimizer:
+    """An Adam whose state_dict() stores ``step`` as ``t`` and whose load pre-hook renames
+    it back (torch's public hooks)."""
+
+    def renamed(sd: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+        state = {
+            i: {new if n == old else n: v for n, v in s.items()} for i, s in sd["state"].items()
+        }
+        return {**sd, "state": state}  # the live state's dicts stay as they are
+
+    def post(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        return renamed(sd, "step", "t")
+
+    def pre(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        return renamed(sd, "t", "step")
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    opt.register_state_dict_post_hook(post)
+    opt.register_load_state_dict_pre_hook(pre)
+    return opt
+
+
+class _NotedAdam(torch.optim.Adam):
+    """A ``__setstate__`` of its own that reads what ``__init__`` set."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.note = "kept"
+        super().__init__(model.parameters(), lr=0.1)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        assert self.note == "kept"
+
+
+@pytest.mark.parametrize("make", [_renaming_step_in_hooks, _NotedAdam])
+def test_optimizers_whose_load_is_their_own_still_load(tmp_path: Path, make: Any) -> None:
+    """The check that a forged ``step`` would not load ran torch's ``__setstate__`` on a
+    stand-in, and called these valid checkpoints corrupt (review of this stop's diff)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = make(model)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": opt})
+    fresh = nn.Linear(3, 2)
+    fresh_opt = make(fresh)
+    shardsafe.load(tmp_path / "ckpt", {"model": fresh, "optim": fresh_opt})
+    assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    assert torch.equal(fresh_opt.state[fresh.weight]["step"], opt.state[model.weight]["step"])

@@ -220,6 +220,13 @@ def test_a_counter_stays_a_counter() -> None:
     assert same(roundtrip(value), value)
 
 
+def test_a_dict_keyed_like_the_counter_mark_stays_a_dict() -> None:
+    """What checkpoints before the Counter mark hold, and what a user's dict may be."""
+    for value in ({"__counter__": 5}, {"__counter__": {"a": 1}}, {"__counter__": True, "x": 1}):
+        assert same(roundtrip(value), value)
+        assert same(_tree.decode(value, {}), value)  # as an earlier save wrote it
+
+
 def test_a_sequential_warmup_into_multistep_resumes_as_it_ran(tmp_path: Path) -> None:
     def run(resume_at: int | None) -> list[float]:
         model = torch.nn.Linear(2, 2)
@@ -279,8 +286,8 @@ def test_a_numpy_array_is_refused_naming_its_path() -> None:
         {"__dtype__": "Tensor"},
         {"__dtype__": "__class__"},
         {"__dict__": "x"},
-        {"__counter__": [1, 2]},
-        {"__counter__": 3},
+        {"__dict__": 3, "__counter__": True},
+        {"__dict__": [[1]], "__counter__": True},
         {"__dict__": [1]},
         {"__dict__": [[1, 2, 3]]},
         {"__dict__": [[[1], 2]]},

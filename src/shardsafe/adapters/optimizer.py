@@ -433,7 +433,18 @@ def check_adoptable(
     own ``__setstate__`` (what ``load_state_dict`` ends with) would reject: a forged
     ``step`` of ``"abc"`` or none at all made torch's Adam raise there, after the model
     had been restored. Run on a stand-in of the optimizer's class holding shallow copies
-    (``__setstate__`` edits the dicts it gets), so the live optimizer is untouched."""
+    (``__setstate__`` edits the dicts it gets), so the live optimizer is untouched; only
+    where the load is torch's own through and through (torch's ``__setstate__``, no
+    ``load_state_dict`` of the class's or load hooks, which may rename what they are
+    given): elsewhere the stand-in would refuse state the real load takes."""
+    kind = type(local)
+    if (
+        not getattr(kind.__setstate__, "__module__", "").startswith("torch.optim")
+        or kind.load_state_dict is not torch.optim.Optimizer.load_state_dict
+        or getattr(local, "_optimizer_load_state_dict_pre_hooks", None)
+        or getattr(local, "_optimizer_load_state_dict_post_hooks", None)
+    ):
+        return
     params = [p for g in local.param_groups for p in g["params"]]
     state = {params[i]: dict(v) for i, v in state_dict["state"].items() if i < len(params)}
     groups = [{**g, "params": [params[i] for i in g["params"]]} for g in state_dict["param_groups"]]
