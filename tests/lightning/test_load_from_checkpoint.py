@@ -66,6 +66,9 @@ def test_a_module_comes_back_with_its_hyper_parameters_and_weights(
     assert Recording.seen["global_step"] == 15
     assert Recording.seen["hyper_parameters"]["lr"] == 0.05
     assert set(Recording.seen["state_dict"]) == set(module.state_dict())
+    # One placeholder per optimizer, as Lightning's own load_from_checkpoint gives the
+    # hook (it had no such key: a hook reading it raised KeyError here only).
+    assert Recording.seen["optimizer_states"] == [{}]
 
 
 def test_keyword_arguments_override_the_saved_hyper_parameters(

@@ -87,6 +87,30 @@ def test_an_edited_state_dict_beside_an_optimizer_saves_and_restores(tmp_path: P
     )
 
 
+def test_an_evaluation_from_an_edited_state_dict_leaves_the_keys_it_dropped_alone(
+    tmp_path: Path,
+) -> None:
+    """validate/test/predict (no optimizers) restored the module saved beside the edited
+    dict, so a key the hook dropped came back with the checkpoint's value; Lightning
+    loads the edited dict alone, and the live module keeps that key's value."""
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    record = state.StateDictRecord()
+    model_state = record.record(module.state_dict())
+    del model_state["bias"]  # on_save_checkpoint dropping a part
+    shardsafe.save(
+        tmp_path / "ckpt",
+        state.save_state(lightning_dict(model_state), module, [optimizer], record),
+    )
+    live = nn.Linear(2, 1)
+    with torch.no_grad():
+        live.bias.fill_(7.0)
+    checkpoint, restored = restore.load_directory(str(tmp_path / "ckpt"), live, None, LoadOptions())
+    assert restored == restore.Restored(model=False, optimizers=False)
+    assert list(checkpoint["state_dict"]) == ["weight"]
+    assert torch.equal(live.bias, torch.full((1,), 7.0))  # Lightning loads only "weight"
+
+
 @pytest.mark.parametrize("lightning", [None, ["epoch", 3], "x"])
 def test_a_checkpoint_without_lightnings_dict_is_refused_before_anything_loads(
     tmp_path: Path, lightning: Any

@@ -39,7 +39,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from . import hparams as saved_hparams
 from ._namespace import lightning
 from .restore import committed_url, is_shardsafe_checkpoint, uncommitted_directory
-from .state import LIGHTNING, MODEL, STATE_DICT
+from .state import LIGHTNING, MODEL, OPTIMIZER_STATES, STATE_DICT, optimizer_names
 
 Module = TypeVar("Module")
 
@@ -169,6 +169,7 @@ def _saved_weights(storage: Storage) -> set[str]:
 def _lightning_part(storage: Storage) -> dict[str, Any]:
     """Lightning's checkpoint dict without the module and optimizers (plain values only)."""
     values = loading.load(storage, {}, LoadOptions())
+    saved = read_manifest_from(storage).values
     part = values.get(LIGHTNING)
     if not isinstance(part, dict):
         raise CheckpointError(
@@ -176,7 +177,13 @@ def _lightning_part(storage: Storage) -> dict[str, Any]:
             f"saved (it has no {LIGHTNING!r} entry); load it with "
             "shardsafe.load(path, {'model': module})"
         )
-    return dict(part)
+    checkpoint = dict(part)
+    # What on_load_checkpoint sees, as in a fit and in Lightning's own load: one
+    # placeholder per optimizer saved (their state is not read here).
+    stored = [n for n in optimizer_names(len(saved)) if n in saved]
+    if stored:
+        checkpoint[OPTIMIZER_STATES] = [{} for _ in stored]
+    return checkpoint
 
 
 def _hparams_from_file(path: str) -> dict[str, Any]:

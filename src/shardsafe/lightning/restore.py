@@ -102,7 +102,12 @@ def load_directory(
         saved = manifest.values
         _check_lightning_part(path, saved.get(LIGHTNING))
         saved_optimizers.extend(n for n in optimizer_names(len(saved)) if n in saved)
-        if MODEL in saved:
+        part = saved.get(LIGHTNING)
+        edited = part is not None and isinstance(part.meta, dict) and STATE_DICT in part.meta
+        if MODEL in saved and (live is not None or not edited):
+            # Not for validate/test/predict from an edited state dict: Lightning loads only
+            # that dict, and keys a hook dropped keep the live module's values (restored
+            # from the module saved beside it for the optimizers' names, they did not).
             chosen[MODEL] = module
         if live is not None and saved_optimizers:
             _check_count(path, len(saved_optimizers), len(live))
