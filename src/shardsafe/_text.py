@@ -1,12 +1,15 @@
 """Plain text about checkpoints, for people: byte sizes, natural order, terminal safety.
 
 The library's reports (``verify``, ``inspect``), the converters' summaries and the command
-line all speak this way, so it lives below all of them. Standard library only.
+line all speak this way, so it lives below all of them (and so does silencing stdout
+once its reader has left). Standard library only.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 _DIGITS = re.compile(r"([0-9]+)")
@@ -66,3 +69,13 @@ def _escape(ch: str) -> str:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader has left (``shardsafe ... | head -1``),
+    so that later lines, and the interpreter's final flush, do not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import sys
 from collections.abc import Sequence
 from typing import Protocol, cast
 
-from ._text import terminal_safe
+from ._text import silence_stdout, terminal_safe
 from ._version import __version__
 from .errors import CheckpointError
 
@@ -93,10 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return load(args.command).run(args)
     except BrokenPipeError:  # `shardsafe inspect ... | head`: the reader left, not an error
-        _silence_stdout()
+        silence_stdout()
         return 1
     except (CheckpointError, OSError, ImportError) as e:
-        print(f"shardsafe: error: {terminal_safe(str(e))}", file=sys.stderr)
+        # Line by line: a mismatch lists its problems one per line (escaped whole, they
+        # came out as one line full of \x0a); every other character is escaped.
+        text = "\n".join(terminal_safe(line) for line in str(e).split("\n"))
+        print(f"shardsafe: error: {text}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardsafe: interrupted", file=sys.stderr)
@@ -130,12 +132,3 @@ clients raise them as they are, and not all of them are ``OSError``."""
 def from_object_store_client(error: BaseException) -> bool:
     """Whether ``error`` (or a class it derives from) comes from an object store's client."""
     return any(cls.__module__.split(".")[0] in OBJECT_STORE_CLIENTS for cls in type(error).__mro__)
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import shardsafe
 from shardsafe import cli
 from shardsafe.commands import fit
 from shardsafe.strategies import STRATEGIES
@@ -107,6 +109,48 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "already holds checkpoints" in err and "--resume latest" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_mismatch_prints_its_problems_one_per_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They came out as one line full of literal ``\\x0a`` (the whole message escaped)."""
+    shardsafe.save(tmp_path / "other", {"model": torch.nn.Linear(2, 2)})
+    argv = ["fit", "--max-steps", "2", "--run-dir", str(tmp_path / "run")]
+    assert cli.main([*argv, "--resume", str(tmp_path / "other")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardsafe: error: the checkpoint does not match the objects being")
+    assert "\\x0a" not in err and '\n  the checkpoint has no entry "optimizer"' in err
+
+
+SAYING = """
+import sys
+from shardsafe.trainer.metrics import say
+say("first")
+sys.stdin.read()  # until the test has closed the pipe's reading end
+for step in range(3):
+    say(f"step {step}")
+print("went on", file=sys.stderr)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_progress_line_to_a_reader_that_left_does_not_stop_the_run() -> None:
+    """``shardsafe fit ... | head -1``: the next progress line raised BrokenPipeError in
+    the training loop, which ended the run (a launched rank 0 with a traceback)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAYING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline() == "shardsafe: first\n"
+    proc.stdout.close()  # the reader leaves
+    _, err = proc.communicate(timeout=50)
+    assert (proc.returncode, err) == (0, "went on\n")
 
 
 def test_cli_lists_every_strategy_and_passes_every_option_on() -> None:

@@ -118,6 +118,8 @@ def test_file_urls_are_local_directories(tmp_path: Path) -> None:
     w = torch.zeros(4)
     shardsafe.load(f"file://{tmp_path}/x", {"w": w})
     assert torch.equal(w, torch.arange(4.0))
+    # inspect named it "<cwd>/file:/<path>"
+    assert shardsafe.inspect(f"file://{tmp_path}/x").path == str(tmp_path / "x")
 
 
 def test_memory_url_round_trip() -> None:

@@ -30,7 +30,7 @@ from .finding import manifest_at
 from .format.manifest import Manifest, TensorRecord
 from .format.manifest_format import Layout
 from .format.manifest_table import chunk_files
-from .storage.locations import is_url, open_storage
+from .storage.locations import is_url, local_path, open_storage
 
 _SHARD_NAME = re.compile(r"(?:shard|small)-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 
@@ -186,7 +186,7 @@ def inspect(
     text = os.fspath(path)
     with open_storage(text, storage_options=storage_options) as storage:
         manifest = manifest_at(text, storage)  # read once; everything below comes from it
-    return report(text if is_url(text) else os.path.abspath(text), manifest)
+    return report(text if is_url(text) else os.path.abspath(local_path(text)), manifest)
 
 
 def report(path: str, manifest: Manifest) -> InspectReport:

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .._text import silence_stdout
 from ..checkpoint.format.strict_json import int_parser, why_not_json
 from ..checkpoint.storage.files import describe_mode
 from ..errors import CheckpointCorruptError, CheckpointError
@@ -173,4 +174,7 @@ def _is_terminal(stream: Any) -> bool:
 
 def say(message: str) -> None:
     """A line for the user on stdout (rank 0 only calls this), flushed at once."""
-    print(f"shardsafe: {message}", file=sys.stdout, flush=True)
+    try:
+        print(f"shardsafe: {message}", file=sys.stdout, flush=True)
+    except BrokenPipeError:  # `shardsafe fit | head -1`: the run goes on, unheard (it
+        silence_stdout()  # stopped there, and a launched rank 0 failed with a traceback)
