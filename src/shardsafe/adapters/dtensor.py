@@ -178,7 +178,7 @@ def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(template):
         return local
     t: Any = template
-    own = local_of(template)
+    own = _local_tensor(template)  # not local_of: to_local's autograd trip, per tensor
     if (
         local.data_ptr() == own.data_ptr()
         and local.shape == own.shape

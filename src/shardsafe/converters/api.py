@@ -236,9 +236,7 @@ def _write(
 ) -> list[tuple[str, int]]:
     storage_options = _options_for(dst, source.where, options)
     if options.to == "torch":
-        directory, name = split(dst)
-        if not name:
-            raise CheckpointError(f"{dst} names no file for the torch.save output")
+        directory, name = _torch_file(dst)
         with open_storage(directory, storage_options=storage_options) as storage:
             return [(name, torch_file.write(source, storage, name, on_bytes))]
     _refuse_non_directory(dst)
@@ -267,9 +265,7 @@ def _refuse_taken_destination(dst: str, source_where: str, options: ConvertOptio
     "would write" them all."""
     storage_options = _options_for(dst, source_where, options)
     if options.to == "torch":
-        directory, name = split(dst)
-        if not name:
-            raise CheckpointError(f"{dst} names no file for the torch.save output")
+        directory, name = _torch_file(dst)
         with open_storage(directory, storage_options=storage_options) as storage:
             torch_file.refuse_existing(storage, name)
         return
@@ -279,6 +275,14 @@ def _refuse_taken_destination(dst: str, source_where: str, options: ConvertOptio
             target_directory.refuse_unusable(storage)
         else:
             dcp_write.check_empty(storage)
+
+
+def _torch_file(dst: str) -> tuple[str, str]:
+    """The directory and file name of a ``torch.save`` output."""
+    directory, name = split(dst)
+    if not name:
+        raise CheckpointError(f"{dst} names no file for the torch.save output")
+    return directory, name
 
 
 def _options_for(path: str, other: str, options: ConvertOptions) -> Mapping[str, Any] | None:

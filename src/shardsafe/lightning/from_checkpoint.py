@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..checkpoint import loading
+from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage.locations import is_url, open_storage
@@ -168,8 +169,13 @@ def _saved_weights(storage: Storage) -> set[str]:
 
 def _lightning_part(storage: Storage) -> dict[str, Any]:
     """Lightning's checkpoint dict without the module and optimizers (plain values only)."""
-    values = loading.load(storage, {}, LoadOptions())
-    saved = read_manifest_from(storage).values
+    saved: list[str] = []
+
+    def names(manifest: Manifest) -> dict[str, Any]:  # the manifest, read once
+        saved.extend(manifest.values)
+        return {}
+
+    values = loading.load_chosen(storage, names, LoadOptions())
     part = values.get(LIGHTNING)
     if not isinstance(part, dict):
         raise CheckpointError(
