@@ -1261,6 +1261,59 @@ def test_after_a_restore_the_restored_step_is_kept_until_a_newer_one_is_counted(
         replicator.close()
 
 
+def test_a_step_saved_again_no_longer_protects_itself_until_counted_again(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1, steps 2 and 3 counted everywhere, then step 3 saved again. Before,
+    step 3 stayed "the newest step every rank replicated" though its new copies were on
+    no other node yet, and retention after it deleted step 2: a node lost then left no
+    complete step in memory. Now step 2 is kept until the new step 3 is counted."""
+    node = NodeDir(str(tmp_path))
+    for step in (2, 3):
+        node.rank_storage(step, 0, create=True).close()
+    replicator = Replicator(node, 0, 2, Peers([1], []), None, 1, Counted({2, 3}))
+    try:
+        replicator.record.written[:] = [2, 3]
+        replicator.record.replicated[:] = [2, 3]
+        replicator._save_of.update({2: 1, 3: 2})
+        assert replicator._replicated_everywhere() == 3
+        replicator.tally = Counted({2})  # the new save of step 3: not counted yet
+        replicator._saved_again(3)
+        assert replicator.record.everywhere == 2
+        replicator.record.written.append(3)
+        replicator._retain(3)
+        assert node.steps() == [2, 3]
+        replicator.tally = Counted({2, 3})
+        replicator._retain(3)
+        assert node.steps() == [3]
+    finally:
+        replicator.close()
+
+
+def test_the_restored_step_saved_again_leaves_nothing_older_protected_but_counted(
+    tmp_path: Path,
+) -> None:
+    """Restored step 3, then counted step 4 and saved it again: the restored step is the
+    newest older one known complete everywhere, so it is kept until the new step 4 is."""
+    node = NodeDir(str(tmp_path))
+    for step in (3, 4):
+        node.rank_storage(step, 0, create=True).close()
+    replicator = Replicator(node, 0, 2, Peers([1], []), None, 1, Counted({4}))
+    try:
+        replicator.resumed_from(3)
+        replicator.record.written.append(4)
+        replicator._save_of[4] = 1
+        assert replicator._replicated_everywhere() == 4
+        replicator.tally = Counted(set())
+        replicator._saved_again(4)
+        assert replicator.record.everywhere == 3
+        replicator.record.written.append(4)
+        replicator._retain(4)
+        assert node.steps() == [3, 4]
+    finally:
+        replicator.close()
+
+
 def test_a_step_whose_local_write_failed_is_saved_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -146,6 +146,8 @@ class Replicator:
         self._identities: dict[int, dict[str, tuple[int, int]]] = {}
         """Per step this rank wrote: the identity (device, inode) of each data file of its
         checkpoint, as it wrote or linked them (``transfer.receive``'s ``trusted``)."""
+        self._restored: int | None = None
+        """The step this run restored (:meth:`resumed_from`), complete everywhere then."""
         self._forgotten: list[tuple[int, int]] = []
         """``(step, save)`` of the saves this rank no longer asks the tally about, whose
         counts are deleted from the store once safe (:meth:`_drop_counts`)."""
@@ -165,11 +167,7 @@ class Replicator:
         in the step's transfers, saying so, so that every pair stays in step."""
         self.wait_written()
         if step in self._save_of:  # saved again: its earlier copies are sent, then replaced
-            self.drain()
-            self.record.forget(step)
-            earlier = self._save_of.get(step)  # forgotten by its retention if its write failed
-            if earlier is not None:
-                self._forgotten.append((step, earlier))
+            self._saved_again(step)
         while len(self._replications) > 1:
             self._replications.pop(0).result()
         self._saves += 1
@@ -180,6 +178,37 @@ class Replicator:
             self._sender.submit(self._replicate_after, step, save, self._write)
         )
         return self._write
+
+    def _saved_again(self, step: int) -> None:
+        """``step`` is saved again: once its earlier copies are sent, what happened to them
+        no longer counts. If it was the step counted everywhere, the newest older step
+        counted (or restored) takes its place: its new copies are not on other nodes yet,
+        and before, retention kept only them, deleting the older step that was (with
+        ``keep_local=1``, a node lost while the step replicated again left no complete
+        step in any node's memory)."""
+        self.drain()
+        self.record.forget(step)
+        earlier = self._save_of.get(step)  # forgotten by its retention if its write failed
+        if earlier is not None:
+            self._forgotten.append((step, earlier))
+        if self.record.everywhere == step:
+            self.record.everywhere = self._everywhere_before(step)
+
+    def _everywhere_before(self, step: int) -> int | None:
+        """The newest step older than ``step`` that every rank replicated (as the store
+        counts them; without a store, as this rank did), or the restored step if older."""
+        restored = [self._restored] if self._restored is not None and self._restored < step else []
+        older = sorted((s for s in self.record.written if s < step), reverse=True)
+        if self.tally is None:
+            counted = [s for s in self.record.replicated if s < step]
+        else:
+            counted = []
+            for s in older[: self.keep_local + 2]:
+                with contextlib.suppress(Exception):  # the store gone: not counted
+                    if self.tally.everywhere(s, self._save_of.get(s, 0)):
+                        counted.append(s)
+                        break
+        return max(counted + restored, default=None)
 
     def wait_written(self) -> None:
         """Wait until the last snapshot is on the node's disk (its error is recorded)."""
@@ -520,7 +549,7 @@ class Replicator:
         run, what the record says of them is forgotten, and ``step`` is the newest step
         counted everywhere even if a later one was (kept, a step gone would be the one
         retention protects, and the restored step could be deleted)."""
-        self.record.everywhere = step
+        self.record.everywhere = self._restored = step
         for later in [s for s in list(self._save_of) if s > step]:
             self._forgotten.append((later, self._save_of.pop(later)))
         for steps in (self.record.written, self.record.replicated, *self.record.received.values()):
