@@ -323,8 +323,17 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert capsys.readouterr().err.startswith("shardsafe: error: ")
     dcp_checkpoint(tmp_path / "dcp")
     args = ["convert", str(tmp_path / "dcp"), str(tmp_path / "o"), "--to", "hf"]
-    assert cli.main([*args, "--max-shard-size", "lots"]) == 1
-    assert "not a size" in capsys.readouterr().err
+    assert cli.main([*args, "--max-shard-size", "lots"]) == 2  # a usage error, as argparse's
+    assert capsys.readouterr().err.endswith(
+        "shardsafe convert: error: argument --max-shard-size: max shard size 'lots' is not a "
+        "size such as 5GB, 500MB or 10KB\n"
+    )
+    assert cli.main([*args[:-1], "dcp", "--strip-prefix", "model."]) == 2
+    assert capsys.readouterr().err == (
+        "shardsafe convert: error: strip_prefix and add_prefix rename Hugging Face weights: "
+        "they apply to to='hf', not to='dcp'\n"
+    )
+    assert not (tmp_path / "o").exists()
 
 
 # -- object storage
@@ -499,9 +508,10 @@ def test_an_option_of_another_target_is_refused_not_ignored(
     """``--strip-prefix`` with ``--to shardsafe`` or ``--dcp-layout flat`` with ``--to hf``
     exited 0 having renamed nothing; ``--config`` was already refused so."""
     dcp_checkpoint(tmp_path / "dcp")
-    assert cli.main(["convert", str(tmp_path / "dcp"), str(tmp_path / "o"), *options]) == 1
+    assert cli.main(["convert", str(tmp_path / "dcp"), str(tmp_path / "o"), *options]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("shardsafe: error: ") and message in err and err.count("\n") == 1
+    assert err.startswith("shardsafe convert: error: ") and message in err
+    assert err.count("\n") == 1
     assert not (tmp_path / "o").exists()
 
 

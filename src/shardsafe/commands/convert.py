@@ -9,6 +9,7 @@ prints the files that would be written and their sizes, and writes nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = (
     "convert a checkpoint between shardsafe, DCP, Hugging Face safetensors and torch.save "
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-shard-size",
         default="5GB",
+        type=_shard_size,
         metavar="SIZE",
         help="--to hf: largest shard file, decimal units as huggingface_hub (default 5GB)",
     )
@@ -83,6 +85,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="print what would be written; write nothing"
     )
+
+
+def _shard_size(text: str) -> str:
+    """``--max-shard-size``: refused while parsing, as a usage error (exit status 2),
+    before anything is read; passed on as given (``convert`` reads it the same way)."""
+    from ..converters.hf import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _byte_count(text: str) -> int:
@@ -125,10 +139,10 @@ def run(args: argparse.Namespace) -> int:
                 generation_config=args.generation_config,
                 untrusted_bytes_limit=DEFAULT_UNTRUSTED_BYTES if limit is None else limit,
             )
-    except ValueError as e:  # a bad option value (a size, a dtype): a usage problem
-        from ..errors import CheckpointError
-
-        raise CheckpointError(str(e)) from None
+    except ValueError as e:  # a bad option value (a config file, a prefix): a usage error,
+        # exit status 2 as argparse's own and ``fit``'s (it was 1, a failure's)
+        print(f"shardsafe convert: error: {terminal_safe(str(e))}", file=sys.stderr)
+        return 2
     for line in describe(result).splitlines():
         print(terminal_safe(line))
     return 0
