@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -490,6 +491,62 @@ def test_a_step_saved_again_that_one_rank_cannot_stage_is_not_restored_from_both
     assert run_ranks(_saved_again_refused, 2, str(tmp_path), timeout=100) == [0, 0]
     dirs = rank_dirs(str(tmp_path), 1)
     assert "rank-00001" not in dirs.get("step-000000001", [])
+
+
+def _saved_again_without_rank_1(rank: int, world: int, base: str) -> float | None:
+    """Each rank a node of its own: steps 1, 2 and 3 saved and replicated; then rank 0
+    saves step 3 again while rank 1 is gone (as if killed before it could): its
+    replication times out. Then, in a restarted job, the value ``load_latest`` restores."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    done = os.path.join(base, "rank0-done")
+    with contextlib.closing(
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None, timeout=3
+        )
+    ) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, valued(step))
+        manager.wait()
+        torch.distributed.barrier()
+        if rank == 0:
+            manager.save(3, valued(999))
+            with contextlib.suppress(CheckpointError):  # rank 1 never took its copy
+                manager.wait()
+            open(done, "w").close()
+        else:
+            while not os.path.exists(done):
+                time.sleep(0.05)
+    return None
+
+
+def _restored_value(rank: int, world: int, base: str) -> tuple[int | None, bool, list[str]]:
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    state = valued(-1)
+    with contextlib.closing(
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), local_dir(base, rank), persist_every=None
+        )
+    ) as manager:
+        manager.load_latest(state)
+        restored = manager.restored
+    assert restored is not None
+    return restored.step, holds(state, restored.step), restored.tiers
+
+
+@pytest.mark.timeout(150)
+def test_a_step_saved_again_while_a_rank_was_gone_is_never_restored_from_both_saves(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's copy of step 3 is of its first save, rank 0's of its second: before, both
+    ranks restored "step 3", rank 0 the second save's values and rank 1 the first's, each
+    reporting a clean local restore. Now only the copies of one save complete a step
+    (their token names the save): the first save of step 3 is, rank 0's copy of it being
+    its replica on rank 1's node."""
+    run_ranks(_saved_again_without_rank_1, 2, str(tmp_path), timeout=100)
+    restored = run_ranks(_restored_value, 2, str(tmp_path), timeout=100)
+    assert restored == [(3, True, ["peer", "local"])] * 2
 
 
 # ------------------------------------------------------------- FSDP2 and ZeRO

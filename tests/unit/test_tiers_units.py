@@ -1131,8 +1131,8 @@ def test_a_rank_directory_without_a_manifest_is_not_held_and_is_cleared(tmp_path
     assert tree(local) == {STEP7: "dir"}
     manager.save(8, trained(0))
     manager.close()
-    run = manager._replicator.run  # this manager's token, in every copy it writes
-    assert len(run) == 32 and list(NodeDir(str(local)).held()) == [Held(8, 0, 1, run)]
+    run = manager._replicator.run  # this manager's token, then the save's number
+    assert len(run) == 32 and list(NodeDir(str(local)).held()) == [Held(8, 0, 1, f"{run}00000002")]
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "shard-00000-of-00001.safetensors"])

@@ -52,7 +52,7 @@ class Held:
     rank: int
     world_size: int
     run: str = ""
-    """The token of the run that wrote it (``rank_checkpoint.run_of``)."""
+    """The token of the run and save that wrote it (``rank_checkpoint.run_of``)."""
 
 
 @dataclass(frozen=True)

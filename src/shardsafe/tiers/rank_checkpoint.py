@@ -169,10 +169,11 @@ def run_of(manifest: Manifest) -> str:
     """The token of the run that wrote a rank checkpoint (``""`` for one written before
     tokens were recorded), validated: lower-case hex of at most :data:`MAX_RUN_CHARS`.
 
-    Every rank of one ``TieredCheckpointManager`` writes the same token, agreed when the
-    manager is made, and a fresh one per run: copies of one step written by two runs
-    (an abandoned run's copy that could not be deleted, beside a resumed run's) are never
-    restored together (``recovery.choose``)."""
+    Every rank of one ``TieredCheckpointManager`` writes the same token for one save: the
+    run's, agreed when the manager is made (a fresh one per run), then the save's number
+    (``replication.save_token``). Copies of one step written by two runs (an abandoned
+    run's copy that could not be deleted, beside a resumed run's), or by two saves of the
+    step, are never restored together (``recovery.choose``)."""
     info = manifest.info.get(INFO_KEY)
     run = info.get("run", "") if isinstance(info, dict) else ""
     if not isinstance(run, str) or len(run) > MAX_RUN_CHARS or not set(run) <= RUN_CHARS:

@@ -7,10 +7,11 @@ the node, ``Topology.surveyed_by``, and the reports are pooled by node). Rank 0 
 has a copy saved at this world size, either on its own node (restored from there:
 ``local``) or on another node (sent to it by a rank of that node first: ``peer``).
 Among several holders the one sending least is asked. The copies of one step restored
-together are all of one run (their ``run`` token, ``rank_checkpoint.run_of``): a copy an
-abandoned run left (one that could not be deleted) never completes a step beside the
-copies a resumed run wrote of it; of two runs both complete at a step, the later one's
-are restored. If the persistent tier holds a
+together are all of one save of one run (their ``run`` token, ``rank_checkpoint.run_of``,
+names both: ``replication.save_token``): a copy an abandoned run left (one that could not
+be deleted) never completes a step beside the copies a resumed run wrote of it, nor a
+rank's copy of a step's earlier save beside another's of its later one; of two saves both
+complete at a step, the later one's are restored. If the persistent tier holds a
 newer step than any complete local one, or no local step is complete, the persistent
 tier is used (``persistent``); if nothing exists anywhere, nothing is restored (but the
 newest step saved at another world size is named, ``Choice.stranded``: ``load_latest``

@@ -173,7 +173,7 @@ class Replicator:
         self._saves += 1
         self._save_of[step] = save = self._saves
         split = self.share.split if self.share is not None else None
-        self._write = self._writer.submit(self._write_step, step, items, split)
+        self._write = self._writer.submit(self._write_step, step, save, items, split)
         self._replications.append(
             self._sender.submit(self._replicate_after, step, save, self._write)
         )
@@ -228,7 +228,9 @@ class Replicator:
 
     # -- the threads
 
-    def _write_step(self, step: int, items: Collected | None, split: Split | None) -> None:
+    def _write_step(
+        self, step: int, save: int, items: Collected | None, split: Split | None
+    ) -> None:
         share = self.share if self.share is not None and self.share.active else None
         if items is None:  # no snapshot: an earlier save's copy of this step is not this one's
             self._drop_earlier(step)  # (restored beside the others' copies of this save)
@@ -253,7 +255,7 @@ class Replicator:
                     shared=split.part_of if split is not None else None,
                     parts=split.parts if split is not None else 1,
                     own_part=share.position if share is not None else 0,
-                    run=self.run,
+                    run=save_token(self.run, save),
                 )
                 own = _identities(storage, written.written)
         except Exception as e:  # recorded; replication sends "none" for this step
@@ -583,6 +585,15 @@ class Replicator:
                     self.record.everywhere = max(self.record.everywhere or -1, step)
                     break
         return self.record.everywhere
+
+
+def save_token(run: str, save: int) -> str:
+    """The token a local checkpoint records (``rank_checkpoint.run_of``): the run's, then
+    the number of the save, the same on every rank. Copies of one step are restored
+    together only if of one save: a step saved again while a rank was gone (killed before
+    it could replace its copy) restored the new save on some ranks and the old one on
+    the others, each reporting a clean restore. Fixed width: a later save's sorts last."""
+    return f"{run}{save:08x}"
 
 
 def _identities(storage: LocalStorage, names: Iterable[str]) -> dict[str, tuple[int, int]]:
