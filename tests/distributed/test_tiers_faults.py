@@ -864,7 +864,8 @@ def session(
             out["counted"] = [
                 at
                 for save, (at, _) in enumerate(saves, 1)
-                if tally is not None and tally._store.check([f"{tally._prefix}/{at}/{save}"])
+                for kind in ("", "w/")  # replicated, written
+                if tally is not None and tally._store.check([f"{tally._prefix}/{kind}{at}/{save}"])
             ]
             # Rank 0 hosts the store: it must not exit before rank 1 has read it (a broken
             # pipe on rank 1, seen once on a loaded machine).

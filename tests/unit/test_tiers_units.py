@@ -1201,13 +1201,18 @@ def test_a_fifo_in_place_of_a_step_directory_is_passed_over(tmp_path: Path) -> N
 
 
 class Counted:
-    """A store's count of the ranks that replicated each step: ``steps`` are complete."""
+    """A store's count of the ranks that replicated each step: ``steps`` are complete;
+    ``written``: the steps every rank has written (by default, the same)."""
 
-    def __init__(self, steps: set[int]) -> None:
+    def __init__(self, steps: set[int], written: set[int] | None = None) -> None:
         self.steps = steps
+        self.written = steps if written is None else written
 
     def everywhere(self, step: int, save: int) -> bool:
         return step in self.steps
+
+    def written_everywhere(self, step: int, save: int) -> bool:
+        return step in self.written
 
     def mark(self, step: int, save: int) -> None:
         pass
@@ -1257,6 +1262,28 @@ def test_after_a_restore_the_restored_step_is_kept_until_a_newer_one_is_counted(
         replicator.record.written.append(5)
         replicator._retain(5)
         assert node.steps() == [5]
+    finally:
+        replicator.close()
+
+
+def test_before_any_step_is_replicated_everywhere_the_newest_written_everywhere_is_kept(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1: every rank wrote step 1, then rank 1 was killed before replicating
+    it; rank 0 wrote step 2 alone. Before, retention after step 2 deleted step 1 (no step
+    counted everywhere: only the window was kept), and the restarted job found no
+    complete step on any node. Now step 1 stays until a step is replicated everywhere."""
+    node = NodeDir(str(tmp_path))
+    for step in (1, 2):
+        node.rank_storage(step, 0, create=True).close()
+    replicator = Replicator(node, 0, 2, Peers([1], []), None, 1, Counted(set(), {1}))
+    try:
+        replicator.record.written[:] = [1, 2]
+        replicator._retain(2)
+        assert node.steps() == [1, 2]
+        replicator.tally = Counted({2})
+        replicator._retain(2)
+        assert node.steps() == [2]
     finally:
         replicator.close()
 

@@ -21,7 +21,9 @@ it keeps but the ``keep_local`` newest from each source; the newest step that *e
 rank has replicated (counted in the job's store, :class:`Tally`) is always kept, on its
 owner and on its replica's node, so an old step goes only once a newer one is safe on
 other nodes, and a replication that fails for good still leaves at most
-``keep_local + 1`` steps. After a restore (:meth:`Replicator.resumed_from`) the restored
+``keep_local + 1`` steps. While no step is replicated everywhere yet, the newest step
+every rank has *written* is kept in its place (a whole job restarted on the same nodes
+restores it). After a restore (:meth:`Replicator.resumed_from`) the restored
 step counts as replicated everywhere until a newer one is counted, and the older steps
 found on disk count among the ``keep_local``.
 
@@ -274,6 +276,9 @@ class Replicator:
                 written.commit(theirs.records)
                 self._identities[step] = {**own, **theirs.identities}
                 self.record.written.append(step)
+                if self.tally is not None:
+                    with contextlib.suppress(Exception):  # the store gone: retention keeps less
+                        self.tally.mark_written(step, save)
         except Exception as e:
             if written is not None:
                 written.abandon()
@@ -474,6 +479,8 @@ class Replicator:
         ``step`` only (the writer may be done with later ones, not yet replicated)."""
         try:
             everywhere = self._replicated_everywhere()
+            if everywhere is None:  # nothing replicated everywhere yet: keep what is whole
+                everywhere = self._written_everywhere(upto=step)
             for owner in sorted({self.rank, *self.record.received, *self.record.found}):
                 done = (
                     self.record.written
@@ -569,6 +576,22 @@ class Replicator:
         found = self.record.found.get(owner, [])
         if step in found:
             found.remove(step)
+
+    def _written_everywhere(self, *, upto: int) -> int | None:
+        """The newest step up to ``upto`` that every rank has written (as the job's store
+        counts them), or ``None``. Kept in place of the newest step replicated everywhere
+        while there is none: a rank killed before its first replication left each node
+        its own copy of the step, restorable after a restart of the whole job, and
+        before, with ``keep_local=1``, retention after the next step (written on the
+        other ranks only) deleted it, and the restarted job found no complete step."""
+        if self.tally is None:
+            return None
+        written = sorted((s for s in self.record.written if s <= upto), reverse=True)
+        for step in written[: self.keep_local + 2]:
+            with contextlib.suppress(Exception):
+                if self.tally.written_everywhere(step, self._save_of.get(step, 0)):
+                    return step
+        return None
 
     def _replicated_everywhere(self) -> int | None:
         """The newest step every rank has replicated (all its targets committed it), as

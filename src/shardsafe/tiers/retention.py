@@ -15,7 +15,8 @@ from .node_dir import NodeDir
 class Tally:
     """Counts, in the job's store, the ranks that have replicated each step: retention
     keeps the newest step every rank replicated, so that a lost node never leaves only
-    steps some rank lacks. Counting never blocks (a rank that never replicates a step
+    steps some rank lacks (and, while no step is replicated everywhere yet, the newest
+    step every rank has written, counted apart). Counting never blocks (a rank that never replicates a step
     simply leaves it uncounted). ``run`` (agreed at construction) keeps a restarted job's
     counts apart from an earlier attempt's in a store that outlived it. Each local save
     ``save`` (its number, the same on every rank) is counted apart: a step saved again
@@ -31,9 +32,19 @@ class Tally:
     def everywhere(self, step: int, save: int) -> bool:
         return int(self._store.add(f"{self._prefix}/{step}/{save}", 0)) >= self._world_size
 
+    def mark_written(self, step: int, save: int) -> None:
+        """This rank committed its own checkpoint of ``save`` (not yet replicated)."""
+        self._store.add(f"{self._prefix}/w/{step}/{save}", 1)
+
+    def written_everywhere(self, step: int, save: int) -> bool:
+        """Whether every rank committed its own checkpoint of ``save``: the job restarted
+        with every node kept restores it, replicated or not."""
+        return int(self._store.add(f"{self._prefix}/w/{step}/{save}", 0)) >= self._world_size
+
     def forget(self, step: int, save: int) -> None:
-        """Delete the count of ``save`` (every rank that held it does: the first deletes)."""
+        """Delete the counts of ``save`` (every rank that held it does: the first deletes)."""
         self._store.delete_key(f"{self._prefix}/{step}/{save}")
+        self._store.delete_key(f"{self._prefix}/w/{step}/{save}")
 
 
 def retained(
