@@ -16,9 +16,10 @@ class Tally:
     """Counts, in the job's store, the ranks that have replicated each step: retention
     keeps the newest step every rank replicated, so that a lost node never leaves only
     steps some rank lacks (and, while no step is replicated everywhere yet, the newest
-    step every rank has written, counted apart). Counting never blocks (a rank that never replicates a step
-    simply leaves it uncounted). ``run`` (agreed at construction) keeps a restarted job's
-    counts apart from an earlier attempt's in a store that outlived it. Each local save
+    step every rank has written, counted apart). Counting never blocks (a rank that
+    never replicates a step simply leaves it uncounted). ``run`` (agreed at
+    construction) keeps a restarted job's counts apart from an earlier attempt's in a
+    store that outlived it. Each local save
     ``save`` (its number, the same on every rank) is counted apart: a step saved again
     replaces its earlier copies, so the ranks that replicated those do not count for it
     (nor does one rank, twice)."""
