@@ -910,6 +910,43 @@ def test_a_local_path_that_is_the_persistent_root_or_its_step_directory_is_refus
     ]
 
 
+def test_a_local_step_older_than_one_saved_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """Steps 5, 6, then 3 (keep_local=1): retention after step 6 deleted step 3 while it
+    was being written, on some ranks (a race: "could not write its local checkpoint of
+    step 3: No such file or directory"), the others' copies never complete. Now refused
+    on every rank alike, as CheckpointManager refuses a step behind its root's newest;
+    the same step again, and steps after a restore, are saved as before."""
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", replicas=0, persist_every=None, keep_local=1
+    )
+    try:
+        for step in (5, 6):
+            manager.save(step, valued_state(step))
+        for save in (manager.save, manager.async_save):
+            with pytest.raises(CheckpointError) as caught:
+                save(3, valued_state(3))
+            assert str(caught.value) == (
+                "step 3 is older than step 6, which this TieredCheckpointManager already "
+                "saved locally: local steps must not go back. Save that step again to "
+                "replace it, or load_latest(state) first to resume from an older step"
+            )
+        manager.save(6, valued_state(60))
+        manager.wait()
+        assert os.listdir(tmp_path / "l") == ["step-000000006"]
+        live = valued_state(0)
+        manager.load_latest(live)
+        assert torch.equal(live["t"], valued_state(60)["t"])
+        manager.save(7, valued_state(7))
+    finally:
+        manager.close()
+
+
+def valued_state(value: float) -> dict[str, Any]:
+    return {"t": torch.full((4,), float(value))}
+
+
 def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Path) -> None:
     """Before, a save after close() staged the state, then raised concurrent.futures'
     RuntimeError 'cannot schedule new futures after shutdown'."""

@@ -146,6 +146,8 @@ class TieredCheckpointManager:
         self._stager = Stager()
         self._budget_checked = False
         self._closed = False
+        self._newest_local: int | None = None
+        """The newest step saved locally since the manager was made or last restored."""
         self.budget: budget.Budget | None = None
         """The local tier's disk use per node, once the first local save has measured it."""
         self._restorer = Restorer(
@@ -235,20 +237,32 @@ class TieredCheckpointManager:
                 f"this TieredCheckpointManager was closed, so it cannot save step {step}; "
                 "make a new one (on every rank) to save again"
             )
-        return self.due(step)
+        local, persist = self.due(step)
+        newest = self._newest_local
+        if local and newest is not None and step < newest:
+            # Every rank saves the same steps: refused on every rank alike. Retention after
+            # the newer step deleted the older one while it was being written, on some
+            # ranks (a race), and the others' copies were never complete.
+            raise CheckpointError(
+                f"step {step} is older than step {newest}, which this TieredCheckpointManager "
+                "already saved locally: local steps must not go back. Save that step again "
+                "to replace it, or load_latest(state) first to resume from an older step"
+            )
+        return local, persist
 
     def _local_save(self, step: int, state: Any) -> None:
         self._replicator.wait_written()  # its staging buffers are about to be reused
         items = self._collect(step, state)
-        if items is None:
-            return
         share = self._replicator.share
-        if not self._budget_checked:
+        if items is not None and not self._budget_checked:
             shared = node_share.candidates(items) if share is not None else {}
             self._check_budget(step, budget.staged_bytes(items), share, shared)
             # Collective: every rank asks, if any node shares (node_share.py) or replicates.
             if self.replicas or any(len(ranks) > 1 for ranks in self.topology.nodes):
                 self._replicator.group = self._ranks.transfers()
+        self._newest_local = step  # from here on every rank replicates it (empty if refused)
+        if items is None:
+            return
         try:
             staged = self._stager.stage(items, share.keep(items) if share is not None else None)
             staged.ready()
@@ -359,7 +373,10 @@ class TieredCheckpointManager:
     def load_latest(self, state: Any, **options: Unpack[LoadKeywords]) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get (see the module docstring);
         ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
-        return self._restorer.load_latest(state, options)
+        loaded = self._restorer.load_latest(state, options)
+        if loaded is not None and self.restored is not None:  # later local steps are deleted
+            self._newest_local = self.restored.step
+        return loaded
 
     def _refuse_stranded(self, why: str, instead: str) -> None:
         """Raise where the only local checkpoints were saved at another world size
