@@ -23,7 +23,12 @@ from shardsafe.checkpoint import loading
 from shardsafe.checkpoint.options import LoadOptions
 from shardsafe.checkpoint.plan.collecting import collect
 from shardsafe.checkpoint.storage.local import LocalStorage
-from shardsafe.tiers import TieredCheckpointManager, budget, rank_checkpoint, replication
+from shardsafe.tiers import (
+    TieredCheckpointManager,
+    budget,
+    rank_checkpoint,
+    replication,
+)
 from shardsafe.tiers.deferred_warnings import DeferredWarnings
 from shardsafe.tiers.fetch import Fetcher
 from shardsafe.tiers.node_dir import Held, NodeDir
@@ -945,6 +950,34 @@ def test_a_local_step_older_than_one_saved_is_refused_before_anything_is_written
 
 def valued_state(value: float) -> dict[str, Any]:
     return {"t": torch.full((4,), float(value))}
+
+
+def test_a_second_live_manager_of_another_root_on_one_local_directory_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A model's manager and its EMA's, given one local directory: before, each replaced
+    the other's step directories in silence (a replica arrived "damaged"), and the
+    model's restore found only the EMA there. Now the second is refused while the first
+    lives; once it is closed, a manager of another root may resume from the directory."""
+    local = tmp_path / "l"
+    first = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
+    first.save(1, valued_state(1))
+    with pytest.raises(CheckpointError) as caught:
+        TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None)
+    assert str(caught.value) == (
+        f"the local tier's directory {local} is in use by another live "
+        "TieredCheckpointManager (of another persistent root or name): both would write the "
+        "same step-<step>/rank-<rank> directories, replacing each other's checkpoints. Give "
+        "each manager a local directory of its own"
+    )
+    again = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
+    again.close()  # the same root's ranks share the directory
+    first.close()
+    later = TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None)
+    live = valued_state(0)
+    assert later.load_latest(live) is not None and torch.equal(live["t"], valued_state(1)["t"])
+    later.close()
+    assert os.listdir(local) == ["step-000000001"]  # the locks make no file
 
 
 def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError
 from . import budget, node_share
+from .local_lock import LocalLock
 from .node_dir import NodeDir
 from .node_share import NodeShare
 from .rank_checkpoint import Candidate
@@ -105,26 +106,25 @@ class TieredCheckpointManager:
             "keep_local": _as_json(keep_local),
         }
 
+        self._lock: LocalLock | None = None
+        self._made_local = False
+
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
             _check_apart(self.node.root, self.persistent.root)
+            if problem is None:
+                self._lock, self._made_local = self.node.lock(self._ranks.tag)
             return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns()]
 
         try:
             names = self._ranks.exchange(Phase.SURVEY, identity)
-        except CheckpointError:
-            self.persistent.close()
-            raise
-        try:
             _check_same([n[2] for n in names])
             _refuse([n[3] for n in names])
-        except (CheckpointError, ValueError):
-            self.persistent.close()
-            raise
-        self.topology = Topology.of([str(n[0]) for n in names])
-        try:
+            self.topology = Topology.of([str(n[0]) for n in names])
             self.replicas = self._possible_replicas(replicas)
-        except CheckpointError:
-            self.persistent.close()
+        except (CheckpointError, ValueError):
+            self._let_go()
+            if self._made_local:  # refused: nothing of it is left behind
+                self.node.unmake()
             raise
         self._store = clients.acquire(default_store()) if self.world_size > 1 else None
         peers = Peers(
@@ -352,10 +352,18 @@ class TieredCheckpointManager:
         try:
             self._replicator.close()
         finally:
-            self.persistent.close()
+            self._let_go()
             if self._store is not None:
                 clients.release(default_store(), self._store)
                 self._store = None
+
+    def _let_go(self) -> None:
+        """Release the persistent root's lock and the local directory's."""
+        try:
+            self.persistent.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     # -- restoring
 

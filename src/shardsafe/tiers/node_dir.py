@@ -27,7 +27,8 @@ from ..checkpoint.storage.files import check_name, open_directory
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.removal import delete_checkpoint
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from . import rank_checkpoint
+from . import local_lock, rank_checkpoint
+from .local_lock import LocalLock
 
 _RANK_DIR = re.compile(r"rank-([0-9]{5,})", re.ASCII)
 
@@ -123,6 +124,24 @@ class NodeDir:
                 "or nothing yet, on a tmpfs or NVMe disk)"
             ) from e
         return storage
+
+    def lock(self, owner: str) -> tuple[LocalLock, bool]:
+        """Hold the directory for the manager the ranks agree under ``owner``; refused
+        while a manager of another name holds it (``local_lock.py``). Also whether this
+        call made the directory. One that cannot be made or opened is not locked: the
+        first save or restore says what is wrong with it, as before."""
+        made = not os.path.lexists(self.root)
+        try:
+            root = self._root()
+        except CheckpointError:
+            return local_lock.LocalLock(None), False
+        with root:
+            return local_lock.take(root, owner), made
+
+    def unmake(self) -> None:
+        """Remove the directory :meth:`lock` made, if still empty (a manager refused)."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)
 
     def rank_storage(self, step: int, rank: int, *, create: bool) -> LocalStorage:
         """``step-<step>/rank-<rank>``, made (with its step directory) if ``create``."""
