@@ -328,3 +328,61 @@ def test_zero_with_overlap_before_its_first_steps_is_refused_clearly(
         assert "AttributeError" not in error
     assert errors[0] == errors[1]
     assert (tmp_path / "ckpt" / "manifest.json").exists() == (operation == "load")
+
+
+def _head_unfrozen(kind: str, seed: int) -> tuple[Any, Any, Any]:
+    """A 2-layer model whose sharded optimizer starts with the first layer only; one step,
+    then the head's group is added (unfreezing it at an epoch boundary)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    wrapped = DDP(model)
+    first = list(model[0].parameters())
+    if kind == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: Any = ZeroRedundancyOptimizer(first, optimizer_class=torch.optim.Adam, lr=1e-2)
+    else:
+        from fairscale.optim import OSS
+
+        opt = OSS(first, optim=torch.optim.Adam, lr=1e-2)
+    return model, wrapped, opt
+
+
+def _step(wrapped: Any, opt: Any, rank: int, step: int) -> float:
+    inputs = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+    loss = wrapped(inputs).sum()
+    loss.backward()
+    opt.step()
+    wrapped.zero_grad()  # every gradient: the head's too, before its group is added
+    return float(loss)
+
+
+def saved_right_after_add_param_group(rank: int, world: int, kind: str, path: str) -> Any:
+    model, wrapped, opt = _head_unfrozen(kind, 0)
+    _step(wrapped, opt, rank, 0)
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 1e-3})
+    shardsafe.save(path, {"model": wrapped, "optimizer": opt})
+    return [_step(wrapped, opt, rank, s) for s in (1, 2)]
+
+
+def resumed_after_add_param_group(rank: int, world: int, kind: str, path: str) -> Any:
+    model, wrapped, opt = _head_unfrozen(kind, 1)
+    _step(wrapped, opt, rank, 0)
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 1e-3})
+    shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    return [_step(wrapped, opt, rank, s) for s in (1, 2)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_right_after_add_param_group_resumes_bitwise(tmp_path: Path, kind: str) -> None:
+    """ZeRO's and OSS's add_param_group fill Adam's defaults (betas, eps, ...) into the
+    local group alone until the next step: saved before it, the group lacked them and the
+    resumed run's first step failed inside torch (KeyError: 'betas'). A plain Adam loading
+    the checkpoint in one process failed the same way."""
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(saved_right_after_add_param_group, 2, kind, path)
+    assert run_ranks(resumed_after_add_param_group, 2, kind, path) == uninterrupted
+    manifest = (tmp_path / "ckpt" / "manifest.json").read_text()
+    assert manifest.count('"betas"') == 2, "each saved group holds Adam's defaults"

@@ -421,7 +421,9 @@ def state_dict_for(
         j = chosen[i] if i < len(chosen) else None
         taken = copy.deepcopy(hyper[j]) if j is not None else {}
         taken = {k: v for k, v in taken.items() if k != NAMES}
-        kept = {k: v for k, v in g.items() if k != "params" and (j is None or k == NAMES)}
+        # A hyperparameter the saved group lacks keeps its live value (a checkpoint of a
+        # ZeRO group saved right after add_param_group, or of an older torch's optimizer).
+        kept = {k: v for k, v in g.items() if k != "params" and (k == NAMES or k not in taken)}
         local_groups.append({**taken, **kept, "params": [position[id(p)] for p in g["params"]]})
     return {"state": state, "param_groups": local_groups}
 

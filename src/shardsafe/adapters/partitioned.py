@@ -66,8 +66,9 @@ class PartitionedOptimizerAdapter(Adapter):
 
     def save(self, obj: Any, ctx: SaveContext) -> SaveItem:
         # A scheduler may have changed the global groups since the last step.
-        self.sync_groups(obj.param_groups, self.local(obj).param_groups)
-        return export_state(obj.param_groups, self.local(obj), ctx, replicated=False)
+        local = self.local(obj)
+        self.sync_groups(obj.param_groups, local.param_groups)
+        return export_state(_completed(obj.param_groups, local), local, ctx, replicated=False)
 
     def merge(self, metas: list[JSON]) -> JSON:
         return merge_optimizer_metas(metas)
@@ -117,3 +118,15 @@ class OSSAdapter(PartitionedOptimizerAdapter):
     """``fairscale.optim.OSS``; fairscale is never imported by shardsafe itself."""
 
     wrapper_path = ("fairscale.optim.oss", "OSS")
+
+
+def _completed(groups: list[dict[str, Any]], local: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The global ``groups`` with the hyperparameters only their local counterparts hold
+    (position by position): ZeRO's and OSS's ``add_param_group`` fill the optimizer's
+    defaults (``betas``, ``eps``, ...) into the local group alone, until the next step
+    copies them up. Saved before that step, the group lacked them, and the resumed run's
+    first step failed inside torch (``KeyError: 'betas'``)."""
+    return [
+        {**{k: v for k, v in mirror.items() if k != "params"}, **group}
+        for group, mirror in zip(groups, local.param_groups)
+    ] + groups[len(local.param_groups) :]
