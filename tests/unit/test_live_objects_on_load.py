@@ -415,3 +415,15 @@ def test_tensor_hyperparameters_compare_as_floats_do(tmp_path: Path) -> None:
     o = torch.optim.AdamW(m.parameters(), lr=torch.tensor(0.3))
     shardsafe.load(tmp_path / "c", {"model": m, "optimizer": o})
     assert float(o.param_groups[0]["lr"]) == 0.0
+
+
+def test_a_module_on_the_meta_device_is_refused_not_loaded_into_nothing(tmp_path: Path) -> None:
+    """Built on meta (to be materialized later), it "loaded": torch only warned that a copy
+    into a meta tensor is a no-op, and the run went on with no weights."""
+    shardsafe.save(tmp_path / "c", {"model": torch.nn.Linear(2, 2), "x": torch.ones(2)})
+    with torch.device("meta"):
+        live = torch.nn.Linear(2, 2)
+    for state, name in (({"model": live}, "'weight'"), ({"x": live.bias}, "state['x']")):
+        with pytest.raises(shardsafe.CheckpointMismatchError) as caught:
+            shardsafe.load(tmp_path / "c", state, strict=False)
+        assert str(caught.value).startswith(f"{name} is on the meta device, which holds no data")

@@ -6,6 +6,8 @@ to ``inspect``)."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -85,11 +87,35 @@ def test_the_load_plan_bounds_what_only_the_checkpoint_sizes(saved: Path) -> Non
         ({"buffer_bytes": 10}, "buffer_bytes=10 is too small"),
         ({"entry_timeout": 0}, "entry_timeout=0 must be a positive number of seconds"),
         ({"timeout": -1.0}, "timeout=-1.0 must be a positive number of seconds"),
+        # Each of these was taken, or failed deep inside: inf on 2 ranks with a raw
+        # OverflowError in a timer's thread, one rank saying the other had died.
+        ({"timeout": math.inf}, "timeout=inf must be a positive number of seconds"),
+        ({"entry_timeout": math.nan}, "entry_timeout=nan must be a positive number of seconds"),
+        ({"timeout": 1e300}, r"timeout=1e\+300 is more than the 1e\+09 seconds \(about 31"),
+        ({"buffer_bytes": "64MB"}, "buffer_bytes='64MB' is too small; use at least 1 MiB"),
+        ({"buffer_bytes": 6.7e7}, "buffer_bytes=67000000.0 is too small; use at least 1 MiB"),
+        ({"verify_replicas": "yes"}, "verify_replicas='yes' must be True or False"),
     ],
 )
 def test_save_options_name_the_field_and_the_fix(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SaveOptions(**options)
+
+
+def test_load_timeouts_that_cannot_be_waited_are_refused_by_name() -> None:
+    for name in ("timeout", "entry_timeout"):
+        with pytest.raises(ValueError, match=f"^{name}=inf must be a positive number"):
+            LoadOptions(**{name: math.inf})
+
+
+def test_a_manager_keeps_a_whole_number_of_checkpoints(tmp_path: Path) -> None:
+    """keep_last=2.5 was taken: every save then committed, moved `latest` and raised a
+    TypeError from its retention, which never ran; "3" raised a raw TypeError."""
+    for keep in (2.5, "3", True, 0):
+        with pytest.raises(ValueError) as caught:
+            shardsafe.CheckpointManager(tmp_path, keep_last=keep)  # type: ignore[arg-type]
+        assert str(caught.value) == f"keep_last={keep!r} must be at least 1 (or None to keep all)"
+    assert not os.listdir(tmp_path)
 
 
 def test_options_are_keyword_only_and_unknown_names_are_refused() -> None:

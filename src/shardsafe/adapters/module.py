@@ -280,6 +280,12 @@ def _loaded_by_torch(module: nn.Module) -> bool:
 def check_writable(name: str, value: torch.Tensor) -> None:
     """Refuse a live tensor (``name``, as the message shows it) that torch would refuse to
     copy a checkpoint's values into."""
+    if value.is_meta:
+        raise CheckpointMismatchError(
+            f"{name} is on the meta device, which holds no data: loading into it loads "
+            "nothing (torch only warns). Give the module memory first (module.to_empty("
+            "device=...)), then load. Nothing was restored."
+        )
     if value.layout != torch.strided:
         raise CheckpointMismatchError(
             f"{name} is a {str(value.layout).removeprefix('torch.')} tensor, which cannot "

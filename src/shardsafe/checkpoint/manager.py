@@ -105,8 +105,10 @@ class CheckpointManager:
         warn_if_not_empty: bool = True,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
+        if keep_last is not None and (
+            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+        ):  # 2.5 was taken, and every save then committed and raised a TypeError
+            raise ValueError(f"keep_last={keep_last!r} must be at least 1 (or None to keep all)")
         check_options(root, storage_options)  # here, not at each rank's first save
         self.root = os.fspath(root).rstrip("/") if is_url(root) else os.fspath(root)
         self.keep_last = keep_last

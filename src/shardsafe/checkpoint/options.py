@@ -8,6 +8,7 @@ name them from here). A wrong value fails here, naming the field and what it acc
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict, get_args
@@ -88,10 +89,14 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {LAYOUTS}")
-        if self.buffer_bytes < 1 << 20:
-            raise ValueError(f"buffer_bytes={self.buffer_bytes} is too small; use at least 1 MiB")
-        _positive("entry_timeout", self.entry_timeout)
-        _positive("timeout", self.timeout)
+        # As LoadOptions: "64MB" failed with a raw TypeError, 6.7e7 and "yes" were taken.
+        size = self.buffer_bytes
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 << 20:
+            raise ValueError(f"buffer_bytes={size!r} is too small; use at least 1 MiB")
+        if not isinstance(self.verify_replicas, bool):
+            raise ValueError(f"verify_replicas={self.verify_replicas!r} must be True or False")
+        check_seconds("entry_timeout", self.entry_timeout)
+        check_seconds("timeout", self.timeout)
         _mapping_or_none(self.storage_options)
 
     @classmethod
@@ -161,8 +166,8 @@ class LoadOptions:
             )
         if not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 1 << 20:
             raise ValueError(f"buffer_bytes={self.buffer_bytes!r} is too small; use at least 1 MiB")
-        _positive("entry_timeout", self.entry_timeout)
-        _positive("timeout", self.timeout)
+        check_seconds("entry_timeout", self.entry_timeout)
+        check_seconds("timeout", self.timeout)
         _mapping_or_none(self.storage_options)
         threads = self.read_threads
         if threads is not None and (
@@ -205,9 +210,23 @@ class LoadKeywords(TypedDict, total=False):
     read_threads: int | None
 
 
-def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+MAX_TIMEOUT_S = 1e9
+"""The longest a rank can wait for another (about 31 years): longer, a thread's timer and
+the store's timeout (gloo's, in a C int) overflow."""
+
+
+def check_seconds(name: str, value: float) -> None:
+    """Refuse a wait the ranks cannot make: ``inf`` passed here and failed on 2 ranks
+    with a raw ``OverflowError`` (a timer's thread, the store's timeout), one rank
+    blaming the other for dying."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 < value < math.inf:  # NaN too
         raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    if value > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{name}={value!r} is more than the {MAX_TIMEOUT_S:.0e} seconds (about 31 years) "
+            "a rank can wait for another; pass a smaller number of seconds"
+        )
 
 
 def _mapping_or_none(value: Any) -> None:

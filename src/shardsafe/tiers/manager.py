@@ -22,7 +22,6 @@ Every method is collective (call it on every rank), as ``CheckpointManager``'s a
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any, NoReturn
 
 from ..checkpoint.io.staging import Stager
 from ..checkpoint.manager import CheckpointManager, step_of
-from ..checkpoint.options import LoadKeywords
+from ..checkpoint.options import LoadKeywords, check_seconds
 from ..checkpoint.plan.collecting import Collected, check_state, collect
 from ..checkpoint.storage.locations import is_url, local_path
 from ..distributed import Phase, clients
@@ -441,24 +440,12 @@ def _as_json(value: Any) -> Any:
     return value if value is None or type(value) in (int, float, str, bool) else repr(value)
 
 
-MAX_TIMEOUT_S = 1e9
-"""The longest ``timeout``: threads and gloo overflow at about 9.2e9 seconds."""
-
-
 def _check_timeout(timeout: float) -> None:
-    """Refuse a timeout the ranks cannot wait for each other with."""
-    # Deep inside, None or a string failed with a TypeError, a negative value with gloo's
-    # "Invalid timeout", and 0 (gloo: no limit) let a rank wait for a dead one forever.
-    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-    if not number or not 0 < timeout < math.inf:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
-    # Larger, the constructor took it and the first local save failed on every rank with
-    # a raw OverflowError (a thread's wait, gloo's timeout in a C int).
-    if timeout > MAX_TIMEOUT_S:
-        raise ValueError(
-            f"timeout={timeout!r} is more than the {MAX_TIMEOUT_S:.0e} seconds (about 31 "
-            "years) a rank can wait for another; pass a smaller number of seconds"
-        )
+    """Refuse a timeout the ranks cannot wait for each other with, as ``save`` does: deep
+    inside, None or a string failed with a TypeError, a negative value with gloo's
+    "Invalid timeout", 0 (gloo: no limit) let a rank wait for a dead one forever, and a
+    huge one failed the first local save on every rank with a raw OverflowError."""
+    check_seconds("timeout", timeout)
 
 
 def _check_apart(local: str, persistent: str) -> None:
