@@ -475,6 +475,55 @@ def test_a_load_state_refused_on_one_rank_only_fails_every_rank_at_once(tmp_path
     assert [r["w"] for r in results] == [[0.0] * 4] * 2  # nothing restored on either rank
 
 
+def an_option_wrong_on_one_rank(rank: int, world_size: int, root: str, how: str) -> Any:
+    """Rank 1 passes a value its options refuse; rank 0 good ones."""
+    path = os.path.join(root, "ckpt")
+    if how == "load":
+        shardsafe.save(path, {"w": torch.arange(4.0)})
+    w = torch.zeros(4)
+    bad: dict[str, Any] = {}
+    if rank == 1:
+        bad = {"read_threads": 0} if how == "load" else {"buffer_bytes": 1000}
+    try:
+        if how == "save":
+            shardsafe.save(path, {"w": w}, entry_timeout=30.0, **bad)
+        elif how == "async_save":
+            shardsafe.async_save(path, {"w": w}, entry_timeout=30.0, **bad).wait()
+        else:
+            shardsafe.load(path, {"w": w}, entry_timeout=30.0, **bad)
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+    dist.barrier()
+    return {"error": error, "w": w.tolist()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["save", "async_save", "load"])
+def test_an_option_refused_on_one_rank_only_fails_every_rank_at_once(
+    tmp_path: Path, how: str
+) -> None:
+    """Options were checked before the entry: rank 1 raised its ValueError alone, and rank
+    0 waited there for entry_timeout (30 s here), then said rank 1 never called."""
+    results = run_ranks(an_option_wrong_on_one_rank, 2, str(tmp_path), how, timeout=50)
+    refusal = (
+        "read_threads=0 must be a number of threads from 1 to 64, or None for this rank's "
+        "share of the CPUs"
+        if how == "load"
+        else "buffer_bytes=1000 is too small; use at least 1 MiB"
+    )
+    assert results[1]["error"] == ("ValueError", refusal), results
+    cls, msg = results[0]["error"]
+    operation = "load" if how == "load" else "save"
+    said = f"{operation} failed on rank 1: ValueError: {refusal}"
+    if how == "async_save":
+        said = f"the background save to {tmp_path / 'ckpt'} failed: {said}"
+    assert (cls, msg.startswith(said)) == ("CheckpointError", True), msg
+    assert [r["w"] for r in results] == [[0.0] * 4] * 2
+    if how != "load":
+        assert list(tmp_path.iterdir()) == []
+
+
 def save_with_rank0_slower_than_the_timeout(rank: int, world_size: int, root: str) -> Any:
     hooks = SaveHooks(before_write=lambda: time.sleep(4.0))  # rank 0 only (e.g. a lock)
     path = os.path.join(root, "ckpt")

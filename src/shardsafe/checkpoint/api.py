@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+from ..distributed import Coordinator
 from . import background, loading, saving
 from .background import SaveHandle
 from .finding import where_checkpoints_are
@@ -84,15 +85,19 @@ def save(
     (up to 64 KiB: a per-rank sampler's generator) are compared on every save, and kept
     per rank where they differ (docs/parallelism.md).
     """
-    options = SaveOptions(
-        layout=layout,
-        entry_timeout=entry_timeout,
-        timeout=timeout,
-        buffer_bytes=buffer_bytes,
-        storage=storage,
-        hooks=hooks,
-        storage_options=storage_options,
-        verify_replicas=verify_replicas,
+    options = _told_if_refused(
+        "save",
+        os.fspath(path),
+        lambda: SaveOptions(
+            layout=layout,
+            entry_timeout=entry_timeout,
+            timeout=timeout,
+            buffer_bytes=buffer_bytes,
+            storage=storage,
+            hooks=hooks,
+            storage_options=storage_options,
+            verify_replicas=verify_replicas,
+        ),
     )
     background.drain()  # one save in flight: an asynchronous one finishes first
     saving.save(os.fspath(path), state, options)
@@ -114,7 +119,9 @@ def async_save(
     ``save``/``async_save`` (which waits for this one first) raises it. The keyword
     arguments are :func:`save`'s, with the same defaults.
     """
-    return background.async_save(os.fspath(path), state, SaveOptions.of(**options))
+    text = os.fspath(path)
+    made = _told_if_refused("save", text, lambda: SaveOptions.of(**options))
+    return background.async_save(text, state, made)
 
 
 def load(
@@ -160,25 +167,45 @@ def load(
     ``path`` and ``storage_options`` are as :func:`save` takes them, and so is ``storage``
     (advanced): what makes the storage layer for the directory.
     """
-    options = LoadOptions(
-        strict=strict,
-        entry_timeout=entry_timeout,
-        timeout=timeout,
-        untrusted_bytes_limit=untrusted_bytes_limit,
-        storage=storage,
-        storage_options=storage_options,
-        verify=verify,
-        buffer_bytes=buffer_bytes,
-        read_threads=read_threads,
-    )
     text = os.fspath(path)
-    return loading.load_from(
-        opener_of(text, storage, storage_options),
+    options, opener = _told_if_refused(
+        "load",
         directory_name(text),
-        state,
-        options,
-        hint=_where_checkpoints_are,
+        lambda: (
+            LoadOptions(
+                strict=strict,
+                entry_timeout=entry_timeout,
+                timeout=timeout,
+                untrusted_bytes_limit=untrusted_bytes_limit,
+                storage=storage,
+                storage_options=storage_options,
+                verify=verify,
+                buffer_bytes=buffer_bytes,
+                read_threads=read_threads,
+            ),
+            opener_of(text, storage, storage_options),
+        ),
     )
+    return loading.load_from(
+        opener, directory_name(text), state, options, hint=_where_checkpoints_are
+    )
+
+
+_Made = TypeVar("_Made")
+
+
+def _told_if_refused(operation: str, name: str, make: Callable[[], _Made]) -> _Made:
+    """``make()`` (this call's options); a ``ValueError`` it raises (an option refused)
+    is raised once the other ranks are told (``Coordinator.refuse``, with the default
+    timeouts: this rank's are what may be wrong). A value wrong on one rank alone
+    (``buffer_bytes=1000``, ``verify="all"``) left the others waiting ``entry_timeout``,
+    then saying that rank never called."""
+    try:
+        return make()
+    except ValueError as e:
+        coord = Coordinator(operation, name, timeout=_S.timeout)
+        coord.refuse(e, _S.entry_timeout)
+        raise
 
 
 def _where_checkpoints_are(storage: Storage) -> str:
