@@ -20,7 +20,7 @@ Indices follow torch's convention: the position of a parameter in the optimizer'
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 from . import _tree, dtypes
 from .adapters.optimizer import GROUPS
 from .adapters.registry import adapter_for
+from .checkpoint.plan.load_plan import request_problem
 from .checkpoint.storage.files import open_named_file
 from .distributed import Coordinator, Phase, comm_device, world
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -66,8 +67,8 @@ def gather_optimizer_state_dict(
     ranks send their state as raw tensors (no pickling) to ``to`` alone.
     """
     adapter, optimizer, ctx = _adapter_and_context(optimizer, model)
-    if not 0 <= to < ctx.world_size:
-        raise ValueError(f"to={to} is not a rank of this job (world size {ctx.world_size})")
+    if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < ctx.world_size:
+        raise ValueError(f"to={to!r} is not a rank of this job (world size {ctx.world_size})")
     coord = Coordinator("gather_optimizer_state_dict", "<interop>", timeout=timeout)
     coord.enter(timeout)
     try:
@@ -148,6 +149,22 @@ def load_optimizer_state_dict(
     rule), then by name internally, so ZeRO/OSS ranks each keep only what they own. No
     collective is needed; call it on every rank that holds a part of the optimizer.
     """
+    _prepared(optimizer, model, state_dict)()
+
+
+def _prepared(
+    optimizer: Any, model: nn.Module, state_dict: Mapping[str, Any]
+) -> Callable[[], None]:
+    """Check ``state_dict`` against ``optimizer`` without changing either (its groups, the
+    shape of each state tensor against its parameter's, what the optimizer's own load
+    would refuse); return the restore. Before, a state tensor of the wrong shape (an
+    ``exp_avg`` of 5 elements for a 2x2 weight) loaded, and the next ``step()`` failed
+    inside torch."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(
+            f"state_dict must be an optimizer's state_dict() (a dict), not "
+            f"{type(state_dict).__name__}"
+        )
     adapter, optimizer, ctx = _adapter_and_context(optimizer, model)
     groups = list(optimizer.param_groups)
     saved_groups = state_dict.get("param_groups")
@@ -183,9 +200,17 @@ def load_optimizer_state_dict(
         _NAME, "optimizer", {"param_groups": meta_groups, "param_shapes": shapes, "state": state}
     )
     plan = adapter.plan_load(optimizer, saved_value, ctx)
-    if plan.mismatched:
-        raise CheckpointMismatchError("; ".join(plan.mismatched))
-    adapter.restore(optimizer, saved_value, tensors, ctx)
+    problems = list(plan.mismatched)
+    for req in plan.requests:
+        given = tensors.get(req.key)
+        if given is not None:
+            problem = request_problem(req, given.dtype, tuple(given.shape))
+            if problem is not None:
+                problems.append(problem)
+    if problems:
+        raise CheckpointMismatchError("; ".join(problems))
+    adapter.validate(optimizer, saved_value, tensors, ctx)
+    return lambda: adapter.restore(optimizer, saved_value, tensors, ctx)
 
 
 def _encode(value: Any, ctx: LoadContext, tensors: dict[str, torch.Tensor], *prefix: str) -> Any:
@@ -227,26 +252,58 @@ def import_torch_checkpoint(
     Lightning ``state_dict`` entries under that prefix are loaded into ``model`` too.
     Read with ``torch.load(weights_only=True)``: plain data and tensors only.
     """
+    if not isinstance(optimizer_index, int) or isinstance(optimizer_index, bool):
+        raise ValueError(f"optimizer_index={optimizer_index!r} must be an int, 0 or more")
+    if optimizer_index < 0:  # -1 took the last optimizer, -3 raised a raw IndexError
+        raise ValueError(f"optimizer_index={optimizer_index!r} must be an int, 0 or more")
     raw = read_torch_file(file)
+    weights: dict[str, Any] | None = None
     if "optimizer_states" in raw:
         states = raw["optimizer_states"]
         if not isinstance(states, list) or optimizer_index >= len(states):
             raise CheckpointError(f"{file} has no optimizer_states[{optimizer_index}]")
         optimizer_sd = states[optimizer_index]
         if model_prefix is not None:
-            weights = {
-                k[len(model_prefix) :]: v
-                for k, v in raw.get("state_dict", {}).items()
-                if k.startswith(model_prefix)
-            }
-            model.load_state_dict(weights)
+            weights = _prefixed_weights(raw, model_prefix, model, file)
     elif "state" in raw and "param_groups" in raw:
         optimizer_sd = raw
     else:
         raise CheckpointError(
             f"{file} is neither an optimizer state_dict nor a Lightning checkpoint"
         )
-    load_optimizer_state_dict(optimizer, model, optimizer_sd)
+    restore = _prepared(optimizer, model, optimizer_sd)  # checked before the model changes
+    if weights is not None:
+        model.load_state_dict(weights)
+    restore()
+
+
+def _prefixed_weights(
+    raw: Mapping[str, Any], prefix: str, model: nn.Module, file: Any
+) -> dict[str, Any]:
+    """The Lightning ``state_dict`` entries under ``prefix``, checked against ``model``'s
+    keys and shapes before anything is loaded: torch's ``load_state_dict`` copied the
+    weights that fit, then raised a raw ``RuntimeError`` for the rest (and the optimizer's
+    refusal came after the model had changed)."""
+    saved = raw.get("state_dict", {})
+    if not isinstance(saved, Mapping):
+        raise CheckpointCorruptError(f"{file}: its 'state_dict' is not a dict")
+    weights = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
+    live = model.state_dict()
+    problems = [f"{prefix}{k} is not in the model" for k in weights if k not in live]
+    problems += [f"{prefix}{k} is missing from {file}" for k in live if k not in weights]
+    for key in weights.keys() & live.keys():
+        got, want = weights[key], live[key]
+        tensors = isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+        if tensors and got.shape != want.shape:
+            problems.append(
+                f"{prefix}{key}: {file} holds shape {list(got.shape)}, the model {list(want.shape)}"
+            )
+    if problems:
+        raise CheckpointMismatchError(
+            "the model does not match the checkpoint's weights (nothing was loaded): "
+            + "; ".join(sorted(problems))
+        )
+    return weights
 
 
 __all__ = ["gather_optimizer_state_dict", "import_torch_checkpoint", "load_optimizer_state_dict"]

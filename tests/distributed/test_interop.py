@@ -99,3 +99,65 @@ def test_gather_in_a_single_process_is_the_optimizers_own_state_dict() -> None:
     assert_same_optimizer_state(gather_optimizer_state_dict(opt, model), opt.state_dict())
     with pytest.raises(ValueError, match=r"to=1 is not a rank of this job \(world size 1\)"):
         gather_optimizer_state_dict(opt, model, to=1)
+
+
+def _adam(seed: int) -> tuple[torch.nn.Linear, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_state_tensor_that_does_not_fit_its_parameter_is_refused_and_nothing_changes() -> None:
+    """An exp_avg of 5 elements for a 2x2 weight loaded, and the next step() failed
+    inside torch (with ZeRO, a rank kept it)."""
+    from shardsafe.interop import load_optimizer_state_dict
+
+    model, opt = _adam(0)
+    bad = opt.state_dict()
+    bad["state"][0] = {**bad["state"][0], "exp_avg": torch.zeros(5)}
+    before = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    with pytest.raises(shardsafe.CheckpointMismatchError) as caught:
+        load_optimizer_state_dict(opt, model, bad)
+    assert (
+        str(caught.value) == "optimizer/weight/exp_avg: checkpoint float32[5], live float32[2, 2]"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in opt.state[model.weight].items())
+    with pytest.raises(ValueError, match=r"^state_dict must be an optimizer's state_dict"):
+        load_optimizer_state_dict(opt, model, None)  # type: ignore[arg-type]
+
+
+def test_an_import_that_will_fail_changes_neither_the_model_nor_the_optimizer(
+    tmp_path: Path,
+) -> None:
+    """With model_prefix, the weights were loaded first: a refused optimizer state (two
+    groups against one) left the model changed; a weight of another shape raised torch's
+    raw RuntimeError with the others already copied in."""
+    model, opt = _adam(0)
+    two_groups = opt.state_dict()
+    two_groups["param_groups"] = [
+        {**two_groups["param_groups"][0], "params": [0]},
+        {**two_groups["param_groups"][0], "params": [1]},
+    ]
+    weights = {f"net.{k}": torch.full_like(v, 7.0) for k, v in model.state_dict().items()}
+    torch.save({"optimizer_states": [two_groups], "state_dict": weights}, tmp_path / "a.ckpt")
+    wide = {**weights, "net.weight": torch.zeros(3, 2)}
+    torch.save({"optimizer_states": [opt.state_dict()], "state_dict": wide}, tmp_path / "b.ckpt")
+    live, live_opt = _adam(1)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(shardsafe.CheckpointMismatchError, match="2 param group"):
+        import_torch_checkpoint(tmp_path / "a.ckpt", live_opt, live, model_prefix="net.")
+    with pytest.raises(shardsafe.CheckpointMismatchError) as caught:
+        import_torch_checkpoint(tmp_path / "b.ckpt", live_opt, live, model_prefix="net.")
+    assert str(caught.value) == (
+        "the model does not match the checkpoint's weights (nothing was loaded): net.weight: "
+        f"{tmp_path / 'b.ckpt'} holds shape [3, 2], the model [2, 2]"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+    for index in (-1, "0"):
+        with pytest.raises(ValueError, match="must be an int, 0 or more"):
+            import_torch_checkpoint(tmp_path / "a.ckpt", live_opt, live, optimizer_index=index)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^to='0' is not a rank of this job"):
+        gather_optimizer_state_dict(live_opt, live, to="0")  # type: ignore[arg-type]

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ... import dtypes
 from ...adapters.registry import adapter_for, returning_adapter
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -303,12 +305,20 @@ def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:
     rec = manifest.tensors.get(req.key)
     if rec is None:
         return "missing"
-    saved = f"{dtypes.dtype_name(rec.dtype)}{list(rec.shape)}"
-    dtype = req.dtype or rec.dtype
-    shape = req.global_shape if req.global_shape is not None else rec.shape
-    if dtype != rec.dtype or shape != rec.shape:
+    return request_problem(req, rec.dtype, tuple(rec.shape))
+
+
+def request_problem(
+    req: ReadRequest, dtype_saved: torch.dtype, shape_saved: tuple[int, ...]
+) -> str | None:
+    """What is wrong with a saved tensor of ``dtype_saved`` and ``shape_saved`` for
+    ``req`` (``None``: nothing); also for tensors given in memory (``interop``)."""
+    saved = f"{dtypes.dtype_name(dtype_saved)}{list(shape_saved)}"
+    dtype = req.dtype or dtype_saved
+    shape = req.global_shape if req.global_shape is not None else shape_saved
+    if dtype != dtype_saved or tuple(shape) != shape_saved:
         return f"{req.key}: checkpoint {saved}, live {dtypes.dtype_name(dtype)}{list(shape)}"
-    if req.within is not None and not _fits(rec.shape, req.within, req.factored):
+    if req.within is not None and not _fits(shape_saved, req.within, req.factored):
         return (
             f"{req.key}: checkpoint {saved}, but it belongs to a live tensor of shape "
             f"{list(req.within)}: it must be a scalar or shaped like it"
@@ -317,11 +327,11 @@ def _check_request(req: ReadRequest, manifest: Manifest) -> str | None:
         req.offsets is not None
         and req.shape is not None
         and not (
-            len(req.offsets) == len(req.shape) == len(rec.shape)
-            and all(o + n <= s for o, n, s in zip(req.offsets, req.shape, rec.shape))
+            len(req.offsets) == len(req.shape) == len(shape_saved)
+            and all(o + n <= s for o, n, s in zip(req.offsets, req.shape, shape_saved))
         )
     ):
-        return f"{req.key}: requested region lies outside the saved shape {list(rec.shape)}"
+        return f"{req.key}: requested region lies outside the saved shape {list(shape_saved)}"
     return None
 
 
