@@ -557,3 +557,13 @@ def test_a_max_shard_size_of_another_type_is_a_clear_error(tmp_path: Path, size:
     dcp_checkpoint(tmp_path / "dcp")
     with pytest.raises(ValueError, match=r"max_shard_size=.* is not a size: give bytes as an int"):
         shardsafe.convert(tmp_path / "dcp", tmp_path / "o", to="hf", max_shard_size=size)
+
+
+def test_every_file_a_conversion_writes_is_listed_with_its_size(tmp_path: Path) -> None:
+    """DCP output listed its data file alone: `.metadata` was written but not reported."""
+    dcp_checkpoint(tmp_path / "dcp")
+    for to in ("shardsafe", "dcp", "hf"):
+        out = tmp_path / f"to-{to}"
+        result = shardsafe.convert(tmp_path / "dcp", out, to=to, progress=False)
+        on_disk = {p.name: p.stat().st_size for p in out.iterdir()}
+        assert dict(result.files) == on_disk, to

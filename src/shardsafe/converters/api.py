@@ -245,8 +245,7 @@ def _write(
             manifest = shardsafe_format.write(source, storage, on_bytes)
             return [*sorted(manifest.files.items()), ("manifest.json", manifest.manifest_bytes)]
         if options.to == "dcp":
-            size = dcp_write.write(source, storage, on_bytes, flat=options.dcp_layout == "flat")
-            return [(dcp_write.DATA_FILE, size)]
+            return dcp_write.write(source, storage, on_bytes, flat=options.dcp_layout == "flat")
         return hf.write(
             source,
             storage,

@@ -158,8 +158,9 @@ def write(
     on_bytes: Callable[[int], None] | None = None,
     *,
     flat: bool = False,
-) -> int:
-    """Write ``source`` as a DCP checkpoint; return the bytes of data written. ``flat``:
+) -> list[tuple[str, int]]:
+    """Write ``source`` as a DCP checkpoint; return each file written and its bytes (the
+    data file, then ``.metadata``). ``flat``:
     in torchtitan's layout (``flat_layout``: weights at the top level, optimizer state
     flattened)."""
     from torch.distributed.checkpoint import metadata
@@ -190,9 +191,10 @@ def write(
         storage_data=out.storage_data,
         version="1.0.0",
     )
+    blob = pickle.dumps(md)
     try:
         storage.sync_directory()
-        storage.commit(METADATA_NAME, pickle.dumps(md))
+        storage.commit(METADATA_NAME, blob)
         verify(storage, out.crcs, [leaf.fqn for leaf in leaves])
     except BaseException:
         # A checkpoint that does not read back as written is not left for dcp.load
@@ -201,7 +203,7 @@ def write(
         storage.remove(DATA_FILE)
         remove_if_created(storage, created)
         raise
-    return written
+    return [(DATA_FILE, written), (METADATA_NAME, len(blob))]
 
 
 class _DataFile:
