@@ -465,7 +465,7 @@ def load_into_a_state_wrong_on_one_rank(rank: int, world_size: int, root: str) -
 @pytest.mark.timeout(60)
 def test_a_load_state_refused_on_one_rank_only_fails_every_rank_at_once(tmp_path: Path) -> None:
     results = run_ranks(load_into_a_state_wrong_on_one_rank, 2, str(tmp_path), timeout=50)
-    refusal = "state must be a dict of name -> object to restore"
+    refusal = "state must be a dict of name -> object to restore, not Tensor"
     assert results[1]["error"] == ("ValueError", refusal), results
     cls, msg = results[0]["error"]
     assert (cls, msg.startswith(f"load failed on rank 1: ValueError: {refusal}")) == (

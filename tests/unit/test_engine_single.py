@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -513,8 +514,38 @@ def test_a_load_state_that_is_not_a_dict_is_a_value_error(tmp_path: Path) -> Non
     w = torch.zeros(2)
     with pytest.raises(ValueError) as info:
         shardsafe.load(tmp_path / "c", w)  # type: ignore[arg-type]
-    assert str(info.value) == "state must be a dict of name -> object to restore"
+    assert str(info.value) == "state must be a dict of name -> object to restore, not Tensor"
     assert w.tolist() == [0.0, 0.0]
+    # The managers' load_latest too: a raw AttributeError from deep inside the load.
+    manager = shardsafe.CheckpointManager(tmp_path / "m")
+    manager.save(1, {"w": torch.ones(2)})
+    with pytest.raises(ValueError) as info:
+        manager.load_latest(None)
+    assert str(info.value) == "state must be a dict of name -> object to restore, not NoneType"
+    manager.close()
+
+
+def test_a_path_given_as_bytes_or_a_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """bytes failed deep inside ("cannot use a string pattern on a bytes-like object");
+    a file in place of the checkpoint directory said "[Errno 17] File exists"."""
+    where = os.fsencode(tmp_path / "c")
+    said = f"path {where!r} is bytes; pass a str or a pathlib.Path (os.fsdecode(path) turns "
+    for call in (
+        lambda: shardsafe.save(where, {"w": torch.ones(2)}),
+        lambda: shardsafe.load(where, {"w": torch.ones(2)}),
+        lambda: shardsafe.verify(where),
+        lambda: shardsafe.CheckpointManager(where),
+    ):
+        with pytest.raises(TypeError) as caught:
+            call()  # type: ignore[arg-type]
+        assert str(caught.value).startswith(said)
+    (tmp_path / "file").write_bytes(b"mine")
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        shardsafe.save(tmp_path / "file", {"w": torch.ones(2)})
+    assert f"{tmp_path / 'file'} is a file, or lies under one, not a directory" in str(
+        refused.value
+    )
+    assert (tmp_path / "file").read_bytes() == b"mine"
 
 
 def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from .options import (
     VerifyMode,
     opener_of,
 )
-from .storage.locations import directory_name
+from .storage.locations import directory_name, path_text
 from .storage.protocol import Storage
 
 if sys.version_info >= (3, 11):
@@ -87,7 +87,7 @@ def save(
     """
     options = _told_if_refused(
         "save",
-        os.fspath(path),
+        path_text(path),
         lambda: SaveOptions(
             layout=layout,
             entry_timeout=entry_timeout,
@@ -100,7 +100,7 @@ def save(
         ),
     )
     background.drain()  # one save in flight: an asynchronous one finishes first
-    saving.save(os.fspath(path), state, options)
+    saving.save(path_text(path), state, options)
 
 
 def async_save(
@@ -119,7 +119,7 @@ def async_save(
     ``save``/``async_save`` (which waits for this one first) raises it. The keyword
     arguments are :func:`save`'s, with the same defaults.
     """
-    text = os.fspath(path)
+    text = path_text(path)
     made = _told_if_refused("save", text, lambda: SaveOptions.of(**options))
     return background.async_save(text, state, made)
 
@@ -167,7 +167,7 @@ def load(
     ``path`` and ``storage_options`` are as :func:`save` takes them, and so is ``storage``
     (advanced): what makes the storage layer for the directory.
     """
-    text = os.fspath(path)
+    text = path_text(path)
     options, opener = _told_if_refused(
         "load",
         directory_name(text),

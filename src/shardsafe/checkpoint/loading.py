@@ -23,7 +23,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -102,7 +102,8 @@ def load(
 ) -> dict[str, Any]:
     """Run the phases of a load on this rank; return the plain values the checkpoint holds.
     ``hint``: see :data:`Hint`."""
-    _check_state(state, storage.directory, options)
+    if not isinstance(state, Mapping):
+        refuse_state(state, storage.directory, options)
     return load_chosen(storage, lambda manifest: state, options, hint=hint)
 
 
@@ -117,18 +118,21 @@ def load_from(
     """:func:`load` of the directory ``opener`` opens inside the plan phase
     (:func:`load_opening`): ``shardsafe.load``'s, whose open of an object-store URL can
     fail on one node alone (its image lacks s3fs, its credentials file is broken)."""
-    _check_state(state, agree_as, options)
+    if not isinstance(state, Mapping):
+        refuse_state(state, agree_as, options)
     return load_opening(opener, agree_as, lambda manifest: state, options, hint=hint)
 
 
-def _check_state(state: Any, agree_as: str, options: LoadOptions) -> None:
-    """Refuse a ``state`` that is not a dict, as the ``ValueError`` it is, once the
-    other ranks are told (``Coordinator.refuse``): it may be this rank's alone."""
-    if not isinstance(state, Mapping):
-        refusal = ValueError("state must be a dict of name -> object to restore")
-        coord = Coordinator("load", agree_as, timeout=options.timeout, aftermath=AFTERMATH)
-        coord.refuse(refusal, options.entry_timeout)
-        raise refusal
+def refuse_state(state: Any, agree_as: str, options: LoadOptions) -> NoReturn:
+    """Refuse ``state``, which is not a dict, as the ``ValueError`` it is, once the other
+    ranks (meeting under ``agree_as``) are told (``Coordinator.refuse``): it may be this
+    rank's alone."""
+    refusal = ValueError(
+        f"state must be a dict of name -> object to restore, not {type(state).__name__}"
+    )
+    coord = Coordinator("load", agree_as, timeout=options.timeout, aftermath=AFTERMATH)
+    coord.refuse(refusal, options.entry_timeout)
+    raise refusal
 
 
 def load_chosen(

@@ -50,7 +50,7 @@ from .options import (
 )
 from .saving import save as _save
 from .storage.files import describe_mode
-from .storage.locations import check_options, is_url, open_storage
+from .storage.locations import check_options, is_url, open_storage, path_text
 from .storage.lock import RootLock
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
@@ -109,8 +109,9 @@ class CheckpointManager:
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):  # 2.5 was taken, and every save then committed and raised a TypeError
             raise ValueError(f"keep_last={keep_last!r} must be at least 1 (or None to keep all)")
+        root = path_text(root)
         check_options(root, storage_options)  # here, not at each rank's first save
-        self.root = os.fspath(root).rstrip("/") if is_url(root) else os.fspath(root)
+        self.root = root.rstrip("/") if is_url(root) else root
         self.keep_last = keep_last
         self.storage_options = storage_options
         self._lock = RootLock(self._root_storage)
@@ -435,6 +436,9 @@ class CheckpointManager:
         damaged while loading (nothing is restored then), the next older one is loaded
         instead, with a warning; if every one is damaged, the newest one's error is raised.
         """
+        if not isinstance(state, Mapping):  # a raw AttributeError from deep in the load
+            opts = LoadOptions.of(**options)
+            loading.refuse_state(state, f"{self.root}#latest", opts)
         return self._load_latest_chosen(lambda manifest: state, **options)
 
     def _load_latest_chosen(

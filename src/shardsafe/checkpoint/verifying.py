@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .._text import natural_key, plural
 from ..errors import CheckpointError
 from .finding import manifest_at
-from .storage.locations import open_storage
+from .storage.locations import open_storage, path_text
 
 if TYPE_CHECKING:
     from ..protocol import SavedValue
@@ -88,7 +88,7 @@ def verify(
     :class:`~shardsafe.CheckpointCorruptError` when its manifest cannot be trusted, since
     then there is nothing to check the data against. One process; nothing is written.
     """
-    text = os.fspath(path)
+    text = path_text(path)
     notes: list[str] = []
     with open_storage(text, storage_options=storage_options) as storage:
         manifest = manifest_at(text, storage)

@@ -23,7 +23,7 @@ import torch
 from .. import dtypes
 from .._text import human_bytes
 from ..checkpoint.storage import target_directory
-from ..checkpoint.storage.locations import is_url, local_path, open_storage
+from ..checkpoint.storage.locations import is_url, local_path, open_storage, path_text
 from ..errors import CheckpointError
 from . import dcp_read, dcp_write, hf, shardsafe_format, torch_file
 from .bounds import check_allocation
@@ -57,7 +57,7 @@ def read_source(
     path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Source:
     """The checkpoint at ``path``, of any format shardsafe converts, described."""
-    found = locate(os.fspath(path), storage_options)
+    found = locate(path_text(path), storage_options)
     try:
         if found.format == "shardsafe":
             source = shardsafe_format.read(found.storage)
@@ -138,12 +138,12 @@ def convert(
         config=config,
         generation_config=generation_config,
     )
-    return _convert(src, os.fspath(dst), options)
+    return _convert(src, path_text(dst), options)
 
 
 def _convert(src: str | os.PathLike[str], dst: str, options: ConvertOptions) -> Conversion:
     """:func:`convert` with its options validated: plan, then (unless a dry run) write."""
-    with read_source(src, _options_for(os.fspath(src), dst, options)) as source:
+    with read_source(src, _options_for(path_text(src), dst, options)) as source:
         chosen = _chosen(source, options)
         planned = Conversion(
             source.format,

@@ -33,7 +33,7 @@ from ..checkpoint.io.staging import Stager
 from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadKeywords, check_seconds
 from ..checkpoint.plan.collecting import Collected, check_state, collect
-from ..checkpoint.storage.locations import is_url, local_path
+from ..checkpoint.storage.locations import is_url, local_path, path_text
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError
@@ -95,7 +95,7 @@ class TieredCheckpointManager:
             warn_if_not_empty=False,
             storage_options=storage_options,
         )
-        self.node = NodeDir(os.fspath(local))
+        self.node = NodeDir(path_text(local))
         self._ranks = Ranks(f"tiers:{name if name is not None else self.persistent.root}", timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         settings = {

@@ -98,13 +98,20 @@ class LocalStorage:
         """Create the directory (and, when followed, its parents) if needed, and open it."""
         if self._fd is not None:
             return
-        if self.follow:
-            os.makedirs(self.directory, exist_ok=True)
-        else:
-            parent = os.path.dirname(self.directory.rstrip("/"))
-            os.makedirs(parent or ".", exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.directory)  # an existing symlink is refused when opened
+        try:
+            if self.follow:
+                os.makedirs(self.directory, exist_ok=True)
+            else:
+                parent = os.path.dirname(self.directory.rstrip("/"))
+                os.makedirs(parent or ".", exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self.directory)  # an existing symlink is refused when opened
+        except (FileExistsError, NotADirectoryError):  # said as "[Errno 17] File exists"
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"{self.directory} is a file, or lies under one, not a directory: a "
+                "checkpoint is a directory; give a path that does not exist yet",
+            ) from None
         self._fd = self._open()
 
     def close(self) -> None:

@@ -52,6 +52,18 @@ def directory_name(path: str | os.PathLike[str]) -> str:
     return text.rstrip("/") if is_url(text) else local_path(text)
 
 
+def path_text(path: str | os.PathLike[str]) -> str:
+    """``path`` as text: a ``bytes`` path failed deep inside with a ``TypeError`` about
+    string patterns (every path here is matched as text: URLs, step names)."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(
+            f"path {text!r} is bytes; pass a str or a pathlib.Path (os.fsdecode(path) turns "
+            "bytes into one)"
+        )
+    return text
+
+
 def check_options(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> None:
     """Refuse ``storage_options`` given for a local path (a usage error, raised where it
     is made: save and load check it before meeting the other ranks)."""
