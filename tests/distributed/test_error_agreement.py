@@ -524,6 +524,38 @@ def test_an_option_refused_on_one_rank_only_fails_every_rank_at_once(
         assert list(tmp_path.iterdir()) == []
 
 
+def save_with_options_that_differ(rank: int, world_size: int, root: str, name: str) -> Any:
+    given = {"layout": "sharded" if rank == 0 else "consolidated"}
+    if name == "verify_replicas":
+        given = {"verify_replicas": rank == 1}
+    try:
+        shardsafe.save(os.path.join(root, "ckpt"), {"w": torch.ones(4)}, **given)
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+    dist.barrier()
+    return error
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["layout", "verify_replicas"])
+def test_save_options_that_differ_between_ranks_are_refused_on_every_rank(
+    tmp_path: Path, name: str
+) -> None:
+    """Rank 1's layout="consolidated" was ignored in silence beside rank 0's "sharded"
+    (rank 0's plan decides), and so was one rank's verify_replicas=True."""
+    errors = run_ranks(save_with_options_that_differ, 2, str(tmp_path), name, timeout=50)
+    first, second = ("'sharded'", "'consolidated'") if name == "layout" else ("False", "True")
+    said = (
+        f"save failed on rank 0: the ranks passed different options: "
+        f"{name}={first} on rank 0 but {name}={second} on rank 1; pass the same {name} on "
+        "every rank (nothing was written)"
+    )
+    assert errors == [("CheckpointError", said)] * 2, errors
+    assert list(tmp_path.iterdir()) in ([], [tmp_path / "ckpt"])
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
 def save_with_rank0_slower_than_the_timeout(rank: int, world_size: int, root: str) -> Any:
     hooks = SaveHooks(before_write=lambda: time.sleep(4.0))  # rank 0 only (e.g. a lock)
     path = os.path.join(root, "ckpt")

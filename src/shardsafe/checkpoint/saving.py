@@ -204,6 +204,7 @@ def _collect_phase(run: SaveRun) -> Planned:
 
     def decide(payloads: list[Any]) -> list[Any]:
         """Rank 0's plan from every offer; each other rank gets its part (plan_parts)."""
+        _check_same_options([raw.get("options", {}) for raw in payloads])
         offers.extend(Offer.from_json(r, raw) for r, raw in enumerate(payloads))
         check_same_entries(offers, names, coord.rank)
         split_differing(offers)  # before the merge: it renames keys in the metadata
@@ -232,7 +233,7 @@ def _collect_phase(run: SaveRun) -> Planned:
             {name: item for name, (_, item) in items.items()},
             checksums=options.verify_replicas,
         )
-        collected.payload = offer.to_json()
+        collected.payload = offer.to_json() | {"options": _agreed_options(options)}
     if coord.rank == 0:
         return Planned(collected.part, token, offers, entries)
     return Planned(plan_parts.from_part(collected.part), collected.part["probe"], offers)
@@ -251,6 +252,25 @@ def _phases(run: SaveRun) -> None:
             if not coord.left_already(Phase.COMMIT):
                 commit(
                     storage, planned.plan, planned.entries, written, run.options.hooks.after_commit
+                )
+
+
+def _agreed_options(options: SaveOptions) -> dict[str, Any]:
+    """The options every rank must pass alike: rank 0's plan follows its own."""
+    return {"layout": options.layout, "verify_replicas": options.verify_replicas}
+
+
+def _check_same_options(given: list[dict[str, Any]]) -> None:
+    """Refuse options that differ between ranks: a rank's ``layout="consolidated"`` was
+    ignored in silence where rank 0 passed ``"sharded"`` (and a rank's
+    ``verify_replicas=True`` checked nothing where another's was False)."""
+    for name, first in given[0].items():
+        for rank, options in enumerate(given):
+            if options.get(name) != first:
+                raise CheckpointError(
+                    f"the ranks passed different options: {name}={first!r} on rank 0 but "
+                    f"{name}={options.get(name)!r} on rank {rank}; pass the same {name} on "
+                    "every rank (nothing was written)"
                 )
 
 
