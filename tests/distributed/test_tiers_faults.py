@@ -1184,8 +1184,16 @@ def test_settings_that_differ_between_ranks_are_refused_on_every_rank(
             "keep_last",
             (
                 "ValueError",
-                "rank 1: keep_last=0 must be at least 1 (or None to keep all); pass valid "
+                "rank 1: keep_last=0 must be an int, at least 1 (or None to keep all); pass valid "
                 "settings on every rank",
+            ),
+        ),
+        (
+            "keep_last=True",  # an int to isinstance: refused by CheckpointManager alone
+            (
+                "ValueError",
+                "rank 1: keep_last=True must be an int, at least 1 (or None to keep all); pass "
+                "valid settings on every rank",
             ),
         ),
     ],
@@ -1195,7 +1203,9 @@ def test_a_setting_invalid_on_one_rank_only_is_refused_on_every_rank_at_once(
 ) -> None:
     """Before, rank 1 raised its ValueError alone, before the ranks' first exchange, and
     rank 0 waited for it there until the timeout, then said that rank 1 never called."""
-    outcomes = run_ranks(_settings_differ, 2, str(tmp_path), {field: 0}, timeout=100)
+    name, _, value = field.partition("=")
+    given = {name: True if value == "True" else 0}
+    outcomes = run_ranks(_settings_differ, 2, str(tmp_path), given, timeout=100)
     assert outcomes == [said] * 2
     assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))
 

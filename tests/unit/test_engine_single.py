@@ -540,12 +540,17 @@ def test_a_path_given_as_bytes_or_a_file_is_refused_naming_it(tmp_path: Path) ->
             call()  # type: ignore[arg-type]
         assert str(caught.value).startswith(said)
     (tmp_path / "file").write_bytes(b"mine")
-    with pytest.raises(shardsafe.CheckpointError) as refused:
-        shardsafe.save(tmp_path / "file", {"w": torch.ones(2)})
-    assert f"{tmp_path / 'file'} is a file, or lies under one, not a directory" in str(
-        refused.value
-    )
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for name, what in (
+        ("file", "a regular file"),
+        ("file/c", "under a file"),
+        ("dangling", "a symbolic link"),
+    ):
+        with pytest.raises(shardsafe.CheckpointError) as refused:
+            shardsafe.save(tmp_path / name, {"w": torch.ones(2)})
+        assert f"{tmp_path / name} is {what}, not a directory" in str(refused.value)
     assert (tmp_path / "file").read_bytes() == b"mine"
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path: Path) -> None:

@@ -92,8 +92,8 @@ def test_the_load_plan_bounds_what_only_the_checkpoint_sizes(saved: Path) -> Non
         ({"timeout": math.inf}, "timeout=inf must be a positive number of seconds"),
         ({"entry_timeout": math.nan}, "entry_timeout=nan must be a positive number of seconds"),
         ({"timeout": 1e300}, r"timeout=1e\+300 is more than the 1e\+09 seconds \(about 31"),
-        ({"buffer_bytes": "64MB"}, "buffer_bytes='64MB' is too small; use at least 1 MiB"),
-        ({"buffer_bytes": 6.7e7}, "buffer_bytes=67000000.0 is too small; use at least 1 MiB"),
+        ({"buffer_bytes": "64MB"}, r"buffer_bytes='64MB' must be an int, a number of bytes \(1"),
+        ({"buffer_bytes": 6.7e7}, r"buffer_bytes=67000000.0 must be an int, a number of bytes"),
         ({"verify_replicas": "yes"}, "verify_replicas='yes' must be True or False"),
     ],
 )
@@ -114,7 +114,10 @@ def test_a_manager_keeps_a_whole_number_of_checkpoints(tmp_path: Path) -> None:
     for keep in (2.5, "3", True, 0):
         with pytest.raises(ValueError) as caught:
             shardsafe.CheckpointManager(tmp_path, keep_last=keep)  # type: ignore[arg-type]
-        assert str(caught.value) == f"keep_last={keep!r} must be at least 1 (or None to keep all)"
+        assert (
+            str(caught.value)
+            == f"keep_last={keep!r} must be an int, at least 1 (or None to keep all)"
+        )
     assert not os.listdir(tmp_path)
 
 

@@ -946,6 +946,22 @@ def test_a_local_step_older_than_one_saved_is_refused_before_anything_is_written
         manager.save(7, valued_state(7))
     finally:
         manager.close()
+    # After a restore of an older step (the newer one damaged), saving goes on from it.
+    again = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l2", replicas=0, persist_every=None, keep_local=2
+    )
+    try:
+        for step in (5, 6):
+            again.save(step, valued_state(step))
+        again.wait()
+        (tmp_path / "l2" / "step-000000006" / "rank-00000" / "manifest.json").unlink()
+        live = valued_state(0)
+        assert again.load_latest(live) is not None and again.restored is not None
+        assert again.restored.step == 5
+        again.save(5, valued_state(50))  # refused before: 5 is older than 6, saved first
+        again.wait()
+    finally:
+        again.close()
 
 
 def valued_state(value: float) -> dict[str, Any]:
@@ -978,6 +994,24 @@ def test_a_second_live_manager_of_another_root_on_one_local_directory_is_refused
     assert later.load_latest(live) is not None and torch.equal(live["t"], valued_state(1)["t"])
     later.close()
     assert os.listdir(local) == ["step-000000001"]  # the locks make no file
+
+
+def test_a_forked_child_does_not_keep_a_closed_managers_lock(tmp_path: Path) -> None:
+    """A DataLoader worker forked while the manager lived shares its lock's open file
+    description: the lock outlived the manager's close() for as long as the worker
+    lived, and a later manager of another root was refused."""
+    import multiprocessing
+
+    local = tmp_path / "l"
+    first = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    worker.start()
+    try:
+        first.close()
+        TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None).close()
+    finally:
+        worker.kill()
+        worker.join()
 
 
 def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Path) -> None:

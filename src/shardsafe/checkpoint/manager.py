@@ -108,7 +108,9 @@ class CheckpointManager:
         if keep_last is not None and (
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):  # 2.5 was taken, and every save then committed and raised a TypeError
-            raise ValueError(f"keep_last={keep_last!r} must be at least 1 (or None to keep all)")
+            raise ValueError(
+                f"keep_last={keep_last!r} must be an int, at least 1 (or None to keep all)"
+            )
         root = path_text(root)
         check_options(root, storage_options)  # here, not at each rank's first save
         self.root = root.rstrip("/") if is_url(root) else root

@@ -90,9 +90,7 @@ class SaveOptions:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {LAYOUTS}")
         # As LoadOptions: "64MB" failed with a raw TypeError, 6.7e7 and "yes" were taken.
-        size = self.buffer_bytes
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1 << 20:
-            raise ValueError(f"buffer_bytes={size!r} is too small; use at least 1 MiB")
+        _check_buffer(self.buffer_bytes)
         if not isinstance(self.verify_replicas, bool):
             raise ValueError(f"verify_replicas={self.verify_replicas!r} must be True or False")
         check_seconds("entry_timeout", self.entry_timeout)
@@ -164,8 +162,7 @@ class LoadOptions:
                 f"verify={self.verify!r} is not one of {VERIFY_MODES}: 'first' restores "
                 "nothing until every byte is verified (two reads), 'inline' reads once"
             )
-        if not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 1 << 20:
-            raise ValueError(f"buffer_bytes={self.buffer_bytes!r} is too small; use at least 1 MiB")
+        _check_buffer(self.buffer_bytes)
         check_seconds("entry_timeout", self.entry_timeout)
         check_seconds("timeout", self.timeout)
         _mapping_or_none(self.storage_options)
@@ -208,6 +205,13 @@ class LoadKeywords(TypedDict, total=False):
     verify: VerifyMode
     buffer_bytes: int
     read_threads: int | None
+
+
+def _check_buffer(size: int) -> None:
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise ValueError(f"buffer_bytes={size!r} must be an int, a number of bytes (1 MiB or more)")
+    if size < 1 << 20:
+        raise ValueError(f"buffer_bytes={size!r} is too small; use at least 1 MiB")
 
 
 MAX_TIMEOUT_S = 1e9

@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import os
 import struct
+import weakref
 
 from ..checkpoint.storage.local import LocalStorage
 from ..errors import CheckpointError
@@ -31,14 +32,32 @@ class LocalLock:
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
+        if fd is not None:
+            _HELD.add(self)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         if fd is not None:
             os.close(fd)  # its lock goes with the last descriptor of the description
 
     def __del__(self) -> None:  # a manager never closed: its lock goes with it
         self.release()
+
+
+_HELD: weakref.WeakSet[LocalLock] = weakref.WeakSet()
+"""The locks this process holds: a forked child (a DataLoader worker) closes its copies
+of their descriptors at once. It shares their open file description, so its copy kept
+the lock after the manager that took it was closed, and a later manager of another name
+was refused as long as the worker lived."""
+
+
+def _forget_in_child() -> None:
+    for lock in list(_HELD):
+        lock.release()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def offset_of(owner: str) -> int:

@@ -411,16 +411,22 @@ def _problem(
     keep_last: int | None,
 ) -> str | None:
     """What is wrong with a value the manager cannot work with, naming the argument."""
+    # bool is an int to isinstance: keep_last=True passed here, then CheckpointManager
+    # refused it on that rank alone, and the others waited for it in the exchange.
     for field, value in (("local_every", local_every), ("persist_every", persist_every)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not _whole(value) or value < 1):
             return f"{field}={value!r} must be a positive int, or None for never"
-    if not isinstance(replicas, int) or replicas < 0:
+    if not _whole(replicas) or replicas < 0:
         return f"replicas={replicas!r} must be a non-negative int"
-    if not isinstance(keep_local, int) or keep_local < 1:
+    if not _whole(keep_local) or keep_local < 1:
         return f"keep_local={keep_local!r} must be at least 1"
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        return f"keep_last={keep_last!r} must be at least 1 (or None to keep all)"
+    if keep_last is not None and (not _whole(keep_last) or keep_last < 1):
+        return f"keep_last={keep_last!r} must be an int, at least 1 (or None to keep all)"
     return None
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _refuse(problems: list[str | None]) -> None:

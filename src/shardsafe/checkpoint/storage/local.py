@@ -109,8 +109,8 @@ class LocalStorage:
         except (FileExistsError, NotADirectoryError):  # said as "[Errno 17] File exists"
             raise NotADirectoryError(
                 errno.ENOTDIR,
-                f"{self.directory} is a file, or lies under one, not a directory: a "
-                "checkpoint is a directory; give a path that does not exist yet",
+                f"{self.directory} is {_what_is_in_the_way(self.directory)}, not a directory: "
+                "a checkpoint is a directory; give a path that does not exist yet",
             ) from None
         self._fd = self._open()
 
@@ -265,3 +265,12 @@ class LocalStorage:
     def lock_backend(self) -> LocalLockBackend:
         """The lock on a filesystem: claimed by a hard link (``lock_backends.py``)."""
         return LocalLockBackend(self)
+
+
+def _what_is_in_the_way(path: str) -> str:
+    """What stands where a directory was to be made: the entry itself (a regular file, a
+    symbolic link, dangling or not), or a file above it."""
+    try:
+        return describe_mode(os.lstat(path).st_mode)
+    except OSError:
+        return "under a file"
