@@ -996,6 +996,11 @@ def test_a_second_live_manager_of_another_root_on_one_local_directory_is_refused
     assert os.listdir(local) == ["step-000000001"]  # the locks make no file
 
 
+def _started_then_asleep(started: Any) -> None:
+    started.set()
+    time.sleep(30)
+
+
 def test_a_forked_child_does_not_keep_a_closed_managers_lock(tmp_path: Path) -> None:
     """A DataLoader worker forked while the manager lived shares its lock's open file
     description: the lock outlived the manager's close() for as long as the worker
@@ -1004,9 +1009,12 @@ def test_a_forked_child_does_not_keep_a_closed_managers_lock(tmp_path: Path) -> 
 
     local = tmp_path / "l"
     first = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
-    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+    worker = fork.Process(target=_started_then_asleep, args=(started,))
     worker.start()
     try:
+        assert started.wait(30)  # the child is past its at-fork handlers
         first.close()
         TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None).close()
     finally:
