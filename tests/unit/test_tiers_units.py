@@ -1022,6 +1022,32 @@ def test_a_forked_child_does_not_keep_a_closed_managers_lock(tmp_path: Path) -> 
         worker.join()
 
 
+def test_a_persistent_step_committed_before_latest_moved_is_restored_not_an_older_local_one(
+    tmp_path: Path,
+) -> None:
+    """A kill between the persistent commit of step 10 and the move of `latest` left the
+    pointer on step 5: the restore chose local step 9, and every later save of the run
+    refused persistent step 10 ("already holds step 10"), restart after restart."""
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", replicas=0, local_every=3, persist_every=5
+    )
+    for step in range(1, 11):
+        manager.save(step, valued_state(step))
+    manager.close()
+    (tmp_path / "p" / "latest").write_text("step-000000005")  # the pointer one step behind
+    again = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", replicas=0, local_every=3, persist_every=5
+    )
+    live = valued_state(0)
+    try:
+        assert again.load_latest(live) is not None and again.restored is not None
+        assert (again.restored.step, again.restored.tiers) == (10, ["persistent"])
+        assert torch.equal(live["t"], valued_state(10)["t"])
+        again.save(12, valued_state(12))
+    finally:
+        again.close()
+
+
 def test_a_closed_manager_refuses_to_save_by_name_and_closes_twice(tmp_path: Path) -> None:
     """Before, a save after close() staged the state, then raised concurrent.futures'
     RuntimeError 'cannot schedule new futures after shutdown'."""

@@ -386,6 +386,18 @@ class CheckpointManager:
                 elif kind is not None:
                     _warn(f"{root.where(name)} is {root.describe(name)}, not a directory")
 
+    def newest_committed_step(self, above: int | None = None) -> int | None:
+        """The newest committed step (a step directory holding a regular
+        ``manifest.json``) newer than ``above``, looked for newest first: one listing, and
+        a look inside each step directory newer than the first committed one found."""
+        for step, name in self._step_dirs():
+            if above is not None and step <= above:
+                return None
+            with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
+                if storage.kind(MANIFEST_NAME) == "file":
+                    return step
+        return None
+
     def complete_steps(self) -> list[int]:
         """Steps of every committed checkpoint under ``root`` (a step directory holding a
         regular ``manifest.json``), oldest first."""

@@ -255,11 +255,15 @@ class Restorer:
 
     def _persisted_step(self) -> int | None:
         """The persistent tier's newest step, cheaply: its ``latest`` pointer (one small
-        read) if it names a committed step, else the newest committed step directory.
+        read) if it names a committed step, unless a newer step directory is committed
+        (one listing): a save killed between its commit and the pointer's move left
+        ``latest`` one step behind, and the restore chose an older local step, after which
+        every save of the run refused the newer persistent one, restart after restart.
         Not validated here (``CheckpointManager.latest`` opens every data file's header, a
         round trip each on an object store, which a restore from the local tier would pay
         for nothing); ``load_latest`` validates it if it is chosen, and passes over a
         damaged one as ``CheckpointManager`` does."""
+        pointed = None
         with (
             contextlib.suppress(CheckpointError, OSError, UnicodeDecodeError),
             open_storage(self.persistent.root, storage_options=self._options) as root,
@@ -269,9 +273,9 @@ class Restorer:
             if step is not None:
                 with root.child(named) as step_dir:
                     if step_dir.kind(MANIFEST_NAME) == "file":
-                        return step
-        steps = self.persistent.complete_steps()
-        return steps[-1] if steps else None
+                        pointed = step
+        newer = self.persistent.newest_committed_step(above=pointed)
+        return newer if newer is not None else pointed
 
     def _from_local(
         self,
