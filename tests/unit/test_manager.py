@@ -122,7 +122,7 @@ def test_load_latest_with_nothing_saved_returns_none(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("keep_last", [0, -1])
 def test_keep_last_must_be_positive(keep_last: int) -> None:
-    with pytest.raises(ValueError, match=f"keep_last={keep_last} must be at least 1"):
+    with pytest.raises(ValueError, match=f"keep_last={keep_last} must be an int, at least 1"):
         CheckpointManager("x", keep_last=keep_last)
 
 
