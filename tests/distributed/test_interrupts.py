@@ -22,8 +22,6 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe.checkpoint.storage.files import LocalFileSink, create_new
-from shardsafe.checkpoint.storage.local import LocalStorage
 from tests.harness import run_ranks
 
 STAY_S = 30.0
@@ -143,59 +141,3 @@ def test_ctrl_c_while_waiting_at_the_entry_is_raised_on_the_other(tmp_path: Path
         f"{op} failed on rank 1: KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
     ), results
     assert not (tmp_path / "ckpt" / "manifest.json").exists() or op == "load"
-
-
-class _HeldStorage(LocalStorage):
-    """Rank 0's data files: each write waits until the other rank has been interrupted,
-    so rank 0 is still writing when rank 1 (which writes nothing of a replicated tensor)
-    has posted its part of the write and leaves."""
-
-    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
-        root = os.path.dirname(os.path.dirname(self.where(name)))
-        return _HeldSink(create_new(self.fd, name), self.where(name), root)
-
-
-class _HeldSink(LocalFileSink):
-    def __init__(self, fd: int, path: str, root: str) -> None:
-        super().__init__(fd, path)
-        self.root = root
-
-    def write(self, data: memoryview) -> None:
-        deadline = time.monotonic() + STAY_S
-        marker = os.path.join(self.root, "interrupted")
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        super().write(data)
-
-
-def interrupted_after_its_write(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Rank 1 posts its (empty) write at once, then gets Ctrl-C while it waits for rank 0,
-    whose write is held until then."""
-    import threading
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    path = os.path.join(root, "ckpt")
-    state = {"w": torch.ones(4)}
-    if rank == 1:
-        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        try:
-            return outcome(lambda: shardsafe.save(path, state, timeout=60.0), root, answers=False)
-        finally:
-            open(os.path.join(root, "interrupted"), "w").close()
-    return outcome(
-        lambda: shardsafe.save(path, state, timeout=60.0, storage=_HeldStorage), root, answers=True
-    )
-
-
-@pytest.mark.timeout(90)
-def test_ctrl_c_after_a_rank_posted_its_data_commits_nothing(tmp_path: Path) -> None:
-    """Before, rank 0 went on to commit the checkpoint once its own write was done (every
-    rank had posted its data), and then every rank raised rank 1's interrupt: a save that
-    raised everywhere had committed."""
-    results = run_ranks(interrupted_after_its_write, 2, str(tmp_path), timeout=80)
-    assert results[1]["kind"] == "KeyboardInterrupt", results
-    assert results[0]["kind"] == "CheckpointError", results
-    assert results[0]["message"].startswith(
-        "save failed on rank 1: KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
-    ), results
-    assert not (tmp_path / "ckpt" / "manifest.json").exists()

@@ -1122,7 +1122,8 @@ def test_one_nodes_local_failure_is_the_same_error_on_every_rank_at_once(
     else:
         assert said0.startswith(
             f"tiers failed on rank 1: the local tier's directory {local_dir(base, 1)} cannot "
-            "be made or opened: File exists. Give each node a local path it can write"
+            f"be made or opened: {local_dir(base, 1)} is a regular file, not a directory. "
+            "Give each node a local path it can write"
         )
 
 

@@ -102,8 +102,8 @@ def test_a_directory_that_cannot_be_opened_for_the_load_fails_every_rank_at_once
     expected = [
         "CheckpointError",
         f"load failed on rank 1: the local tier's directory {root} cannot be made or opened: "
-        "File exists. Give each node a local path it can write (a directory, or nothing yet, "
-        "on a tmpfs or NVMe disk)",
+        f"{root} is a regular file, not a directory. Give each node a local path it can write "
+        "(a directory, or nothing yet, on a tmpfs or NVMe disk)",
     ]
     assert [got[0]["outcome"], got[1]["outcome"]] == [expected, expected]
     # Nothing was deleted: the moved directory still holds both steps.

@@ -119,9 +119,9 @@ def test_a_node_whose_local_directory_became_unusable_tells_its_peer_at_once(
     base = str(tmp_path)
     got = run_ranks(_three_steps, 2, base, timeout=100)
     unusable = (
-        f"the local tier's directory {local_dir(base, 0)} cannot be made or opened: File "
-        "exists. Give each node a local path it can write (a directory, or nothing yet, on a "
-        "tmpfs or NVMe disk)"
+        f"the local tier's directory {local_dir(base, 0)} cannot be made or opened: "
+        f"{local_dir(base, 0)} is a regular file, not a directory. Give each node a local path "
+        "it can write (a directory, or nothing yet, on a tmpfs or NVMe disk)"
     )
     unsent = (
         "rank 0 could not open its local checkpoint of step 2 to send it to rank 1, which "

@@ -246,13 +246,7 @@ def _phases(run: SaveRun) -> None:
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
             storage.remove(target_directory.probe_name(planned.token))
-            # A rank that posted its data and then left (Ctrl-C on it alone) has posted its
-            # failure of this phase: not committed, and the phase raises it on every rank.
-            # Before, rank 0 committed, and every rank raised all the same.
-            if not coord.left_already(Phase.COMMIT):
-                commit(
-                    storage, planned.plan, planned.entries, written, run.options.hooks.after_commit
-                )
+            commit(storage, planned.plan, planned.entries, written, run.options.hooks.after_commit)
 
 
 def _agreed_options(options: SaveOptions) -> dict[str, Any]:

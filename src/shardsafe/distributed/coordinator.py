@@ -358,10 +358,6 @@ class Coordinator:
         if dead:
             raise link.dead_error(under_way, dead)
 
-    def left_already(self, phase: Phase) -> bool:
-        """Whether a rank already posted a failure of ``phase`` (it left: Ctrl-C)."""
-        return self._link.store is not None and agreement.phase_failed(self._link, phase)
-
     def release(self) -> None:
         """Delete this rank's payload keys that no rank will read any more."""
         if self._link.store is not None:

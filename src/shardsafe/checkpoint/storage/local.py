@@ -109,8 +109,7 @@ class LocalStorage:
         except (FileExistsError, NotADirectoryError):  # said as "[Errno 17] File exists"
             raise NotADirectoryError(
                 errno.ENOTDIR,
-                f"{self.directory} is {_what_is_in_the_way(self.directory)}, not a directory: "
-                "a checkpoint is a directory; give a path that does not exist yet",
+                f"{self.directory} is {_what_is_in_the_way(self.directory)}, not a directory",
             ) from None
         self._fd = self._open()
 
