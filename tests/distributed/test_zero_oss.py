@@ -359,19 +359,13 @@ def _step(wrapped: Any, opt: Any, rank: int, step: int) -> float:
     return float(loss)
 
 
-def saved_right_after_add_param_group(rank: int, world: int, kind: str, path: str) -> Any:
-    model, wrapped, opt = _head_unfrozen(kind, 0)
+def right_after_add_param_group(rank: int, world: int, kind: str, path: str, verb: str) -> Any:
+    """One step, the head's group added, then ``verb`` (save: seed 0; load: seed 1, so
+    everything must come from disk), then two more steps' losses."""
+    model, wrapped, opt = _head_unfrozen(kind, 0 if verb == "save" else 1)
     _step(wrapped, opt, rank, 0)
     opt.add_param_group({"params": list(model[1].parameters()), "lr": 1e-3})
-    shardsafe.save(path, {"model": wrapped, "optimizer": opt})
-    return [_step(wrapped, opt, rank, s) for s in (1, 2)]
-
-
-def resumed_after_add_param_group(rank: int, world: int, kind: str, path: str) -> Any:
-    model, wrapped, opt = _head_unfrozen(kind, 1)
-    _step(wrapped, opt, rank, 0)
-    opt.add_param_group({"params": list(model[1].parameters()), "lr": 1e-3})
-    shardsafe.load(path, {"model": wrapped, "optimizer": opt})
+    getattr(shardsafe, verb)(path, {"model": wrapped, "optimizer": opt})
     return [_step(wrapped, opt, rank, s) for s in (1, 2)]
 
 
@@ -382,7 +376,7 @@ def test_a_save_right_after_add_param_group_resumes_bitwise(tmp_path: Path, kind
     resumed run's first step failed inside torch (KeyError: 'betas'). A plain Adam loading
     the checkpoint in one process failed the same way."""
     path = str(tmp_path / "ckpt")
-    uninterrupted = run_ranks(saved_right_after_add_param_group, 2, kind, path)
-    assert run_ranks(resumed_after_add_param_group, 2, kind, path) == uninterrupted
+    uninterrupted = run_ranks(right_after_add_param_group, 2, kind, path, "save")
+    assert run_ranks(right_after_add_param_group, 2, kind, path, "load") == uninterrupted
     manifest = (tmp_path / "ckpt" / "manifest.json").read_text()
     assert manifest.count('"betas"') == 2, "each saved group holds Adam's defaults"
