@@ -168,9 +168,10 @@ def load(
     (advanced): what makes the storage layer for the directory.
     """
     text = path_text(path)
+    name = directory_name(text)  # what the ranks agree under
     options, opener = _told_if_refused(
         "load",
-        directory_name(text),
+        name,
         lambda: (
             LoadOptions(
                 strict=strict,
@@ -186,9 +187,7 @@ def load(
             opener_of(text, storage, storage_options),
         ),
     )
-    return loading.load_from(
-        opener, directory_name(text), state, options, hint=_where_checkpoints_are
-    )
+    return loading.load_from(opener, name, state, options, hint=_where_checkpoints_are)
 
 
 _Made = TypeVar("_Made")

@@ -43,7 +43,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,16 +200,11 @@ class Replicator:
         """The newest step older than ``step`` that every rank replicated (as the store
         counts them; without a store, as this rank did), or the restored step if older."""
         restored = [self._restored] if self._restored is not None and self._restored < step else []
-        older = sorted((s for s in self.record.written if s < step), reverse=True)
         if self.tally is None:
             counted = [s for s in self.record.replicated if s < step]
         else:
-            counted = []
-            for s in older[: self.keep_local + 2]:
-                with contextlib.suppress(Exception):  # the store gone: not counted
-                    if self.tally.everywhere(s, self._save_of.get(s, 0)):
-                        counted.append(s)
-                        break
+            found = self._newest_counted(self.tally.everywhere, lambda s: s < step)
+            counted = [] if found is None else [found]
         return max(counted + restored, default=None)
 
     def wait_written(self) -> None:
@@ -586,12 +581,7 @@ class Replicator:
         other ranks only) deleted it, and the restarted job found no complete step."""
         if self.tally is None:
             return None
-        written = sorted((s for s in self.record.written if s <= upto), reverse=True)
-        for step in written[: self.keep_local + 2]:
-            with contextlib.suppress(Exception):
-                if self.tally.written_everywhere(step, self._save_of.get(step, 0)):
-                    return step
-        return None
+        return self._newest_counted(self.tally.written_everywhere, lambda s: s <= upto)
 
     def _replicated_everywhere(self) -> int | None:
         """The newest step every rank has replicated (all its targets committed it), as
@@ -602,12 +592,24 @@ class Replicator:
             if self.record.everywhere is not None:  # the step resumed_from restored
                 steps.append(self.record.everywhere)
             return max(steps, default=None)
-        for step in sorted(self.record.written, reverse=True)[: self.keep_local + 2]:
-            with contextlib.suppress(Exception):
-                if self.tally.everywhere(step, self._save_of.get(step, 0)):
-                    self.record.everywhere = max(self.record.everywhere or -1, step)
-                    break
+        found = self._newest_counted(self.tally.everywhere, lambda s: True)
+        if found is not None:
+            self.record.everywhere = max(self.record.everywhere or -1, found)
         return self.record.everywhere
+
+    def _newest_counted(
+        self, counted: Callable[[int, int], bool], admitted: Callable[[int], bool]
+    ) -> int | None:
+        """The newest of the ``keep_local + 2`` newest steps this rank wrote that
+        ``admitted`` lets through whose latest save the job's store has ``counted`` on
+        every rank (``Tally.everywhere``, ``Tally.written_everywhere``), or ``None``. A
+        store gone counts nothing."""
+        steps = sorted((s for s in self.record.written if admitted(s)), reverse=True)
+        for step in steps[: self.keep_local + 2]:
+            with contextlib.suppress(Exception):
+                if counted(step, self._save_of.get(step, 0)):
+                    return step
+        return None
 
 
 def save_token(run: str, save: int) -> str:
