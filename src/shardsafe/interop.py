@@ -197,7 +197,10 @@ def _prepared(
         state[fqn] = {name: _encode(v, ctx, tensors, fqn, name) for name, v in param_state.items()}
     shapes = {ctx.param_fqn(p): list(p.shape) for g in groups for p in g["params"]}
     saved_value = SavedValue(
-        _NAME, "optimizer", {"param_groups": meta_groups, "param_shapes": shapes, "state": state}
+        _NAME,
+        "optimizer",
+        {"param_groups": meta_groups, "param_shapes": shapes, "state": state},
+        where="the state dict given",
     )
     plan = adapter.plan_load(optimizer, saved_value, ctx)
     problems = list(plan.mismatched)

@@ -91,6 +91,14 @@ class SavedValue:
     name: str
     kind: str
     meta: JSON
+    where: str = ""
+    """What the entry came from, for messages, where it is not a checkpoint's manifest
+    (``shardsafe.interop`` builds one from a ``state_dict()`` in memory)."""
+
+    @property
+    def entry(self) -> str:
+        """The entry as messages name it: ``the manifest entry for 'name'`` by default."""
+        return self.where or f"the manifest entry for {self.name!r}"
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,17 @@ def test_a_state_tensor_that_does_not_fit_its_parameter_is_refused_and_nothing_c
     assert all(torch.equal(v, before[k]) for k, v in opt.state[model.weight].items())
     with pytest.raises(ValueError, match=r"^state_dict must be an optimizer's state_dict"):
         load_optimizer_state_dict(opt, model, None)  # type: ignore[arg-type]
+    # Refused by the optimizer's own load: the message names the dict given, not a
+    # "manifest entry for 'optimizer'" that no checkpoint holds.
+    bad = opt.state_dict()
+    bad["state"][0] = {**bad["state"][0], "step": "x"}
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        load_optimizer_state_dict(opt, model, bad)
+    assert str(refused.value) == (
+        "the optimizer state in the state dict given is not valid state for the live Adam: "
+        "ValueError: could not convert string to float: 'x'"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in opt.state[model.weight].items())
 
 
 def test_an_import_that_will_fail_changes_neither_the_model_nor_the_optimizer(

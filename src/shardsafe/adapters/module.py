@@ -123,8 +123,7 @@ class ModuleAdapter(Adapter):
         both = sorted(saved_names & set(extra))
         if both:
             raise CheckpointCorruptError(
-                f"the manifest entry for {saved.name!r} names {both[0]!r} both as a tensor "
-                "and as extra state"
+                f"{saved.entry} names {both[0]!r} both as a tensor and as extra state"
             )
         key = _keys(saved, ctx)
         as_saved = _as_saved(saved_names | set(extra))
@@ -358,8 +357,7 @@ def _saved_names(saved: SavedValue) -> list[str]:
     names = meta.get("tensors") if isinstance(meta, dict) else None
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} is not valid module metadata: 'tensors' "
-            "is not a list of names"
+            f"{saved.entry} is not valid module metadata: 'tensors' is not a list of names"
         )
     return names
 
@@ -368,8 +366,7 @@ def _extra(saved: SavedValue) -> dict[str, Any]:
     extra = saved.meta.get("extra", {}) if isinstance(saved.meta, dict) else None
     if not isinstance(extra, dict):
         raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} is not valid module metadata: 'extra' is "
-            "not an object"
+            f"{saved.entry} is not valid module metadata: 'extra' is not an object"
         )
     return extra
 

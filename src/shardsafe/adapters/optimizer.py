@@ -405,8 +405,7 @@ def state_dict_for(
     for i, h in enumerate(hyper):
         if not isinstance(h, dict) or "params" in h:
             raise CheckpointCorruptError(
-                f"the manifest entry for {saved.name!r}: param group {i} holds no valid "
-                "hyperparameters"
+                f"{saved.entry}: param group {i} holds no valid hyperparameters"
             )
     chosen, _ = match_groups(groups, meta["param_groups"], ctx)
     _check_tensor_hyper(groups, meta["param_groups"], hyper, ctx)
@@ -456,7 +455,7 @@ def check_adoptable(
         type(local).__setstate__(stand_in, {"state": state, "param_groups": groups})
     except Exception as e:  # any: whatever the class's own code raises on this state
         raise CheckpointCorruptError(
-            f"the optimizer state in the manifest entry for {saved.name!r} is not valid "
+            f"the optimizer state in {saved.entry} is not valid "
             f"state for the live {type(local).__qualname__}: {type(e).__name__}: {e}"
         ) from e
 
@@ -516,9 +515,7 @@ def _meta(saved: SavedValue, ctx: LoadContext, groups: list[dict[str, Any]]) -> 
     meta = saved.meta
     problem = _meta_problem(meta)
     if problem is not None:
-        raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} is not valid optimizer metadata: {problem}"
-        )
+        raise CheckpointCorruptError(f"{saved.entry} is not valid optimizer metadata: {problem}")
     meta = _renamed(meta, _as_qualified_live(meta.get(QUALIFIED), ctx))
     meta = _renamed(meta, fqn_without_wrappers)
     meta = _renamed(meta, lambda name: ctx.param_aliases.get(name, name))

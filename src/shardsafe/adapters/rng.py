@@ -183,7 +183,7 @@ class RNGAdapter(Adapter):
     def _mine(self, saved: SavedValue, ctx: LoadContext) -> JSON | None:
         per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None
         if not isinstance(per_rank, list):
-            raise CheckpointCorruptError(f"the manifest entry for {saved.name!r} is not RNG state")
+            raise CheckpointCorruptError(f"{saved.entry} is not RNG state")
         return per_rank[ctx.rank] if ctx.rank < len(per_rank) else None
 
     def plan_load(self, obj: RNGState, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
@@ -209,7 +209,7 @@ class RNGAdapter(Adapter):
             raise
         except Exception as e:
             raise CheckpointCorruptError(
-                f"the RNG state of rank {ctx.rank} in the manifest entry for {saved.name!r} is "
+                f"the RNG state of rank {ctx.rank} in {saved.entry} is "
                 f"not valid: {type(e).__name__}: {e}"
             ) from None
 

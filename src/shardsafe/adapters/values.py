@@ -170,7 +170,7 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
         return _one_record(saved, record_of(form, 0))
     if not isinstance(records, list) or len(records) != ctx.saved_world_size:
         raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} holds per-rank values that are not one "
+            f"{saved.entry} holds per-rank values that are not one "
             f"per saving rank ({ctx.saved_world_size})"
         )
     if ctx.world_size != ctx.saved_world_size:
@@ -203,8 +203,7 @@ def checked_form(form: dict[str, Any], name: str) -> dict[str, Any]:
 def _one_record(saved: SavedValue, record: JSON) -> SavedValue:
     if isinstance(record, dict) and len(record) == 1 and PER_RANK in record:
         raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} holds per-rank values inside a per-rank "
-            "value, which no save writes"
+            f"{saved.entry} holds per-rank values inside a per-rank value, which no save writes"
         )
     return SavedValue(saved.name, saved.kind, record)
 
@@ -237,7 +236,7 @@ def module_tensor_keys(saved: SavedValue, stored: Container[str]) -> list[str]:
 
 def full_requests(saved: SavedValue) -> LoadRequests:
     """Every tensor the saved tree refers to, whole; the tree's structure checked first."""
-    _tree.check_structure(saved.meta, f"the manifest entry for {saved.name!r}")
+    _tree.check_structure(saved.meta, saved.entry)
     return LoadRequests(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(saved.meta)])
 
 

@@ -259,7 +259,7 @@ def _as_merged(saved: SavedValue, state: Mapping[str, Any], rank: int) -> SavedV
         raise
     except Exception as e:
         raise CheckpointCorruptError(
-            f"the manifest entry for {saved.name!r} (a {saved.kind!r} value) is malformed: "
+            f"{saved.entry} (a {saved.kind!r} value) is malformed: "
             f"{type(adapter).__name__}.merge failed with {type(e).__name__}: {e}"
         ) from e
     return SavedValue(saved.name, saved.kind, meta)
