@@ -563,3 +563,58 @@ def test_a_save_at_an_epochs_last_batch_resumes_with_the_next_epochs_shuffle(
     assert _seedable_run(tmp_path / "c", resume=True) == uninterrupted
     assert _seedable_run(tmp_path / "d", resume=False, after_the_loop=True) == uninterrupted
     assert _seedable_run(tmp_path / "d", resume=True) == uninterrupted
+
+
+def _resumed_twice(path: Path, run: str) -> list[list[int]]:
+    """Orders of samples under a seedable sampler (8 samples, batches of 2). ``whole``:
+    epochs 0-2. ``first``: epoch 0, then saves after epoch 1's first batch. ``second``:
+    resumes there, finishes epoch 1 through ``skip_first_batches`` (saving in that copy's
+    last batch), then runs epoch 2. ``third``: resumes from that save, runs one epoch."""
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from torch.utils.data import DataLoader
+
+    def epochs(loader: Any, n: int) -> list[list[int]]:
+        return [[x for batch in loader for x in batch.tolist()] for _ in range(n)]
+
+    set_seed(0)
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    made = accelerate.Accelerator(cpu=True, dataloader_config=config)
+    try:
+        loader = made.prepare(DataLoader(list(range(8)), batch_size=2, shuffle=True))
+        if run == "whole":
+            return epochs(loader, 3)
+        if run == "first":
+            epochs(loader, 1)
+            for _ in loader:
+                save_state(made, path / "a")
+                break
+            return []
+        if run == "third":
+            load_state(made, path / "b")
+            return epochs(loader, 1)
+        load_state(made, path / "a")
+        rest = []
+        for i, batch in enumerate(made.skip_first_batches(loader, 1)):
+            rest += batch.tolist()
+            if i == 2:  # the last of the epoch's 4 batches
+                save_state(made, path / "b")
+        loader.set_epoch(loader.iteration + 1)
+        return [rest, *epochs(loader, 1)]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_a_save_in_the_last_batch_of_a_skipped_into_epoch_resumes_with_the_next_epochs_shuffle(
+    tmp_path: Path,
+) -> None:
+    """A resumed run finishes its epoch through ``accelerator.skip_first_batches`` and
+    saves in that copy's last batch (as the shipped example does): the copy, not the
+    prepared loader, was Accelerate's active dataloader, so the saved epoch counter was
+    the finished epoch's, and the next resume replayed that epoch's order, every later
+    loss differing from the uninterrupted run's (found in review)."""
+    whole = _resumed_twice(tmp_path, "whole")
+    assert _resumed_twice(tmp_path, "first") == []
+    assert _resumed_twice(tmp_path, "second") == [whole[1][2:], whole[2]]
+    assert _resumed_twice(tmp_path, "third") == [whole[2]]
+    assert len({tuple(order) for order in whole}) == 3  # the epochs' shuffles differ

@@ -61,8 +61,28 @@ def _seedable_sampler(dataloader: Any) -> Any:
 
 def _in_its_last_batch(dataloader: Any) -> bool:
     """Whether ``dataloader`` has handed out the last batch of an epoch whose loop has
-    not ended yet (it is still the accelerator's active dataloader)."""
-    if not getattr(dataloader, "end_of_dataloader", False):
-        return False
+    not ended yet: it is still the accelerator's active dataloader, or the active one is
+    its ``skip_first_batches`` copy (a resumed epoch's rest, which counts its own epochs:
+    saved in its last batch, the counter was one behind, and the next resume replayed
+    the finished epoch's shuffle)."""
     gradient_state = getattr(dataloader, "gradient_state", None)
-    return getattr(gradient_state, "active_dataloader", None) is dataloader
+    active = getattr(gradient_state, "active_dataloader", None)
+    if active is None or not getattr(active, "end_of_dataloader", False):
+        return False
+    return active is dataloader or _skips_into(active, dataloader)
+
+
+def _skips_into(active: Any, dataloader: Any) -> bool:
+    """Whether ``active`` is what ``accelerator.skip_first_batches(dataloader, n)`` made:
+    a loader of the same dataset whose batches come from a ``SkipBatchSampler`` over
+    ``dataloader``'s (an iterable dataset's: one that skips batches itself)."""
+    from accelerate.data_loader import SkipBatchSampler
+
+    dataset = getattr(dataloader, "dataset", None)
+    if dataset is None or getattr(active, "dataset", None) is not dataset:
+        return False
+    ours = [getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None)]
+    for skipping in (getattr(active, "batch_sampler", None), getattr(active, "sampler", None)):
+        if isinstance(skipping, SkipBatchSampler):
+            return any(skipping.batch_sampler is s for s in ours if s is not None)
+    return bool(getattr(active, "skip_batches", 0))
