@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--total-limit", type=int)
     parser.add_argument("--dump")
     parser.add_argument("--expect-load-error", action="store_true")
+    # Accelerate's set_seed(0, device_specific=True): each process's sampler its own seed,
+    # so that the dataloader's position differs between the processes (saved per rank).
+    parser.add_argument("--seed-per-process", action="store_true")
     args = parser.parse_args()
 
     project = ProjectConfiguration(
@@ -154,7 +157,7 @@ def refused(accelerator: Any, path: str, model: Any, optimizer: Any) -> None:
 
 
 def train(accelerator: Any, args: argparse.Namespace) -> None:
-    set_seed(0)
+    set_seed(0, device_specific=args.seed_per_process)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     if args.zero:
         optimizer: Any = ZeroRedundancyOptimizer(

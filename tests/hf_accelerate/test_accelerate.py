@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import shardsafe
+from tests import forge
 from tests.harness import free_port
 
 accelerate = pytest.importorskip("accelerate")
@@ -138,20 +139,29 @@ def test_a_zero_optimizer_accelerate_prepared_saves_sharded_in_the_background(
 def test_automatic_naming_keeps_total_limit_and_load_state_finds_the_newest(
     tmp_path: Path,
 ) -> None:
+    """Also, with a sampler seeded per process (``set_seed(0, device_specific=True)``), so
+    that the processes' dataloader positions differ and are saved per rank (they were
+    refused as corrupt by every later load), and resumed twice: the second time from a save
+    in the last batch of the epoch the first resume finished through
+    ``skip_first_batches`` (its epoch counter was one behind, and the second resume
+    replayed the finished epoch's shuffle)."""
     project = tmp_path / "project"
+    options = ("--project-dir", project, "--total-limit", "2", "--seed-per-process")
     whole = launch(
-        tmp_path, "whole", "--project-dir", project, "--total-limit", "2",
+        tmp_path, "whole", *options,
         *[a for step in (4, 8, SAVE_AT) for a in ("--save-at", str(step))],
     )  # fmt: skip
     checkpoints = project / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["latest", "step-000000001", "step-000000002"]
-    resumed = launch(
-        tmp_path, "resumed", "--project-dir", project, "--total-limit", "2", "--resume", "auto",
-        "--save-at", "20",
-    )  # fmt: skip
+    saved = forge.read_manifest(checkpoints / "step-000000002")["values"]["dataloader"]
+    assert list(saved["meta"]) == ["__per_rank__"]  # the two processes' seeds differ
+    resumed = launch(tmp_path, "resumed", *options, "--resume", "auto", "--save-at", "16")
     assert f"resumed at step {SAVE_AT}" in resumed["log"]
     assert_continues(whole, resumed, SAVE_AT)
     assert sorted(os.listdir(checkpoints))[-2:] == ["step-000000002", "step-000000003"]
+    again = launch(tmp_path, "again", *options, "--resume", "auto")
+    assert "resumed at step 16" in again["log"]
+    assert_continues(whole, again, 16)
 
 
 def test_a_corrupted_checkpoint_is_refused_on_every_process_and_changes_nothing(

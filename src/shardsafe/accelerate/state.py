@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
+from .. import _tree
 from ..adapters import RNGState
 from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
@@ -220,27 +221,54 @@ def _check_positions(manifest: Manifest, state: dict[str, Any]) -> None:
     """Refuse, before anything is restored, a dataloader position (``positions.py``) whose
     epoch counter or sampler seed is not a whole number in range: restored as it was, a
     string failed in ``int()`` after every other object was restored, and a seed of
-    2**70 only when the next epoch reseeded the sampler, mid-run."""
+    2**70 only when the next epoch reseeded the sampler, mid-run. A position that
+    differed between the processes (a sampler seeded per process) is saved per rank, and
+    each rank's is checked."""
     for name, saved in manifest.values.items():
         if not isinstance(state.get(name), DataLoaderPosition) or saved.kind != "stateful":
             continue
-        meta = saved.meta if isinstance(saved.meta, dict) else {}
-        sampler = meta.get("sampler")
-        fields = [("iteration", meta.get("iteration"), 0, _MAX_COUNT)]
-        if sampler is not None:
-            if not isinstance(sampler, dict):
-                sampler = {}  # its epoch and seed are then reported missing (None)
-            fields += [
-                ("sampler epoch", sampler.get("epoch"), 0, _MAX_COUNT),
-                ("sampler seed", sampler.get("seed"), -(1 << 63), 1 << 64),
-            ]
-        for field, value, low, high in fields:
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-                raise CheckpointCorruptError(
-                    f"the checkpoint's {name!r} holds {field} {value!r}, not a whole number "
-                    f"from {low} to {high - 1} as shardsafe.accelerate.save_state writes it; "
-                    "nothing was restored"
-                )
+        per_rank = _per_rank(saved.meta)
+        for rank, meta in enumerate(per_rank or [saved.meta]):
+            whose = f"{name!r} holds, for rank {rank}," if per_rank else f"{name!r} holds"
+            _check_position(whose, meta if isinstance(meta, dict) else {})
+
+
+def _per_rank(meta: Any) -> list[Any] | None:
+    """The positions of a value saved per rank (``_tree.PER_RANK``: a list of one record
+    per rank, or one form whose ``shared`` record differs in tensors only), else None."""
+    if not (isinstance(meta, dict) and len(meta) == 1 and _tree.PER_RANK in meta):
+        return None
+    records = meta[_tree.PER_RANK]
+    if isinstance(records, dict):
+        return [records.get("shared")]
+    return records if isinstance(records, list) else [None]
+
+
+def _check_position(whose: str, meta: dict[str, Any]) -> None:
+    sampler = meta.get("sampler")
+    fields = [("iteration", meta.get("iteration"), 0, _MAX_COUNT)]
+    if sampler is not None:
+        if not isinstance(sampler, dict):
+            sampler = {}  # its epoch and seed are then reported missing (None)
+        fields += [
+            ("sampler epoch", sampler.get("epoch"), 0, _MAX_COUNT),
+            ("sampler seed", sampler.get("seed"), -(1 << 63), 1 << 64),
+        ]
+    for field, value, low, high in fields:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+            raise CheckpointCorruptError(
+                f"the checkpoint's {whose} {field} {value!r}, not a whole number from {low} "
+                f"to {high - 1} as shardsafe.accelerate.save_state writes it; nothing was "
+                "restored"
+            )
+    if sampler is not None and sampler["seed"] + sampler["epoch"] >= 1 << 64:
+        # The sampler seeds each epoch's shuffle with seed + epoch: past this, the next
+        # epoch failed inside Accelerate, mid-run.
+        raise CheckpointCorruptError(
+            f"the checkpoint's {whose} sampler seed {sampler['seed']} and epoch "
+            f"{sampler['epoch']}, whose sum, the seed of the epoch's shuffle, is past "
+            f"{(1 << 64) - 1}, the largest seed torch takes; nothing was restored"
+        )
 
 
 _MAX_COUNT = 1 << 63
