@@ -216,10 +216,23 @@ def another_process_saves(root: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(120)
-def test_two_managers_of_one_process_share_the_lock_until_both_close(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spelling", ["same", "relative", "symlink"])
+def test_two_managers_of_one_process_share_the_lock_until_both_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
     """The first of two managers on one root to close removed the lock while the second
-    went on saving: another run could then take the root and interleave its steps."""
-    first, second = CheckpointManager(tmp_path), CheckpointManager(tmp_path)
+    went on saving: another run could then take the root and interleave its steps. So it
+    did when the two spelled the root differently (``./ck`` and its absolute path, or a
+    symlink to it), the lock's holders being counted by the path as given (found in
+    review)."""
+    other_name: str | Path = tmp_path
+    if spelling == "relative":
+        monkeypatch.chdir(tmp_path.parent)
+        other_name = f"./{tmp_path.name}"
+    elif spelling == "symlink":
+        other_name = tmp_path.parent / f"{tmp_path.name}-link"
+        os.symlink(tmp_path, other_name)
+    first, second = CheckpointManager(tmp_path), CheckpointManager(other_name)
     first.save(1, STATE)
     with pytest.warns(UserWarning, match="did not resume from"):  # a second manager's warning
         second.save(2, STATE)

@@ -42,7 +42,7 @@ only names beside the lock the manager removes, never as a directory. Any name s
 ``.shardsafe.lock.`` was removed (a backup of yours), and a directory so named failed
 every save after its commit (retention never ran)."""
 _HOLDERS: dict[str, int] = {}
-"""How many :class:`RootLock` objects of this process hold each lock (by its location).
+"""How many :class:`RootLock` objects of this process hold each lock (by its token).
 Two managers of one process on one root share its lock file (a notebook that makes a
 new manager without closing the old one): the first one's ``close`` removed the file
 while the second went on saving, and another run could then take the root."""
@@ -96,8 +96,11 @@ class RootLock:
         store has no conditional create and the lock was checked, then written."""
         self._recheck = False
         """Whether every later save re-reads the lock (see :meth:`_confirm`)."""
-        self._where = ""
-        """The lock's location (its key in ``_HOLDERS``), once held."""
+        self._key = ""
+        """The held lock's token, its key in ``_HOLDERS``: the same for every manager of
+        this process that shares the lock file, however each spelled the root (``ck``,
+        ``./ck``, its absolute path, a symlink to it). Counted by the path as given, the
+        first of two spellings to close removed the lock while the other still saved."""
 
     def acquire(self) -> None:
         """Own the root (before each save's first write): take the lock the first time;
@@ -115,9 +118,9 @@ class RootLock:
             if not self._create(root, backend, raw):
                 self._take_over_or_refuse(root, backend, raw)
             self._recheck = not backend.holds_exclusive
-            self._where = root.where(LOCK_NAME)
+            self._key = str(self.me["token"])
         with _HOLDERS_LOCK:
-            _HOLDERS[self._where] = _HOLDERS.get(self._where, 0) + 1
+            _HOLDERS[self._key] = _HOLDERS.get(self._key, 0) + 1
         self.held = True
         atexit.register(self.release)
 
@@ -206,11 +209,11 @@ class RootLock:
         """Stop holding the lock; whether another object of this process still holds it."""
         self.held = False
         with _HOLDERS_LOCK:
-            others = _HOLDERS.get(self._where, 1) - 1
+            others = _HOLDERS.get(self._key, 1) - 1
             if others > 0:
-                _HOLDERS[self._where] = others
+                _HOLDERS[self._key] = others
             else:
-                _HOLDERS.pop(self._where, None)
+                _HOLDERS.pop(self._key, None)
         return others > 0
 
     def release(self) -> None:
