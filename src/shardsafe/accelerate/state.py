@@ -32,6 +32,7 @@ from ..checkpoint.finding import newest_checkpoint
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.options import LoadOptions, opener_of
+from ..checkpoint.refusals import told_if_refused
 from ..checkpoint.storage.locations import directory_name, is_url
 from ..errors import (
     CheckpointCorruptError,
@@ -280,9 +281,10 @@ def _load_chosen(
 ) -> dict[str, Any]:
     """``shardsafe.load(path, ...)`` with the state chosen from the manifest (the store
     opened inside the load, as ``shardsafe.load`` opens it)."""
-    opts = LoadOptions.of(**options)
+    name = directory_name(path)  # what the ranks agree under
+    opts = told_if_refused("load", name, lambda: LoadOptions.of(**options))
     opener = opener_of(path, opts.storage, opts.storage_options)
-    return loading.load_opening(opener, directory_name(path), choose, opts)
+    return loading.load_opening(opener, name, choose, opts)
 
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, CheckpointManager] = weakref.WeakKeyDictionary()

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
-from ..distributed import Coordinator
 from . import background, loading, saving
 from .background import SaveHandle
 from .finding import where_checkpoints_are
@@ -26,6 +25,7 @@ from .options import (
     VerifyMode,
     opener_of,
 )
+from .refusals import told_if_refused
 from .storage.locations import directory_name, path_text
 from .storage.protocol import Storage
 
@@ -85,7 +85,7 @@ def save(
     (up to 64 KiB: a per-rank sampler's generator) are compared on every save, and kept
     per rank where they differ (docs/parallelism.md).
     """
-    options = _told_if_refused(
+    options = told_if_refused(
         "save",
         path_text(path),
         lambda: SaveOptions(
@@ -120,7 +120,7 @@ def async_save(
     arguments are :func:`save`'s, with the same defaults.
     """
     text = path_text(path)
-    made = _told_if_refused("save", text, lambda: SaveOptions.of(**options))
+    made = told_if_refused("save", text, lambda: SaveOptions.of(**options))
     return background.async_save(text, state, made)
 
 
@@ -169,7 +169,7 @@ def load(
     """
     text = path_text(path)
     name = directory_name(text)  # what the ranks agree under
-    options, opener = _told_if_refused(
+    options, opener = told_if_refused(
         "load",
         name,
         lambda: (
@@ -188,23 +188,6 @@ def load(
         ),
     )
     return loading.load_from(opener, name, state, options, hint=_where_checkpoints_are)
-
-
-_Made = TypeVar("_Made")
-
-
-def _told_if_refused(operation: str, name: str, make: Callable[[], _Made]) -> _Made:
-    """``make()`` (this call's options); a ``ValueError`` it raises (an option refused)
-    is raised once the other ranks are told (``Coordinator.refuse``, with the default
-    timeouts: this rank's are what may be wrong). A value wrong on one rank alone
-    (``buffer_bytes=1000``, ``verify="all"``) left the others waiting ``entry_timeout``,
-    then saying that rank never called."""
-    try:
-        return make()
-    except ValueError as e:
-        coord = Coordinator(operation, name, timeout=_S.timeout)
-        coord.refuse(e, _S.entry_timeout)
-        raise
 
 
 def _where_checkpoints_are(storage: Storage) -> str:

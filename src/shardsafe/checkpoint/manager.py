@@ -48,6 +48,7 @@ from .options import (
     SaveOptions,
     storage_factory,
 )
+from .refusals import told_if_refused
 from .saving import save as _save
 from .storage.files import describe_mode
 from .storage.locations import check_options, is_url, open_storage, path_text
@@ -168,7 +169,7 @@ class CheckpointManager:
         ``root/.shardsafe.lock`` for this process (see ``lock.py``): a second run saving
         into the same root gets a :class:`CheckpointError`.
         """
-        path, opts = self._prepared(step, self._options(options, keywords))
+        path, opts = self._prepared(step, self._options(step, options, keywords))
         background.drain()  # one save in flight: an asynchronous one finishes first
         _save(path, state, opts)
         return path
@@ -189,13 +190,19 @@ class CheckpointManager:
         handle's ``wait_staged()`` before changing the tensors (the Trainer overlaps the
         copies with its next step).
         """
-        path, opts = self._prepared(step, self._options(options, keywords))
+        path, opts = self._prepared(step, self._options(step, options, keywords))
         self._handle = background.async_save(
             path, state, opts, self._stager, overlap=overlap, step=step
         )
         return self._handle
 
-    def _options(self, options: SaveOptions | None, keywords: SaveKeywords) -> SaveOptions:
+    def _options(
+        self, step: int, options: SaveOptions | None, keywords: SaveKeywords
+    ) -> SaveOptions:
+        """The save's options; one refused on this rank alone is told to the others,
+        under the name the save agrees under (they waited ``entry_timeout``, then said
+        this rank never called ``save``)."""
+        _check_step(step)
         if "storage_options" in keywords:
             # The lock, latest and retention use the manager's: a save elsewhere would
             # make latest name a step that is not there.
@@ -203,7 +210,15 @@ class CheckpointManager:
                 "storage_options are the CheckpointManager's own; pass them to "
                 "CheckpointManager(root, storage_options=...), not to each save"
             )
-        return SaveOptions.of(options, **keywords)
+        return told_if_refused(
+            "save", self.path_for(step), lambda: SaveOptions.of(options, **keywords)
+        )
+
+    def _load_options(self, options: LoadKeywords) -> LoadOptions:
+        """A load's options; one refused on this rank alone is told to the others, under
+        the name ``load_latest`` first agrees under (see :meth:`_agreed_next`)."""
+        _refuse_own_settings(options)
+        return told_if_refused("load", f"{self.root}#latest", lambda: LoadOptions.of(**options))
 
     def wait(self) -> str | None:
         """Wait for this manager's save in flight; return its path (``None`` if none), or
@@ -223,8 +238,6 @@ class CheckpointManager:
         return path
 
     def _prepared(self, step: int, opts: SaveOptions) -> tuple[str, SaveOptions]:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int")
         path = self.path_for(step)
         if world()[0] == 0 and not is_url(self.root):
             _make_root(self.root)
@@ -451,8 +464,7 @@ class CheckpointManager:
         instead, with a warning; if every one is damaged, the newest one's error is raised.
         """
         if not isinstance(state, Mapping):  # a raw AttributeError from deep in the load
-            opts = LoadOptions.of(**options)
-            loading.refuse_state(state, f"{self.root}#latest", opts)
+            loading.refuse_state(state, f"{self.root}#latest", self._load_options(options))
         return self._load_latest_chosen(lambda manifest: state, **options)
 
     def _load_latest_chosen(
@@ -462,8 +474,7 @@ class CheckpointManager:
         ``choose`` (``loading.load_chosen``): a refusal it raises is every rank's, before
         anything is restored (``shardsafe.accelerate`` refuses a checkpoint holding objects
         the accelerator has nothing to restore into)."""
-        _refuse_own_settings(options)
-        opts = LoadOptions.of(**options)
+        opts = self._load_options(options)
         self._fresh = False
         first: CheckpointCorruptError | None = None
         candidates = self._loadable()
@@ -508,6 +519,11 @@ class CheckpointManager:
 
     def path_for_name(self, name: str) -> str:
         return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)
+
+
+def _check_step(step: Any) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative int")
 
 
 def _refuse_own_settings(options: Mapping[str, Any]) -> None:
