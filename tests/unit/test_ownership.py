@@ -300,8 +300,9 @@ def test_copies_of_another_shape_or_dtype_are_not_split_but_refused_by_the_plann
         {"shared": {"t": {"__tensor__": "s/t"}}, "own": ["s/t", "s/t"]},
         {"shared": {"t": {"__tensor__": "s/t"}}, "own": ["s/u"]},
         {"shared": {}, "own": [], "more": 1},
+        {"shared": {"a": 1}, "own": []},
     ],
-    ids=["no own", "own not a list", "a number", "twice", "not in the record", "extra"],
+    ids=["no own", "own not a list", "a number", "twice", "not in the record", "extra", "empty"],
 )
 def test_a_forged_record_of_own_copies_is_corrupt_not_a_crash(form: Any) -> None:
     saved = SavedValue("sampler", "stateful", {PER_RANK: form})

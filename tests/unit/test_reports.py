@@ -124,6 +124,25 @@ def test_verify_bounds_a_forged_record_of_per_rank_copies_by_the_table(
     )
 
 
+@pytest.mark.timeout(30)
+def test_verify_refuses_a_forged_record_of_no_own_copies_at_once(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    """An empty list of own copies passed the bound above (0 per rank), and verify then
+    looped over every one of 10**18 saving ranks: a hang of about 1,000 years (found in
+    review). No save records an empty list."""
+
+    def none_own(doc: dict[str, Any]) -> None:
+        doc["world_size"] = 10**18
+        doc["values"]["ids"]["meta"] = {"__per_rank__": {"shared": {"a": 1}, "own": []}}
+
+    report = shardsafe.verify(_forged(saved["sharded"], tmp_path, none_own))
+    assert report.problems == (
+        "state entry 'ids': the manifest entry for 'ids' holds a malformed record of per-rank "
+        "copies",
+    )
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_inspect_reports_what_was_saved(saved: dict[str, Path], layout: str) -> None:
     path = saved[layout]

@@ -8,6 +8,7 @@ warning says so.
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from collections.abc import Mapping
@@ -76,6 +77,15 @@ def check_state(state: Any) -> None:
     torch.Generator().set_state(torch_state)
     version, internal, gauss = state["python"]
     _check_mt19937(internal[:-1], internal[-1], "Python's")
+    # setstate takes any gauss_next: a string or 10**400 broke the next random.gauss()
+    # in the user's own code, long after the load.
+    if version != random.Random.VERSION or not (
+        gauss is None or (type(gauss) is float and math.isfinite(gauss))
+    ):
+        raise ValueError(
+            f"Python's generator state is not one of this Python's (version {version!r}, "
+            f"cached gauss {_short(gauss)})"
+        )
     random.Random().setstate((version, tuple(internal), gauss))
     cuda = state.get("cuda", [])
     if not (
@@ -83,8 +93,15 @@ def check_state(state: Any) -> None:
         and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)
     ):
         raise ValueError("the CUDA generator states are not uint8 tensors")
-    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        size = torch.cuda.get_rng_state().numel()  # every device's is this size
+    if cuda and torch.cuda.is_available():
+        # Checked before CUDA is initialized too (a load before model.cuda()), without
+        # initializing it: restore_state queues the states, and a bad one failed later,
+        # inside torch, at CUDA's lazy initialization.
+        size = (
+            torch.cuda.get_rng_state().numel()  # every device's is this size
+            if torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            else _CUDA_STATE_BYTES
+        )
         if any(t.dim() != 1 or t.numel() != size for t in cuda):
             raise ValueError(f"the CUDA generator states are not {size} bytes each")
     if "numpy" in state and np is not None:
@@ -123,6 +140,14 @@ def _check_mt19937(words: Any, position: Any, whose: str) -> None:
 
 
 _MT_WORDS = 624
+_CUDA_STATE_BYTES = 16
+"""A CUDA generator's state: its Philox seed and offset, 8 bytes each (torch's
+``CUDAGeneratorImpl::get_state``)."""
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else f"{shown[:37]}..."
 
 
 def restore_state(state: dict[str, Any]) -> None:

@@ -189,6 +189,7 @@ def checked_form(form: dict[str, Any], name: str) -> dict[str, Any]:
     ok = (
         form.keys() == {"shared", "own"}
         and isinstance(own, list)
+        and own  # a save records own copies only where a rank has one (own_copies)
         and all(isinstance(key, str) for key in own)
         and len(set(own)) == len(own)
         and set(own) <= set(_tree.tensor_refs(form["shared"]))

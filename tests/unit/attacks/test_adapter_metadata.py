@@ -126,6 +126,24 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "rng python too few words": (_python_words(lambda w: w[:10]), "is not valid: ValueError"),
     "rng python not a triple": (_set((*RNG0, "python"), 5), "is not valid: TypeError"),
+    # setstate takes any cached gauss: the user's next random.gauss() failed instead
+    "rng python gauss a string": (
+        _set((*RNG0, "python", "__tuple__", 2), "not a float"),
+        "Python's generator state is not one of this Python's (version 3, cached gauss "
+        "'not a float')",
+    ),
+    "rng python gauss huge": (
+        _set((*RNG0, "python", "__tuple__", 2), 10**400),
+        "Python's generator state is not one of this Python's (version 3, cached gauss 1000",
+    ),
+    "rng python gauss infinite": (
+        _set((*RNG0, "python", "__tuple__", 2), {"__float__": "inf"}),
+        "(version 3, cached gauss inf)",
+    ),
+    "rng python version 2": (
+        _set((*RNG0, "python", "__tuple__", 0), 2),
+        "Python's generator state is not one of this Python's (version 2, cached gauss None)",
+    ),
     "rng numpy keys too few": (
         _set((*RNG0, "numpy", "keys"), {"__tensor__": "mask"}),
         "numpy's generator keys are not a 1-d int64 tensor",
