@@ -118,3 +118,90 @@ def test_a_partial_dtensor_is_refused_as_a_load_target(tmp_path: Path) -> None:
             )
             in message
         ), message
+
+
+def interleaved(rank: int, world: int, root: str) -> list[str]:
+    """Save, then load, a DTensor whose rows on each rank are interleaved (a
+    ``_StridedShard``, as torch makes from ``.view()`` of a column-sharded tensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    whole = torch.arange(24.0)
+    flat = distribute_tensor(whole.reshape(4, 6), mesh, [Shard(1)]).view(24)
+    assert type(flat.placements[0]).__name__ == "_StridedShard"
+    said = []
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        shardsafe.save(f"{root}/strided", {"flat": flat})
+    said.append(str(refused.value))
+    shardsafe.save(f"{root}/plain", {"flat": whole})
+    target = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]).view(24)
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        shardsafe.load(f"{root}/plain", {"flat": target})
+    said.append(str(refused.value))
+    assert torch.equal(target.full_tensor(), torch.zeros(24))
+    return said
+
+
+def test_a_dtensor_whose_rows_interleave_is_refused_not_read_into_the_wrong_rows(
+    tmp_path: Path,
+) -> None:
+    """torch gives a shard's first offset on each dimension, its box only if its rows are
+    consecutive: a load into a view of a column-sharded tensor (``_StridedShard``)
+    succeeded with rows duplicated and dropped (found in review), and its save was
+    refused as shards that "overlap or leave holes"."""
+    said = run_ranks(interleaved, 2, str(tmp_path))
+    assert said[0] == said[1]
+    rows = ["0, 1, 2, 6, 7, 8, 12, 13", "3, 4, 5, 9, 10, 11, 15, 16"]  # each rank's first 8
+    for operation, message in zip(("save", "load"), said[0]):
+        first = int(message.split(" failed on rank ")[1].split()[0])  # whose error is agreed
+        assert message.startswith(f"{operation} failed on rank {first} (rank(s) "), message
+        assert message.endswith(
+            "a DTensor of shape [24] placed [_StridedShard(dim=0, sf=4)] holds, on this rank "
+            f"(mesh coordinate ({first},)), rows [{rows[first]}]... of dimension 0: not one "
+            "block of the tensor, which shardsafe saves and loads shards as; .redistribute() "
+            "it to Shard or Replicate placements (nothing was saved or restored)"
+        ), message
+    assert not (tmp_path / "strided").exists()
+
+
+def as_each_rank_in_turn(rank: int, world: int, root: str, ports: list[int]) -> list[float]:
+    """Save a Shard(0) DTensor as rank ``rank``, then, in the same process, in a new
+    process group as the other rank (an in-process restart); load the first save."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for turn, (as_rank, port) in enumerate(zip((rank, world - 1 - rank), ports)):
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=as_rank, world_size=world
+        )
+        mesh = init_device_mesh("cpu", (world,))
+        module = nn.Module()
+        module.register_buffer("w", distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]))
+        shardsafe.save(f"{root}/turn{turn}", {"m": module})
+        if turn == 1:
+            into = nn.Module()
+            into.register_buffer("w", distribute_tensor(torch.zeros(8), mesh, [Shard(0)]))
+            shardsafe.load(f"{root}/turn0", {"m": into})
+            loaded: list[float] = into.w.to_local().tolist()
+        dist.destroy_process_group()
+    return loaded
+
+
+def test_a_process_that_comes_back_as_another_rank_saves_and_loads_that_ranks_shard(
+    tmp_path: Path,
+) -> None:
+    """The boxes of DTensor shards were cached by mesh and placements, which compare equal
+    whatever rank asks: a process that joined a new process group as another rank saved
+    its shard under its old rank's box and loaded its old rank's rows (found in review)."""
+    from tests.harness import free_port
+
+    ports = [free_port(), free_port()]
+    loaded = run_ranks(as_each_rank_in_turn, 2, str(tmp_path), ports, init_process_group=False)
+    assert loaded == [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]]  # as ranks 1 and 0
+    for turn in (0, 1):
+        module = nn.Module()
+        module.register_buffer("w", torch.zeros(8))
+        shardsafe.load(tmp_path / f"turn{turn}", {"m": module})
+        assert torch.equal(module.w, torch.arange(8.0)), turn

@@ -49,16 +49,30 @@ def is_dtensor(value: object) -> bool:
 
 def local_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(global offsets, local shape)`` of this rank's shard."""
-    return _box(tuple(value.shape), value.device_mesh, tuple(value.placements))
+    mesh = value.device_mesh
+    return _box(tuple(value.shape), mesh, tuple(value.placements), _position(mesh))
+
+
+def _position(mesh: Any) -> tuple[Any, ...]:
+    """This process's place in ``mesh`` (its rank in the job and coordinate in the mesh),
+    part of every cached answer's key: meshes compare equal whatever process asks, so a
+    process that joined a new process group as another rank (an in-process restart)
+    was given its old rank's shards, saved them under the other rank's box and loaded
+    the other rank's rows (found in review)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    coordinate = mesh.get_coordinate()
+    return rank, None if coordinate is None else tuple(coordinate)
 
 
 @functools.lru_cache(maxsize=4096)
 def _box(
-    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], position: tuple[Any, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Cached: torch's computation costs ~75 us a call, and a parameter, its gradient
     moments and every later save ask it again about the same geometry (it depends only on
-    the global shape, the mesh and this rank's coordinate in it, the placements)."""
+    the global shape, the mesh and this rank's ``position`` in it, the placements)."""
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # pragma: no cover - torch 2.4
@@ -66,7 +80,57 @@ def _box(
             compute_local_shape_and_global_offset,
         )
     local, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        _refuse_interleaved(shape, mesh, placements, tuple(local))
     return tuple(offsets), tuple(local)
+
+
+def _refuse_interleaved(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], local: tuple[int, ...]
+) -> None:
+    """Refuse a shard whose rows along some dimension are not one block of the global
+    tensor. torch gives a shard's first offset on each dimension, which is its box only if
+    the rows are consecutive; under a ``_StridedShard`` they can be interleaved (torch
+    makes one from ``.view()`` of a sharded tensor), and such a box read or wrote other
+    rows in silence. FSDP2's and TP x FSDP2's strided shards are blocks, and pass."""
+    rows = _rows(shape, mesh, placements)
+    for dim, (index, size) in enumerate(zip(rows, local)):
+        if (
+            index is not None
+            and size
+            and index.tolist() != list(range(int(index[0]), int(index[0]) + size))
+        ):
+            raise CheckpointMismatchError(
+                f"a DTensor of shape {list(shape)} placed {list(placements)} holds, on this "
+                f"rank (mesh coordinate {mesh.get_coordinate()}), rows {index.tolist()[:8]}"
+                f"{'...' if size > 8 else ''} of dimension {dim}: not one block of the "
+                "tensor, which shardsafe saves and loads shards as; .redistribute() it to "
+                "Shard or Replicate placements (nothing was saved or restored)"
+            )
+
+
+def _rows(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> list[Any]:
+    """Per dimension, the global indices this rank holds (``None``: all of them), as
+    torch's own ``compute_local_shape_and_global_offset`` finds them before it keeps
+    the first (its private helper; where a torch release lacks it, nothing is refused)."""
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    except ImportError:  # pragma: no cover - other torch releases
+        return [None] * len(shape)
+    sizes, found = list(shape), [None] * len(shape)
+    coordinate = mesh.get_coordinate()
+    try:
+        for mesh_dim, placement in enumerate(placements):
+            if not hasattr(placement, "dim") or placement.is_replicate():
+                continue
+            dim = placement.dim
+            sizes[dim], found[dim] = _get_shard_size_and_offsets(
+                sizes[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, found[dim],
+                shape[dim], False,
+            )  # fmt: skip
+    except Exception:  # pragma: no cover - its signature changed: nothing is refused
+        return [None] * len(shape)
+    return found
 
 
 Geometry = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -92,7 +156,7 @@ def geometry(value: Any) -> Geometry:
     spec = getattr(value, "_spec", None)
     if spec is None:
         spec = (value.device_mesh, tuple(value.placements))
-    key = (spec, value.shape)
+    key = (spec, value.shape, _position(value.device_mesh))
     found = _GEOMETRY.get(key)
     if found is None:
         found = _geometry(value)
