@@ -77,21 +77,30 @@ class _Groups:
         self._group_of: dict[str, tuple[int, int]] = {}  # fqn -> (merged group, rank)
 
     def add(self, rank: int, position: int, group: JSON) -> None:
+        """Add a rank's group at ``position``. A parameter already merged from another
+        rank's group with the same hyperparameters stays where it is, whatever that
+        group's position (a replicated router beside experts a rank lacks, a tied
+        embedding on the first and last stage): a load finds each parameter's group by
+        its name. Refused, only where they differ, and the group made only for
+        parameters not merged yet (or for a group that holds none)."""
         hyper = group["hyper"]
-        target = self._find(position, hyper)
-        params = self._groups[target][2]
+        target = None if group["params"] else self._find(position, hyper)
         for fqn in group["params"]:
             seen = self._group_of.get(fqn)
-            if seen is None:
-                self._group_of[fqn] = (target, rank)
-                params.append(fqn)
-            elif seen[0] != target:
-                raise CheckpointError(
-                    f"parameter {fqn!r} is in a param group with other hyperparameters on "
-                    f"rank {rank} than on rank {seen[1]} ({_describe(self._groups[seen[0]][1])} "
-                    f"against {_describe(hyper)}): replicas must be optimized alike; nothing "
-                    "was written"
-                )
+            if seen is not None:
+                there, seen_position = self._groups[seen[0]][1], self._groups[seen[0]][0]
+                if there != hyper:
+                    raise CheckpointError(
+                        f"parameter {fqn!r} is in param group {position} on rank {rank} and "
+                        f"in param group {seen_position} on rank {seen[1]}, with other "
+                        f"hyperparameters ({_difference(hyper, there)}): replicas must be "
+                        "optimized alike; nothing was written"
+                    )
+                continue
+            if target is None:
+                target = self._find(position, hyper)
+            self._group_of[fqn] = (target, rank)
+            self._groups[target][2].append(fqn)
 
     def _find(self, position: int, hyper: JSON) -> int:
         """The merged group for ``position`` with these hyperparameters (a new one if
@@ -131,7 +140,14 @@ def _short(value: JSON) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _describe(hyper: JSON) -> str:
-    if isinstance(hyper, dict) and "lr" in hyper:
-        return f"lr={hyper['lr']!r}"
-    return _tree.describe(hyper)
+def _difference(first: JSON, other: JSON) -> str:
+    """How two groups' hyperparameters differ: the first that does (``lr=0.1 against
+    lr=0.01``), else the two described."""
+    if isinstance(first, dict) and isinstance(other, dict):
+        for name in sorted(first.keys() | other.keys()):
+            if first.get(name) != other.get(name):
+                missing = "(none)"
+                a = _short(first[name]) if name in first else missing
+                b = _short(other[name]) if name in other else missing
+                return f"{name}={a} against {name}={b}"
+    return f"{_tree.describe(first)} against {_tree.describe(other)}"
