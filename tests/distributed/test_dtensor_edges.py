@@ -205,3 +205,45 @@ def test_a_process_that_comes_back_as_another_rank_saves_and_loads_that_ranks_sh
         module.register_buffer("w", torch.zeros(8))
         shardsafe.load(tmp_path / f"turn{turn}", {"m": module})
         assert torch.equal(module.w, torch.arange(8.0)), turn
+
+
+def pieces_of_other_sizes(rank: int, world: int, root: str) -> list[str]:
+    """A DTensor of 7 rows built from pieces of 5 and 2 rows, where torch's split gives 4
+    and 3 (``DTensor.from_local(..., shape=)``): saved, then loaded into."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    rows = 5 if rank == 0 else 2
+    odd = DTensor.from_local(torch.ones(rows, 5), mesh, [Shard(0)], shape=(7, 5), stride=(5, 1))
+    said = []
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        shardsafe.save(f"{root}/odd", {"w": odd})
+    said.append(str(refused.value))
+    shardsafe.save(f"{root}/plain", {"w": torch.arange(35.0).reshape(7, 5)})
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        shardsafe.load(f"{root}/plain", {"w": odd})
+    said.append(str(refused.value))
+    assert torch.equal(odd.to_local(), torch.ones(rows, 5))
+    return said
+
+
+def test_a_dtensor_of_pieces_other_than_torchs_split_is_refused_with_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    """Its save failed inside a reshape (``RuntimeError: shape '[3, 5]' is invalid for
+    input of size 10``), and its load inside the module's own load, once restoring had
+    begun (found in review)."""
+    said = run_ranks(pieces_of_other_sizes, 2, str(tmp_path))
+    assert said[0] == said[1]
+    held = {0: ("[5, 5]", "[4, 5]"), 1: ("[2, 5]", "[3, 5]")}
+    for operation, message in zip(("save", "load"), said[0]):
+        first = int(message.split(" failed on rank ")[1].split()[0])
+        assert message.startswith(f"{operation} failed on rank {first} (rank(s) "), message
+        assert message.endswith(
+            f"a DTensor of shape [7, 5] placed [Shard(dim=0)] holds a local tensor of shape "
+            f"{held[first][0]} on this rank, where its placements give {held[first][1]}: "
+            "pieces of other sizes than torch's split (DTensor.from_local with shape=), which "
+            "shardsafe does not save or load; .redistribute() it, or build it with torch's "
+            "split (nothing was saved or restored)"
+        ), message

@@ -10,6 +10,7 @@ be a DTensor if the user's program has imported it already.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import Any
 
@@ -50,7 +51,26 @@ def is_dtensor(value: object) -> bool:
 def local_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(global offsets, local shape)`` of this rank's shard."""
     mesh = value.device_mesh
-    return _box(tuple(value.shape), mesh, tuple(value.placements), _position(mesh))
+    box = _box(tuple(value.shape), mesh, tuple(value.placements), _position(mesh))
+    _check_local(value, box[1])
+    return box
+
+
+def _check_local(value: Any, shape: tuple[int, ...]) -> None:
+    """Refuse a local tensor that is not the piece its placements give this rank
+    (``DTensor.from_local(..., shape=)`` with pieces of other sizes than torch's split):
+    a save failed inside a reshape, and a load inside the module's own load, after
+    restoring had begun (found in review)."""
+    local = _local_tensor(value)
+    if local.numel() != math.prod(shape):
+        raise CheckpointMismatchError(
+            f"a DTensor of shape {list(value.shape)} placed {list(value.placements)} holds "
+            f"a local tensor of shape {list(local.shape)} on this rank, where its "
+            f"placements give {list(shape)}: pieces of other sizes than torch's split "
+            "(DTensor.from_local with shape=), which shardsafe does not save or load; "
+            ".redistribute() it, or build it with torch's split (nothing was saved or "
+            "restored)"
+        )
 
 
 def _position(mesh: Any) -> tuple[Any, ...]:
@@ -163,6 +183,8 @@ def geometry(value: Any) -> Geometry:
         if len(_GEOMETRY) >= _GEOMETRY_LIMIT:
             _GEOMETRY.clear()
         _GEOMETRY[key] = found
+    elif found[0] == "shard":
+        _check_local(value, found[2])
     return found
 
 
