@@ -129,7 +129,7 @@ class Restorer:
         self._replicator.drain()
         # A failed load from a local copy is followed by a whole load from the next
         # source, which overwrites everything: one read ("inline") suffices there.
-        opts = LoadOptions.of(**{**self._local_defaults(), **options})
+        opts = self._load_options(options)
         excluded: set[tuple[int, int, int]] = set()
         damaged: list[CheckpointError] = []
         unfetched: list[tuple[int, list[int]]] = []  # (step, ranks that could not receive it)
@@ -190,6 +190,21 @@ class Restorer:
             self.drop_newer(floor)
             return values
         raise CheckpointError("the local tiers kept failing; load from the persistent tier")
+
+    def _load_options(self, options: LoadKeywords) -> LoadOptions:
+        """The local loads' options; one refused on this rank alone (``read_threads=0``)
+        is raised on every rank, agreed in the survey the others are waiting in: they
+        waited there for the manager's timeout, or for ever (found in review)."""
+        try:
+            return LoadOptions.of(**{**self._local_defaults(), **options})
+        except ValueError as e:
+            refusal = e
+
+            def refused() -> None:
+                raise refusal
+
+            self.ranks.exchange(Phase.SURVEY, refused)
+            raise  # pragma: no cover - the exchange raised the agreed error
 
     def _local_defaults(self) -> dict[str, Any]:
         """What a load from the local tier does unless the caller says otherwise: one
