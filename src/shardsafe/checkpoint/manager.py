@@ -119,6 +119,8 @@ class CheckpointManager:
         self.storage_options = storage_options
         self._lock = RootLock(self._root_storage)
         self._resumed_from: int | None = None
+        self._passed_over: dict[int, str] = {}
+        """Steps the last ``load_latest`` could not load and passed over, and why."""
         self._fresh = warn_if_not_empty
         """Whether the next save is this run's first and the run has not looked for a
         checkpoint to continue from (``latest``, ``load_latest``): see ``_warn_if_fresh``."""
@@ -333,6 +335,18 @@ class CheckpointManager:
         newer = [s for s in self.complete_steps() if s > step]
         if not newer:
             return
+        damaged = [s for s in newer if s in self._passed_over]
+        if damaged:  # "resume from the newest" is what the run did: it could not load them
+            raise CheckpointError(
+                f"{self.root} holds step {damaged[-1]}, newer than step {step} that this run "
+                f"is at, which load_latest could not load and passed over "
+                f"({_shorter(self._passed_over[damaged[-1]])}), resuming from step "
+                f"{self._resumed_from}. To continue from step {self._resumed_from}, move "
+                f"{', '.join(step_dir_name(s) for s in newer[:5])}"
+                f"{' ...' if len(newer) > 5 else ''} out of the root (or delete "
+                f"{'it' if len(newer) == 1 else 'them'}); shardsafe will not delete "
+                "checkpoints for you. Nothing was written."
+            )
         if self._resumed_from is not None:
             how = f"this run resumed from step {self._resumed_from}, older than them"
         else:
@@ -477,6 +491,7 @@ class CheckpointManager:
         opts = self._load_options(options)
         self._fresh = False
         first: CheckpointCorruptError | None = None
+        self._passed_over = {}
         candidates = self._loadable()
         while (path := self._agreed_next(candidates, opts)) is not None:
             name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -486,6 +501,9 @@ class CheckpointManager:
                 )
             except CheckpointCorruptError as e:
                 _warn(f"could not load {path}, trying the previous checkpoint: {e}")
+                passed = step_of(name)
+                if passed is not None:  # always: the candidates are step directories
+                    self._passed_over[passed] = str(e)
                 first = first or e
                 continue
             self._resumed_from = step_of(name)
@@ -519,6 +537,10 @@ class CheckpointManager:
 
     def path_for_name(self, name: str) -> str:
         return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)
+
+
+def _shorter(text: str) -> str:
+    return text if len(text) <= 200 else f"{text[:197]}..."
 
 
 def _check_step(step: Any) -> None:

@@ -155,6 +155,32 @@ def test_damaged_tensor_bytes_make_load_latest_fall_back(tmp_path: Path) -> None
     assert_bitwise(weights(state["model"]), weights(make_model(0)))
 
 
+def test_a_save_behind_a_step_load_latest_passed_over_says_to_move_it(tmp_path: Path) -> None:
+    """After load_latest passed over a damaged step 3 and resumed from step 1, a save of
+    step 2 was told to "resume from the newest (CheckpointManager.load_latest(state) ...)",
+    which the run had just done (found in review)."""
+    root = tmp_path / "root"
+    manager = CheckpointManager(root)
+    manager.save(1, _small_state(1))
+    path = Path(manager.save(3, _small_state(3))) / SHARD
+    flip_bit(path, (header_span(path) + path.stat().st_size) // 2, 3)
+    with pytest.warns(UserWarning, match="trying the previous checkpoint"):
+        assert manager.load_latest({"model": make_model(0)}) == {"step": 1}
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        manager.save(2, _small_state(2))
+    assert str(refused.value) == (
+        f"{root} holds step 3, newer than step 2 that this run is at, which load_latest "
+        "could not load and passed over (checksum mismatch in "
+        f"{SHARD}, tensor 'model/0.weight' (chunk at offsets [0, 0], block 0): the data file "
+        "is damaged), resuming from step 1. To continue from step 1, move step-000000003 out "
+        "of the root (or delete it); shardsafe will not delete checkpoints for you. Nothing "
+        "was written."
+    )
+    shutil.rmtree(path.parent)  # as told
+    assert Path(manager.save(2, _small_state(2))).name == "step-000000002"
+    manager.close()
+
+
 @pytest.fixture(scope="module")
 def one_good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("one-good") / "ckpt"
