@@ -63,6 +63,24 @@ def test_state_hooks_are_refused_with_the_way_out(accelerator: Any, tmp_path: Pa
         load_state(accelerator, tmp_path / "c")
 
 
+def test_accelerates_safe_serialization_is_taken_as_ported(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    """A call ported from ``accelerator.save_state(dir, safe_serialization=True)`` failed
+    with a bare ``TypeError: save() got an unexpected keyword argument`` (found in review);
+    True is what shardsafe always does, and False (pickles) is refused saying so."""
+    prepared(accelerator)
+    assert save_state(accelerator, tmp_path / "c", safe_serialization=True) == str(tmp_path / "c")
+    assert shardsafe.verify(tmp_path / "c").ok
+    with pytest.raises(ValueError) as refused:
+        save_state(accelerator, tmp_path / "d", safe_serialization=False)
+    assert str(refused.value) == (
+        "safe_serialization=False: shardsafe writes safetensors and JSON only and never "
+        "pickles, as safe_serialization=True does; drop the argument"
+    )
+    assert not (tmp_path / "d").exists()
+
+
 def test_no_directory_and_no_automatic_naming_is_refused(accelerator: Any) -> None:
     prepared(accelerator)
     with pytest.raises(ValueError, match="no output_dir given and automatic checkpoint naming"):

@@ -103,7 +103,9 @@ def save_state(
     ``iteration`` goes up by one, as Accelerate's does. ``async_save=True`` stages the
     state now, writes it in the background and returns the ``SaveHandle`` (its
     ``wait()`` gives the path); otherwise the path is returned once committed.
-    ``options`` are ``shardsafe.save``'s (``layout``, ``storage_options``, ...)."""
+    ``options`` are ``shardsafe.save``'s (``layout``, ``storage_options``, ...);
+    Accelerate's ``safe_serialization=True`` is taken as what shardsafe always does."""
+    _safe_serialization(options.pop("safe_serialization", True))
     _refuse_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook")
     state = state_of(accelerator)
     if output_dir is None:
@@ -124,6 +126,17 @@ def save_state(
         return api.async_save(path, state, **options)
     api.save(path, state, **options)
     return path
+
+
+def _safe_serialization(given: Any) -> None:
+    """Accelerate's ``save_state(..., safe_serialization=...)``, as a call ported from it
+    passes it: a bare ``TypeError`` from ``shardsafe.save`` before. True is what shardsafe
+    always does (safetensors and JSON, nothing pickled); False asks for pickles."""
+    if given is not True:
+        raise ValueError(
+            f"safe_serialization={given!r}: shardsafe writes safetensors and JSON only and "
+            "never pickles, as safe_serialization=True does; drop the argument"
+        )
 
 
 def load_state(
