@@ -131,6 +131,26 @@ def test_a_corrupted_optimizer_checkpoint_stops_the_resume_on_every_rank(
     assert {p.name: p.read_bytes() for p in part.iterdir()} == before
 
 
+def test_a_resume_with_another_model_is_refused_with_a_way_a_trainer_user_has(
+    ten_steps: Path, tmp_path: Path
+) -> None:
+    """A checkpoint of a 2-layer model resumed with 3 layers (the Trainer itself loads
+    the weights it has): the error ended "Pass strict=False ...", which a Trainer takes
+    nowhere (found in review)."""
+    run = copy_of(ten_steps, tmp_path)
+    done = launch(run, "--resume", run / "checkpoint-10", "--steps", "12", "--layers", "3")
+    assert done.returncode != 0
+    errors = [(run / f"error-{r}.txt").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("CheckpointMismatchError: "), errors[0]
+    assert "strict=False to load" not in errors[0]
+    assert errors[0].endswith(
+        "ShardsafeTrainer resumes strictly (a Trainer takes no strict=False): resume with the "
+        "optimizer and scheduler that saved this checkpoint, or train without "
+        "resume_from_checkpoint."
+    ), errors[0]
+
+
 def test_a_shardsafe_folder_without_its_manifest_stops_the_resume_on_every_rank(
     ten_steps: Path, tmp_path: Path
 ) -> None:

@@ -64,9 +64,10 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--slow-model-write", type=float, default=0.0)
     parser.add_argument("--default-entry-timeout", type=float)
+    parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    config = GPT2Config(n_layer=args.layers, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
     training = TrainingArguments(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4,
         logging_steps=1, save_steps=5, save_total_limit=2, report_to=[], use_cpu=True,

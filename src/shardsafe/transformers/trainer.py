@@ -28,13 +28,22 @@ from transformers import Trainer
 from ..checkpoint import loading
 from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.options import LoadOptions, SaveOptions
+from ..checkpoint.plan.load_plan import STRICT_HINT
 from ..checkpoint.replacing import save_replacing
 from ..checkpoint.storage.locations import open_storage
 from ..checkpoint.storage.protocol import Storage
+from ..errors import CheckpointMismatchError
 
 SHARDSAFE_DIR = "shardsafe"
 """The shardsafe checkpoint's folder inside each ``checkpoint-N`` folder."""
 SCALER = "scaler"
+
+
+_RESUME_HINT = (
+    "ShardsafeTrainer resumes strictly (a Trainer takes no strict=False): resume with the "
+    "optimizer and scheduler that saved this checkpoint, or train without "
+    "resume_from_checkpoint."
+)
 
 
 class ShardsafeTrainer(Trainer):
@@ -60,7 +69,12 @@ class ShardsafeTrainer(Trainer):
             return
         options = LoadOptions.of(entry_timeout=self._arrival())
         with _unfollowed(os.path.join(checkpoint, SHARDSAFE_DIR)) as storage:
-            loading.load_chosen(storage, self._to_restore, options)
+            try:
+                loading.load_chosen(storage, self._to_restore, options)
+            except CheckpointMismatchError as e:  # the same on every process: agreed
+                if STRICT_HINT not in str(e):
+                    raise
+                raise CheckpointMismatchError(str(e).replace(STRICT_HINT, _RESUME_HINT)) from e
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._handled() or not _has_shardsafe(checkpoint):

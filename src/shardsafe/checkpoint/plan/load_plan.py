@@ -278,10 +278,15 @@ class _Problems:
         elif strict and not self.absent and not self.mismatched:
             # Only where strict=False would load something: an entry that is not there at
             # all is a wrong name (or a wrong checkpoint), which strict=False would hide.
-            lines.append("Pass strict=False to load only the keys both sides have.")
+            lines.append(STRICT_HINT)
         if len(lines) == 1 and self.absent:  # a misspelled entry alone: one line
             return lines[0]
         return "\n  ".join(["the checkpoint does not match the objects being loaded:", *lines])
+
+
+STRICT_HINT = "Pass strict=False to load only the keys both sides have."
+"""The way out a strict load's mismatch names; a caller whose users cannot pass
+``strict`` (``ShardsafeTrainer``'s resume) says its own instead."""
 
 
 def no_entry(name: str, known: list[str]) -> str:
