@@ -4,6 +4,7 @@ written; and objects registered for checkpointing saved by the adapter that fits
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -438,6 +439,43 @@ def test_a_restarted_script_that_did_not_load_is_told_the_accelerate_way_out(
         )
         assert sorted(os.listdir(root)) == before and config.iteration == 0
         load_state(accelerator)  # the way out
+        assert save_state(accelerator) == str(root / "step-000000002")
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_a_rollback_by_name_is_told_how_to_continue_from_it(tmp_path: Path) -> None:
+    """A script that loads an older automatic checkpoint by name (a rollback) and saves:
+    it was told it "did not resume from them" and to call load_state without input_dir,
+    which would undo the rollback (found in review)."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    root = tmp_path / "checkpoints"
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        prepared(accelerator)
+        for _ in range(3):
+            save_state(accelerator)
+        AcceleratorState._reset_state(True)  # the restarted script, rolling back
+        GradientState._reset_state()
+        config.iteration = 0
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        prepared(accelerator)
+        load_state(accelerator, root / "step-000000001")
+        with pytest.raises(shardsafe.CheckpointError) as refused:
+            save_state(accelerator)
+        assert str(refused.value) == (
+            f"{root} already holds checkpoints up to step 2, and this accelerator's first "
+            f"save is step 0 (ProjectConfiguration.iteration): it loaded "
+            f"{root / 'step-000000001'}, not the newest. To continue from it, move the "
+            f"checkpoints after step 1 out of {root} (shardsafe deletes none for you) and "
+            "set accelerator.project_configuration.iteration = 2; to save after them "
+            "instead, set it to 3; or give this run another project_dir. Nothing was written"
+        )
+        shutil.move(root / "step-000000002", tmp_path / "moved")  # the way out
+        config.iteration = 2
         assert save_state(accelerator) == str(root / "step-000000002")
     finally:
         AcceleratorState._reset_state(True)

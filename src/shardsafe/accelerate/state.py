@@ -30,7 +30,7 @@ from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
 from ..checkpoint.finding import newest_checkpoint
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions, opener_of
 from ..checkpoint.refusals import told_if_refused
 from ..checkpoint.storage.locations import directory_name, is_url
@@ -114,7 +114,7 @@ def save_state(
         config = accelerator.project_configuration
         step = int(config.iteration)
         if first:
-            _refuse_behind(manager, step)
+            _refuse_behind(manager, step, _LOADED_FROM.get(accelerator))
         if async_save:
             handle = manager.async_save(step, state, **options)
         else:
@@ -170,6 +170,7 @@ def load_state(
     else:
         _refuse_accelerates_own(os.fspath(input_dir))
         values = _load_chosen(os.fspath(input_dir), choose, options)
+        _LOADED_FROM[accelerator] = os.fspath(input_dir)
     accelerator.step = int(values.get(STEP, 0))
     return values
 
@@ -301,6 +302,9 @@ def _load_chosen(
 
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, CheckpointManager] = weakref.WeakKeyDictionary()
+_LOADED_FROM: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""The directory each accelerator last loaded by name (``load_state(accelerator, dir)``),
+for :func:`_refuse_behind` to tell a rollback from a script that did not resume."""
 
 
 def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> CheckpointManager:
@@ -332,7 +336,7 @@ def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> Checkp
     return manager
 
 
-def _refuse_behind(manager: CheckpointManager, step: int) -> None:
+def _refuse_behind(manager: CheckpointManager, step: int, loaded: str | None) -> None:
     """Refuse the first save of an accelerator that did not resume from the checkpoints
     already in its project (a script restarted without ``load_state()``: ``iteration``
     back at 0), before anything is written, on every process, with the way out.
@@ -345,6 +349,23 @@ def _refuse_behind(manager: CheckpointManager, step: int) -> None:
         steps = manager.complete_steps()
     except Exception:  # a store this process cannot reach: the save itself fails, agreed
         return
+    if steps and steps[-1] >= step and loaded is not None:  # a rollback, by name
+        where, name = os.path.split(loaded.rstrip("/"))
+        rolled = step_of(name) if where == manager.root else None
+        back = (
+            f"To continue from it, move the checkpoints after step {rolled} out of "
+            f"{manager.root} (shardsafe deletes none for you) and set "
+            f"accelerator.project_configuration.iteration = {rolled + 1}; to save after them "
+            "instead, set it"
+            if rolled is not None
+            else "To save after them, set accelerator.project_configuration.iteration"
+        )
+        raise CheckpointError(
+            f"{manager.root} already holds checkpoints up to step {steps[-1]}, and this "
+            f"accelerator's first save is step {step} (ProjectConfiguration.iteration): it "
+            f"loaded {loaded}, not the newest. {back} to {steps[-1] + 1}; or give this run "
+            "another project_dir. Nothing was written"
+        )
     if steps and steps[-1] >= step:
         raise CheckpointError(
             f"{manager.root} already holds checkpoints up to step {steps[-1]}, and this "
