@@ -247,9 +247,13 @@ def test_a_plain_value_that_differs_per_stage_keeps_rank_0s_and_loads_anywhere(
     assert shardsafe.load(path, {"model": L.Net(seed=1)}) == {"loss": 0.5}
 
 
-def _tied_in_groups_at_other_positions(rank: int, world: int, path: str) -> list[str]:
+def _tied_in_groups_at_other_positions(rank: int, world: int, path: str, named: bool) -> list[str]:
     """A tied embedding on the first and last stage, in its own param group: group 1 on
-    stage 0 (after the stage's own layer), group 0 on stage 1 (before it)."""
+    stage 0 (after the stage's own layer), group 0 on stage 1 (before it). ``named``:
+    the usual decay / no-decay groups of ``named_parameters()`` instead (torch keeps each
+    group's ``param_names``, which differ between the stages: the weights' group holds
+    ``embed.weight`` and ``first.weight`` on one, ``embed.weight`` and ``last.weight`` on
+    the other)."""
 
     def stage() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -257,10 +261,19 @@ def _tied_in_groups_at_other_positions(rank: int, world: int, path: str) -> list
         model.embed = torch.nn.Linear(2, 2)
         own = torch.nn.Linear(2, 2)
         setattr(model, "first" if rank == 0 else "last", own)
-        groups = [{"params": list(own.parameters())}, {"params": list(model.embed.parameters())}]
-        if rank == 1:
+        groups: list[dict[str, Any]] = [
+            {"params": list(own.parameters())},
+            {"params": list(model.embed.parameters())},
+        ]
+        if named:
+            pairs = list(model.named_parameters())
+            groups = [
+                {"params": [(n, p) for n, p in pairs if n.endswith("weight")]},
+                {"params": [(n, p) for n, p in pairs if n.endswith("bias")], "weight_decay": 0},
+            ]
+        elif rank == 1:
             groups.reverse()
-        return model, torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+        return model, torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01)
 
     model, opt = stage()
     sum(p.sum() for p in model.parameters()).backward()
@@ -277,15 +290,17 @@ def _tied_in_groups_at_other_positions(rank: int, world: int, path: str) -> list
     return sorted(name for name, p in fresh.named_parameters() if torch.equal(p, weights[name]))
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["groups", "named groups"])
 def test_a_replica_in_param_groups_at_other_positions_saves_and_loads_by_name(
-    tmp_path: Path,
+    tmp_path: Path, named: bool
 ) -> None:
     """A parameter held by two ranks in groups at different positions, with the same
     hyperparameters (a tied embedding; a router beside experts one rank lacks), was
     refused as "in a param group with other hyperparameters ... (lr=0.1 against lr=0.1)"
-    (found in review); a load finds each parameter's group by its name."""
-    named = run_ranks(_tied_in_groups_at_other_positions, 2, str(tmp_path / "c"))
-    assert named == [
+    (found in review); so was one in groups that differ only in their ``param_names``. A
+    load finds each parameter's group by its name."""
+    loaded = run_ranks(_tied_in_groups_at_other_positions, 2, str(tmp_path / "c"), named)
+    assert loaded == [
         ["embed.bias", "embed.weight", "first.bias", "first.weight"],
         ["embed.bias", "embed.weight", "last.bias", "last.weight"],
     ]

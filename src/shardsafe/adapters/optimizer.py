@@ -37,7 +37,7 @@ from ..protocol import (
 )
 from . import dtensor
 from .module import uninitialized
-from .optimizer_merge import merge_optimizer_metas
+from .optimizer_merge import NAMES, merge_optimizer_metas
 
 CLASS = "class"
 """The optimizer's class name (``Adam``) in its metadata: a checkpoint of one optimizer
@@ -293,12 +293,6 @@ def _equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     wide = torch.complex128 if a.is_complex() else torch.float64  # exact for every float
     a, b = a.to(wide), b.to(wide)
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-NAMES = "param_names"
-"""A param group's names of its parameters (an optimizer built on ``named_parameters()``):
-they describe the live group's own parameters, matched by name here, so a load keeps the
-live ones instead of taking the saved list, whose order may be another."""
 
 
 def _compared(hyper: JSON, ctx: LoadContext) -> JSON:

@@ -27,6 +27,11 @@ from .. import _tree
 from ..errors import CheckpointError
 from ..protocol import JSON
 
+NAMES = "param_names"
+"""A param group's names of its parameters (an optimizer built on ``named_parameters()``):
+they describe the live group's own parameters, matched by name here, so a load keeps the
+live group's own (see ``optimizer.py``)."""
+
 
 def merge_optimizer_metas(metas: list[JSON]) -> JSON:
     """One optimizer entry from every rank's ``metas`` (rank order)."""
@@ -89,11 +94,13 @@ class _Groups:
             seen = self._group_of.get(fqn)
             if seen is not None:
                 there, seen_position = self._groups[seen[0]][1], self._groups[seen[0]][0]
-                if there != hyper:
+                if _without_names(there) != _without_names(hyper):
                     raise CheckpointError(
                         f"parameter {fqn!r} is in param group {position} on rank {rank} and "
                         f"in param group {seen_position} on rank {seen[1]}, with other "
-                        f"hyperparameters ({_difference(hyper, there)}): replicas must be "
+                        "hyperparameters "
+                        f"({_difference(_without_names(hyper), _without_names(there))}): "
+                        "replicas must be "
                         "optimized alike; nothing was written"
                     )
                 continue
@@ -138,6 +145,12 @@ def _state_difference(first: JSON, other: JSON) -> str:
 def _short(value: JSON) -> str:
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _without_names(hyper: JSON) -> JSON:
+    """A group's hyperparameters but the names of its parameters (``param_names``, which
+    torch keeps in a group built from ``named_parameters()``): each rank's lists its own."""
+    return {k: v for k, v in hyper.items() if k != NAMES} if isinstance(hyper, dict) else hyper
 
 
 def _difference(first: JSON, other: JSON) -> str:
