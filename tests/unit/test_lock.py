@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -246,3 +247,50 @@ def test_two_managers_of_one_process_share_the_lock_until_both_close(
     assert not (tmp_path / LOCK_NAME).exists()
     assert another_process_saves(tmp_path).returncode == 0
     assert sorted(os.listdir(tmp_path)) == ["latest"] + [f"step-00000000{s}" for s in (1, 2, 3, 9)]
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_of_the_root_is_locked_apart_from_the_original(tmp_path: Path) -> None:
+    """A root copied while this process saves into it (a backup, ``cp -r``) holds a lock
+    naming this process, which a manager of the copy shares as its own; counted by the
+    lock's token alone, the original's lock then outlived its manager's close and the
+    process (found in review of this session's own change)."""
+    root, copy = tmp_path / "ck", tmp_path / "ck2"
+    first = CheckpointManager(root)
+    first.save(1, STATE)
+    shutil.copytree(root, copy, symlinks=True)
+    second = CheckpointManager(copy)
+    with pytest.warns(UserWarning, match="did not resume from"):
+        second.save(2, STATE)
+    first.close()
+    assert not (root / LOCK_NAME).exists()
+    assert another_process_saves(root).returncode == 0
+    assert owner_of(copy)["pid"] == os.getpid()
+    second.close()
+    assert not (copy / LOCK_NAME).exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_that_exits_leaves_its_parents_lock(tmp_path: Path) -> None:
+    """A child forked while the parent holds the root (a data loader worker, a
+    subprocess started by fork) ran the inherited exit handler as it exited normally and
+    removed the lock the parent still saved under."""
+    script = (
+        "import os, sys, torch, shardsafe\n"
+        "m = shardsafe.CheckpointManager(sys.argv[1])\n"
+        "m.save(1, {'w': torch.zeros(2)})\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(os.path.exists(os.path.join(sys.argv[1], '.shardsafe.lock')))\n"
+        "m.save(2, {'w': torch.ones(2)})\n"
+        "m.close()\n"
+        "print(os.path.exists(os.path.join(sys.argv[1], '.shardsafe.lock')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]

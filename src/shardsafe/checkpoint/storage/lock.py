@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import CheckpointError
+from .locations import is_url
 from .lock_backends import LockBackend
 from .lock_owner import read_owner
 from .protocol import Storage
@@ -41,8 +42,9 @@ _CLAIM = re.compile(re.escape(LOCK_NAME) + r"\.[0-9a-f]{32}", re.ASCII)
 only names beside the lock the manager removes, never as a directory. Any name starting
 ``.shardsafe.lock.`` was removed (a backup of yours), and a directory so named failed
 every save after its commit (retention never ran)."""
-_HOLDERS: dict[str, int] = {}
-"""How many :class:`RootLock` objects of this process hold each lock (by its token).
+_HOLDERS: dict[tuple[str, str], int] = {}
+"""How many :class:`RootLock` objects of this process hold each lock (by its token and
+real location).
 Two managers of one process on one root share its lock file (a notebook that makes a
 new manager without closing the old one): the first one's ``close`` removed the file
 while the second went on saving, and another run could then take the root."""
@@ -96,11 +98,13 @@ class RootLock:
         store has no conditional create and the lock was checked, then written."""
         self._recheck = False
         """Whether every later save re-reads the lock (see :meth:`_confirm`)."""
-        self._key = ""
-        """The held lock's token, its key in ``_HOLDERS``: the same for every manager of
-        this process that shares the lock file, however each spelled the root (``ck``,
-        ``./ck``, its absolute path, a symlink to it). Counted by the path as given, the
-        first of two spellings to close removed the lock while the other still saved."""
+        self._key: tuple[str, str] = ("", "")
+        """The held lock's token and real location, its key in ``_HOLDERS``: the same for
+        every manager of this process that shares the lock file, however each spelled the
+        root (``ck``, ``./ck``, its absolute path, a symlink to it). Counted by the path
+        as given, the first of two spellings to close removed the lock while the other
+        still saved; by the token alone, a copy of the root (whose lock names this
+        process, and is shared as its own) kept the original locked for good."""
 
     def acquire(self) -> None:
         """Own the root (before each save's first write): take the lock the first time;
@@ -118,7 +122,8 @@ class RootLock:
             if not self._create(root, backend, raw):
                 self._take_over_or_refuse(root, backend, raw)
             self._recheck = not backend.holds_exclusive
-            self._key = str(self.me["token"])
+            where = root.where(LOCK_NAME)
+            self._key = (str(self.me["token"]), where if is_url(where) else os.path.realpath(where))
         with _HOLDERS_LOCK:
             _HOLDERS[self._key] = _HOLDERS.get(self._key, 0) + 1
         self.held = True
@@ -217,6 +222,11 @@ class RootLock:
         return others > 0
 
     def release(self) -> None:
+        if os.getpid() != self._pid:
+            # A forked child (its atexit handlers run as it exits normally): the lock,
+            # which names its parent, is the parent's to remove, and the parent still saves.
+            self.held = False
+            return
         if not self.held or self._let_go():
             return  # not held, or another manager of this process still saves into the root
         # At exit too: a lock damaged or replaced since is not this run's to remove.
