@@ -61,7 +61,9 @@ def _check_local(value: Any, shape: tuple[int, ...]) -> None:
     (``DTensor.from_local(..., shape=)`` with pieces of other sizes than torch's split):
     a save failed inside a reshape, and a load inside the module's own load, after
     restoring had begun (found in review)."""
-    local = _local_tensor(value)
+    local = getattr(value, "_local_tensor", None)  # not detached: every save asks
+    if not isinstance(local, torch.Tensor):
+        local = value.to_local()
     if local.numel() != math.prod(shape):
         raise CheckpointMismatchError(
             f"a DTensor of shape {list(value.shape)} placed {list(value.placements)} holds "
@@ -73,22 +75,22 @@ def _check_local(value: Any, shape: tuple[int, ...]) -> None:
         )
 
 
-def _position(mesh: Any) -> tuple[Any, ...]:
-    """This process's place in ``mesh`` (its rank in the job and coordinate in the mesh),
-    part of every cached answer's key: meshes compare equal whatever process asks, so a
-    process that joined a new process group as another rank (an in-process restart)
-    was given its old rank's shards, saved them under the other rank's box and loaded
-    the other rank's rows (found in review)."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+def _position(mesh: Any) -> tuple[int, ...] | None:
+    """This process's coordinate in ``mesh``, part of every cached answer's key (which
+    depends on nothing else of the process): meshes compare equal whatever process asks,
+    so a process that joined a new process group as another rank (an in-process
+    restart) was given its old rank's shards, saved them under the other rank's box and
+    loaded the other rank's rows (found in review). The mesh keeps the coordinate."""
     coordinate = mesh.get_coordinate()
-    return rank, None if coordinate is None else tuple(coordinate)
+    return None if coordinate is None else tuple(coordinate)
 
 
 @functools.lru_cache(maxsize=4096)
 def _box(
-    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], position: tuple[Any, ...]
+    shape: tuple[int, ...],
+    mesh: Any,
+    placements: tuple[Any, ...],
+    position: tuple[int, ...] | None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Cached: torch's computation costs ~75 us a call, and a parameter, its gradient
     moments and every later save ask it again about the same geometry (it depends only on
