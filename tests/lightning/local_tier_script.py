@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--log", default="losses.jsonl")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 under ShardsafeModelParallelStrategy")
+    p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     args = p.parse_args()
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -70,6 +71,7 @@ def main() -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
         callbacks=[checkpoints, LossLog(root / args.log)],
         logger=False,
         enable_progress_bar=False,

@@ -157,3 +157,20 @@ def test_a_fresh_start_at_another_world_size_over_the_local_tier_is_refused(
     ) in " ".join(output.split()), output
     assert not (tmp_path / "one.jsonl").exists()
     assert "step-000000005" in local_steps(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_with_accumulated_gradients_only_steps_taken_are_saved(tmp_path: Path) -> None:
+    """With ``accumulate_grad_batches=2``, the first batch of a fit (no optimizer step
+    yet) was saved as a local step: a fresh run's step 0 holding half a window (a kill
+    before step 1 resumed from it, its gradients lost, every later loss different), and a
+    resumed run's step saved again over the good copy mid-window (found in review)."""
+    options = ("--accumulate", "2", "--local-every", "1")
+    assert run(tmp_path, *options, "--max-steps", "1") == [None, None]
+    assert local_steps(tmp_path) == ["step-000000001"]
+    manifests = sorted((tmp_path / "local").glob("step-000000001/rank-*/manifest.json"))
+    before = [m.read_bytes() for m in manifests]
+    restored = run(tmp_path, *options, "--max-steps", "2", "--log", "resumed.jsonl")
+    assert restored == [{"step": 1, "tiers": ["local", "local"]}] * 2
+    assert local_steps(tmp_path) == ["step-000000001", "step-000000002"]
+    assert [m.read_bytes() for m in manifests] == before  # step 1 not saved again

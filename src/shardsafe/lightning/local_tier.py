@@ -276,6 +276,13 @@ class LocalSaves(Callback):
     def __init__(self, tier: LocalTier) -> None:
         self.tier = tier
 
+    def on_train_start(self, trainer: Any, pl_module: pl.LightningModule) -> None:
+        # The step the fit starts at (0, or the one it resumed from) is not saved again,
+        # as Lightning's ModelCheckpoint does not: with accumulate_grad_batches, the first
+        # batch ends before any optimizer step, and its save was a fresh run's "step 0"
+        # holding half a window, or a resumed step saved over its good copy mid-window.
+        self.tier._saved_step = trainer.global_step
+
     def on_train_batch_end(self, trainer: Any, pl_module: pl.LightningModule, *args: Any) -> None:
         if not trainer.sanity_checking and not trainer.fast_dev_run:
             self.tier.save(trainer, pl_module, trainer.optimizers)
