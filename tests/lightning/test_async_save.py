@@ -65,3 +65,15 @@ def test_a_run_killed_while_a_checkpoint_is_written_shows_only_complete_ones(
         assert shardsafe.verify(ckpts / name).ok, name
     run(tmp_path, *args, "--resume", ckpts / names[-1], "--log", "resumed.jsonl")
     assert max(losses(tmp_path, "resumed.jsonl")) == 25
+
+
+def test_a_checkpoint_rotated_out_is_removed_once_the_new_one_commits(tmp_path: Path) -> None:
+    """Killed after step 19, long after the step-15 save committed: the step-5 checkpoint
+    save_top_k rotated out was left for the next save to remove, so a preemption between
+    two saves left it behind for good (the resumed callback no longer names it: found in
+    review). It goes at the first batch after the commit."""
+    args = ("--optimizer", "zero", "--async-save", "--max-steps", "25")
+    kill_after_step(tmp_path, *args, "--step-delay", "0.2", step=19)
+    ckpts = tmp_path / "ckpts"
+    names = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
+    assert names == ["epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt"]

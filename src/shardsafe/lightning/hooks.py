@@ -174,6 +174,28 @@ class ShardsafeCheckpointing(Strategy):
         for path in removals:
             cleanup.remove(path)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._remove_once_committed()
+
+    def _remove_once_committed(self) -> None:
+        """On rank 0, once the save in flight has committed, remove what ``save_top_k``
+        rotated out meanwhile: left for the next save, a kill before it (a preemption
+        between two saves) left the older checkpoint behind for good, the restored
+        callback no longer naming it (found in review). A save that failed is left for
+        the next save or the end of the fit to raise on every rank, and its removals
+        with it (the older checkpoints are then all there is)."""
+        handle = self._in_flight
+        if not self._removals or handle is None or not handle.done():
+            return
+        try:
+            handle.wait(timeout=0)
+        except CheckpointError:
+            return
+        removals, self._removals = self._removals, []
+        for path in removals:
+            cleanup.remove(path)
+
     @property
     def local_restored(self) -> TierRestored | None:
         """What the last fit restored from the local tier (step, each rank's tier,
