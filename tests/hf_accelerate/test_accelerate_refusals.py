@@ -686,3 +686,32 @@ def test_a_save_in_the_last_batch_of_a_skipped_into_epoch_resumes_with_the_next_
     assert _resumed_twice(tmp_path, "second") == [whole[1][2:], whole[2]]
     assert _resumed_twice(tmp_path, "third") == [whole[2]]
     assert len({tuple(order) for order in whole}) == 3  # the epochs' shuffles differ
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        return iter(torch.arange(16.0).reshape(16, 1))
+
+
+@pytest.mark.parametrize("with_eval", [False, True], ids=["alone", "beside an eval loader"])
+def test_an_iterable_datasets_skipping_copy_counts_only_its_own_loaders_epoch(
+    accelerator: Any, with_eval: bool
+) -> None:
+    """The copy ``skip_first_batches`` makes of an iterable dataset's loader names no
+    loader it came from: saved in its last batch, its own loader's epoch is counted done;
+    but an evaluation loader over the same dataset object had its counter bumped too,
+    though it never ran (found in review). Where both could have made it, neither moves."""
+    from torch.utils.data import DataLoader
+
+    data = _Stream()
+    loaders = [DataLoader(data, batch_size=4) for _ in range(2 if with_eval else 1)]
+    prepared_loaders = accelerator.prepare(*loaders)
+    train = prepared_loaders[0] if with_eval else prepared_loaders
+    seen = None
+    for _ in accelerator.skip_first_batches(train, 2):
+        if accelerator.gradient_state.end_of_dataloader:  # the epoch's last batch
+            seen = {k: v.state_dict() for k, v in state_of(accelerator).items() if "loader" in k}
+    expected = {"dataloader": {"iteration": 0 if with_eval else 1}}
+    if with_eval:
+        expected["dataloader_1"] = {"iteration": 0}
+    assert seen == expected

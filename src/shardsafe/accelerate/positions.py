@@ -13,18 +13,22 @@ Accelerate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
 class DataLoaderPosition:
     """A prepared dataloader's position, as a stateful object shardsafe saves."""
 
-    def __init__(self, dataloader: Any) -> None:
+    def __init__(self, dataloader: Any, prepared: Sequence[Any] = ()) -> None:
         self.dataloader = dataloader
+        self.prepared = prepared
+        """Every dataloader the accelerator prepared (this one's siblings), to tell which
+        of them a ``skip_first_batches`` copy of an iterable dataset's came from."""
 
     def state_dict(self) -> dict[str, Any]:
         iteration = int(getattr(self.dataloader, "iteration", 0))
-        if _in_its_last_batch(self.dataloader):
+        if _in_its_last_batch(self.dataloader, self.prepared):
             # Accelerate counts the epoch done only once its loop ends, after the last
             # batch: saved during it, the resumed loader replayed the finished epoch's
             # shuffle (its next ``__iter__`` reseeds the sampler from ``iteration``).
@@ -59,7 +63,7 @@ def _seedable_sampler(dataloader: Any) -> Any:
     return sampler if isinstance(sampler, SeedableRandomSampler) else None
 
 
-def _in_its_last_batch(dataloader: Any) -> bool:
+def _in_its_last_batch(dataloader: Any, prepared: Sequence[Any]) -> bool:
     """Whether ``dataloader`` has handed out the last batch of an epoch whose loop has
     not ended yet: it is still the accelerator's active dataloader, or the active one is
     its ``skip_first_batches`` copy (a resumed epoch's rest, which counts its own epochs:
@@ -69,13 +73,14 @@ def _in_its_last_batch(dataloader: Any) -> bool:
     active = getattr(gradient_state, "active_dataloader", None)
     if active is None or not getattr(active, "end_of_dataloader", False):
         return False
-    return active is dataloader or _skips_into(active, dataloader)
+    return active is dataloader or _skips_into(active, dataloader, prepared)
 
 
-def _skips_into(active: Any, dataloader: Any) -> bool:
+def _skips_into(active: Any, dataloader: Any, prepared: Sequence[Any]) -> bool:
     """Whether ``active`` is what ``accelerator.skip_first_batches(dataloader, n)`` made:
     a loader of the same dataset whose batches come from a ``SkipBatchSampler`` over
-    ``dataloader``'s (an iterable dataset's: one that skips batches itself)."""
+    ``dataloader``'s (an iterable dataset's: one that skips batches itself, and that only
+    ``dataloader`` of the prepared ones could have made)."""
     from accelerate.data_loader import SkipBatchSampler
 
     dataset = getattr(dataloader, "dataset", None)
@@ -85,4 +90,19 @@ def _skips_into(active: Any, dataloader: Any) -> bool:
     for skipping in (getattr(active, "batch_sampler", None), getattr(active, "sampler", None)):
         if isinstance(skipping, SkipBatchSampler):
             return any(skipping.batch_sampler is s for s in ours if s is not None)
-    return bool(getattr(active, "skip_batches", 0))
+    # An iterable dataset's copy skips batches itself, and names no loader it came from:
+    # it takes its batch size and epoch counter from it. Another prepared loader over the
+    # same dataset object (an evaluation loader) that matches as well makes it ambiguous:
+    # then no counter moves (before, the evaluation loader's was bumped too).
+    if not getattr(active, "skip_batches", 0):
+        return False
+    matching = [d for d in prepared or [dataloader] if _could_have_made(active, d)]
+    return len(matching) == 1 and matching[0] is dataloader
+
+
+def _could_have_made(active: Any, dataloader: Any) -> bool:
+    return (
+        getattr(dataloader, "dataset", None) is getattr(active, "dataset", None)
+        and getattr(active, "batch_size", None) == getattr(dataloader, "batch_size", None)
+        and getattr(active, "iteration", None) == getattr(dataloader, "iteration", None)
+    )

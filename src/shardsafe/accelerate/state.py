@@ -58,7 +58,12 @@ def state_of(accelerator: Any) -> dict[str, Any]:
     state.update(_numbered("model", accelerator._models))
     state.update(_numbered("optimizer", accelerator._optimizers))
     state.update(_numbered("scheduler", accelerator._schedulers))
-    state.update(_numbered("dataloader", [DataLoaderPosition(d) for d in accelerator._dataloaders]))
+    state.update(
+        _numbered(
+            "dataloader",
+            [DataLoaderPosition(d, accelerator._dataloaders) for d in accelerator._dataloaders],
+        )
+    )
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler
     state.update({f"custom_checkpoint_{i}": o for i, o in enumerate(accelerator._custom_objects)})
