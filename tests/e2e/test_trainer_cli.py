@@ -99,6 +99,13 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cli.main([*base, "--module", ".mymodel:Net"]) == 2
     err = capsys.readouterr().err
     assert "--module '.mymodel:Net' must look like package.module:ClassName" in err
+    # A module not there: exit 1 and "No module named 'nosuch'", naming no option, before.
+    assert cli.main([*base, "--module", "nosuch.models:Net"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--module 'nosuch.models:Net': no module named 'nosuch' (run from the directory that "
+        "holds it, or install it)"
+    ) in err
     for option in (["--keep-last", "2"], ["--async-save"]):  # ignored by a run saving none
         assert cli.main([*base, *option]) == 2
         err = capsys.readouterr().err

@@ -118,7 +118,11 @@ def test_a_stage_with_its_own_learning_rate_gets_a_group_of_its_own() -> None:
 @pytest.mark.parametrize(
     ("second", "message"),
     [
-        (_opt_meta([(0.2, ["a"])], {}), "parameter 'a' is in a param group with other"),
+        (
+            _opt_meta([(0.2, ["a"])], {}),
+            "parameter 'a' is in param group 0 on rank 1 and in param group 0 on rank 0, with "
+            r"other hyperparameters \(lr=0.2 against lr=0.1\)",
+        ),
         (
             _opt_meta([(0.1, ["a"])], {"a": {"m": 9}}),
             r"ranks 0 and 1 both hold optimizer state for parameter 'a', but not the same "

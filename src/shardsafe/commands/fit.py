@@ -196,7 +196,16 @@ def _module_class(args: argparse.Namespace) -> type | None:
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does, for the console script too
-    found = getattr(importlib.import_module(path), name, None)
+    try:
+        imported = importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (path == e.name or path.startswith(f"{e.name}.")):
+            raise  # the module imports something missing: its own error, as it is
+        raise ValueError(
+            f"--module {args.module!r}: no module named {e.name!r} (run from the directory "
+            "that holds it, or install it)"
+        ) from None
+    found = getattr(imported, name, None)
     if not (isinstance(found, type) and issubclass(found, TrainingModule)):
         raise ValueError(f"--module {args.module!r} does not name a TrainingModule subclass")
     return found

@@ -48,8 +48,9 @@ class TrainerConfig:
     """With :attr:`local_checkpoint_dir`: save to it every this many steps."""
 
     def __post_init__(self) -> None:
+        _path("run_dir", self.run_dir)
         object.__setattr__(self, "run_dir", _local_if_file_url(self.run_dir))
-        if self.strategy not in STRATEGIES:
+        if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy={self.strategy!r} is not a strategy; use one of {sorted(STRATEGIES)}"
             )
@@ -132,6 +133,7 @@ class TrainerConfig:
                     "or leave local_every out"
                 )
             return
+        _path("local_checkpoint_dir", self.local_checkpoint_dir, ", or None for no local tier")
         local = _local_if_file_url(self.local_checkpoint_dir)
         object.__setattr__(self, "local_checkpoint_dir", local)
         if not local:
@@ -176,6 +178,13 @@ class TrainerConfig:
     def checkpoint_due(self, step: int) -> bool:
         every = self.checkpoint_every
         return every is not None and (step % every == 0 or step == self.max_steps)
+
+
+def _path(field: str, value: object, or_else: str = "") -> None:
+    """Refuse, naming the field, a value that is not a path (a number or ``None`` read
+    from a config file): ``os.fspath``'s bare ``TypeError`` named neither."""
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{field}={value!r} must be a path (a str or os.PathLike){or_else}")
 
 
 def _local_if_file_url(path: str | os.PathLike[str]) -> str:
