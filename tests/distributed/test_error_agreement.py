@@ -599,3 +599,59 @@ def test_a_rank_that_timed_out_leaves_its_payload_for_a_slow_rank_0_to_read(
         "they may have died or hung. The previous checkpoint is untouched.",
     )
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def manifest_replaced_between_two_reads(rank: int, world_size: int, root: str) -> Any:
+    """Rank 0 reads checkpoint A's manifest; then, before rank 1 reads its own copy,
+    checkpoint B (saved by one process beforehand: another data file) is copied over
+    A's directory."""
+    import shutil
+
+    from shardsafe.checkpoint.storage.local import LocalStorage
+
+    a, b, flag = os.path.join(root, "a"), os.path.join(root, "b"), os.path.join(root, "read")
+    shardsafe.save(a, {"w": torch.full((4,), 1.0)})
+    read_small = LocalStorage.read_small
+
+    def then_flag(self: Any, name: str, limit: int) -> bytes:
+        raw = read_small(self, name, limit)
+        if name == "manifest.json":
+            Path(flag).touch()
+        return raw
+
+    def after_a_copy(self: Any, name: str, limit: int) -> bytes:
+        if name == "manifest.json":
+            for _ in range(3000):
+                if os.path.exists(flag):
+                    break
+                time.sleep(0.01)
+            for entry in os.listdir(b):
+                shutil.copy(os.path.join(b, entry), os.path.join(a, entry))
+        return read_small(self, name, limit)
+
+    LocalStorage.read_small = then_flag if rank == 0 else after_a_copy  # type: ignore[method-assign]
+    w = torch.zeros(4)
+    try:
+        shardsafe.load(a, {"w": w})
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+    return {"error": error, "w": w.tolist()}
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_read_different_manifests_restore_nothing(tmp_path: Path) -> None:
+    """Each rank reads its own copy of the manifest: a checkpoint copied over the
+    directory between two ranks' reads (``aws s3 cp --recursive``, another job's save)
+    made rank 0 restore one checkpoint and rank 1 another, both reporting success
+    (found in review, on S3)."""
+    shardsafe.save(tmp_path / "b", {"w": torch.full((4,), 2.0)})  # one process: its own file
+    results = run_ranks(manifest_replaced_between_two_reads, 2, str(tmp_path), timeout=50)
+    said = (
+        f"load failed on rank 0: the manifest of {tmp_path / 'a'} changed during the load: "
+        "rank 0 and rank 1 read different ones (another save or a copy replaced the "
+        "checkpoint while it was read); load again once nothing writes to it (nothing was "
+        "restored)"
+    )
+    assert [r["error"] for r in results] == [("CheckpointError", said)] * 2
+    assert [r["w"] for r in results] == [[0.0] * 4] * 2

@@ -24,6 +24,7 @@ from shardsafe import cli
 from shardsafe.checkpoint import loading
 from shardsafe.checkpoint.options import LoadOptions, SaveHooks, SaveOptions
 from shardsafe.checkpoint.replacing import async_save_replacing, save_replacing
+from shardsafe.checkpoint.saving import save as saving_save
 from shardsafe.checkpoint.storage import target_directory
 from shardsafe.checkpoint.storage.locations import open_storage
 from shardsafe.checkpoint.storage.object_storage import (
@@ -237,6 +238,26 @@ def test_removing_a_failed_save_aborts_a_killed_ranks_unfinished_upload(
     assert s3_server.keys(s3_bucket) == []
     uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket)["Uploads"]
     assert [u["Key"] for u in uploads] == ["other/x"]  # another prefix's: untouched
+
+
+def test_a_failed_save_whose_cleanup_fails_too_raises_the_saves_error(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store gone mid-save: rank 0's clean-up of the failed save failed too, with the
+    client's own exception (botocore's are not OSError), which replaced the agreed error
+    on rank 0 alone, so a loop catching CheckpointError crashed there (found in review)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    def store_gone() -> None:
+        def unreachable(self: FsspecStorage) -> bool:
+            raise EndpointConnectionError(endpoint_url=s3_server.endpoint)
+
+        monkeypatch.setattr(FsspecStorage, "is_directory", unreachable)
+        raise CheckpointError("the store went away")
+
+    options = SaveOptions(hooks=SaveHooks(before_write=store_gone))
+    with pytest.raises(CheckpointError, match="the store went away"):
+        saving_save(f"s3://{s3_bucket}/ck", small_state(), options)
 
 
 def test_parts_grow_only_for_objects_too_large_for_ten_thousand_of_them() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -29,7 +30,7 @@ import torch
 
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
-from ..errors import CheckpointNotFoundError, with_message
+from ..errors import CheckpointError, CheckpointNotFoundError, with_message
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -68,6 +69,11 @@ def read_manifest(
 
 def read_manifest_from(storage: Storage) -> Manifest:
     """The validated manifest of an open checkpoint directory."""
+    return _read_manifest(storage)[0]
+
+
+def _read_manifest(storage: Storage) -> tuple[Manifest, str]:
+    """:func:`read_manifest_from`, and the fingerprint of the bytes it was parsed from."""
     storage.require_directory()
     if not storage.exists(MANIFEST_NAME):
         raise CheckpointNotFoundError(
@@ -75,7 +81,7 @@ def read_manifest_from(storage: Storage) -> Manifest:
             "(a save into it may have been interrupted)"
         )
     raw = storage.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    return parse(raw, storage.where(MANIFEST_NAME))
+    return parse(raw, storage.where(MANIFEST_NAME)), f"{len(raw)}:{zlib.crc32(raw):08x}"
 
 
 Hint = Callable[[Storage], str]
@@ -83,13 +89,13 @@ Hint = Callable[[Storage], str]
 by ``api.load``: the finder imports this module), appended to the error; ``""``: nothing."""
 
 
-def _manifest_to_load(storage: Storage, hint: Hint | None) -> Manifest:
-    """:func:`read_manifest_from`, whose error for a checkpoint root or a Trainer's run
+def _manifest_to_load(storage: Storage, hint: Hint | None) -> tuple[Manifest, str]:
+    """:func:`_read_manifest`, whose error for a checkpoint root or a Trainer's run
     directory (``shardsafe.load("run/checkpoints", ...)``) names the newest checkpoint in
     it, as ``inspect`` and ``verify`` do, instead of suggesting only an interrupted save,
     which sent users looking for a crash."""
     try:
-        return read_manifest_from(storage)
+        return _read_manifest(storage)
     except CheckpointNotFoundError as e:
         said = hint(storage) if hint is not None else ""
         if not said:
@@ -210,9 +216,9 @@ def _load(
     )
     coord.enter(options.entry_timeout)
     try:
-        with coord.phase(Phase.PLAN, decide=_agree_unexpected(options.strict)) as planned:
+        with coord.phase(Phase.PLAN, decide=_agree_plan(options.strict, where)) as planned:
             storage = opener()
-            manifest = _manifest_to_load(storage, hint)
+            manifest, read = _manifest_to_load(storage, hint)
             if view is not None:
                 manifest = view(manifest)
             state = choose(manifest)
@@ -225,7 +231,7 @@ def _load(
                 untrusted_bytes_limit=options.untrusted_bytes_limit,
             )
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
-            planned.payload = plan.unexpected
+            planned.payload = {"unexpected": plan.unexpected, "manifest": read}
             for name in plan.absent:  # strict=False: others load, this one stays as it is
                 left = (
                     f"shardsafe: strict=False leaves state[{name!r}] as it is: "
@@ -268,12 +274,23 @@ def _load(
         coord.close()
 
 
-def _agree_unexpected(strict: bool) -> Callable[[list[Any]], list[Any]]:
-    """Rank 0's check, over every rank's unexpected keys, that each is held by some rank
-    (a pipeline stage loads its own keys; the other stages' are not unexpected)."""
+def _agree_plan(strict: bool, where: str) -> Callable[[list[Any]], list[Any]]:
+    """Rank 0's checks over every rank's plan: that every rank read the same manifest
+    (each reads its own copy: a checkpoint copied over the directory between two ranks'
+    reads made them restore different checkpoints, each reporting success; found in
+    review), and that each unexpected key is held by some rank (a pipeline stage loads
+    its own keys; the other stages' are not unexpected)."""
 
     def decide(payloads: list[Any]) -> list[Any]:
-        unexpected_everywhere(payloads, strict)
+        read = [p["manifest"] for p in payloads]
+        other = next((r for r, fingerprint in enumerate(read) if fingerprint != read[0]), None)
+        if other is not None:
+            raise CheckpointError(
+                f"the manifest of {where} changed during the load: rank 0 and rank {other} "
+                "read different ones (another save or a copy replaced the checkpoint while "
+                "it was read); load again once nothing writes to it (nothing was restored)"
+            )
+        unexpected_everywhere([p["unexpected"] for p in payloads], strict)
         return [None] * len(payloads)
 
     return decide
