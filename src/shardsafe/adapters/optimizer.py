@@ -37,7 +37,7 @@ from ..protocol import (
 )
 from . import dtensor
 from .module import uninitialized
-from .optimizer_merge import NAMES, merge_optimizer_metas
+from .optimizer_merge import NAMES, merge_optimizer_metas, without_names
 
 CLASS = "class"
 """The optimizer's class name (``Adam``) in its metadata: a checkpoint of one optimizer
@@ -257,15 +257,11 @@ def _check_tensor_hyper(
     tensor hyperparameters (a tensor ``lr``) of the saved groups one live group takes."""
     for i, found in enumerate(_taken(groups, saved_groups, ctx)):
         for j in found[1:]:
-            if not _same(_without_names(hyper[found[0]]), _without_names(hyper[j])):
+            if not _same(without_names(hyper[found[0]]), without_names(hyper[j])):
                 raise CheckpointMismatchError(
                     "the checkpoint does not match the objects being loaded:\n  shape/dtype "
                     f"mismatch (1): {_differing(ctx, i, found[0], j)}"
                 )
-
-
-def _without_names(hyper: Any) -> Any:
-    return {k: v for k, v in hyper.items() if k != NAMES} if isinstance(hyper, dict) else hyper
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -312,7 +308,7 @@ def _compared(hyper: JSON, ctx: LoadContext) -> JSON:
             return [masked(v) for v in obj]
         return obj
 
-    return masked(_without_names(hyper))
+    return masked(without_names(hyper))
 
 
 def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -94,12 +94,12 @@ class _Groups:
             seen = self._group_of.get(fqn)
             if seen is not None:
                 there, seen_position = self._groups[seen[0]][1], self._groups[seen[0]][0]
-                if _without_names(there) != _without_names(hyper):
+                if without_names(there) != without_names(hyper):
                     raise CheckpointError(
                         f"parameter {fqn!r} is in param group {position} on rank {rank} and "
                         f"in param group {seen_position} on rank {seen[1]}, with other "
                         "hyperparameters "
-                        f"({_difference(_without_names(hyper), _without_names(there))}): "
+                        f"({_difference(without_names(hyper), without_names(there))}): "
                         "replicas must be "
                         "optimized alike; nothing was written"
                     )
@@ -147,7 +147,7 @@ def _short(value: JSON) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _without_names(hyper: JSON) -> JSON:
+def without_names(hyper: JSON) -> JSON:
     """A group's hyperparameters but the names of its parameters (``param_names``, which
     torch keeps in a group built from ``named_parameters()``): each rank's lists its own."""
     return {k: v for k, v in hyper.items() if k != NAMES} if isinstance(hyper, dict) else hyper
