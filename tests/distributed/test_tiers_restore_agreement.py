@@ -289,10 +289,14 @@ def _an_option_refused_on_rank_1(rank: int, world: int, base: str) -> dict[str, 
 
 def test_an_option_refused_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
     """Rank 1 raised its ValueError alone before the survey, and rank 0 waited for it in
-    the survey (beyond the test's 100 s here: found in review)."""
+    the survey (beyond the test's 100 s here: found in review). Now rank 1 tells the
+    others at the survey's entry, as ``shardsafe.load`` does, and raises its own error."""
     got = run_ranks(_an_option_refused_on_rank_1, 2, str(tmp_path), timeout=100)
-    _every_rank_raised(
-        got,
-        "tiers failed on rank 1: ValueError: read_threads=0 must be a number of threads from "
-        "1 to 64, or None for this rank's share of the CPUs",
+    refusal = (
+        "read_threads=0 must be a number of threads from 1 to 64, or None for this rank's "
+        "share of the CPUs"
     )
+    assert got[1]["outcome"] == ["ValueError", refusal]
+    kind, message = got[0]["outcome"]
+    assert kind == "CheckpointError"
+    assert message.startswith(f"tiers failed on rank 1: ValueError: {refusal}"), message

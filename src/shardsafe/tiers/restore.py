@@ -20,6 +20,7 @@ from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.io.reader import CheckpointReader
 from ..checkpoint.manager import LATEST, CheckpointManager, step_dir_name, step_of
 from ..checkpoint.options import LoadKeywords, LoadOptions
+from ..checkpoint.refusals import told_if_refused
 from ..checkpoint.storage.locations import open_storage
 from ..distributed import Phase, world
 from ..errors import (
@@ -193,18 +194,12 @@ class Restorer:
 
     def _load_options(self, options: LoadKeywords) -> LoadOptions:
         """The local loads' options; one refused on this rank alone (``read_threads=0``)
-        is raised on every rank, agreed in the survey the others are waiting in: they
-        waited there for the manager's timeout, or for ever (found in review)."""
-        try:
-            return LoadOptions.of(**{**self._local_defaults(), **options})
-        except ValueError as e:
-            refusal = e
-
-            def refused() -> None:
-                raise refusal
-
-            self.ranks.exchange(Phase.SURVEY, refused)
-            raise  # pragma: no cover - the exchange raised the agreed error
+        is told to the others, at the entry of the survey they wait in (``refusals``, as
+        ``shardsafe.load`` does): they waited there for the manager's timeout, or for
+        ever (found in review)."""
+        return told_if_refused(
+            "tiers", self.ranks.tag, lambda: LoadOptions.of(**{**self._local_defaults(), **options})
+        )
 
     def _local_defaults(self) -> dict[str, Any]:
         """What a load from the local tier does unless the caller says otherwise: one
