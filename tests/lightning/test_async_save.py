@@ -6,6 +6,7 @@ and, killed mid-write, no checkpoint that is not complete."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,16 @@ import pytest
 import torch
 
 import shardsafe
-from tests.lightning.helpers import Net, assert_same_optimizer_state, kill_after_step, losses, run
+from tests.lightning.helpers import (
+    RUN_TIMEOUT_S,
+    Net,
+    Run,
+    assert_same_optimizer_state,
+    kill_after_step,
+    logged_steps,
+    losses,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -68,12 +78,23 @@ def test_a_run_killed_while_a_checkpoint_is_written_shows_only_complete_ones(
 
 
 def test_a_checkpoint_rotated_out_is_removed_once_the_new_one_commits(tmp_path: Path) -> None:
-    """Killed after step 19, long after the step-15 save committed: the step-5 checkpoint
-    save_top_k rotated out was left for the next save to remove, so a preemption between
-    two saves left it behind for good (the resumed callback no longer names it: found in
-    review). It goes at the first batch after the commit."""
-    args = ("--optimizer", "zero", "--async-save", "--max-steps", "25")
-    kill_after_step(tmp_path, *args, "--step-delay", "0.2", step=19)
-    ckpts = tmp_path / "ckpts"
+    """The step-5 checkpoint save_top_k rotates out when step 15 is saved was left for the
+    next save (step 20) to remove, so a preemption between two saves left it behind for
+    good (the resumed callback no longer names it: found in review). It goes at the first
+    batch after step 15 commits: the run is killed once it is gone, which must be before
+    step 20's save (4 steps of 0.4 s after step 15's)."""
+    args = ("--optimizer", "zero", "--async-save", "--max-steps", "25", "--step-delay", "0.4")
+    ckpts, old = tmp_path / "ckpts", tmp_path / "ckpts" / "epoch=0-step=5.ckpt"
+    started = Run(tmp_path, *args)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not (logged_steps(tmp_path) >= 15 and not old.exists()):
+            assert started.running(), f"the run ended first:\n{started.output()}"
+            assert time.monotonic() < deadline, f"not removed within {RUN_TIMEOUT_S}s"
+            time.sleep(0.02)
+        killed_at = logged_steps(tmp_path)
+    finally:
+        started.kill()
+    assert killed_at < 20, killed_at  # removed before the next save, not by it
     names = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
     assert names == ["epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt"]
