@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardsafe import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -34,6 +35,7 @@ from shardsafe.tiers.fetch import Fetcher
 from shardsafe.tiers.node_dir import Held, NodeDir
 from shardsafe.tiers.recovery import LOCAL, PEER, PERSISTENT, Choice, choose
 from shardsafe.tiers.replication import Peers, Replicator, retained
+from shardsafe.tiers.retention import Tally
 from shardsafe.tiers.topology import Topology
 from tests import forge
 from tests.unit.attacks.common import fifo_reader_probe
@@ -199,6 +201,24 @@ def test_one_step_is_restored_from_the_copies_of_one_run_only() -> None:
     assert choose(held, two_by_two(), None) == Choice(3, [PEER, PEER, LOCAL, LOCAL], {0: 2, 1: 3})
     # Copies without a token (written before tokens were recorded) are one run.
     assert choose([everywhere(3)] * 4, two_by_two(), None) == Choice(3, [LOCAL] * 4, {})
+
+
+def test_a_run_that_a_later_run_at_another_world_size_went_on_from_is_never_restored() -> None:
+    """Run A (4 ranks) saved steps 1-3 and persisted step 2; run B (2 ranks) resumed from
+    the persistent step 2 and saved step 3 locally; run C (4 ranks again) finds run A's
+    step 3 complete. Before, C restored it (and replaced B's copy of step 3 with it): run
+    A was abandoned when B resumed, so C falls back to the persistent tier, or refuses
+    to start afresh over B's step if nothing was persisted."""
+    a = "0000000000000001" + "a" * 16
+    b = "0000000000000002" + "b" * 16
+    run_a = [(*c, a + "00000003") for c in everywhere(3)]
+    run_b = [(*c, b + "00000001") for c in everywhere(3, world=2)]
+    held = [run_a + run_b, run_a + run_b, run_a, run_a]
+    assert choose(held, two_by_two(), 2) == Choice(2, [PERSISTENT] * 4)
+    assert choose(held, two_by_two(), None) == Choice(None, [], stranded=(3, 2))
+    # A run at another world size before A's leaves A's steps restorable.
+    older = [(*c, "0000000000000000" + "c" * 16 + "00000001") for c in everywhere(5, world=2)]
+    assert choose([run_a + older] * 4, two_by_two(), 2) == Choice(3, [LOCAL] * 4, {})
 
 
 @pytest.mark.parametrize("run", ["ABC", "0" * 65, "../x", 7])
@@ -968,26 +988,28 @@ def valued_state(value: float) -> dict[str, Any]:
     return {"t": torch.full((4,), float(value))}
 
 
-def test_a_second_live_manager_of_another_root_on_one_local_directory_is_refused(
+def test_a_second_live_manager_on_one_local_directory_is_refused_whatever_its_root(
     tmp_path: Path,
 ) -> None:
-    """A model's manager and its EMA's, given one local directory: before, each replaced
-    the other's step directories in silence (a replica arrived "damaged"), and the
-    model's restore found only the EMA there. Now the second is refused while the first
-    lives; once it is closed, a manager of another root may resume from the directory."""
+    """A model's manager and its EMA's given one local directory, or one job launched twice
+    (same roots): before, each replaced the other's step directories in silence (a
+    replica arrived "damaged"), and a restore found the other's state there; a second job
+    of the same roots was not even noticed (the review's two-jobs case). Now the second is
+    refused while the first lives; once it is closed, another may resume from the
+    directory."""
     local = tmp_path / "l"
     first = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
     first.save(1, valued_state(1))
-    with pytest.raises(CheckpointError) as caught:
-        TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None)
-    assert str(caught.value) == (
-        f"the local tier's directory {local} is in use by another live "
-        "TieredCheckpointManager (of another persistent root or name): both would write the "
-        "same step-<step>/rank-<rank> directories, replacing each other's checkpoints. Give "
-        "each manager a local directory of its own"
-    )
-    again = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
-    again.close()  # the same root's ranks share the directory
+    for root in ("ema", "model"):
+        with pytest.raises(CheckpointError) as caught:
+            TieredCheckpointManager(tmp_path / root, local, replicas=0, persist_every=None)
+        assert str(caught.value) == (
+            f"the local tier's directory {local} is in use by another live "
+            "TieredCheckpointManager (another job, or a manager of another persistent root "
+            "or name): both would write the same step-<step>/rank-<rank> directories, "
+            "replacing each other's checkpoints. Give each manager a local directory of its "
+            "own"
+        )
     first.close()
     later = TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None)
     live = valued_state(0)
@@ -1354,6 +1376,9 @@ class Counted:
 
     def mark(self, step: int, save: int) -> None:
         pass
+
+    def withdraw(self, step: int, save: int) -> bool:
+        return step not in self.steps and step not in self.written
 
 
 def test_a_written_step_not_yet_replicated_never_pushes_a_replicated_one_out(
@@ -1746,3 +1771,69 @@ def test_a_load_that_opens_its_directory_closes_it_and_agrees_on_an_open_that_fa
 
     with pytest.raises(CheckpointError, match=r"^FileNotFoundError: \[Errno 2\] No such file"):
         loading.load_opening(gone, "test", lambda manifest: {"model": model}, options)
+
+
+def _replicator_counting_in(store: Any, tmp_path: Path, rank: int) -> Replicator:
+    """Rank ``rank`` of 2 (keep_local=1, no peers) whose steps 1-3 are written here, counted
+    in ``store`` (a real one) as saves 1-3."""
+    node = NodeDir(str(tmp_path))
+    for step in (1, 2, 3):
+        node.rank_storage(step, rank, create=True).close()
+    tally = Tally(store, "t", 2)
+    replicator = Replicator(node, rank, 2, Peers([], []), None, 1, tally)
+    replicator.record.written[:] = [1, 2, 3]
+    replicator.record.replicated[:] = [1, 2, 3]
+    replicator._save_of.update({1: 1, 2: 2, 3: 3})
+    return replicator
+
+
+def test_a_step_another_rank_may_see_complete_is_kept_though_this_ranks_count_lags(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1, rank 1 after step 3: step 1 is the newest step every rank replicated
+    (rank 0's count of step 2 is late), but every rank has written step 2, so rank 0 may
+    see it complete at any moment. Before, it deleted step 2; rank 0 then counted it, saw it
+    complete, deleted step 1, and no step was whole on any node (the review's retention race)."""
+    store = dist.HashStore()
+    replicator = _replicator_counting_in(store, tmp_path, 1)
+    tally = replicator.tally
+    assert tally is not None
+    for step in (1, 2, 3):
+        tally.mark(step, step)
+        tally.mark_written(step, step)
+    tally.mark(1, 1)  # rank 0's counts of step 1 only: step 1 is complete
+    tally.mark_written(1, 1)
+    tally.mark_written(2, 2)  # and rank 0 has written step 2, not yet replicated it
+    try:
+        replicator._retain(3)
+        assert replicator.node.steps() == [1, 2, 3]
+        assert tally.everywhere(2, 2) is False  # the counts were put back as they were
+        assert tally.written_everywhere(2, 2) is True
+    finally:
+        replicator.close()
+
+
+def test_a_step_deleted_ahead_of_the_counts_can_never_be_counted_complete(
+    tmp_path: Path,
+) -> None:
+    """keep_local=1, rank 1 after step 3, step 1 complete, step 2 counted by rank 1 alone:
+    step 2 is deleted, and its counts taken back, so rank 0's late counts of it leave it
+    incomplete: rank 0 keeps step 1, the newest step whole on the nodes."""
+    store = dist.HashStore()
+    replicator = _replicator_counting_in(store, tmp_path, 1)
+    tally = replicator.tally
+    assert tally is not None
+    for step in (1, 2, 3):
+        tally.mark(step, step)
+        tally.mark_written(step, step)
+    tally.mark(1, 1)
+    tally.mark_written(1, 1)
+    try:
+        replicator._retain(3)
+        assert replicator.node.steps() == [1, 3]
+        tally.mark_written(2, 2)  # rank 0, late
+        tally.mark(2, 2)
+        assert (tally.everywhere(2, 2), tally.written_everywhere(2, 2)) == (False, False)
+        assert (tally.everywhere(1, 1), tally.written_everywhere(1, 1)) == (True, True)
+    finally:
+        replicator.close()

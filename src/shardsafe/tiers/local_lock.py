@@ -1,15 +1,16 @@
 """One live manager per local directory: two ``TieredCheckpointManager``s given the same
-node-local directory (two persistent roots, say a model's and its EMA's) wrote the same
-``step-<step>/rank-<rank>`` directories, each replacing the other's checkpoints in
-silence, and a restore found the other's state there.
+node-local directory (two persistent roots, say a model's and its EMA's, or one job
+launched twice) wrote the same ``step-<step>/rank-<rank>`` directories, each replacing
+the other's checkpoints in silence, and a restore found the other's state there.
 
 Each rank of a manager holds, for as long as the manager lives, a read lock on one byte
 of its local directory (an open-file-description lock, ``F_OFD_SETLK``, on the directory
-itself: no file is made there), at an offset given by the name the ranks agree under:
-the ranks of one manager on one node share their byte. A manager that finds a lock on
-any other byte (a live manager of another name) refuses the directory; a run that ended
-holds nothing, so a later one may resume from what it left, as the local tier is for.
-Where the platform or the filesystem has no such locks, nothing is checked.
+itself: no file is made there), at an offset given by the name the ranks agree under
+and their run's token (agreed when the manager is made): the ranks of one manager on
+one node share their byte. A manager that finds a lock on any other byte (a live
+manager of another name, or of another job under the same name) refuses the directory;
+a run that ended holds nothing, so a later one may resume from what it left, as the
+local tier is for. Where the platform or the filesystem has no such locks, nothing is checked.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def take(root: LocalStorage, owner: str) -> LocalLock:
             if found != fcntl.F_UNLCK:
                 raise CheckpointError(
                     f"the local tier's directory {root.directory} is in use by another live "
-                    "TieredCheckpointManager (of another persistent root or name): both would "
+                    "TieredCheckpointManager (another job, or a manager of another persistent "
+                    "root or name): both would "
                     "write the same step-<step>/rank-<rank> directories, replacing each "
                     "other's checkpoints. Give each manager a local directory of its own"
                 )

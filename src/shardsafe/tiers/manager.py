@@ -110,14 +110,20 @@ class TieredCheckpointManager:
 
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
             _check_apart(self.node.root, self.persistent.root)
-            if problem is None:
-                self._lock, self._made_local = self.node.lock(self._ranks.tag)
             return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns()]
+
+        def lock() -> None:
+            # Under this run's token, agreed above: the ranks of this job share their
+            # byte, and a second job on the same roots (launched twice) holds another.
+            if problem is None:
+                run = _run(names[0])
+                self._lock, self._made_local = self.node.lock(f"{self._ranks.tag}/{run}")
 
         try:
             names = self._ranks.exchange(Phase.SURVEY, identity)
             _check_same([n[2] for n in names])
             _refuse([n[3] for n in names])
+            self._ranks.exchange(Phase.SURVEY, lock)
             self.topology = Topology.of([str(n[0]) for n in names])
             self.replicas = self._possible_replicas(replicas)
         except (CheckpointError, ValueError):
@@ -236,7 +242,17 @@ class TieredCheckpointManager:
                 f"this TieredCheckpointManager was closed, so it cannot save step {step}; "
                 "make a new one (on every rank) to save again"
             )
-        local, persist = self.due(step)
+        try:
+            local, persist = self.due(step)
+        except ValueError as e:
+            if self.world_size > 1 and self.local_every == 1 and not self._budget_checked:
+                # Every valid step is due locally, so the others wait in the first local
+                # save's budget exchange: told there, every rank raises this rank's error
+                # at once. Raised alone, the others waited for it until the timeout
+                # (300 s) and then said it never came (found in review).
+                failure = e
+                self._ranks.exchange(Phase.SURVEY, lambda: _raise(failure))
+            raise
         newest = self._newest_local
         if local and newest is not None and step < newest:
             # Every rank saves the same steps: refused on every rank alike. Retention after

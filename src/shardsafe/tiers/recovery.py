@@ -11,7 +11,11 @@ together are all of one save of one run (their ``run`` token, ``rank_checkpoint.
 names both: ``replication.save_token``): a copy an abandoned run left (one that could not
 be deleted) never completes a step beside the copies a resumed run wrote of it, nor a
 rank's copy of a step's earlier save beside another's of its later one; of two saves both
-complete at a step, the later one's are restored. If the persistent tier holds a
+complete at a step, the later one's are restored. A run that a later run at another world
+size went on from (its copies are there, under a later run's token) is abandoned: its
+steps are never restored, however complete (a job back at its first world size after a
+run at another one, which resumed from the persistent tier, restored the first run's
+newer local step and replaced the later run's copy of it). If the persistent tier holds a
 newer step than any complete local one, or no local step is complete, the persistent
 tier is used (``persistent``); if nothing exists anywhere, nothing is restored (but the
 newest step saved at another world size is named, ``Choice.stranded``: ``load_latest``
@@ -59,6 +63,7 @@ def choose(
     world = topology.world_size
     nodes_holding: dict[tuple[int, str, int], set[int]] = {}  # (step, run, rank) -> nodes
     elsewhere: set[tuple[int, int]] = set()  # (step, world size) of other worlds' copies
+    resumed_elsewhere = ""  # the newest run token of those copies
     for holder, copies in enumerate(held):
         node = topology.node_of[holder]
         for copy in copies:
@@ -66,17 +71,26 @@ def choose(
             run = copy[3] if len(copy) > 3 else ""
             if saved_world != world:
                 elsewhere.add((step, saved_world))
+                resumed_elsewhere = max(resumed_elsewhere, _run_part(str(run)))
             elif 0 <= rank < world and (node, step, rank) not in excluded:
                 nodes_holding.setdefault((step, str(run), rank), set()).add(node)
     # Newest step first; at one step, the latest run first (its token sorts last).
     for step, run in sorted({(step, run) for step, run, _ in nodes_holding}, reverse=True):
         if persistent_step is not None and persistent_step > step:
             break
+        if _run_part(run) < resumed_elsewhere:
+            continue  # abandoned: a later run went on at another world size
         if all((step, run, r) in nodes_holding for r in range(world)):
             return _plan(step, {r: nodes_holding[(step, run, r)] for r in range(world)}, topology)
     if persistent_step is not None:
         return Choice(persistent_step, [PERSISTENT] * world)
     return Choice(None, [], stranded=max(elsewhere, default=None))
+
+
+def _run_part(token: str) -> str:
+    """The run of a save's token (``replication.save_token``: the run's, then 8 hex digits
+    of the save): runs compare by it, a later run's sorting last."""
+    return token[:-8] if len(token) > 8 else ""
 
 
 def _plan(step: int, nodes_holding: dict[int, set[int]], topology: Topology) -> Choice:

@@ -485,12 +485,37 @@ class Replicator:
                 steps = {*done, *self.record.found.get(owner, [])}
                 kept = retained(steps, self.keep_local, everywhere, upto=step)
                 if kept is not None:
+                    if owner == self.rank:
+                        self._keep_if_complete(kept, everywhere)
                     drop_older(self.node, owner, kept)
                     self._prune(owner, kept)
         except Exception as e:  # any: see the module docstring
             self._warn(f"local retention failed: {e}")
         finally:
             self._forget_saves(upto=step)
+
+    def _keep_if_complete(self, kept: set[int], everywhere: int | None) -> None:
+        """Add to ``kept`` this rank's steps newer than ``everywhere`` (the newest step
+        counted everywhere, as this rank read it) that another rank may by now have seen
+        counted everywhere: before deleting one, its counts are taken back
+        (:meth:`Tally.withdraw`). Only the step ``drop_older`` would delete is asked about,
+        in its order (one step a retention)."""
+        if self.tally is None:
+            return
+        newest, floor = max(kept), -1 if everywhere is None else everywhere
+        for held in self.node.steps():
+            if held in kept or held >= newest or self.rank not in self.node.ranks_in(held):
+                continue
+            save = self._save_of.get(held)
+            if held <= floor or save is None:
+                return
+            try:
+                withdrawn = self.tally.withdraw(held, save)
+            except Exception:  # any: the store gone; keep the step, retention keeps more
+                withdrawn = False
+            if withdrawn:
+                return
+            kept.add(held)
 
     def _prune(self, owner: int, kept: set[int]) -> None:
         """Forget ``owner``'s steps that retention deleted (older than the newest of

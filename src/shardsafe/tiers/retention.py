@@ -42,6 +42,28 @@ class Tally:
         with every node kept restores it, replicated or not."""
         return int(self._store.add(f"{self._prefix}/w/{step}/{save}", 0)) >= self._world_size
 
+    def withdraw(self, step: int, save: int) -> bool:
+        """This rank is about to delete its checkpoint of ``save``, newer than the newest
+        step it saw counted everywhere: take back its counts, unless the step has just
+        become complete (then they are put back, and ``False`` says keep it).
+
+        The counts this rank read lag behind the other ranks': without this, it deleted a
+        step another rank had meanwhile seen counted everywhere, and that rank deleted the
+        older complete step on the strength of it, so that no step was whole on any node.
+        Taken back atomically (``add`` returns the count it leaves), the step either was
+        complete (kept here) or can never be counted complete again, so no rank deletes
+        an older step because of it. Should this rank not have counted it (its count
+        failed), the step is not whole without its copy either."""
+        taken: list[str] = []
+        for key in (f"{self._prefix}/{step}/{save}", f"{self._prefix}/w/{step}/{save}"):
+            left = int(self._store.add(key, -1))
+            taken.append(key)
+            if left + 1 >= self._world_size:
+                for back in taken:
+                    self._store.add(back, 1)
+                return False
+        return True
+
     def forget(self, step: int, save: int) -> None:
         """Delete the counts of ``save`` (every rank that held it does: the first deletes)."""
         self._store.delete_key(f"{self._prefix}/{step}/{save}")
