@@ -585,20 +585,65 @@ def test_a_rank_that_timed_out_leaves_its_payload_for_a_slow_rank_0_to_read(
 ) -> None:
     """Rank 1 timed out waiting for a slow rank 0 and deleted its payload of the phase on
     its way out; rank 0 then posted, found every rank posted, and blocked reading that
-    payload until the store's timeout (120 s here, 30 min by default). It now reads it,
-    and raises at its own next timeout."""
+    payload until the store's timeout (120 s here, 30 min by default). It now reads it;
+    and rank 1's verdict, posted as its failure of the later phases, is what rank 0
+    raises as soon as it goes on (before, it waited a whole timeout of its own, and then
+    blamed rank 1)."""
     results = run_ranks(save_with_rank0_slower_than_the_timeout, 2, str(tmp_path), timeout=140)
-    assert results[1]["error"] == (
-        "CheckpointError",
+    said = (
         "rank(s) 0 did not finish the 'collect' phase of save within 2s (this is rank 1); "
-        "they may have died or hung. The previous checkpoint is untouched.",
+        "they may have died or hung. The previous checkpoint is untouched."
     )
-    assert results[0]["error"] == (
-        "CheckpointError",
-        "rank(s) 1 did not finish the 'write' phase of save within 2s (this is rank 0); "
-        "they may have died or hung. The previous checkpoint is untouched.",
-    )
+    assert results[1]["error"] == ("CheckpointError", said)
+    assert results[0]["error"] == ("CheckpointError", f"save failed on rank 1: {said}")
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+class _SlowFirstWriteOnRank0(LocalStorage):
+    """Rank 0's first data file of a save takes 8 s to start (a slow disk)."""
+
+    def create(self, name: str, size_hint: int = 0) -> LocalFileSink:
+        if dist.get_rank() == 0:
+            time.sleep(8.0)
+        return LocalFileSink(create_new(self.fd, name), self.where(name))
+
+
+def save_while_rank0_writes_past_the_timeout(rank: int, world_size: int, root: str) -> Any:
+    manager = CheckpointManager(os.path.join(root, "run"), keep_last=1)
+    manager.save(1, make_state(rank))
+    try:
+        return outcome(
+            lambda: manager.save(2, make_state(rank), storage=_SlowFirstWriteOnRank0, timeout=3)
+        )
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_timed_out_writing_never_leaves_a_committed_checkpoint_without_its_shard(
+    tmp_path: Path,
+) -> None:
+    """keep_last=1. Rank 1 wrote its shard of step 2, then timed out waiting for rank 0,
+    still writing. Before, it deleted its shard on its way out; rank 0 then found every
+    rank's write posted and committed a manifest naming the deleted file, moved latest to
+    it, and retention deleted step 1: no loadable checkpoint was left. Now rank 0 sees,
+    before it commits, that rank 1 left, and raises its verdict; step 1 stays latest."""
+    results = run_ranks(save_while_rank0_writes_past_the_timeout, 2, str(tmp_path), timeout=140)
+    said = (
+        "rank(s) 0 did not finish the 'write' phase of save within 3s (this is rank 1); "
+        "they may have died or hung. The previous checkpoint is untouched."
+    )
+    assert results[1]["error"] == ("CheckpointError", said)
+    assert results[0]["error"][0] == "CheckpointError"
+    assert results[0]["error"][1].startswith(
+        f"save failed on rank 1 (rank(s) 0 failed too): {said}"
+    )
+    run = tmp_path / "run"
+    assert (run / "latest").read_text() == "step-000000001\n"
+    assert not (run / "step-000000002" / "manifest.json").exists()
+    manager = CheckpointManager(str(run))
+    assert manager.latest() == str(run / "step-000000001")
+    manager.close()
 
 
 def manifest_replaced_between_two_reads(rank: int, world_size: int, root: str) -> Any:

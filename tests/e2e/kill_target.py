@@ -103,14 +103,14 @@ class _DyingStorage(LocalStorage):
             return _DyingSink(create_new(self.fd, name), self.where(name))
         return super().create(name)  # type: ignore[return-value]
 
-    def commit(self, name: str, data: bytes) -> None:
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         if self.point == "manifest-rename" and name == "manifest.json":  # not the marker's
             tmp = f".{name}.tmp-{os.getpid()}"
             sink = LocalFileSink(create_new(self.fd, tmp), self.where(tmp))
             sink.write(memoryview(data))
             sink.finish()
             _die()
-        super().commit(name, data)
+        super().commit(name, data, exclusive=exclusive)
 
 
 def _arm_outside_storage(point: str) -> None:

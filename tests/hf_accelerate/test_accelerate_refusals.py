@@ -296,9 +296,9 @@ def test_automatic_naming_settings_it_cannot_follow_are_refused_by_their_names(
 class SlowToCommit(LocalStorage):
     """Local storage whose manifest takes a second to write: an async save stays in flight."""
 
-    def commit(self, name: str, data: bytes) -> None:
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         time.sleep(1.0)
-        super().commit(name, data)
+        super().commit(name, data, exclusive=exclusive)
 
 
 def test_load_state_waits_for_the_save_in_flight_and_restores_it(tmp_path: Path) -> None:

@@ -15,8 +15,10 @@ import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -461,3 +463,85 @@ def test_on_s3_a_killed_saves_leftovers_are_cleared_by_the_next_save(
     shardsafe.save(url, state())
     assert s3_server.keys(s3_bucket) == ["ckpt/manifest.json", f"ckpt/{SHARD}"]
     loads_back(url)
+
+
+class _WaitsBeforeItsManifest(LocalStorage):
+    """Local storage whose save stops before its manifest until ``flags + ".go"`` exists
+    (having made ``flags + ".ready"``): another save runs in the meantime."""
+
+    flags = ""
+
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        if name == "manifest.json":
+            Path(self.flags + ".ready").touch()
+            for _ in range(1200):
+                if os.path.exists(self.flags + ".go"):
+                    break
+                time.sleep(0.05)
+        super().commit(name, data, exclusive=exclusive)
+
+
+def _first_save(path: str, flags: str, told: Any) -> None:
+    _WaitsBeforeItsManifest.flags = flags
+    try:
+        shardsafe.save(path, {"w": torch.full((64, 64), 1.0)}, storage=_WaitsBeforeItsManifest)
+        told.put("committed")
+    except CheckpointError as e:
+        told.put(str(e))
+
+
+def test_two_saves_to_one_path_at_once_never_both_commit(tmp_path: Path) -> None:
+    """A job launched twice: save A has written its data, save B to the same path takes
+    A's files for an interrupted save's, clears them and commits. Before, A's manifest
+    then replaced B's, naming data it did not describe, and both saves returned; a load
+    found a checksum mismatch. Now A's commit is refused by name and B's checkpoint is
+    left as B wrote it."""
+    import multiprocessing
+
+    path, flags = tmp_path / "ckpt", str(tmp_path / "flag")
+    ctx = multiprocessing.get_context("fork")
+    told = ctx.Queue()
+    first = ctx.Process(target=_first_save, args=(str(path), flags, told))
+    first.start()
+    try:
+        for _ in range(1200):
+            if os.path.exists(flags + ".ready"):
+                break
+            time.sleep(0.05)
+        shardsafe.save(path, {"w": torch.full((64, 64), 2.0)})
+        Path(flags + ".go").touch()
+        said = told.get(timeout=60)
+    finally:
+        first.join(timeout=60)
+        if first.is_alive():
+            first.kill()
+    assert said == (
+        f"another save committed a checkpoint at {path} while this one was writing there, "
+        "so this save did not commit (that checkpoint is kept as it is): two saves to one "
+        "path at once replace each other's files. Save each run to a path of its own, or "
+        "through a CheckpointManager, whose lock keeps a second run off its root"
+    )
+    out = {"w": torch.zeros(64, 64)}
+    shardsafe.load(path, out)
+    assert torch.equal(out["w"], torch.full((64, 64), 2.0))
+    assert sorted(os.listdir(path)) == ["manifest.json", "shard-00000-of-00001.safetensors"]
+
+
+def test_on_s3_a_manifest_is_committed_only_where_none_is(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """The object store's commit of a save's manifest is a conditional create (moto
+    honours ``If-None-Match``): a second one is refused, the first left as it was."""
+    from tests.s3server import with_env
+
+    def commit_twice(rank: int, world: int) -> None:
+        storage = FsspecStorage(f"s3://{s3_bucket}/ckpt")
+        storage.commit("manifest.json", b"first", exclusive=True)
+        with pytest.raises(FileExistsError):
+            storage.commit("manifest.json", b"second", exclusive=True)
+        storage.commit("latest", b"a", exclusive=False)
+        storage.commit("latest", b"b", exclusive=False)  # a plain commit replaces
+
+    with_env(0, 1, s3_server.env, commit_twice)
+    assert s3_server.get(s3_bucket, "ckpt/manifest.json") == b"first"
+    assert s3_server.get(s3_bucket, "ckpt/latest") == b"b"

@@ -245,8 +245,16 @@ def _phases(run: SaveRun) -> None:
     written = _write(run, planned)
     with coord.phase(Phase.COMMIT):
         if coord.rank == 0:
+            coord.raise_if_left(Phase.COMMIT)
             storage.remove(target_directory.probe_name(planned.token))
-            commit(storage, planned.plan, planned.entries, written, run.options.hooks.after_commit)
+            commit(
+                storage,
+                planned.plan,
+                planned.entries,
+                written,
+                run.options.hooks.after_commit,
+                exclusive=True,
+            )
 
 
 def _agreed_options(options: SaveOptions) -> dict[str, Any]:
@@ -305,7 +313,8 @@ def _write(run: SaveRun, planned: Planned) -> list[dict[str, WrittenFile]]:
             finally:
                 items.clear()  # drop references to staged state before waiting on others
     except CheckpointError:
-        remove_quietly(storage, list(written))
+        if not run.coord.gave_up:  # agreed: nobody commits. Else rank 0 still may
+            remove_quietly(storage, list(written))
         raise
     return phase.payloads
 
@@ -317,10 +326,19 @@ def commit(
     written: list[dict[str, WrittenFile]],
     after_commit: Callable[[], None] | None,
     extra_info: Mapping[str, Any] | None = None,
+    *,
+    exclusive: bool = False,
 ) -> None:
     """Write the manifest of ``plan`` last, once the data files are durable (also the
     converters' commit, see ``streaming.py``). ``extra_info`` joins the manifest's
-    ``info`` (a rank checkpoint's placements, ``tiers/rank_checkpoint.py``)."""
+    ``info`` (a rank checkpoint's placements, ``tiers/rank_checkpoint.py``).
+
+    ``exclusive`` (a save's): refused if a manifest appeared meanwhile. Two saves to one
+    path at once (a job launched twice): the second took the first's files for an
+    interrupted save's and cleared them, committed, and the first's manifest then
+    replaced its own, naming data it did not describe; the first save returned as if
+    committed (found in review). Now the later commit fails and the committed checkpoint
+    stays as it was (where the store has conditional creates, and locally)."""
     # Not parsed again: check_loadable parsed this manifest, but for its checksums, before
     # any data was written, and the writers report what the plan said they would write.
     raw = manifest_of(plan, entries, written, _info(extra_info), CRC_BLOCK_BYTES).to_json()
@@ -328,7 +346,16 @@ def commit(
     # them is (a power loss must not leave a manifest without its files): each writer's
     # file was finished, so its name is durable (Storage.create; dir_sync.py), before
     # the write phase agreed.
-    storage.commit(MANIFEST_NAME, raw)
+    try:
+        storage.commit(MANIFEST_NAME, raw, exclusive=exclusive)
+    except FileExistsError:
+        raise CheckpointError(
+            f"another save committed a checkpoint at {storage.directory} "
+            "while this one was writing there, so this save did not commit (that checkpoint "
+            "is kept as it is): two saves to one path at once replace each other's files. "
+            "Save each run to a path of its own, or through a CheckpointManager, whose lock "
+            "keeps a second run off its root"
+        ) from None
     storage.remove(target_directory.INCOMPLETE_MARKER)
     if after_commit is not None:
         after_commit()

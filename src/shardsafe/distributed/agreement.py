@@ -13,6 +13,7 @@ every payload into one part per rank (:func:`decide`) and each rank reads its ow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -98,6 +99,20 @@ def abandon(link: Link, error: BaseException) -> None:
         if phase not in link.posted_phases:
             post(link, phase, None, error)
     link.last_posted = last
+
+
+def give_up(link: Link, verdict: CheckpointError) -> None:
+    """This rank stopped waiting on its own (its phase timeout ran out, or it called a
+    slow rank dead), an error not agreed: the others may yet all post. Its verdict is
+    posted as its failure of every later phase (:func:`abandon`), so that a rank late in
+    this phase raises it as soon as it goes on, instead of waiting out a timeout of its
+    own and then blaming this rank; and rank 0, before it commits, sees that this rank
+    left (``Coordinator.raise_if_left``). This rank's files stay (``Link.gave_up``): rank
+    0 may have committed them already. Before, such a rank deleted its shard, and rank 0
+    committed a manifest naming it (found in review)."""
+    link.gave_up = True
+    with contextlib.suppress(Exception):  # the store gone: the verdict is the news
+        abandon(link, verdict)
 
 
 def read_payloads(link: Link, phase: Phase) -> list[Any]:

@@ -20,17 +20,15 @@ waits until all have posted or one has failed. So
   agreed that it holds its data, so they cannot be entered by only some ranks.
 
 :class:`Coordinator` is the face the engine sees; the work is done by job, each in a
-module of its own: ``store_keys`` (every key in the store, built in one place),
-``agreement`` (publishing an outcome, waiting, deciding the error every rank raises,
-rank 0's decisions), ``lifecycle`` (connections, the entry, heartbeats, withdrawal,
-the acknowledgement at close), ``payloads`` (a payload stays until every rank has read
-it) and ``link`` (what they share). With ``only_rank0_reads`` only rank 0 reads the
-payloads; with ``decide`` rank 0 alone turns them into one part per rank (the save
-plan) and each rank reads its own part.
+module of its own: ``store_keys`` (every key in the store), ``agreement`` (publishing an
+outcome, waiting, the error every rank raises, rank 0's decisions), ``lifecycle``
+(connections, the entry, heartbeats, withdrawal, the acknowledgement at close),
+``payloads`` (a payload stays until every rank has read it) and ``link`` (what they
+share). With ``only_rank0_reads`` only rank 0 reads the payloads; with ``decide`` rank 0
+alone turns them into one part per rank (the save plan), each rank reading its own.
 
 Once every rank has entered, each runs a :class:`Heartbeat`, so a rank that dies is named
-within ``dead_after`` seconds. What a dead rank means for the checkpoint is for the
-caller to say (``aftermath``).
+within ``dead_after`` seconds; what that means for the checkpoint, the caller says.
 """
 
 from __future__ import annotations
@@ -249,16 +247,25 @@ class Coordinator:
 
     def abandon(self, error: BaseException) -> None:
         """This rank leaves the operation by ``error``, which no phase agreed on (an
-        interrupt, or an exception outside any phase block): every other rank raises it at
-        once, naming this rank (``agreement.abandon``), instead of waiting for this rank's
-        heartbeat to stop or its phase timeout. Nothing to do if the error was agreed;
-        never raises (the error being raised matters more). Call it before :meth:`close`."""
+        interrupt, an exception outside any phase block): every other rank raises it at
+        once, naming this rank (``agreement.abandon``), not after a heartbeat or timeout.
+        Nothing to do if the error was agreed; never raises. Call it before :meth:`close`."""
         link = self._link
         if link.store is None or link.lost or link.failed or not self._life.entered:
             return
         link.failed = link.interrupted = True
         with contextlib.suppress(Exception):
             agreement.abandon(link, error)
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether this rank's error is its own verdict, not agreed (``agreement.give_up``)."""
+        return self._link.gave_up
+
+    def raise_if_left(self, phase: Phase) -> None:
+        """Raise the agreed error if a rank already failed ``phase`` (``agreement.give_up``)."""
+        if self._link.store is not None and agreement.phase_failed(self._link, phase):
+            raise agreement.agreed(self._link, phase)
 
     def _agreeing(self, step: Callable[[], Any]) -> Any:
         """Run ``step``; an error it raises is one every rank raises (no need to abandon)."""
@@ -317,12 +324,11 @@ class Coordinator:
         own = [keys.payload(phase, link.rank)] if payload is not None else []
         try:
             self._wait(phase, timeout, error, check_first=False, woke=woke)
-        except CheckpointError:
+        except CheckpointError as e:
             if agreement.phase_failed(link, phase):
                 self._payloads.failed(own)
-            # else this rank timed out (or called a slow rank dead): the others may yet
-            # all post and read every payload, so its own stays (one key), rather than
-            # leave a reader blocked on it until the store's timeout.
+            else:  # timed out, or called a slow rank dead: its payload stays (one key)
+                agreement.give_up(link, e)  # for others that may yet read it
             raise
         # Every rank has posted this phase, so every rank has read the earlier payloads.
         self._payloads.agreed(phase, own)

@@ -64,6 +64,9 @@ class Link:
     """Every rank has raised (or will raise) an agreed error: nothing left to tell."""
     interrupted: bool = False
     """This rank left the operation by an interrupt it told the others of (``abandon``)."""
+    gave_up: bool = False
+    """This rank stopped waiting on its own (a phase timeout, a rank it called dead): the
+    others may yet finish the phase, and rank 0 commit what every rank wrote."""
     called_as: str | None = None
     """What the user calls, for the message to a rank that waited for one that never came
     (``reports.missing_message``); ``None``: ``shardsafe.<operation>``."""

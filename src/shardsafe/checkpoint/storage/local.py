@@ -153,8 +153,11 @@ class LocalStorage:
             os.close(fd)
             raise
 
-    def commit(self, name: str, data: bytes) -> None:
-        """Write ``data`` under ``name`` atomically: temp file, fsync, rename, fsync dir."""
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write ``data`` under ``name`` atomically: temp file, fsync, rename, fsync dir.
+
+        ``exclusive``: only if ``name`` does not exist (a hard link, which fails if it
+        does: ``FileExistsError``); where the filesystem has no hard links, a rename."""
         tmp = commit_temp_name(check_name(name))
         self.remove(tmp)  # a stale one from a dead process that had this pid
         with naming(self.where(tmp)):
@@ -163,12 +166,27 @@ class LocalStorage:
         try:
             sink.write(memoryview(data))
             sink.finish()
-            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            if not (exclusive and self._link_new(tmp, name)):
+                os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
             sink.abort()
             self.remove(tmp)
             raise
         self.sync_directory()
+
+    def _link_new(self, tmp: str, name: str) -> bool:
+        """Link ``tmp`` as ``name`` if ``name`` does not exist, then drop ``tmp``; whether
+        the filesystem could (``False``: no hard links here, nothing done)."""
+        try:
+            os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                return False
+            raise
+        os.unlink(tmp, dir_fd=self.fd)
+        return True
 
     def sync_directory(self) -> None:
         os.fsync(self.fd)

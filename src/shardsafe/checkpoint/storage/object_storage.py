@@ -18,6 +18,7 @@ other processes write the same prefix.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -60,6 +61,12 @@ def check_url_segments(url: str) -> None:
             f"{url!r} has an empty, '.' or '..' segment in its path; an object store keeps "
             "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
             "and no dot segments"
+        )
+    if url.startswith(("s3://", "s3a://")) and "?versionid=" in url.lower():
+        # s3fs reads it as an object version, and the save failed with "Bad Request".
+        raise CheckpointError(
+            f"{url!r} names an object version (?versionId=), which s3fs reads from an S3 "
+            "URL: a checkpoint is a prefix of objects, not one version of one; remove it"
         )
 
 
@@ -251,8 +258,19 @@ class FsspecStorage:
         part = self.part_bytes(size_hint)
         return FsspecFileSink(self.fs, self._key(name), self.where(name), part)
 
-    def commit(self, name: str, data: bytes) -> None:
-        """Write ``data`` under ``name`` in one PUT: atomic on object stores."""
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write ``data`` under ``name`` in one PUT: atomic on object stores.
+
+        ``exclusive``: only if ``name`` does not exist (a conditional create, S3's
+        ``If-None-Match: *``: ``FileExistsError`` if it does); where the filesystem has
+        none, a plain PUT."""
+        if exclusive:
+            try:
+                if not self.create_exclusive(name, data):
+                    raise FileExistsError(errno.EEXIST, "exists", self.where(name))
+                return
+            except NotImplementedError:
+                pass
         self.fs.pipe_file(self._key(name), bytes(data))
         self._fresh()
 
