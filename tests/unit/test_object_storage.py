@@ -788,6 +788,45 @@ def test_retention_never_deletes_a_step_it_could_not_read(
     manager.close()
 
 
+def test_retention_never_deletes_a_step_a_store_said_once_has_no_manifest(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One HEAD of step 2's manifest answered "not found" during retention (what an
+    eventually consistent S3-compatible store can answer): step 2 counted as an
+    interrupted save and was deleted, though its listing showed the manifest, and
+    keep_last=2 kept step 1 in its place. Now it is left in place, with a warning."""
+    import s3fs.core
+
+    manager = shardsafe.CheckpointManager(f"s3://{s3_bucket}/run", keep_last=2)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((4,), float(step))})
+    call = s3fs.core.S3FileSystem._call_s3
+    missing = {"armed": False, "left": 1}
+
+    async def once_missing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        asked = kwargs.get("Key") == "run/step-000000002/manifest.json"
+        if missing["armed"] and method == "head_object" and asked and missing["left"]:
+            missing["left"] -= 1
+            raise FileNotFoundError(kwargs["Key"])
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", once_missing)
+    arm = SaveHooks(before_write=lambda: missing.update(armed=True))  # after the checks
+    with pytest.warns(UserWarning) as said:
+        manager.save(3, {"w": torch.full((4,), 3.0)}, hooks=arm)
+    monkeypatch.undo()
+    assert missing["left"] == 0
+    assert [str(w.message) for w in said] == [
+        f"shardsafe: retention left s3://{s3_bucket}/run/step-000000002 in place: it looked "
+        "like an interrupted save (no manifest.json when asked), but its listing holds one; "
+        "the next save looks again"
+    ]
+    assert manager.complete_steps() == [1, 2, 3]  # nothing was lost; one more kept
+    manager.save(4, {"w": torch.full((4,), 4.0)})  # the next save's retention catches up
+    assert manager.complete_steps() == [3, 4]
+    manager.close()
+
+
 def test_a_managers_unmade_client_is_an_error_not_no_checkpoint(tmp_path: Path) -> None:
     """A store's client that cannot be made (a broken gcsfs credentials file) read as "no
     checkpoint": latest() and load_latest() returned None without asking the store, and
@@ -808,3 +847,31 @@ def test_a_managers_unmade_client_is_an_error_not_no_checkpoint(tmp_path: Path) 
         manager.load_latest({"w": torch.zeros(2)})
     assert str(loaded.value).startswith(said), loaded.value
     manager.close()
+
+
+def test_two_managers_of_one_process_share_the_lock_however_the_scheme_is_spelled(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """``s3://`` and ``s3a://`` name one root: each manager counted the lock under its own
+    spelling, and the first to close deleted the lock the other still held."""
+    first = shardsafe.CheckpointManager(f"s3://{s3_bucket}/run")
+    second = shardsafe.CheckpointManager(f"s3a://{s3_bucket}/run")
+    first.save(1, {"w": torch.ones(2)})
+    second.save(2, {"w": torch.ones(2)})
+    first.close()
+    assert "run/.shardsafe.lock" in s3_server.keys(s3_bucket)
+    second.save(3, {"w": torch.ones(2)})
+    second.close()
+    assert "run/.shardsafe.lock" not in s3_server.keys(s3_bucket)
+
+
+def test_an_s3_url_naming_an_object_version_is_refused_by_name(s3_bucket: str) -> None:
+    """s3fs reads ``?versionId=`` as an object version: the save failed with a bare "Bad
+    Request"."""
+    url = f"s3://{s3_bucket}/run/ck?versionId=1"
+    with pytest.raises(CheckpointError) as refused:
+        shardsafe.save(url, {"w": torch.ones(2)})
+    assert str(refused.value) == (
+        f"{url!r} names an object version (?versionId=), which s3fs reads from an S3 URL: a "
+        "checkpoint is a prefix of objects, not one version of one; remove it"
+    )

@@ -364,9 +364,8 @@ class CheckpointManager:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
         with self._root_storage() as root:
             root.commit(LATEST, (step_dir_name(step) + "\n").encode())
-            keep, unknown = self._classified_steps()
-            if self.keep_last is not None:
-                keep = keep[-self.keep_last :]
+            committed, unknown = self._classified_steps()
+            keep = committed[-self.keep_last :] if self.keep_last is not None else committed
             for name in root.names():
                 if _POINTER_TEMP.fullmatch(name) and root.kind(name) != "directory":
                     root.remove(name)  # a pointer update killed half-way (a link: itself)
@@ -382,7 +381,7 @@ class CheckpointManager:
                         f"complete checkpoint could not be read ({unknown[found]})"
                     )
                 elif found not in keep and found != step:
-                    delete_checkpoint(root, name)
+                    delete_checkpoint(root, name, uncommitted=found not in committed)
                 elif found != step:
                     self._drop_stale_marker(name)
 

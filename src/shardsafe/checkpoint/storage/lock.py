@@ -123,7 +123,7 @@ class RootLock:
                 self._take_over_or_refuse(root, backend, raw)
             self._recheck = not backend.holds_exclusive
             where = root.where(LOCK_NAME)
-            self._key = (str(self.me["token"]), where if is_url(where) else os.path.realpath(where))
+            self._key = (str(self.me["token"]), _canonical(where))
         with _HOLDERS_LOCK:
             _HOLDERS[self._key] = _HOLDERS.get(self._key, 0) + 1
         self.held = True
@@ -233,3 +233,18 @@ class RootLock:
         with contextlib.suppress(Exception), self._open_root() as root:
             if self._owner(root, root.lock_backend()).get("token") == self.me["token"]:
                 root.remove(LOCK_NAME)
+
+
+_SCHEME_ALIASES = {"s3a://": "s3://", "gcs://": "gs://"}
+
+
+def _canonical(where: str) -> str:
+    """One spelling of a lock's place: a path resolved, a URL with its scheme's usual name
+    (``s3a://`` and ``s3://`` name one object; two managers of one process keyed by each
+    spelling took the lock twice, and the first to close deleted it, found in review)."""
+    if not is_url(where):
+        return os.path.realpath(where)
+    for alias, usual in _SCHEME_ALIASES.items():
+        if where.startswith(alias):
+            return usual + where[len(alias) :]
+    return where

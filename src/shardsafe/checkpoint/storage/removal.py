@@ -26,7 +26,9 @@ def foreign_entries(step: Storage) -> list[str]:
     return [n for n in step.names() if not (OURS.fullmatch(n) and step.kind(n) == "file")]
 
 
-def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> None:
+def delete_checkpoint(
+    root: Storage, name: str, *, replaced: bool = True, uncommitted: bool = False
+) -> None:
     """Delete what shardsafe wrote in ``root/name``, never following or deleting a link.
 
     A directory holding anything else is left untouched, with a warning. Otherwise it is
@@ -35,6 +37,10 @@ def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> Non
     manifest, then the data files, then itself. ``replaced``: a newer checkpoint replaced
     it (retention), which a failure's error says is committed; else the error names the
     failed deletion alone (a restore deleting a damaged or a later step's copy).
+    ``uncommitted``: retention deletes it as an interrupted save, having found no
+    manifest; if its listing shows one after all (an object store's answer that changed
+    between two requests), it is left in place with a warning: before, one such answer
+    deleted a checkpoint ``keep_last`` kept (found in review).
     """
     try:
         with root.child(name) as step:
@@ -46,6 +52,13 @@ def delete_checkpoint(root: Storage, name: str, *, replaced: bool = True) -> Non
                 )
                 return
             names = step.names()
+            if uncommitted and MANIFEST_NAME in names:
+                warn(
+                    f"retention left {step.directory} in place: it looked like an interrupted "
+                    f"save (no {MANIFEST_NAME} when asked), but its listing holds one; the "
+                    "next save looks again"
+                )
+                return
             recorded = True
             try:
                 record(step, names)  # what a save into it may clear, if this is interrupted
