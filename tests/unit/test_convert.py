@@ -314,6 +314,33 @@ def test_destinations_are_never_overwritten(
     assert "exists" in capsys.readouterr().err and (tmp_path / "f.pt").read_bytes() == b"mine"
 
 
+def test_a_name_in_a_file_cannot_forge_a_line_of_the_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torch.save file whose storage key holds a newline: torch's reader quotes it, and
+    the error printed a second line taken from the file (here, a forged success)."""
+    import io
+    import zipfile
+
+    from tests import pickles as P
+
+    made = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, made)
+    with zipfile.ZipFile(io.BytesIO(made.getvalue())) as archive:
+        pickled = archive.read("archive/data.pkl")
+    key = "0\nshardsafe: converted OK, 0 problems"
+    forged = pickled.replace(
+        b"X\x01\x00\x00\x000", b"X" + len(key).to_bytes(4, "little") + key.encode()
+    )
+    assert forged != pickled
+    source = tmp_path / "forged.pt"
+    source.write_bytes(P.torch_archive(forged, storages={"0": bytes(16)}))
+    assert cli.main(["convert", str(source), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "data/0\\x0ashardsafe: converted OK" in err, err
+
+
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     assert cli.main(["convert", str(tmp_path / "empty"), str(tmp_path / "o")]) == 1
@@ -328,6 +355,16 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "shardsafe convert: error: argument --max-shard-size: max shard size 'lots' is not a "
         "size such as 5GB, 500MB or 10KB\n"
     )
+    huge = "9" * 400 + "GB"  # a float of it was infinity: a raw OverflowError before
+    assert cli.main([*args, "--max-shard-size", huge]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"shardsafe convert: error: argument --max-shard-size: max shard size {huge[:100]!r} "
+        "is not a size such as 5GB, 500MB or 10KB\n"
+    )
+    assert cli.main([*args, "--max-shard-size", "9" * 30 + "GB"]) == 2
+    assert capsys.readouterr().err.endswith(f"is too large: at most {2**63 - 1} bytes\n")
+    assert cli.main([*args, "--untrusted-bytes-limit", huge]) == 2
+    assert "is not a number of bytes or a size such as 512MiB" in capsys.readouterr().err
     assert cli.main([*args[:-1], "dcp", "--strip-prefix", "model."]) == 2
     assert capsys.readouterr().err == (
         "shardsafe convert: error: strip_prefix and add_prefix rename Hugging Face weights: "

@@ -610,3 +610,41 @@ def test_an_hf_index_that_maps_no_tensor_is_refused(tmp_path: Path) -> None:
     with pytest.raises(shardsafe.CheckpointCorruptError, match="empty weight_map"):
         shardsafe.convert(tmp_path / "hf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", {"lr": 0.1}, {"state": {}, "param_groups": 3}])
+def test_a_lightning_entry_named_optimizer_that_is_no_optimizer_stays_a_value(
+    tmp_path: Path, optimizer: object
+) -> None:
+    """A file laid out as a shardsafe Lightning checkpoint whose ``optimizer`` entry is no
+    optimizer state: read as one, it raised a raw TypeError or KeyError (a "bug in
+    shardsafe" on the command line). It is now kept as the value it is."""
+    source = tmp_path / "source.pt"
+    lightning = {"pytorch-lightning_version": "2.4.0", "epoch": 1}
+    torch.save(
+        {"lightning": lightning, "model": {"w": torch.ones(2)}, "optimizer": optimizer}, source
+    )
+    shardsafe.convert(source, tmp_path / "out.pt", to="torch", progress=False)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["optimizer"] == optimizer and "optimizer_states" not in out
+    assert torch.equal(out["state_dict"]["w"], torch.ones(2)) and out["epoch"] == 1
+
+
+def test_a_key_dcp_stores_as_text_is_warned_about(tmp_path: Path) -> None:
+    """An optimizer's numbered state converted --to dcp read back with keys '0', '1', and
+    Adam.load_state_dict of it dropped the momentum in silence: now said when converted."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    source = tmp_path / "source.pt"
+    torch.save({"state_dict": model.state_dict(), "optimizer": opt.state_dict()}, source)
+    with pytest.warns(UserWarning) as said:
+        shardsafe.convert(source, tmp_path / "dcp", to="dcp", progress=False)
+    assert [str(w.message) for w in said] == [
+        "shardsafe: DCP stores every key as text, so the key 0 of ['optimizer']['state'][0] "
+        "(and any other key that is no string) reads back as '0' unless loaded into a state "
+        "dict of your own (dcp.load uses its keys); an optimizer's numbered state read back "
+        "so no longer matches its param_groups. Convert --to torch or --to shardsafe to keep "
+        "the keys' types"
+    ]

@@ -319,6 +319,24 @@ def test_many_views_of_one_storage_count_beyond_a_tensor_and_one_alias(tmp_path:
     assert converted.exitcode == 0 and converted.error is None, converted.describe()
 
 
+def test_many_views_of_one_storage_in_a_dcp_bytes_item_count_alike(tmp_path: Path) -> None:
+    """The same 5000 views of one 256 KiB storage, held by a DCP checkpoint's bytes item
+    (DCP pickles a tuple whole): a 274 KB checkpoint converted to 1.3 GB, never counted
+    against the limit that refuses the torch.save file of it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    base = torch.arange(2**16, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP saves in one process
+        dcp.save({"x": tuple([base] * 5000)}, checkpoint_id=str(tmp_path / "dcp"))
+    assert sum(f.stat().st_size for f in (tmp_path / "dcp").iterdir()) < 2 << 20
+    outcome = attack(tmp_path / "dcp", tmp_path / "out", dry_run=True)
+    refused(outcome, f"would allocate {4998 * 2**18} bytes")
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_limit_is_an_option(tmp_path: Path) -> None:
     """4 MiB of expanded view: refused at 1 MiB, converted at 8 MiB and by default."""
     src = expanded_file(tmp_path / "w.pt", 2**20)

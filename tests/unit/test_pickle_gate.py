@@ -117,6 +117,17 @@ COLLIDING_KEYS += (
 # OrderedDict whose items() was 3.
 CALLS: dict[str, tuple[bytes, str, str]] = {  # pickle, fragment for DCP, for torch
     "4000 int keys sharing one hash": (COLLIDING_KEYS, "share a hash", "share a hash"),
+    # The check itself was quadratic: 40,000 keys took a minute to be refused.
+    "60,000 int keys sharing one hash": (
+        P.PROTO2
+        + P.EMPTY_DICT
+        + P.MARK
+        + b"".join(P.long1(k) + P.i(0) for k in P.colliding_ints(60_000))
+        + P.SETITEMS
+        + P.STOP,
+        "share a hash",
+        "share a hash",
+    ),
     "bytearray(2**30)": (
         P.PROTO2 + P.call("builtins", "bytearray", P.i(2**30)) + P.STOP,
         "the global builtins.bytearray",

@@ -21,6 +21,7 @@ import contextlib
 import io
 import math
 import pickle
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -61,6 +62,7 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     """DCP's flattening (``_traverse.traverse_state_dict``), with :class:`TensorRef` s as
     its tensors; two paths that DCP would store under one name are refused."""
     leaves: list[Leaf] = []
+    retyped: list[tuple[Any, ...]] = []  # paths to a key that is no string
 
     def terminal(value: Any) -> bool:
         if isinstance(value, Mapping):
@@ -75,6 +77,8 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     def visit(path: tuple[str | int, ...], keys: tuple[Any, ...], value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
+                if not isinstance(k, str) and not retyped:
+                    retyped.append((*keys, k))
                 visit((*path, str(k)), (*keys, k), v)
         elif terminal(value):
             leaves.append(Leaf(path, value, keys))
@@ -85,7 +89,25 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     for key, value in tree.items():
         visit((str(key),), (key,), value)
     check_distinct(leaves)
+    if retyped:
+        _warn_retyped(retyped[0])
     return leaves
+
+
+def _warn_retyped(keys: tuple[Any, ...]) -> None:
+    """DCP keeps every key as text: a key of another type (an optimizer's numbered state,
+    ``{0: ...}``) reads back as its text without a template, and ``load_state_dict`` of
+    such an optimizer state drops the state in silence (found in review)."""
+    where = "".join(f"[{k!r}]" for k in keys)
+    warnings.warn(
+        f"shardsafe: DCP stores every key as text, so the key {keys[-1]!r} of {where} (and "
+        f"any other key that is no string) reads back as {str(keys[-1])!r} unless loaded "
+        "into a state dict of your own (dcp.load uses its keys); an optimizer's numbered "
+        "state read back so no longer matches its param_groups. Convert --to torch or "
+        "--to shardsafe to keep the keys' types",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def check_distinct(leaves: list[Leaf]) -> None:

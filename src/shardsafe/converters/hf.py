@@ -24,6 +24,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -56,13 +57,18 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         size = text
     else:
-        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        unit = found.group(2).upper() if found else None
+        found = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([A-Za-z]*)\s*", text[:100])
+        unit = found.group(2).upper() if found and len(text) <= 100 else None
         if found is None or unit not in _UNITS:
-            raise ValueError(f"max shard size {text!r} is not a size such as 5GB, 500MB or 10KB")
-        size = int(float(found.group(1)) * _UNITS[unit])
+            raise ValueError(
+                f"max shard size {text[:100]!r} is not a size such as 5GB, 500MB or 10KB"
+            )
+        # Exact (a float made 400 nines infinity, and int() of it an OverflowError).
+        size = int(Fraction(found.group(1)) * _UNITS[unit])
     if size <= 0:
         raise ValueError(f"max shard size {text!r} must be positive")
+    if size >= 2**63:
+        raise ValueError(f"max shard size {text!r} is too large: at most {2**63 - 1} bytes")
     return size
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointCorruptError
+from .entries import is_optimizer
 
 VERSION_KEY = "pytorch-lightning_version"
 LIGHTNING = "lightning"
@@ -47,9 +48,14 @@ def lightning_layout(tree: dict[str, Any], where: str) -> dict[str, Any] | None:
 
 
 def _optimizer_entries(tree: Mapping[str, Any]) -> list[str]:
-    """``optimizer``, ``optimizer_1``, ... as far as they go (the strategy's names)."""
+    """``optimizer``, ``optimizer_1``, ... as far as they go (the strategy's names), each
+    an FQN-keyed optimizer state (``entries.is_optimizer``): an entry of that name holding
+    anything else (a string, a dict without ``param_groups``) stays a plain value; it was
+    read as one, and a crafted checkpoint raised a raw TypeError (found in review)."""
     names: list[str] = []
     while (name := "optimizer" if not names else f"optimizer_{len(names)}") in tree:
+        if not is_optimizer(tree[name]):
+            break
         names.append(name)
     return names
 

@@ -22,6 +22,7 @@ from typing import IO, Any
 import torch
 
 from .. import dtypes
+from .._text import terminal_safe
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import calls
 from .policy import Policy
@@ -129,7 +130,8 @@ def check_archive(stream: IO[bytes], where: str) -> bool:
         raise
     except Exception as e:
         raise CheckpointCorruptError(
-            f"{where} is not a readable torch.save archive: {type(e).__name__}: {str(e)[:500]}"
+            f"{where} is not a readable torch.save archive: {type(e).__name__}: "
+            f"{terminal_safe(str(e)[:500])}"
         ) from None
     finally:
         stream.seek(0)
@@ -161,8 +163,10 @@ def _torch_load(file: str | IO[bytes], where: str, *, mapped: bool) -> Any:
         raise
     except Exception as e:  # torch raises many types for a damaged archive
         said = str(e).split("\nException raised from", 1)[0]  # not torch's C++ stack
+        # Escaped: the message quotes the file (a record's name), and a newline there
+        # forged a line of the command's output (found in review).
         raise CheckpointCorruptError(
             f"cannot read {where} with torch.load(weights_only=True): {type(e).__name__}: "
-            f"{said[:1000]}. shardsafe reads only files made of tensors and plain data; "
-            "re-save it without custom objects."
+            f"{terminal_safe(said[:1000])}. shardsafe reads only files made of tensors and "
+            "plain data; re-save it without custom objects."
         ) from None

@@ -98,7 +98,7 @@ def scan(data: bytes, where: str, policy: Policy) -> None:
                 f"it shares references so that walking or hashing it would visit more than "
                 f"{cap} values ({EXPANSION} times the {len(machine.kinds)} it creates)"
             )
-        shared = worst_collision(machine)
+        shared = worst_collision(machine, MAX_COLLISIONS)
         if shared > MAX_COLLISIONS:
             raise Refused(
                 f"{shared} distinct keys of one dict or set share a hash (at most "
