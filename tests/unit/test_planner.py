@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -282,8 +284,20 @@ def test_consolidated_files_are_named_after_state_values() -> None:
 def test_consolidated_file_name() -> None:
     assert consolidated_file_name("model", 0) == "model.safetensors"
     assert consolidated_file_name("ema.v2", 3) == "ema.v2.safetensors"
-    for odd in ["my model", "../x", "a..b", ".hidden", "x/y", "é", "x" * 102]:
+    for odd in ["my model", "../x", "a..b", ".hidden", "x/y", "é", "x" * 102, "ema."]:
         assert consolidated_file_name(odd, 7) == "value-007.safetensors"
+
+
+def test_a_value_whose_name_ends_in_a_dot_saves_consolidated(tmp_path: Path) -> None:
+    """``ema.`` made ``ema..safetensors``, which the save's own check of its manifest
+    refused as "malformed": the save of a legitimate state failed."""
+    import shardsafe
+
+    state = {"ema.": {"w": torch.arange(4.0)}}
+    shardsafe.save(tmp_path / "ck", state, layout="consolidated")
+    out = shardsafe.load(tmp_path / "ck", {"ema.": {"w": torch.zeros(4)}})
+    assert torch.equal(out["ema."]["w"], torch.arange(4.0))
+    assert sorted(os.listdir(tmp_path / "ck")) == ["manifest.json", "value-000.safetensors"]
 
 
 def test_two_values_never_share_a_consolidated_file() -> None:

@@ -527,3 +527,30 @@ def test_an_expanded_buffer_its_parents_loading_handles_is_not_refused(tmp_path:
     target = Parent()
     shardsafe.load(tmp_path / "c", {"model": target})
     assert torch.equal(target.child.b0, torch.arange(4.0).reshape(2, 2))
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("where", ["value", "buffer"])
+def test_a_nested_tensor_is_refused_with_a_way_out_that_works(
+    tmp_path: Path, layout: torch.layout, where: str
+) -> None:
+    """As a module buffer, a strided nested tensor raised torch's "Internal error ...
+    Please file an issue"; a jagged one was told to use to_dense(), which torch refuses
+    for it. Both are refused alike, naming unbind() and to_padded_tensor(0), which work."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: the nested tensor API is a prototype
+        nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=layout)
+    state: dict[str, Any] = {"v": nested}
+    if where == "buffer":
+        module = nn.Module()
+        module.register_buffer("b", nested)
+        state = {"m": module}
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        shardsafe.save(tmp_path / "ck", state)
+    said = str(refused.value)
+    assert "save its components (tensor.unbind()) or its padded form" in said, said
+    assert "Internal error" not in said and "to_dense" not in said, said
+    assert nested.to_padded_tensor(0).shape == (2, 3) and len(nested.unbind()) == 2
+    assert not (tmp_path / "ck").exists()

@@ -244,13 +244,18 @@ def chunks_of(key: str, tensor: torch.Tensor, *, replicated: bool) -> list[Chunk
     ``replicated`` if every rank holds the same copy."""
     if is_dtensor(tensor):
         return [local_chunk(key, tensor)]
-    if tensor.is_nested and tensor.layout == torch.strided:  # has no shape to plan by
+    refuse_nested(key, tensor)
+    return [Chunk.whole(key, tensor.detach(), replicated=replicated)]
+
+
+def refuse_nested(key: str, tensor: torch.Tensor) -> None:
+    """A strided nested tensor has no shape to plan by: refused, with the way out."""
+    if tensor.is_nested and tensor.layout == torch.strided:
         raise CheckpointError(
             f"cannot save {key!r}: it is a nested tensor (torch.strided layout), whose bytes "
             "are not one array; save its components (tensor.unbind()) or its padded form "
             "(tensor.to_padded_tensor(0))"
         )
-    return [Chunk.whole(key, tensor.detach(), replicated=replicated)]
 
 
 def local_of(value: torch.Tensor) -> torch.Tensor:

@@ -384,7 +384,10 @@ def _request(key: str, value: torch.Tensor) -> ReadRequest:
 def _buffer_chunk(key: str, tensor: torch.Tensor) -> Chunk:
     """A buffer as every rank holding it offers it. Built directly, not with
     ``dataclasses.replace`` (~14 us): an asynchronous save stalls training while every
-    buffer of the model passes here."""
+    buffer of the model passes here. A nested buffer is refused as a nested value is
+    (its shape raised torch's "Internal error ... Please file an issue", found in review)."""
+    if tensor.is_nested:
+        dtensor.refuse_nested(key, tensor)
     shape = tuple(tensor.shape)
     return Chunk(key, tensor, shape, (0,) * len(shape), replicated=True, lowest_rank_wins=True)
 

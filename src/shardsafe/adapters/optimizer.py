@@ -61,8 +61,14 @@ def export_state(
     ctx: SaveContext,
     *,
     replicated: bool,
+    copies: bool = False,
 ) -> SaveItem:
-    """Encode ``local``'s state and the hyperparameters of the (global) ``groups``."""
+    """Encode ``local``'s state and the hyperparameters of the (global) ``groups``.
+
+    ``copies`` (a partitioned optimizer's): a parameter's state that is no DTensor may be
+    held alike by several ranks, stored once (``Chunk.copies_allowed``): ZeRO sharded
+    within each node's group and replicated across them (``process_group=``, under DDP
+    over every rank) was refused as shards that "overlap or leave holes" (review)."""
     chunks: list[Chunk] = []
     where = f"state[{ctx.name!r}]"
 
@@ -72,6 +78,8 @@ def export_state(
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
             key = ctx.key(*prefix, *path)
             found = dtensor.chunks_of(key, tensor, replicated=same_on_every_rank)
+            if copies and not same_on_every_rank and not dtensor.is_dtensor(tensor):
+                found = [replace(c, copies_allowed=True) for c in found]
             chunks.extend(replace(c, always_verify=True) if verify else c for c in found)
             return key
 

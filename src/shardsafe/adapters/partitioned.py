@@ -68,7 +68,8 @@ class PartitionedOptimizerAdapter(Adapter):
         # A scheduler may have changed the global groups since the last step.
         local = self.local(obj)
         self.sync_groups(obj.param_groups, local.param_groups)
-        return export_state(_completed(obj.param_groups, local), local, ctx, replicated=False)
+        groups = _completed(obj.param_groups, local)
+        return export_state(groups, local, ctx, replicated=False, copies=True)
 
     def merge(self, metas: list[JSON]) -> JSON:
         return merge_optimizer_metas(metas)
@@ -102,14 +103,20 @@ class ZeroAdapter(PartitionedOptimizerAdapter):
         # With overlap_with_ddp=True, ZeRO builds its local optimizer only in its DDP
         # communication hook, during the first training steps: before that there is no
         # ``.optim`` (an AttributeError from deep inside a save or load).
+        # Even after them, that optimizer is torch's functional one (``_FunctionalAdam``),
+        # no torch.optim.Optimizer: the advice to save after the first steps never worked
+        # (found in review).
         local = getattr(obj, "optim", None)
         if not isinstance(local, torch.optim.Optimizer):
+            built = (
+                "has no local optimizer yet" if local is None else "holds no torch.optim optimizer"
+            )
             raise CheckpointError(
-                "this ZeroRedundancyOptimizer has no local optimizer yet: with "
-                "overlap_with_ddp=True it builds it in its DDP communication hook, during "
-                "the first training steps (torch's own state_dict() and load_state_dict() "
-                "refuse it as well). Save or load it after those steps, or build it with "
-                "overlap_with_ddp=False"
+                f"this ZeroRedundancyOptimizer {built}: with overlap_with_ddp=True its local "
+                "optimizer is torch's functional one, built in its DDP communication hook "
+                "during the first training steps, which neither torch's own state_dict() "
+                "nor shardsafe can save or load. Build it with overlap_with_ddp=False to "
+                "checkpoint it"
             )
         return local
 

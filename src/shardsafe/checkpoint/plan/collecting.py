@@ -137,6 +137,11 @@ def _check_chunk(chunk: Chunk, name: str) -> None:
 
 def _not_plain(tensor: torch.Tensor) -> tuple[str, str] | None:
     """What ``tensor`` is, and how to save it, if its bytes cannot be read as they are."""
+    if tensor.is_nested:  # torch.jagged: to_dense() refuses it
+        how = (
+            "save its components (tensor.unbind()) or its padded form (tensor.to_padded_tensor(0))"
+        )
+        return f"a {tensor.layout} tensor", how
     if tensor.layout != torch.strided:
         return f"a {tensor.layout} tensor", "save its dense form (tensor.to_dense())"
     if tensor.device.type == "meta":

@@ -129,8 +129,10 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}")
 
 
 def consolidated_file_name(value_name: str, position: int) -> str:
-    """``model`` -> ``model.safetensors``; names unfit for a file get a numbered one."""
-    if _PLAIN_NAME.fullmatch(value_name) and ".." not in value_name:
+    """``model`` -> ``model.safetensors``; names unfit for a file get a numbered one (as
+    does ``ema.``, whose ``ema..safetensors`` the manifest's checks refuse: its save was
+    refused as "malformed", found in review)."""
+    if _PLAIN_NAME.fullmatch(value_name) and ".." not in f"{value_name}.":
         return f"{value_name}.safetensors"
     return f"value-{position:03d}.safetensors"
 
