@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--log", default="losses.jsonl")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 under ShardsafeModelParallelStrategy")
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    p.add_argument("--ema", action="store_true", help="Lightning's EMAWeightAveraging")
     args = p.parse_args()
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -72,7 +73,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[checkpoints, LossLog(root / args.log)],
+        callbacks=[checkpoints, LossLog(root / args.log), *_averaging(args.ema)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -84,6 +85,15 @@ def main() -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (root / f"outcome-{rank}.json").write_text(json.dumps({"restored": outcome}))
     end_process(0, wait_for_others=False)  # see tests/clean_exit.py
+
+
+def _averaging(wanted: bool) -> list[pl.Callback]:
+    """Lightning's EMAWeightAveraging, which edits the checkpoint's state_dict."""
+    if not wanted:
+        return []
+    from pytorch_lightning.callbacks import EMAWeightAveraging
+
+    return [EMAWeightAveraging(decay=0.9)]
 
 
 if __name__ == "__main__":

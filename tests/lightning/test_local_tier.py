@@ -174,3 +174,18 @@ def test_with_accumulated_gradients_only_steps_taken_are_saved(tmp_path: Path) -
     assert restored == [{"step": 1, "tiers": ["local", "local"]}] * 2
     assert local_steps(tmp_path) == ["step-000000001", "step-000000002"]
     assert [m.read_bytes() for m in manifests] == before  # step 1 not saved again
+
+
+@pytest.mark.timeout(200)
+def test_a_callback_that_edits_the_state_dict_resumes_from_the_local_tier(tmp_path: Path) -> None:
+    """Lightning's EMAWeightAveraging puts the average in the checkpoint's state_dict and the
+    live weights beside it: the local tier dropped the state_dict, and the resume failed
+    with KeyError: 'state_dict' on every rank. It is kept now, and the resumed losses are
+    the uninterrupted run's."""
+    run(tmp_path / "whole", "--ema")
+    whole = losses(tmp_path / "whole")
+    part = tmp_path / "part"
+    kill_after_step(part, "--ema", step=7)
+    restored = run(part, "--ema", "--log", "resumed.jsonl")
+    assert restored == [{"step": 5, "tiers": ["local", "local"]}] * 2
+    assert losses(part, "resumed.jsonl") == {s: whole[s] for s in range(6, 16)}

@@ -102,8 +102,10 @@ def abandon(link: Link, error: BaseException) -> None:
 
 
 def give_up(link: Link, verdict: CheckpointError) -> None:
-    """This rank stopped waiting on its own (its phase timeout ran out, or it called a
-    slow rank dead), an error not agreed: the others may yet all post. Its verdict is
+    """This rank stopped waiting on its own in a phase after the entry (its phase timeout
+    ran out, or it called a slow rank dead), an error not agreed: the others may yet all
+    post. (At the entry a rank takes its arrival back instead, so that the same call
+    retried on every rank meets: ``Lifecycle``.) Its verdict is
     posted as its failure of every later phase (:func:`abandon`), so that a rank late in
     this phase raises it as soon as it goes on, instead of waiting out a timeout of its
     own and then blaming this rank; and rank 0, before it commits, sees that this rank

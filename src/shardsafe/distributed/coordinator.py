@@ -327,8 +327,8 @@ class Coordinator:
         except CheckpointError as e:
             if agreement.phase_failed(link, phase):
                 self._payloads.failed(own)
-            else:  # timed out, or called a slow rank dead: its payload stays (one key)
-                agreement.give_up(link, e)  # for others that may yet read it
+            elif phase is not Phase.ENTRY:  # timed out, or called a slow rank dead: its
+                agreement.give_up(link, e)  # payload stays for others that may yet read it
             raise
         # Every rank has posted this phase, so every rank has read the earlier payloads.
         self._payloads.agreed(phase, own)

@@ -142,11 +142,15 @@ class LocalTier:
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if isinstance(checkpoint, state.FailedDump):
             raise checkpoint.error
-        rest = {
-            k: v
-            for k, v in hparams.plain(checkpoint).items()
-            if k not in (state.STATE_DICT, state.OPTIMIZER_STATES)
-        }
+        # A state_dict a hook edited (Lightning's WeightAveraging puts the average there and
+        # the live weights beside it) is kept as it is, as a checkpoint's: dropped, that
+        # callback's resume failed with KeyError: 'state_dict' (found in review).
+        record = getattr(trainer.strategy, "_state_dict_record", None)
+        edited = record is not None and not record.unchanged(checkpoint.get(state.STATE_DICT))
+        dropped = (
+            (state.OPTIMIZER_STATES,) if edited else (state.STATE_DICT, state.OPTIMIZER_STATES)
+        )
+        rest = {k: v for k, v in hparams.plain(checkpoint).items() if k not in dropped}
         saved: dict[str, Any] = {state.MODEL: module, state.LIGHTNING: rest}
         real = state.real_optimizers(optimizers)
         saved.update(zip(state.optimizer_names(len(real)), real))
@@ -219,7 +223,10 @@ class LocalTier:
             )
         checkpoint = dict(values.get(state.LIGHTNING) or {})
         checkpoint[state.OPTIMIZER_STATES] = [{} for _ in optimizers]
-        return checkpoint, restore.Restored(model=True, optimizers=True)
+        # An edited state_dict saved with it: Lightning loads it into the module (after
+        # the hooks that edited it have read it), as from a checkpoint directory.
+        edited = state.STATE_DICT in checkpoint
+        return checkpoint, restore.Restored(model=not edited, optimizers=True)
 
     def _older_than_instead(self) -> bool:
         """Whether the step just restored is older than :attr:`instead` (said on rank 0)."""

@@ -101,8 +101,8 @@ def scan(data: bytes, where: str, policy: Policy) -> None:
         shared = worst_collision(machine, MAX_COLLISIONS)
         if shared > MAX_COLLISIONS:
             raise Refused(
-                f"{shared} distinct keys of one dict or set share a hash (at most "
-                f"{MAX_COLLISIONS}): keys crafted so that inserting them takes time quadratic "
+                f"more than {MAX_COLLISIONS} distinct keys of one dict or set share a hash "
+                "(counted no further): keys crafted so that inserting them takes time quadratic "
                 "in their number"
             )
     except Refused as e:
