@@ -91,8 +91,26 @@ def test_strict_loading_refuses_a_module_that_does_not_match(
     path = newest(uninterrupted("plain"))
     with pytest.raises(shardsafe.CheckpointMismatchError, match=r"model/extra\.weight"):
         load_from_checkpoint(Wider, path)
-    module = load_from_checkpoint(Wider, path, strict=False)
+    with pytest.warns(UserWarning) as said:
+        module = load_from_checkpoint(Wider, path, strict=False)
     assert torch.equal(module.net[2].bias, saved_weights(path)["net.2.bias"])
+    # Lightning's warning (shardsafe's load said nothing of the keys that did not match)
+    assert [str(w.message) for w in said if "Found keys" in str(w.message)] == [
+        "Found keys that are in the model state dict but not in the checkpoint: "
+        "['extra.weight', 'extra.bias']"
+    ]
+
+    class Insisting(Wider):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.strict_loading = True
+
+    with pytest.raises(ValueError) as refused:  # Lightning's error, as its loader raises
+        load_from_checkpoint(Insisting, path, strict=False)
+    assert str(refused.value) == (
+        "You set `.load_from_checkpoint(..., strict=False)` which is in conflict with "
+        "`Insisting.strict_loading=True. Please set the same value for both of them."
+    )
 
 
 def test_an_ordinary_ckpt_file_goes_to_lightnings_own_loader(tmp_path: Path) -> None:

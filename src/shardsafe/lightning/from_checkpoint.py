@@ -124,18 +124,49 @@ def _build(
     if isinstance(module, lightning().LightningDataModule):
         datamodule: Module = _datamodule_state(module, checkpoint)
         return datamodule
-    strict = getattr(module, "strict_loading", True) if strict is None else strict
+    strict = _strict(cls, module, strict)
     edited = STATE_DICT in checkpoint  # an on_save_checkpoint hook edited it: saved as such
-    _configure_model(module, set(checkpoint[STATE_DICT]) if edited else _saved_weights(storage))
+    saved = set(checkpoint[STATE_DICT]) if edited else _saved_weights(storage)
+    _configure_model(module, saved)
     if not edited:
         checkpoint[STATE_DICT] = module.state_dict()  # what the hook sees; loaded in place
     module.on_load_checkpoint(checkpoint)
     if edited:  # as Lightning does: what the hook left in the dict
+        saved = set(checkpoint[STATE_DICT])
         module.load_state_dict(checkpoint[STATE_DICT], strict=strict)
     else:  # the usual case: the module itself was saved, as entry "model"
         loading.load(storage, {MODEL: module}, LoadOptions.of(strict=strict))
+    if not strict:
+        _warn_unmatched(module, saved)
     result: Module = module.to(map_location) if map_location is not None else module
     return result
+
+
+def _strict(cls: type[Module], module: Any, strict: bool | None) -> bool:
+    """``strict``, or the module's ``strict_loading``; refused where they conflict, with
+    Lightning's error (a ``strict=False`` beside ``strict_loading=True`` set by the module
+    loaded in silence, found in review)."""
+    own = getattr(module, "_strict_loading", None)
+    if own is not None and strict is not None and strict != own:
+        raise ValueError(
+            f"You set `.load_from_checkpoint(..., strict={strict!r})` which is in conflict "
+            f"with `{cls.__name__}.strict_loading={own!r}. Please set the same value for both "
+            "of them."
+        )
+    return bool(getattr(module, "strict_loading", True)) if strict is None else strict
+
+
+def _warn_unmatched(module: Any, saved: set[str]) -> None:
+    """After a non-strict load, Lightning's warnings for the weights that did not match
+    (shardsafe's load said nothing of them, found in review)."""
+    own = list(module.state_dict())
+    missing = [k for k in own if k not in saved]
+    unexpected = sorted(saved - set(own))
+    warn = lightning().utilities.rank_zero_warn
+    if missing:
+        warn(f"Found keys that are in the model state dict but not in the checkpoint: {missing}")
+    if unexpected:
+        warn(f"Found keys that are not in the model state dict but in the checkpoint: {unexpected}")
 
 
 def _datamodule_state(datamodule: Module, checkpoint: dict[str, Any]) -> Module:
