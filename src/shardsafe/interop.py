@@ -177,6 +177,11 @@ def _prepared(
     fqn_of: dict[int, str] = {}
     meta_groups = []
     for i, (group, saved) in enumerate(zip(groups, saved_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            raise CheckpointMismatchError(  # was a raw KeyError or TypeError (review)
+                f"param group {i} of the state dict is not a dict with a 'params' list, as "
+                "an optimizer's state_dict() gives"
+            )
         ids = list(saved["params"])
         if len(ids) != len(group["params"]):
             raise CheckpointMismatchError(
@@ -188,7 +193,15 @@ def _prepared(
         hyper = {k: v for k, v in saved.items() if k != "params"}
         meta_groups.append({"params": names, "hyper": _encode(hyper, ctx, tensors, GROUPS, str(i))})
     state = {}
-    for index, param_state in state_dict.get("state", {}).items():
+    saved_state = state_dict.get("state", {})
+    if not isinstance(saved_state, dict) or not all(
+        isinstance(v, dict) for v in saved_state.values()
+    ):
+        raise CheckpointMismatchError(  # was a raw AttributeError (review)
+            "the state dict's 'state' is not a dict of each parameter's state (dicts), as an "
+            "optimizer's state_dict() gives"
+        )
+    for index, param_state in saved_state.items():
         if index not in fqn_of:
             raise CheckpointMismatchError(
                 f"the state dict has state for parameter index {index}, which no param group lists"

@@ -172,3 +172,29 @@ def test_an_import_that_will_fail_changes_neither_the_model_nor_the_optimizer(
             import_torch_checkpoint(tmp_path / "a.ckpt", live_opt, live, optimizer_index=index)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^to='0' is not a rank of this job"):
         gather_optimizer_state_dict(live_opt, live, to="0")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("saved", "said"),
+    [
+        ({"state": {}, "param_groups": [{"lr": 0.1}]}, "param group 0 of the state dict is not"),
+        ({"state": {}, "param_groups": [1]}, "param group 0 of the state dict is not"),
+        ({"state": [1], "param_groups": [{"params": [0, 1]}]}, "the state dict's 'state' is not"),
+        (
+            {"state": {0: 5}, "param_groups": [{"params": [0, 1]}]},
+            "the state dict's 'state' is not",
+        ),
+    ],
+    ids=["group-without-params", "group-not-a-dict", "state-not-a-dict", "state-of-an-int"],
+)
+def test_a_malformed_optimizer_state_dict_is_refused_by_name(
+    tmp_path: Path, saved: dict[str, Any], said: str
+) -> None:
+    """A file whose optimizer state is not shaped as state_dict() gives: raw KeyError,
+    TypeError and AttributeError before, from inside the import."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.save(saved, tmp_path / "opt.pt")
+    with pytest.raises(shardsafe.CheckpointMismatchError, match=said):
+        import_torch_checkpoint(tmp_path / "opt.pt", optimizer, model)
+    assert optimizer.state_dict()["state"] == {}

@@ -106,6 +106,25 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "--module 'nosuch.models:Net': no module named 'nosuch' (run from the directory that "
         "holds it, or install it)"
     ) in err
+    # A class that needs arguments: a traceback ending in TypeError, before.
+    (tmp_path / "needs_args.py").write_text(
+        "from shardsafe.trainer import TrainingModule\n"
+        "class NeedsArgs(TrainingModule):\n"
+        "    def __init__(self, width):\n"
+        "        super().__init__()\n"
+    )
+    argv = [*base, "--module", "needs_args:NeedsArgs"]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert cli.main(argv) == 2
+    finally:
+        sys.path.remove(str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "shardsafe fit: error: --module 'needs_args:NeedsArgs' is built with no arguments, "
+        "but NeedsArgs() needs some (missing a required argument: 'width'): give its "
+        "parameters defaults, or write a subclass that sets them"
+    ), err
     for option in (["--keep-last", "2"], ["--async-save"]):  # ignored by a run saving none
         assert cli.main([*base, *option]) == 2
         err = capsys.readouterr().err

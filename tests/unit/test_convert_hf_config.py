@@ -135,6 +135,31 @@ def test_a_config_that_is_not_a_json_object_is_refused(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.timeout(60)
+def test_a_config_that_is_a_fifo_or_no_json_is_a_usage_error_never_a_hang(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--config`` naming a named pipe (or a folder whose config.json is one) blocked the
+    conversion for ever; one that is not JSON was exit status 1, not a usage error."""
+    from shardsafe.cli import main
+
+    shardsafe.save(tmp_path / "ckpt", {"model": torch.nn.Linear(2, 2)})
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "folder" / "config.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    base = ["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf", "--config"]
+    assert main([*base, str(tmp_path / "folder")]) == 2
+    assert capsys.readouterr().err == (
+        "shardsafe convert: error: cannot read the config.json to write beside the weights: "
+        f"{tmp_path / 'folder' / 'config.json'} is not a regular file (a named pipe (FIFO))\n"
+    )
+    assert main([*base, str(tmp_path / "bad.json")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"shardsafe convert: error: {tmp_path / 'bad.json'} is not valid JSON: "
+    )
+    assert not (tmp_path / "hf").exists()
+
+
 class ListConfig:
     """A config object whose ``to_dict`` does not give a dict."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -208,4 +209,13 @@ def _module_class(args: argparse.Namespace) -> type | None:
     found = getattr(imported, name, None)
     if not (isinstance(found, type) and issubclass(found, TrainingModule)):
         raise ValueError(f"--module {args.module!r} does not name a TrainingModule subclass")
+    try:  # built with no arguments: one that needs some was a traceback (found in review)
+        inspect.signature(found).bind()
+    except TypeError as e:
+        raise ValueError(
+            f"--module {args.module!r} is built with no arguments, but {name}() needs some "
+            f"({e}): give its parameters defaults, or write a subclass that sets them"
+        ) from None
+    except ValueError:
+        pass  # no signature to read: built as it is
     return found

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..checkpoint.format.strict_json import load_json_bytes
+from ..checkpoint.storage.files import open_named_file
+from ..errors import CheckpointError
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -75,14 +77,21 @@ def _from_path(path: str, name: str) -> dict[str, bytes]:
 
 
 def _read(path: str, name: str) -> bytes:
+    """The bytes of the configuration file the user named; any fault in it is a usage
+    error (``ValueError``, exit status 2), as the rest of ``--config``'s are. Opened as a
+    regular file only: a named pipe there blocked the conversion for ever (found in
+    review)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_named_file(path), "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
+    except (OSError, CheckpointError) as e:
         raise ValueError(f"cannot read the {name} to write beside the weights: {e}") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ValueError(f"{path} is over {MAX_CONFIG_BYTES} bytes: not a model configuration")
-    doc = load_json_bytes(raw, path)
+    try:
+        doc = load_json_bytes(raw, path)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path} does not hold a JSON object, so it is not a {name}")
     return raw
