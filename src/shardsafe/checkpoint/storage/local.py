@@ -11,9 +11,12 @@ inject faults in tests.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 import stat
+from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .dir_sync import DirectorySync
@@ -37,6 +40,28 @@ def commit_temp_name(name: str, pid: int | None = None) -> str:
     in process ``pid`` (default: this one). A save records it in its incomplete-save
     marker, so that the next save may clear it (``leftovers.py``)."""
     return f".{name}.tmp-{os.getpid() if pid is None else pid}"
+
+
+_RENAME_NOREPLACE = 1
+"""``renameat2``'s flag: fail with ``EEXIST`` rather than replace the target."""
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2``, or ``None`` where there is none (not Linux, an old libc)."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
 
 
 class LocalStorage:
@@ -166,7 +191,7 @@ class LocalStorage:
         try:
             sink.write(memoryview(data))
             sink.finish()
-            if not (exclusive and self._link_new(tmp, name)):
+            if not (exclusive and (self._rename_new(tmp, name) or self._link_new(tmp, name))):
                 os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException:
             sink.abort()
@@ -174,9 +199,27 @@ class LocalStorage:
             raise
         self.sync_directory()
 
+    def _rename_new(self, tmp: str, name: str) -> bool:
+        """Rename ``tmp`` to ``name`` unless ``name`` exists (``FileExistsError``), in one
+        step (Linux ``renameat2(RENAME_NOREPLACE)``); whether the platform and filesystem
+        could (``False``: nothing done). A link then an unlink left the temporary file
+        inside the committed checkpoint when the process was killed between the two."""
+        rename = _renameat2()
+        if rename is None:
+            return False
+        if rename(self.fd, os.fsencode(tmp), self.fd, os.fsencode(name), _RENAME_NOREPLACE) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            raise FileExistsError(code, os.strerror(code), self.where(name))
+        if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+            return False
+        raise OSError(code, os.strerror(code), self.where(tmp))
+
     def _link_new(self, tmp: str, name: str) -> bool:
         """Link ``tmp`` as ``name`` if ``name`` does not exist, then drop ``tmp``; whether
-        the filesystem could (``False``: no hard links here, nothing done)."""
+        the filesystem could (``False``: no hard links here, nothing done). Where
+        :meth:`_rename_new` cannot: a kill between the two steps leaves ``tmp``."""
         try:
             os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
         except FileExistsError:
