@@ -1775,7 +1775,7 @@ def test_a_load_that_opens_its_directory_closes_it_and_agrees_on_an_open_that_fa
 
 def _replicator_counting_in(store: Any, tmp_path: Path, rank: int) -> Replicator:
     """Rank ``rank`` of 2 (keep_local=1, no peers) whose steps 1-3 are written here, counted
-    in ``store`` (a real one) as saves 1-3."""
+    in ``store`` (a real one) as saves 1-3, and step 1 counted by the other rank too."""
     node = NodeDir(str(tmp_path))
     for step in (1, 2, 3):
         node.rank_storage(step, rank, create=True).close()
@@ -1784,6 +1784,11 @@ def _replicator_counting_in(store: Any, tmp_path: Path, rank: int) -> Replicator
     replicator.record.written[:] = [1, 2, 3]
     replicator.record.replicated[:] = [1, 2, 3]
     replicator._save_of.update({1: 1, 2: 2, 3: 3})
+    for step in (1, 2, 3):  # this rank counted each of its steps
+        tally.mark(step, step)
+        tally.mark_written(step, step)
+    tally.mark(1, 1)  # and rank 0 step 1: the newest step complete
+    tally.mark_written(1, 1)
     return replicator
 
 
@@ -1794,16 +1799,10 @@ def test_a_step_another_rank_may_see_complete_is_kept_though_this_ranks_count_la
     (rank 0's count of step 2 is late), but every rank has written step 2, so rank 0 may
     see it complete at any moment. Before, it deleted step 2; rank 0 then counted it, saw it
     complete, deleted step 1, and no step was whole on any node (the review's retention race)."""
-    store = dist.HashStore()
-    replicator = _replicator_counting_in(store, tmp_path, 1)
+    replicator = _replicator_counting_in(dist.HashStore(), tmp_path, 1)
     tally = replicator.tally
     assert tally is not None
-    for step in (1, 2, 3):
-        tally.mark(step, step)
-        tally.mark_written(step, step)
-    tally.mark(1, 1)  # rank 0's counts of step 1 only: step 1 is complete
-    tally.mark_written(1, 1)
-    tally.mark_written(2, 2)  # and rank 0 has written step 2, not yet replicated it
+    tally.mark_written(2, 2)  # rank 0 has written step 2, not yet replicated it
     try:
         replicator._retain(3)
         assert replicator.node.steps() == [1, 2, 3]
@@ -1819,15 +1818,9 @@ def test_a_step_deleted_ahead_of_the_counts_can_never_be_counted_complete(
     """keep_local=1, rank 1 after step 3, step 1 complete, step 2 counted by rank 1 alone:
     step 2 is deleted, and its counts taken back, so rank 0's late counts of it leave it
     incomplete: rank 0 keeps step 1, the newest step whole on the nodes."""
-    store = dist.HashStore()
-    replicator = _replicator_counting_in(store, tmp_path, 1)
+    replicator = _replicator_counting_in(dist.HashStore(), tmp_path, 1)
     tally = replicator.tally
     assert tally is not None
-    for step in (1, 2, 3):
-        tally.mark(step, step)
-        tally.mark_written(step, step)
-    tally.mark(1, 1)
-    tally.mark_written(1, 1)
     try:
         replicator._retain(3)
         assert replicator.node.steps() == [1, 3]
