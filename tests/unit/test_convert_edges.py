@@ -597,6 +597,32 @@ def test_storage_options_go_to_the_object_store_end(
         shardsafe.convert(tmp_path / "last.ckpt", tmp_path / "x", storage_options=options)
 
 
+def test_a_url_named_like_a_file_that_is_a_prefix_is_converted(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str
+) -> None:
+    """The Lightning strategy saves each checkpoint as a prefix named like its file
+    (``epoch=0-step=5.ckpt``); ``convert`` of its URL was refused as "a prefix, not a
+    file", because a URL's extension alone decided, while ``inspect`` and ``verify``
+    read it. A local directory of that name always converted."""
+    options = {
+        "key": s3_server.env["AWS_ACCESS_KEY_ID"],
+        "secret": s3_server.env["AWS_SECRET_ACCESS_KEY"],
+        "endpoint_url": s3_server.endpoint,
+    }
+    model = torch.nn.Linear(4, 3)
+    url = f"s3://{s3_bucket}/run/epoch=0-step=5.ckpt"
+    shardsafe.save(url, {"model": model}, storage_options=options)
+    shardsafe.convert(url, tmp_path / "back", to="hf", storage_options=options, progress=False)
+    from safetensors.torch import load_file
+
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert torch.equal(back["weight"], model.weight.detach())
+    missing = f"s3://{s3_bucket}/run/epoch=1-step=9.ckpt"
+    gone = r"epoch=1-step=9.ckpt is missing, not a file"
+    with pytest.raises(shardsafe.CheckpointError, match=gone):
+        shardsafe.convert(missing, tmp_path / "x", to="hf", storage_options=options)
+
+
 def test_an_hf_index_that_maps_no_tensor_is_refused(tmp_path: Path) -> None:
     """``{"weight_map": {}}`` beside real shards converted to a checkpoint of nothing,
     silently (0 tensors, a manifest and no data)."""

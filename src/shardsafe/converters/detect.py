@@ -51,6 +51,19 @@ def _is_file(path: str) -> bool:
     return os.path.isfile(local_path(path))
 
 
+def _is_prefix(path: str, parent: Storage, name: str) -> bool:
+    """Whether a URL named like a file is a prefix: the Lightning strategy saves each
+    checkpoint as a directory named like its file (``epoch=0-step=5.ckpt``), and a URL,
+    unlike a local path, says nothing of which it is until the store is asked."""
+    if not is_url(path):
+        return False
+    try:
+        return parent.kind(name) == "directory"
+    except BaseException:
+        parent.close()
+        raise
+
+
 def _followed(path: str) -> str:
     """The file a local path names, through a symbolic link: a path the user names may
     be one (``docs/guarantees.md``), as Lightning's ``last.ckpt`` or every file of a
@@ -86,7 +99,9 @@ def locate(path: str, storage_options: Mapping[str, Any] | None = None) -> Locat
             raise CheckpointError(_linked(split(path)[0], split(path)[1]))
         directory, name = split(_followed(path) if ext != ".json" else path)
         storage = open_storage(directory, storage_options=storage_options)
-        return Located(fmt, storage, name)
+        if not _is_prefix(path, storage, name):
+            return Located(fmt, storage, name)
+        storage.close()
     storage = open_storage(path, storage_options=storage_options)
     try:
         storage.require_directory()
