@@ -90,9 +90,9 @@ def test_warnings_made_errors_are_raised_by_wait_and_replication_goes_on(tmp_pat
             2,
             "UserWarning",
             "shardsafe: rank 1 does not keep rank 0's replica of step 2: it was refused: its "
-            f"directory could not be made: shardsafe: left {left} in place: it holds "
-            "['notes.txt'], which shardsafe did not write; delete it yourself if it is no "
-            "longer needed",
+            f"directory could not be made: {left} cannot take a new copy: it holds "
+            "['notes.txt'], which shardsafe did not write; delete the directory (or move "
+            "those away)",
         ],
     ]
     # The first save's replica of step 2 is no longer committed (its manifest went): it

@@ -1277,6 +1277,44 @@ def test_a_link_in_place_of_a_step_or_rank_directory_is_never_followed_or_delete
     the_same_outside(elsewhere, outside)
 
 
+def test_a_copy_holding_a_file_of_yours_is_said_once_and_named_where_a_new_one_goes(
+    tmp_path: Path,
+) -> None:
+    """A copy holding a file shardsafe did not write is not deleted: each removal warned
+    twice (the deletion left it, then its manifest went) and again at every later one; a
+    new copy of the step was then written beside the file, or refused as one whose file
+    "appeared while the checkpoint was being written"."""
+    local = tmp_path / "l"
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    manager.save(7, trained(0))
+    manager.close()
+    copy = local / STEP7 / RANK0
+    (copy / "notes.txt").write_text("mine")
+    node = NodeDir(str(local))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        node.remove(7, 0)
+        node.remove(7, 0)
+    assert [str(w.message) for w in caught] == [
+        f"shardsafe: removed the manifest of {copy} so that it is never restored, but left "
+        "the directory in place: it holds ['notes.txt'], which shardsafe did not write; "
+        "delete it yourself"
+    ]
+    assert sorted(os.listdir(copy)) == ["notes.txt", "shard-00000-of-00001.safetensors"]
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    with pytest.warns(UserWarning, match="rank 0 could not write its local checkpoint of step 7"):
+        manager.save(7, trained(2))
+    with pytest.raises(CheckpointError) as refused:
+        manager.wait()
+    manager.close()
+    assert str(refused.value) == (
+        f"rank 0 could not write its local checkpoint of step 7: {copy} cannot take a new "
+        "copy: it holds ['notes.txt'], which shardsafe did not write; delete the directory "
+        "(or move those away)"
+    )
+    assert sorted(os.listdir(copy)) == ["notes.txt", "shard-00000-of-00001.safetensors"]
+
+
 def test_a_rank_directory_without_a_manifest_is_not_held_and_is_cleared(tmp_path: Path) -> None:
     local = tmp_path / "l"
     manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
@@ -1325,21 +1363,18 @@ def test_a_fifo_in_place_of_a_file_is_never_opened(tmp_path: Path, name: str) ->
             node.remove(7, 0, prune=True)  # a FIFO is not shardsafe's: left, with a warning
     assert probe["readers_seen"] == 0
     assert fifo.exists()
-    # a regular manifest beside the FIFO is removed, so that the copy is never restored
-    uncommitted = (
+    # a regular manifest beside the FIFO is removed, so that the copy is never restored,
+    # and that is said once; a copy without one is no step, and is said nothing of (a
+    # copy that cannot be cleared is named where a new one is to be written there)
+    assert [str(w.message) for w in caught] == (
         []
         if name == "manifest.json"
         else [
             f"shardsafe: removed the manifest of {local / STEP7 / RANK0} so that it is never "
-            "restored, but left the directory in place: it holds files shardsafe did not write; "
-            "delete it yourself"
+            f"restored, but left the directory in place: it holds [{name!r}], which shardsafe "
+            "did not write; delete it yourself"
         ]
     )
-    assert [str(w.message) for w in caught] == [
-        f"shardsafe: left {local / STEP7 / RANK0} in place: it holds [{name!r}], which "
-        "shardsafe did not write; delete it yourself if it is no longer needed",
-        *uncommitted,
-    ]
     assert not node.committed(7, 0)
 
 

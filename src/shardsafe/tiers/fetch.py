@@ -223,8 +223,7 @@ class Fetcher:
             # that fails refuses the copy as a directory that cannot be made does.
             # Raised before the protocol, it left the sender waiting for this rank's
             # answer until the timeout, and every rank failed naming others as missing.
-            self.node.remove(step, self.rank)
-            return self.node.rank_storage(step, self.rank, create=True)
+            return self.node.fresh_rank_storage(step, self.rank)
 
         try:
             return transfer.receive_uncommitted(

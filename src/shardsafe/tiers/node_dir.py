@@ -25,7 +25,7 @@ from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.manager import loadable_manifest, step_dir_name, step_of
 from ..checkpoint.storage.files import check_name, open_directory
 from ..checkpoint.storage.local import LocalStorage
-from ..checkpoint.storage.removal import delete_checkpoint
+from ..checkpoint.storage.removal import delete_checkpoint, foreign_entries
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from . import local_lock, rank_checkpoint
 from .local_lock import LocalLock
@@ -224,7 +224,9 @@ class NodeDir:
         with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
             if not step_dir.is_directory():
                 return
-            if step_dir.kind(rank_dir_name(rank)) == "directory":
+            if step_dir.kind(rank_dir_name(rank)) == "directory" and self._foreign(step_dir, rank):
+                self._uncommit(step_dir, rank)  # said once, as its manifest goes
+            elif step_dir.kind(rank_dir_name(rank)) == "directory":
                 try:
                     delete_checkpoint(step_dir, rank_dir_name(rank), replaced=False)
                 except Exception:
@@ -239,10 +241,32 @@ class NodeDir:
                     with contextlib.suppress(CheckpointError, OSError):
                         self._uncommitted(step_dir, rank)
                     raise
-                if step_dir.kind(rank_dir_name(rank)) == "directory":
-                    self._uncommit(step_dir, rank)
             if prune:
                 _prune(root, step_dir, step)
+
+    def fresh_rank_storage(self, step: int, rank: int) -> LocalStorage:
+        """``step-<step>/rank-<rank>`` emptied of any earlier copy and made, for a copy to be
+        written or received. One that holds what shardsafe did not write cannot be
+        emptied: refused, naming it (a copy was written beside it, or its first file
+        "appeared while the checkpoint was being written", which it had not)."""
+        self.remove(step, rank)
+        with self._root() as root, _Under(root, step_dir_name(step)) as step_dir:
+            foreign = step_dir.is_directory() and self._foreign(step_dir, rank)
+        if foreign:
+            where = os.path.join(self.root, step_dir_name(step), rank_dir_name(rank))
+            raise CheckpointError(
+                f"{where} cannot take a new copy: it holds {foreign[:3]}, which shardsafe "
+                "did not write; delete the directory (or move those away)"
+            )
+        return self.rank_storage(step, rank, create=True)
+
+    @staticmethod
+    def _foreign(step_dir: LocalStorage, rank: int) -> list[str]:
+        """What ``rank``'s directory in ``step_dir`` holds that shardsafe did not write."""
+        if step_dir.kind(rank_dir_name(rank)) != "directory":
+            return []
+        with step_dir.child(rank_dir_name(rank)) as rank_dir:
+            return foreign_entries(rank_dir)
 
     def prune(self, step: int) -> None:
         """Delete the directory of ``step`` if nothing is left in it."""
@@ -251,18 +275,20 @@ class NodeDir:
                 _prune(root, step_dir, step)
 
     def _uncommit(self, step_dir: LocalStorage, rank: int) -> None:
-        """``delete_checkpoint`` left ``rank``'s copy (in ``step_dir``) in place (it holds what
-        shardsafe did not write): remove its manifest at least, so that it is never
-        restored as a step it no longer is (a rank of a run restored to an older step, or
-        a copy retention gave up), and say so."""
+        """``rank``'s copy (in ``step_dir``) holds what shardsafe did not write, so it is not
+        deleted: remove its manifest at least, so that it is never restored as a step it
+        no longer is (a rank of a run restored to an older step, or a copy retention gave
+        up), and say so, once: a copy without a manifest is said nothing of again (it was
+        said twice at each removal, and again at every later one)."""
+        foreign = self._foreign(step_dir, rank)
         directory = self._uncommitted(step_dir, rank)
         if directory is None:
             return
         warnings.warn(
             f"shardsafe: removed the manifest of {directory} so that it is never "
-            "restored, but left the directory in place: it holds files shardsafe did not "
-            "write; delete it yourself",
-            stacklevel=2,
+            f"restored, but left the directory in place: it holds {foreign[:3]}, which "
+            "shardsafe did not write; delete it yourself",
+            stacklevel=3,
         )
 
     def _uncommitted(self, step_dir: LocalStorage, rank: int) -> str | None:

@@ -241,8 +241,8 @@ class Replicator:
         try:
             if items is not None:
                 self._forget_found(step, self.rank)
-                self.node.remove(step, self.rank)  # an earlier attempt at this step
-                storage = self.node.rank_storage(step, self.rank, create=True)
+                # an earlier attempt at this step goes first
+                storage = self.node.fresh_rank_storage(step, self.rank)
                 written = rank_checkpoint.write_uncommitted(
                     storage,
                     items,
@@ -444,8 +444,7 @@ class Replicator:
             self.node.remove(step, source)
 
         def target() -> LocalStorage:
-            self.node.remove(step, source)
-            return self.node.rank_storage(step, source, create=True)
+            return self.node.fresh_rank_storage(step, source)
 
         why = transfer.receive(
             self.group,
