@@ -1847,6 +1847,43 @@ def test_a_step_another_rank_may_see_complete_is_kept_though_this_ranks_count_la
         replicator.close()
 
 
+class _AddsSeen:
+    """A real store whose ``add`` requests are kept, to count them."""
+
+    def __init__(self) -> None:
+        self.inner, self.adds = dist.HashStore(), []
+
+    def add(self, key: str, value: int) -> int:
+        self.adds.append((key, value))
+        return int(self.inner.add(key, value))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.inner.delete_key(key))
+
+
+def test_a_step_found_complete_is_kept_at_later_retentions_without_asking_again(
+    tmp_path: Path,
+) -> None:
+    """A step kept because it had just become complete had its counts taken back and put
+    back again at each later retention (four store requests each), until this rank's
+    count caught up; it is now remembered as complete."""
+    store = _AddsSeen()
+    replicator = _replicator_counting_in(store, tmp_path, 1)
+    tally = replicator.tally
+    assert tally is not None
+    tally.mark_written(2, 2)  # rank 0 has written step 2: complete as written everywhere
+    try:
+        replicator._retain(3)
+        assert [a for a in store.adds if a[1] == -1] == [("t/2/2", -1), ("t/w/2/2", -1)]
+        store.adds.clear()
+        replicator._retain(3)
+        replicator._retain(3)
+        assert replicator.node.steps() == [1, 2, 3]
+        assert [a for a in store.adds if a[0].endswith("/2/2") and a[1] != 0] == []
+    finally:
+        replicator.close()
+
+
 def test_a_step_deleted_ahead_of_the_counts_can_never_be_counted_complete(
     tmp_path: Path,
 ) -> None:

@@ -145,6 +145,9 @@ class Replicator:
         the ``n``-th is the same save on every rank (the tally counts each apart)."""
         self._save_of: dict[int, int] = {}
         """Per step: the number of its latest save (a step saved again gets a new one)."""
+        self._complete: set[tuple[int, int]] = set()
+        """(step, save) of this rank's steps that retention found counted everywhere as it
+        was about to delete them (``_unless_complete``)."""
         self._identities: dict[int, dict[str, tuple[int, int]]] = {}
         """Per step this rank wrote: the identity (device, inode) of each data file of its
         checkpoint, as it wrote or linked them (``transfer.receive``'s ``trusted``)."""
@@ -484,37 +487,45 @@ class Replicator:
                 steps = {*done, *self.record.found.get(owner, [])}
                 kept = retained(steps, self.keep_local, everywhere, upto=step)
                 if kept is not None:
-                    if owner == self.rank:
-                        self._keep_if_complete(kept, everywhere)
-                    drop_older(self.node, owner, kept)
+                    ask = self._unless_complete(everywhere) if owner == self.rank else None
+                    drop_older(self.node, owner, kept, ask)
                     self._prune(owner, kept)
         except Exception as e:  # any: see the module docstring
             self._warn(f"local retention failed: {e}")
         finally:
             self._forget_saves(upto=step)
 
-    def _keep_if_complete(self, kept: set[int], everywhere: int | None) -> None:
-        """Add to ``kept`` this rank's steps newer than ``everywhere`` (the newest step
-        counted everywhere, as this rank read it) that another rank may by now have seen
-        counted everywhere: before deleting one, its counts are taken back
-        (:meth:`Tally.withdraw`). Only the step ``drop_older`` would delete is asked about,
-        in its order (one step a retention)."""
+    def _unless_complete(self, everywhere: int | None) -> Callable[[int], bool] | None:
+        """What ``drop_older`` asks before deleting one of this rank's steps: whether it
+        may, for a step newer than ``everywhere`` (the newest step counted everywhere, as
+        this rank read it) that another rank may by now have seen counted everywhere. Its
+        counts are taken back first (:meth:`Tally.withdraw`); a step that had just become
+        complete is kept, and remembered as complete, so that later retentions keep it
+        without taking its counts back and putting them back again (two to four store
+        requests each, until this rank's count caught up). Only the first step deleted
+        is asked about (one step a retention)."""
         if self.tally is None:
-            return
-        newest, floor = max(kept), -1 if everywhere is None else everywhere
-        for held in self.node.steps():
-            if held in kept or held >= newest or self.rank not in self.node.ranks_in(held):
-                continue
+            return None
+        tally, floor, asking = self.tally, -1 if everywhere is None else everywhere, [True]
+
+        def may_delete(held: int) -> bool:
             save = self._save_of.get(held)
-            if held <= floor or save is None:
-                return
+            if not asking or held <= floor or save is None:
+                asking.clear()
+                return True
+            if (held, save) in self._complete:
+                return False
             try:
-                withdrawn = self.tally.withdraw(held, save)
+                withdrawn = tally.withdraw(held, save)
             except Exception:  # any: the store gone; keep the step, retention keeps more
-                withdrawn = False
+                return False
             if withdrawn:
-                return
-            kept.add(held)
+                asking.clear()
+                return True
+            self._complete.add((held, save))
+            return False
+
+        return may_delete
 
     def _prune(self, owner: int, kept: set[int]) -> None:
         """Forget ``owner``'s steps that retention deleted (older than the newest of
@@ -543,6 +554,7 @@ class Replicator:
                 save = self._save_of.pop(old, None)
                 if save is not None:
                     self._forgotten.append((old, save))
+        self._complete = {(s, n) for s, n in self._complete if self._save_of.get(s) == n}
         self._drop_counts()
 
     def _drop_counts(self) -> None:

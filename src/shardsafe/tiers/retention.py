@@ -6,7 +6,7 @@ step's replication.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .node_dir import NodeDir
@@ -90,9 +90,16 @@ def retained(
     return kept
 
 
-def drop_older(node: NodeDir, rank: int, kept: set[int]) -> None:
-    """Delete ``rank``'s checkpoints here older than the newest of ``kept`` but those."""
+def drop_older(
+    node: NodeDir, rank: int, kept: set[int], may_delete: Callable[[int], bool] | None = None
+) -> None:
+    """Delete ``rank``'s checkpoints here older than the newest of ``kept`` but those,
+    oldest first; ``may_delete`` is asked about each just before, and one it refuses is
+    added to ``kept`` instead (the record of what this rank holds is pruned by it)."""
     newest = max(kept)
     for step in node.steps():
         if step not in kept and step < newest and rank in node.ranks_in(step):
+            if may_delete is not None and not may_delete(step):
+                kept.add(step)
+                continue
             node.remove(step, rank, prune=True)
