@@ -312,6 +312,42 @@ def save_on_one_rank(rank: int, world_size: int, root: str, caller: int, then: s
     return result
 
 
+def save_elsewhere(rank: int, world_size: int, root: str) -> list[str]:
+    """Each rank saves to a path of its own, then the manager saves a step of its own."""
+    state = make_state(rank)
+    messages = []
+    with pytest.raises(CheckpointError) as plain:
+        shardsafe.save(os.path.join(root, f"from-rank-{rank}"), state, entry_timeout=2.0)
+    messages.append(str(plain.value))
+    dist.barrier()  # neither leaves before the other has read the store
+    manager = CheckpointManager(os.path.join(root, "run"), keep_last=3)
+    with pytest.raises(CheckpointError) as managed:
+        manager.save(10 + rank, state, entry_timeout=2.0)
+    messages.append(str(managed.value))
+    dist.barrier()
+    manager.close()
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_ranks_saving_to_different_paths_are_told_where_the_others_went(tmp_path: Path) -> None:
+    """Ranks passing different paths (or the manager different steps) were told only
+    that the other rank "never arrived", as if it had not called at all; each is now
+    told what the other entered instead."""
+    results = run_ranks(save_elsewhere, 2, str(tmp_path), timeout=50)
+    for rank, (plain, managed) in enumerate(results):
+        other = 1 - rank
+        assert f"rank(s) {other} never arrived within entry_timeout=2s" in plain, plain
+        mine, theirs = (os.path.join(str(tmp_path), f"from-rank-{r}") for r in (rank, other))
+        assert (
+            f"Rank {other} last entered save of {theirs!r} (call 1), while this rank "
+            f"entered save of {mine!r} (call 1). Call save on every rank"
+        ) in plain, plain
+        steps = [os.path.join(str(tmp_path), "run", f"step-{10 + r:09d}") for r in (rank, other)]
+        assert f"Rank {other} last entered save of {steps[1]!r}" in managed, managed
+        assert f"while this rank entered save of {steps[0]!r}" in managed, managed
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("caller", "then"), [(0, "barrier"), (0, "return"), (1, "barrier"), (0, "retry"), (1, "retry")]

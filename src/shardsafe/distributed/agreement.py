@@ -72,7 +72,7 @@ def post(link: Link, phase: Phase, payload: Any, error: BaseException | None) ->
     elif payload is not None:
         store.set(keys.payload(phase, link.rank), json.dumps(payload))
     else:  # nothing to read: one key per rank, overwritten phase after phase
-        store.set(keys.progress(link.rank), phase.value)
+        link.set_progress(phase)
     woke = None
     if store.add(keys.posted(phase), 1) == link.world_size:
         woke = int(store.add(keys.wake(phase), ALL_POSTED))
@@ -157,9 +157,17 @@ def wait(
     missing = [r for r in range(link.world_size) if not link.posted(phase, r)]
     if phase is Phase.ENTRY and withdraw is not None and not withdraw():
         return
+    elsewhere = link.elsewhere(missing) if phase is Phase.ENTRY else ""
     raise CheckpointError(
         missing_message(
-            link.operation, phase, missing, timeout, link.rank, link.world_size, link.called_as
+            link.operation,
+            phase,
+            missing,
+            timeout,
+            link.rank,
+            link.world_size,
+            link.called_as,
+            elsewhere,
         )
     )
 

@@ -74,13 +74,18 @@ class Lifecycle:
 
     def _connect(self) -> None:
         """This operation's own connection, and its namespace on both."""
-        prefix = keys.namespace(self.tag, CALLS.next(self.tag))
+        call = CALLS.next(self.tag)
+        prefix = keys.namespace(self.tag, call)
         self._shared = default_store()
         self._connection = clients.acquire(self._shared)
         prefixed = dist.distributed_c10d.PrefixStore
         self.link.store = CountingStore(prefixed(prefix, self._connection))
         self.link.beat_store = CountingStore(prefixed(prefix, self._shared))
         self.link.pulse_store = CountingStore(prefixed(keys.PULSES, self._shared))
+        # The arrival goes with the entry's own post, in one request (``Link.set_progress``):
+        # the full keys, as PrefixStore joins them (``<prefix>/<key>``).
+        self.link.arrival = keys.arrival(self.tag, call)
+        self.link.entry_post = (CountingStore(self._connection), f"{prefix}/", f"{keys.PULSES}/")
         if self._connection is not self._shared:
             self.link.alarm = self.link.beat_store
 

@@ -67,6 +67,13 @@ class Link:
     gave_up: bool = False
     """This rank stopped waiting on its own (a phase timeout, a rank it called dead): the
     others may yet finish the phase, and rank 0 commit what every rank wrote."""
+    arrival: str = ""
+    """The operation and call this rank entered (``store_keys.arrival``), as it posts it
+    under ``entered/<rank>``; empty on a single rank."""
+    entry_post: tuple[Any, str, str] | None = None
+    """This operation's connection without its prefix, the operation's prefix and the
+    pulses' (each ending in ``/``): the entry's progress and the arrival are set in one
+    request (:meth:`set_progress`); ``None`` where the store is the tests' own."""
     called_as: str | None = None
     """What the user calls, for the message to a rank that waited for one that never came
     (``reports.missing_message``); ``None``: ``shardsafe.<operation>``."""
@@ -101,8 +108,50 @@ class Link:
         progress = keys.progress(rank)
         return bool(store.check([progress])) and store.get(progress) == phase.value.encode()
 
+    def set_progress(self, phase: Phase) -> None:
+        """Post that this rank reached ``phase`` (one key per rank, overwritten phase after
+        phase); at the entry, with where this rank is (``entered/<rank>``, outside the
+        operation's namespace, for a rank that waits for it elsewhere), in the same
+        request: a save stays within its budget of store requests per rank."""
+        if phase is Phase.ENTRY and self.entry_post is not None and self.arrival:
+            raw, prefix, pulses = self.entry_post
+            progress, entered = prefix + keys.progress(self.rank), pulses + keys.entered(self.rank)
+            raw.multi_set([progress, entered], [phase.value, self.arrival])
+            return
+        self.store.set(keys.progress(self.rank), phase.value)
+
+    def elsewhere(self, missing: list[int]) -> str:
+        """Where the ``missing`` ranks last entered, for those that entered another
+        operation or call than this rank (``"rank 1 last entered save of 'b' (call 3)"``):
+        a rank passing another path, or the manager another step, is not absent. Empty
+        where none did, or the store cannot say."""
+        store, seen = self.pulse_store, []
+        if store is None or not self.arrival:
+            return ""
+        try:
+            for rank in missing:
+                key = keys.entered(rank)
+                value = store.get(key).decode() if store.check([key]) else self.arrival
+                if value != self.arrival:
+                    seen.append(f"rank {rank} last entered {_described(value)}")
+        except (RuntimeError, OSError, UnicodeDecodeError, ValueError):
+            return ""
+        if not seen:
+            return ""
+        return f"{'; '.join(seen)}, while this rank entered {_described(self.arrival)}"
+
     def dead_error(self, phase: Phase, dead: list[int]) -> CheckpointError:
         """The error for ranks that died during ``phase``, ended by what it means."""
         what = self.aftermath.get(phase, self.aftermath.get(None, ""))
         message = dead_message(self.operation, phase, dead, self.dead_after, self.rank)
         return CheckpointError(f"{message} {what}".rstrip())
+
+
+def _described(arrival: str) -> str:
+    """``"3 save:runs/a"`` as ``"save of 'runs/a' (call 3)"`` (a path the operation
+    spells with its own name in front, as the tiered manager's ``tiers:<root>``, without
+    it)."""
+    call, _, tag = arrival.partition(" ")
+    operation, _, path = tag.partition(":")
+    path = path.removeprefix(f"{operation}:")
+    return f"{operation} of {path!r} (call {int(call)})"

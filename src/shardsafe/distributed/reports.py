@@ -63,22 +63,25 @@ def missing_message(
     rank: int,
     world_size: int,
     called_as: str | None = None,
+    elsewhere: str = "",
 ) -> str:
     """The error for ranks that did not post ``phase`` within ``timeout``. ``called_as``:
     what the user calls, where the operation is not a function of theirs (a tiered
-    manager's agreements and loads): named instead of ``shardsafe.<operation>``."""
+    manager's agreements and loads): named instead of ``shardsafe.<operation>``.
+    ``elsewhere``: where missing ranks entered instead (``Link.elsewhere``)."""
     ranks = ", ".join(map(str, missing))
+    instead = f" {elsewhere[:1].upper()}{elsewhere[1:]}." if elsewhere else ""
     if phase is Phase.ENTRY and called_as is not None:
         return (
             f"{called_as} must be called on every rank, in the same order, outside any "
             f"`if rank == 0:` block, but rank(s) {ranks} never arrived within {timeout:g}s "
-            f"(this is rank {rank} of {world_size})"
-        )
+            f"(this is rank {rank} of {world_size}).{instead}"
+        ).rstrip(".")
     if phase is Phase.ENTRY:
         return (
             f"shardsafe.{operation} must be called on all ranks, but rank(s) {ranks} "
             f"never arrived within entry_timeout={timeout:g}s (this is rank {rank} of "
-            f"{world_size}). Call {operation} on every rank, outside any "
+            f"{world_size}).{instead} Call {operation} on every rank, outside any "
             "`if rank == 0:` block, with the same path. Nothing was written."
         )
     return (

@@ -20,7 +20,9 @@ rank posted without a payload: one key per rank, overwritten), ``dead`` (the ran
 watcher saw die), ``closed`` and ``closed_all`` (the acknowledgement at close).
 
 Outside any namespace, under :data:`PULSES`: ``beat/<rank>``, each rank's heartbeat
-counter, shared by all its operations (one key per rank in all).
+counter, shared by all its operations, and ``entered/<rank>``, the operation and call a
+rank last entered (overwritten: one key per rank in all), which names where a rank that
+never arrived went instead (another path, another step).
 
 Once every rank has closed, rank 0 deletes them (``Lifecycle.forget``; payloads go by
 ``payloads``), so the store does not grow with every save; only a failed operation's
@@ -56,6 +58,15 @@ def namespace(operation_tag: str, call: int) -> str:
 
 def beat(rank: int) -> str:
     return f"beat/{rank}"
+
+
+def entered(rank: int) -> str:
+    return f"entered/{rank}"
+
+
+def arrival(operation_tag: str, call: int) -> str:
+    """The value of ``entered/<rank>``: the call number, then the tag."""
+    return f"{call} {operation_tag}"
 
 
 def progress(rank: int) -> str:
