@@ -116,15 +116,8 @@ class ModuleAdapter(Adapter):
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         module = unwrap(obj)
         live = module.state_dict()
-        saved_names = set(_saved_names(saved))
-        extra = _extra(saved)
-        for name, raw in extra.items():
-            _tree.check_structure(raw, f"the extra state {name!r} of {saved.name!r}")
-        both = sorted(saved_names & set(extra))
-        if both:
-            raise CheckpointCorruptError(
-                f"{saved.entry} names {both[0]!r} both as a tensor and as extra state"
-            )
+        names, extra = check_module_meta(saved)
+        saved_names = set(names)
         key = _keys(saved, ctx)
         as_saved = _as_saved(saved_names | set(extra))
         plan = LoadRequests()
@@ -345,11 +338,19 @@ def _without_wrappers(state: dict[str, Any]) -> dict[str, Any]:
     return renamed if len(renamed) == len(state) else state
 
 
-def check_module_meta(saved: SavedValue) -> None:
-    """Raise what a load of a module entry whose metadata is malformed raises (for
-    ``verify``, which must not pass a checkpoint that no load accepts)."""
-    _saved_names(saved)
-    _extra(saved)
+def check_module_meta(saved: SavedValue) -> tuple[list[str], dict[str, Any]]:
+    """A module entry's tensor names and extra state, or what a load raises for malformed
+    metadata: the check ``plan_load`` runs, needing no live module, so that ``verify``
+    runs it too and never passes a checkpoint that no load accepts."""
+    names, extra = _saved_names(saved), _extra(saved)
+    for name, raw in extra.items():
+        _tree.check_structure(raw, f"the extra state {name!r} of {saved.name!r}")
+    both = sorted(set(names) & set(extra))
+    if both:
+        raise CheckpointCorruptError(
+            f"{saved.entry} names {both[0]!r} both as a tensor and as extra state"
+        )
+    return names, extra
 
 
 def _saved_names(saved: SavedValue) -> list[str]:

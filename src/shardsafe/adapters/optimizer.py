@@ -399,12 +399,7 @@ def state_dict_for(
             # keeps such a parameter's weights. One the checkpoint names without state
             # had none when saved, and has none after the load.
             state[index] = local.state[p]
-    hyper = [_tree.decode(g["hyper"], tensors) for g in meta["param_groups"]]
-    for i, h in enumerate(hyper):
-        if not isinstance(h, dict) or "params" in h:
-            raise CheckpointCorruptError(
-                f"{saved.entry}: param group {i} holds no valid hyperparameters"
-            )
+    hyper = checked_hyper([_tree.decode(g["hyper"], tensors) for g in meta["param_groups"]], saved)
     chosen, _ = match_groups(groups, meta["param_groups"], ctx)
     _check_tensor_hyper(groups, meta["param_groups"], hyper, ctx)
     position = {id(p): i for i, p in enumerate(local_params)}
@@ -510,15 +505,35 @@ def _meta(saved: SavedValue, ctx: LoadContext, groups: list[dict[str, Any]]) -> 
     """The optimizer metadata of a manifest entry, its structure checked, its parameter
     names as the live modules give them (:func:`_renamed`), for the live optimizer whose
     global param groups are ``groups``."""
-    meta = saved.meta
-    problem = _meta_problem(meta)
-    if problem is not None:
-        raise CheckpointCorruptError(f"{saved.entry} is not valid optimizer metadata: {problem}")
+    meta = check_optimizer_meta(saved)
     meta = _renamed(meta, _as_qualified_live(meta.get(QUALIFIED), ctx))
     meta = _renamed(meta, fqn_without_wrappers)
     meta = _renamed(meta, lambda name: ctx.param_aliases.get(name, name))
     qualified = _qualified_names(groups, ctx)
     return _renamed(meta, lambda name: qualified.get(name, name))
+
+
+def check_optimizer_meta(saved: SavedValue) -> dict[str, Any]:
+    """An optimizer entry's metadata, its structure checked, or what a load raises for it:
+    the check every load of it runs first, needing no live optimizer, so that ``verify``
+    runs it too (with :func:`checked_hyper`) and never passes a checkpoint that no load
+    accepts."""
+    meta: dict[str, Any] = saved.meta
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise CheckpointCorruptError(f"{saved.entry} is not valid optimizer metadata: {problem}")
+    return meta
+
+
+def checked_hyper(hyper: list[Any], saved: SavedValue) -> list[Any]:
+    """The decoded hyperparameters of each saved param group, or what a load raises when
+    one is no dict of hyperparameters (checked before anything is restored)."""
+    for i, h in enumerate(hyper):
+        if not isinstance(h, dict) or "params" in h:
+            raise CheckpointCorruptError(
+                f"{saved.entry}: param group {i} holds no valid hyperparameters"
+            )
+    return hyper
 
 
 def _as_qualified_live(recorded: Any, ctx: LoadContext) -> Callable[[str], str]:

@@ -206,16 +206,14 @@ class RNGAdapter(Adapter):
         return {"per_rank": metas}
 
     def _mine(self, saved: SavedValue, ctx: LoadContext) -> JSON | None:
-        per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None
-        if not isinstance(per_rank, list):
-            raise CheckpointCorruptError(f"{saved.entry} is not RNG state")
+        per_rank = _per_rank(saved)
         return per_rank[ctx.rank] if ctx.rank < len(per_rank) else None
 
     def plan_load(self, obj: RNGState, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         mine = self._mine(saved, ctx)
         if mine is None:
             return LoadRequests()
-        _tree.check_structure(mine, f"the RNG state of rank {ctx.rank} in {saved.name!r}")
+        _check_record(mine, ctx.rank, saved)
         return LoadRequests(requests=[ReadRequest(ref) for ref in _tree.tensor_refs(mine)])
 
     def validate(
@@ -254,3 +252,23 @@ class RNGAdapter(Adapter):
             )
             return
         restore_state(_tree.decode(mine, tensors))
+
+
+def check_rng_meta(saved: SavedValue) -> None:
+    """Raise what a load of this RNG entry raises for malformed metadata on any rank (the
+    check ``plan_load`` runs on its own rank's record, needing no live state), so that
+    ``verify`` never passes a checkpoint that no load accepts."""
+    for rank, record in enumerate(_per_rank(saved)):
+        _check_record(record, rank, saved)
+
+
+def _per_rank(saved: SavedValue) -> list[JSON]:
+    """Every saving rank's record of an RNG entry."""
+    per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None
+    if not isinstance(per_rank, list):
+        raise CheckpointCorruptError(f"{saved.entry} is not RNG state")
+    return per_rank
+
+
+def _check_record(record: JSON, rank: int, saved: SavedValue) -> None:
+    _tree.check_structure(record, f"the RNG state of rank {rank} in {saved.name!r}")

@@ -152,7 +152,7 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
     """``saved`` as this rank restores it: its own record of a per-rank value (``warn``:
     rank 0 says so when that is saving rank 0's, at another world size)."""
     meta = saved.meta
-    if not (isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta):
+    if not _per_rank(meta):
         return saved
     records = meta[PER_RANK]
     if isinstance(records, dict):
@@ -168,11 +168,7 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
                 stacklevel=2,
             )
         return _one_record(saved, record_of(form, 0))
-    if not isinstance(records, list) or len(records) != ctx.saved_world_size:
-        raise CheckpointCorruptError(
-            f"{saved.entry} holds per-rank values that are not one "
-            f"per saving rank ({ctx.saved_world_size})"
-        )
+    _check_records(saved, records, ctx.saved_world_size)
     if ctx.world_size != ctx.saved_world_size:
         raise CheckpointMismatchError(
             f"state[{saved.name!r}] was saved with a different value on each of "
@@ -181,6 +177,37 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
             f"{ctx.world_size}. Leave {saved.name!r} out of the state to load the rest."
         )
     return _one_record(saved, records[ctx.rank])
+
+
+def check_stateful_meta(saved: SavedValue, saved_world_size: int) -> None:
+    """Raise what a load of this stateful entry raises for malformed metadata on any rank
+    at the saving world size: ``plan_load``'s checks (:func:`own_record`,
+    :func:`full_requests`) on every saving rank's record, needing no live object, so that
+    ``verify`` never passes a checkpoint that no load accepts."""
+    meta = saved.meta
+    if not _per_rank(meta):
+        records = [saved]
+    elif isinstance(meta[PER_RANK], dict):  # the ranks' records differ only in their keys
+        records = [_one_record(saved, record_of(checked_form(meta[PER_RANK], saved.name), 0))]
+    else:
+        _check_records(saved, meta[PER_RANK], saved_world_size)
+        records = [_one_record(saved, record) for record in meta[PER_RANK]]
+    for record in records:
+        full_requests(record)
+
+
+def _per_rank(meta: JSON) -> bool:
+    """Whether an entry's metadata is a per-rank record (:func:`merge_per_rank`)."""
+    return isinstance(meta, dict) and len(meta) == 1 and PER_RANK in meta
+
+
+def _check_records(saved: SavedValue, records: JSON, saved_world_size: int) -> None:
+    """Refuse a per-rank record that is not a list of one record per saving rank."""
+    if not isinstance(records, list) or len(records) != saved_world_size:
+        raise CheckpointCorruptError(
+            f"{saved.entry} holds per-rank values that are not one "
+            f"per saving rank ({saved_world_size})"
+        )
 
 
 def checked_form(form: dict[str, Any], name: str) -> dict[str, Any]:

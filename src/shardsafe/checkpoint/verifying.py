@@ -4,7 +4,9 @@ A checkpoint verifies when the manifest's own checksum matches, every data file 
 present, is a regular file of the size the manifest recorded, has a safetensors header
 whose CRC32 matches and which agrees with the manifest and with the official
 ``safetensors.safe_open`` (so any safetensors tool can load it), every tensor's CRC32
-blocks match, and every tensor a state entry's metadata refers to is in the checkpoint.
+blocks match, every tensor a state entry's metadata refers to is in the checkpoint, and
+every entry's metadata passes the checks a load runs on it before restoring anything
+(those that need no live object: ``_check_metadata``).
 Every problem is reported, not just the first, one line each naming the file and, where
 the problem is inside a tensor, its key, so one run tells how much of a damaged
 checkpoint is still good.
@@ -148,12 +150,14 @@ def _threads(storage: Storage, manifest: Manifest) -> int:
 
 
 def _dangling(manifest: Manifest) -> list[str]:
-    """One line per state entry that refers to tensors the checkpoint does not hold (a
-    load of it would fail): every byte can be intact and the checkpoint still unloadable,
-    if its metadata was written wrong (or forged, checksums recomputed)."""
+    """One line per state entry whose metadata a load refuses (:func:`_check_metadata`)
+    or that refers to tensors the checkpoint does not hold: every byte can be intact and
+    the checkpoint still unloadable, if its metadata was written wrong (or forged,
+    checksums recomputed)."""
     problems = []
     for name in sorted(manifest.values, key=natural_key):
         try:
+            _check_metadata(manifest.values[name], manifest)
             wanted = _references(manifest.values[name], manifest)
         except CheckpointError as e:
             problems.append(f"state entry {name!r}: {e}")
@@ -166,16 +170,40 @@ def _dangling(manifest: Manifest) -> list[str]:
     return problems
 
 
+def _check_metadata(value: SavedValue, manifest: Manifest) -> None:
+    """Raise what a load raises for an entry's metadata before it restores anything, as
+    far as that is known without the live objects: the built-in adapters' own checks
+    (called, not copied), on every saving rank's record. An entry of a kind no built-in
+    adapter writes (a user's adapter's) is checked for the tensors it refers to only."""
+    import torch
+
+    from .. import _tree
+    from ..adapters import module, optimizer, rng, values
+
+    if value.kind == "module":
+        module.check_module_meta(value)
+    elif value.kind == "optimizer":
+        meta = optimizer.check_optimizer_meta(value)
+        groups = meta["param_groups"]
+        # Each tensor a group refers to stands in as one (missing ones: _references).
+        tensors = dict.fromkeys(_tree.tensor_refs(groups), torch.empty(0))
+        optimizer.checked_hyper([_tree.decode(g["hyper"], tensors) for g in groups], value)
+    elif value.kind == "value":
+        values.full_requests(value)
+    elif value.kind == "stateful":
+        values.check_stateful_meta(value, manifest.world_size)
+    elif value.kind == "rng":
+        rng.check_rng_meta(value)
+
+
 def _references(value: SavedValue, manifest: Manifest) -> list[str]:
     """The tensor keys an entry's metadata refers to, in order, each once: a module's by
     its names; an entry recorded with per-rank copies, every saving rank's record's."""
     from .. import _names, _tree
-    from ..adapters.module import check_module_meta
     from ..adapters.values import PER_RANK, checked_form, module_tensor_keys
 
     meta = value.meta
     if value.kind == "module" and isinstance(meta, dict):
-        check_module_meta(value)
         return list(dict.fromkeys(module_tensor_keys(value, manifest.tensors)))
     if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
         form = checked_form(meta[PER_RANK], value.name)

@@ -1,0 +1,151 @@
+"""``verify`` runs the metadata checks ``load`` runs before it restores anything.
+
+Found in review: a checkpoint whose per-kind metadata was forged, its checksums
+recomputed (``tests/forge.py``), verified OK, and ``load`` then refused it. Every byte is
+intact there, so only the metadata checks can catch it; ``verify`` calls the adapters'
+own checks, so each forged entry is one problem line carrying the very message the
+load raises.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import CheckpointCorruptError
+from tests import forge
+from tests.unit.attacks.common import run_cli
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    rng = shardsafe.RNGState()
+    return {"model": model, "optimizer": opt, "sched": sched, "cfg": {"a": 1}, "rng": rng}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ck") / "ck"
+    shardsafe.save(path, _state())
+    return path
+
+
+def _forged(saved: Path, tmp_path: Path, edit: Edit) -> Path:
+    """A copy of ``saved`` whose manifest ``edit`` changed, its checksum recomputed."""
+    path = Path(shutil.copytree(saved, tmp_path / "forged"))
+    doc = forge.read_manifest(path)
+    edit(doc)
+    forge.write_manifest(path, doc)
+    return path
+
+
+def _meta(doc: dict[str, Any], name: str) -> Any:
+    return doc["values"][name]["meta"]
+
+
+def _set(name: str, meta: Any) -> Edit:
+    return lambda doc: doc["values"][name].update(meta=meta)
+
+
+def _first_state(doc: dict[str, Any]) -> None:
+    state = _meta(doc, "optimizer")["state"]
+    state[next(iter(state))]["step"] = {"__tensor__": 5}
+
+
+CASES: dict[str, tuple[str, Edit, str]] = {
+    "module tensors not a list": (
+        "model",
+        lambda doc: _meta(doc, "model").update(tensors="0.weight"),
+        "the manifest entry for 'model' is not valid module metadata: 'tensors' is not a list "
+        "of names",
+    ),
+    "module extra state malformed": (
+        "model",
+        lambda doc: _meta(doc, "model").update(extra={"x": {"__tuple__": 3}}),
+        "the extra state 'x' of 'model' is malformed: malformed __tuple__ value in the manifest: 3",
+    ),
+    "optimizer metadata a string": (
+        "optimizer",
+        _set("optimizer", "hello"),
+        "the manifest entry for 'optimizer' is not valid optimizer metadata: 'param_groups', "
+        "'state' or 'param_shapes' is missing",
+    ),
+    "optimizer state tensor marker malformed": (
+        "optimizer",
+        _first_state,
+        "the state of parameter '0.weight' is malformed: malformed __tensor__ value in the "
+        "manifest: 5",
+    ),
+    "optimizer hyperparameters not a dict": (
+        "optimizer",
+        lambda doc: _meta(doc, "optimizer")["param_groups"][0].update(hyper=[1]),
+        "the manifest entry for 'optimizer': param group 0 holds no valid hyperparameters",
+    ),
+    "value tensor marker malformed": (
+        "cfg",
+        _set("cfg", {"a": {"__tensor__": 5}}),
+        "the manifest entry for 'cfg' is malformed: malformed __tensor__ value in the manifest: 5",
+    ),
+    "stateful per-rank records not one per rank": (
+        "sched",
+        _set("sched", {"__per_rank__": [{}, {}]}),
+        "the manifest entry for 'sched' holds per-rank values that are not one per saving rank (1)",
+    ),
+    "rng record malformed": (
+        "rng",
+        lambda doc: _meta(doc, "rng")["per_rank"].__setitem__(0, {"__dtype__": 3}),
+        "the RNG state of rank 0 in 'rng' is malformed: malformed __dtype__ value in the "
+        "manifest: 3",
+    ),
+}
+
+
+def test_an_unforged_checkpoint_of_every_kind_verifies(saved: Path) -> None:
+    kinds = {v.kind for v in shardsafe.read_manifest(saved).values.values()}
+    assert kinds == {"module", "optimizer", "stateful", "value", "rng"}
+    report = shardsafe.verify(saved)
+    assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_verify_reports_the_forged_metadata_that_load_refuses(
+    saved: Path, tmp_path: Path, case: str
+) -> None:
+    name, edit, message = CASES[case]
+    path = _forged(saved, tmp_path, edit)
+    assert shardsafe.verify(path).problems == (f"state entry {name!r}: {message}",)
+    with pytest.raises(CheckpointCorruptError) as refused:
+        shardsafe.load(path, _state())
+    assert str(refused.value) == message
+
+
+def test_the_command_fails_with_one_line_per_forged_entry(saved: Path, tmp_path: Path) -> None:
+    def forge_two(doc: dict[str, Any]) -> None:
+        doc["values"]["optimizer"]["meta"] = "hello"
+        doc["values"]["cfg"]["meta"] = {"a": {"__tensor__": 5}}
+
+    path = _forged(saved, tmp_path, forge_two)
+    rc, out, err = run_cli("verify", str(path))
+    assert (rc, err) == (1, "")
+    lines = out.splitlines()
+    assert lines[:2] == [
+        "  state entry 'cfg': the manifest entry for 'cfg' is malformed: malformed __tensor__ "
+        "value in the manifest: 5",
+        "  state entry 'optimizer': the manifest entry for 'optimizer' is not valid optimizer "
+        "metadata: 'param_groups', 'state' or 'param_shapes' is missing",
+    ]
+    assert lines[2].startswith(f"FAILED: 2 problems in {path} ")
+    assert len(lines) == 3
