@@ -5,14 +5,19 @@ retention would delete the other's checkpoints. The first run to save creates th
 holding its pid, host and process start time (atomically: exactly one run wins); the
 lock lasts as long as the process. A later run on the same host takes over a lock whose
 process is gone (killed, crashed); on another host it cannot tell, so it refuses and
-says which file to delete once the other run is known to be dead. A lock that names no
-valid owner (damaged or forged: ``lock_owner.py`` checks every field) is never taken over
-either: the save stops with an error naming the file and saying what is wrong with it.
+says which file to delete once the other run is known to be dead. The takeover replaces
+the lock only while it still holds the bytes that were judged dead: of two runs that find
+the same dead lock at once, one takes it over and the other is refused like any second
+run (before, the later replace wrote over the first one's fresh lock, and both saved).
+A lock that names no valid owner (damaged or forged: ``lock_owner.py`` checks every
+field) is never taken over either: the save stops with an error naming the file and
+saying what is wrong with it.
 
 These rules are :class:`RootLock`'s, written once. What differs between media is only
 how a lock file is created, replaced and aged atomically: the root's
-``Storage.lock_backend()`` (``lock_backends.py``: a hard link on a filesystem, a
-conditional PUT on an object store) does that, and says what its medium guarantees.
+``Storage.lock_backend()`` (``lock_backends.py``: a rename and a hard link on a
+filesystem, conditional PUTs on an object store) does that, and says what its medium
+guarantees.
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ from typing import Any
 from ...errors import CheckpointError
 from .locations import is_url
 from .lock_backends import LockBackend
-from .lock_owner import read_owner
+from .lock_owner import read_lock, read_owner
 from .protocol import Storage
 
 LOCK_NAME = ".shardsafe.lock"
 _UNWRITTEN_GRACE_S = 10.0
 _CLAIM = re.compile(re.escape(LOCK_NAME) + r"\.[0-9a-f]{32}", re.ASCII)
-"""A claim's name (``LockBackend._write_private``: the lock's name and a uuid4's hex): the
-only names beside the lock the manager removes, never as a directory. Any name starting
+"""A claim's name (``LockBackend._write_private``, and a dead lock being taken over: the
+lock's name and a uuid4's hex): the only names beside the lock the manager removes, never
+as a directory. Any name starting
 ``.shardsafe.lock.`` was removed (a backup of yours), and a directory so named failed
 every save after its commit (retention never ran)."""
 _HOLDERS: dict[tuple[str, str], int] = {}
@@ -49,6 +55,9 @@ Two managers of one process on one root share its lock file (a notebook that mak
 new manager without closing the old one): the first one's ``close`` removed the file
 while the second went on saving, and another run could then take the root."""
 _HOLDERS_LOCK = threading.Lock()
+_TAKEOVER_TRIES = 3
+"""How often a run re-reads a lock that changed while it was taking it over (its owner
+dead) before it gives up: each change means another run took the lock meanwhile."""
 _CLAIM_LEFT_S = 60.0
 """A lock claim (a private file not yet linked into place) older than this was left by a
 run killed between writing it and linking it."""
@@ -137,21 +146,34 @@ class RootLock:
         return created
 
     def _take_over_or_refuse(self, root: Storage, backend: LockBackend, raw: bytes) -> None:
-        owner = self._owner(root, backend)
-        if not owner and backend.empty_is_unwritten and backend.age(LOCK_NAME) > _UNWRITTEN_GRACE_S:
-            owner = {"host": self.me["host"]}  # a writer died between create and write
-        same_host = owner.get("host") == self.me["host"]
-        if self._this_process(owner):
-            # This process already owns the root (another manager object): share its lock,
-            # which the last of them to release removes.
-            self.me["token"] = owner.get("token")
-            return
-        if same_host and not _alive(owner):
-            backend.replace(LOCK_NAME, raw)
-            if self._owner(root, backend).get("token") == self.me["token"]:
+        where = root.where(LOCK_NAME)
+        for _ in range(_TAKEOVER_TRIES):  # again only if the lock changed since it was read
+            owner, read = read_lock(root, LOCK_NAME, where, empty_ok=backend.empty_is_unwritten)
+            if not owner:
+                if backend.empty_is_unwritten and backend.age(LOCK_NAME) > _UNWRITTEN_GRACE_S:
+                    owner = {"host": self.me["host"]}  # a writer died between create and write
+                elif self._create(root, backend, raw):
+                    return  # gone meanwhile: released, or moved away by a run taking it over
+                else:
+                    continue
+            if self._this_process(owner):
+                # This process already owns the root (another manager object): share its
+                # lock, which the last of them to release removes.
+                self.me["token"] = owner.get("token")
                 return
-            owner = self._owner(root, backend)  # lost a race with another process taking over
-        raise self._taken(root, backend, owner)
+            if owner.get("host") != self.me["host"] or _alive(owner):
+                raise self._taken(root, backend, owner)
+            if self._take_over(root, backend, raw, read):
+                return
+        raise self._taken(root, backend, self._owner(root, backend))
+
+    def _take_over(self, root: Storage, backend: LockBackend, raw: bytes, dead: bytes) -> bool:
+        """Replace the dead run's lock (``dead``: its bytes as read) with this run's; False
+        if another run changed the lock first (the caller reads who owns it now)."""
+        if not backend.replace(LOCK_NAME, raw, dead):
+            return False
+        # A store with no conditional replace may have let another run write over it.
+        return self._owner(root, backend).get("token") == self.me["token"]
 
     def _taken(self, root: Storage, backend: LockBackend, owner: dict[str, Any]) -> CheckpointError:
         """The error for a root another run owns: who, since when, and what to do."""

@@ -50,21 +50,30 @@ def read_owner(storage: Storage, name: str, where: str, *, empty_ok: bool) -> di
     claim died between creating and writing it (``lock.py`` takes it over after a grace
     period); an object-store lock is written in one PUT, so an empty one is damaged.
     """
+    return read_lock(storage, name, where, empty_ok=empty_ok)[0]
+
+
+def read_lock(
+    storage: Storage, name: str, where: str, *, empty_ok: bool
+) -> tuple[dict[str, Any], bytes]:
+    """:func:`read_owner`, and the bytes it was read from (``b""`` if there is no lock): a
+    dead run's lock is taken over only while it still holds exactly these bytes, so two
+    runs that read the same dead lock cannot both take it over (``lock_backends.py``)."""
     try:
         if storage.kind(name) is None:
-            return {}
+            return {}, b""
         raw = storage.read_small(name, MAX_LOCK_BYTES)
     except FileNotFoundError:
-        return {}
+        return {}, b""
     except CheckpointCorruptError as e:  # not a regular file, too large, or gone meanwhile
         if _gone(storage, name):
-            return {}
+            return {}, b""
         raise damaged_lock(where, str(e)) from None
     except OSError as e:
         raise CheckpointError(f"cannot read the lock {where}: {e}") from e
     if not raw and empty_ok:
-        return {}
-    return parse_owner(raw, where)
+        return {}, raw
+    return parse_owner(raw, where), raw
 
 
 def _gone(storage: Storage, name: str) -> bool:

@@ -290,6 +290,39 @@ class FsspecStorage:
             self._fresh()
         return True
 
+    def replace_if_holds(self, name: str, old: bytes, data: bytes) -> bool:
+        """Replace ``name`` with ``data`` only if it still holds exactly ``old``, atomically:
+        one GET gives its bytes and their ETag, then a PUT with ``If-Match`` on that ETag
+        (S3's conditional write, which moto honours too).
+
+        Returns False if it holds anything else or is gone. Raises ``NotImplementedError``
+        where the filesystem has none (only s3fs has one here; gcsfs, ``memory://``).
+        """
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            raise NotImplementedError(f"{type(self.fs).__name__} has no conditional replace")
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(self._key(name))
+        try:
+            got = call("get_object", Bucket=bucket, Key=key)
+            with contextlib.closing(got["Body"]) as body:
+                if got.get("ContentLength") != len(old) or sync(self.fs.loop, body.read) != old:
+                    return False
+            call("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfMatch=got["ETag"])
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False  # changed since the GET (or replaced at the same moment)
+            if code == "NotImplemented":  # an S3-compatible store without If-Match on PUT
+                raise NotImplementedError(f"{self.directory} has no conditional replace") from e
+            raise
+        finally:
+            self._fresh()
+        return True
+
     def abort_pending_uploads(self) -> int:
         """Abort multipart uploads left under this prefix by a killed save (S3 only): they
         are invisible in listings but billed. Called before a save writes, when every
