@@ -77,6 +77,14 @@ CASES: dict[str, tuple[str, Edit, str]] = {
         lambda doc: _meta(doc, "model").update(extra={"x": {"__tuple__": 3}}),
         "the extra state 'x' of 'model' is malformed: malformed __tuple__ value in the manifest: 3",
     ),
+    "module extra state holds a tensor reference": (
+        "model",
+        lambda doc: _meta(doc, "model").update(
+            extra={"x": {"a": [{"__tensor__": "model/0.bias"}]}}
+        ),
+        "the extra state 'x' of 'model' is malformed: it refers to tensor 'model/0.bias', but "
+        "extra state is plain data (save refuses a tensor inside it)",
+    ),
     "optimizer metadata a string": (
         "optimizer",
         _set("optimizer", "hello"),
@@ -149,3 +157,77 @@ def test_the_command_fails_with_one_line_per_forged_entry(saved: Path, tmp_path:
     ]
     assert lines[2].startswith(f"FAILED: 2 problems in {path} ")
     assert len(lines) == 3
+
+
+class _Calibrated(torch.nn.Module):
+    """A block with extra state (``get_extra_state``): plain data, as save keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.calibration = {"scale": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.calibration["scale"]
+
+    def get_extra_state(self) -> dict[str, int]:
+        return dict(self.calibration)
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.calibration = state
+
+
+def _calibrated_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), _Calibrated())
+    model[1].calibration = {"scale": seed}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt, "step_value": torch.full((2,), float(seed))}
+
+
+def _bits(state: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every tensor of ``state`` as its raw bytes, and the module's extra state."""
+    tensors = {
+        **{f"model/{k}": v for k, v in state["model"].state_dict().items()},
+        **{f"optimizer/{k}": v for k, v in _flat(state["optimizer"].state_dict()["state"])},
+        "step_value": state["step_value"],
+    }
+    out: list[tuple[str, Any]] = [
+        (k, v.detach().reshape(-1).view(torch.uint8).tolist())
+        for k, v in tensors.items()
+        if isinstance(v, torch.Tensor)
+    ]
+    return [*out, ("calibration", dict(state["model"][1].calibration))]
+
+
+def _flat(state: dict[Any, Any]) -> list[tuple[str, Any]]:
+    return [(f"{i}/{name}", v) for i, per in state.items() for name, v in per.items()]
+
+
+def test_a_tensor_reference_in_extra_state_is_refused_before_anything_is_restored(
+    tmp_path: Path,
+) -> None:
+    """Found in review: save never puts a tensor in extra state, so ``restore`` decodes it
+    with none; a forged ``__tensor__`` marker there passed the structure check (and
+    ``verify``), and the load raised in ``restore``, after every tensor loaded in place
+    had been filled from the checkpoint."""
+    path = tmp_path / "ck"
+    shardsafe.save(path, _calibrated_state(1))
+
+    def forge_ref(doc: dict[str, Any]) -> None:
+        _meta(doc, "model")["extra"]["1._extra_state"] = {"__tensor__": "model/0.weight"}
+
+    forged = _forged(path, tmp_path, forge_ref)
+    message = (
+        "the extra state '1._extra_state' of 'model' is malformed: it refers to tensor "
+        "'model/0.weight', but extra state is plain data (save refuses a tensor inside it)"
+    )
+    assert shardsafe.verify(forged).problems == (f"state entry 'model': {message}",)
+    live = _calibrated_state(2)
+    before = _bits(live)
+    with pytest.raises(CheckpointCorruptError) as refused:
+        shardsafe.load(forged, live)
+    assert str(refused.value) == message
+    assert _bits(live) == before

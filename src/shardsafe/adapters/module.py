@@ -344,13 +344,29 @@ def check_module_meta(saved: SavedValue) -> tuple[list[str], dict[str, Any]]:
     runs it too and never passes a checkpoint that no load accepts."""
     names, extra = _saved_names(saved), _extra(saved)
     for name, raw in extra.items():
-        _tree.check_structure(raw, f"the extra state {name!r} of {saved.name!r}")
+        where = f"the extra state {name!r} of {saved.name!r}"
+        _tree.check_structure(raw, where)
+        _refuse_tensor_refs(raw, where)
     both = sorted(set(names) & set(extra))
     if both:
         raise CheckpointCorruptError(
             f"{saved.entry} names {both[0]!r} both as a tensor and as extra state"
         )
     return names, extra
+
+
+def _refuse_tensor_refs(raw: JSON, where: str) -> None:
+    """Refuse a tensor reference in a module's extra state. Save never writes one there
+    (:func:`_refusing_tensors_in`; a converter keeps extra state holding a tensor out of
+    a module entry), so ``restore`` decodes extra state with no tensors; a forged one
+    passed the structure check and failed there, after the module's tensors and other
+    entries had been restored (and ``verify`` passed it)."""
+    refs = _tree.tensor_refs(raw)
+    if refs:
+        raise CheckpointCorruptError(
+            f"{where} is malformed: it refers to tensor {refs[0]!r:.80}, but extra state "
+            "is plain data (save refuses a tensor inside it)"
+        )
 
 
 def _saved_names(saved: SavedValue) -> list[str]:
