@@ -13,6 +13,9 @@ several ranged GETs in flight at once, straight into the caller's buffer.
 Memory: the readers of one storage share one :class:`ReadBudget`: only the two readers
 used last hold blocks, so a load holds at most four blocks (96 MiB) however many objects
 it has open (a load at a new world size reads parts of many shard files).
+
+A small object read whole (``read_small``: locks, ``latest``, manifests) is not read by
+range: see :func:`get_whole_s3`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,62 @@ HOLDERS = 2
 PARALLEL_RANGE_BYTES = 8 << 20
 """A read of at least :data:`READ_AHEAD_BYTES` is fetched as ranged GETs of this size,
 several in flight at once."""
+
+
+def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None, bytes | None]:
+    """The object at ``path`` of the s3fs filesystem ``fs`` (``name``, for messages) in one
+    GET: ``(its size, its bytes)``, or ``(its size, None)`` if it is over ``limit`` bytes.
+
+    One GET, not a HEAD then a ranged GET: the body and its length come from one response,
+    so they are one version of the object, even if another process replaces it meanwhile.
+    The response's Content-Length refuses an object over ``limit`` before its body is
+    read, and no more than ``limit + 1`` bytes are ever read (a store that sends no
+    Content-Length: the size is then ``None``). Transient errors are retried as s3fs
+    retries its own reads. Raises ``FileNotFoundError`` if there is no such object.
+    """
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> tuple[int | None, bytes | None]:
+        got = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        size = got.get("ContentLength")
+        body = got["Body"]
+        try:
+            if size is not None and size > limit:
+                return int(size), None  # refused unread: closing drops the connection
+            data = await _read_at_most(body, limit + 1)
+        finally:
+            body.close()
+        if len(data) > limit:
+            return size, None
+        if size is not None and len(data) != size:
+            raise CheckpointCorruptError(
+                f"{name} is truncated: the store said it holds {size} bytes but sent {len(data)}"
+            )
+        return size, data
+
+    try:  # s3fs's own retries of transient errors; private, so not every version has it
+        from s3fs.core import _error_wrapper
+    except ImportError:
+        plain: tuple[int | None, bytes | None] = sync(fs.loop, get)
+        return plain
+    result: tuple[int | None, bytes | None] = sync(fs.loop, _error_wrapper, get, retries=fs.retries)
+    return result
+
+
+async def _read_at_most(body: Any, most: int) -> bytes:
+    """At most ``most`` bytes of a streamed body, to its end (a read may return fewer
+    bytes than asked while more follow)."""
+    chunks: list[bytes] = []
+    left = most
+    while left > 0:
+        chunk: bytes = await body.read(left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 class ReadBudget:

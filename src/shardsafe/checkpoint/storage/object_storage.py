@@ -26,7 +26,7 @@ from typing import Any
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
 from .lock_backends import ObjectLockBackend
-from .object_reader import FsspecFileReader, ReadBudget
+from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
 from .protocol import EntryKind
 
 DEFAULT_PART_BYTES = 8 << 20
@@ -35,6 +35,9 @@ N}`` sets another. An object too large for 10,000 parts of it gets larger parts.
 MAX_PARTS = 10_000
 """S3's limit on the parts of one multipart upload."""
 _UNSAFE = frozenset("?#*[]\\")
+READ_ATTEMPTS = 3
+"""Reads of a small object replaced between the two requests of one read (GCS: the
+generation looked up is gone by the GET) before ``read_small`` gives up."""
 
 _ENV_ENDPOINT = "AWS_ENDPOINT_URL"
 
@@ -86,6 +89,12 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
             options["client_kwargs"] = client
     fs, path = fsspec.core.url_to_fs(url, **options)
     return fs, path
+
+
+def _over_limit(name: str, size: int | None, limit: int) -> CheckpointCorruptError:
+    """The refusal of an object over ``limit`` bytes (``size``: ``None`` if unknown)."""
+    shown = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return CheckpointCorruptError(f"{name} is {shown}, over the {limit} limit")
 
 
 class FsspecFileSink:
@@ -415,21 +424,77 @@ class FsspecStorage:
     def exists(self, name: str) -> bool:
         return self.kind(name) is not None
 
-    def open_reader(self, name: str) -> FsspecFileReader:
+    def _object_info(self, name: str) -> dict[str, Any]:
+        """The metadata of the object ``name``; a missing one, or a prefix, is refused."""
         info = self._info(name)
         if info is None:
             raise CheckpointCorruptError(f"data object {self.where(name)} is missing")
         if info.get("type") == "directory":
             raise CheckpointCorruptError(f"{self.where(name)} is a prefix, not an object")
+        return info
+
+    def open_reader(self, name: str) -> FsspecFileReader:
+        info = self._object_info(name)
         return FsspecFileReader(self.fs, self._key(name), int(info["size"]), name, self._budget)
 
     def read_small(self, name: str, limit: int) -> bytes:
-        reader = self.open_reader(name)
-        if reader.size > limit:
-            raise CheckpointCorruptError(f"{name} is {reader.size} bytes, over the {limit} limit")
-        out = bytearray(reader.size)
-        reader.read_into(0, memoryview(out))
-        return bytes(out)
+        """All of the object ``name`` (at most ``limit`` bytes), as one version of it.
+
+        Other runs replace small objects while they are read (the root lock taken over,
+        ``latest`` moved, a manifest rewritten): a size looked up first and a ranged GET
+        of that size read a replaced object as a mix or a truncation of two versions
+        (another run's lock was "damaged: not valid JSON"). So the bytes come from one
+        GET of the whole object: on S3 that GET alone (:func:`get_whole_s3`); elsewhere
+        after a size lookup, pinned to the generation seen there where the store has
+        them (GCS), read again if that generation is gone, up to :data:`READ_ATTEMPTS`
+        times.
+        """
+        key = self._key(name)
+        if getattr(self.fs, "call_s3", None) is not None:
+            return self._read_whole_s3(name, key, limit)
+        for _ in range(READ_ATTEMPTS):
+            data = self._read_whole(name, key, limit)
+            if data is not None:
+                return data
+        raise CheckpointCorruptError(
+            f"{self.where(name)} was replaced each of the {READ_ATTEMPTS} times it was read: "
+            "another process keeps rewriting it; try again once that process is done"
+        )
+
+    def _read_whole_s3(self, name: str, key: str, limit: int) -> bytes:
+        """One GET; where it finds no object, one listing tells a prefix from nothing (as
+        the HEAD and listing of ``fs.info`` did, in as many requests)."""
+        try:
+            size, data = get_whole_s3(self.fs, key, limit, name)
+        except FileNotFoundError:
+            self._fresh(key)
+            if self.fs.isdir(key):
+                raise CheckpointCorruptError(
+                    f"{self.where(name)} is a prefix, not an object"
+                ) from None
+            raise CheckpointCorruptError(f"data object {self.where(name)} is missing") from None
+        if data is None:
+            raise _over_limit(name, size, limit)
+        return data
+
+    def _read_whole(self, name: str, key: str, limit: int) -> bytes | None:
+        """A size lookup, then a GET of the whole object (never a range of the size
+        looked up, which a replaced object would not match); ``None`` if the object went
+        between the two (read again: then it is missing, or the new one is read)."""
+        info = self._object_info(name)
+        size = int(info["size"])
+        if size > limit:
+            raise _over_limit(name, size, limit)
+        if size == 0:
+            return b""  # an empty object, as it was when looked up: no GET
+        pin = {"generation": info["generation"]} if info.get("generation") else {}
+        try:
+            data: bytes = self.fs.cat_file(key, **pin)
+        except FileNotFoundError:
+            return None
+        if len(data) > limit:  # not pinned, and replaced by a larger object meanwhile
+            raise _over_limit(name, len(data), limit)
+        return data
 
     def child(self, name: str) -> FsspecStorage:
         return FsspecStorage(
