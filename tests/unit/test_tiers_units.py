@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import random
 import shutil
 import time
 import warnings
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import shardsafe
 from shardsafe import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from shardsafe.checkpoint import loading
 from shardsafe.checkpoint.options import LoadOptions
@@ -1275,6 +1277,27 @@ def test_a_link_in_place_of_a_step_or_rank_directory_is_never_followed_or_delete
     )
     assert tree(local) == inside
     the_same_outside(elsewhere, outside)
+
+
+def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) -> None:
+    """A rank checkpoint holds its rank's RNG record as saved, which its load merges into
+    one per rank: verify's metadata check called every local copy of a ``Trainer`` run
+    (whose state holds ``RNGState()``) "not RNG state", and ``convert`` of one failed its
+    own read-back."""
+    local = tmp_path / "l"
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    manager.save(7, {**trained(0), "rng": shardsafe.RNGState()})
+    manager.close()
+    copy = local / STEP7 / RANK0
+    assert shardsafe.verify(copy).problems == ()
+    shardsafe.convert(copy, tmp_path / "converted", progress=False)
+    assert shardsafe.verify(tmp_path / "converted").ok
+    python, generator = random.getstate(), torch.get_rng_state()
+    try:  # the converted RNG state loads (it was written as saved, which no load took)
+        shardsafe.load(tmp_path / "converted", {"rng": shardsafe.RNGState()})
+    finally:
+        random.setstate(python)
+        torch.set_rng_state(generator)
 
 
 def test_a_copy_holding_a_file_of_yours_is_said_once_and_named_where_a_new_one_goes(

@@ -262,6 +262,12 @@ def check_rng_meta(saved: SavedValue) -> None:
         _check_record(record, rank, saved)
 
 
+def check_rng_record(saved: SavedValue, rank: int) -> None:
+    """:func:`check_rng_meta` for an entry that holds one rank's record as saved, not yet
+    merged (a tiered manager's rank checkpoint, which its load merges first)."""
+    _check_record(saved.meta, rank, saved)
+
+
 def _per_rank(saved: SavedValue) -> list[JSON]:
     """Every saving rank's record of an RNG entry."""
     per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None

@@ -193,7 +193,24 @@ def _check_metadata(value: SavedValue, manifest: Manifest) -> None:
     elif value.kind == "stateful":
         values.check_stateful_meta(value, manifest.world_size)
     elif value.kind == "rng":
-        rng.check_rng_meta(value)
+        saver = _rank_checkpoint(manifest)
+        if saver is None:
+            rng.check_rng_meta(value)
+        else:
+            rng.check_rng_record(value, saver)
+
+
+def _rank_checkpoint(manifest: Manifest) -> int | None:
+    """The rank whose rank checkpoint (a tiered manager's local copy) ``manifest`` is, or
+    ``None`` for any other checkpoint. Its entries hold that rank's metadata as saved,
+    which its load merges into the whole world's form first (``tiers/rank_checkpoint.py``):
+    an RNG entry is one record, not one per rank (verify called every such copy of a
+    ``Trainer`` run, whose state holds ``RNGState()``, "not RNG state")."""
+    info = manifest.info.get("rank_checkpoint")
+    if not isinstance(info, dict):
+        return None
+    rank = info.get("rank")
+    return rank if type(rank) is int and rank >= 0 else 0
 
 
 def _references(value: SavedValue, manifest: Manifest) -> list[str]:
