@@ -313,16 +313,23 @@ def save_on_one_rank(rank: int, world_size: int, root: str, caller: int, then: s
 
 
 def save_elsewhere(rank: int, world_size: int, root: str) -> list[str]:
-    """Each rank saves to a path of its own, then the manager saves a step of its own."""
+    """Both ranks save; then rank 0 alone saves again (rank 1 is behind); then each rank
+    saves to a path of its own; then the manager saves a step of its own on each."""
     state = make_state(rank)
     messages = []
+    shardsafe.save(os.path.join(root, "together"), state)
+    if rank == 0:
+        with pytest.raises(CheckpointError) as alone:
+            shardsafe.save(os.path.join(root, "alone"), state, entry_timeout=1.0)
+        messages.append(str(alone.value))
+    dist.barrier()
     with pytest.raises(CheckpointError) as plain:
-        shardsafe.save(os.path.join(root, f"from-rank-{rank}"), state, entry_timeout=2.0)
+        shardsafe.save(os.path.join(root, f"from-rank-{rank}"), state, entry_timeout=1.0)
     messages.append(str(plain.value))
     dist.barrier()  # neither leaves before the other has read the store
     manager = CheckpointManager(os.path.join(root, "run"), keep_last=3)
     with pytest.raises(CheckpointError) as managed:
-        manager.save(10 + rank, state, entry_timeout=2.0)
+        manager.save(10 + rank, state, entry_timeout=1.0)
     messages.append(str(managed.value))
     dist.barrier()
     manager.close()
@@ -333,11 +340,17 @@ def save_elsewhere(rank: int, world_size: int, root: str) -> list[str]:
 def test_ranks_saving_to_different_paths_are_told_where_the_others_went(tmp_path: Path) -> None:
     """Ranks passing different paths (or the manager different steps) were told only
     that the other rank "never arrived", as if it had not called at all; each is now
-    told what the other entered instead."""
+    told what the other entered instead, and a rank that is behind is told apart."""
     results = run_ranks(save_elsewhere, 2, str(tmp_path), timeout=50)
-    for rank, (plain, managed) in enumerate(results):
+    together = os.path.join(str(tmp_path), "together")
+    assert (
+        "rank(s) 1 never arrived within entry_timeout=1s (this is rank 0 of 2). Rank 1 has "
+        f"entered nothing since save of {together!r} (call 1), which this rank has passed: "
+        "behind (slow, stuck or dead), or skipping this call. Call save on every rank"
+    ) in results[0][0], results[0][0]
+    for rank, (plain, managed) in enumerate(r[-2:] for r in results):
         other = 1 - rank
-        assert f"rank(s) {other} never arrived within entry_timeout=2s" in plain, plain
+        assert f"rank(s) {other} never arrived within entry_timeout=1s" in plain, plain
         mine, theirs = (os.path.join(str(tmp_path), f"from-rank-{r}") for r in (rank, other))
         assert (
             f"Rank {other} last entered save of {theirs!r} (call 1), while this rank "

@@ -198,15 +198,17 @@ def test_a_rank_that_never_comes_to_a_managers_agreement_is_named_with_what_to_c
     """The manager's agreements are not calls of the user's: the error names the methods
     to call on every rank. It said ``shardsafe.tiers must be called on all ranks ...
     Call tiers on every rank ... with the same path. Nothing was written.`` It also says
-    that rank 1 is a call behind (the manager's third agreement is ``latest()``)."""
+    that rank 1 is behind: it has entered nothing since the manager's second agreement
+    (the third is ``latest()``)."""
     got = run_ranks(_latest_on_rank_0_only, 2, str(tmp_path), timeout=60)
     root = repr(os.path.join(str(tmp_path), "persistent"))
     assert got[0]["outcome"] == [
         "CheckpointError",
         "TieredCheckpointManager(...) and its save, async_save, load_latest, latest and close "
         "must be called on every rank, in the same order, outside any `if rank == 0:` block, "
-        "but rank(s) 1 never arrived within 3s (this is rank 0 of 2). Rank 1 last entered "
-        f"tiers of {root} (call 2), while this rank entered tiers of {root} (call 3)",
+        "but rank(s) 1 never arrived within 3s (this is rank 0 of 2). Rank 1 has entered "
+        f"nothing since tiers of {root} (call 2), which this rank has passed: behind (slow, "
+        "stuck or dead), or skipping this call",
     ]
     assert got[1]["outcome"] == ["returned"]
 

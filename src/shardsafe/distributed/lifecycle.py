@@ -50,6 +50,10 @@ class CallCounter:
     def take_back(self, tag: str) -> None:
         self._counts[tag] -= 1
 
+    def made(self, tag: str) -> int:
+        """How many calls of ``tag`` this process has made (and not taken back)."""
+        return self._counts.get(tag, 0)
+
 
 CALLS = CallCounter()
 _PULSING: dict[tuple[int, int], Any] = {}
@@ -85,6 +89,7 @@ class Lifecycle:
         # The arrival goes with the entry's own post, in one request (``Link.set_progress``):
         # the full keys, as PrefixStore joins them (``<prefix>/<key>``).
         self.link.arrival = keys.arrival(self.tag, call)
+        self.link.calls_made = CALLS.made
         self.link.entry_post = (CountingStore(self._connection), f"{prefix}/", f"{keys.PULSES}/")
         if self._connection is not self._shared:
             self.link.alarm = self.link.beat_store

@@ -70,6 +70,9 @@ class Link:
     arrival: str = ""
     """The operation and call this rank entered (``store_keys.arrival``), as it posts it
     under ``entered/<rank>``; empty on a single rank."""
+    calls_made: Callable[[str], int] | None = None
+    """How many calls of an operation tag this process has made (``lifecycle.CALLS``): a
+    missing rank whose last arrival is one of them is behind, not elsewhere."""
     entry_post: tuple[Any, str, str] | None = None
     """This operation's connection without its prefix, the operation's prefix and the
     pulses' (each ending in ``/``): the entry's progress and the arrival are set in one
@@ -121,24 +124,36 @@ class Link:
         self.store.set(keys.progress(self.rank), phase.value)
 
     def elsewhere(self, missing: list[int]) -> str:
-        """Where the ``missing`` ranks last entered, for those that entered another
-        operation or call than this rank (``"rank 1 last entered save of 'b' (call 3)"``):
-        a rank passing another path, or the manager another step, is not absent. Empty
-        where none did, or the store cannot say."""
-        store, seen = self.pulse_store, []
+        """Where the ``missing`` ranks last entered, where that is not this operation: a
+        call this rank has not made (``"rank 1 last entered save of 'b' (call 1), while
+        this rank entered save of 'a' (call 1)"``: another path, the manager another step,
+        a call more), or one it has made (that rank is behind: slow, stuck or dead, or it
+        skips this call). Empty where neither, or the store cannot say."""
+        store, instead, behind = self.pulse_store, [], []
         if store is None or not self.arrival:
             return ""
         try:
             for rank in missing:
                 key = keys.entered(rank)
                 value = store.get(key).decode() if store.check([key]) else self.arrival
-                if value != self.arrival:
-                    seen.append(f"rank {rank} last entered {_described(value)}")
+                call, _, tag = value.partition(" ")
+                if value == self.arrival:
+                    continue
+                if self.calls_made is not None and self.calls_made(tag) >= int(call):
+                    behind.append(f"rank {rank} has entered nothing since {_described(value)}")
+                else:
+                    instead.append(f"rank {rank} last entered {_described(value)}")
         except (RuntimeError, OSError, UnicodeDecodeError, ValueError):
             return ""
-        if not seen:
-            return ""
-        return f"{'; '.join(seen)}, while this rank entered {_described(self.arrival)}"
+        said = []
+        if instead:
+            said.append(f"{'; '.join(instead)}, while this rank entered {_described(self.arrival)}")
+        if behind:
+            said.append(
+                f"{'; '.join(behind)}, which this rank has passed: behind (slow, stuck or "
+                "dead), or skipping this call"
+            )
+        return ". ".join(s[:1].upper() + s[1:] for s in said)
 
     def dead_error(self, phase: Phase, dead: list[int]) -> CheckpointError:
         """The error for ranks that died during ``phase``, ended by what it means."""
