@@ -231,3 +231,8 @@ def test_a_tensor_reference_in_extra_state_is_refused_before_anything_is_restore
         shardsafe.load(forged, live)
     assert str(refused.value) == message
     assert _bits(live) == before
+    for to in ("torch", "dcp"):  # nor is it written out as a tensor of the extra state
+        with pytest.raises(CheckpointCorruptError) as converted:
+            shardsafe.convert(forged, tmp_path / f"out-{to}", to=to, progress=False)
+        assert str(converted.value).endswith(message), str(converted.value)
+        assert not (tmp_path / f"out-{to}").exists()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import _names, _tree
+from ..adapters.module import check_module_meta
 from ..adapters.optimizer import GROUPS
 from ..errors import CheckpointCorruptError
 from ..protocol import SavedValue
@@ -196,6 +197,7 @@ def nested(source: Source) -> dict[str, Any]:
 def _module_tree(value: SavedValue, source: Source) -> dict[str, Any]:
     """A module entry as its state dict: tensors by name, then its extra state, which
     must not reuse a tensor's name (one of the two would be lost)."""
+    check_module_meta(value)  # a forged tensor reference in extra state, among others
     names = value.meta["tensors"]
     key = _names.module_keys(value.name, names, source.tensors)
     sub: dict[str, Any] = {fqn: TensorRef(key(fqn)) for fqn in names}
