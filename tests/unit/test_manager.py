@@ -201,3 +201,31 @@ def test_only_the_pointers_own_temporary_files_are_removed_from_the_root(tmp_pat
     ]
     assert (tmp_path / ".latest.tmp-mine").read_text() == "mine"
     assert (tmp_path / ".latest.tmp-123" / "x").read_text() == "mine"
+
+
+@pytest.mark.timeout(60)
+def test_load_latest_and_latest_wait_for_the_managers_save_in_flight(tmp_path: Path) -> None:
+    """Found in review: ``load_latest`` during the manager's own ``async_save`` restored the
+    step before it, in silence (the run's next save then found its step taken), and
+    ``latest`` named that step; both wait for the save in flight first."""
+    import time
+
+    from shardsafe.checkpoint.options import SaveHooks
+
+    model = nn.Linear(4, 4)
+    manager = CheckpointManager(tmp_path)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    manager.save(1, {"model": model})
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    slow = SaveHooks(before_write=lambda: time.sleep(0.5))
+    handle = manager.async_save(2, {"model": model}, hooks=slow)
+    assert manager.latest() == str(tmp_path / "step-000000002")
+    handle = manager.async_save(3, {"model": model}, hooks=slow)
+    with torch.no_grad():
+        model.weight.fill_(-5.0)
+    manager.load_latest({"model": model})
+    assert handle.done()
+    assert torch.equal(model.weight, torch.full((4, 4), 2.0))
+    manager.close()

@@ -450,6 +450,7 @@ class CheckpointManager:
         or resized data file) are passed over with a warning saying why.
         """
         self._fresh = False  # the caller is looking for a checkpoint to continue from
+        background.drain()  # a save in flight is the newest checkpoint, once it commits
         for path in self._loadable():
             return path
         return None
@@ -488,6 +489,11 @@ class CheckpointManager:
         anything is restored (``shardsafe.accelerate`` refuses a checkpoint holding objects
         the accelerator has nothing to restore into)."""
         opts = self._load_options(options)
+        # A save of this process still in flight (``async_save``) is the newest
+        # checkpoint: loaded before it committed, the one before it was restored, in
+        # silence (the run then found its next save's step taken). Its error, if it
+        # failed, is raised here, as the next save would.
+        background.drain()
         self._fresh = False
         first: CheckpointCorruptError | None = None
         self._passed_over = {}
