@@ -641,3 +641,27 @@ def test_workers_are_launched_from_the_main_thread_only(tmp_path: Path) -> None:
         "`torchrun --nproc-per-node 2`"
     )
     assert not marker.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_program_read_from_standard_input_is_refused_as_a_launcher() -> None:
+    """``python - < train.py`` with ``devices=2``: each worker ran ``python -`` again with
+    nothing left to read, so the run trained nothing and exited 0 (found in review)."""
+    import subprocess
+    import sys
+
+    program = (
+        "from shardsafe.trainer.launcher import script_command\n"
+        "try:\n"
+        "    script_command()\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-"], input=program, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "devices > 1 starts one process per device by running this program again, which "
+        "needs a script: put the code in train.py and run `python train.py`"
+    ), done.stdout

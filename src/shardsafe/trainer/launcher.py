@@ -73,8 +73,11 @@ def current_environment(devices: int) -> Environment | None:
 
 
 def script_command() -> list[str]:
-    """The command that started this process, to run again as each worker."""
-    if len(sys.orig_argv) < 2 or sys.flags.interactive or "ipykernel" in sys.modules:
+    """The command that started this process, to run again as each worker. A program
+    read from standard input (``python - < train.py``) cannot be: the launcher has read
+    it, and each worker ran an empty program, so the run trained nothing and exited 0."""
+    from_stdin = sys.argv[:1] in (["-"], [""])
+    if len(sys.orig_argv) < 2 or from_stdin or sys.flags.interactive or "ipykernel" in sys.modules:
         raise RuntimeError(
             "devices > 1 starts one process per device by running this program again, which "
             "needs a script: put the code in train.py and run `python train.py`, or start it "
