@@ -665,3 +665,31 @@ def test_a_program_read_from_standard_input_is_refused_as_a_launcher() -> None:
         "devices > 1 starts one process per device by running this program again, which "
         "needs a script: put the code in train.py and run `python train.py`"
     ), done.stdout
+
+
+def test_resume_from_a_folder_of_checkpoints_names_the_newest(tmp_path: Path) -> None:
+    """``fit --resume run/checkpoints`` (the folder, not a checkpoint in it) said only that
+    it had no manifest.json, "a save into it may have been interrupted", which sent the
+    user looking for a crash (found in review)."""
+    from shardsafe.trainer.resuming import find_checkpoint
+
+    old = tmp_path / "old"
+    manager = shardsafe.CheckpointManager(old / "checkpoints")
+    manager.save(20, {"w": torch.ones(2)})
+    manager.close()
+    config = TrainerConfig(max_steps=5, run_dir=str(tmp_path / "new"))
+    newest = old / "checkpoints" / "step-000000020"
+    root_looks = (
+        f"It looks like a checkpoint root; the newest committed checkpoint in it is {newest}"
+    )
+    run_looks = (
+        "It looks like a Trainer run directory: its checkpoints are under "
+        f"{old / 'checkpoints'}; the newest is {newest}"
+    )
+    for given, looks in ((old / "checkpoints", root_looks), (old, run_looks)):
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+            find_checkpoint(config, str(given))
+        assert str(refused.value) == (
+            f"{given} has no manifest.json, so it is not a committed checkpoint (a save into "
+            f"it may have been interrupted). {looks}"
+        )

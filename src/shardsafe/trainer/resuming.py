@@ -20,11 +20,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..checkpoint.api import load
+from ..checkpoint.finding import where_checkpoints_are
 from ..checkpoint.loading import read_manifest
 from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions
 from ..distributed.coordinator import rank_zero_answer
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 from ..protocol import SavedValue
 from ..tiers import Restored, TieredCheckpointManager
 from .config import TrainerConfig
@@ -54,7 +60,10 @@ def find_checkpoint(
     checkpoint = manager.latest() if resume == "latest" else resume
     if checkpoint is not None:
         # Clear errors now, before any process has built a model (the launcher's too).
-        values = read_manifest(checkpoint).values
+        try:
+            values = read_manifest(checkpoint).values
+        except CheckpointNotFoundError as e:  # a folder of checkpoints, a run directory
+            raise CheckpointNotFoundError(f"{e}{where_checkpoints_are(checkpoint)}") from None
         check_seed(values, config, checkpoint)
         step = saved_progress(values).get("step")
         if resume != "latest" and isinstance(step, int):
