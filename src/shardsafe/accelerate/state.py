@@ -26,6 +26,7 @@ from typing import Any, Literal, overload
 
 from .. import _tree
 from ..adapters import RNGState
+from ..adapters.fsdp1 import fsdp1_path
 from ..checkpoint import api, background, loading
 from ..checkpoint.background import SaveHandle
 from ..checkpoint.finding import newest_checkpoint
@@ -511,10 +512,10 @@ def _refuse_engines(accelerator: Any) -> None:
 
 
 def _refuse_fsdp1(accelerator: Any) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
+    """Refuse FSDP1 before anything is written or read, naming Accelerate's way out; the
+    core refuses it too (``adapters.fsdp1``, the one check of what FSDP1 is)."""
     for model in accelerator._models:
-        if isinstance(model, FullyShardedDataParallel):
+        if fsdp1_path(model) is not None:
             raise ValueError(
                 "a model is wrapped in FSDP1 (FullyShardedDataParallel), which shardsafe "
                 "does not save: use FSDP2, FullyShardedDataParallelPlugin(fsdp_version=2)"

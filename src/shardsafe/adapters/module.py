@@ -44,7 +44,7 @@ from ..protocol import (
     fqn_without_wrappers,
     unwrap,
 )
-from . import dtensor
+from . import dtensor, fsdp1
 
 
 class ModuleAdapter(Adapter):
@@ -54,6 +54,8 @@ class ModuleAdapter(Adapter):
         return isinstance(obj, nn.Module)
 
     def save(self, obj: nn.Module, ctx: SaveContext) -> SaveItem:
+        # Before state_dict(), which under FSDP1 may gather from every rank.
+        fsdp1.refuse_fsdp1_module(obj, ctx.name, "save")
         module = unwrap(obj)
         params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         params |= {fqn_without_wrappers(name) for name in params}
@@ -76,6 +78,7 @@ class ModuleAdapter(Adapter):
                 continue
             names.append(name)
             key = ctx.key(name)
+            fsdp1.refuse_sharded_tensor(key, value, "save")
             if dtensor.is_dtensor(value) or name in params:
                 chunks += dtensor.chunks_of(key, value, replicated=True)
             else:  # buffers: the lowest holder's (see the module docstring)
@@ -114,6 +117,7 @@ class ModuleAdapter(Adapter):
         return {"tensors": list(names), "extra": extra}
 
     def plan_load(self, obj: nn.Module, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
+        fsdp1.refuse_fsdp1_module(obj, ctx.name, "load")
         module = unwrap(obj)
         live = module.state_dict()
         names, extra = check_module_meta(saved)
@@ -147,6 +151,7 @@ class ModuleAdapter(Adapter):
                 # saved, whatever the live module's extra state is now; not a weight to fill.
                 plan.requests.append(ReadRequest(key(name)))
             elif isinstance(value, torch.Tensor):
+                fsdp1.refuse_sharded_tensor(key(name), value, "load")
                 plan.requests.append(_request(key(name), value))
         held = {as_saved(n) for n in live}
         plan.unexpected = [key(n) for n in sorted((saved_names | set(extra)) - held)]

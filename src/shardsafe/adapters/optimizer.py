@@ -35,7 +35,7 @@ from ..protocol import (
     SaveItem,
     fqn_without_wrappers,
 )
-from . import dtensor
+from . import dtensor, fsdp1
 from .module import uninitialized
 from .optimizer_merge import NAMES, merge_optimizer_metas, without_names
 
@@ -69,6 +69,7 @@ def export_state(
     held alike by several ranks, stored once (``Chunk.copies_allowed``): ZeRO sharded
     within each node's group and replicated across them (``process_group=``, under DDP
     over every rank) was refused as shards that "overlap or leave holes" (review)."""
+    _refuse_fsdp1(groups, ctx, "save")
     chunks: list[Chunk] = []
     where = f"state[{ctx.name!r}]"
 
@@ -77,6 +78,7 @@ def export_state(
     ) -> _tree.TensorSink:
         def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
             key = ctx.key(*prefix, *path)
+            fsdp1.refuse_sharded_tensor(key, tensor, "save")
             found = dtensor.chunks_of(key, tensor, replicated=same_on_every_rank)
             if copies and not same_on_every_rank and not dtensor.is_dtensor(tensor):
                 found = [replace(c, copies_allowed=True) for c in found]
@@ -123,6 +125,13 @@ def export_state(
     return SaveItem("optimizer", meta, chunks)
 
 
+def _refuse_fsdp1(groups: list[dict[str, Any]], ctx: SaveContext, action: fsdp1.Action) -> None:
+    """Refuse an optimizer of an FSDP1 model before its state is looked at: each rank's
+    state of a flat parameter is its own shard under one name (``fsdp1``)."""
+    params = (p for g in groups for p in g["params"])
+    fsdp1.refuse_flat_params(params, lambda p: ctx.param_names.get(id(p)), ctx.name, action)
+
+
 def _check_state_names(param_state: Mapping[Any, Any], fqn: str, where: str) -> None:
     """Refuse per-parameter state names that would not come back as they were.
 
@@ -150,6 +159,7 @@ def plan_import(
     checkpoint that this rank does not hold are reported as unexpected; the load counts
     one as unexpected only if no rank holds it (``loading.py``).
     """
+    _refuse_fsdp1(groups, ctx, "load")
     plan = LoadRequests()
     meta = _meta(saved, ctx, groups)
     saved_groups = meta["param_groups"]

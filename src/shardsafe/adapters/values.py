@@ -39,7 +39,7 @@ from ..protocol import (
     SavedValue,
     SaveItem,
 )
-from . import dtensor
+from . import dtensor, fsdp1
 from .module import check_writable
 
 _PLAIN = (type(None), bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, torch.dtype)
@@ -60,6 +60,7 @@ def encode_replicated(
 
     def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         key = ctx.key(*path)
+        fsdp1.refuse_sharded_tensor(key, tensor, "save")
         for chunk in dtensor.chunks_of(key, tensor, replicated=True):
             if copies == "rank 0's" and chunk.replicated:
                 chunk = replace(chunk, lowest_rank_wins=True)
@@ -285,6 +286,7 @@ class PlainDataAdapter(Adapter):
         plan = full_requests(saved)
         if not isinstance(obj, torch.Tensor):
             return plan
+        fsdp1.refuse_sharded_tensor(ctx.name, obj, "load")
         meta = saved.meta
         ref = meta.get("__tensor__") if isinstance(meta, dict) and len(meta) == 1 else None
         if not isinstance(ref, str):
