@@ -330,7 +330,8 @@ def load_names(
 
 def _all_names(state: Mapping[str, Any]) -> list[tuple[str, str, nn.Parameter]]:
     """Every (name, module's own name, parameter) of every module in ``state``, shared
-    ones once per name."""
+    ones once per name; FSDP2 modules resharded first (:func:`reshard_fsdp`)."""
+    reshard_fsdp(state)
     found: list[tuple[str, str, nn.Parameter]] = [
         (key, fqn, p)
         for key, value in state.items()
@@ -354,6 +355,39 @@ def _all_names(state: Mapping[str, Any]) -> list[tuple[str, str, nn.Parameter]]:
         if renamed == names:
             return [(name, fqn, p) for name, (_, fqn, p) in zip(names, found)]
         names = renamed
+
+
+_FSDP_MODULES = (
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed._composable.fsdp.fully_shard",  # torch 2.4, 2.5
+)
+
+
+def reshard_fsdp(state: Mapping[str, Any]) -> None:
+    """Reshard every FSDP2 module (``fully_shard``) of every module in ``state``, as its
+    ``state_dict()`` pre-hook does for DCP. Unsharded (after an eval forward of a root
+    holding parameters, or any forward with ``reshard_after_forward=False``), its
+    ``named_parameters()`` are plain tensors, not the DTensors its optimizer holds: every
+    rank refused the save or load as if the optimizer were another model's (review).
+    ``reshard()`` frees the gathered copies without communicating and does nothing to a
+    sharded module; the next forward gathers again. Looked up once FSDP2 is imported."""
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None:
+        return
+    for value in state.values():
+        if isinstance(value, nn.Module):
+            for module in value.modules():
+                if isinstance(module, fsdp_module):
+                    module.reshard()
+
+
+def _fsdp_module_class() -> type[Any] | None:
+    """FSDP2's ``FSDPModule`` once the program has imported it, else ``None``."""
+    for name in _FSDP_MODULES:
+        found = getattr(sys.modules.get(name), "FSDPModule", None)
+        if isinstance(found, type):
+            return found
+    return None
 
 
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})

@@ -49,11 +49,33 @@ def is_dtensor(value: object) -> bool:
 
 
 def local_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(global offsets, local shape)`` of this rank's shard."""
+    """``(global offsets, local shape)`` of this rank's shard; on a rank outside the
+    DTensor's mesh, the empty box at the origin (:func:`_outside_box`)."""
     mesh = value.device_mesh
-    box = _box(tuple(value.shape), mesh, tuple(value.placements), _position(mesh))
+    position = _position(mesh)
+    if position is None:
+        return _outside_box(value)
+    box = _box(tuple(value.shape), mesh, tuple(value.placements), position)
     _check_local(value, box[1])
     return box
+
+
+def outside_mesh(value: Any) -> bool:
+    """Whether this process is outside the mesh of the DTensor ``value`` (one on ranks
+    ``[0, 1]`` that ranks 2 and 3 hold too): torch gives such a rank an empty local tensor
+    and computes nothing there; the ranks in the mesh hold all of the tensor."""
+    return _position(value.device_mesh) is None
+
+
+def _outside_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a rank outside the mesh asks for on load: an empty box at the origin (of a
+    0-dim tensor, its one element, read and dropped), which needs no bytes and lies in
+    any saved shape. torch's ``compute_local_shape_and_global_offset`` answers such a
+    rank ``((0,), ())``, a box of another rank, which was offered as a shard or a whole
+    copy on save ("manifest.json is malformed ... overlap or leave holes") and refused
+    on load ("requested region lies outside the saved shape") (found in review)."""
+    zeros = (0,) * len(value.shape)
+    return zeros, zeros
 
 
 def _check_local(value: Any, shape: tuple[int, ...]) -> None:
@@ -156,11 +178,12 @@ def _rows(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> lis
 
 
 Geometry = tuple[str, tuple[int, ...], tuple[int, ...]]
-"""``(role, global offsets, local shape)``; role is "replicated", "shard" or "partial"
-(unsavable). A shard may have copies: the ranks that differ from this one only on a
-``Replicate`` dimension of the mesh (HSDP's replicas) hold the same box. Each offers it,
-and the save plan stores it once, spreading such shards over their holders
-(``save_plan.copies_of``)."""
+"""``(role, global offsets, local shape)``; role is "replicated", "shard", "partial"
+(unsavable) or "outside" (this rank is outside the mesh and holds none of it: it offers
+nothing on save and asks for the empty box of :func:`_outside_box` on load). A shard may
+have copies: the ranks that differ from this one only on a ``Replicate`` dimension of the
+mesh (HSDP's replicas) hold the same box. Each offers it, and the save plan stores it
+once, spreading such shards over their holders (``save_plan.copies_of``)."""
 
 _GEOMETRY: dict[Any, Geometry] = {}
 _GEOMETRY_LIMIT = 4096
@@ -195,6 +218,8 @@ def _geometry(value: Any) -> Geometry:
     if any(p.is_partial() for p in placements):
         return "partial", (), ()
     shape = tuple(value.shape)
+    if outside_mesh(value):
+        return "outside", *_outside_box(value)
     if all(p.is_replicate() for p in placements):
         return "replicated", (0,) * len(shape), shape
     offsets, local = local_box(value)
@@ -213,21 +238,24 @@ def refuse_partial_target(key: str, value: Any) -> None:
         )
 
 
-def local_chunk(key: str, value: Any) -> Chunk:
-    """The chunk this rank offers for a DTensor."""
+def local_chunks(key: str, value: Any) -> list[Chunk]:
+    """The chunk this rank offers for a DTensor: none outside its mesh, where the ranks
+    in the mesh hold all of it."""
     role, offsets, shape = geometry(value)
     if role == "partial":
         raise CheckpointError(
             f"{key!r} is a DTensor with a Partial placement; reduce it "
             "(e.g. .redistribute() to Shard/Replicate) before saving"
         )
+    if role == "outside":
+        return []
     local = _local_tensor(value)
     global_shape = tuple(value.shape)
     if role == "replicated":
-        return Chunk(key, local, global_shape, offsets, replicated=True)
+        return [Chunk(key, local, global_shape, offsets, replicated=True)]
     if local.shape != shape:
         local = local.reshape(shape)
-    return Chunk(key, local, global_shape, offsets, replicated=False, copies_allowed=True)
+    return [Chunk(key, local, global_shape, offsets, replicated=False, copies_allowed=True)]
 
 
 def _local_tensor(value: Any) -> torch.Tensor:
@@ -240,10 +268,11 @@ def _local_tensor(value: Any) -> torch.Tensor:
 
 
 def chunks_of(key: str, tensor: torch.Tensor, *, replicated: bool) -> list[Chunk]:
-    """What this rank offers for ``tensor``: its DTensor shard, else the whole tensor,
-    ``replicated`` if every rank holds the same copy."""
+    """What this rank offers for ``tensor``: its DTensor shard (nothing outside the
+    DTensor's mesh), else the whole tensor, ``replicated`` if every rank holds the same
+    copy."""
     if is_dtensor(tensor):
-        return [local_chunk(key, tensor)]
+        return local_chunks(key, tensor)
     refuse_nested(key, tensor)
     return [Chunk.whole(key, tensor.detach(), replicated=replicated)]
 
@@ -259,11 +288,16 @@ def refuse_nested(key: str, tensor: torch.Tensor) -> None:
 
 
 def local_of(value: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this rank's bytes of ``value``: its local shard for a DTensor."""
-    if is_dtensor(value):
-        local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
-        return local
-    return value
+    """The tensor holding this rank's bytes of ``value``: its local shard for a DTensor.
+    Outside the DTensor's mesh, its empty local tensor shaped as the box asked for there
+    (:func:`_outside_box`), so that the empty read lands in it, or is copied into it,
+    as any shard's does (torch's is 1-dimensional whatever the tensor's dimensions)."""
+    if not is_dtensor(value):
+        return value
+    local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
+    if local.numel() == 0 and outside_mesh(value):
+        return local.view(_outside_box(value)[1]) if value.dim() else local
+    return local
 
 
 def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -271,6 +305,8 @@ def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(template):
         return local
     t: Any = template
+    if outside_mesh(template):
+        return _empty_like(template)
     own = _local_tensor(template)  # not local_of: to_local's autograd trip, per tensor
     if (
         local.data_ptr() == own.data_ptr()
@@ -288,5 +324,22 @@ def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         t.placements,
         shape=t.shape,
         stride=t.stride(),
+    )
+    return wrapped
+
+
+def _empty_like(template: Any) -> torch.Tensor:
+    """A DTensor placed like ``template`` on a rank outside its mesh: an empty local
+    tensor, as torch gives such a rank (what was read for it there is an empty box, or a
+    0-dim tensor's one element, which no rank outside the mesh keeps). A 0-dim one is
+    made from a 0-dim local tensor without ``shape=``: ``from_local`` takes an empty
+    ``shape`` for none given and computed the shape ``[0]`` from torch's empty local."""
+    own = _local_tensor(template)
+    mesh, placements = template.device_mesh, template.placements
+    if template.dim() == 0:  # only Replicate (or Partial, refused) places a 0-dim tensor
+        scalar: torch.Tensor = _dtensor_class().from_local(own.new_empty(()), mesh, placements)
+        return scalar
+    wrapped: torch.Tensor = _dtensor_class().from_local(
+        own.new_empty(0), mesh, placements, shape=template.shape, stride=template.stride()
     )
     return wrapped
