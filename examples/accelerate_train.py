@@ -5,12 +5,13 @@
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py  # resumes
 
 (``--multi_gpu`` only picks Accelerate's torchrun launcher; the script asks for the CPU
-unless CUDA is there.) A small MLP with AdamW and a step scheduler over a shuffled
-dataloader trains for ``--steps`` steps, saving every ``--every`` steps with
-``shardsafe.accelerate.save_state`` in the background into ``--run-dir/checkpoints``
-(automatic naming, the newest 2 kept). A second run finds the newest complete checkpoint
-with ``load_state``, skips the batches already seen in that epoch, and trains on: its
-losses are those an uninterrupted run would have logged, bit for bit.
+unless CUDA is there.) A small MLP with dropout, AdamW and a step scheduler over a
+shuffled dataloader with a generator of its own (see the comment there) trains for
+``--steps`` steps, saving every ``--every`` steps with ``shardsafe.accelerate.save_state``
+in the background into ``--run-dir/checkpoints`` (automatic naming, the newest 2 kept).
+A second run finds the newest complete checkpoint with ``load_state``, skips the batches
+already seen in that epoch, and trains on: its losses are those an uninterrupted run
+would have logged, bit for bit.
 """
 
 from __future__ import annotations
@@ -53,13 +54,21 @@ def main() -> None:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Dropout(0.1), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(256, 16, generator=generator)
     data = torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
-    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+    # A generator of its own: without one, each new iterator of the loader (the one that
+    # skips the batches already seen, made right after the restore, included) draws a seed
+    # from torch's global RNG, and the dropout masks after a resume are no longer those of
+    # an uninterrupted run.
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, shuffle=True, generator=torch.Generator()
+    )
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)

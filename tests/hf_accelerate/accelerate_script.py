@@ -50,6 +50,39 @@ class Counter:
         self.seen = state["seen"]
 
 
+class OwnTables:
+    """A registered object that is not a module, its tensors each process's own: one
+    small, one over the 64 KiB up to which shardsafe keeps a stateful object's differing
+    tensors per rank."""
+
+    def __init__(self, value: float) -> None:
+        self.small = torch.full((4,), value)
+        self.large = torch.full((1 << 15,), value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"small": self.small, "large": self.large}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.small, self.large = state["small"], state["large"]
+
+
+def own_values(value: float) -> tuple[torch.nn.Module, OwnTables]:
+    """Registered objects whose tensors all hold ``value``, each process its own (an EMA
+    or statistics kept per process): as Accelerate saves them, the main process's copy
+    is what every process loads back."""
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(value)
+    return module, OwnTables(value)
+
+
+def held(module: torch.nn.Module, tables: OwnTables) -> list[float]:
+    """Every value the registered objects of :func:`own_values` hold."""
+    tensors = [*module.parameters(), tables.small, tables.large]
+    return sorted({v for t in tensors for v in t.unique().tolist()})
+
+
 def dump(path: str, accelerator: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
     """The state a resumed run must have, as tensors named by parameter (``model.``) and
     by parameter index (``optimizer.``, the whole optimizer's, consolidated from ZeRO)."""
@@ -174,6 +207,11 @@ def train(accelerator: Any, args: argparse.Namespace) -> None:
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
+    # Each process's own values: its index in the run that saves, 10 more in one that
+    # resumes, so that what a load brings back is known (the main process's, 0.0).
+    offset = 10 if args.resume is not None else 0
+    module, tables = own_values(float(offset + accelerator.process_index))
+    accelerator.register_for_checkpointing(module, tables)
 
     step = 0
     if args.resume is not None and args.expect_load_error:
@@ -186,6 +224,7 @@ def train(accelerator: Any, args: argparse.Namespace) -> None:
         values = load_state(accelerator, None if args.resume == "auto" else args.resume)
         step = counter.seen
         accelerator.print(f"resumed at step {step}: {sorted(values)}")
+        print(f"process {accelerator.process_index}: registered {held(module, tables)}", flush=True)
         if args.dump:
             dump(args.dump, accelerator, model, optimizer, scheduler)
     losses: dict[int, float] = {}

@@ -92,10 +92,12 @@ def test_a_resumed_run_continues_bitwise_and_nothing_is_pickled(
     report = shardsafe.inspect(path)
     assert sorted(v.name for v in report.values) == sorted(
         [
-            "model", "optimizer", "scheduler", "dataloader", "custom_checkpoint_0", "rng",
-            "accelerator_step",
+            "model", "optimizer", "scheduler", "dataloader", "custom_checkpoint_0",
+            "custom_checkpoint_1", "custom_checkpoint_2", "rng", "accelerator_step",
         ]
     )  # fmt: skip
+    registered = [t for t in report.tensors if t.key.startswith("custom_checkpoint_")]
+    assert len(registered) == 6 and {t.writers for t in registered} == {(0,)}
     assert not [p for p in path.iterdir() if p.suffix in {".bin", ".pkl", ".pt"}]
     assert shardsafe.verify(path).ok
     resumed = launch(
@@ -103,6 +105,11 @@ def test_a_resumed_run_continues_bitwise_and_nothing_is_pickled(
     )
     assert_same_tensors(tmp_path / "loaded.safetensors", root / "saved.safetensors")
     assert_continues(whole, resumed, SAVE_AT)
+    # Registered objects whose tensors differ per process (0.0 on process 0, 1.0 on
+    # process 1) come back as the main process's on both, as with Accelerate's own
+    # save_state; they came back as a mix of both processes' tensors, on both.
+    held = sorted(re.findall(r"process \d: registered \[[^\]]*\]", resumed["log"]))
+    assert held == ["process 0: registered [0.0]", "process 1: registered [0.0]"]
 
 
 def test_a_two_process_checkpoint_loads_into_one_process(

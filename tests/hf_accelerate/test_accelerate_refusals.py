@@ -21,7 +21,10 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from shardsafe._tree import PER_RANK  # noqa: E402
 from shardsafe.accelerate import load_state, save_state, state_of  # noqa: E402
+from shardsafe.adapters import find_adapter  # noqa: E402
+from shardsafe.adapters.values import StatefulAdapter  # noqa: E402
 from shardsafe.checkpoint.storage.local import LocalStorage  # noqa: E402
+from shardsafe.protocol import SaveContext  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,6 +115,80 @@ def test_a_registered_module_is_saved_by_parameter_name_and_restored(
     assert accelerator.step == 0
     assert torch.equal(extra.weight, saved["weight"])
     assert not torch.equal(model.weight, torch.zeros_like(model.weight))
+
+
+class Tables:
+    """A registered object that is not a module, with tensors under ``names``."""
+
+    def __init__(self, *names: str) -> None:
+        self.tables = {name: torch.full((3,), 5.0) for name in names}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.tables)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tables = dict(state)
+
+
+class OwnAdapter(StatefulAdapter):
+    """A user's adapter for :class:`Kept`: registered objects of its class are its own."""
+
+    kind = "test-kept"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, Kept)
+
+
+class Kept(Tables):
+    pass
+
+
+shardsafe.register_adapter(OwnAdapter())
+
+
+def test_registered_objects_are_saved_as_the_main_process_copy(
+    accelerator: Any, tmp_path: Path
+) -> None:
+    """What one process can show of what ``test_accelerate.py`` shows on two (registered
+    objects whose tensors differ per process come back as the main process's on both):
+    a registered module stays itself in the state, so its parameters name an optimizer's
+    state as before, another object is wrapped, each with every tensor the lowest rank's
+    copy, in the built-in kinds (checkpoints written before load as they did); ranks whose
+    object holds other tensors are refused, their non-tensor values are rank 0's; an
+    object with a user's adapter is left to it."""
+    prepared(accelerator)
+    module, tables, kept = torch.nn.Linear(2, 2), Tables("a"), Kept("k")
+    accelerator.register_for_checkpointing(module, tables, kept)
+    state = state_of(accelerator)
+    assert state["custom_checkpoint_0"] is module and state["custom_checkpoint_2"] is kept
+    assert state["custom_checkpoint_1"].obj is tables
+    for name in ("custom_checkpoint_0", "custom_checkpoint_1"):
+        adapter = find_adapter(state[name], name)
+        item = adapter.save(state[name], SaveContext(name=name, rank=1, world_size=2))
+        assert item.chunks and all(c.lowest_rank_wins for c in item.chunks)
+    save_state(accelerator, tmp_path / "c")
+    kinds = {v.name: v.kind for v in shardsafe.inspect(tmp_path / "c").values}
+    assert [kinds[f"custom_checkpoint_{i}"] for i in range(3)] == [
+        "module", "stateful", "test-kept",
+    ]  # fmt: skip
+    tables.tables = {"a": torch.zeros(3)}
+    load_state(accelerator, tmp_path / "c")
+    assert torch.equal(tables.tables["a"], torch.full((3,), 5.0))
+
+    adapter = find_adapter(state["custom_checkpoint_1"], "custom_checkpoint_1")
+    assert adapter.merge([{"n": 0}, {"n": 1}]) == {"n": 0}
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        adapter.merge([{"a": {"__tensor__": "c/a"}}, {"b": {"__tensor__": "c/b"}}])
+    assert str(refused.value) == (
+        "its state_dict() holds other tensors on rank 1 than on rank 0. An object registered "
+        "with accelerator.register_for_checkpointing is saved as the main process's copy, "
+        "as Accelerate saves it, which needs the same keys on every process: give them to "
+        "it (nothing was written)"
+    )
+    adapter = find_adapter(module, "custom_checkpoint_0")
+    metas = [{"tensors": ["weight"], "extra": {"x": r}} for r in (0, 1)]
+    assert adapter.merge(metas) == {"tensors": ["weight"], "extra": {"x": 0}}
+    assert not adapter.handles(None) and not adapter.handles(torch.nn.Linear(2, 2))
 
 
 def test_the_state_lists_what_accelerate_saves_in_its_order(accelerator: Any) -> None:
@@ -477,6 +554,44 @@ def test_a_rollback_by_name_is_told_how_to_continue_from_it(tmp_path: Path) -> N
         shutil.move(root / "step-000000002", tmp_path / "moved")  # the way out
         config.iteration = 2
         assert save_state(accelerator) == str(root / "step-000000002")
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_the_newest_loaded_by_name_is_told_to_set_iteration(tmp_path: Path) -> None:
+    """A script that resumes by naming the newest automatic checkpoint and saves: it was
+    told it loaded step 2 "not the newest" and to move "the checkpoints after step 2"
+    out, although step 2 was the newest (found in review)."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    root = tmp_path / "checkpoints"
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        prepared(accelerator)
+        for _ in range(3):
+            save_state(accelerator)
+        AcceleratorState._reset_state(True)  # the restarted script, resuming by name
+        GradientState._reset_state()
+        config.iteration = 0
+        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+        prepared(accelerator)
+        load_state(accelerator, root / "step-000000002")
+        with pytest.raises(shardsafe.CheckpointError) as refused:
+            save_state(accelerator)
+        assert str(refused.value) == (
+            f"{root} already holds checkpoints up to step 2, and this accelerator's first "
+            f"save is step 0 (ProjectConfiguration.iteration): it loaded "
+            f"{root / 'step-000000002'}, the newest, by name, and a load by name does not "
+            "set iteration. To continue from it, set "
+            "accelerator.project_configuration.iteration = 3, or load it with "
+            "shardsafe.accelerate.load_state(accelerator) without input_dir, which loads "
+            "the newest and sets iteration past it. Nothing was written"
+        )
+        assert sorted(os.listdir(root))[-1] == "step-000000002"
+        config.iteration = 3  # the way out
+        assert save_state(accelerator) == str(root / "step-000000003")
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()

@@ -8,7 +8,9 @@ Each object goes to the adapter shardsafe has for it: a prepared model (DDP, or 
 through Accelerate's FSDP plugin) is saved by parameter name, each rank writing its part;
 an ``AcceleratedOptimizer`` is looked through to the optimizer inside it (a wrapped
 ``ZeroRedundancyOptimizer`` saves sharded); schedulers and the scaler by their
-``state_dict``; every rank's RNGs with :class:`shardsafe.RNGState`.
+``state_dict``; registered objects as the main process's copy, loaded by every process,
+as Accelerate saves them (``custom.py``); every rank's RNGs with
+:class:`shardsafe.RNGState`.
 
 Accelerate's ``register_save_state_pre_hook``/``register_load_state_pre_hook`` hooks are
 refused, not skipped: they write and read files in Accelerate's own directory layout, so
@@ -41,6 +43,7 @@ from ..errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
+from .custom import main_process_copy
 from .positions import DataLoaderPosition
 
 STEP = "accelerator_step"
@@ -52,7 +55,9 @@ def state_of(accelerator: Any) -> dict[str, Any]:
     live objects, not copies): pass it to ``shardsafe.save``, ``async_save``, a
     ``CheckpointManager`` or a ``TieredCheckpointManager``, on every process, and to their
     loads to restore it; then set ``accelerator.step`` from the ``"accelerator_step"``
-    value ``load`` returns (``load_state`` does all of this)."""
+    value ``load`` returns (``load_state`` does all of this). A registered object that is
+    not a module is held wrapped (``custom.MainProcessCopy``, its ``.obj``), so that the
+    main process's copy of it is saved, as Accelerate saves it."""
     _refuse_engines(accelerator)
     _refuse_fsdp1(accelerator)
     state: dict[str, Any] = {}
@@ -67,7 +72,7 @@ def state_of(accelerator: Any) -> dict[str, Any]:
     )
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler
-    state.update({f"custom_checkpoint_{i}": o for i, o in enumerate(accelerator._custom_objects)})
+    state.update(_registered(accelerator._custom_objects))
     state["rng"] = RNGState()
     state[STEP] = int(accelerator.step)
     return state
@@ -355,23 +360,8 @@ def _refuse_behind(manager: CheckpointManager, step: int, loaded: str | None) ->
         steps = manager.complete_steps()
     except Exception:  # a store this process cannot reach: the save itself fails, agreed
         return
-    if steps and steps[-1] >= step and loaded is not None:  # a rollback, by name
-        where, name = os.path.split(loaded.rstrip("/"))
-        rolled = step_of(name) if where == manager.root else None
-        back = (
-            f"To continue from it, move the checkpoints after step {rolled} out of "
-            f"{manager.root} (shardsafe deletes none for you) and set "
-            f"accelerator.project_configuration.iteration = {rolled + 1}; to save after them "
-            "instead, set it"
-            if rolled is not None
-            else "To save after them, set accelerator.project_configuration.iteration"
-        )
-        raise CheckpointError(
-            f"{manager.root} already holds checkpoints up to step {steps[-1]}, and this "
-            f"accelerator's first save is step {step} (ProjectConfiguration.iteration): it "
-            f"loaded {loaded}, not the newest. {back} to {steps[-1] + 1}; or give this run "
-            "another project_dir. Nothing was written"
-        )
+    if steps and steps[-1] >= step and loaded is not None:  # loaded by name
+        raise CheckpointError(_loaded_by_name(manager.root, steps[-1], step, loaded))
     if steps and steps[-1] >= step:
         raise CheckpointError(
             f"{manager.root} already holds checkpoints up to step {steps[-1]}, and this "
@@ -380,6 +370,39 @@ def _refuse_behind(manager: CheckpointManager, step: int, loaded: str | None) ->
             "without input_dir before training, which restores the newest and sets "
             "iteration past it, or give this run another project_dir; nothing was written"
         )
+
+
+def _loaded_by_name(root: str, newest: int, step: int, loaded: str) -> str:
+    """Why the first save after ``load_state(accelerator, loaded)`` is refused, and the way
+    on. A load by name leaves ``iteration`` as it is (a rollback must not save over the
+    newer checkpoints), so the way on depends on what was loaded: an older checkpoint of
+    ``root`` (a rollback), its newest (a resume that named it, told before that it was
+    "not the newest"), or one elsewhere."""
+    where, name = os.path.split(loaded.rstrip("/"))
+    rolled = step_of(name) if where == root else None
+    head = (
+        f"{root} already holds checkpoints up to step {newest}, and this accelerator's first "
+        f"save is step {step} (ProjectConfiguration.iteration): it loaded {loaded}"
+    )
+    if rolled == newest:
+        return (
+            f"{head}, the newest, by name, and a load by name does not set iteration. To "
+            f"continue from it, set accelerator.project_configuration.iteration = {newest + 1}, "
+            "or load it with shardsafe.accelerate.load_state(accelerator) without input_dir, "
+            "which loads the newest and sets iteration past it. Nothing was written"
+        )
+    back = (
+        f"To continue from it, move the checkpoints after step {rolled} out of {root} "
+        "(shardsafe deletes none for you) and set "
+        f"accelerator.project_configuration.iteration = {rolled + 1}; to save after them "
+        "instead, set it"
+        if rolled is not None
+        else "To save after them, set accelerator.project_configuration.iteration"
+    )
+    return (
+        f"{head}, not the newest. {back} to {newest + 1}; or give this run another "
+        "project_dir. Nothing was written"
+    )
 
 
 def _check_project(config: Any) -> None:
@@ -474,6 +497,14 @@ def _refuse_accelerates_own(path: str) -> None:
 
 def _step_of(path: str) -> int:
     return int(path.rstrip("/").rsplit("-", 1)[-1])
+
+
+def _registered(objects: Sequence[Any]) -> dict[str, Any]:
+    """``custom_checkpoint_0``, ...: the registered objects, each saved as the main
+    process's copy and loaded by every process, as Accelerate's own ``save_state`` saves
+    one file per object from the main process (``custom.py``)."""
+    named = {f"custom_checkpoint_{i}": o for i, o in enumerate(objects)}
+    return {name: main_process_copy(o, name) for name, o in named.items()}
 
 
 def _numbered(name: str, objects: Sequence[Any]) -> dict[str, Any]:
