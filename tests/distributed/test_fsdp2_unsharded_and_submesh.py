@@ -5,6 +5,7 @@ outside its mesh (torch gives them an empty local tensor)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,27 @@ def submesh_run(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     assert model.rows.to_local().shape == ((3, 3), (2, 3), (0,), (0,))[rank]
     set_grads(model)
     opt.step()  # training goes on, outside the meshes too
-    return saved
+    return {**saved, "stray": stray_refused(rank, path)}
+
+
+def stray_refused(rank: int, path: str) -> str:
+    """A module whose DTensor on the mesh of ranks [0, 1] only ranks 2 and 3 hold: no rank
+    in its mesh offers it, so no rank stores it. It was saved, named by the module, and
+    loaded nowhere; the save refuses it, on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = nn.Module()
+    model.register_buffer("n", torch.ones(1))
+    if rank >= 2:
+        tensor = distribute_tensor(torch.ones(4, 2), DeviceMesh("cpu", [0, 1]), [Shard(0)])
+        model.register_parameter("w", nn.Parameter(tensor))
+    else:
+        DeviceMesh("cpu", [0, 1])  # a collective: every rank makes it
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        shardsafe.save(f"{path}-stray", {"model": model})
+    assert not os.path.exists(f"{path}-stray/manifest.json")
+    return str(refused.value)
 
 
 def test_dtensors_on_a_sub_mesh_held_outside_it_save_and_load_bitwise(tmp_path: Path) -> None:
@@ -202,6 +223,12 @@ def test_dtensors_on_a_sub_mesh_held_outside_it_save_and_load_bitwise(tmp_path: 
     assert sorted((c.offsets, c.shape) for c in rows.chunks) == [((0, 0), (3, 3)), ((3, 0), (2, 3))]
     (whole,) = manifest.tensors["model/whole"].chunks  # once, by a rank in its mesh
     assert whole.file in ("shard-00000-of-00004.safetensors", "shard-00001-of-00004.safetensors")
+    strays = {got.pop("stray") for got in saved}
+    assert strays == {
+        "save failed on rank 0: refusing to save a checkpoint that shardsafe could not load "
+        "back: state entry 'model' refers to 1 tensor: 'model/w' that the checkpoint does not "
+        "hold (nothing was written)"
+    }, strays
     plain = nn.Module()  # one process, no group: every tensor whole
     want = {**saved[0], **saved[2]}
     assert sorted(want) == sorted(name for name, _ in SHAPES)

@@ -112,6 +112,7 @@ def test_every_checkpoint_module_lives_in_a_layer_or_is_a_phase() -> None:
         "loading",
         "manager",
         "options",
+        "references",
         "refusals",
         "replacing",
         "saving",

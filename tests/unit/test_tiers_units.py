@@ -1290,6 +1290,14 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
     manager.close()
     copy = local / STEP7 / RANK0
     assert shardsafe.verify(copy).problems == ()
+    forged = tmp_path / "forged"  # a rank that is none: refused, as the manager refuses it
+    shutil.copytree(copy, forged)
+    doc = forge.read_manifest(forged)
+    doc["info"]["rank_checkpoint"]["rank"] = "zero"
+    forge.write_manifest(forged, doc)
+    assert shardsafe.verify(forged).problems == (
+        "state entry 'rng': the manifest's 'rank_checkpoint' does not hold a rank and a world size",
+    )
     shardsafe.convert(copy, tmp_path / "converted", progress=False)
     assert shardsafe.verify(tmp_path / "converted").ok
     python, generator = random.getstate(), torch.get_rng_state()

@@ -35,6 +35,7 @@ from .plan.collecting import Collected, check_state, collect
 from .plan.offer import Offer, check_same_entries, chunks_of
 from .plan.per_rank import split_differing
 from .plan.save_plan import SavePlan, plan_save
+from .references import missing_tensors
 from .storage import target_directory
 from .storage.protocol import Storage
 
@@ -390,9 +391,14 @@ def check_loadable(
     manifest = manifest_of(plan, entries, [planned], _info(extra_info), CRC_BLOCK_BYTES)
     try:
         parse(manifest.to_json())
+        missing = missing_tensors(manifest)
     except CheckpointCorruptError as e:
+        missing = [str(e)]
+    if missing:
+        # An entry naming a tensor no rank offered: a DTensor on a sub-mesh that only
+        # ranks outside its mesh hold (review), which saved, then loaded nowhere.
         raise CheckpointError(
-            f"refusing to save a checkpoint that shardsafe could not load back: {e} "
+            f"refusing to save a checkpoint that shardsafe could not load back: {missing[0]} "
             "(nothing was written)"
         ) from None
 

@@ -29,9 +29,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._text import natural_key, plural
+from .._text import natural_key
 from ..errors import CheckpointError
 from .finding import manifest_at
+from .references import KEYS_SHOWN, missing_tensors, some
 from .storage.locations import open_storage, path_text
 
 if TYPE_CHECKING:
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from .io.reader import CheckpointReader
     from .storage.protocol import Storage
 
-_KEYS_SHOWN = 5
 _OUT_OF_MEMORY = "os error 12"
 """How safetensors' Rust reader reports ENOMEM (a mapping refused under ``ulimit -v``)."""
 UNCHECKED = {
@@ -132,7 +132,7 @@ def find_problems(
         unreadable = reader.check_files()
         for name in sorted(manifest.files, key=natural_key):
             if name in unreadable:
-                problems.append(f"{unreadable[name]}; it holds {_some(keys[name])}")
+                problems.append(f"{unreadable[name]}; it holds {some(keys[name])}")
             if name in reader.header_bytes:
                 problems += _check_with_safetensors(reader, name, notes)
         # Tensors in an unreadable file were reported with it; check the rest.
@@ -151,22 +151,17 @@ def _threads(storage: Storage, manifest: Manifest) -> int:
 
 def _dangling(manifest: Manifest) -> list[str]:
     """One line per state entry whose metadata a load refuses (:func:`_check_metadata`)
-    or that refers to tensors the checkpoint does not hold: every byte can be intact and
-    the checkpoint still unloadable, if its metadata was written wrong (or forged,
-    checksums recomputed)."""
+    or that refers to tensors the checkpoint does not hold (``references.py``): every
+    byte can be intact and the checkpoint still unloadable, if its metadata was written
+    wrong (or forged, checksums recomputed)."""
     problems = []
     for name in sorted(manifest.values, key=natural_key):
         try:
             _check_metadata(manifest.values[name], manifest)
-            wanted = _references(manifest.values[name], manifest)
         except CheckpointError as e:
             problems.append(f"state entry {name!r}: {e}")
             continue
-        missing = [key for key in wanted if key not in manifest.tensors]
-        if missing:
-            problems.append(
-                f"state entry {name!r} refers to {_some(missing)} that the checkpoint does not hold"
-            )
+        problems += missing_tensors(manifest, [name])
     return problems
 
 
@@ -185,7 +180,7 @@ def _check_metadata(value: SavedValue, manifest: Manifest) -> None:
     elif value.kind == "optimizer":
         meta = optimizer.check_optimizer_meta(value)
         groups = meta["param_groups"]
-        # Each tensor a group refers to stands in as one (missing ones: _references).
+        # Each tensor a group refers to stands in as one (missing ones: ``references``).
         tensors = dict.fromkeys(_tree.tensor_refs(groups), torch.empty(0))
         optimizer.checked_hyper([_tree.decode(g["hyper"], tensors) for g in groups], value)
     elif value.kind == "value":
@@ -193,48 +188,33 @@ def _check_metadata(value: SavedValue, manifest: Manifest) -> None:
     elif value.kind == "stateful":
         values.check_stateful_meta(value, manifest.world_size)
     elif value.kind == "rng":
-        saver = _rank_checkpoint(manifest)
+        saver = _rank_checkpoint_of(manifest)
         if saver is None:
             rng.check_rng_meta(value)
         else:
             rng.check_rng_record(value, saver)
 
 
-def _rank_checkpoint(manifest: Manifest) -> int | None:
+def _rank_checkpoint_of(manifest: Manifest) -> int | None:
     """The rank whose rank checkpoint (a tiered manager's local copy) ``manifest`` is, or
     ``None`` for any other checkpoint. Its entries hold that rank's metadata as saved,
     which its load merges into the whole world's form first (``tiers/rank_checkpoint.py``):
     an RNG entry is one record, not one per rank (verify called every such copy of a
-    ``Trainer`` run, whose state holds ``RNGState()``, "not RNG state")."""
+    ``Trainer`` run, whose state holds ``RNGState()``, "not RNG state"). One whose rank
+    and world size are not valid is refused, as its load refuses it (a forged one passed)."""
     info = manifest.info.get("rank_checkpoint")
-    if not isinstance(info, dict):
+    if info is None:
         return None
-    rank = info.get("rank")
-    return rank if type(rank) is int and rank >= 0 else 0
-
-
-def _references(value: SavedValue, manifest: Manifest) -> list[str]:
-    """The tensor keys an entry's metadata refers to, in order, each once: a module's by
-    its names; an entry recorded with per-rank copies, every saving rank's record's."""
-    from .. import _names, _tree
-    from ..adapters.values import PER_RANK, checked_form, module_tensor_keys
-
-    meta = value.meta
-    if value.kind == "module" and isinstance(meta, dict):
-        return list(dict.fromkeys(module_tensor_keys(value, manifest.tensors)))
-    if isinstance(meta, dict) and len(meta) == 1 and isinstance(meta.get(PER_RANK), dict):
-        form = checked_form(meta[PER_RANK], value.name)
-        own, ranks = form["own"], manifest.world_size
-        if len(own) * ranks > len(manifest.tensors):  # cannot all be there: not listed
-            raise CheckpointError(
-                f"it records own copies of {_some(own)} for each of {ranks} saving ranks, "
-                f"more than the {len(manifest.tensors)} tensors the checkpoint holds"
-            )
-        mine = set(own)
-        shared = [k for k in _tree.tensor_refs(form["shared"]) if k not in mine]
-        copies = [_names.own_copy_key(k, rank) for rank in range(ranks) for k in own]
-        return list(dict.fromkeys(shared + copies))
-    return list(dict.fromkeys(_tree.tensor_refs(meta)))
+    found = [info.get(k) for k in ("rank", "world_size")] if isinstance(info, dict) else []
+    fields = [v for v in found if type(v) is int and v >= 0]
+    if len(fields) != 2:
+        raise CheckpointError(
+            "the manifest's 'rank_checkpoint' does not hold a rank and a world size"
+        )
+    rank, world_size = fields
+    if rank >= world_size:
+        raise CheckpointError(f"rank {rank} is outside its world size {world_size}")
+    return int(rank)
 
 
 def _keys_by_file(manifest: Manifest) -> dict[str, list[str]]:
@@ -300,18 +280,9 @@ def _differences(
     if found.keys() != ours.keys():
         problems.append(
             f"{name}: safetensors and shardsafe list different tensors "
-            f"({sorted(found.keys() ^ ours.keys())[:_KEYS_SHOWN]})"
+            f"({sorted(found.keys() ^ ours.keys())[:KEYS_SHOWN]})"
         )
     return problems
-
-
-def _some(keys: list[str]) -> str:
-    """``'a', 'b' ... and 3 more`` for a problem line that should stay one line."""
-    if not keys:
-        return "no tensors"
-    shown = ", ".join(repr(k) for k in keys[:_KEYS_SHOWN])
-    more = f" ... and {len(keys) - _KEYS_SHOWN} more" if len(keys) > _KEYS_SHOWN else ""
-    return f"{plural(len(keys), 'tensor')}: {shown}{more}"
 
 
 def _unique(lines: Iterable[str]) -> list[str]:
