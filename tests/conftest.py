@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Read by ``import gcsfs`` (see tests/gcsserver.py): set before any test module imports
+# it, as a test of another file may do before the ``gcs_server`` fixture sets it (then
+# every request of a gs:// test waited out gcsfs's 60 s gRPC probe of the bucket).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -229,3 +229,46 @@ def test_load_latest_and_latest_wait_for_the_managers_save_in_flight(tmp_path: P
     assert handle.done()
     assert torch.equal(model.weight, torch.full((4, 4), 2.0))
     manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hook_asking_for_latest_during_an_async_save_does_not_wait_for_itself(
+    tmp_path: Path,
+) -> None:
+    """Found in review: ``latest`` waits for the save in flight, and an ``after_commit``
+    hook of that very save, run by its writer thread, waited for itself for ever."""
+    from shardsafe.checkpoint.options import SaveHooks
+
+    manager = CheckpointManager(tmp_path)
+    seen: list[str | None] = []
+    hook = SaveHooks(after_commit=lambda: seen.append(manager.latest()))
+    manager.async_save(1, {"w": torch.ones(2)}, hooks=hook)
+    assert manager.wait() == str(tmp_path / "step-000000001")
+    assert seen == [str(tmp_path / "step-000000001")]
+    manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_async_save_is_not_swallowed_by_a_load_errors_hint(tmp_path: Path) -> None:
+    """Found in review: the hint of a load's error ("the newest committed checkpoint in it
+    is ...") asked the manager for ``latest``, which raised the failed background save's
+    error, marked it seen, and the hint dropped it: no later save said a word of it."""
+    import errno
+
+    from shardsafe.checkpoint.options import SaveHooks
+
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    manager = CheckpointManager(tmp_path / "run")
+    manager.save(1, {"w": torch.ones(2)})
+    manager.async_save(2, {"w": torch.ones(2)}, hooks=SaveHooks(before_write=full))
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as refused:
+        shardsafe.load(tmp_path / "run", {})
+    assert str(refused.value).endswith(
+        "It looks like a checkpoint root; the newest committed checkpoint in it is "
+        f"{tmp_path / 'run' / 'step-000000001'}"
+    ), str(refused.value)
+    with pytest.raises(shardsafe.CheckpointError, match="No space left on device"):
+        manager.save(3, {"w": torch.ones(2)})
+    manager.close()

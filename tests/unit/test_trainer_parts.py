@@ -657,14 +657,15 @@ def test_a_program_read_from_standard_input_is_refused_as_a_launcher() -> None:
         "except RuntimeError as e:\n"
         "    print(e)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-"], input=program, capture_output=True, text=True, timeout=50
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(
-        "devices > 1 starts one process per device by running this program again, which "
-        "needs a script: put the code in train.py and run `python train.py`"
-    ), done.stdout
+    for named in ("-", "/dev/stdin"):  # a pipe named as a file is read up alike
+        done = subprocess.run(
+            [sys.executable, named], input=program, capture_output=True, text=True, timeout=50
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(
+            "devices > 1 starts one process per device by running this program again, which "
+            "needs a script: put the code in train.py and run `python train.py`"
+        ), (named, done.stdout)
 
 
 def test_resume_from_a_folder_of_checkpoints_names_the_newest(tmp_path: Path) -> None:

@@ -183,7 +183,9 @@ def drain() -> None:
     it was still writing from, and it committed the next save's state under its own
     name, with checksums that matched."""
     with _LOCK:
-        pending = list(_IN_FLIGHT)
+        # Not the save this thread is running (a hook of it asking the manager for
+        # ``latest``): it waited for itself, for ever.
+        pending = [h for h in _IN_FLIGHT if h._thread is not threading.current_thread()]
     for handle in pending:
         handle._hurry.set()
         handle._finished.wait()

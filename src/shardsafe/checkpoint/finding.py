@@ -54,7 +54,7 @@ def newest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) 
     from .manager import CheckpointManager  # the error path only: it imports the save side
 
     manager = CheckpointManager(root, warn_if_not_empty=False, storage_options=storage_options)
-    return manager.latest()
+    return manager._newest()
 
 
 def _hint(path: str, storage_options: dict[str, Any] | None) -> str:

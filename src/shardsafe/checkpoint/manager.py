@@ -451,6 +451,12 @@ class CheckpointManager:
         """
         self._fresh = False  # the caller is looking for a checkpoint to continue from
         background.drain()  # a save in flight is the newest checkpoint, once it commits
+        return self._newest()
+
+    def _newest(self) -> str | None:
+        """:meth:`latest` as the root holds it now, waiting for no save (for an error's
+        hint: draining there raised, and marked seen, a failed save's error that the
+        hint's caller then dropped)."""
         for path in self._loadable():
             return path
         return None

@@ -21,6 +21,7 @@ import ctypes
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -76,7 +77,7 @@ def script_command() -> list[str]:
     """The command that started this process, to run again as each worker. A program
     read from standard input (``python - < train.py``) cannot be: the launcher has read
     it, and each worker ran an empty program, so the run trained nothing and exited 0."""
-    from_stdin = sys.argv[:1] in (["-"], [""])
+    from_stdin = sys.argv[:1] in (["-"], [""]) or not _runnable_again(sys.argv[0])
     if len(sys.orig_argv) < 2 or from_stdin or sys.flags.interactive or "ipykernel" in sys.modules:
         raise RuntimeError(
             "devices > 1 starts one process per device by running this program again, which "
@@ -84,6 +85,18 @@ def script_command() -> list[str]:
             "with `torchrun --nproc-per-node N train.py`"
         )
     return [sys.executable, *sys.orig_argv[1:]]
+
+
+def _runnable_again(program: str) -> bool:
+    """Whether ``program`` (``sys.argv[0]``) can be run again: ``-c`` (its code is in the
+    command), or a regular file (a pipe named as a file, ``python /dev/stdin``, was read
+    up by the launcher, as ``python -`` was)."""
+    if program == "-c":
+        return True
+    try:
+        return stat.S_ISREG(os.stat(program).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def launch(command: Sequence[str], nprocs: int) -> int:

@@ -44,8 +44,8 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
     so they are one version of the object, even if another process replaces it meanwhile.
     The response's Content-Length refuses an object over ``limit`` before its body is
     read, and no more than ``limit + 1`` bytes are ever read (a store that sends no
-    Content-Length: the size is then ``None``). Transient errors are retried as s3fs
-    retries its own reads. Raises ``FileNotFoundError`` if there is no such object.
+    Content-Length: the size is then ``None``). The request is retried as s3fs retries
+    its own. Raises ``FileNotFoundError`` if there is no such object.
     """
     from fsspec.asyn import sync
 
@@ -69,12 +69,9 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
             )
         return size, data
 
-    try:  # s3fs's own retries of transient errors; private, so not every version has it
-        from s3fs.core import _error_wrapper
-    except ImportError:
-        plain: tuple[int | None, bytes | None] = sync(fs.loop, get)
-        return plain
-    result: tuple[int | None, bytes | None] = sync(fs.loop, _error_wrapper, get, retries=fs.retries)
+    # ``_call_s3`` retries the request as s3fs does (a second layer of retries around it
+    # multiplied them: 250 requests and 226 s before a dead endpoint's error, not 50).
+    result: tuple[int | None, bytes | None] = sync(fs.loop, get)
     return result
 
 
