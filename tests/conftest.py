@@ -1,5 +1,7 @@
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,6 +19,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process of this host (a lock's owner that is alive), killed after the test."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 from tests.gcsserver import gcs_bucket, gcs_server  # noqa: E402, F401 - fixtures

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +234,12 @@ def wide_doc(n: int, shard: str = "shard-00000-of-00001.safetensors") -> dict[st
     }
     doc["values"] = {f"v{i}": {"kind": "value", "meta": {"__tensor__": f"v{i}"}} for i in range(n)}
     return doc
+
+
+def forged_copy(ckpt: Path, target: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of ``ckpt`` at ``target`` whose manifest ``edit`` changed, checksums recomputed."""
+    path = Path(shutil.copytree(ckpt, target))
+    doc = read_manifest(path)
+    edit(doc)
+    write_manifest(path, doc)
+    return path

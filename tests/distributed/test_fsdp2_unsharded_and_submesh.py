@@ -166,12 +166,18 @@ def set_grads(model: nn.Module) -> None:
         p.grad = distribute_tensor(full, p.device_mesh, list(p.placements))
 
 
-def submesh_run(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
-    """Saves and loads on 4 ranks; returns the saved parameters of this rank's mesh, whole."""
-    model, values = submesh_model(0), table(0)
+def stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """:func:`submesh_model` and :func:`table` of ``seed``, an AdamW step taken."""
+    model, values = submesh_model(seed), table(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     set_grads(model)
     opt.step()
+    return model, opt, values
+
+
+def submesh_run(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    """Saves and loads on 4 ranks; returns the saved parameters of this rank's mesh, whole."""
+    model, opt, values = stepped(0)
     shardsafe.save(path, {"model": model, "optimizer": opt, "table": values})
     want = local_state(model, opt)
     want["table"] = local_of(values)
@@ -181,10 +187,7 @@ def submesh_run(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
         if p.device_mesh.get_coordinate() is not None
     }
 
-    model, values = submesh_model(1), table(1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    set_grads(model)
-    opt.step()
+    model, opt, values = stepped(1)
     shardsafe.load(path, {"model": model, "optimizer": opt, "table": values})
     got = local_state(model, opt)
     got["table"] = local_of(values)

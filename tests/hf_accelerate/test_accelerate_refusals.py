@@ -522,25 +522,32 @@ def test_a_restarted_script_that_did_not_load_is_told_the_accelerate_way_out(
         GradientState._reset_state()
 
 
+def _restarted_loading(tmp_path: Path, step_dir: str) -> tuple[Any, Any]:
+    """Three automatic saves into ``tmp_path``, then the script restarted (iteration 0)
+    loading ``checkpoints/<step_dir>`` by name: its accelerator and configuration."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    prepared(accelerator)
+    for _ in range(3):
+        save_state(accelerator)
+    AcceleratorState._reset_state(True)  # the restarted script
+    GradientState._reset_state()
+    config.iteration = 0
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    prepared(accelerator)
+    load_state(accelerator, tmp_path / "checkpoints" / step_dir)
+    return accelerator, config
+
+
 def test_a_rollback_by_name_is_told_how_to_continue_from_it(tmp_path: Path) -> None:
     """A script that loads an older automatic checkpoint by name (a rollback) and saves:
     it was told it "did not resume from them" and to call load_state without input_dir,
     which would undo the rollback (found in review)."""
-    from accelerate.utils import ProjectConfiguration
-
-    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     root = tmp_path / "checkpoints"
     try:
-        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
-        prepared(accelerator)
-        for _ in range(3):
-            save_state(accelerator)
-        AcceleratorState._reset_state(True)  # the restarted script, rolling back
-        GradientState._reset_state()
-        config.iteration = 0
-        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
-        prepared(accelerator)
-        load_state(accelerator, root / "step-000000001")
+        accelerator, config = _restarted_loading(tmp_path, "step-000000001")  # rolling back
         with pytest.raises(shardsafe.CheckpointError) as refused:
             save_state(accelerator)
         assert str(refused.value) == (
@@ -563,21 +570,9 @@ def test_the_newest_loaded_by_name_is_told_to_set_iteration(tmp_path: Path) -> N
     """A script that resumes by naming the newest automatic checkpoint and saves: it was
     told it loaded step 2 "not the newest" and to move "the checkpoints after step 2"
     out, although step 2 was the newest (found in review)."""
-    from accelerate.utils import ProjectConfiguration
-
-    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     root = tmp_path / "checkpoints"
     try:
-        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
-        prepared(accelerator)
-        for _ in range(3):
-            save_state(accelerator)
-        AcceleratorState._reset_state(True)  # the restarted script, resuming by name
-        GradientState._reset_state()
-        config.iteration = 0
-        accelerator = accelerate.Accelerator(cpu=True, project_config=config)
-        prepared(accelerator)
-        load_state(accelerator, root / "step-000000002")
+        accelerator, config = _restarted_loading(tmp_path, "step-000000002")  # by name
         with pytest.raises(shardsafe.CheckpointError) as refused:
             save_state(accelerator)
         assert str(refused.value) == (

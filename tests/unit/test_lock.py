@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,6 @@ from shardsafe.checkpoint.storage.lock import LOCK_NAME, _start_time
 
 STATE = {"w": torch.arange(12.0).reshape(3, 4)}
 HOST = socket.gethostname()
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "60"])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def write_lock(root: Path, **owner: Any) -> Path:

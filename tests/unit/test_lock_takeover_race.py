@@ -17,7 +17,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +32,6 @@ from shardsafe.checkpoint.storage.protocol import Storage
 from tests.s3server import S3Server
 
 HOST = socket.gethostname()
-
-
-@pytest.fixture
-def live() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "60"])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def dead_lock() -> bytes:
@@ -99,10 +89,10 @@ def only_the_first_takes_over(
 
 
 def test_of_two_local_runs_taking_over_one_dead_lock_only_one_owns_the_root(
-    tmp_path: Path, live: subprocess.Popen[bytes]
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
 ) -> None:
     (tmp_path / LOCK_NAME).write_bytes(dead_lock())
-    rival = run_of(live.pid, lambda: LocalStorage(str(tmp_path)))
+    rival = run_of(sleeper.pid, lambda: LocalStorage(str(tmp_path)))
     racing = overtaken_by(rival, LocalStorage, LocalLockBackend)
     mine = RootLock(lambda: racing(str(tmp_path)))
     only_the_first_takes_over(
@@ -114,11 +104,11 @@ def test_of_two_local_runs_taking_over_one_dead_lock_only_one_owns_the_root(
 
 
 def test_of_two_s3_runs_taking_over_one_dead_lock_only_one_owns_the_root(
-    s3_server: S3Server, s3_bucket: str, live: subprocess.Popen[bytes]
+    s3_server: S3Server, s3_bucket: str, sleeper: subprocess.Popen[bytes]
 ) -> None:
     root, key = f"s3://{s3_bucket}/run", f"run/{LOCK_NAME}"
     s3_server.put(s3_bucket, key, dead_lock())
-    rival = run_of(live.pid, lambda: FsspecStorage(root))
+    rival = run_of(sleeper.pid, lambda: FsspecStorage(root))
     racing = overtaken_by(rival, FsspecStorage, ObjectLockBackend)
     mine = RootLock(lambda: racing(root))
     only_the_first_takes_over(

@@ -82,12 +82,7 @@ def test_a_flipped_byte_fails_verify_naming_the_file_and_the_tensor(
 
 
 def _forged(saved: Path, tmp_path: Path, edit: Any) -> Path:
-    """A copy of ``saved`` whose manifest ``edit`` changed, checksums recomputed."""
-    path = Path(shutil.copytree(saved, tmp_path / "forged"))
-    doc = forge.read_manifest(path)
-    edit(doc)
-    forge.write_manifest(path, doc)
-    return path
+    return forge.forged_copy(saved, tmp_path / "forged", edit)
 
 
 def test_verify_names_entries_that_refer_to_tensors_the_checkpoint_lacks(

@@ -1279,6 +1279,10 @@ def test_a_link_in_place_of_a_step_or_rank_directory_is_never_followed_or_delete
     the_same_outside(elsewhere, outside)
 
 
+def _rank_named_zero(doc: dict[str, Any]) -> None:
+    doc["info"]["rank_checkpoint"]["rank"] = "zero"
+
+
 def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) -> None:
     """A rank checkpoint holds its rank's RNG record as saved, which its load merges into
     one per rank: verify's metadata check called every local copy of a ``Trainer`` run
@@ -1290,11 +1294,8 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
     manager.close()
     copy = local / STEP7 / RANK0
     assert shardsafe.verify(copy).problems == ()
-    forged = tmp_path / "forged"  # a rank that is none: refused, as the manager refuses it
-    shutil.copytree(copy, forged)
-    doc = forge.read_manifest(forged)
-    doc["info"]["rank_checkpoint"]["rank"] = "zero"
-    forge.write_manifest(forged, doc)
+    # a rank that is none: refused, as the manager refuses it
+    forged = forge.forged_copy(copy, tmp_path / "forged", _rank_named_zero)
     assert shardsafe.verify(forged).problems == (
         "state entry 'rng': the manifest's 'rank_checkpoint' does not hold a rank and a world size",
     )

@@ -9,7 +9,6 @@ load raises.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,13 +42,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _forged(saved: Path, tmp_path: Path, edit: Edit) -> Path:
-    """A copy of ``saved`` whose manifest ``edit`` changed, its checksum recomputed."""
-    path = Path(shutil.copytree(saved, tmp_path / "forged"))
-    doc = forge.read_manifest(path)
-    edit(doc)
-    forge.write_manifest(path, doc)
-    return path
+def _forged(saved: Path, tmp_path: Path, edit: Any) -> Path:
+    return forge.forged_copy(saved, tmp_path / "forged", edit)
 
 
 def _meta(doc: dict[str, Any], name: str) -> Any:
