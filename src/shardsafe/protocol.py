@@ -383,11 +383,14 @@ def reshard_fsdp(state: Mapping[str, Any]) -> None:
 
 def _fsdp_module_class() -> type[Any] | None:
     """FSDP2's ``FSDPModule`` once the program has imported it, else ``None``."""
-    for name in _FSDP_MODULES:
-        found = getattr(sys.modules.get(name), "FSDPModule", None)
-        if isinstance(found, type):
-            return found
-    return None
+    return next(filter(None, (loaded_class(m, "FSDPModule") for m in _FSDP_MODULES)), None)
+
+
+def loaded_class(module: str, name: str) -> type[Any] | None:
+    """The class ``module.name`` if the program has imported ``module``, else ``None``: no
+    object of it exists before, and importing it (parts of torch.distributed) costs."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
 
 
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})

@@ -17,7 +17,6 @@ imported here: an object of these classes exists only once torch has imported th
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..protocol import loaded_class
 
 Action = Literal["save", "load"]
 
@@ -37,19 +37,17 @@ WAY_OUT = (
 )
 """How to checkpoint an FSDP1 model all the same (the second way tested on 2 ranks)."""
 
+_FSDP1 = "torch.distributed.fsdp.fully_sharded_data_parallel"
+
 _UNTOUCHED = {"save": "nothing was written", "load": "nothing was restored"}
-
-
-def _class(module: str, name: str) -> type | None:
-    """``module.name`` if torch has imported that module (else no object of it exists)."""
-    found = getattr(sys.modules.get(module), name, None)
-    return found if isinstance(found, type) else None
 
 
 def fsdp1_path(module: object) -> str | None:
     """The name of the first FSDP1 module in ``module`` (``""``: ``module`` itself), or
     ``None`` if it holds none (or is no module)."""
-    fsdp = _class("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel")
+    fsdp = loaded_class(
+        "torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"
+    )
     if fsdp is None or not isinstance(module, nn.Module):
         return None
     return next((name for name, sub in module.named_modules() if isinstance(sub, fsdp)), None)
@@ -77,7 +75,7 @@ def refuse_flat_params(
     """Refuse the optimizer ``state[name]`` if it steps a parameter of FSDP1: a
     ``FlatParameter``, or (``use_orig_params=True``) a parameter FSDP1 flattened into one
     (torch marks each such parameter). ``name_of`` gives a parameter's name, if it has one."""
-    flat = _class("torch.distributed.fsdp._flat_param", "FlatParameter")
+    flat = loaded_class("torch.distributed.fsdp._flat_param", "FlatParameter")
     if flat is None:
         return
     for param in params:
@@ -95,7 +93,7 @@ def refuse_sharded_tensor(key: str, value: torch.Tensor, action: Action) -> None
     """Refuse ``value`` (the tensor ``key``) if it is a ``ShardedTensor``, which FSDP1's
     SHARDED_STATE_DICT and LOCAL_STATE_DICT hold: torch's own tensor properties raise on it
     ("not supported for ShardedTensor"), and shardsafe holds sharded tensors as DTensors."""
-    sharded = _class("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase")
+    sharded = loaded_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase")
     if sharded is None or not isinstance(value, sharded):
         return
     raise CheckpointError(
