@@ -123,10 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-OBJECT_STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google")
+OBJECT_STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp")
 """Packages whose exceptions are the object store's answer (no credentials, access
-denied, no such bucket, endpoint unreachable), not a bug in shardsafe: fsspec's
-clients raise them as they are, and not all of them are ``OSError``."""
+denied, no such bucket, endpoint unreachable, a connection dropped: aiohttp is the HTTP
+client under s3fs and gcsfs), not a bug in shardsafe: fsspec's clients raise them as
+they are, and not all of them are ``OSError``."""
 
 
 def from_object_store_client(error: BaseException) -> bool:

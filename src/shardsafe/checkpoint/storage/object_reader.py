@@ -16,15 +16,24 @@ it has open (a load at a new world size reads parts of many shard files).
 
 A small object read whole (``read_small``: locks, ``latest``, manifests) is not read by
 range: see :func:`get_whole_s3`.
+
+A response whose body stops short of its length (the connection cut by the store, a
+proxy or a load balancer: aiohttp's ``ClientPayloadError``) is fetched again, as s3fs
+fetches its own; once the tries are spent it is a :class:`~shardsafe.CheckpointError`
+saying so (:func:`cut_short`), not the HTTP client's error, and not a corrupt checkpoint:
+the object may be whole, and a caller that falls back from corrupt checkpoints to older
+ones must not roll back over a network fault.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ...errors import CheckpointCorruptError
+from ...errors import CheckpointCorruptError, CheckpointError
 
 READ_AHEAD_BYTES = 24 << 20
 """The cached block (and the one fetched ahead): a 96 MiB shard file is 4 GETs."""
@@ -45,7 +54,8 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
     The response's Content-Length refuses an object over ``limit`` before its body is
     read, and no more than ``limit + 1`` bytes are ever read (a store that sends no
     Content-Length: the size is then ``None``). The request is retried as s3fs retries
-    its own. Raises ``FileNotFoundError`` if there is no such object.
+    its own, and a body cut short is fetched again up to ``fs.retries`` times in all.
+    Raises ``FileNotFoundError`` if there is no such object.
     """
     from fsspec.asyn import sync
 
@@ -69,10 +79,57 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
             )
         return size, data
 
-    # ``_call_s3`` retries the request as s3fs does (a second layer of retries around it
-    # multiplied them: 250 requests and 226 s before a dead endpoint's error, not 50).
-    result: tuple[int | None, bytes | None] = sync(fs.loop, get)
+    async def get_whole() -> tuple[int | None, bytes | None]:
+        # Only a body cut short is fetched again here: ``_call_s3`` retries the request
+        # as s3fs does (a second layer of retries around it multiplied them: 250
+        # requests and 226 s before a dead endpoint's error, not 50).
+        tries = max(1, int(getattr(fs, "retries", 5)))
+        for attempt in range(tries):
+            try:
+                return await get()
+            except Exception as e:
+                if not _is_cut_short(e):
+                    raise
+                if attempt + 1 == tries:
+                    raise cut_short(name, e, tries) from e
+                await asyncio.sleep(min(0.1 * 1.7**attempt, 2.0))
+        raise AssertionError("unreachable")
+
+    result: tuple[int | None, bytes | None] = sync(fs.loop, get_whole)
     return result
+
+
+def _is_cut_short(error: BaseException) -> bool:
+    """Whether ``error`` is a response body that ended before its length (aiohttp's
+    ``ClientPayloadError``, raised by s3fs and gcsfs alike)."""
+    try:
+        from aiohttp import ClientPayloadError
+    except ImportError:  # a filesystem that does not speak HTTP through aiohttp
+        return False
+    return isinstance(error, ClientPayloadError)
+
+
+@contextlib.contextmanager
+def cut_short_errors(name: str) -> Iterator[None]:
+    """Turn a body cut short, that the store's client has already fetched again, into
+    :func:`cut_short`'s error for ``name``."""
+    try:
+        yield
+    except Exception as e:
+        if _is_cut_short(e):
+            raise cut_short(name, e) from e
+        raise
+
+
+def cut_short(name: str, error: BaseException, tries: int | None = None) -> CheckpointError:
+    """The error for ``name``'s bytes that never all arrived (see the module's doc)."""
+    times = f", {tries} times" if tries else " on every retry"
+    return CheckpointError(
+        f"reading {name} failed: the object store's response ended before all of its "
+        f"bytes arrived{times} ({type(error).__name__}: {error}). The connection was cut "
+        "(the store, a proxy or a load balancer, or the network): nothing is known to be "
+        "wrong with the checkpoint; check the connection to the store and load again"
+    )
 
 
 async def _read_at_most(body: Any, most: int) -> bytes:
@@ -192,13 +249,16 @@ class FsspecFileReader:
             if isinstance(data, FileNotFoundError):
                 raise CheckpointCorruptError(f"data object {self.name} is missing")
             if isinstance(data, BaseException):
+                if _is_cut_short(data):
+                    raise cut_short(self.name, data) from data
                 raise data
             self._check_length(start, end, data)
             view[start - offset : end - offset] = data
 
     def _get(self, start: int, end: int) -> bytes:
         try:
-            data: bytes = self._fs.cat_file(self._path, start=start, end=end)
+            with cut_short_errors(self.name):
+                data: bytes = self._fs.cat_file(self._path, start=start, end=end)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"data object {self.name} is missing") from None
         self._check_length(start, end, data)

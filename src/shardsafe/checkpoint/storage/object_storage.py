@@ -26,7 +26,7 @@ from typing import Any
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
 from .lock_backends import ObjectLockBackend
-from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
+from .object_reader import FsspecFileReader, ReadBudget, cut_short_errors, get_whole_s3
 from .protocol import EntryKind
 
 DEFAULT_PART_BYTES = 8 << 20
@@ -465,7 +465,7 @@ class FsspecStorage:
         """One GET; where it finds no object, one listing tells a prefix from nothing (as
         the HEAD and listing of ``fs.info`` did, in as many requests)."""
         try:
-            size, data = get_whole_s3(self.fs, key, limit, name)
+            size, data = get_whole_s3(self.fs, key, limit, self.where(name))
         except FileNotFoundError:
             self._fresh(key)
             if self.fs.isdir(key):
@@ -489,7 +489,8 @@ class FsspecStorage:
             return b""  # an empty object, as it was when looked up: no GET
         pin = {"generation": info["generation"]} if info.get("generation") else {}
         try:
-            data: bytes = self.fs.cat_file(key, **pin)
+            with cut_short_errors(self.where(name)):
+                data: bytes = self.fs.cat_file(key, **pin)
         except FileNotFoundError:
             return None
         if len(data) > limit:  # not pinned, and replaced by a larger object meanwhile
