@@ -1304,6 +1304,13 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
     python, generator = random.getstate(), torch.get_rng_state()
     try:  # the converted RNG state loads (it was written as saved, which no load took)
         shardsafe.load(tmp_path / "converted", {"rng": shardsafe.RNGState()})
+        after_converted = torch.rand(3)
+        # and the copy itself, by path, as the one-rank checkpoint convert makes of it
+        # (it was refused as "not RNG state")
+        state = {**trained(1), "rng": shardsafe.RNGState()}
+        shardsafe.load(copy, state)
+        assert torch.equal(torch.rand(3), after_converted)
+        assert all(map(torch.equal, snapshot(state), snapshot(trained(0))))
     finally:
         random.setstate(python)
         torch.set_rng_state(generator)

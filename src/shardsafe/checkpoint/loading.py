@@ -20,6 +20,7 @@ the error says which were (``in_place.partly_restored``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 import zlib
@@ -28,10 +29,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..adapters.rng import RNGAdapter
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
 from ..errors import CheckpointError, CheckpointNotFoundError, with_message
-from ..protocol import ReadRequest
+from ..protocol import ReadRequest, SavedValue
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .io import in_place, pinned_ring, threaded_reads
@@ -101,6 +103,25 @@ def _manifest_to_load(storage: Storage, hint: Hint | None) -> tuple[Manifest, st
         if not said:
             raise
         raise CheckpointNotFoundError(f"{e}{said}") from None
+
+
+def rank_copy_as_one_rank(manifest: Manifest) -> Manifest:
+    """``manifest``; a tiered manager's rank checkpoint (``tiers/rank_checkpoint.py``)
+    as the one-rank checkpoint ``shardsafe convert`` makes of it.
+
+    Its entries hold its rank's metadata as saved, which the manager's load merges first:
+    an RNG entry is that rank's one record, where a checkpoint records one per rank.
+    Loaded by path (``shardsafe.load`` of ``<local>/step-N/rank-R``, or ``convert``), the
+    record is the one of rank 0, as a one-rank checkpoint holds it: the copy's tensors
+    are its rank's pieces, whole, as a one-rank save holds them too. Without this the
+    load refused a ``Trainer``'s local copy as "not RNG state"."""
+    if not isinstance(manifest.info.get("rank_checkpoint"), dict):
+        return manifest
+    values = dict(manifest.values)
+    for name, value in values.items():
+        if value.kind == RNGAdapter.kind:
+            values[name] = SavedValue(name, value.kind, RNGAdapter().merge([value.meta]))
+    return dataclasses.replace(manifest, values=values)
 
 
 def load(
@@ -219,8 +240,7 @@ def _load(
         with coord.phase(Phase.PLAN, decide=_agree_plan(options.strict, where)) as planned:
             storage = opener()
             manifest, read = _manifest_to_load(storage, hint)
-            if view is not None:
-                manifest = view(manifest)
+            manifest = view(manifest) if view is not None else rank_copy_as_one_rank(manifest)
             state = choose(manifest)
             plan = plan_load(
                 manifest,

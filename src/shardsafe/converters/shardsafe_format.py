@@ -13,16 +13,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..adapters.rng import RNGAdapter
 from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.format.safetensors_header import build_header
 from ..checkpoint.io.reader import CheckpointReader
-from ..checkpoint.loading import read_manifest_from
+from ..checkpoint.loading import rank_copy_as_one_rank, read_manifest_from
 from ..checkpoint.plan.offer import ChunkOffer
 from ..checkpoint.plan.save_plan import plan_save
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
-from ..protocol import SavedValue
 from .source import Source, SourceChunk, SourceTensor, single_value
 
 
@@ -38,21 +36,8 @@ def read(storage: Storage) -> Source:
         )
         whole = _reading(reader, key, None, None)
         tensors[key] = SourceTensor(key, rec.dtype, rec.shape, chunks, whole)
-    values = _one_rank_merged(manifest)
+    values = rank_copy_as_one_rank(manifest).values  # a tiered manager's copy: one rank
     return Source("shardsafe", storage.directory, values, tensors, [reader.close])
-
-
-def _one_rank_merged(manifest: Manifest) -> dict[str, SavedValue]:
-    """The entries of ``manifest``; those of a tiered manager's rank checkpoint (its
-    rank's metadata as saved, which its load merges first) as a one-rank checkpoint
-    records them: an RNG entry's one record becomes the record of rank 0 (it was written
-    as it was, which no load took, and the converter's own read-back refused)."""
-    values = dict(manifest.values)
-    if isinstance(manifest.info.get("rank_checkpoint"), dict):
-        for name, value in values.items():
-            if value.kind == RNGAdapter.kind:
-                values[name] = SavedValue(name, value.kind, RNGAdapter().merge([value.meta]))
-    return values
 
 
 def _reading(
