@@ -457,9 +457,7 @@ class CheckpointManager:
         """:meth:`latest` as the root holds it now, waiting for no save (for an error's
         hint: draining there raised, and marked seen, a failed save's error that the
         hint's caller then dropped)."""
-        for path in self._loadable():
-            return path
-        return None
+        return next(self._loadable(), None)
 
     def _loadable(self) -> Iterator[str]:
         """Paths of the checkpoints that pass :func:`problem_with`, newest first."""
