@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe import cli
+from shardsafe import CheckpointManager, cli
 from shardsafe.errors import CheckpointCorruptError, CheckpointError
 from tests.cutting_proxy import cutting_proxy
 from tests.s3server import S3Server
@@ -90,3 +90,26 @@ def test_a_response_cut_short_once_is_fetched_again_and_the_load_is_bitwise(
     assert torch.equal(state["w"], torch.arange(4096, dtype=torch.float32))  # type: ignore[arg-type]
     assert values["step"] == 3
     assert proxy.cut_count == (0 if cut == "/no-such-object" else 1)
+
+
+@pytest.mark.parametrize("cut", ["/step-000000002/manifest.json", ".safetensors"])
+def test_a_cut_connection_is_raised_by_the_manager_never_a_rollback_to_an_older_step(
+    s3_server: S3Server, s3_bucket: str, cut: str
+) -> None:
+    """The manager passes over a checkpoint that would not load; it passed over one whose
+    reads were cut, and loaded the step before it with only a warning."""
+    root = f"s3://{s3_bucket}/run"
+    manager = CheckpointManager(root)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((4096,), float(step))})
+    manager.close()
+    with cutting_proxy(s3_server.endpoint, (cut,)) as proxy:
+        through_proxy = CheckpointManager(root, storage_options=through(proxy.endpoint))
+        with pytest.raises(CheckpointError, match=CUT):
+            through_proxy.latest()
+        state = {"w": torch.zeros(4096)}
+        with pytest.raises(CheckpointError, match=CUT):
+            through_proxy.load_latest(state)
+        through_proxy.close()
+    assert torch.equal(state["w"], torch.zeros(4096))  # nothing restored, not step 1
+    assert proxy.cut_count >= 2

@@ -8,6 +8,7 @@ import errno
 import itertools
 import os
 import random
+import re
 import shutil
 import time
 import warnings
@@ -1297,7 +1298,7 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
     # a rank that is none: refused, as the manager refuses it
     forged = forge.forged_copy(copy, tmp_path / "forged", _rank_named_zero)
     assert shardsafe.verify(forged).problems == (
-        "state entry 'rng': the manifest's 'rank_checkpoint' does not hold a rank and a world size",
+        "the manifest's 'rank_checkpoint' does not hold a rank and a world size",
     )
     shardsafe.convert(copy, tmp_path / "converted", progress=False)
     assert shardsafe.verify(tmp_path / "converted").ok
@@ -1314,6 +1315,58 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
     finally:
         random.setstate(python)
         torch.set_rng_state(generator)
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        ({"rank": "zero", "world_size": 1, "step": 7}, "does not hold a rank and a world size"),
+        ({}, "does not hold a rank and a world size"),
+        ([0, 1], "does not hold a rank and a world size"),
+        ({"rank": 5, "world_size": 2, "step": 7}, "names rank 5, outside its world size 2"),
+    ],
+)
+def test_a_forged_rank_copy_record_is_refused_by_load_as_by_verify(
+    tmp_path: Path, record: Any, problem: str
+) -> None:
+    """A load by path of a rank copy whose record holds no valid rank took it as a
+    rank copy all the same, where verify refused it."""
+    local = tmp_path / "l"
+    manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
+    manager.save(7, {**trained(0), "rng": shardsafe.RNGState()})
+    manager.close()
+
+    def forge_record(doc: dict[str, Any]) -> None:
+        doc["info"]["rank_checkpoint"] = record
+
+    forged = forge.forged_copy(local / STEP7 / RANK0, tmp_path / "forged", forge_record)
+    message = f"the manifest's 'rank_checkpoint' {problem}"
+    assert shardsafe.verify(forged).problems == (message,)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(message)):
+        shardsafe.load(forged, {**trained(1), "rng": shardsafe.RNGState()})
+
+
+def test_a_checkpoint_forged_into_a_rank_copy_fails_verify_as_it_fails_load(
+    tmp_path: Path,
+) -> None:
+    """An ordinary checkpoint given a valid rank copy record: its RNG entry (one record
+    per rank) is then read as one rank's record, which no load takes; verify passed it."""
+    shardsafe.save(tmp_path / "c", {**trained(0), "rng": shardsafe.RNGState()})
+
+    def forge_record(doc: dict[str, Any]) -> None:
+        doc.setdefault("info", {})["rank_checkpoint"] = {"rank": 0, "world_size": 1, "step": 1}
+
+    forged = forge.forged_copy(tmp_path / "c", tmp_path / "forged", forge_record)
+    problems = shardsafe.verify(forged).problems
+    assert len(problems) == 1 and problems[0].startswith("state entry 'rng': "), problems
+    python, generator = random.getstate(), torch.get_rng_state()
+    try:
+        with pytest.raises(CheckpointCorruptError) as refused:
+            shardsafe.load(forged, {**trained(1), "rng": shardsafe.RNGState()})
+    finally:
+        random.setstate(python)
+        torch.set_rng_state(generator)
+    assert problems[0] == f"state entry 'rng': {refused.value}"
 
 
 def test_a_copy_holding_a_file_of_yours_is_said_once_and_named_where_a_new_one_goes(

@@ -262,12 +262,6 @@ def check_rng_meta(saved: SavedValue) -> None:
         _check_record(record, rank, saved)
 
 
-def check_rng_record(saved: SavedValue, rank: int) -> None:
-    """:func:`check_rng_meta` for an entry that holds one rank's record as saved, not yet
-    merged (a tiered manager's rank checkpoint, which its load merges first)."""
-    _check_record(saved.meta, rank, saved)
-
-
 def _per_rank(saved: SavedValue) -> list[JSON]:
     """Every saving rank's record of an RNG entry."""
     per_rank = saved.meta.get("per_rank") if isinstance(saved.meta, dict) else None
@@ -277,4 +271,12 @@ def _per_rank(saved: SavedValue) -> list[JSON]:
 
 
 def _check_record(record: JSON, rank: int, saved: SavedValue) -> None:
+    """The checks of a rank's record that need no tensor: its structure, and the two
+    generators every record holds (a record without them failed only once its tensors
+    were read, which ``verify``, checking metadata, did not foresee)."""
     _tree.check_structure(record, f"the RNG state of rank {rank} in {saved.name!r}")
+    if not isinstance(record, dict) or not {"torch", "python"} <= record.keys():
+        raise CheckpointCorruptError(
+            f"the RNG state of rank {rank} in {saved.entry} is not valid: it lacks the "
+            "'torch' or 'python' generator"
+        )

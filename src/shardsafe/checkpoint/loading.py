@@ -32,7 +32,12 @@ import torch
 from ..adapters.rng import RNGAdapter
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
-from ..errors import CheckpointError, CheckpointNotFoundError, with_message
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    with_message,
+)
 from ..protocol import ReadRequest, SavedValue
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
@@ -105,17 +110,41 @@ def _manifest_to_load(storage: Storage, hint: Hint | None) -> tuple[Manifest, st
         raise CheckpointNotFoundError(f"{e}{said}") from None
 
 
+def rank_copy_saver(manifest: Manifest) -> int | None:
+    """The rank whose rank checkpoint (a tiered manager's local copy,
+    ``tiers/rank_checkpoint.py``) ``manifest`` is, or ``None`` for any other checkpoint.
+    One whose record does not hold a valid rank and world size is refused, by ``load``
+    and ``verify`` alike (a forged one loaded, where verify refused it)."""
+    info = manifest.info.get("rank_checkpoint")
+    if info is None:
+        return None
+    found = [info.get(k) for k in ("rank", "world_size")] if isinstance(info, dict) else []
+    fields = [v for v in found if type(v) is int and v >= 0]
+    if len(fields) != 2:
+        raise CheckpointCorruptError(
+            "the manifest's 'rank_checkpoint' does not hold a rank and a world size"
+        )
+    rank, world_size = fields
+    if rank >= world_size:
+        raise CheckpointCorruptError(
+            f"the manifest's 'rank_checkpoint' names rank {rank}, outside its world size "
+            f"{world_size}"
+        )
+    return int(rank)
+
+
 def rank_copy_as_one_rank(manifest: Manifest) -> Manifest:
-    """``manifest``; a tiered manager's rank checkpoint (``tiers/rank_checkpoint.py``)
-    as the one-rank checkpoint ``shardsafe convert`` makes of it.
+    """``manifest``; a tiered manager's rank checkpoint (:func:`rank_copy_saver`) as the
+    one-rank checkpoint ``shardsafe convert`` makes of it.
 
     Its entries hold its rank's metadata as saved, which the manager's load merges first:
     an RNG entry is that rank's one record, where a checkpoint records one per rank.
     Loaded by path (``shardsafe.load`` of ``<local>/step-N/rank-R``, or ``convert``), the
     record is the one of rank 0, as a one-rank checkpoint holds it: the copy's tensors
     are its rank's pieces, whole, as a one-rank save holds them too. Without this the
-    load refused a ``Trainer``'s local copy as "not RNG state"."""
-    if not isinstance(manifest.info.get("rank_checkpoint"), dict):
+    load refused a ``Trainer``'s local copy as "not RNG state"; ``verify`` checks the
+    entries as this gives them."""
+    if rank_copy_saver(manifest) is None:
         return manifest
     values = dict(manifest.values)
     for name, value in values.items():

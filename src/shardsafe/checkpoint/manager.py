@@ -53,6 +53,7 @@ from .saving import save as _save
 from .storage.files import describe_mode
 from .storage.locations import check_options, is_url, open_storage, path_text
 from .storage.lock import RootLock
+from .storage.object_reader import ConnectionCutError
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
 from .storage.target_directory import INCOMPLETE_MARKER
@@ -593,6 +594,8 @@ def problem_with(storage: Storage) -> str | None:
     ``None``."""
     try:
         loadable_manifest(storage)
+    except ConnectionCutError:
+        raise  # the connection, not the checkpoint: passed over, the run rolled back
     except (CheckpointError, OSError) as e:
         return str(e)
     return None

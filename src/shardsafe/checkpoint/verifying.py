@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .._text import natural_key
 from ..errors import CheckpointError
 from .finding import manifest_at
+from .loading import rank_copy_as_one_rank, rank_copy_saver
 from .references import KEYS_SHOWN, missing_tensors, some
 from .storage.locations import open_storage, path_text
 
@@ -154,6 +155,10 @@ def _dangling(manifest: Manifest) -> list[str]:
     or that refers to tensors the checkpoint does not hold (``references.py``): every
     byte can be intact and the checkpoint still unloadable, if its metadata was written
     wrong (or forged, checksums recomputed)."""
+    try:  # a tiered manager's rank copy whose record is not one: no load takes it
+        rank_copy_saver(manifest)
+    except CheckpointError as e:
+        return [str(e)]
     problems = []
     for name in sorted(manifest.values, key=natural_key):
         try:
@@ -187,34 +192,8 @@ def _check_metadata(value: SavedValue, manifest: Manifest) -> None:
         values.full_requests(value)
     elif value.kind == "stateful":
         values.check_stateful_meta(value, manifest.world_size)
-    elif value.kind == "rng":
-        saver = _rank_checkpoint_of(manifest)
-        if saver is None:
-            rng.check_rng_meta(value)
-        else:
-            rng.check_rng_record(value, saver)
-
-
-def _rank_checkpoint_of(manifest: Manifest) -> int | None:
-    """The rank whose rank checkpoint (a tiered manager's local copy) ``manifest`` is, or
-    ``None`` for any other checkpoint. Its entries hold that rank's metadata as saved,
-    which its load merges into the whole world's form first (``tiers/rank_checkpoint.py``):
-    an RNG entry is one record, not one per rank (verify called every such copy of a
-    ``Trainer`` run, whose state holds ``RNGState()``, "not RNG state"). One whose rank
-    and world size are not valid is refused, as its load refuses it (a forged one passed)."""
-    info = manifest.info.get("rank_checkpoint")
-    if info is None:
-        return None
-    found = [info.get(k) for k in ("rank", "world_size")] if isinstance(info, dict) else []
-    fields = [v for v in found if type(v) is int and v >= 0]
-    if len(fields) != 2:
-        raise CheckpointError(
-            "the manifest's 'rank_checkpoint' does not hold a rank and a world size"
-        )
-    rank, world_size = fields
-    if rank >= world_size:
-        raise CheckpointError(f"rank {rank} is outside its world size {world_size}")
-    return int(rank)
+    elif value.kind == "rng":  # a rank copy's one record, as a load takes it
+        rng.check_rng_meta(rank_copy_as_one_rank(manifest).values[value.name])
 
 
 def _keys_by_file(manifest: Manifest) -> dict[str, list[str]]:

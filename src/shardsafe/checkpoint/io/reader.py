@@ -39,6 +39,7 @@ from ..format.crc import crc32
 from ..format.manifest import ChunkRecord, Manifest, TensorRecord
 from ..format.safetensors_header import HeaderEntry, parse_header
 from ..format.tensor_bytes import has_memory, memory
+from ..storage.object_reader import ConnectionCutError
 from ..storage.protocol import FileReader, Storage
 from ..storage.spool import Spool
 from . import threaded_reads
@@ -445,6 +446,8 @@ class CheckpointReader:
         for name in self.manifest.files:
             try:
                 self._file(name)
+            except ConnectionCutError:
+                raise  # the connection's problem, not the file's
             except CheckpointError as e:
                 problems[name] = str(e)
         return problems

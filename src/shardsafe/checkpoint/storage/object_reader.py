@@ -22,7 +22,7 @@ proxy or a load balancer: aiohttp's ``ClientPayloadError``) is fetched again, as
 fetches its own; once the tries are spent it is a :class:`~shardsafe.CheckpointError`
 saying so (:func:`cut_short`), not the HTTP client's error, and not a corrupt checkpoint:
 the object may be whole, and a caller that falls back from corrupt checkpoints to older
-ones must not roll back over a network fault.
+ones must not roll back over a network fault (:class:`ConnectionCutError`).
 """
 
 from __future__ import annotations
@@ -121,10 +121,17 @@ def cut_short_errors(name: str) -> Iterator[None]:
         raise
 
 
-def cut_short(name: str, error: BaseException, tries: int | None = None) -> CheckpointError:
+class ConnectionCutError(CheckpointError):
+    """:func:`cut_short`'s error: the connection failed, not the checkpoint. Not public
+    (other ranks re-raise it as a ``CheckpointError``); its own class lets a caller that
+    passes over checkpoints that would not load (a manager's ``latest``) raise it instead:
+    passed over, a cut connection rolled the run back to an older checkpoint."""
+
+
+def cut_short(name: str, error: BaseException, tries: int | None = None) -> ConnectionCutError:
     """The error for ``name``'s bytes that never all arrived (see the module's doc)."""
     times = f", {tries} times" if tries else " on every retry"
-    return CheckpointError(
+    return ConnectionCutError(
         f"reading {name} failed: the object store's response ended before all of its "
         f"bytes arrived{times} ({type(error).__name__}: {error}). The connection was cut "
         "(the store, a proxy or a load balancer, or the network): nothing is known to be "
