@@ -603,6 +603,14 @@ def test_fsdp2_state_restores_bitwise_from_the_local_tier(tmp_path: Path, lost: 
     zero_setup.assert_same_optimizer_state(
         test_fsdp.fqn_optimizer_state(got_osd), test_fsdp.fqn_optimizer_state(osd)
     )
+    if lost is None:  # a copy of a shard, opened by path: the message says what it holds
+        copy = os.path.join(local_dir(base, 1), "step-000000003", "rank-00001")
+        with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+            shardsafe.load(copy, {"model": test_fsdp.net(1)})
+        assert (
+            "This is rank 1's local copy of a TieredCheckpointManager: it holds what that "
+            "rank held (a sharded model's pieces at their own shapes)"
+        ) in str(refused.value), refused.value
 
 
 def zero_run(rank: int, world: int, base: str, save: bool) -> Any:

@@ -20,7 +20,6 @@ the error says which were (``in_place.partly_restored``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import warnings
 import zlib
@@ -29,16 +28,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..adapters.rng import RNGAdapter
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
 from ..errors import (
-    CheckpointCorruptError,
     CheckpointError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     with_message,
 )
-from ..protocol import ReadRequest, SavedValue
+from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
 from .io import in_place, pinned_ring, threaded_reads
@@ -53,6 +51,7 @@ from .plan.load_plan import (
     request_bytes,
     unexpected_everywhere,
 )
+from .plan.rank_copies import on_a_rank_copy, rank_copy_as_one_rank
 from .storage.locations import open_storage
 from .storage.protocol import Storage
 from .storage.spool import Spool, spool_for
@@ -108,49 +107,6 @@ def _manifest_to_load(storage: Storage, hint: Hint | None) -> tuple[Manifest, st
         if not said:
             raise
         raise CheckpointNotFoundError(f"{e}{said}") from None
-
-
-def rank_copy_saver(manifest: Manifest) -> int | None:
-    """The rank whose rank checkpoint (a tiered manager's local copy,
-    ``tiers/rank_checkpoint.py``) ``manifest`` is, or ``None`` for any other checkpoint.
-    One whose record does not hold a valid rank and world size is refused, by ``load``
-    and ``verify`` alike (a forged one loaded, where verify refused it)."""
-    info = manifest.info.get("rank_checkpoint")
-    if info is None:
-        return None
-    found = [info.get(k) for k in ("rank", "world_size")] if isinstance(info, dict) else []
-    fields = [v for v in found if type(v) is int and v >= 0]
-    if len(fields) != 2:
-        raise CheckpointCorruptError(
-            "the manifest's 'rank_checkpoint' does not hold a rank and a world size"
-        )
-    rank, world_size = fields
-    if rank >= world_size:
-        raise CheckpointCorruptError(
-            f"the manifest's 'rank_checkpoint' names rank {rank}, outside its world size "
-            f"{world_size}"
-        )
-    return int(rank)
-
-
-def rank_copy_as_one_rank(manifest: Manifest) -> Manifest:
-    """``manifest``; a tiered manager's rank checkpoint (:func:`rank_copy_saver`) as the
-    one-rank checkpoint ``shardsafe convert`` makes of it.
-
-    Its entries hold its rank's metadata as saved, which the manager's load merges first:
-    an RNG entry is that rank's one record, where a checkpoint records one per rank.
-    Loaded by path (``shardsafe.load`` of ``<local>/step-N/rank-R``, or ``convert``), the
-    record is the one of rank 0, as a one-rank checkpoint holds it: the copy's tensors
-    are its rank's pieces, whole, as a one-rank save holds them too. Without this the
-    load refused a ``Trainer``'s local copy as "not RNG state"; ``verify`` checks the
-    entries as this gives them."""
-    if rank_copy_saver(manifest) is None:
-        return manifest
-    values = dict(manifest.values)
-    for name, value in values.items():
-        if value.kind == RNGAdapter.kind:
-            values[name] = SavedValue(name, value.kind, RNGAdapter().merge([value.meta]))
-    return dataclasses.replace(manifest, values=values)
 
 
 def load(
@@ -271,14 +227,17 @@ def _load(
             manifest, read = _manifest_to_load(storage, hint)
             manifest = view(manifest) if view is not None else rank_copy_as_one_rank(manifest)
             state = choose(manifest)
-            plan = plan_load(
-                manifest,
-                state,
-                strict=options.strict,
-                rank=coord.rank,
-                world_size=coord.world_size,
-                untrusted_bytes_limit=options.untrusted_bytes_limit,
-            )
+            try:
+                plan = plan_load(
+                    manifest,
+                    state,
+                    strict=options.strict,
+                    rank=coord.rank,
+                    world_size=coord.world_size,
+                    untrusted_bytes_limit=options.untrusted_bytes_limit,
+                )
+            except CheckpointMismatchError as e:
+                raise on_a_rank_copy(e, manifest if view is None else None) from None
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
             # A view (a tiered manager's) loads each rank's own rank checkpoint, whose
             # manifests differ by design: only the loads of one checkpoint compare them.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .._text import natural_key
 from ..errors import CheckpointError
 from .finding import manifest_at
-from .loading import rank_copy_as_one_rank, rank_copy_saver
+from .plan.rank_copies import rank_copy_as_one_rank, rank_copy_saver
 from .references import KEYS_SHOWN, missing_tensors, some
 from .storage.locations import open_storage, path_text
 

@@ -16,8 +16,9 @@ import torch
 from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.format.safetensors_header import build_header
 from ..checkpoint.io.reader import CheckpointReader
-from ..checkpoint.loading import rank_copy_as_one_rank, read_manifest_from
+from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.plan.offer import ChunkOffer
+from ..checkpoint.plan.rank_copies import rank_copy_as_one_rank
 from ..checkpoint.plan.save_plan import plan_save
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
