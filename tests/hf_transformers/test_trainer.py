@@ -84,7 +84,7 @@ def test_a_resumed_run_continues_bitwise_and_the_optimizer_is_not_pickled(
     assert not files & {"optimizer.pt", "scheduler.pt", "scaler.pt"}
     assert shardsafe.verify(checkpoint / "shardsafe").ok
     saved = {v.name for v in shardsafe.inspect(checkpoint / "shardsafe").values}
-    assert saved == {"model", "optimizer", "scheduler"}
+    assert saved == {"model", "optimizer", "scheduler", "trainer_step"}
 
     resumed = train(tmp_path / "whole", "--resume", checkpoint)
     assert {s: resumed[s] for s in (11, 12)} == {s: whole[s] for s in (11, 12)}
@@ -245,3 +245,45 @@ def test_a_run_resumed_with_a_gradient_scaler_it_did_not_save_gets_a_fresh_one(
     for index, state in saved["state"].items():
         assert all(torch.equal(v, loaded["state"][index][k]) for k, v in state.items())
     assert resuming.lr_scheduler.state_dict() == saving.lr_scheduler.state_dict()
+
+
+def test_a_shardsafe_folder_copied_in_from_another_checkpoint_is_refused(
+    tmp_path: Path,
+) -> None:
+    """``checkpoint-2/shardsafe`` replaced by a copy (not a link) of
+    ``checkpoint-4/shardsafe``: the resume restored step 4's model, optimizer and
+    scheduler under step 2's trainer state, and trained on with the wrong learning rates,
+    silently. The saved step is compared with ``trainer_state.json`` first; nothing is
+    restored. In one process."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardsafe.transformers import ShardsafeTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 12))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, save_steps=2, use_cpu=True,
+        report_to=[], per_device_train_batch_size=4, disable_tqdm=True,
+    )  # fmt: skip
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+    ShardsafeTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data).train()
+    copied = tmp_path / "checkpoint-2" / "shardsafe"
+    shutil.rmtree(copied)
+    shutil.copytree(tmp_path / "checkpoint-4" / "shardsafe", copied)
+    resuming = ShardsafeTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+    resuming.create_optimizer_and_scheduler(num_training_steps=4)
+    before = [p.detach().clone() for p in resuming.model.parameters()]
+    with pytest.raises(shardsafe.CheckpointMismatchError) as refused:
+        resuming._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-2"))
+    assert str(refused.value) == (
+        f"{copied} holds the model, optimizer and scheduler of step 4, but "
+        f"{tmp_path / 'checkpoint-2' / 'trainer_state.json'} is at step 2: the shardsafe "
+        "folder comes from another checkpoint. Resume from the checkpoint of step 4, or put "
+        "this checkpoint's own shardsafe folder back (nothing was restored)"
+    )
+    assert all(map(torch.equal, before, resuming.model.parameters()))
+    assert resuming.lr_scheduler.last_epoch == 0
+    # the folder where it belongs: restored
+    resuming._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-4"))
+    assert resuming.lr_scheduler.last_epoch == 4

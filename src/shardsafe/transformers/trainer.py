@@ -7,7 +7,9 @@ the main process alone), the RNGs and the trainer's JSON state. This subclass re
 only the pickles: the optimizer, the scheduler and the gradient scaler go into
 ``checkpoint-500/shardsafe/``, a shardsafe checkpoint written by every process (each
 replicated tensor once), checksummed and committed manifest last; the model is saved
-there too, because the optimizer's state is keyed by its parameter names. Everything
+there too, because the optimizer's state is keyed by its parameter names, and so is the
+step it was saved at, which a resume compares with the folder's ``trainer_state.json``
+before anything is restored. Everything
 else is the Trainer's own, so the folder still loads with ``from_pretrained``, and
 ``save_total_limit`` and ``resume_from_checkpoint=True`` work as always.
 
@@ -20,7 +22,10 @@ Trainer wrote) is resumed by the Trainer's own code too.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import stat
 from typing import Any
 
 from transformers import Trainer
@@ -32,11 +37,16 @@ from ..checkpoint.plan.load_plan import STRICT_HINT
 from ..checkpoint.replacing import save_replacing
 from ..checkpoint.storage.locations import open_storage
 from ..checkpoint.storage.protocol import Storage
-from ..errors import CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..protocol import SavedValue
 
 SHARDSAFE_DIR = "shardsafe"
 """The shardsafe checkpoint's folder inside each ``checkpoint-N`` folder."""
 SCALER = "scaler"
+STEP = "trainer_step"
+"""The plain value holding the ``global_step`` a ``shardsafe/`` folder was saved at."""
+TRAINER_STATE = "trainer_state.json"
+MAX_TRAINER_STATE_BYTES = 64 << 20
 
 
 _RESUME_HINT = (
@@ -70,7 +80,8 @@ class ShardsafeTrainer(Trainer):
         options = LoadOptions.of(entry_timeout=self._arrival())
         with _unfollowed(os.path.join(checkpoint, SHARDSAFE_DIR)) as storage:
             try:
-                loading.load_chosen(storage, self._to_restore, options)
+                restore = functools.partial(self._to_restore, checkpoint=checkpoint)
+                loading.load_chosen(storage, restore, options)
             except CheckpointMismatchError as e:  # the same on every process: agreed
                 if STRICT_HINT not in str(e):
                     raise
@@ -99,8 +110,10 @@ class ShardsafeTrainer(Trainer):
 
         return not (is_torch_xla_available() or is_sagemaker_mp_enabled())
 
-    def _to_restore(self, manifest: Manifest) -> dict[str, Any]:
-        """What a resume restores: everything saved, and a gradient scaler only if one was.
+    def _to_restore(self, manifest: Manifest, checkpoint: str) -> dict[str, Any]:
+        """What a resume restores: everything saved, and a gradient scaler only if one was;
+        nothing at all if the folder was saved at another step than ``checkpoint``'s
+        trainer state (:func:`_check_step`).
 
         The accelerator makes its scaler for ``fp16``: a run saved in bf16 or fp32 and
         resumed in fp16 has one the checkpoint lacks, and the Trainer's own ``_load_scaler``
@@ -110,6 +123,10 @@ class ShardsafeTrainer(Trainer):
         state = self._checkpointed()
         if SCALER not in manifest.values:
             state.pop(SCALER, None)
+        if STEP in manifest.values:
+            _check_step(manifest.values[STEP], checkpoint)
+        else:  # saved by a shardsafe that did not record it
+            state.pop(STEP)
         return state
 
     def _checkpointed(self) -> dict[str, Any]:
@@ -119,7 +136,50 @@ class ShardsafeTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state[SCALER] = scaler
+        state[STEP] = int(self.state.global_step)
         return state
+
+
+def _check_step(saved: SavedValue, checkpoint: str) -> None:
+    """Refuse a ``shardsafe/`` folder saved at another step than ``checkpoint``'s
+    ``trainer_state.json`` says: one copied in from another checkpoint folder (a link is
+    refused as such, :func:`_unfollowed`) restored that step's model, optimizer and
+    scheduler under this folder's counters, and the run went on with the wrong learning
+    rates, silently. Runs in the load's plan, so every process refuses it alike, before
+    anything is restored. A folder without a readable trainer state is left to the
+    Trainer, which reads that file next."""
+    step = saved.meta
+    if type(step) is not int:
+        raise CheckpointCorruptError(f"{saved.entry} is not a step number")
+    expected = _trainer_state_step(checkpoint)
+    if expected is None or expected == step:
+        return
+    raise CheckpointMismatchError(
+        f"{os.path.join(checkpoint, SHARDSAFE_DIR)} holds the model, optimizer and scheduler "
+        f"of step {step}, but {os.path.join(checkpoint, TRAINER_STATE)} is at step "
+        f"{expected}: the shardsafe folder comes from another checkpoint. Resume from the "
+        f"checkpoint of step {step}, or put this checkpoint's own shardsafe folder back "
+        "(nothing was restored)"
+    )
+
+
+def _trainer_state_step(checkpoint: str) -> int | None:
+    """The ``global_step`` of ``checkpoint``'s ``trainer_state.json``, or ``None`` if it
+    has no readable one."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO there must not hang us
+    try:
+        fd = os.open(os.path.join(checkpoint, TRAINER_STATE), flags)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = file.read(MAX_TRAINER_STATE_BYTES + 1)
+    try:
+        step = json.loads(data).get("global_step") if len(data) <= MAX_TRAINER_STATE_BYTES else None
+    except (ValueError, AttributeError):
+        return None
+    return step if type(step) is int else None
 
 
 def _unfollowed(directory: str, *, follow: bool = False) -> Storage:
