@@ -403,6 +403,44 @@ def test_load_state_waits_for_the_save_in_flight_and_restores_it(tmp_path: Path)
         GradientState._reset_state()
 
 
+@pytest.mark.parametrize("newest", ["without its manifest", "damaged"])
+def test_after_a_newest_step_passed_over_the_next_save_goes_after_it(
+    tmp_path: Path, newest: str
+) -> None:
+    """``load_state()`` passes over a newest step it cannot load and restores the one
+    before; ``iteration`` went to the one after the restored step, so with the newest's
+    manifest gone the next save was refused as "not empty ... pick another path" (which
+    automatic naming gives no way to do). It now goes after the passed-over step too."""
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = accelerate.Accelerator(cpu=True, project_config=config)
+    steps = tmp_path / "checkpoints"
+    try:
+        model, _ = prepared(accelerator)
+        save_state(accelerator)  # step 0
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+        save_state(accelerator)  # step 1
+        if newest == "damaged":  # its last data byte flipped: the load falls back, warning
+            shard = next((steps / "step-000000001").glob("shard-*"))
+            data = bytearray(shard.read_bytes())
+            data[-1] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            with pytest.warns(UserWarning, match="could not load .*step-000000001"):
+                load_state(accelerator)
+        else:  # as an interrupted save's: passed over
+            (steps / "step-000000001" / "manifest.json").unlink()
+            load_state(accelerator)
+        assert not torch.equal(model.weight, torch.full_like(model.weight, 7.0))
+        assert config.iteration == 2
+        assert save_state(accelerator) == str(steps / "step-000000002")
+        assert shardsafe.verify(steps / "step-000000002").ok
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def test_a_checkpoint_accelerate_itself_wrote_is_refused_saying_so(
     accelerator: Any, tmp_path: Path
 ) -> None:

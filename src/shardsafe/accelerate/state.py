@@ -157,8 +157,9 @@ def load_state(
     every process, at any number of processes (models and optimizers are resharded; each
     process's RNGs come back at the same number of processes). Sets ``accelerator.step``.
     Without ``input_dir``, and with automatic checkpoint naming, loads the newest complete
-    checkpoint in ``project_dir/checkpoints`` and sets ``iteration`` to the one after it,
-    so that the next save does not collide with it. A save of this process still in
+    checkpoint in ``project_dir/checkpoints`` and sets ``iteration`` to the one after it
+    (or after a newer step directory it passed over, damaged or without its manifest), so
+    that the next save does not collide with either. A save of this process still in
     flight (``async_save=True``) is waited for first. ``options`` are ``shardsafe.load``'s
     (``strict``, ``verify``, ...); with ``strict`` (the default), a checkpoint holding an
     object the accelerator has nothing to restore into is refused before anything is
@@ -175,15 +176,24 @@ def load_state(
         values = manager._load_latest_chosen(choose, **options)
         if values is None:
             raise CheckpointNotFoundError(_nothing_to_load(manager.root))
-        newest = manager.latest()
-        assert newest is not None  # load_latest just loaded it
-        accelerator.project_configuration.iteration = _step_of(newest) + 1
+        accelerator.project_configuration.iteration = _next_iteration(manager)
     else:
         _refuse_accelerates_own(os.fspath(input_dir))
         values = _load_chosen(os.fspath(input_dir), choose, options)
         _LOADED_FROM[accelerator] = os.fspath(input_dir)
     accelerator.step = int(values.get(STEP, 0))
     return values
+
+
+def _next_iteration(manager: CheckpointManager) -> int:
+    """The step after the one ``load_latest`` just restored, or after a newer step
+    directory it passed over (damaged, or without its manifest), whichever is later: a
+    save never writes over a directory it would refuse ("not empty ... pick another
+    path", which automatic naming gives no way to do), nor over what was passed over."""
+    loaded = manager._resumed_from
+    assert loaded is not None  # load_latest just loaded it
+    newest = next(manager._step_dirs(), (loaded, ""))[0]
+    return max(loaded, newest) + 1
 
 
 _ACCELERATOR_ENTRY = re.compile(
@@ -493,10 +503,6 @@ def _refuse_accelerates_own(path: str) -> None:
             "accelerator.load_state; shardsafe.accelerate.load_state loads the checkpoints "
             "shardsafe.accelerate.save_state writes"
         )
-
-
-def _step_of(path: str) -> int:
-    return int(path.rstrip("/").rsplit("-", 1)[-1])
 
 
 def _registered(objects: Sequence[Any]) -> dict[str, Any]:
