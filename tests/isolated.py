@@ -49,6 +49,9 @@ _PRELOAD = [
     "secrets",
     "hmac",
 ]
+_OPTIONAL_PRELOAD = ["s3fs"]
+"""Imported too where installed: the object-store cases (a hostile lock on S3) each spent
+about 2 s importing the S3 client otherwise."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +94,7 @@ def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(_PRELOAD)
+        _CONTEXT.set_forkserver_preload(_PRELOAD + _OPTIONAL_PRELOAD)
     return _CONTEXT
 
 
@@ -141,6 +144,9 @@ def _child(
 ) -> None:
     for name in _PRELOAD:  # imported here too: another test may have started the server
         importlib.import_module(name)
+    for name in _OPTIONAL_PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     _prime()
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
