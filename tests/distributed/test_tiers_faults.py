@@ -160,6 +160,35 @@ def test_the_newest_step_missing_on_one_rank_everywhere_restores_the_one_before(
     _same_run(resumed, uninterrupted, 2)
 
 
+@pytest.mark.parametrize("damage", ["cut short", "ranks swapped"])
+def test_a_newest_step_every_copy_of_which_is_refused_is_passed_over_saying_so(
+    uninterrupted: list[dict], tmp_path: Path, damage: str
+) -> None:
+    """Every copy of step 3 refused by the survey (a data file cut short; rank 1's and
+    rank 0's directories swapped, manifests intact): step 2 was restored, and step 3's
+    copies deleted, without a word. Every rank now says which copies were passed over."""
+    base = str(tmp_path)
+    three_steps(base)
+    for node in (0, 1):
+        if damage == "cut short":
+            data = next(rank_ckpt(base, node, 3, 1).glob("shard-*"))
+            os.truncate(data, data.stat().st_size - 1)
+        else:
+            first, second = rank_ckpt(base, node, 3, 0), rank_ckpt(base, node, 3, 1)
+            if first.exists() and second.exists():
+                first.rename(first.with_name("swapping"))
+                second.rename(first)
+                first.with_name("swapping").rename(second)
+    resumed = run_ranks(train, 4, base, STEPS, timeout=100)
+    for r in resumed:
+        said = [w for w in r["warnings"] if "passing over local checkpoints of later" in w]
+        assert len(said) == 1 and said[0].startswith(
+            "shardsafe: restored step 2, passing over local checkpoints of later steps that "
+            "would not load (step 3 of rank "
+        ), r["warnings"]
+    _same_run(resumed, uninterrupted, 2)
+
+
 def test_another_world_size_at_load_uses_the_persistent_tier(
     uninterrupted: list[dict], tmp_path: Path
 ) -> None:

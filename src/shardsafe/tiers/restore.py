@@ -398,7 +398,24 @@ class Restorer:
         and of the older ones here (``Replicator.resumed_from``). Its warnings are said as
         it ends (or as the restore that called it does)."""
         with self._said:
+            self._say_passed_over(step)
             self._drop_newer(step)
+
+    def _say_passed_over(self, step: int) -> None:
+        """Say which copies of later steps the survey refused (a data file cut short, a
+        rank's directory holding another rank's copy), before they go with the other
+        copies of later steps: the restore went back to ``step`` over them in silence,
+        and deleted the only trace. The same words on every rank (one survey). A copy
+        found damaged while loading is said where it is found."""
+        newer = sorted((r for r in self._refused if r.step > step), key=lambda r: (-r.step, r.rank))
+        if not newer:
+            return
+        named = "; ".join(f"step {r.step} of rank {r.rank}: {r.why}" for r in newer[:3])
+        self._said.warn(
+            f"shardsafe: restored step {step}, passing over local checkpoints of later steps "
+            f"that would not load ({named}{'; ...' if len(newer) > 3 else ''}); they are "
+            "deleted with the other copies of later steps"
+        )
 
     def _drop_newer(self, step: int) -> None:
         """See :meth:`drop_newer`. Every rank has restored when this runs: a failure here
