@@ -1317,6 +1317,39 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
         torch.set_rng_state(generator)
 
 
+def test_a_new_run_saving_behind_an_earlier_runs_local_steps_is_refused(tmp_path: Path) -> None:
+    """A second run given the first run's local directory, that did not call
+    load_latest, saved steps 1-2 beside the first run's 1-3 without a word, and its
+    restart restored the first run's step 3 over its own work. Its first save is refused;
+    after load_latest it resumes from them, as documented."""
+    local = tmp_path / "l"
+    first = TieredCheckpointManager(tmp_path / "a", local, replicas=0, persist_every=None)
+    for step in (1, 2, 3):
+        first.save(step, trained(0))
+    first.close()
+    kept = sorted(os.listdir(local))
+    second = TieredCheckpointManager(tmp_path / "b", local, replicas=0, persist_every=None)
+    with pytest.raises(CheckpointError) as refused:
+        second.save(1, trained(1))
+    assert str(refused.value) == (
+        f"the local directories ({local}) hold step 3 of an earlier run, at or after step 1 "
+        "that this TieredCheckpointManager saves first, and it did not restore from them: a "
+        "later restore would take that run's step over this run's. Call load_latest(state) "
+        "first to resume from them, or give this run local directories of its own; "
+        "shardsafe will not delete them for you. Nothing was written"
+    )
+    assert sorted(os.listdir(local)) == kept == ["step-000000002", "step-000000003"]
+    state = trained(1)
+    assert second.load_latest(state) is not None and second.restored.step == 3
+    assert all(map(torch.equal, snapshot(state), snapshot(trained(0))))
+    second.save(4, state)  # resumed: it goes on
+    second.close()
+    # a save after the earlier run's steps is not behind them: saved
+    third = TieredCheckpointManager(tmp_path / "c", local, replicas=0, persist_every=None)
+    third.save(5, trained(2))
+    third.close()
+
+
 @pytest.mark.parametrize(
     ("record", "problem"),
     [

@@ -152,6 +152,10 @@ class TieredCheckpointManager:
         self._budget_checked = False
         self._closed = False
         self._newest_local: int | None = None
+        self._resumed = False
+        """Whether this manager has restored, or been told what was restored
+        (:meth:`load_latest`, :meth:`_drop_newer`): else local steps of an earlier run
+        at or after its first save are refused (:meth:`_check_budget`)."""
         """The newest step saved locally since the manager was made or last restored."""
         self.budget: budget.Budget | None = None
         """The local tier's disk use per node, once the first local save has measured it."""
@@ -331,10 +335,18 @@ class TieredCheckpointManager:
             free, used = self.node.free_bytes(), self.node.used_bytes(owned)
             own = budget.Report(own_bytes, free, used).to_json()
             offer = share.offer(shared) if share is not None else None
-            return {"report": own, "root": self.node.root, "step": step, "share": offer}
+            ahead = None if self._resumed else next(self.node.held(), None)
+            return {
+                "report": own,
+                "root": self.node.root,
+                "step": step,
+                "share": offer,
+                "ahead": ahead.step if ahead is not None and ahead.step >= step else None,
+            }
 
         docs = self._ranks.exchange(Phase.SURVEY, report)
         _check_steps([d["step"] for d in docs])
+        _refuse_ahead(step, [(d["ahead"], str(d["root"])) for d in docs])
         offers = [[docs[r]["share"] for r in ranks] for ranks in self.topology.nodes]
         if share is not None:
             share.start(shared, offers[self.topology.node_of[self.rank]])
@@ -397,6 +409,7 @@ class TieredCheckpointManager:
         """Restore the newest step that every rank can get (see the module docstring);
         ``None`` if there is none in any tier. ``options`` are :func:`shardsafe.load`'s."""
         loaded = self._restorer.load_latest(state, options)
+        self._resumed = True
         if loaded is not None and self.restored is not None:  # later local steps are deleted
             self._newest_local = self.restored.step
         return loaded
@@ -410,6 +423,29 @@ class TieredCheckpointManager:
     def _drop_newer(self, step: int) -> None:
         """What :meth:`load_latest` does after any restore (``Restorer.drop_newer``)."""
         self._restorer.drop_newer(step)
+        self._resumed = True
+
+
+def _refuse_ahead(step: int, found: list[tuple[int | None, str]]) -> None:
+    """Refuse a first local save at ``step`` into local directories that hold a committed
+    step at or after it, which this manager did not restore from (``found``: each rank's
+    newest such step, if any, and its directory). Every rank raises it (one exchange).
+
+    An earlier run's local steps (the same directory given to a new run that did not
+    call ``load_latest``) outlived this run's retention, which counts only its own
+    steps, and the next restore took that run's newer step over this run's."""
+    ahead = [(s, root) for s, root in found if s is not None]
+    if not ahead:
+        return
+    newest = max(s for s, _ in ahead)
+    roots = sorted({root for _, root in ahead})
+    raise CheckpointError(
+        f"the local directories ({', '.join(roots)}) hold step {newest} of an earlier run, "
+        f"at or after step {step} that this TieredCheckpointManager saves first, and it "
+        "did not restore from them: a later restore would take that run's step over this "
+        "run's. Call load_latest(state) first to resume from them, or give this run local "
+        "directories of its own; shardsafe will not delete them for you. Nothing was written"
+    )
 
 
 def _run(identity: list[Any]) -> str:
