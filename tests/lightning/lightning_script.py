@@ -5,6 +5,7 @@
         [--log NAME] [--fail-rank R --fail-step S] [--bad-hparam] [--save-last]
         [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp] [--fsdp]
         [--dirpath NAME|URL] [--save-last [link]] [--fail-everywhere STEP]
+        [--filename F --every N --top-k K] [--slow-commit S]
 
 ``Trainer(accelerator="cpu", devices=N, strategy=ShardsafeDDPStrategy(...))``: Lightning's
 launcher runs this script again for every other rank (``--lightning-ddp``: Lightning's
@@ -186,6 +187,8 @@ def indexed(by_name: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     args = parse()
+    if args.slow_commit:
+        slow_commits(args.slow_commit)
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
@@ -227,6 +230,20 @@ def main() -> None:
     end_process(0, wait_for_others=False)  # the strategy's teardown destroyed the group
 
 
+def slow_commits(seconds: float) -> None:
+    """Each save takes its name ``seconds`` after its commit (a slow disk's write): a
+    background save is still without its name when the next steps run."""
+    from shardsafe.checkpoint.storage import placement
+
+    publish = placement.Placement.publish
+
+    def slowly(self: placement.Placement) -> None:
+        time.sleep(seconds)
+        publish(self)
+
+    placement.Placement.publish = slowly  # type: ignore[method-assign]
+
+
 def evaluate(trainer: pl.Trainer, module: Any, args: argparse.Namespace, root: Path) -> None:
     """``trainer.validate/test/predict(ckpt_path=args.resume)``; each rank writes what it got."""
     rank = trainer.global_rank
@@ -262,8 +279,9 @@ def callbacks(args: argparse.Namespace, root: Path) -> list[Callback]:
     found: list[Callback] = [
         ModelCheckpoint(
             dirpath=beside(root, args.dirpath),
-            every_n_train_steps=5,
-            save_top_k=2,
+            filename=args.filename,
+            every_n_train_steps=args.every,
+            save_top_k=args.top_k,
             monitor="step",
             mode="max",
             save_last=args.save_last,
@@ -300,6 +318,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lightning-ddp", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--filename")  # ModelCheckpoint's (default: Lightning's "{epoch}-{step}")
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--slow-commit", type=float, default=0.0)  # seconds before each publish
     p.add_argument("--evaluate", choices=["validate", "test", "predict"])
     return p.parse_args()
 

@@ -22,6 +22,7 @@ from tests.lightning.helpers import (
     kill_after_step,
     logged_steps,
     losses,
+    outcomes,
     run,
 )
 
@@ -63,14 +64,20 @@ def test_a_run_killed_while_a_checkpoint_is_written_shows_only_complete_ones(
 ) -> None:
     """Killed right after step 16: the step-15 save may still be in flight. The step-5
     checkpoint that save_top_k rotates out is deleted only once step 15 has committed, so
-    at least two complete checkpoints are there either way, and nothing else."""
+    at least two complete checkpoints are there either way, and nothing else but the
+    name the save in flight holds, empty (``cleanup.hold_name``)."""
     args = ("--optimizer", "zero", "--async-save", "--max-steps", "25")
     kill_after_step(tmp_path, *args, "--step-delay", "0.2", step=16)
     ckpts = tmp_path / "ckpts"
     names = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
-    assert len(names) >= 2 and set(names) <= {
+    assert set(names) <= {
         "epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt",
     }  # fmt: skip
+    held = [n for n in names if not (ckpts / n / "manifest.json").exists()]
+    assert held in ([], ["epoch=2-step=15.ckpt"]), held
+    assert all(not os.listdir(ckpts / n) for n in held)
+    names = [n for n in names if n not in held]
+    assert len(names) >= 2
     for name in names:
         assert shardsafe.verify(ckpts / name).ok, name
     run(tmp_path, *args, "--resume", ckpts / names[-1], "--log", "resumed.jsonl")
@@ -98,3 +105,47 @@ def test_a_checkpoint_rotated_out_is_removed_once_the_new_one_commits(tmp_path: 
     assert killed_at < 20, killed_at  # removed before the next save, not by it
     names = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
     assert names == ["epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt"]
+
+
+def test_a_repeating_filename_is_versioned_as_blocking_saves_version_it(tmp_path: Path) -> None:
+    """``filename="{epoch}"`` saved every step: ``ModelCheckpoint`` gives a name already
+    taken a version suffix, but a background save's name appeared only at its commit, so
+    the next save took the same name and replaced the one in flight, and ``save_top_k=3``
+    kept two (found in review). Each commit is made slow here (0.5 s), so that every
+    save is still in flight when the next name is chosen."""
+    args = ("--optimizer", "zero", "--filename", "{epoch}", "--every", "1", "--top-k", "3")
+    run(tmp_path / "blocking", *args, "--max-steps", "4")
+    run(tmp_path / "async", *args, "--max-steps", "4", "--async-save", "--slow-commit", "0.5")
+    names = sorted(os.listdir(tmp_path / "blocking" / "ckpts"))
+    assert names == ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"]
+    ckpts = tmp_path / "async" / "ckpts"
+    assert sorted(n for n in os.listdir(ckpts) if not n.startswith(".")) == names
+    for name in names:
+        model, _ = saved(ckpts / name)
+        model_b, _ = saved(tmp_path / "blocking" / "ckpts" / name)
+        assert all(torch.equal(model[k], model_b[k]) for k in model_b), name
+
+
+def test_a_run_killed_before_last_links_target_commits_names_the_checkpoint_to_resume(
+    tmp_path: Path,
+) -> None:
+    """``save_last="link"`` points ``last.ckpt`` at a save's name as the save starts; a
+    run killed before that save committed left the link pointing at nothing, and
+    ``fit(ckpt_path="last")`` trained from step 0 (found in review). The name is held
+    from the start, so the resume stops, naming the complete checkpoint beside it."""
+    args = ("--optimizer", "zero", "--async-save", "--save-last", "link", "--max-steps", "25")
+    kill_after_step(tmp_path, *args, "--step-delay", "0.1", "--slow-commit", "3", step=12)
+    ckpts = tmp_path / "ckpts"
+    assert os.readlink(ckpts / "last.ckpt") == "epoch=1-step=10.ckpt"
+    assert os.listdir(ckpts / "epoch=1-step=10.ckpt") == []  # held, never committed
+    assert shardsafe.verify(ckpts / "epoch=0-step=5.ckpt").ok
+    resumed = Run(tmp_path / "resumed", *args, "--dirpath", ckpts, "--resume", "last")
+    assert resumed.wait() == [1, 1], resumed.output()
+    expected = (
+        f"CheckpointNotFoundError: {ckpts / 'last.ckpt'} is an empty directory, not a "
+        "checkpoint: a background save (async_save=True) holds its name from the start, "
+        "and this one never committed (the run was stopped while it was written); the "
+        f"newest complete checkpoint beside it is {ckpts / 'epoch=0-step=5.ckpt'}: resume "
+        "from it (ckpt_path=...)"
+    )
+    assert [r["error"] for r in outcomes(tmp_path / "resumed", 2)] == [expected] * 2

@@ -153,6 +153,35 @@ def test_what_an_interrupted_save_left_is_cleared_and_nothing_else(tmp_path: Pat
     assert placement.clear_interrupted(str(tmp_path / "absent")) == []
 
 
+def test_the_empty_name_an_interrupted_background_save_held_goes_with_it(
+    tmp_path: Path,
+) -> None:
+    """A background save of the Lightning strategies holds its name from the start, as an
+    empty directory; interrupted, it left that name, which the next run's ModelCheckpoint
+    saw taken (and saved as ``-v1``). It goes with the staging directory; a name holding
+    anything, or whose staging directory is kept, stays."""
+    for name in ("a.ckpt", "b.ckpt", "c.ckpt"):
+        with pytest.raises(KeyboardInterrupt):
+            save_replacing(
+                str(tmp_path / name), {"w": torch.ones(3)}, SaveOptions(storage=_Interrupted)
+            )
+        (tmp_path / name).mkdir()
+    (tmp_path / "b.ckpt" / "notes.txt").write_text("mine")
+    (tmp_path / "lone.ckpt").mkdir()  # no staging directory: not a held name
+    _age(tmp_path / ".a.ckpt.shardsafe-partial", placement.QUIET_S + 1)
+    _age(tmp_path / ".b.ckpt.shardsafe-partial", placement.QUIET_S + 1)
+    assert sorted(placement.clear_interrupted(str(tmp_path))) == [
+        ".a.ckpt.shardsafe-partial",
+        ".b.ckpt.shardsafe-partial",
+    ]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".c.ckpt.shardsafe-partial",  # just written: maybe in progress, and its name kept
+        "b.ckpt",
+        "c.ckpt",
+        "lone.ckpt",
+    ]
+
+
 def test_a_staging_directory_written_to_lately_is_another_runs_save_and_is_kept(
     tmp_path: Path,
 ) -> None:

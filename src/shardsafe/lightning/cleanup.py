@@ -25,6 +25,7 @@ same name (its staging prefix is reused, and the save clears what it left).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -60,6 +61,27 @@ def remove(path: str) -> None:
                 )
     except Exception as e:  # see the module docstring (a store's errors are not all OSError)
         warn(f"could not remove the old checkpoint {path}: {type(e).__name__}: {e}")
+
+
+def hold_name(path: str) -> None:
+    """Make ``path`` an empty directory if nothing is there (a local path; rank 0), so that
+    the name a background save takes at its commit shows as taken from the start.
+
+    ``ModelCheckpoint`` picks each new name by looking at the names taken (a repeating
+    ``filename`` gets ``-v1``), and ``save_last="link"`` points ``last.ckpt`` at the new
+    name at once. With the name absent until the commit, the next save replaced the one
+    in flight (``save_top_k`` kept one fewer), and a kill mid-write left ``last.ckpt``
+    pointing at nothing, so ``fit(ckpt_path="last")`` trained from step 0 (found in
+    review). An empty directory is what the save's commit may replace
+    (``placement.py``); a kill leaves it empty, which a load refuses, saying so. An
+    object store has no directories: there the name still appears at the commit."""
+    if is_url(path) or os.path.lexists(path):
+        return
+    # Its folder as the save would make it; made meanwhile, the save looks at what it is.
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.mkdir(path)
 
 
 def inside_run(path: str, trainer: Any) -> bool:

@@ -230,6 +230,8 @@ class ShardsafeCheckpointing(Strategy):
             assert module is not None
             to_save = state.save_state(checkpoint, module, self.optimizers, self._state_dict_record)
         if self.async_save and self._fitting and not isinstance(checkpoint, state.FailedDump):
+            if self.is_global_zero:
+                cleanup.hold_name(path)  # taken from now, as a blocking save's would be
             self._in_flight = async_save_replacing(path, to_save, self.save_options, self._stager)
         else:
             save_replacing(path, to_save, self.save_options)

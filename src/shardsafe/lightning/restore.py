@@ -15,6 +15,7 @@ consolidated ZeRO/OSS state into a ZeRO/OSS optimizer of any world size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -199,10 +200,42 @@ def uncommitted_directory(path: str) -> str:
             "the strategy that saved it; the shardsafe strategies resume from the checkpoint "
             "directories they write"
         )
+    with contextlib.suppress(OSError):
+        if not os.listdir(path):
+            return _never_committed(path)
     return (
         f"{path} is a directory without {MANIFEST_NAME}, so it is not a committed "
         "shardsafe checkpoint (a save into it may have been interrupted)"
     )
+
+
+def _never_committed(path: str) -> str:
+    """Why an empty directory is refused: the name a background save holds from its start
+    (``cleanup.hold_name``), left empty by a run stopped before the commit, and which the
+    ``last.ckpt`` link of ``save_last="link"`` may point at. Names the newest complete
+    checkpoint beside it, to resume from instead."""
+    folder = os.path.dirname(os.path.realpath(path))
+    beside = [os.path.join(folder, n) for n in _checkpoints_in(folder)]
+    newest = max(beside, key=_written_at, default=None)
+    instead = (
+        f"; the newest complete checkpoint beside it is {newest}: resume from it (ckpt_path=...)"
+        if newest is not None
+        else ""
+    )
+    return (
+        f"{path} is an empty directory, not a checkpoint: a background save "
+        f"(async_save=True) holds its name from the start, and this one never committed "
+        f"(the run was stopped while it was written){instead}"
+    )
+
+
+def _written_at(checkpoint: str) -> float:
+    """When ``checkpoint`` was committed (its manifest's time; a ``.ckpt`` file's own)."""
+    manifest = os.path.join(checkpoint, MANIFEST_NAME)
+    try:
+        return os.stat(manifest if os.path.isdir(checkpoint) else checkpoint).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _checkpoints_in(path: str) -> list[str]:

@@ -142,7 +142,23 @@ def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
                     remove_uncommitted(staged)
                 if root.kind(name) is None:
                     cleared.append(name)
+                    _release_held_name(root, name)
     return cleared
+
+
+def _release_held_name(root: LocalStorage, staging: str) -> None:
+    """Remove the target name of the cleared ``staging`` directory if it is an empty
+    directory: the name a background save held from its start (the Lightning strategies'
+    ``cleanup.hold_name``), which the interrupted save never filled. Left there, the
+    next run's ``ModelCheckpoint`` saw it taken and saved that step as ``-v1``."""
+    match = re.fullmatch(r"\.(.+)" + re.escape(STAGING_SUFFIX) + r"(?:-[0-9]+)?", staging)
+    if match is None or root.kind(match.group(1)) != "directory":
+        return
+    with contextlib.suppress(OSError, CheckpointError):
+        with root.child(match.group(1)) as held:
+            if held.names():
+                return
+        root.remove_child(match.group(1))
 
 
 def _changed_within(directory: LocalStorage, seconds: float) -> bool:
