@@ -5,7 +5,9 @@ of a whole object (its Content-Length) and then fewer bytes: this forwards every
 to the S3 server unchanged and, for the GETs whose path ends with one of ``cut``, sends
 the response's headers as they are, then half of its body, then closes the connection.
 It counts the GETs it cut, so a test sees how often the reader tried; with ``times``,
-it cuts only the first ``times`` of them (a connection that fails, then recovers).
+it cuts only the first ``times`` of them (a connection that fails, then recovers). With
+``fail=True`` it answers those GETs with S3's ``500 InternalError`` instead of cutting
+them (a store that fails).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 
 
 class CuttingProxy:
-    def __init__(self, upstream: str, cut: tuple[str, ...], times: int | None = None) -> None:
+    def __init__(
+        self, upstream: str, cut: tuple[str, ...], times: int | None = None, fail: bool = False
+    ) -> None:
         self.upstream = urlsplit(upstream)
-        self.cut, self.times = cut, times
+        self.cut, self.times, self.fail = cut, times, fail
         self.cut_count = 0
         self._lock = threading.Lock()
         proxy = self
@@ -50,6 +54,9 @@ class CuttingProxy:
                 with proxy._lock:
                     cutting = cutting and (proxy.times is None or proxy.cut_count < proxy.times)
                     proxy.cut_count += cutting and len(data) > 1
+                if cutting and proxy.fail:
+                    self._internal_error()
+                    return
                 self.send_response(answer.status, answer.reason)
                 head = self.command == "HEAD"  # its Content-Length is the object's
                 for name, value in answer.getheaders():
@@ -69,6 +76,18 @@ class CuttingProxy:
                     return
                 self.wfile.write(data)
 
+            def _internal_error(self) -> None:
+                body = (
+                    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+                    b"<Message>We encountered an internal error. Please try again.</Message>"
+                    b"</Error>"
+                )
+                self.send_response(500, "Internal Server Error")
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -86,7 +105,7 @@ class CuttingProxy:
 
 @contextmanager
 def cutting_proxy(
-    upstream: str, cut: tuple[str, ...], times: int | None = None
+    upstream: str, cut: tuple[str, ...], times: int | None = None, fail: bool = False
 ) -> Iterator[CuttingProxy]:
-    with CuttingProxy(upstream, cut, times) as proxy:
+    with CuttingProxy(upstream, cut, times, fail) as proxy:
         yield proxy

@@ -113,3 +113,32 @@ def test_a_cut_connection_is_raised_by_the_manager_never_a_rollback_to_an_older_
         through_proxy.close()
     assert torch.equal(state["w"], torch.zeros(4096))  # nothing restored, not step 1
     assert proxy.cut_count >= 2
+
+
+FAILED = "the object store answered with an error after its client's retries"
+
+
+@pytest.mark.parametrize("failing", ["/step-000000002/manifest.json", ".safetensors"])
+def test_a_store_failing_a_read_is_raised_by_the_manager_never_a_rollback(
+    s3_server: S3Server, s3_bucket: str, failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 answering 500 InternalError after the client's retries reached the manager as
+    s3fs's ``OSError(EIO)``, which it took for a checkpoint that would not load: it
+    passed over step 2 and restored step 1, with a warning only."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore's retries of a 500, kept short
+    root = f"s3://{s3_bucket}/run"
+    manager = CheckpointManager(root)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((4096,), float(step))})
+    manager.close()
+    with cutting_proxy(s3_server.endpoint, (failing,), fail=True) as proxy:
+        through_proxy = CheckpointManager(root, storage_options=through(proxy.endpoint))
+        with pytest.raises(CheckpointError, match=FAILED) as caught:
+            through_proxy.latest()
+        state = {"w": torch.zeros(4096)}
+        with pytest.raises(CheckpointError, match=FAILED):
+            through_proxy.load_latest(state)
+        through_proxy.close()
+    assert "InternalError" in str(caught.value) or "internal error" in str(caught.value)
+    assert torch.equal(state["w"], torch.zeros(4096))  # nothing restored, not step 1
+    assert proxy.cut_count >= 2

@@ -53,9 +53,9 @@ from .saving import save as _save
 from .storage.files import describe_mode
 from .storage.locations import check_options, is_url, open_storage, path_text
 from .storage.lock import RootLock
-from .storage.object_reader import ConnectionCutError
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
+from .storage.store_failures import StoreFailedError
 from .storage.target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):
@@ -594,8 +594,8 @@ def problem_with(storage: Storage) -> str | None:
     ``None``."""
     try:
         loadable_manifest(storage)
-    except ConnectionCutError:
-        raise  # the connection, not the checkpoint: passed over, the run rolled back
+    except StoreFailedError:
+        raise  # the store, not the checkpoint: passed over, the run rolled back
     except (CheckpointError, OSError) as e:
         return str(e)
     return None

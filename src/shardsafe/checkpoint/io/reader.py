@@ -39,9 +39,9 @@ from ..format.crc import crc32
 from ..format.manifest import ChunkRecord, Manifest, TensorRecord
 from ..format.safetensors_header import HeaderEntry, parse_header
 from ..format.tensor_bytes import has_memory, memory
-from ..storage.object_reader import ConnectionCutError
 from ..storage.protocol import FileReader, Storage
 from ..storage.spool import Spool
+from ..storage.store_failures import StoreFailedError
 from . import threaded_reads
 from .pinned_ring import PinnedRing
 from .safetensors_io import read_header_bytes
@@ -446,8 +446,8 @@ class CheckpointReader:
         for name in self.manifest.files:
             try:
                 self._file(name)
-            except ConnectionCutError:
-                raise  # the connection's problem, not the file's
+            except StoreFailedError:
+                raise  # the store's failure, not the file's
             except CheckpointError as e:
                 problems[name] = str(e)
         return problems

@@ -17,23 +17,19 @@ it has open (a load at a new world size reads parts of many shard files).
 A small object read whole (``read_small``: locks, ``latest``, manifests) is not read by
 range: see :func:`get_whole_s3`.
 
-A response whose body stops short of its length (the connection cut by the store, a
-proxy or a load balancer: aiohttp's ``ClientPayloadError``) is fetched again, as s3fs
-fetches its own; once the tries are spent it is a :class:`~shardsafe.CheckpointError`
-saying so (:func:`cut_short`), not the HTTP client's error, and not a corrupt checkpoint:
-the object may be whole, and a caller that falls back from corrupt checkpoints to older
-ones must not roll back over a network fault (:class:`ConnectionCutError`).
+A response whose body stops short of its length is fetched again, as s3fs fetches its
+own, and a read the store fails is told as such (:mod:`.store_failures`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ...errors import CheckpointCorruptError, CheckpointError
+from ...errors import CheckpointCorruptError
+from .store_failures import cut_short, failed_read, is_cut_short, store_failures
 
 READ_AHEAD_BYTES = 24 << 20
 """The cached block (and the one fetched ahead): a 96 MiB shard file is 4 GETs."""
@@ -62,7 +58,8 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
     bucket, key, _ = fs.split_path(path)
 
     async def get() -> tuple[int | None, bytes | None]:
-        got = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        with store_failures(name):
+            got = await fs._call_s3("get_object", Bucket=bucket, Key=key)
         size = got.get("ContentLength")
         body = got["Body"]
         try:
@@ -88,7 +85,7 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
             try:
                 return await get()
             except Exception as e:
-                if not _is_cut_short(e):
+                if not is_cut_short(e):
                     raise
                 if attempt + 1 == tries:
                     raise cut_short(name, e, tries) from e
@@ -97,46 +94,6 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
 
     result: tuple[int | None, bytes | None] = sync(fs.loop, get_whole)
     return result
-
-
-def _is_cut_short(error: BaseException) -> bool:
-    """Whether ``error`` is a response body that ended before its length (aiohttp's
-    ``ClientPayloadError``, raised by s3fs and gcsfs alike)."""
-    try:
-        from aiohttp import ClientPayloadError
-    except ImportError:  # a filesystem that does not speak HTTP through aiohttp
-        return False
-    return isinstance(error, ClientPayloadError)
-
-
-@contextlib.contextmanager
-def cut_short_errors(name: str) -> Iterator[None]:
-    """Turn a body cut short, that the store's client has already fetched again, into
-    :func:`cut_short`'s error for ``name``."""
-    try:
-        yield
-    except Exception as e:
-        if _is_cut_short(e):
-            raise cut_short(name, e) from e
-        raise
-
-
-class ConnectionCutError(CheckpointError):
-    """:func:`cut_short`'s error: the connection failed, not the checkpoint. Not public
-    (other ranks re-raise it as a ``CheckpointError``); its own class lets a caller that
-    passes over checkpoints that would not load (a manager's ``latest``) raise it instead:
-    passed over, a cut connection rolled the run back to an older checkpoint."""
-
-
-def cut_short(name: str, error: BaseException, tries: int | None = None) -> ConnectionCutError:
-    """The error for ``name``'s bytes that never all arrived (see the module's doc)."""
-    times = f", {tries} times" if tries else " on every retry"
-    return ConnectionCutError(
-        f"reading {name} failed: the object store's response ended before all of its "
-        f"bytes arrived{times} ({type(error).__name__}: {error}). The connection was cut "
-        "(the store, a proxy or a load balancer, or the network): nothing is known to be "
-        "wrong with the checkpoint; check the connection to the store and load again"
-    )
 
 
 async def _read_at_most(body: Any, most: int) -> bytes:
@@ -256,15 +213,13 @@ class FsspecFileReader:
             if isinstance(data, FileNotFoundError):
                 raise CheckpointCorruptError(f"data object {self.name} is missing")
             if isinstance(data, BaseException):
-                if _is_cut_short(data):
-                    raise cut_short(self.name, data) from data
-                raise data
+                raise failed_read(self.name, data) from data
             self._check_length(start, end, data)
             view[start - offset : end - offset] = data
 
     def _get(self, start: int, end: int) -> bytes:
         try:
-            with cut_short_errors(self.name):
+            with store_failures(self.name):
                 data: bytes = self._fs.cat_file(self._path, start=start, end=end)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"data object {self.name} is missing") from None

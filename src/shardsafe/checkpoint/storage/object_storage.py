@@ -26,8 +26,9 @@ from typing import Any
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .files import check_name
 from .lock_backends import ObjectLockBackend
-from .object_reader import FsspecFileReader, ReadBudget, cut_short_errors, get_whole_s3
+from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
 from .protocol import EntryKind
+from .store_failures import store_failures
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -489,7 +490,7 @@ class FsspecStorage:
             return b""  # an empty object, as it was when looked up: no GET
         pin = {"generation": info["generation"]} if info.get("generation") else {}
         try:
-            with cut_short_errors(self.where(name)):
+            with store_failures(self.where(name)):
                 data: bytes = self.fs.cat_file(key, **pin)
         except FileNotFoundError:
             return None

@@ -1,0 +1,95 @@
+"""A read the object store fails, told apart from a checkpoint that is damaged.
+
+A store's failure says nothing about the checkpoint: the object may be whole. Raised as
+what a damaged checkpoint raises (or as an ``OSError``, as s3fs translates an error
+code it does not know), it made a manager's ``latest``/``load_latest``, which pass over
+checkpoints that would not load, roll the run back to the step before, with a warning
+only. So each is a :class:`StoreFailedError`, which they raise instead:
+
+* a response whose body ended before its length (the connection cut by the store, a
+  proxy or a load balancer: aiohttp's ``ClientPayloadError``), once the tries are spent
+  (:func:`cut_short`);
+* an error code the store answered with after its client's retries (``InternalError``,
+  ``ServiceUnavailable``, ``SlowDown``: the ``OSError`` s3fs makes of it,
+  :data:`FAILED_ANSWERS`) (:func:`failed_answer`).
+
+A missing object (``FileNotFoundError``) and access refused (``PermissionError``) are
+answers about the checkpoint, and stay what they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+
+from ...errors import CheckpointError
+
+
+class StoreFailedError(CheckpointError):
+    """The object store failed a read, not the checkpoint (the module's doc). Not public:
+    other ranks re-raise it as a ``CheckpointError``."""
+
+
+def is_cut_short(error: BaseException) -> bool:
+    """Whether ``error`` is a response body that ended before its length (aiohttp's
+    ``ClientPayloadError``, raised by s3fs and gcsfs alike)."""
+    try:
+        from aiohttp import ClientPayloadError
+    except ImportError:  # a filesystem that does not speak HTTP through aiohttp
+        return False
+    return isinstance(error, ClientPayloadError)
+
+
+FAILED_ANSWERS = {errno.EIO, errno.EREMOTEIO, errno.EBUSY}
+"""The errors s3fs makes of a store's own failure: ``InternalError`` (``EREMOTEIO``),
+``ServiceUnavailable``, ``SlowDown`` and ``OperationAborted`` (``EBUSY``), a code it has
+no exception for (``EIO``); with ``RequestTimeout`` (``TimeoutError``)."""
+
+
+def _is_failed_answer(error: BaseException) -> bool:
+    """Whether ``error`` is s3fs's translation of the store's own failure."""
+    failed = type(error) is OSError and error.errno in FAILED_ANSWERS
+    return failed or isinstance(error, TimeoutError)
+
+
+def failed_read(name: str, error: BaseException) -> BaseException:
+    """``error`` as :class:`StoreFailedError` if it is a store's failure, else as it is."""
+    if is_cut_short(error):
+        return cut_short(name, error)
+    if _is_failed_answer(error):
+        return failed_answer(name, error)
+    return error
+
+
+@contextlib.contextmanager
+def store_failures(name: str) -> Iterator[None]:
+    """Turn a store's failure to read ``name`` (after its client's own retries) into a
+    :class:`StoreFailedError`."""
+    try:
+        yield
+    except Exception as e:
+        failed = failed_read(name, e)
+        if failed is e:
+            raise
+        raise failed from e
+
+
+def cut_short(name: str, error: BaseException, tries: int | None = None) -> StoreFailedError:
+    """The error for ``name``'s bytes that never all arrived."""
+    times = f", {tries} times" if tries else " on every retry"
+    return StoreFailedError(
+        f"reading {name} failed: the object store's response ended before all of its "
+        f"bytes arrived{times} ({type(error).__name__}: {error}). The connection was cut "
+        "(the store, a proxy or a load balancer, or the network): nothing is known to be "
+        "wrong with the checkpoint; check the connection to the store and load again"
+    )
+
+
+def failed_answer(name: str, error: BaseException) -> StoreFailedError:
+    """The error for a read of ``name`` the store answered with an error code."""
+    return StoreFailedError(
+        f"reading {name} failed: the object store answered with an error after its "
+        f"client's retries ({error}): nothing is known to be wrong with the checkpoint; "
+        "check the store (its status, rate limits and quotas) and load again"
+    )
