@@ -5,7 +5,7 @@
         [--log NAME] [--fail-rank R --fail-step S] [--bad-hparam] [--save-last]
         [--dump-restored FILE] [--save-at-end NAME] [--lightning-ddp] [--fsdp]
         [--dirpath NAME|URL] [--save-last [link]] [--fail-everywhere STEP]
-        [--filename F --every N --top-k K] [--slow-commit S]
+        [--filename F --every N --top-k K] [--slow-commit S] [--slow-write S]
 
 ``Trainer(accelerator="cpu", devices=N, strategy=ShardsafeDDPStrategy(...))``: Lightning's
 launcher runs this script again for every other rank (``--lightning-ddp``: Lightning's
@@ -187,8 +187,8 @@ def indexed(by_name: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     args = parse()
-    if args.slow_commit:
-        slow_commits(args.slow_commit)
+    if args.slow_commit or args.slow_write:
+        slow_saves(args.slow_write, args.slow_commit)
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
@@ -230,18 +230,26 @@ def main() -> None:
     end_process(0, wait_for_others=False)  # the strategy's teardown destroyed the group
 
 
-def slow_commits(seconds: float) -> None:
-    """Each save takes its name ``seconds`` after its commit (a slow disk's write): a
-    background save is still without its name when the next steps run."""
-    from shardsafe.checkpoint.storage import placement
+def slow_saves(before_write: float, before_name: float) -> None:
+    """Each save's data files start ``before_write`` seconds late (in the writer, not in
+    the training loop), and each save takes its name ``before_name`` seconds after its
+    commit (a slow disk): a background save is still without its name, uncommitted or
+    committed, when the next steps run."""
+    from shardsafe.checkpoint.storage import local, placement
 
-    publish = placement.Placement.publish
+    create, publish = local.LocalStorage.create, placement.Placement.publish
 
-    def slowly(self: placement.Placement) -> None:
-        time.sleep(seconds)
+    def late_create(self: local.LocalStorage, name: str, size_hint: int = 0) -> Any:
+        if name.endswith(".safetensors"):
+            time.sleep(before_write)
+        return create(self, name, size_hint)
+
+    def late_publish(self: placement.Placement) -> None:
+        time.sleep(before_name)
         publish(self)
 
-    placement.Placement.publish = slowly  # type: ignore[method-assign]
+    local.LocalStorage.create = late_create  # type: ignore[method-assign]
+    placement.Placement.publish = late_publish  # type: ignore[method-assign]
 
 
 def evaluate(trainer: pl.Trainer, module: Any, args: argparse.Namespace, root: Path) -> None:
@@ -322,6 +330,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--slow-commit", type=float, default=0.0)  # seconds before each publish
+    p.add_argument("--slow-write", type=float, default=0.0)  # seconds before each write
     p.add_argument("--evaluate", choices=["validate", "test", "predict"])
     return p.parse_args()
 

@@ -126,26 +126,39 @@ def test_a_repeating_filename_is_versioned_as_blocking_saves_version_it(tmp_path
         assert all(torch.equal(model[k], model_b[k]) for k in model_b), name
 
 
-def test_a_run_killed_before_last_links_target_commits_names_the_checkpoint_to_resume(
-    tmp_path: Path,
+@pytest.mark.parametrize("stopped", ["before the commit", "before the name"])
+def test_a_run_killed_before_last_links_target_is_named_names_the_checkpoint_to_resume(
+    tmp_path: Path, stopped: str
 ) -> None:
     """``save_last="link"`` points ``last.ckpt`` at a save's name as the save starts; a
-    run killed before that save committed left the link pointing at nothing, and
-    ``fit(ckpt_path="last")`` trained from step 0 (found in review). The name is held
-    from the start, so the resume stops, naming the complete checkpoint beside it."""
+    run killed before the checkpoint took that name left the link pointing at nothing,
+    and ``fit(ckpt_path="last")`` trained from step 0 (found in review). The name is held
+    from the start, so the resume stops, naming the checkpoint to resume from: the
+    newest complete one beside it, or the save's own if it committed before the kill."""
     args = ("--optimizer", "zero", "--async-save", "--save-last", "link", "--max-steps", "25")
-    kill_after_step(tmp_path, *args, "--step-delay", "0.1", "--slow-commit", "3", step=12)
+    slow = "--slow-write" if stopped == "before the commit" else "--slow-commit"
+    kill_after_step(tmp_path, *args, "--step-delay", "0.1", slow, "3", step=12)
     ckpts = tmp_path / "ckpts"
     assert os.readlink(ckpts / "last.ckpt") == "epoch=1-step=10.ckpt"
-    assert os.listdir(ckpts / "epoch=1-step=10.ckpt") == []  # held, never committed
+    assert os.listdir(ckpts / "epoch=1-step=10.ckpt") == []  # held, never given the checkpoint
     assert shardsafe.verify(ckpts / "epoch=0-step=5.ckpt").ok
     resumed = Run(tmp_path / "resumed", *args, "--dirpath", ckpts, "--resume", "last")
     assert resumed.wait() == [1, 1], resumed.output()
-    expected = (
+    head = (
         f"CheckpointNotFoundError: {ckpts / 'last.ckpt'} is an empty directory, not a "
         "checkpoint: a background save (async_save=True) holds its name from the start, "
-        "and this one never committed (the run was stopped while it was written); the "
-        f"newest complete checkpoint beside it is {ckpts / 'epoch=0-step=5.ckpt'}: resume "
-        "from it (ckpt_path=...)"
     )
+    if stopped == "before the commit":
+        expected = head + (
+            "and this one never committed (the run stopped, or the save failed, while it was "
+            f"written); the newest complete checkpoint beside it is "
+            f"{ckpts / 'epoch=0-step=5.ckpt'}: resume from it (ckpt_path=...)"
+        )
+    else:
+        staged = ckpts / ".epoch=1-step=10.ckpt.shardsafe-partial"
+        assert shardsafe.verify(staged).ok
+        expected = head + (
+            "and the run stopped after the save committed but before it took the name. The "
+            f"whole checkpoint is at {staged}: resume from it (ckpt_path=...)"
+        )
     assert [r["error"] for r in outcomes(tmp_path / "resumed", 2)] == [expected] * 2

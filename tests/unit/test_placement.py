@@ -182,6 +182,28 @@ def test_the_empty_name_an_interrupted_background_save_held_goes_with_it(
     ]
 
 
+def test_a_committed_save_whose_name_was_held_empty_is_given_its_name(tmp_path: Path) -> None:
+    """A run killed between a background save's commit and its rename left the whole
+    checkpoint hidden in its staging directory and its name held empty: the next run's
+    ModelCheckpoint saved that step as ``-v1``, and the hidden copy was never deleted.
+    Once quiet, it is given its name; a committed one whose name holds anything stays."""
+    save(tmp_path / ".a.ckpt.shardsafe-partial", 1.0)
+    (tmp_path / "a.ckpt").mkdir()
+    save(tmp_path / ".b.ckpt.shardsafe-partial", 2.0)
+    (tmp_path / "b.ckpt").mkdir()
+    (tmp_path / "b.ckpt" / "notes.txt").write_text("mine")
+    assert placement.clear_interrupted(str(tmp_path)) == []  # just written: maybe in progress
+    assert sorted(os.listdir(tmp_path)) == [
+        ".a.ckpt.shardsafe-partial", ".b.ckpt.shardsafe-partial", "a.ckpt", "b.ckpt",
+    ]  # fmt: skip
+    _age(tmp_path / ".a.ckpt.shardsafe-partial", placement.QUIET_S + 1)
+    _age(tmp_path / ".b.ckpt.shardsafe-partial", placement.QUIET_S + 1)
+    assert placement.clear_interrupted(str(tmp_path)) == []  # nothing deleted
+    assert sorted(os.listdir(tmp_path)) == [".b.ckpt.shardsafe-partial", "a.ckpt", "b.ckpt"]
+    assert shardsafe.verify(tmp_path / "a.ckpt").ok
+    assert loaded(tmp_path / "a.ckpt") == 1.0
+
+
 def test_a_staging_directory_written_to_lately_is_another_runs_save_and_is_kept(
     tmp_path: Path,
 ) -> None:

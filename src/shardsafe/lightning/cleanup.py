@@ -80,7 +80,7 @@ def hold_name(path: str) -> None:
     # Its folder as the save would make it; made meanwhile, the save looks at what it is.
     with contextlib.suppress(OSError):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with contextlib.suppress(FileExistsError, FileNotFoundError):
+    with contextlib.suppress(OSError):  # no place for it: the save itself says so, agreed
         os.mkdir(path)
 
 

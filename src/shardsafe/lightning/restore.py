@@ -30,6 +30,7 @@ from .. import interop
 from ..checkpoint import loading
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
+from ..checkpoint.storage import placement
 from ..checkpoint.storage.locations import directory_name, open_storage
 from ..checkpoint.storage.object_placement import committed_copy, split
 from ..errors import (
@@ -211,10 +212,20 @@ def uncommitted_directory(path: str) -> str:
 
 def _never_committed(path: str) -> str:
     """Why an empty directory is refused: the name a background save holds from its start
-    (``cleanup.hold_name``), left empty by a run stopped before the commit, and which the
-    ``last.ckpt`` link of ``save_last="link"`` may point at. Names the newest complete
-    checkpoint beside it, to resume from instead."""
-    folder = os.path.dirname(os.path.realpath(path))
+    (``cleanup.hold_name``), left empty by a run stopped (or a save failed) before the
+    checkpoint took it, and which the ``last.ckpt`` link of ``save_last="link"`` may point
+    at. Names the checkpoint to resume from instead: the save's own, if it committed
+    before the stop (its staging directory, kept whole), else the newest beside it."""
+    target = os.path.realpath(path)
+    folder, name = os.path.split(target)
+    staged = placement.committed_staging(folder, name)
+    if staged is not None:
+        return (
+            f"{path} is an empty directory, not a checkpoint: a background save "
+            f"(async_save=True) holds its name from the start, and the run stopped after "
+            f"the save committed but before it took the name. The whole checkpoint is at "
+            f"{staged}: resume from it (ckpt_path=...)"
+        )
     beside = [os.path.join(folder, n) for n in _checkpoints_in(folder)]
     newest = max(beside, key=_written_at, default=None)
     instead = (
@@ -225,7 +236,7 @@ def _never_committed(path: str) -> str:
     return (
         f"{path} is an empty directory, not a checkpoint: a background save "
         f"(async_save=True) holds its name from the start, and this one never committed "
-        f"(the run was stopped while it was written){instead}"
+        f"(the run stopped, or the save failed, while it was written){instead}"
     )
 
 

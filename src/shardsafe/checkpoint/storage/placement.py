@@ -124,7 +124,9 @@ def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
     changed in the last ``quiet_for`` seconds is left alone: it may be another run's save
     in progress (two runs sharing a directory). Committed ones (a crash between the commit
     and the rename) are kept: each is a whole checkpoint, deleted after the next
-    successful save of its name. Returns the names deleted."""
+    successful save of its name; one whose name a background save held empty is given
+    that name (:func:`_publish_into_held_name`), and the empty name of one cleared goes
+    with it (:func:`_release_held_name`). Returns the names deleted."""
     cleared: list[str] = []
     root = LocalStorage(parent, follow=True)
     with root:
@@ -137,13 +139,50 @@ def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
                 continue
             with contextlib.suppress(OSError, CheckpointError):
                 with root.child(name) as staged:
-                    if staged.exists(MANIFEST_NAME) or _changed_within(staged, quiet_for):
+                    if _changed_within(staged, quiet_for):
                         continue
-                    remove_uncommitted(staged)
-                if root.kind(name) is None:
+                    committed = staged.exists(MANIFEST_NAME)
+                    if not committed:
+                        remove_uncommitted(staged)
+                if committed:
+                    _publish_into_held_name(root, name)
+                elif root.kind(name) is None:
                     cleared.append(name)
                     _release_held_name(root, name)
     return cleared
+
+
+def committed_staging(parent: str, name: str) -> str | None:
+    """The path of a committed staging directory of ``parent/name`` (a crash between the
+    commit and the rename left it), or ``None``."""
+    for staging in _staging_names(name):
+        path = os.path.join(parent, staging)
+        if not os.path.lexists(path):
+            return None
+        real = os.path.isdir(path) and not os.path.islink(path)
+        if real and os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+            return path
+    return None
+
+
+def _publish_into_held_name(root: LocalStorage, staging: str) -> None:
+    """Finish the save whose committed ``staging`` directory a crash left before the
+    rename, if its name is held empty (``_held_name``): a later run's ``ModelCheckpoint``
+    then finds the checkpoint under its name (and ``last.ckpt`` a link to it), where the
+    whole checkpoint stayed hidden for good, its name never saved again."""
+    held = _held_name(root, staging)
+    if held is not None:
+        _rename(root, staging, held)
+
+
+def _held_name(root: LocalStorage, staging: str) -> str | None:
+    """The target name of ``staging`` if it is an empty directory (a name a background
+    save held from its start), else ``None``."""
+    match = re.fullmatch(r"\.(.+)" + re.escape(STAGING_SUFFIX) + r"(?:-[0-9]+)?", staging)
+    if match is None or root.kind(match.group(1)) != "directory":
+        return None
+    with root.child(match.group(1)) as held:
+        return None if held.names() else match.group(1)
 
 
 def _release_held_name(root: LocalStorage, staging: str) -> None:
@@ -151,14 +190,10 @@ def _release_held_name(root: LocalStorage, staging: str) -> None:
     directory: the name a background save held from its start (the Lightning strategies'
     ``cleanup.hold_name``), which the interrupted save never filled. Left there, the
     next run's ``ModelCheckpoint`` saw it taken and saved that step as ``-v1``."""
-    match = re.fullmatch(r"\.(.+)" + re.escape(STAGING_SUFFIX) + r"(?:-[0-9]+)?", staging)
-    if match is None or root.kind(match.group(1)) != "directory":
-        return
     with contextlib.suppress(OSError, CheckpointError):
-        with root.child(match.group(1)) as held:
-            if held.names():
-                return
-        root.remove_child(match.group(1))
+        held = _held_name(root, staging)
+        if held is not None:
+            root.remove_child(held)
 
 
 def _changed_within(directory: LocalStorage, seconds: float) -> bool:
