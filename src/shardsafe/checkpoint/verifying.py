@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .._text import natural_key
 from ..errors import CheckpointError
 from .finding import manifest_at
-from .plan.rank_copies import rank_copy_as_one_rank, rank_copy_saver
+from .plan.rank_copies import rank_copy_as_one_rank
 from .references import KEYS_SHOWN, missing_tensors, some
 from .storage.locations import open_storage, path_text
 
@@ -155,9 +155,9 @@ def _dangling(manifest: Manifest) -> list[str]:
     or that refers to tensors the checkpoint does not hold (``references.py``): every
     byte can be intact and the checkpoint still unloadable, if its metadata was written
     wrong (or forged, checksums recomputed)."""
-    try:  # a tiered manager's rank copy whose record is not one: no load takes it
-        rank_copy_saver(manifest)
-    except CheckpointError as e:
+    try:  # a tiered manager's rank copy, read as a load by path reads it
+        manifest = rank_copy_as_one_rank(manifest)
+    except CheckpointError as e:  # its record is not one: no load takes it
         return [str(e)]
     problems = []
     for name in sorted(manifest.values, key=natural_key):
@@ -192,8 +192,8 @@ def _check_metadata(value: SavedValue, manifest: Manifest) -> None:
         values.full_requests(value)
     elif value.kind == "stateful":
         values.check_stateful_meta(value, manifest.world_size)
-    elif value.kind == "rng":  # a rank copy's one record, as a load takes it
-        rng.check_rng_meta(rank_copy_as_one_rank(manifest).values[value.name])
+    elif value.kind == "rng":
+        rng.check_rng_meta(value)
 
 
 def _keys_by_file(manifest: Manifest) -> dict[str, list[str]]:

@@ -152,11 +152,11 @@ class TieredCheckpointManager:
         self._budget_checked = False
         self._closed = False
         self._newest_local: int | None = None
+        """The newest step saved locally since the manager was made or last restored."""
         self._resumed = False
         """Whether this manager has restored, or been told what was restored
         (:meth:`load_latest`, :meth:`_drop_newer`): else local steps of an earlier run
         at or after its first save are refused (:meth:`_check_budget`)."""
-        """The newest step saved locally since the manager was made or last restored."""
         self.budget: budget.Budget | None = None
         """The local tier's disk use per node, once the first local save has measured it."""
         self._restorer = Restorer(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import stat
 from typing import Any
 
 from transformers import Trainer
@@ -35,9 +34,10 @@ from ..checkpoint.format.manifest import Manifest
 from ..checkpoint.options import LoadOptions, SaveOptions
 from ..checkpoint.plan.load_plan import STRICT_HINT
 from ..checkpoint.replacing import save_replacing
+from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.locations import open_storage
 from ..checkpoint.storage.protocol import Storage
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import SavedValue
 
 SHARDSAFE_DIR = "shardsafe"
@@ -165,19 +165,13 @@ def _check_step(saved: SavedValue, checkpoint: str) -> None:
 
 def _trainer_state_step(checkpoint: str) -> int | None:
     """The ``global_step`` of ``checkpoint``'s ``trainer_state.json``, or ``None`` if it
-    has no readable one."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO there must not hang us
+    has no readable one (read as shardsafe reads its own small files: a link, a FIFO or
+    an oversized file is refused, never followed or waited on)."""
     try:
-        fd = os.open(os.path.join(checkpoint, TRAINER_STATE), flags)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = file.read(MAX_TRAINER_STATE_BYTES + 1)
-    try:
-        step = json.loads(data).get("global_step") if len(data) <= MAX_TRAINER_STATE_BYTES else None
-    except (ValueError, AttributeError):
+        with LocalStorage(checkpoint) as folder:
+            data = folder.read_small(TRAINER_STATE, MAX_TRAINER_STATE_BYTES)
+        step = json.loads(data).get("global_step")
+    except (CheckpointError, OSError, ValueError, AttributeError):
         return None
     return step if type(step) is int else None
 

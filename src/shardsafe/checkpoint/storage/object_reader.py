@@ -81,16 +81,17 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
         # as s3fs does (a second layer of retries around it multiplied them: 250
         # requests and 226 s before a dead endpoint's error, not 50).
         tries = max(1, int(getattr(fs, "retries", 5)))
-        for attempt in range(tries):
+        attempt = 0
+        while True:
             try:
                 return await get()
             except Exception as e:
+                attempt += 1
                 if not is_cut_short(e):
                     raise
-                if attempt + 1 == tries:
+                if attempt == tries:
                     raise cut_short(name, e, tries) from e
-                await asyncio.sleep(min(0.1 * 1.7**attempt, 2.0))
-        raise AssertionError("unreachable")
+                await asyncio.sleep(min(0.1 * 1.7 ** (attempt - 1), 2.0))
 
     result: tuple[int | None, bytes | None] = sync(fs.loop, get_whole)
     return result

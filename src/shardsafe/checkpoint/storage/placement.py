@@ -48,7 +48,8 @@ from .target_directory import remove_uncommitted
 STAGING_SUFFIX = ".shardsafe-partial"
 QUIET_S = 300.0
 """A staging directory unchanged this long is not a save in progress (``clear_interrupted``)."""
-_STAGING = re.compile(r"\..+" + re.escape(STAGING_SUFFIX) + r"(-[0-9]+)?")
+_STAGING = re.compile(r"\.(.+)" + re.escape(STAGING_SUFFIX) + r"(?:-[0-9]+)?")
+"""A staging directory's name; its group, the name it is staged for."""
 LIGHTNING_SUFFIX = ".ckpt"
 _ZIP_MAGIC = b"PK\x03\x04"
 _RENAME_EXCHANGE = 2
@@ -178,7 +179,7 @@ def _publish_into_held_name(root: LocalStorage, staging: str) -> None:
 def _held_name(root: LocalStorage, staging: str) -> str | None:
     """The target name of ``staging`` if it is an empty directory (a name a background
     save held from its start), else ``None``."""
-    match = re.fullmatch(r"\.(.+)" + re.escape(STAGING_SUFFIX) + r"(?:-[0-9]+)?", staging)
+    match = _STAGING.fullmatch(staging)
     if match is None or root.kind(match.group(1)) != "directory":
         return None
     with root.child(match.group(1)) as held:
