@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import shardsafe
+from shardsafe.checkpoint.storage.leftovers import is_deletion
+from shardsafe.checkpoint.storage.local import LocalStorage
 from tests.lightning.helpers import (
     RUN_TIMEOUT_S,
     Net,
@@ -65,7 +67,9 @@ def test_a_run_killed_while_a_checkpoint_is_written_shows_only_complete_ones(
     """Killed right after step 16: the step-15 save may still be in flight. The step-5
     checkpoint that save_top_k rotates out is deleted only once step 15 has committed, so
     at least two complete checkpoints are there either way, and nothing else but the
-    name the save in flight holds, empty (``cleanup.hold_name``)."""
+    name the save in flight holds, empty (``cleanup.hold_name``), or the step-5
+    checkpoint killed mid-deletion (its manifest gone first, its record saying so),
+    which the resumed run deletes when its fit starts (``placement._finish_deletion``)."""
     args = ("--optimizer", "zero", "--async-save", "--max-steps", "25")
     kill_after_step(tmp_path, *args, "--step-delay", "0.2", step=16)
     ckpts = tmp_path / "ckpts"
@@ -73,15 +77,24 @@ def test_a_run_killed_while_a_checkpoint_is_written_shows_only_complete_ones(
     assert set(names) <= {
         "epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt", "epoch=2-step=15.ckpt",
     }  # fmt: skip
-    held = [n for n in names if not (ckpts / n / "manifest.json").exists()]
-    assert held in ([], ["epoch=2-step=15.ckpt"]), held
-    assert all(not os.listdir(ckpts / n) for n in held)
-    names = [n for n in names if n not in held]
+    incomplete = [n for n in names if not (ckpts / n / "manifest.json").exists()]
+    held = [n for n in incomplete if not os.listdir(ckpts / n)]
+    assert held in ([], ["epoch=2-step=15.ckpt"]), incomplete
+    deleting = [n for n in incomplete if n not in held]
+    assert deleting in ([], ["epoch=0-step=5.ckpt"]), incomplete
+    for name in deleting:
+        with LocalStorage(str(ckpts / name)) as step:
+            assert is_deletion(step), os.listdir(ckpts / name)
+    names = [n for n in names if n not in incomplete]
     assert len(names) >= 2
     for name in names:
         assert shardsafe.verify(ckpts / name).ok, name
     run(tmp_path, *args, "--resume", ckpts / names[-1], "--log", "resumed.jsonl")
     assert max(losses(tmp_path, "resumed.jsonl")) == 25
+    after = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
+    assert not set(deleting) & set(after), after
+    for name in after:  # the held name, if any, holds the resumed run's save of step 15
+        assert shardsafe.verify(ckpts / name).ok, name
 
 
 def test_a_checkpoint_rotated_out_is_removed_once_the_new_one_commits(tmp_path: Path) -> None:

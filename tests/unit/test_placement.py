@@ -13,8 +13,11 @@ import torch
 import shardsafe
 from shardsafe.checkpoint import SaveOptions
 from shardsafe.checkpoint.replacing import save_replacing
+from shardsafe.checkpoint.saving import save as save_checkpoint
 from shardsafe.checkpoint.storage import placement
+from shardsafe.checkpoint.storage.leftovers import record
 from shardsafe.checkpoint.storage.local import LocalStorage
+from shardsafe.checkpoint.storage.removal import delete_checkpoint
 
 
 def save(path: Path, value: float) -> None:
@@ -218,6 +221,46 @@ def test_a_staging_directory_written_to_lately_is_another_runs_save_and_is_kept(
     assert placement.clear_interrupted(str(tmp_path)) == []
     assert placement.clear_interrupted(str(tmp_path), quiet_for=0) == [staged.name]
     assert os.listdir(tmp_path) == []
+
+
+class _InterruptedDeletion(LocalStorage):
+    """Killed while deleting the first data file, the manifest already gone."""
+
+    def remove(self, name: str) -> None:
+        if name.endswith(".safetensors"):
+            raise KeyboardInterrupt
+        super().remove(name)
+
+
+def test_a_checkpoint_whose_deletion_was_interrupted_is_deleted_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """``save_top_k`` deletes an old checkpoint by its name, which no later save takes
+    again: a kill after its manifest went left its data files there for good (a kill
+    test on a loaded machine found one). The deletion's record says what it was; an
+    interrupted save in place, a checkpoint killed before its manifest went, and one
+    holding a file of yours stay, whatever their age."""
+    for name in ("epoch=0-step=5.ckpt", "before-manifest.ckpt", "yours.ckpt"):
+        save(tmp_path / name, 1.0)
+    with pytest.raises(KeyboardInterrupt), _InterruptedDeletion(str(tmp_path)) as root:
+        delete_checkpoint(root, "epoch=0-step=5.ckpt")
+    left = sorted(os.listdir(tmp_path / "epoch=0-step=5.ckpt"))
+    assert left[0] == ".shardsafe-incomplete" and left[1].endswith(".safetensors"), left
+    with pytest.raises(KeyboardInterrupt), _InterruptedDeletion(str(tmp_path)) as root:
+        delete_checkpoint(root, "yours.ckpt")
+    (tmp_path / "yours.ckpt" / "notes.txt").write_text("mine")
+    with LocalStorage(str(tmp_path / "before-manifest.ckpt")) as step:
+        record(step, step.names(), deleting=True)  # killed before the manifest went
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(
+            str(tmp_path / "in-place.ckpt"), {"w": torch.ones(3)}, SaveOptions(storage=_Interrupted)
+        )
+    assert ".shardsafe-incomplete" in os.listdir(tmp_path / "in-place.ckpt")
+
+    with pytest.warns(UserWarning, match=r"left .*yours\.ckpt in place: it holds \['notes"):
+        assert placement.clear_interrupted(str(tmp_path)) == ["epoch=0-step=5.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["before-manifest.ckpt", "in-place.ckpt", "yours.ckpt"]
+    assert loaded(tmp_path / "before-manifest.ckpt") == 1.0
 
 
 def _age(directory: Path, seconds: float) -> None:

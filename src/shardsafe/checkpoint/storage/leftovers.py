@@ -5,7 +5,9 @@ While a save writes a directory, the directory holds the marker ``.shardsafe-inc
 
 1. ``target_directory.prepare`` creates it empty, before rank 0 has planned (the save has
    then written nothing but the marker and its probe);
-   retention (``removal.py``) instead writes at once a record of the files it deletes;
+   retention (``removal.py``) instead writes at once a record of the files it deletes,
+   marked as a deletion (``"deleting": true``), so that a deletion interrupted after the
+   manifest went is told from a save interrupted before it came (:func:`is_deletion`);
 2. once rank 0 has planned, before any rank writes a data file, it is replaced, atomically
    and durably (``Storage.commit``: fsynced and renamed, or one PUT), by a record of every
    name this save may create: its data files, its probe, and the temporary names of its
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from ...errors import CheckpointError
 from ..format.manifest_format import MANIFEST_NAME
@@ -68,17 +71,24 @@ OURS = re.compile(
 """The names shardsafe writes inside a checkpoint directory."""
 
 
-def marker_bytes(names: list[str]) -> bytes:
-    """The marker's record of ``names``, the names a save may create."""
-    doc = {"format": MARKER_FORMAT, "version": MARKER_VERSION, "names": sorted(set(names))}
+def marker_bytes(names: list[str], *, deleting: bool = False) -> bytes:
+    """The marker's record of ``names``, the names a save may create (or, ``deleting``,
+    the names a deletion removes)."""
+    doc: dict[str, object] = {
+        "format": MARKER_FORMAT,
+        "version": MARKER_VERSION,
+        "names": sorted(set(names)),
+    }
+    if deleting:
+        doc["deleting"] = True  # read as version 1 by a shardsafe that does not know it
     return json.dumps(doc).encode()
 
 
-def record(storage: Storage, names: list[str]) -> None:
+def record(storage: Storage, names: list[str], *, deleting: bool = False) -> None:
     """Replace the marker, atomically and durably, by a record of ``names`` plus the
     temporary names of this process's commits (the manifest's, the marker's own)."""
     temporary = [commit_temp_name(MANIFEST_NAME), commit_temp_name(INCOMPLETE_MARKER)]
-    storage.commit(INCOMPLETE_MARKER, marker_bytes([*names, *temporary]))
+    storage.commit(INCOMPLETE_MARKER, marker_bytes([*names, *temporary], deleting=deleting))
 
 
 def own_leftovers(storage: Storage, names: list[str]) -> list[str]:
@@ -117,6 +127,20 @@ def _ours(name: str, recorded: frozenset[str] | None) -> bool:
 def recorded_names(storage: Storage) -> frozenset[str] | None:
     """The names the marker's record lists; ``None`` if it holds no valid record (empty,
     damaged, too large, unreadable): then only :data:`INTERNAL` names may be cleared."""
+    doc = _valid_record(storage)
+    return None if doc is None else frozenset(doc["names"])
+
+
+def is_deletion(storage: Storage) -> bool:
+    """Whether the marker holds a valid record of a deletion (``removal.py``): a directory
+    without its manifest that holds one was a checkpoint whose deletion was interrupted,
+    not a save that never committed."""
+    doc = _valid_record(storage)
+    return doc is not None and doc.get("deleting") is True
+
+
+def _valid_record(storage: Storage) -> dict[str, Any] | None:
+    """The marker's record, if it holds a valid one (see :func:`recorded_names`)."""
     try:
         raw = storage.read_small(INCOMPLETE_MARKER, MAX_MARKER_BYTES)
         doc = load_json_bytes(raw, storage.where(INCOMPLETE_MARKER)) if raw else None
@@ -132,7 +156,7 @@ def recorded_names(storage: Storage) -> frozenset[str] | None:
     listed = doc["names"]
     if not all(type(n) is str and 0 < len(n) <= MAX_NAME_CHARS for n in listed):
         return None
-    return frozenset(listed)
+    return doc
 
 
 def listing(storage: Storage, names: list[str]) -> str:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from ...errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
+from .leftovers import is_deletion
 from .local import LocalStorage
 from .protocol import Storage
 from .removal import delete_checkpoint, foreign_entries
@@ -127,7 +128,8 @@ def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
     and the rename) are kept: each is a whole checkpoint, deleted after the next
     successful save of its name; one whose name a background save held empty is given
     that name (:func:`_publish_into_held_name`), and the empty name of one cleared goes
-    with it (:func:`_release_held_name`). Returns the names deleted."""
+    with it (:func:`_release_held_name`). A checkpoint whose deletion was interrupted
+    (:func:`_finish_deletion`) is deleted too. Returns the names deleted."""
     cleared: list[str] = []
     root = LocalStorage(parent, follow=True)
     with root:
@@ -136,7 +138,11 @@ def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
         except (OSError, CheckpointError):
             return cleared  # no directory yet: nothing was interrupted there
         for name in names:
-            if _STAGING.fullmatch(name) is None or root.kind(name) != "directory":
+            if root.kind(name) != "directory":
+                continue
+            if _STAGING.fullmatch(name) is None:
+                if _finish_deletion(root, name):
+                    cleared.append(name)
                 continue
             with contextlib.suppress(OSError, CheckpointError):
                 with root.child(name) as staged:
@@ -151,6 +157,22 @@ def clear_interrupted(parent: str, *, quiet_for: float = QUIET_S) -> list[str]:
                     cleared.append(name)
                     _release_held_name(root, name)
     return cleared
+
+
+def _finish_deletion(root: LocalStorage, name: str) -> bool:
+    """Delete ``root/name`` if it is a checkpoint whose deletion was interrupted: its
+    manifest gone and its marker a record of the deletion (``leftovers.is_deletion``).
+    Lightning's ``save_top_k`` deletes an old checkpoint by its name, which no later save
+    takes again: a kill between its manifest and its data files left them there for good
+    (found by a kill test on a loaded machine). Returns whether it was deleted. No quiet
+    time is waited: two runs that delete the same checkpoint both want it gone."""
+    with contextlib.suppress(OSError, CheckpointError):
+        with root.child(name) as step:
+            if step.exists(MANIFEST_NAME) or not is_deletion(step):
+                return False
+        delete_checkpoint(root, name, replaced=False, uncommitted=True)
+        return root.kind(name) is None
+    return False
 
 
 def committed_staging(parent: str, name: str) -> str | None:

@@ -61,7 +61,9 @@ def delete_checkpoint(
                 return
             recorded = True
             try:
-                record(step, names)  # what a save into it may clear, if this is interrupted
+                # What a save into it may clear, and what a later look finishes deleting
+                # (placement.clear_interrupted), if this is interrupted.
+                record(step, names, deleting=True)
             except OSError as e:
                 # No room for the record: a full disk, which deleting is to relieve. The
                 # manifest goes first (the directory is then plainly not a checkpoint),
@@ -77,7 +79,7 @@ def delete_checkpoint(
                 step.remove(MANIFEST_NAME)
                 step.sync_directory()
                 if not recorded:
-                    record(step, names)
+                    record(step, names, deleting=True)
             for entry in names:
                 if entry not in (MANIFEST_NAME, INCOMPLETE_MARKER):
                     step.remove(entry)
