@@ -13,6 +13,7 @@ tuples hashed as keys), hung every reader (shared tuples with 2**60 leaves), rep
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import pickle
@@ -359,6 +360,70 @@ def test_records_that_together_inflate_past_the_file_are_refused() -> None:
     assert_refused(outcome, "more than the whole file holds")
 
 
+class _Storage:
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _Tensor:
+    """Pickles as torch.save's rebuild of a 1-D float tensor over ``storage``."""
+
+    def __init__(self, storage: _Storage) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        rebuild = torch._utils._rebuild_tensor_v2
+        size = (self.storage.numel,)
+        return (rebuild, (self.storage, 0, size, (1,), False, collections.OrderedDict()))
+
+
+class _StoragePickler(pickle.Pickler):
+    def persistent_id(self, obj: object) -> object:
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel)
+        return None
+
+
+def _archive_declaring(numel: int, record: bytes, tmp_path: Path) -> Path:
+    """A torch.save archive whose pickle declares storage '0' as ``numel`` floats, and
+    whose record ``data/0`` holds ``record``; a second tensor's record follows it."""
+    out = io.BytesIO()
+    _StoragePickler(out, protocol=2).dump(
+        {"w": _Tensor(_Storage("0", numel)), "secret": _Tensor(_Storage("1", 1))}
+    )
+    storages = {"0": record, "1": torch.tensor([42.0]).numpy().tobytes()}
+    path = tmp_path / "declared.pt"
+    path.write_bytes(P.torch_archive(out.getvalue(), storages=storages))
+    return path
+
+
+def test_a_storage_declared_larger_than_its_record_is_refused(tmp_path: Path) -> None:
+    """torch.load(mmap=True), which the converters use, cuts each storage out of the file
+    as long as the pickle says: a 4-byte record declared as 8 bytes gave the tensor the
+    next record's bytes, and 1-byte records each declared to run to the end made a 4 MB
+    file convert to 9 GiB (found in review). torch.load without mmap refuses it too."""
+    path = _archive_declaring(2, torch.tensor([1.0]).numpy().tobytes(), tmp_path)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.load(path, weights_only=True)
+    expected = (
+        f"{path}: its pickle declares the storage '0' as 8 bytes, but its record 'data/0' "
+        "holds 4: the file is damaged or crafted (torch.save writes each storage's bytes as "
+        "its record, and torch.load(weights_only=True) refuses it too)"
+    )
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        shardsafe.convert(path, tmp_path / "out.pt", to="torch")
+    assert str(refused.value) == expected
+    assert not (tmp_path / "out.pt").exists()
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        interop.read_torch_file(path)
+    assert str(refused.value) == expected
+    smaller = _archive_declaring(1, torch.tensor([1.0, 2.0]).numpy().tobytes(), tmp_path)
+    with pytest.raises(shardsafe.CheckpointCorruptError, match="as 4 bytes, but its record"):
+        interop.read_torch_file(smaller)
+    exact = _archive_declaring(2, torch.tensor([1.0, 2.0]).numpy().tobytes(), tmp_path)
+    assert interop.read_torch_file(exact)["w"].tolist() == [1.0, 2.0]
+
+
 def test_a_tensor_with_attributes_is_refused_naming_the_rebuild(tmp_path: Path) -> None:
     t = torch.ones(3)
     t.numel = 5  # type: ignore[method-assign]  # torch.save keeps instance attributes
@@ -414,6 +479,9 @@ def test_real_torch_files_still_load(tmp_path: Path) -> None:
         # MultiStepLR's milestones are a Counter: a Lightning checkpoint with one was refused
         "lr_schedulers": [torch.optim.lr_scheduler.MultiStepLR(opt, [3, 9, 9]).state_dict()],
         "u16": torch.zeros(3, dtype=torch.uint16),
+        "f8": torch.ones(2, dtype=torch.float8_e4m3fn),  # an UntypedStorage reference
+        "empty": torch.zeros(0),
+        "flags": torch.tensor([True, False]),
         "param": nn.Parameter(torch.ones(2)),
     }
     path = tmp_path / "real.ckpt"
@@ -427,6 +495,9 @@ def test_real_torch_files_still_load(tmp_path: Path) -> None:
     assert type(milestones) is Counter and milestones == Counter({3: 1, 9: 2})
     assert loaded["tied"][0] is loaded["tied"][1]
     assert loaded["u16"].dtype == torch.uint16 and isinstance(loaded["param"], nn.Parameter)
+    for name in ("f8", "empty", "flags"):
+        assert loaded[name].dtype == saved[name].dtype
+        assert loaded[name].view(torch.uint8).equal(saved[name].view(torch.uint8)), name
 
 
 @pytest.mark.timeout(240)

@@ -25,6 +25,8 @@ from .. import dtypes
 from .._text import terminal_safe
 from ..errors import CheckpointCorruptError, CheckpointError
 from . import calls
+from .machine import Machine
+from .nodes import ATOM, GLOBAL, PERSISTENT, TUPLE
 from .policy import Policy
 from .scan import scan
 
@@ -116,7 +118,8 @@ def check_archive(stream: IO[bytes], where: str) -> bool:
     try:
         archive = torch._C.PyTorchFileReader(stream)
         records = archive.get_all_records()
-        unpacked = sum(archive.get_record_size(name) for name in records)
+        sizes = {name: archive.get_record_size(name) for name in records}
+        unpacked = sum(sizes.values())
         if unpacked > size:
             raise CheckpointCorruptError(
                 f"{where}: its records unpack to {unpacked} bytes, more than the whole file "
@@ -135,8 +138,72 @@ def check_archive(stream: IO[bytes], where: str) -> bool:
         ) from None
     finally:
         stream.seek(0)
-    scan(pickled, where, TORCH_POLICY)
+    _check_storage_sizes(scan(pickled, where, TORCH_POLICY), sizes, where)
     return _byte_order(order) == sys.byteorder
+
+
+def _check_storage_sizes(machine: Machine, sizes: dict[str, int], where: str) -> None:
+    """Refuse a storage the pickle declares larger or smaller than its record.
+
+    ``torch.load`` checks this when it reads records into memory, but not when it maps the
+    file (``mmap=True``, :func:`load_torch_mapped`): it cuts each storage out of the
+    whole file at its record's offset, as long as the pickle says. A few bytes of record
+    then gave a tensor the bytes after it (the next record, zip headers), and thousands of
+    1-byte records, each declared to run to the end, made a 4 MB file convert to 9 GiB,
+    every byte of it counted as the file's own (found in review)."""
+    for node, kind in enumerate(machine.kinds):
+        if kind != PERSISTENT:
+            continue
+        pid = (machine.children[node] or [-1])[0]
+        reference = _storage_reference(machine, pid)
+        if reference is None:
+            raise CheckpointCorruptError(
+                f"{where}: its pickle holds the storage reference {machine.describe(pid)}, "
+                "which is not ('storage', type, key, location, size) as torch.save writes "
+                "it: the file is damaged or crafted"
+            )
+        key, declared = reference
+        if declared is None:
+            continue  # a storage type torch does not know: torch.load refuses it
+        record = f"data/{key}"
+        if record not in sizes:
+            raise CheckpointCorruptError(
+                f"{where}: its pickle refers to the storage '{terminal_safe(key)}', which has "
+                f"no record '{terminal_safe(record)}' in the archive: the file is damaged"
+            )
+        if declared != sizes[record]:
+            raise CheckpointCorruptError(
+                f"{where}: its pickle declares the storage '{terminal_safe(key)}' as "
+                f"{declared} bytes, but its record '{terminal_safe(record)}' holds "
+                f"{sizes[record]}: the file is damaged or crafted (torch.save writes each "
+                "storage's bytes as its record, and torch.load(weights_only=True) refuses it too)"
+            )
+
+
+def _storage_reference(machine: Machine, node: int) -> tuple[str, int | None] | None:
+    """The key and byte size of the persistent id ``('storage', type, key, location,
+    numel)`` at ``node``, as ``torch.load`` reads it (``numel`` elements of ``type``'s
+    size; ``None`` for a storage type torch does not know); ``None`` if it is not one."""
+    parts = machine.children[node] if node >= 0 and machine.kinds[node] == TUPLE else None
+    if parts is None or len(parts) != 5:
+        return None
+    kind, key, numel = machine.values[parts[1]], machine.text(parts[2]), machine.values[parts[4]]
+    if machine.kinds[parts[1]] != GLOBAL or key is None or machine.kinds[parts[4]] != ATOM:
+        return None
+    if type(numel) is not int or numel < 0:
+        return None
+    return key, None if (size := _item_size(kind)) is None else numel * size
+
+
+def _item_size(storage_type: tuple[str, str]) -> int | None:
+    """Bytes per element of a pickled storage type, ``None`` if torch does not know it."""
+    if storage_type[1] == "UntypedStorage":
+        return 1
+    try:
+        dtype = torch.storage._get_dtype_from_pickle_storage_type(storage_type[1])
+    except Exception:  # torch's own refusal comes when it loads
+        return None
+    return int(dtype.itemsize)
 
 
 def _byte_order(record: bytes | None) -> str:

@@ -81,9 +81,10 @@ def _measure(m: Machine, root: int, cap: int) -> tuple[int, int]:
     return size[root], hashing
 
 
-def scan(data: bytes, where: str, policy: Policy) -> None:
+def scan(data: bytes, where: str, policy: Policy) -> Machine:
     """Refuse ``data`` unless it is one pickle that ``policy`` allows and that unpickles in
-    time and memory linear in its size (see the module docstring)."""
+    time and memory linear in its size (see the module docstring); the machine that ran it
+    on stand-ins, for what a caller checks further (a torch archive's storage sizes)."""
     try:
         if len(data) > MAX_PICKLE_BYTES:
             raise Refused(f"it is {len(data)} bytes long (at most {MAX_PICKLE_BYTES})")
@@ -109,3 +110,4 @@ def scan(data: bytes, where: str, policy: Policy) -> None:
         raise CheckpointCorruptError(
             f"{where} is not a {policy.kind} shardsafe can read safely: {e}"
         ) from None
+    return machine
