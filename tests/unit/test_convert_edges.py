@@ -76,6 +76,27 @@ def test_a_file_with_both_state_dict_and_model_keeps_both(tmp_path: Path, lightn
         assert back["model"] == "resnet50" and back["epoch"] == 3
 
 
+def test_a_top_level_entry_named_like_one_of_lightnings_is_refused(tmp_path: Path) -> None:
+    """A checkpoint holding ``lightning`` (as a shardsafe strategy saves it) and a
+    top-level ``epoch`` too: written as a Lightning ``.ckpt``, whose entries are all at its
+    top level, the top-level ``epoch`` was dropped in silence (found in review)."""
+    source = tmp_path / "src.pt"
+    lightning = {"pytorch-lightning_version": "2.4.0", "epoch": 1, "global_step": 10}
+    torch.save({"lightning": lightning, "model": {"w": torch.ones(2)}, "epoch": 7}, source)
+    with pytest.raises(shardsafe.CheckpointCorruptError) as refused:
+        shardsafe.convert(source, tmp_path / "out.pt", to="torch")
+    assert str(refused.value) == (
+        f"{source}: the entry 'epoch' is both a top-level entry and an entry of 'lightning', "
+        "and a Lightning checkpoint holds both at its top level: written as one, one of them "
+        "would be lost. Leave one out with only=[...], or rename it"
+    )
+    assert not (tmp_path / "out.pt").exists()
+    shardsafe.convert(source, tmp_path / "out.pt", to="torch", only=["lightning", "model"])
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["epoch"] == 1 and out["global_step"] == 10
+    assert out["state_dict"]["w"].equal(torch.ones(2))
+
+
 def test_a_top_level_dcp_tensor_beside_a_model_entry_is_kept(tmp_path: Path) -> None:
     """``dcp.save({"model": msd, "rng": torch.get_rng_state()})``: the reader of
     torchtitan's flat layout skipped every top-level tensor once *an* entry named

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._text import terminal_safe
 from ..errors import CheckpointCorruptError
 from .entries import is_optimizer
 
@@ -39,7 +40,15 @@ def lightning_layout(tree: dict[str, Any], where: str) -> dict[str, Any] | None:
         if optimizers:
             out["optimizer_states"] = [index_keyed(tree[n], f"{where}: {n}") for n in optimizers]
         taken = {LIGHTNING, MODEL, *optimizers}
-        out.update({k: v for k, v in tree.items() if k not in taken and k not in out})
+        clashes = sorted(k for k in tree if k not in taken and k in out)
+        if clashes:  # one was dropped in silence (found in review)
+            raise CheckpointCorruptError(
+                f"{where}: the entry {terminal_safe(clashes[0])!r} is both a top-level entry "
+                f"and an entry of {LIGHTNING!r}, and a Lightning checkpoint holds both at its "
+                "top level: written as one, one of them would be lost. Leave one out with "
+                "only=[...], or rename it"
+            )
+        out.update({k: v for k, v in tree.items() if k not in taken})
         return out
     if VERSION_KEY in tree and isinstance(tree.get(MODEL), Mapping) and STATE_DICT not in tree:
         # a .ckpt read back (its state_dict read as model; one that held both kept both)
