@@ -11,6 +11,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe import CheckpointManager
+from shardsafe.checkpoint.storage import leftovers
 
 
 def test_keep_last_two_of_five_saves(tmp_path: Path) -> None:
@@ -56,6 +57,9 @@ def test_a_step_directory_without_a_manifest_is_not_a_checkpoint(tmp_path: Path)
     half.mkdir()
     (half / "model.safetensors").write_bytes(os.urandom(64))
     (half / ".manifest.json.tmp-1234").write_bytes(b"{")
+    # Its marker, which a save writes first, naming what it may create.
+    names = ["model.safetensors", ".manifest.json.tmp-1234"]
+    (half / ".shardsafe-incomplete").write_bytes(leftovers.marker_bytes(names))
     assert manager.latest() == str(tmp_path / "step-000000010")
     assert manager.complete_steps() == [10]
     live = nn.Linear(2, 2)

@@ -330,6 +330,37 @@ def killed_mid_write(path: str, layout: str) -> None:
     shardsafe.save(path, state(1), layout=layout, storage=_DyingStorage)
 
 
+def test_retention_leaves_a_step_directory_that_holds_files_without_the_marker(
+    tmp_path: Path,
+) -> None:
+    """A step's name holding a user's files, with neither a manifest nor the marker every
+    shardsafe save and deletion writes first: the save of that step refused it, and the
+    next save's retention then deleted it in silence (found in review)."""
+    root = tmp_path / "ck"
+    users = root / "step-000000001"
+    users.mkdir(parents=True)
+    (users / "model.safetensors").write_bytes(b"user's exported weights")
+    (root / "step-000000002").mkdir()  # empty: nothing to lose, removed
+    manager = shardsafe.CheckpointManager(root, keep_last=1, warn_if_not_empty=False)
+    with pytest.raises(shardsafe.CheckpointError, match="is not left over from an interrupted"):
+        manager.save(1, {"w": torch.ones(2)})
+    with pytest.warns(UserWarning) as warned:
+        manager.save(3, {"w": torch.ones(2)})
+    messages = [str(w.message) for w in warned if "retention left" in str(w.message)]
+    assert messages == [
+        f"shardsafe: retention left {users} in place: it holds no manifest.json and no "
+        ".shardsafe-incomplete, so shardsafe did not write it; delete it yourself if it is "
+        "no longer needed"
+    ]
+    assert (users / "model.safetensors").read_bytes() == b"user's exported weights"
+    assert sorted(os.listdir(root)) == [
+        ".shardsafe.lock",
+        "latest",
+        "step-000000001",
+        "step-000000003",
+    ]
+
+
 @pytest.mark.parametrize("layout", ["sharded", "consolidated"])
 def test_a_killed_saves_leftovers_are_cleared_by_the_next_save(tmp_path: Path, layout: str) -> None:
     target = tmp_path / "ckpt"

@@ -59,6 +59,17 @@ def delete_checkpoint(
                     "next save looks again"
                 )
                 return
+            if uncommitted and names and INCOMPLETE_MARKER not in names:
+                # Neither a checkpoint nor what a save or a deletion of shardsafe's left
+                # (both mark the directory first): a user's files under a step's name,
+                # which retention deleted while a save into it refused them (found in
+                # review: a model.safetensors of one's own in step-000000001).
+                warn(
+                    f"retention left {step.directory} in place: it holds no {MANIFEST_NAME} "
+                    f"and no {INCOMPLETE_MARKER}, so shardsafe did not write it; delete it "
+                    "yourself if it is no longer needed"
+                )
+                return
             recorded = True
             try:
                 # What a save into it may clear, and what a later look finishes deleting
