@@ -92,6 +92,23 @@ def test_a_reused_pid_is_not_taken_for_the_owner(
     takes_over(tmp_path)
 
 
+def test_a_dead_runs_lock_naming_this_pid_is_taken_over_not_shared(tmp_path: Path) -> None:
+    """A container restarted on the same hostname runs its script as the same pid: the
+    dead run's lock names this process's pid and host, with another start time. It was
+    shared as this process's own and never rewritten, so another process could judge it
+    dead, take the root over, and delete this run's checkpoints (found in review)."""
+    mine = _start_time(os.getpid())
+    assert mine is not None
+    write_lock(tmp_path, pid=os.getpid(), host=HOST, started=str(int(mine) - 1))
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(1, STATE)
+    owner = owner_of(tmp_path)
+    assert owner["started"] == mine and owner["token"] != "theirs"
+    assert owner["since"] > time.time() - 60
+    manager.close()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
 def test_a_lock_held_on_another_host_is_refused_naming_the_file_to_delete(
     tmp_path: Path,
 ) -> None:

@@ -215,8 +215,17 @@ class RootLock:
             )
 
     def _this_process(self, owner: dict[str, Any]) -> bool:
-        """Whether ``owner`` is this process (another manager object on the same root)."""
-        return owner.get("host") == self.me["host"] and owner.get("pid") == self.me["pid"]
+        """Whether ``owner`` is this process (another manager object on the same root):
+        its host, pid and start time. Not by pid alone: a container restarted on the same
+        hostname runs its script as the same pid (1 under ``docker run``), and took the
+        dead run's lock for its own without rewriting it; another process then judged
+        that lock dead by its start time, took the root over, and its retention deleted
+        this run's checkpoints (found in review)."""
+        return (
+            owner.get("host") == self.me["host"]
+            and owner.get("pid") == self.me["pid"]
+            and owner.get("started") == self.me["started"]
+        )
 
     def _owner(self, root: Storage, backend: LockBackend) -> dict[str, Any]:
         """Who the lock names, every field checked (``lock_owner``); ``{}`` if there is
