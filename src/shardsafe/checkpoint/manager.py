@@ -321,6 +321,16 @@ class CheckpointManager:
                     "was written."
                 )
 
+    def _problem_of(self, step: int) -> str | None:
+        """Why the checkpoint of ``step`` would not load (:func:`problem_with`), or
+        ``None``; for an error's advice, so a failure to look is the problem."""
+        names = {found: name for found, name in self._step_dirs()}
+        try:
+            with self._open(names.get(step, step_dir_name(step))) as storage:
+                return problem_with(storage)
+        except (CheckpointError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+
     def _after_commit(self, step: int, then: Callable[[], None] | None) -> None:
         self._publish(step)
         if then is not None:
@@ -336,13 +346,21 @@ class CheckpointManager:
         newer = [s for s in self.complete_steps() if s > step]
         if not newer:
             return
-        damaged = [s for s in newer if s in self._passed_over]
-        if damaged:  # "resume from the newest" is what the run did: it could not load them
+        problems = {s: self._passed_over.get(s) or self._problem_of(s) for s in newer}
+        if all(problems.values()):
+            # "Resume from the newest" is what the run did: they would not load. Asked of
+            # the steps themselves too, not only of this object's load_latest: the Trainer
+            # resumes through latest() in another process (found in review).
+            resumed = self._resumed_from
+            how = (
+                f", resuming from step {resumed}. To continue from step {resumed}"
+                if (resumed is not None)
+                else ". To continue"
+            )
             raise CheckpointError(
-                f"{self.root} holds step {damaged[-1]}, newer than step {step} that this run "
-                f"is at, which load_latest could not load and passed over "
-                f"({_shorter(self._passed_over[damaged[-1]])}), resuming from step "
-                f"{self._resumed_from}. To continue from step {self._resumed_from}, move "
+                f"{self.root} holds step {newer[-1]}, newer than step {step} that this run "
+                f"is at, which would not load, so latest() and load_latest pass over it "
+                f"({_shorter(problems[newer[-1]] or '')}){how}, move "
                 f"{', '.join(step_dir_name(s) for s in newer[:5])}"
                 f"{' ...' if len(newer) > 5 else ''} out of the root (or delete "
                 f"{'it' if len(newer) == 1 else 'them'}); shardsafe will not delete "

@@ -169,8 +169,8 @@ def test_a_save_behind_a_step_load_latest_passed_over_says_to_move_it(tmp_path: 
     with pytest.raises(shardsafe.CheckpointError) as refused:
         manager.save(2, _small_state(2))
     assert str(refused.value) == (
-        f"{root} holds step 3, newer than step 2 that this run is at, which load_latest "
-        "could not load and passed over (checksum mismatch in "
+        f"{root} holds step 3, newer than step 2 that this run is at, which would not load, "
+        "so latest() and load_latest pass over it (checksum mismatch in "
         f"{SHARD}, tensor 'model/0.weight' (chunk at offsets [0, 0], block 0): the data file "
         "is damaged), resuming from step 1. To continue from step 1, move step-000000003 out "
         "of the root (or delete it); shardsafe will not delete checkpoints for you. Nothing "
@@ -178,6 +178,38 @@ def test_a_save_behind_a_step_load_latest_passed_over_says_to_move_it(tmp_path: 
     )
     shutil.rmtree(path.parent)  # as told
     assert Path(manager.save(2, _small_state(2))).name == "step-000000002"
+    manager.close()
+
+
+def test_a_save_behind_a_step_latest_passed_over_in_another_object_says_to_move_it(
+    tmp_path: Path,
+) -> None:
+    """The Trainer resumes through ``latest()`` in one process and saves through another
+    manager in its workers: after a damaged step 20 was passed over and step 10 resumed,
+    the save of step 11 told the user to resume with resume='latest', which the run had
+    just done (found in review)."""
+    root = tmp_path / "root"
+    writer = CheckpointManager(root)
+    writer.save(10, _small_state(10))
+    path = Path(writer.save(20, _small_state(20))) / SHARD
+    writer.close()
+    with open(path, "r+b") as data:
+        data.truncate(path.stat().st_size - 4)
+    with pytest.warns(UserWarning, match="passing over"):
+        assert CheckpointManager(root).latest() == str(root / "step-000000010")
+    manager = CheckpointManager(root)
+    with pytest.raises(shardsafe.CheckpointError) as refused:
+        manager.save(11, _small_state(11))
+    message = str(refused.value)
+    assert message.startswith(
+        f"{root} holds step 20, newer than step 11 that this run is at, which would not "
+        "load, so latest() and load_latest pass over it ("
+    ), message
+    assert "truncated" in message or "size" in message, message
+    assert message.endswith(
+        "). To continue, move step-000000020 out of the root (or delete it); shardsafe will "
+        "not delete checkpoints for you. Nothing was written."
+    ), message
     manager.close()
 
 
