@@ -196,7 +196,7 @@ def _restore_where_rank_0_cannot_delete(rank: int, world: int, base: str) -> dic
 
     if rank == 0:
 
-        def failing(*args: Any) -> None:
+        def failing(*args: Any, **kwargs: Any) -> None:
             raise OSError(errno.EIO, "Input/output error (simulated)")
 
         removal.record = failing  # the first write of a deletion
@@ -290,10 +290,10 @@ def _mixed_runs(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
     if rank == 0 and phase == "resume":
         record = removal.record
 
-        def failing(storage: Any, names: Any) -> None:
+        def failing(storage: Any, names: Any, **kwargs: Any) -> None:
             if "step-000000003" in storage.where("x"):
                 raise OSError(errno.EIO, "Input/output error (simulated)")
-            record(storage, names)
+            record(storage, names, **kwargs)
 
         def kept(self: Any, step_dir: Any, rank: int) -> None:
             raise OSError(errno.EIO, "Input/output error (simulated)")
