@@ -321,12 +321,12 @@ class CheckpointManager:
                     "was written."
                 )
 
-    def _problem_of(self, step: int) -> str | None:
-        """Why the checkpoint of ``step`` would not load (:func:`problem_with`), or
-        ``None``; for an error's advice, so a failure to look is the problem."""
-        names = {found: name for found, name in self._step_dirs()}
+    def _problem_of(self, name: str) -> str | None:
+        """Why the checkpoint in step directory ``name`` would not load
+        (:func:`problem_with`), or ``None``; for an error's advice, so a failure to look
+        is the problem."""
         try:
-            with self._open(names.get(step, step_dir_name(step))) as storage:
+            with self._open(name) as storage:
                 return problem_with(storage)
         except (CheckpointError, OSError) as e:
             return f"{type(e).__name__}: {e}"
@@ -346,7 +346,11 @@ class CheckpointManager:
         newer = [s for s in self.complete_steps() if s > step]
         if not newer:
             return
-        problems = {s: self._passed_over.get(s) or self._problem_of(s) for s in newer}
+        names = dict(self._step_dirs())  # listed once, not once per newer step
+        problems = {
+            s: self._passed_over.get(s) or self._problem_of(names.get(s, step_dir_name(s)))
+            for s in newer
+        }
         if all(problems.values()):
             # "Resume from the newest" is what the run did: they would not load. Asked of
             # the steps themselves too, not only of this object's load_latest: the Trainer
