@@ -218,7 +218,7 @@ def test_a_live_object_that_raises_is_not_called_a_damaged_checkpoint(tmp_path: 
     live = nn.Linear(4, 3)
     live._register_state_dict_hook(raising_hook)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # "trying the previous checkpoint" would be one
+        warnings.simplefilter("error")  # "could not load ..., looking for ..." would be one
         with pytest.raises(CheckpointError) as info:
             shardsafe.CheckpointManager(tmp_path / "run").load_latest({"model": live})
     assert not isinstance(info.value, CheckpointCorruptError)

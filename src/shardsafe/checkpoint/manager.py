@@ -482,9 +482,17 @@ class CheckpointManager:
         hint's caller then dropped)."""
         return next(self._loadable(), None)
 
-    def _loadable(self) -> Iterator[str]:
-        """Paths of the checkpoints that pass :func:`problem_with`, newest first."""
+    def _loadable(self, considered: set[str] | None = None) -> Iterator[str]:
+        """Paths of the checkpoints that pass :func:`problem_with`, newest first.
+
+        Step directories named in ``considered`` are skipped, and every one looked at is
+        added to it: a load that looks again after a failure neither retries a step nor
+        warns twice about one it passed over."""
         for _, name in self._step_dirs():
+            if considered is not None:
+                if name in considered:
+                    continue
+                considered.add(name)
             with self._open(name) as storage:
                 if storage.kind(MANIFEST_NAME) is None:
                     continue  # an interrupted save, not a checkpoint
@@ -501,8 +509,10 @@ class CheckpointManager:
         ``timeout``, ``untrusted_bytes_limit``, ...). Returns what :func:`shardsafe.load`
         returns: the plain values the checkpoint holds (for the Trainer's checkpoints,
         ``{"trainer": {"step": ..., ...}}``). If the newest checkpoint turns out to be
-        damaged while loading (nothing is restored then), the next older one is loaded
-        instead, with a warning; if every one is damaged, the newest one's error is raised.
+        damaged while loading (nothing is restored then), the steps are listed again and
+        the newest one not yet tried is loaded instead, with a warning: the next older one,
+        or a newer one committed meanwhile (a writer's retention deleting the step being
+        read); if every one is damaged, the newest one's error is raised.
         """
         if not isinstance(state, Mapping):  # a raw AttributeError from deep in the load
             loading.refuse_state(state, f"{self.root}#latest", self._load_options(options))
@@ -524,7 +534,8 @@ class CheckpointManager:
         self._fresh = False
         first: CheckpointCorruptError | None = None
         self._passed_over = {}
-        candidates = self._loadable()
+        considered: set[str] = set()
+        candidates = self._loadable(considered)
         while (path := self._agreed_next(candidates, opts)) is not None:
             name = path.rstrip("/").rsplit("/", 1)[-1]
             try:  # opened inside the load: a node that cannot (its store's client) fails it
@@ -532,11 +543,15 @@ class CheckpointManager:
                     functools.partial(self._open, name), path, choose, opts
                 )
             except CheckpointCorruptError as e:
-                _warn(f"could not load {path}, trying the previous checkpoint: {e}")
+                _warn(f"could not load {path}, looking for the newest checkpoint that loads: {e}")
                 passed = step_of(name)
                 if passed is not None:  # always: the candidates are step directories
                     self._passed_over[passed] = str(e)
                 first = first or e
+                # Listed again, from the newest: a writer's retention may have deleted
+                # this step while it was read, after committing a newer one, which the
+                # first listing did not hold. The steps already looked at are skipped.
+                candidates = self._loadable(considered)
                 continue
             self._resumed_from = step_of(name)
             return values

@@ -8,8 +8,10 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,7 +143,10 @@ def test_damaged_tensor_bytes_make_load_latest_fall_back(tmp_path: Path) -> None
         warnings.simplefilter("error")  # latest()'s cheap checks pass: no warning at all
         assert manager.latest() == str(p2)
     state = {"model": make_model(0)}
-    pattern = r"could not load .*step-000000002, trying the previous checkpoint: checksum mismatch"
+    pattern = (
+        r"could not load .*step-000000002, looking for the newest checkpoint that loads: "
+        r"checksum mismatch"
+    )
     with pytest.warns(UserWarning, match=pattern):
         assert manager.load_latest(state) == {"step": 1}
     assert_bitwise(weights(state["model"]), weights(make_model(1)))
@@ -164,7 +169,7 @@ def test_a_save_behind_a_step_load_latest_passed_over_says_to_move_it(tmp_path: 
     manager.save(1, _small_state(1))
     path = Path(manager.save(3, _small_state(3))) / SHARD
     flip_bit(path, (header_span(path) + path.stat().st_size) // 2, 3)
-    with pytest.warns(UserWarning, match="trying the previous checkpoint"):
+    with pytest.warns(UserWarning, match="looking for the newest checkpoint that loads"):
         assert manager.load_latest({"model": make_model(0)}) == {"step": 1}
     with pytest.raises(shardsafe.CheckpointError) as refused:
         manager.save(2, _small_state(2))
@@ -262,3 +267,41 @@ def test_latest_is_the_newest_loadable_step_and_exists(
     assert found == str(root / f"step-{max(good):09d}")
     assert os.path.isdir(found) and not os.path.islink(found)
     assert (Path(found) / "manifest.json").is_file()
+
+
+class _SavesWhenAsked(torch.nn.Sequential):
+    """A module whose ``state_dict`` (asked for once the manifest is read, before any
+    tensor byte is) first has the writer commit step 3, so that ``keep_last=1`` deletes
+    the step 2 the reader is loading: a reader racing a writer's retention, made exact."""
+
+    def __init__(self, writer: CheckpointManager) -> None:
+        super().__init__(*make_model(0))  # the same layers, seed 0's values
+        self.writer: CheckpointManager | None = writer
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.save(3, _small_state(3))
+        return super().state_dict(*args, **kwargs)
+
+
+def test_load_latest_looks_again_when_retention_deletes_the_step_it_reads(
+    tmp_path: Path,
+) -> None:
+    """A reader's load_latest raised "data file ... is missing" when a writer committed a
+    newer step and its retention deleted the one being read; it now lists the steps again
+    and loads the newer one."""
+    root = tmp_path / "root"
+    writer = CheckpointManager(root, keep_last=1)
+    writer.save(2, _small_state(2))
+    reader = CheckpointManager(root)
+    state = {"model": _SavesWhenAsked(writer)}
+    pattern = (
+        r"could not load .*step-000000002, looking for the newest checkpoint that loads: "
+        r"data file .* is missing"
+    )
+    with pytest.warns(UserWarning, match=pattern):
+        assert reader.load_latest(state) == {"step": 3}
+    assert sorted(os.listdir(root)) == [".shardsafe.lock", "latest", "step-000000003"]
+    assert_bitwise(weights(state["model"]), weights(make_model(3)))
+    writer.close()
