@@ -278,30 +278,45 @@ def test_a_node_directory_that_cannot_be_listed_after_the_restore_is_a_warning(
     assert [got[0]["weight"], got[1]["weight"]] == [[20.0], [21.0]]
 
 
-def _an_option_refused_on_rank_1(rank: int, world: int, base: str) -> dict[str, Any]:
-    """Rank 1 passes ``read_threads=0`` to ``load_latest``; rank 0 good options."""
+def _an_option_refused_on_rank_1(
+    rank: int, world: int, base: str, bad: dict[str, Any]
+) -> dict[str, Any]:
+    """Rank 1 passes ``bad`` to ``load_latest``; rank 0 good options."""
     os.environ["SHARDSAFE_NODE"] = str(rank)
     model = torch.nn.Linear(4, 4)
     _saved(base, rank, model)
     with contextlib.closing(_manager(base, rank)) as restoring:
         try:
-            restoring.load_latest({"model": model}, **({"read_threads": 0} if rank else {}))
+            restoring.load_latest({"model": model}, **(bad if rank else {}))
             outcome = ["returned"]
         except Exception as e:
             outcome = [type(e).__name__, str(e)]
     return {"outcome": outcome}
 
 
-def test_an_option_refused_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("misspelled", [False, True], ids=["refused", "misspelled"])
+def test_an_option_refused_on_one_rank_fails_every_rank_at_once(
+    tmp_path: Path, misspelled: bool
+) -> None:
     """Rank 1 raised its ValueError alone before the survey, and rank 0 waited for it in
     the survey (beyond the test's 100 s here: found in review). Now rank 1 tells the
-    others at the survey's entry, as ``shardsafe.load`` does, and raises its own error."""
-    got = run_ranks(_an_option_refused_on_rank_1, 2, str(tmp_path), timeout=100)
+    others at the survey's entry, as ``shardsafe.load`` does, and raises its own error.
+    So it does for an option name misspelled (a TypeError: found in review too)."""
+    bad: dict[str, Any] = {"read_threads": 0}
+    kind = "ValueError"
     refusal = (
         "read_threads=0 must be a number of threads from 1 to 64, or None for this rank's "
         "share of the CPUs"
     )
-    assert got[1]["outcome"] == ["ValueError", refusal]
-    kind, message = got[0]["outcome"]
-    assert kind == "CheckpointError"
-    assert message.startswith(f"tiers failed on rank 1: ValueError: {refusal}"), message
+    if misspelled:
+        bad, kind = {"bogus": 1}, "TypeError"
+        refusal = (
+            "unknown load option(s) ['bogus']; the options are ['buffer_bytes', "
+            "'entry_timeout', 'read_threads', 'storage', 'storage_options', 'strict', "
+            "'timeout', 'untrusted_bytes_limit', 'verify']"
+        )
+    got = run_ranks(_an_option_refused_on_rank_1, 2, str(tmp_path), bad, timeout=100)
+    assert got[1]["outcome"] == [kind, refusal]
+    said, message = got[0]["outcome"]
+    assert said == "CheckpointError"
+    assert message.startswith(f"tiers failed on rank 1: {kind}: {refusal}"), message

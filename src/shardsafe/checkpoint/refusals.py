@@ -1,6 +1,7 @@
 """Options refused on one rank alone, told to the others before the refusing rank raises.
 
-A value wrong on one rank only (``buffer_bytes=1000``, ``verify="all"``, ``read_threads=0``)
+A value wrong on one rank only (``buffer_bytes=1000``, ``verify="all"``, ``read_threads=0``,
+a misspelled option name)
 made that rank raise before it ever met the others, who waited ``entry_timeout`` and then
 said it never called. Every entry point that builds its options before it meets the
 others (``shardsafe.save``, ``async_save``, ``load``, and the same verbs of
@@ -20,13 +21,13 @@ _Made = TypeVar("_Made")
 
 
 def told_if_refused(operation: str, name: str, make: Callable[[], _Made]) -> _Made:
-    """``make()`` (this call's options); a ``ValueError`` it raises (an option refused)
-    is raised once the other ranks are told (``Coordinator.refuse``, under ``name``, the
-    name the operation agrees under, and with the default timeouts: this rank's are what
-    may be wrong)."""
+    """``make()`` (this call's options); a ``ValueError`` or ``TypeError`` it raises (an
+    option refused; an option name misspelled on one rank, ``bogus=1``) is raised once the
+    other ranks are told (``Coordinator.refuse``, under ``name``, the name the operation
+    agrees under, and with the default timeouts: this rank's are what may be wrong)."""
     try:
         return make()
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         coord = Coordinator(operation, name, timeout=_DEFAULTS.timeout)
         coord.refuse(e, _DEFAULTS.entry_timeout)
         raise
