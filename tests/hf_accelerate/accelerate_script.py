@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--total-limit", type=int)
     parser.add_argument("--dump")
     parser.add_argument("--expect-load-error", action="store_true")
+    parser.add_argument("--not-strict", action="store_true")
     # Accelerate's set_seed(0, device_specific=True): each process's sampler its own seed,
     # so that the dataloader's position differs between the processes (saved per rank).
     parser.add_argument("--seed-per-process", action="store_true")
@@ -221,7 +222,11 @@ def train(accelerator: Any, args: argparse.Namespace) -> None:
                 json.dump({"refused": True}, f)
         return
     if args.resume is not None:
-        values = load_state(accelerator, None if args.resume == "auto" else args.resume)
+        values = load_state(
+            accelerator,
+            None if args.resume == "auto" else args.resume,
+            strict=not args.not_strict,
+        )
         step = counter.seen
         accelerator.print(f"resumed at step {step}: {sorted(values)}")
         print(f"process {accelerator.process_index}: registered {held(module, tables)}", flush=True)

@@ -169,6 +169,25 @@ def test_automatic_naming_keeps_total_limit_and_load_state_finds_the_newest(
     again = launch(tmp_path, "again", *options, "--resume", "auto")
     assert "resumed at step 16" in again["log"]
     assert_continues(whole, again, 16)
+    # At another number of processes, the per-process seeds have no process to go to:
+    # refused, nothing restored; with strict=False, everything else loads. Every load at
+    # 1 process was refused, strict=False or not, saying to leave 'dataloader' out of a
+    # state load_state builds itself (found in review).
+    newest = checkpoints / "step-000000003"
+    refused = launch(tmp_path, "one", "--resume", newest, "--expect-load-error", processes=1)
+    said = (
+        "process 0: CheckpointMismatchError: the checkpoint holds 'dataloader' with a sampler "
+        "seed of each of its 2 processes (seeded per process: no set_seed, or "
+        "set_seed(seed, device_specific=True)), so it restores at 2 processes only, not at "
+        "this run's 1: load at 2 processes, or pass strict=False to load everything else and "
+        "start that dataloader from its first epoch; nothing was restored | state unchanged"
+    )
+    assert said in refused["log"], refused["log"][-3000:]
+    loose = launch(tmp_path, "loose", "--resume", newest, "--not-strict", processes=1)
+    assert "resumed at step 16" in loose["log"], loose["log"][-3000:]
+    assert "loading everything else, and that dataloader starts from its first epoch" in (
+        " ".join(loose["log"].split())
+    )
 
 
 def test_a_corrupted_checkpoint_is_refused_on_every_process_and_changes_nothing(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
@@ -37,6 +38,7 @@ from ..checkpoint.manager import CheckpointManager, step_of
 from ..checkpoint.options import LoadOptions, opener_of
 from ..checkpoint.refusals import told_if_refused
 from ..checkpoint.storage.locations import directory_name, is_url
+from ..distributed import world
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -231,9 +233,59 @@ def _nothing_left_behind(
                 "accelerator.register_for_checkpointing, in the same order, as the run that "
                 "saved it did; or pass strict=False to load only what the accelerator has"
             )
-        return state
+        return _without_positions_of_another_world(manifest, state, strict)
 
     return choose
+
+
+def _without_positions_of_another_world(
+    manifest: Manifest, state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    """``state``, less the dataloader positions saved per process by another number of
+    processes than this run's (a sampler seeded per process: no ``set_seed``, or
+    ``set_seed(seed, device_specific=True)``), with ``strict=False``; with ``strict``,
+    refused before anything is restored.
+
+    Such a position holds one seed per saving process: a run at another number of
+    processes has no seed for its extra processes, or more seeds than processes. The
+    load refused it, whatever ``strict`` said, with advice ("leave it out of the state")
+    that ``load_state``, which builds the state itself, gives no way to follow: a
+    checkpoint saved on 2 processes then loaded nowhere else, not even its model."""
+    processes = world()[1]
+    others = {
+        name: len(records)
+        for name, saved in manifest.values.items()
+        if isinstance(state.get(name), DataLoaderPosition)
+        and saved.kind == "stateful"
+        and isinstance(saved.meta, dict)
+        and isinstance(records := saved.meta.get(_tree.PER_RANK), list)
+        and len(records) != processes
+    }
+    if not others:
+        return state
+    names = ", ".join(map(repr, others))
+    saved_by = next(iter(others.values()))  # one number: the processes that saved
+    them = "that dataloader" if len(others) == 1 else "those dataloaders"
+    said = (
+        f"the checkpoint holds {names} with a sampler seed of each of its {saved_by} "
+        "processes (seeded per process: no set_seed, or set_seed(seed, "
+        f"device_specific=True)), so it restores at {saved_by} processes only, not at this "
+        f"run's {processes}"
+    )
+    if strict:
+        raise CheckpointMismatchError(
+            f"{said}: load at {saved_by} processes, or pass strict=False to load everything "
+            f"else and start {them} from {'its' if len(others) == 1 else 'their'} first "
+            "epoch; nothing was restored"
+        )
+    if world()[0] == 0:
+        warnings.warn(
+            f"shardsafe: {said}; loading everything else, and {them} "
+            f"{'starts' if len(others) == 1 else 'start'} from "
+            f"{'its' if len(others) == 1 else 'their'} first epoch (strict=False)",
+            stacklevel=5,
+        )
+    return {name: value for name, value in state.items() if name not in others}
 
 
 def _check_step(manifest: Manifest) -> None:

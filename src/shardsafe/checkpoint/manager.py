@@ -388,7 +388,7 @@ class CheckpointManager:
         with self._root_storage() as root:
             root.commit(LATEST, (step_dir_name(step) + "\n").encode())
             committed, unknown = self._classified_steps()
-            keep = committed[-self.keep_last :] if self.keep_last is not None else committed
+            keep = self._kept(committed)
             for name in root.names():
                 if _POINTER_TEMP.fullmatch(name) and root.kind(name) != "directory":
                     root.remove(name)  # a pointer update killed half-way (a link: itself)
@@ -403,10 +403,27 @@ class CheckpointManager:
                         f"retention left {root.where(name)} in place: whether it is a "
                         f"complete checkpoint could not be read ({unknown[found]})"
                     )
-                elif found not in keep and found != step:
+                elif found not in keep and found != step and not self._damaged_among(found, keep):
                     delete_checkpoint(root, name, uncommitted=found not in committed)
                 elif found != step:
                     self._drop_stale_marker(name)
+
+    def _kept(self, committed: list[int]) -> list[int]:
+        """The committed steps retention keeps: the newest ``keep_last`` of those that
+        load, as far as this run knows. A step ``load_latest`` passed over as damaged is
+        not counted: counted, it pushed out the good step the run had just resumed from
+        (Accelerate's automatic naming saves past it), leaving ``keep_last`` checkpoints
+        of which one would not load (found in review)."""
+        if self.keep_last is None:
+            return committed
+        good = [s for s in committed if s not in self._passed_over]
+        return good[-self.keep_last :]
+
+    def _damaged_among(self, step: int, keep: list[int]) -> bool:
+        """Whether ``step`` is one ``load_latest`` passed over as damaged, newer than the
+        oldest step kept: left in place (shardsafe deletes only what retention's window
+        leaves behind, and the user may want to see why it failed), until it falls out."""
+        return step in self._passed_over and bool(keep) and step > keep[0]
 
     def _drop_stale_marker(self, name: str) -> None:
         """A save killed between its manifest's commit and the marker's removal leaves a
@@ -487,8 +504,9 @@ class CheckpointManager:
 
         Step directories named in ``considered`` are skipped, and every one looked at is
         added to it: a load that looks again after a failure neither retries a step nor
-        warns twice about one it passed over."""
-        for _, name in self._step_dirs():
+        warns twice about one it passed over. A load (``considered`` given) records the
+        steps it passes over, with why, for retention and ``check_not_behind``."""
+        for step, name in self._step_dirs():
             if considered is not None:
                 if name in considered:
                     continue
@@ -499,8 +517,10 @@ class CheckpointManager:
                 problem = problem_with(storage)
             if problem is None:
                 yield storage.directory
-            else:
-                _warn(f"passing over {storage.directory}: {problem}")
+                continue
+            _warn(f"passing over {storage.directory}: {problem}")
+            if considered is not None:
+                self._passed_over[step] = problem
 
     def load_latest(self, state: Any, **options: Unpack[LoadKeywords]) -> dict[str, Any] | None:
         """Load the newest checkpoint into ``state``; ``None`` if there is none yet.

@@ -305,3 +305,32 @@ def test_load_latest_looks_again_when_retention_deletes_the_step_it_reads(
     assert sorted(os.listdir(root)) == [".shardsafe.lock", "latest", "step-000000003"]
     assert_bitwise(weights(state["model"]), weights(make_model(3)))
     writer.close()
+
+
+@pytest.mark.parametrize("found_by", ["load", "listing"])
+def test_retention_does_not_count_a_step_load_latest_passed_over(
+    tmp_path: Path, found_by: str
+) -> None:
+    """keep_last=2, step 2 damaged, resumed from step 1, and the next save past step 2
+    (Accelerate's automatic naming saves there): retention counted the damaged step 2
+    among the two it keeps and deleted step 1, the run's only good fallback (found in
+    review). The damaged step is left in place until it falls out of the window."""
+    root = tmp_path / "root"
+    first = CheckpointManager(root, keep_last=2)
+    first.save(1, _small_state(1))
+    damaged = Path(first.save(2, _small_state(2))) / SHARD
+    first.close()
+    if found_by == "load":  # the tensor bytes: found only while loading
+        flip_bit(damaged, (header_span(damaged) + damaged.stat().st_size) // 2, 3)
+    else:  # the file gone: found by the listing's cheap checks
+        damaged.unlink()
+    manager = CheckpointManager(root, keep_last=2)
+    with pytest.warns(UserWarning, match="step-000000002"):
+        assert manager.load_latest({"model": make_model(0)}) == {"step": 1}
+    manager.save(3, _small_state(3))
+    steps = ["step-000000001", "step-000000002", "step-000000003"]
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == steps
+    manager.save(4, _small_state(4))
+    left = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+    assert left == ["step-000000003", "step-000000004"]
+    manager.close()
