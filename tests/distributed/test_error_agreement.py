@@ -378,9 +378,10 @@ def test_save_on_one_rank_only_raises_after_entry_timeout(
     assert f"rank(s) {other} never arrived within entry_timeout=3s" in msg, msg
     assert f"this is rank {caller} of 2" in msg
     elapsed = r["raised"] - r["start"]
-    # Not before entry_timeout; and after it, not after the operation's own timeout or a
-    # hang: the upper bound is loose, as a loaded 2-core CI machine needs it.
-    assert 3.0 <= elapsed < 20.0, elapsed
+    # Not before entry_timeout. That it was the entry's timeout that ended the wait, not
+    # the operation's own or a hang, the message says (and the harness's 50 s ends a
+    # hang): no upper bound on the clock, which a loaded CI machine can stretch.
+    assert elapsed >= 3.0, elapsed
     print(f"raised after {elapsed:.2f}s")
     if then == "retry":
         # Retrying the very same save on every rank meets and commits: the rank that
