@@ -34,7 +34,7 @@ from shardsafe.checkpoint.storage.object_storage import (
 )
 from shardsafe.errors import CheckpointCorruptError, CheckpointError
 from tests import forge
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 from tests.s3server import S3Server, with_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -875,3 +875,32 @@ def test_an_s3_url_naming_an_object_version_is_refused_by_name(s3_bucket: str) -
         f"{url!r} names an object version (?versionId=), which s3fs reads from an S3 URL: a "
         "checkpoint is a prefix of objects, not one version of one; remove it"
     )
+
+
+def test_a_manager_whose_store_cannot_be_reached_raises_a_checkpoint_error() -> None:
+    """Nothing listens at the endpoint: latest(), load_latest and complete_steps raised
+    botocore's EndpointConnectionError itself (the manager lists outside any agreed
+    operation), past a loop's ``except CheckpointError``; save and load said it inside
+    theirs."""
+    endpoint = f"http://127.0.0.1:{free_port()}"  # picked free: nothing listens there
+    options = {
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    manager = shardsafe.CheckpointManager("s3://bucket/run", storage_options=options)
+    said = (
+        "listing the steps under s3://bucket/run failed: EndpointConnectionError: Could not "
+        f'connect to the endpoint URL: "{endpoint}/bucket?list-type=2&prefix=run%2F&'
+        'delimiter=%2F&encoding-type=url". Check that the store is reachable at the address '
+        "its storage_options (or AWS_ENDPOINT_URL) give, and its credentials"
+    )
+    for call in (
+        manager.latest,
+        manager.complete_steps,
+        lambda: manager.load_latest({"w": torch.zeros(2)}),
+    ):
+        with pytest.raises(CheckpointError) as raised:
+            call()
+        assert str(raised.value) == said
