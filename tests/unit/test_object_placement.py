@@ -61,6 +61,25 @@ def test_saving_again_replaces_the_checkpoint_and_leaves_no_staged_copy(
     assert names(s3_server, s3_bucket) == first
 
 
+def test_a_folder_marker_under_the_name_does_not_stop_its_replacement(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """A zero-byte ``last.ckpt/`` object (the S3 console's "Create folder", S3A, gcsfuse)
+    made each replacement delete the old checkpoint and then fail, saying foreign objects
+    had appeared ("it holds []"), with nothing left to load (found in review)."""
+    url = f"s3://{s3_bucket}/ckpts/last.ckpt"
+    save(url, 1.0)
+    s3_server.put(s3_bucket, "ckpts/last.ckpt/", b"")
+    save(url, 2.0)
+    assert loaded(url) == 2.0
+    save(url, 3.0)
+    assert loaded(url) == 3.0
+    keys = names(s3_server, s3_bucket)
+    assert "ckpts/last.ckpt/" in keys  # the marker, left as it was
+    assert not any("shardsafe-partial" in k for k in keys)
+    assert shardsafe.verify(url).ok
+
+
 def test_a_crash_while_publishing_leaves_a_committed_copy_that_is_found_then_cleared(
     s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -130,6 +130,12 @@ class ObjectPlacement:
             return
         with root.child(self.name) as left:
             names = sorted(left.names())
+        if not names:
+            # Only a folder marker (a zero-byte ``name/`` object: the S3 console's "Create
+            # folder", S3A, gcsfuse), which the listing hides as the deletion's checks do:
+            # it was refused here after the old checkpoint was deleted, "(it holds [])",
+            # and each replacement of the name failed the same way (found in review).
+            return
         older = (
             "the older checkpoint, whole, which the name's lookups still find"
             if MANIFEST_NAME in names
