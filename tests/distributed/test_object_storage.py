@@ -353,7 +353,7 @@ def test_load_latest_with_a_store_one_rank_cannot_reach_is_every_ranks_error_at_
     )
     assert errors[0] == errors[1], errors
     # Rank 0 looks for the newest step for every rank: cut off, its listing fails.
-    doing = f"listing the steps under {root} failed: " if cut == 0 else ""
+    doing = f"the object store failed at {root}: " if cut == 0 else ""
     assert errors[0].startswith(
         f"CheckpointError: load failed on rank {cut}: {doing}EndpointConnectionError: Could "
         "not connect to the endpoint URL"

@@ -53,6 +53,7 @@ from .saving import save as _save
 from .storage.files import describe_mode
 from .storage.locations import check_options, is_url, open_storage, path_text
 from .storage.lock import RootLock
+from .storage.object_placement import store_errors
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
 from .storage.store_failures import StoreFailedError
@@ -436,7 +437,10 @@ class CheckpointManager:
     def _step_dirs(self) -> Iterator[tuple[int, str]]:
         """``(step, name)`` of every real step directory under ``root``, newest first."""
         try:
-            with _client_errors(f"listing the steps under {self.root}"):
+            # A store's client's own exception (botocore's EndpointConnectionError: not an
+            # OSError) as a CheckpointError: the listing runs outside any agreed operation,
+            # which would have made it one, and escaped a loop's ``except CheckpointError``.
+            with store_errors(self.root):
                 root = self._root_storage()
                 names = root.names()
         except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
@@ -447,7 +451,7 @@ class CheckpointManager:
         with root:
             found = sorted(((s, n) for n in names if (s := step_of(n)) is not None), reverse=True)
             for step, name in found:
-                with _client_errors(f"looking at {root.where(name)}"):
+                with store_errors(root.where(name)):
                     kind = root.kind(name)
                 if kind == "directory":
                     yield step, name
@@ -606,26 +610,6 @@ class CheckpointManager:
 
     def path_for_name(self, name: str) -> str:
         return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)
-
-
-@contextlib.contextmanager
-def _client_errors(doing: str) -> Iterator[None]:
-    """A store client's own exception (botocore's ``EndpointConnectionError`` for a store
-    that cannot be reached: not an ``OSError``) as a ``CheckpointError`` saying what was
-    being done. The manager's listing runs outside any agreed operation, which would have
-    turned it into one (``save failed on rank 0: EndpointConnectionError: ...``), so
-    ``latest``, ``load_latest`` and a save's checks raised botocore's class itself, past a
-    training loop's ``except CheckpointError``."""
-    try:
-        yield
-    except (CheckpointError, OSError):
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"{doing} failed: {type(e).__name__}: {e}. Check that the store is reachable "
-            "at the address its storage_options (or AWS_ENDPOINT_URL) give, and its "
-            "credentials"
-        ) from e
 
 
 def _shorter(text: str) -> str:
