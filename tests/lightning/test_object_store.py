@@ -20,7 +20,14 @@ from shardsafe.checkpoint.replacing import save_replacing
 from shardsafe.checkpoint.storage import object_placement
 from shardsafe.lightning import cleanup, local_tier, restore
 from tests.harness import free_port
-from tests.lightning.helpers import Net, Run, assert_same_optimizer_state, losses, run
+from tests.lightning.helpers import (
+    Net,
+    Run,
+    assert_same_optimizer_state,
+    losses,
+    outcomes,
+    run,
+)
 from tests.s3server import S3Server
 
 pytestmark = pytest.mark.timeout(150)
@@ -108,6 +115,39 @@ def test_save_last_link_under_an_s3_dirpath_is_refused_before_the_first_step(
     assert losses(tmp_path) == {}
     assert s3_server.keys(s3_bucket) == []
     assert not any(n.startswith("s3:") for n in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("mistake", ["missing bucket", "double slash"])
+def test_a_dirpath_no_save_could_write_to_is_refused_before_the_first_step(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str, mistake: str
+) -> None:
+    """A mistyped bucket or a ``//`` in the dirpath was found at the first save, after
+    the run had trained up to it (found in review)."""
+    if mistake == "missing bucket":
+        ckpts = f"s3://{s3_bucket}-typo/ckpts"
+        why = (
+            f"the bucket '{s3_bucket}-typo' of {ckpts} does not exist (or these credentials "
+            "cannot see it); shardsafe never creates a bucket: check the URL and the "
+            "endpoint, or create the bucket first"
+        )
+    else:
+        ckpts = f"s3://{s3_bucket}/runs//ckpts"
+        why = (
+            f"{ckpts!r} has an empty, '.' or '..' segment in its path; an object store keeps "
+            "'a//b', 'a/./b' and 'a/b' as different keys: write the URL with single slashes "
+            "and no dot segments"
+        )
+    started = Run(tmp_path, "--optimizer", "plain", "--dirpath", ckpts)
+    codes = started.wait()
+    assert codes == [1, 1], started.output()
+    said = (
+        f"CheckpointError: ModelCheckpoint(dirpath={ckpts!r}) cannot hold checkpoints: "
+        f"{why} (shardsafe's Lightning strategy checks this when fit starts, so that no "
+        "save fails mid-run)"
+    )
+    assert [o["error"] for o in outcomes(tmp_path, 2)] == [said, said]
+    assert losses(tmp_path) == {}  # not one step trained
+    assert s3_server.keys(s3_bucket) == []
 
 
 def test_a_resume_after_a_crash_while_last_ckpt_was_replaced_loads_its_staged_copy(

@@ -9,11 +9,14 @@ datamodule, and the ``state_dict()`` of every callback, LR scheduler, the precis
 plugin, the datamodule and the loops. The first problem is reported on every rank,
 naming the value and the way out. (What ``on_save_checkpoint`` hooks add can only be
 checked when they run, at a save; such a failure is agreed on every rank like any other.)
+Rank 0 also asks the store once about each checkpoint callback's object-store ``dirpath``:
+a missing bucket, a store it cannot reach, a ``//`` in the URL.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _names, _tree
+from ..checkpoint.storage.locations import is_url, open_storage
+from ..checkpoint.storage.object_placement import store_errors
 from ..errors import CheckpointError
 from . import hparams
 
@@ -41,14 +46,41 @@ class Part:
 
 
 def check_savable(trainer: Any) -> None:
-    """Raise, on every rank, the first value of the coming checkpoints JSON cannot hold."""
+    """Raise, on every rank, the first value of the coming checkpoints JSON cannot hold,
+    or (rank 0 looks) a checkpoint callback's object-store ``dirpath`` no save could
+    write to (:func:`_dirpath_problem`)."""
     problem = next((p for p in map(_problem, parts(trainer)) if p is not None), None)
+    if problem is None and trainer.is_global_zero:
+        problem = next(filter(None, map(_dirpath_problem, _url_dirpaths(trainer))), None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         problems: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise CheckpointError(problem)
+
+
+def _url_dirpaths(trainer: Any) -> list[str]:
+    """The object-store ``dirpath`` of each checkpoint callback that has one."""
+    dirpaths = (getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)
+    return [os.fspath(d) for d in dirpaths if d and is_url(os.fspath(d))]
+
+
+def _dirpath_problem(dirpath: str) -> str | None:
+    """Why no checkpoint could be saved under the object-store ``dirpath``, or ``None``:
+    a ``//`` or dot segment (refused by every save), a bucket that does not exist, a
+    store that cannot be reached. Found at the first save instead, the run had trained
+    until then, hours with a real ``every_n_train_steps`` (found in review). One request
+    to the store, which writes nothing."""
+    try:
+        with store_errors(dirpath), open_storage(dirpath, follow=False) as directory:
+            directory.make_directory()
+    except (CheckpointError, OSError) as e:
+        return (
+            f"ModelCheckpoint(dirpath={dirpath!r}) cannot hold checkpoints: {e} (shardsafe's "
+            "Lightning strategy checks this when fit starts, so that no save fails mid-run)"
+        )
+    return None
 
 
 def parts(trainer: Any) -> Iterator[Part]:
