@@ -150,6 +150,33 @@ def test_a_dirpath_no_save_could_write_to_is_refused_before_the_first_step(
     assert s3_server.keys(s3_bucket) == []
 
 
+def test_the_folder_of_checkpoints_passed_as_one_is_told_so(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str
+) -> None:
+    """The dirpath passed where one of its checkpoints was meant: on S3 "has no
+    manifest.json, so it is not a committed checkpoint (a save into it may have been
+    interrupted)", which sent users looking for a crash (found in review); a local
+    folder was told what it is."""
+    from shardsafe.checkpoint.options import LoadOptions
+
+    ckpts = f"s3://{s3_bucket}/ckpts"
+    for step in (5, 10, 15, 20):
+        shardsafe.save(f"{ckpts}/epoch=0-step={step}.ckpt", {"w": torch.ones(2)})
+    s3_server.put(s3_bucket, "ckpts/epoch=0-step=25.ckpt/half-written.safetensors", b"x")
+    said = (
+        f"{ckpts} has no manifest.json, so it is not a committed checkpoint (a save into it "
+        "may have been interrupted). It looks like a folder of Lightning checkpoints (it "
+        "holds epoch=0-step=10.ckpt, epoch=0-step=15.ckpt, epoch=0-step=20.ckpt ...): pass "
+        "one of them"
+    )
+    with pytest.raises(shardsafe.CheckpointNotFoundError) as plain:
+        shardsafe.load(ckpts, {"w": torch.zeros(2)})
+    assert str(plain.value) == said
+    with pytest.raises(shardsafe.CheckpointError) as in_fit:
+        restore.load_directory(ckpts, Net(), None, LoadOptions())
+    assert str(in_fit.value) == said
+
+
 def test_a_resume_after_a_crash_while_last_ckpt_was_replaced_loads_its_staged_copy(
     s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

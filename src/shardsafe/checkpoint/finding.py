@@ -10,13 +10,14 @@ Shared by ``verify``, ``inspect`` and the converters' source detection.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from .format.manifest import Manifest
+from .format.manifest import MANIFEST_NAME, Manifest
 from .loading import read_manifest_from
 from .storage.files import describe_mode
-from .storage.locations import is_url
+from .storage.locations import is_url, open_storage
 from .storage.protocol import Storage
 
 
@@ -66,6 +67,12 @@ def _hint(path: str, storage_options: dict[str, Any] | None) -> str:
         return (
             f". It looks like a checkpoint root; the newest committed checkpoint in it is {latest}"
         )
+    held = _lightning_checkpoints(path, storage_options)
+    if held:
+        return (
+            f". It looks like a folder of Lightning checkpoints (it holds {', '.join(held)}"
+            f"{' ...' if len(held) == _SHOWN else ''}): pass one of them"
+        )
     run_root = f"{path}/checkpoints" if is_url(path) else os.path.join(path, "checkpoints")
     if is_url(path) or os.path.isdir(run_root):
         latest = newest(run_root)
@@ -76,3 +83,38 @@ def _hint(path: str, storage_options: dict[str, Any] | None) -> str:
             f". It looks like a Trainer run directory: its checkpoints are under {run_root}{found}"
         )
     return ""
+
+
+_SHOWN = 3
+"""The ``.ckpt`` checkpoints a hint shows (the last, by name, numbers by value)."""
+_LOOKED_AT = 10
+"""The ``.ckpt`` names it looks at, from the last: a few requests, however many there are."""
+
+
+def _lightning_checkpoints(path: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """The last few ``.ckpt`` checkpoints directly in ``path`` (a shardsafe checkpoint
+    directory, or a file or object: Lightning's own), by name: a ``ModelCheckpoint``
+    ``dirpath`` passed where one of them was meant (on an object store, said to be "not
+    a committed checkpoint (a save into it may have been interrupted)", which sent users
+    looking for a crash; found in review). At most a listing and a few requests more."""
+    with open_storage(path, follow=False, storage_options=storage_options) as folder:
+        names = sorted((n for n in folder.names() if n.endswith(".ckpt")), key=_in_step_order)
+        found = []
+        for name in names[: -_LOOKED_AT - 1 : -1]:
+            kind = folder.kind(name)
+            if kind == "directory":
+                with folder.child(name) as inside:
+                    kind = "file" if inside.kind(MANIFEST_NAME) == "file" else None
+            if kind == "file":
+                found.append(name)
+            if len(found) == _SHOWN:
+                break
+    return found[::-1]
+
+
+def _in_step_order(name: str) -> list[tuple[int, str]]:
+    """A sort key that orders the numbers in names by value: ``step=10`` after ``step=5``
+    (ASCII digits, compared by length then digits: no ``int()`` of a hostile name's
+    thousand digits)."""
+    parts = re.split(r"([0-9]+)", name)
+    return [(len(p.lstrip("0")), p.lstrip("0")) if i % 2 else (-1, p) for i, p in enumerate(parts)]
