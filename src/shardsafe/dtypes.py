@@ -71,6 +71,23 @@ def is_supported(dtype: torch.dtype) -> bool:
     return dtype in _SAFETENSORS_CODES
 
 
+_NOT_IN_TORCH_SAVE = frozenset(
+    {
+        *("qint8", "qint32", "quint8", "quint4x2", "quint2x4"),
+        *(f"uint{bits}" for bits in range(1, 8)),
+        *(f"int{bits}" for bits in range(1, 8)),
+    }
+)
+"""Dtypes ``torch.save`` cannot write a plain tensor of: the quantized ones (a plain tensor
+of one has no quantizer, and torch.save fails an internal assert) and the sub-byte ones
+(``KeyError: 'dtype torch.uint4 is not recognized'``). Pinned against torch by a test."""
+
+
+def torch_save_stores(dtype: torch.dtype) -> bool:
+    """Whether ``torch.save`` (DCP's encoding of each chunk) writes a tensor of ``dtype``."""
+    return dtype_name(dtype) not in _NOT_IN_TORCH_SAVE
+
+
 def safetensors_code(dtype: torch.dtype) -> str:
     return _SAFETENSORS_CODES[dtype]
 

@@ -177,6 +177,8 @@ def _chosen(source: Source, options: ConvertOptions) -> Source:
         chosen = _only_weights(chosen, _hf_plan(chosen, options))
     if options.to in ("shardsafe", "hf"):
         _refuse_unstorable(chosen, options.to)
+    elif options.to == "dcp":
+        _refuse_outside_torch_save(chosen)
     check_allocation(chosen, options.untrusted_bytes_limit)
     return chosen
 
@@ -202,6 +204,21 @@ def _refuse_unstorable(source: Source, to: Format) -> None:
                 f"{source.where}: tensor {t.key!r} is {dtypes.dtype_name(t.dtype)}, which "
                 f"safetensors cannot store, so --to {to} cannot hold it; convert to torch or "
                 "dcp instead, or leave its entry out with --only (nothing was written)"
+            )
+
+
+def _refuse_outside_torch_save(source: Source) -> None:
+    """Refuse, before anything is written, a tensor whose dtype ``torch.save`` (DCP's
+    encoding of each chunk) cannot write (``uint4``, ``qint8``: a pickle can rebuild
+    plain tensors of them): the DCP writer failed on it half-way, "failed unexpectedly:
+    KeyError: 'dtype torch.uint4 is not recognized'" (found in review)."""
+    for t in source.tensors.values():
+        if not dtypes.torch_save_stores(t.dtype):
+            raise CheckpointError(
+                f"{source.where}: tensor {t.key!r} is {dtypes.dtype_name(t.dtype)}, which "
+                "torch.save (DCP's encoding) cannot store, so --to dcp cannot hold it; "
+                "convert to torch instead, or leave its entry out with --only (nothing was "
+                "written)"
             )
 
 

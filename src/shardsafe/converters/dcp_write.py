@@ -247,7 +247,7 @@ class _DataFile:
         chunks = []
         for c in t.chunks:
             start = self.stream.pos
-            tensor = c.load().contiguous()
+            tensor = own_storage(c.load())
             torch.save(tensor, cast(IO[bytes], self.stream))
             self.crcs[fqn, tuple(c.offsets)] = tensor_crc(tensor)
             del tensor
@@ -306,10 +306,30 @@ def verify(
                 )
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as ``torch.save`` should write it: alone in a storage exactly its size,
+    and with none of the attributes a pickle set on it.
+
+    ``torch.save`` writes a tensor's whole storage: a view of a larger buffer (q, k and v
+    of a fused one; a crafted file's thousand views of one 4 MB storage) was written
+    with all of it, each time, 4 GB from 4 MB of input, past ``untrusted_bytes_limit``,
+    which counts the views' own bytes. And it looks at ``_backward_hooks``, which a
+    pickle's ``_rebuild_tensor_v2`` sets to any object it holds: ``torch.save`` then
+    failed on a type or a string (both found in review). A detached tensor has none."""
+    nbytes = tensor.numel() * tensor.element_size()
+    own = (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == nbytes
+    )
+    detached = tensor.detach()
+    return detached if own else detached.clone(memory_format=torch.contiguous_format)
+
+
 def _plain(value: Any, source: Source) -> Any:
     """A non-tensor leaf with any tensor inside it (rare: a list of tensors) loaded."""
     if isinstance(value, TensorRef):
-        return source.tensors[value.key].load_whole()
+        return own_storage(source.tensors[value.key].load_whole())
     if isinstance(value, list):
         return [_plain(v, source) for v in value]
     if isinstance(value, tuple):
