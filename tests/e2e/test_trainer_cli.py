@@ -125,6 +125,20 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "but NeedsArgs() needs some (missing a required argument: 'width'): give its "
         "parameters defaults, or write a subclass that sets them"
     ), err
+    # A module without train_dataloader(): a traceback from every worker, after the launch.
+    (tmp_path / "no_data.py").write_text(
+        "from shardsafe.trainer import TrainingModule\nclass NoData(TrainingModule):\n    pass\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert cli.main([*base, "--module", "no_data:NoData"]) == 2
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert capsys.readouterr().err == (
+        "shardsafe fit: error: --module 'no_data:NoData' has no train_dataloader(): shardsafe "
+        "fit passes no data to fit(), so the module must return its DataLoader from "
+        "train_dataloader()\n"
+    )
     for option in (["--keep-last", "2"], ["--async-save"]):  # ignored by a run saving none
         assert cli.main([*base, *option]) == 2
         err = capsys.readouterr().err
@@ -135,6 +149,57 @@ def test_fit_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "already holds checkpoints" in err and "--resume latest" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_path_under_a_file_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--run-dir afile/sub``: "afile/sub/checkpoints is not a directory, not a
+    directory; shardsafe does not follow it", exit 1 (found in review); inspect and
+    verify said the same of ``afile/sub``."""
+    (tmp_path / "afile").write_text("mine")
+    under = str(tmp_path / "afile" / "sub")
+    assert cli.main(["fit", "--max-steps", "2", "--run-dir", under]) == 2
+    assert capsys.readouterr().err == (
+        f"shardsafe fit: error: run_dir={under!r} is under {tmp_path / 'afile'}, which is a "
+        "regular file, not a directory; name a directory\n"
+    )
+    for command in ("inspect", "verify"):
+        assert cli.main([command, under]) == 1
+        assert capsys.readouterr().err == (
+            f"shardsafe: error: {under} is under {tmp_path / 'afile'}, which is a regular "
+            "file, not a directory\n"
+        )
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("rank", "said"),
+    [
+        ("1", "RANK=1 is not below WORLD_SIZE=1: a rank is 0 to WORLD_SIZE - 1"),
+        ("-1", "RANK='-1' in the environment must be a whole number, at least 0"),
+        ("x", "RANK='x' in the environment must be a whole number, at least 0"),
+    ],
+)
+def test_a_rank_out_of_range_in_the_environment_is_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    rank: str,
+    said: str,
+) -> None:
+    """``RANK=1 WORLD_SIZE=1`` trained and saved in silence (not rank 0: no output, not
+    even the last line), ``RANK=-1`` failed in numpy's seeding (found in review)."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run_dir = tmp_path / "run"
+    assert cli.main(["fit", "--max-steps", "2", "--run-dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        f"shardsafe fit: error: {said} (set by the launcher: torchrun, or this Trainer's own)\n"
+    )
+    assert not run_dir.exists()
 
 
 @pytest.mark.timeout(60)

@@ -903,3 +903,36 @@ def test_a_manager_whose_store_cannot_be_reached_raises_a_checkpoint_error() -> 
         with pytest.raises(CheckpointError) as raised:
             call()
         assert str(raised.value) == said
+
+
+def test_a_store_failing_after_the_listing_is_a_checkpoint_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store stops answering after the manager's listing of its root, at the first
+    look into a step: botocore's exception escaped latest() and load_latest raw (found
+    in review). Fault injected on memory:// (one request, raising what botocore raises
+    for an unreachable endpoint)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    root = "memory://failing-after-listing/run"
+    manager = shardsafe.CheckpointManager(root)
+    manager.save(1, {"w": torch.ones(2)})
+    manager.close()
+    real_kind = FsspecStorage.kind
+
+    def kind(self: FsspecStorage, name: str) -> Any:
+        if name == "manifest.json":
+            raise EndpointConnectionError(endpoint_url="http://store")
+        return real_kind(self, name)
+
+    monkeypatch.setattr(FsspecStorage, "kind", kind)
+    reader = shardsafe.CheckpointManager(root)
+    said = (
+        f"the object store failed at {root}: EndpointConnectionError: Could not connect to "
+        'the endpoint URL: "http://store"'
+    )
+    for call in (reader.latest, lambda: reader.load_latest({"w": torch.zeros(2)})):
+        with pytest.raises(CheckpointError) as raised:
+            call()
+        assert str(raised.value) == said
+    assert reader.newest_committed_step() is None  # not known committed, as for an OSError

@@ -41,11 +41,11 @@ def where_checkpoints_are(path: str, storage_options: dict[str, Any] | None = No
     """A hint for a path or URL that is a checkpoint root or a Trainer's run directory
     (``". It looks like ..."``), else ``""``. On an object store a few listings, only on
     this error path; a store that fails them gives no hint (the error stands as it is)."""
-    if not is_url(path):
-        return _hint(path, None) if os.path.isdir(path) else ""
     try:
+        if not is_url(path):
+            return _hint(path, None) if os.path.isdir(path) else ""
         return _hint(path.rstrip("/"), storage_options or None)
-    except Exception:  # a hint: the store's error, if any, is not this error's
+    except Exception:  # a hint: its own error (a store's, a link's) is not this error's
         return ""
 
 
@@ -97,7 +97,8 @@ def _lightning_checkpoints(path: str, storage_options: dict[str, Any] | None) ->
     ``dirpath`` passed where one of them was meant (on an object store, said to be "not
     a committed checkpoint (a save into it may have been interrupted)", which sent users
     looking for a crash; found in review). At most a listing and a few requests more."""
-    with open_storage(path, follow=False, storage_options=storage_options) as folder:
+    # Following a link to the folder, as the load that failed did: only names are read.
+    with open_storage(path, storage_options=storage_options) as folder:
         names = sorted((n for n in folder.names() if n.endswith(".ckpt")), key=_in_step_order)
         found = []
         for name in names[: -_LOOKED_AT - 1 : -1]:

@@ -465,7 +465,11 @@ class CheckpointManager:
         for step, name in self._step_dirs():
             if above is not None and step <= above:
                 return None
-            with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
+            with (
+                contextlib.suppress(CheckpointError, OSError),
+                store_errors(self.root),
+                self._open(name) as storage,
+            ):
                 if storage.kind(MANIFEST_NAME) == "file":
                     return step
         return None
@@ -482,7 +486,7 @@ class CheckpointManager:
         steps, unknown = [], {}
         for step, name in self._step_dirs():
             try:
-                with self._open(name) as storage:
+                with store_errors(self.root), self._open(name) as storage:
                     if storage.kind(MANIFEST_NAME) == "file":
                         steps.append(step)
             except (CheckpointError, OSError) as e:
@@ -508,19 +512,22 @@ class CheckpointManager:
     def _loadable(self, considered: set[str] | None = None) -> Iterator[str]:
         """Paths of the checkpoints that pass :func:`problem_with`, newest first.
 
-        Step directories named in ``considered`` are skipped, and every one looked at is
-        added to it: a load that looks again after a failure neither retries a step nor
-        warns twice about one it passed over. A load (``considered`` given) records the
-        steps it passes over, with why, for retention and ``check_not_behind``."""
+        Step directories named in ``considered`` are skipped, and every checkpoint yielded
+        or passed over is added to it: a load that looks again after a failure neither
+        retries a step nor warns twice about one it passed over, and looks again at a
+        directory whose save had not committed yet (it may have since: the newer step a
+        writer's retention deleted the one being read for). A load (``considered`` given)
+        records the steps it passes over, with why, for retention and
+        ``check_not_behind``."""
         for step, name in self._step_dirs():
-            if considered is not None:
-                if name in considered:
-                    continue
-                considered.add(name)
-            with self._open(name) as storage:
+            if considered is not None and name in considered:
+                continue
+            with store_errors(self.root), self._open(name) as storage:
                 if storage.kind(MANIFEST_NAME) is None:
-                    continue  # an interrupted save, not a checkpoint
+                    continue  # an interrupted save (or one in flight), not a checkpoint
                 problem = problem_with(storage)
+            if considered is not None:
+                considered.add(name)
             if problem is None:
                 yield storage.directory
                 continue

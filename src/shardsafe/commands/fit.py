@@ -218,4 +218,11 @@ def _module_class(args: argparse.Namespace) -> type | None:
         ) from None
     except ValueError:
         pass  # no signature to read: built as it is
+    if found.train_dataloader is TrainingModule.train_dataloader:
+        # The command line passes fit() no data: each worker raised "no training data:
+        # ... pass a DataLoader ... to fit()", a traceback, after the launch (found in review).
+        raise ValueError(
+            f"--module {args.module!r} has no train_dataloader(): shardsafe fit passes no "
+            "data to fit(), so the module must return its DataLoader from train_dataloader()"
+        )
     return found

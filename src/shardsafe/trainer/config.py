@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.format.manifest_format import LAYOUTS, Layout
 from ..checkpoint.options import SaveOptions
-from ..checkpoint.storage.files import describe_mode
+from ..checkpoint.storage.files import describe_mode, first_non_directory
 from ..checkpoint.storage.locations import is_url, local_path, scheme
 from ..strategies import STRATEGIES
 
@@ -201,7 +201,16 @@ def _local_if_file_url(path: str | os.PathLike[str]) -> str:
 def _directory_or_absent(field: str, path: str) -> None:
     """A local ``path`` that exists must be a directory: a run_dir that is a file failed
     only once the workers ran, with a bare ``[Errno 17] File exists``."""
-    if is_url(path) or not os.path.lexists(path) or os.path.isdir(path):
+    if is_url(path) or os.path.isdir(path):
+        return
+    if not os.path.lexists(path):
+        blocker = first_non_directory(path)  # run/afile/sub: failed later, exit 1
+        if blocker is not None:
+            what = describe_mode(os.stat(blocker).st_mode)
+            raise ValueError(
+                f"{field}={path!r} is under {blocker}, which is {what}, not a directory; "
+                "name a directory"
+            )
         return
     what = describe_mode(os.stat(path).st_mode) if os.path.exists(path) else "a broken link"
     raise ValueError(f"{field}={path!r} is {what}, not a directory; name a directory")

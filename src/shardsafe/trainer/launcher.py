@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import stat
@@ -46,16 +47,21 @@ def current_environment(devices: int) -> Environment | None:
     """This process's place in the run; ``None`` if it must launch ``devices`` workers."""
     variables = os.environ
     if "RANK" in variables and "WORLD_SIZE" in variables:
-        world_size = int(variables["WORLD_SIZE"])
+        world_size = _whole("WORLD_SIZE", 1)
         if world_size != devices:
             raise ValueError(
                 f"devices={devices}, but this process was started as one of {world_size} "
                 f"(WORLD_SIZE={world_size}, e.g. by torchrun --nproc-per-node {world_size}); "
                 "make devices match the launcher"
             )
-        rank = int(variables["RANK"])
+        rank = _whole("RANK", 0)
+        if rank >= world_size:  # RANK=1 WORLD_SIZE=1 trained in silence, as if not rank 0
+            raise ValueError(
+                f"RANK={rank} is not below WORLD_SIZE={world_size}: a rank is 0 to "
+                "WORLD_SIZE - 1 (set by the launcher: torchrun, or this Trainer's own)"
+            )
         launched = LAUNCHER_VARIABLE in variables or "TORCHELASTIC_RUN_ID" in variables
-        local_rank = int(variables.get("LOCAL_RANK", rank))
+        local_rank = _whole("LOCAL_RANK", 0) if "LOCAL_RANK" in variables else rank
         return Environment(rank, world_size, local_rank, launched)
     if dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
@@ -71,6 +77,20 @@ def current_environment(devices: int) -> Environment | None:
     if devices == 1:
         return Environment()
     return None
+
+
+def _whole(variable: str, least: int) -> int:
+    """The environment's ``variable`` as a whole number of at least ``least``: ``RANK=-1``
+    failed deep in the seeding ("Seed must be between 0 and 2**32 - 1"), ``RANK=x`` in
+    ``int()`` (found in review)."""
+    text = os.environ[variable]
+    value = int(text) if re.fullmatch(r"-?[0-9]{1,9}", text.strip()) else None
+    if value is None or value < least:
+        raise ValueError(
+            f"{variable}={text!r} in the environment must be a whole number, at least "
+            f"{least} (set by the launcher: torchrun, or this Trainer's own)"
+        )
+    return value
 
 
 def script_command() -> list[str]:

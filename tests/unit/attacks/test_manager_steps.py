@@ -274,28 +274,37 @@ class _SavesWhenAsked(torch.nn.Sequential):
     tensor byte is) first has the writer commit step 3, so that ``keep_last=1`` deletes
     the step 2 the reader is loading: a reader racing a writer's retention, made exact."""
 
-    def __init__(self, writer: CheckpointManager) -> None:
+    def __init__(self, writer: CheckpointManager, in_flight: Path | None = None) -> None:
         super().__init__(*make_model(0))  # the same layers, seed 0's values
         self.writer: CheckpointManager | None = writer
+        self.in_flight = in_flight
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         if self.writer is not None:
             writer, self.writer = self.writer, None
+            if self.in_flight is not None:  # the save in flight goes on into its directory
+                self.in_flight.rmdir()
             writer.save(3, _small_state(3))
         return super().state_dict(*args, **kwargs)
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["after", "in flight"])
 def test_load_latest_looks_again_when_retention_deletes_the_step_it_reads(
-    tmp_path: Path,
+    tmp_path: Path, in_flight: bool
 ) -> None:
     """A reader's load_latest raised "data file ... is missing" when a writer committed a
     newer step and its retention deleted the one being read; it now lists the steps again
-    and loads the newer one."""
+    and loads the newer one. Also when that step's directory was there, without its
+    manifest, at the first listing: the second passed over it as looked at already (found
+    in review)."""
     root = tmp_path / "root"
     writer = CheckpointManager(root, keep_last=1)
     writer.save(2, _small_state(2))
     reader = CheckpointManager(root)
-    state = {"model": _SavesWhenAsked(writer)}
+    placeholder = root / "step-000000003" if in_flight else None
+    if placeholder is not None:
+        placeholder.mkdir()  # the writer's save of step 3 has made its directory
+    state = {"model": _SavesWhenAsked(writer, placeholder)}
     pattern = (
         r"could not load .*step-000000002, looking for the newest checkpoint that loads: "
         r"data file .* is missing"
@@ -334,3 +343,20 @@ def test_retention_does_not_count_a_step_load_latest_passed_over(
     left = sorted(n for n in os.listdir(root) if n.startswith("step-"))
     assert left == ["step-000000003", "step-000000004"]
     manager.close()
+
+
+def test_a_folder_reached_through_a_link_keeps_its_error_with_the_hint(tmp_path: Path) -> None:
+    """A link to a folder without a manifest: the hint's own look refused the link ("is a
+    symbolic link, not a directory"), a CheckpointCorruptError in place of the load's
+    CheckpointNotFoundError (found in review). A link to a folder of Lightning
+    checkpoints gets the hint."""
+    (tmp_path / "empty").mkdir()
+    shardsafe.save(tmp_path / "ckpts" / "epoch=0-step=10.ckpt", _small_state(1))
+    for target, hint in (("empty", ""), ("ckpts", "It looks like a folder of Lightning")):
+        link = tmp_path / f"to-{target}"
+        link.symlink_to(tmp_path / target)
+        with pytest.raises(shardsafe.CheckpointNotFoundError) as raised:
+            shardsafe.load(link, {"model": make_model(0)})
+        said = str(raised.value)
+        assert said.startswith(f"{link} has no manifest.json, so it is not a committed"), said
+        assert hint in said and said.endswith("interrupted)" if not hint else "one of them")

@@ -166,18 +166,39 @@ def open_directory(path: str, *, dir_fd: int | None = None, follow: bool = True)
         raise
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            kind = _kind_at(path, dir_fd)
-            raise CheckpointCorruptError(
-                f"{path} is {kind}, not a directory; shardsafe does not follow it"
-            ) from None
+            raise CheckpointCorruptError(_not_a_directory(path, dir_fd)) from None
         raise CheckpointError(f"cannot open directory {path}: {e}") from e
 
 
-def _kind_at(path: str, dir_fd: int | None) -> str:
+def _not_a_directory(path: str, dir_fd: int | None) -> str:
+    """Why ``path`` (which ``open`` refused as no directory) is none: it is something else,
+    or it is under something that is no directory (``run/afile/sub``: then its own
+    ``lstat`` fails too, and the message read "is not a directory, not a directory")."""
     try:
-        return describe_mode(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        kind = describe_mode(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
-        return "not a directory"
+        blocker = first_non_directory(path) if dir_fd is None else None
+        if blocker is None:
+            return f"{path} is not a directory; shardsafe does not follow links"
+        kind = describe_mode(os.stat(blocker).st_mode)
+        return f"{path} is under {blocker}, which is {kind}, not a directory"
+    return f"{path} is {kind}, not a directory; shardsafe does not follow it"
+
+
+def first_non_directory(path: str) -> str | None:
+    """The first of ``path``'s ancestors that exists and is no directory, or ``None``.
+    Links are followed, as opening ``path`` follows those above it (``/tmp`` a link to a
+    directory is a directory)."""
+    parts = os.path.normpath(path).split(os.sep)
+    for end in range(1, len(parts)):
+        ancestor = os.sep.join(parts[:end]) or os.sep
+        try:
+            mode = os.stat(ancestor).st_mode
+        except OSError:
+            return None
+        if not stat.S_ISDIR(mode):
+            return ancestor
+    return None
 
 
 def with_path(error: OSError, path: str) -> OSError:
