@@ -265,7 +265,11 @@ def _without_positions_of_another_world(
         return state
     names = ", ".join(map(repr, others))
     saved_by = next(iter(others.values()))  # one number: the processes that saved
-    them = "that dataloader" if len(others) == 1 else "those dataloaders"
+    them, its, starts = (
+        ("that dataloader", "its", "starts")
+        if len(others) == 1
+        else ("those dataloaders", "their", "start")
+    )
     said = (
         f"the checkpoint holds {names} with a sampler seed of each of its {saved_by} "
         "processes (seeded per process: no set_seed, or set_seed(seed, "
@@ -275,14 +279,12 @@ def _without_positions_of_another_world(
     if strict:
         raise CheckpointMismatchError(
             f"{said}: load at {saved_by} processes, or pass strict=False to load everything "
-            f"else and start {them} from {'its' if len(others) == 1 else 'their'} first "
-            "epoch; nothing was restored"
+            f"else and start {them} from {its} first epoch; nothing was restored"
         )
     if world()[0] == 0:
         warnings.warn(
-            f"shardsafe: {said}; loading everything else, and {them} "
-            f"{'starts' if len(others) == 1 else 'start'} from "
-            f"{'its' if len(others) == 1 else 'their'} first epoch (strict=False)",
+            f"shardsafe: {said}; loading everything else, and {them} {starts} from {its} "
+            "first epoch (strict=False)",
             stacklevel=5,
         )
     return {name: value for name, value in state.items() if name not in others}

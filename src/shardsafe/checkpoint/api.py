@@ -13,7 +13,7 @@ from typing import Any
 
 from . import background, loading, saving
 from .background import SaveHandle
-from .finding import where_checkpoints_are
+from .finding import hint_for
 from .format.manifest_format import Layout
 from .loading import read_manifest
 from .options import (
@@ -27,7 +27,6 @@ from .options import (
 )
 from .refusals import told_if_refused
 from .storage.locations import directory_name, path_text
-from .storage.protocol import Storage
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -187,12 +186,7 @@ def load(
             opener_of(text, storage, storage_options),
         ),
     )
-    return loading.load_from(opener, name, state, options, hint=_where_checkpoints_are)
-
-
-def _where_checkpoints_are(storage: Storage) -> str:
-    """For a load of a checkpoint root or run directory: where its checkpoints are."""
-    return where_checkpoints_are(storage.directory, getattr(storage, "storage_options", None))
+    return loading.load_from(opener, name, state, options, hint=hint_for)
 
 
 __all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save"]

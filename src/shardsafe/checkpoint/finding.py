@@ -58,6 +58,13 @@ def newest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) 
     return manager._newest()
 
 
+def hint_for(storage: Storage) -> str:
+    """:func:`where_checkpoints_are` for the opened directory ``storage`` of a load that
+    found no manifest (``loading.Hint``: given by ``shardsafe.load`` and the Lightning
+    strategy's loads)."""
+    return where_checkpoints_are(storage.directory, getattr(storage, "storage_options", None))
+
+
 def _hint(path: str, storage_options: dict[str, Any] | None) -> str:
     def newest(root: str) -> str | None:
         return newest_checkpoint(root, storage_options)

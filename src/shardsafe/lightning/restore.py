@@ -28,13 +28,12 @@ from torch.optim import Optimizer
 
 from .. import interop
 from ..checkpoint import loading
-from ..checkpoint.finding import where_checkpoints_are
+from ..checkpoint.finding import hint_for
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
 from ..checkpoint.options import LoadOptions
 from ..checkpoint.storage import placement
 from ..checkpoint.storage.locations import directory_name, open_storage
 from ..checkpoint.storage.object_placement import committed_copy, split
-from ..checkpoint.storage.protocol import Storage
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -90,12 +89,6 @@ def _single_object(url: str) -> bool:
         return root.kind(name) == "file"
 
 
-def _where_checkpoints_are(storage: Storage) -> str:
-    """Where the checkpoints are, when ``storage`` holds no manifest: a folder of them on
-    an object store (``uncommitted_directory`` tells a local one before the load)."""
-    return where_checkpoints_are(storage.directory, getattr(storage, "storage_options", None))
-
-
 def load_directory(
     path: str,
     module: nn.Module,
@@ -126,9 +119,7 @@ def load_directory(
 
     # A local directory (a link followed) or a URL, opened inside the load (agreed).
     opener = functools.partial(open_storage, path)
-    values = loading.load_opening(
-        opener, directory_name(path), choose, options, hint=_where_checkpoints_are
-    )
+    values = loading.load_opening(opener, directory_name(path), choose, options, hint=hint_for)
     checkpoint = dict(values.get(LIGHTNING) or {})
     if saved_optimizers:  # Lightning checks that a full checkpoint has them
         checkpoint[OPTIMIZER_STATES] = [{} for _ in saved_optimizers]
