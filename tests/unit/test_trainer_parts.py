@@ -694,3 +694,35 @@ def test_resume_from_a_folder_of_checkpoints_names_the_newest(tmp_path: Path) ->
             f"{given} has no manifest.json, so it is not a committed checkpoint (a save into "
             f"it may have been interrupted). {looks}"
         )
+
+
+@pytest.mark.timeout(60)
+def test_a_metrics_file_holding_lines_shardsafe_did_not_write_is_never_rewritten(
+    tmp_path: Path,
+) -> None:
+    """A fresh run into a run_dir whose ``metrics.jsonl`` was another tool's log replaced
+    it with its own two lines, without a word."""
+    theirs = '{"epoch": 1, "acc": 0.9}\n{"step": 5, "loss": 0.1}\nnotes from last week\n'
+    (tmp_path / "metrics.jsonl").write_text(theirs)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, generator=g), torch.randn(64, 1, generator=g))
+    trainer = Trainer(max_steps=2, run_dir=tmp_path, batch_size=8)
+    with pytest.raises(shardsafe.CheckpointError) as e:
+        trainer.fit(Tiny(), data)
+    assert str(e.value) == (
+        f"{tmp_path}/metrics.jsonl holds a line shardsafe did not write (line 1: "
+        """'{"epoch": 1, "acc": 0.9}'); it would be rewritten with this run's records. Move """
+        "it away (or choose another run_dir) and start again"
+    )
+    assert (tmp_path / "metrics.jsonl").read_text() == theirs
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_metrics_line_cut_short_is_dropped_only_at_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    MetricsLog(str(path), after_step=1).close()
+    assert path.read_text() == '{"step": 1, "loss": 0.5}\n'
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 0.5}\n')
+    with pytest.raises(shardsafe.CheckpointError, match=re.escape("""line 1: '{"step": 1, "lo'""")):
+        MetricsLog(str(path), after_step=1)

@@ -78,11 +78,49 @@ def _drop_after(path: str, step: int) -> None:
         # A FIFO made the run wait forever before step 1; a directory failed with a bare
         # errno; a link was followed out of the run's directory.
         raise _not_a_metrics_file(path, mode)
-    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    kept = [r for r in _our_records(path) if r["step"] <= step]
     temporary = f"{path}.tmp"
     with _open_temporary(temporary) as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(temporary, path)
+
+
+def _our_records(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics file about to be rewritten; one holding a line ``log``
+    never writes is refused.
+
+    Rewritten with the run's records only, a ``metrics.jsonl`` of the user's own (another
+    tool's log, notes) in a reused ``run_dir`` was replaced by the new run's lines without
+    a word. A line a crash cut short can only be the last one (each is flushed whole), so
+    an unreadable line is foreign anywhere else.
+    """
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        lines = f.read().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        record = _parsed(line, path, number)
+        if _is_ours(record):
+            records.append(record)
+        elif record is not None or number != len(lines):  # not cut short by a crash
+            shown = line if len(line) <= 80 else f"{line[:77]}..."
+            raise CheckpointError(
+                f"{path} holds a line shardsafe did not write (line {number}: {shown!r}); "
+                "it would be rewritten with this run's records. Move it away (or choose "
+                "another run_dir) and start again"
+            )
+    return records
+
+
+def _is_ours(record: Any) -> bool:
+    """Whether ``record`` is one ``MetricsLog.log`` writes: ``{"step": int, "loss": x}``."""
+    return (
+        isinstance(record, dict)
+        and record.keys() == {"step", "loss"}
+        and isinstance(record["step"], int)
+        and not isinstance(record["step"], bool)
+        and isinstance(record["loss"], (int, float))
+        and not isinstance(record["loss"], bool)
+    )
 
 
 def _open_temporary(path: str) -> TextIO:
