@@ -51,7 +51,7 @@ from .options import (
 from .refusals import told_if_refused
 from .saving import save as _save
 from .storage.files import describe_mode
-from .storage.locations import check_options, is_url, open_storage, path_text
+from .storage.locations import check_options, is_url, local_path, open_storage, path_text
 from .storage.lock import RootLock
 from .storage.object_placement import store_errors
 from .storage.protocol import Storage
@@ -116,7 +116,12 @@ class CheckpointManager:
             )
         root = path_text(root)
         check_options(root, storage_options)  # here, not at each rank's first save
-        self.root = root.rstrip("/") if is_url(root) else root
+        # A local root as the path it names (file:// read, a collapsed s3:/ URL refused)
+        # here, not at the first save, whose rank 0 made the directory before looking.
+        self.root = root.rstrip("/") if is_url(root) else local_path(root)
+        self._made_in = None if is_url(self.root) or os.path.isabs(self.root) else _cwd()
+        """The working directory a relative root names a directory of (see
+        :meth:`_check_made_in`)."""
         self.keep_last = keep_last
         self.storage_options = storage_options
         self._lock = RootLock(self._root_storage)
@@ -155,7 +160,25 @@ class CheckpointManager:
         )
 
     def _root_storage(self) -> Storage:
-        return open_storage(self.root, storage_options=self.storage_options)
+        # Anchored where the manager was made: latest and retention run on the writer
+        # thread after an async save's commit, while the caller may have moved on.
+        where = self.root if self._made_in is None else os.path.join(self._made_in, self.root)
+        return open_storage(where, storage_options=self.storage_options)
+
+    def _check_made_in(self) -> None:
+        """Refuse to go on with a relative root after an ``os.chdir``: the steps would go
+        into the new directory's ``root`` while ``latest`` moved in the first one's (and a
+        resume from the first never saw them)."""
+        if self._made_in is None:
+            return
+        now = _cwd() or "a directory that was deleted"
+        if now != self._made_in:
+            raise ValueError(
+                f"the working directory changed from {self._made_in} to {now} since "
+                f"CheckpointManager({self.root!r}) was made, and its checkpoints are in "
+                f"{os.path.join(self._made_in, self.root)}: give the manager that absolute "
+                "root, or change back"
+            )
 
     def save(
         self,
@@ -214,15 +237,23 @@ class CheckpointManager:
                 "storage_options are the CheckpointManager's own; pass them to "
                 "CheckpointManager(root, storage_options=...), not to each save"
             )
-        return told_if_refused(
-            "save", self.path_for(step), lambda: SaveOptions.of(options, **keywords)
-        )
+
+        def made() -> SaveOptions:
+            self._check_made_in()
+            return SaveOptions.of(options, **keywords)
+
+        return told_if_refused("save", self.path_for(step), made)
 
     def _load_options(self, options: LoadKeywords) -> LoadOptions:
         """A load's options; one refused on this rank alone is told to the others, under
         the name ``load_latest`` first agrees under (see :meth:`_agreed_next`)."""
         _refuse_own_settings(options)
-        return told_if_refused("load", f"{self.root}#latest", lambda: LoadOptions.of(**options))
+
+        def made() -> LoadOptions:
+            self._check_made_in()
+            return LoadOptions.of(**options)
+
+        return told_if_refused("load", f"{self.root}#latest", made)
 
     def wait(self) -> str | None:
         """Wait for this manager's save in flight; return its path (``None`` if none), or
@@ -264,7 +295,7 @@ class CheckpointManager:
         if not fresh or world()[0] != 0:
             return
         try:
-            steps = self.complete_steps()
+            steps = self._classified_steps()[0]
         except Exception:  # only a warning: the save itself then fails, agreed
             # This runs on rank 0 alone, before the save's entry barrier: raising here (a
             # store rank 0 cannot reach) left the other ranks waiting at that barrier.
@@ -344,7 +375,7 @@ class CheckpointManager:
         newer ones of the other run, and ``latest()`` would name those. Deleting the
         newer ones silently could destroy the run the user wanted, so the user decides.
         """
-        newer = [s for s in self.complete_steps() if s > step]
+        newer = [s for s in self._classified_steps()[0] if s > step]
         if not newer:
             return
         names = dict(self._step_dirs())  # listed once, not once per newer step
@@ -477,6 +508,7 @@ class CheckpointManager:
     def complete_steps(self) -> list[int]:
         """Steps of every committed checkpoint under ``root`` (a step directory holding a
         regular ``manifest.json``), oldest first."""
+        self._check_made_in()
         return self._classified_steps()[0]
 
     def _classified_steps(self) -> tuple[list[int], dict[int, str]]:
@@ -500,6 +532,7 @@ class CheckpointManager:
         or resized data file) are passed over with a warning saying why.
         """
         self._fresh = False  # the caller is looking for a checkpoint to continue from
+        self._check_made_in()
         background.drain()  # a save in flight is the newest checkpoint, once it commits
         return self._newest()
 
@@ -669,6 +702,14 @@ def problem_with(storage: Storage) -> str | None:
     except (CheckpointError, OSError) as e:
         return str(e)
     return None
+
+
+def _cwd() -> str | None:
+    """The working directory, or ``None`` where it was deleted (``os.getcwd`` raises)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def _make_root(root: str) -> None:

@@ -37,6 +37,7 @@ from .plan.per_rank import split_differing
 from .plan.save_plan import SavePlan, plan_save
 from .references import missing_tensors
 from .storage import target_directory
+from .storage.locations import anchored
 from .storage.protocol import Storage
 
 AFTERMATH: dict[Phase | None, str] = {
@@ -148,7 +149,7 @@ def begin(path: str, state: Mapping[str, Any], options: SaveOptions) -> SaveRun:
     coord = Coordinator("save", path, timeout=options.timeout, aftermath=AFTERMATH)
     try:
         check_state(state)
-        opener = opener_of(path, options.storage, options.storage_options)
+        opener = opener_of(anchored(path), options.storage, options.storage_options)
     except ValueError as e:  # this rank's alone, perhaps (an empty state on one rank)
         coord.refuse(e, options.entry_timeout)
         raise

@@ -95,7 +95,7 @@ class TieredCheckpointManager:
             warn_if_not_empty=False,
             storage_options=storage_options,
         )
-        self.node = NodeDir(path_text(local))
+        self.node = NodeDir(_local_directory(local))
         self._ranks = Ranks(f"tiers:{name if name is not None else self.persistent.root}", timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         settings = {
@@ -504,6 +504,23 @@ def _check_timeout(timeout: float) -> None:
     "Invalid timeout", 0 (gloo: no limit) let a rank wait for a dead one forever, and a
     huge one failed the first local save on every rank with a raw OverflowError."""
     check_seconds("timeout", timeout)
+
+
+def _local_directory(local: str | os.PathLike[str]) -> str:
+    """The local tier's directory: ``file://`` read as the path it names; an object-store
+    URL refused. Taken as written, ``file:///r`` became ``./file:/r`` and ``s3://b/x``
+    ``./s3:/b/x``, directories of the working directory, without a word (and the check
+    that the tiers are apart compared ``./file:/r`` with ``/r``)."""
+    text = path_text(local)
+    if is_url(text):
+        raise ValueError(
+            f"local={text!r} is a URL; the local tier is a directory on each node's own disk "
+            "(e.g. '/dev/shm/run1'); an object store belongs in persistent=..."
+        )
+    try:
+        return local_path(text)
+    except CheckpointError as e:  # a file URL of another host; a collapsed s3:/ URL
+        raise ValueError(f"local={text!r}: {e}") from None
 
 
 def _check_apart(local: str, persistent: str) -> None:

@@ -9,6 +9,7 @@ from ..checkpoint.format.manifest_format import LAYOUTS, Layout
 from ..checkpoint.options import SaveOptions
 from ..checkpoint.storage.files import describe_mode, first_non_directory
 from ..checkpoint.storage.locations import is_url, local_path, scheme
+from ..errors import CheckpointError
 from ..strategies import STRATEGIES
 
 
@@ -188,14 +189,20 @@ def _path(field: str, value: object, or_else: str = "") -> None:
 
 
 def _local_if_file_url(path: str | os.PathLike[str]) -> str:
-    """``path``, with a ``file://`` URL made the local path it names.
+    """``path``, with a ``file://`` URL made the local path it names (an object-store URL
+    kept, a URL that is neither refused: ``locations.local_path``).
 
     ``file://`` is a local path everywhere in shardsafe; kept as a URL here, the run's
     metrics and lock went to a directory literally named ``file:`` in the working
     directory, and the first save, after the steps before it had trained, failed.
     """
     text = os.fspath(path)
-    return local_path(text) if scheme(text) == "file" else text
+    if is_url(text):
+        return text
+    try:
+        return local_path(text)
+    except CheckpointError as e:  # a file URL of another host; a collapsed s3:/ URL
+        raise ValueError(str(e)) from None
 
 
 def _directory_or_absent(field: str, path: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,14 +36,76 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return scheme(path) not in (None, "file")
 
 
+_COLLAPSED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+:/(?!/)")
+"""``s3:/bucket/run``: a URL whose ``//`` was made one ``/``, which ``pathlib.Path`` does
+(``str(Path("s3://bucket/run"))``). Taken for a local path, it silently became a
+directory ``s3:`` in the working directory; one-letter schemes are left alone."""
+
+
 def local_path(path: str | os.PathLike[str]) -> str:
-    """``path`` as a local path (``file://`` stripped); refuses an object-store URL."""
+    """``path`` as a local path; refuses an object-store URL.
+
+    A ``file://`` URL is read as RFC 8089 says: ``file:///p`` and
+    ``file://localhost/p`` are ``/p``, percent-escapes are decoded (``Path.as_uri()``
+    writes a space as ``%20``). Until then the host became the first directory of a
+    relative path (``file://localhost/tmp/x`` saved into ``./localhost/tmp/x``) and
+    ``with%20space`` a directory of that name, which a load of the path itself missed.
+    """
     text = os.fspath(path)
     if scheme(text) == "file":
-        return text[len("file://") :] or "/"
+        return _file_url_path(text)
     if is_url(text):
         raise CheckpointError(f"{text} is a URL, not a local path")
+    if _COLLAPSED_URL.match(text):
+        written = text.partition(":")[0]
+        raise CheckpointError(
+            f"{text!r} looks like a {written}:// URL whose '//' became '/', which "
+            f"pathlib.Path does to a URL (str(Path('{written}://bucket/run')) is "
+            f"'{written}:/bucket/run'); pass the URL as a str (a local directory of that "
+            f"name: write ./{text})"
+        )
     return text
+
+
+def _file_url_path(url: str) -> str:
+    """The local path a ``file://`` URL names; a host other than ``localhost``, a query
+    or a fragment is refused (shardsafe reads and writes this machine's files only)."""
+    rest = url[len("file://") :]
+    host, slash, tail = rest.partition("/")
+    if host and host.lower() != "localhost":
+        raise CheckpointError(
+            f"{url} names a file on the host {host!r}; shardsafe reads this machine's "
+            f"files only: write file:///{tail} (three slashes) or the path itself"
+        )
+    if "?" in rest or "#" in rest:
+        raise CheckpointError(
+            f"{url} has a query or a fragment ('?' or '#'), which a file:// URL of a "
+            "checkpoint does not take; percent-encode them (%3F, %23) if they are part "
+            "of the path, or pass the path itself"
+        )
+    decoded = urllib.parse.unquote(slash + tail, errors="surrogateescape") if slash else "/"
+    if "\0" in decoded:
+        raise CheckpointError(f"{url} decodes to a path with a NUL byte (%00)")
+    return decoded
+
+
+def anchored(path: str) -> str:
+    """``path``, a relative local one joined to the working directory of now (not made
+    canonical: ``..`` after a link stays the kernel's to resolve).
+
+    An ``async_save`` opens its target at the call and writes from a thread later: a
+    relative path resolved there followed an ``os.chdir`` made in between, and the
+    checkpoint went into another tree than the call named. Ranks still agree under the
+    path as written (ranks in different directories are told the path is not shared).
+    """
+    if is_url(path) or scheme(path) == "file" or os.path.isabs(path):
+        return path
+    if _COLLAPSED_URL.match(path):  # refused as it is written, when opened
+        return path
+    try:
+        return os.path.join(os.getcwd(), path)
+    except OSError:  # the working directory was deleted: as the kernel would, relative
+        return path
 
 
 def directory_name(path: str | os.PathLike[str]) -> str:
