@@ -1248,6 +1248,87 @@ def test_a_setting_invalid_on_one_rank_only_is_refused_on_every_rank_at_once(
     assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))
 
 
+def _arguments_differ(rank: int, world: int, base: str, case: str) -> tuple[str, str]:
+    """Each rank a node of its own; rank 1 passes an argument that only it refuses."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    persistent, local = os.path.join(base, "persistent"), local_dir(base, rank)
+    options: dict[str, Any] = {"persist_every": None, "timeout": 15}
+    if rank == 1:
+        if case == "local":
+            local = None  # type: ignore[assignment]
+        elif case == "collapsed":
+            local = "s3:/bucket/local"
+        elif case == "timeout":
+            options["timeout"] = -1
+        else:
+            options["storage_options"] = {"anon": True}
+    try:
+        TieredCheckpointManager(persistent, local, **options).close()
+        return ("ok", "")
+    except Exception as e:  # what each rank raised, compared by the test
+        return (type(e).__name__, str(e))
+
+
+@pytest.mark.parametrize(
+    ("case", "refused"),
+    [
+        ("timeout", "timeout=-1 must be a positive number of seconds"),
+        ("local", "local=None must be a path (a str or os.PathLike)"),
+        (
+            "collapsed",
+            "local='s3:/bucket/local': 's3:/bucket/local' looks like a s3:// URL whose '//' "
+            "became '/', which pathlib.Path does to a URL (str(Path('s3://bucket/run')) is "
+            "'s3:/bucket/run'); pass the URL as a str (a local directory of that name: "
+            "write ./s3:/bucket/local)",
+        ),
+        (
+            "storage_options",
+            "storage_options were given for '{base}/persistent', which is a local path; they "
+            "apply to object-store URLs (s3://..., gs://...) only",
+        ),
+    ],
+)
+def test_an_argument_refused_on_one_rank_only_is_refused_on_every_rank_at_once(
+    tmp_path: Path, case: str, refused: str
+) -> None:
+    """Before, rank 1 raised alone, before the ranks' first exchange, and rank 0 waited
+    for it there until the timeout, then said that rank 1 never arrived."""
+    started = time.monotonic()
+    outcomes = run_ranks(_arguments_differ, 2, str(tmp_path), case, timeout=100)
+    said = f"rank 1: {refused.format(base=tmp_path)}; pass valid settings on every rank"
+    assert outcomes == [("ValueError", said)] * 2
+    assert time.monotonic() - started < 15  # not rank 0's timeout
+    assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))
+
+
+def _mates_apart(rank: int, world: int, base: str) -> tuple[str, str]:
+    """4 ranks as 2 nodes of 2, each rank given a local directory of its own."""
+    os.environ["SHARDSAFE_NODE"] = f"node{rank // 2}"
+    warnings.simplefilter("ignore")
+    try:
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), os.path.join(base, f"local-rank{rank}"), timeout=15
+        ).close()
+        return ("ok", "")
+    except Exception as e:
+        return (type(e).__name__, str(e))
+
+
+def test_ranks_of_one_node_given_different_local_directories_are_refused(tmp_path: Path) -> None:
+    """Each rank looks for its node-mates' files under its own directory: given one each,
+    their saves failed at every step (a part file 'gone since it reported it'), or a lost
+    node's replicas, intact on the other node, were never found."""
+    outcomes = run_ranks(_mates_apart, 4, str(tmp_path), timeout=100)
+    said = (
+        f"ranks 0 and 1 run on the same node (node:node0) but were given different local "
+        f"directories ({tmp_path}/local-rank0 and {tmp_path}/local-rank1); the ranks of a "
+        "node share one (each writes its own rank-<r> directory in it): give them the same path"
+    )
+    assert outcomes == [("ValueError", said)] * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 MANY = 12
 """Steps saved by :func:`_many_damaged_replicas_then_restore`: more damaged copies (10)
 than the 3 x world size + 3 passes that ``load_latest`` used to try before giving up."""

@@ -229,7 +229,7 @@ class CheckpointManager:
         """The save's options; one refused on this rank alone is told to the others,
         under the name the save agrees under (they waited ``entry_timeout``, then said
         this rank never called ``save``)."""
-        _check_step(step)
+        check_step(step)
         if "storage_options" in keywords:
             # The lock, latest and retention use the manager's: a save elsewhere would
             # make latest name a step that is not there.
@@ -656,9 +656,12 @@ def _shorter(text: str) -> str:
     return text if len(text) <= 200 else f"{text[:197]}..."
 
 
-def _check_step(step: Any) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step={step!r} must be a non-negative int")
+def check_step(step: Any) -> None:
+    """Refuse a step no checkpoint can carry: the tiers send steps between ranks as
+    int64, and a step of 2**63 saved locally, then broke every replication that followed
+    with a raw overflow, after a wait of the whole timeout."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        raise ValueError(f"step={step!r} must be a non-negative int below 2**63")
 
 
 def _refuse_own_settings(options: Mapping[str, Any]) -> None:

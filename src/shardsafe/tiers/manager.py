@@ -27,10 +27,11 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..checkpoint.io.staging import Stager
-from ..checkpoint.manager import CheckpointManager, step_of
+from ..checkpoint.manager import CheckpointManager, check_step, step_of
 from ..checkpoint.options import LoadKeywords, check_seconds
 from ..checkpoint.plan.collecting import Collected, check_state, collect
 from ..checkpoint.storage.locations import is_url, local_path, path_text
@@ -52,6 +53,11 @@ if sys.version_info >= (3, 11):
     from typing import Unpack
 else:  # a dependency of torch's
     from typing_extensions import Unpack
+
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long a rank waits for the others by default (and a rank whose own timeout was
+refused waits, to hear the others' verdict on its settings)."""
 
 
 class TieredCheckpointManager:
@@ -78,25 +84,36 @@ class TieredCheckpointManager:
         replicas: int = 1,
         keep_local: int = 2,
         keep_last: int | None = None,
-        timeout: float = 300.0,
+        timeout: float = DEFAULT_TIMEOUT_S,
         storage_options: dict[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
-        _check_timeout(timeout)  # the agreement below waits this long
         # Refused once every rank has seen every rank's (below): refused here, on one rank
         # only, the others waited for it in the exchange until the timeout, then said it
-        # never called.
+        # never called. So is a timeout, a root or a local directory this rank cannot use
+        # (a rank with a bad timeout waits the default one for the others' verdict).
         problem = _problem(local_every, persist_every, replicas, keep_local, keep_last)
+        bad_timeout = _refusal(lambda: _check_timeout(timeout))
+        wait = DEFAULT_TIMEOUT_S if bad_timeout else timeout
         self.local_every, self.persist_every = local_every, persist_every
-        self.keep_local, self.timeout = keep_local, timeout
-        self.persistent = CheckpointManager(
-            persistent,
-            None if problem else keep_last,
-            warn_if_not_empty=False,
-            storage_options=storage_options,
+        self.keep_local, self.timeout = keep_local, wait
+        made: list[CheckpointManager] = []
+        bad_root = _refusal(
+            lambda: made.append(
+                CheckpointManager(
+                    persistent,
+                    None if problem else keep_last,
+                    warn_if_not_empty=False,
+                    storage_options=storage_options,
+                )
+            )
         )
-        self.node = NodeDir(_local_directory(local))
-        self._ranks = Ranks(f"tiers:{name if name is not None else self.persistent.root}", timeout)
+        where: list[str] = []
+        bad_local = _refusal(lambda: where.append(_local_directory(local)))
+        problem = problem or bad_timeout or bad_root or bad_local
+        root = made[0].root if made else _spelled(persistent)
+        self.node = NodeDir(where[0] if where else os.devnull)  # refused below if so
+        self._ranks = Ranks(f"tiers:{name if name is not None else root}", wait)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         settings = {
             "local_every": _as_json(local_every),
@@ -109,8 +126,10 @@ class TieredCheckpointManager:
         self._made_local = False
 
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
-            _check_apart(self.node.root, self.persistent.root)
-            return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns()]
+            if problem is None:
+                _check_apart(self.node.root, root)
+            mine = os.path.realpath(self.node.root)
+            return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns(), mine]
 
         def lock() -> None:
             # Under this run's token, agreed above: the ranks of this job share their
@@ -123,11 +142,16 @@ class TieredCheckpointManager:
             names = self._ranks.exchange(Phase.SURVEY, identity)
             _check_same([n[2] for n in names])
             _refuse([n[3] for n in names])
+            self.persistent = made[0]  # made: no rank had a problem
+            _check_node_mates_share([(str(n[0]), str(n[5])) for n in names])
             self._ranks.exchange(Phase.SURVEY, lock)
             self.topology = Topology.of([str(n[0]) for n in names])
             self.replicas = self._possible_replicas(replicas)
         except (CheckpointError, ValueError):
-            self._let_go()
+            if made:
+                made[0].close()
+            if self._lock is not None:
+                self._lock.release()
             if self._made_local:  # refused: nothing of it is left behind
                 self.node.unmake()
             raise
@@ -207,8 +231,7 @@ class TieredCheckpointManager:
 
     def due(self, step: int) -> tuple[bool, bool]:
         """Whether ``step`` goes to the local tier, and to the persistent tier."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int")
+        check_step(step)
         return (
             self.local_every is not None and step % self.local_every == 0,
             self.persist_every is not None and step % self.persist_every == 0,
@@ -493,6 +516,43 @@ def _refuse(problems: list[str | None]) -> None:
     raise ValueError(f"rank {rank}: {problem}; pass valid settings on every rank")
 
 
+def _refusal(check: Callable[[], object]) -> str | None:
+    """What ``check`` refuses (a value this rank alone may have), as text to tell the
+    other ranks; ``None`` if it passes."""
+    try:
+        check()
+    except (ValueError, TypeError, CheckpointError) as e:
+        return str(e)
+    return None
+
+
+def _spelled(path: object) -> str:
+    """A root that ``CheckpointManager`` refused, as the others may spell it (the name the
+    ranks meet under, to be told why): its text, or its ``repr``."""
+    if isinstance(path, str):
+        return path
+    if isinstance(path, os.PathLike):
+        return str(os.fspath(path))
+    return repr(path)
+
+
+def _check_node_mates_share(roots: list[tuple[str, str]]) -> None:
+    """Refuse ranks of one node given different local directories (``/nvme/rank0``,
+    ``/nvme/rank1``): each looks for its node-mates' files (the part of a step one of
+    them writes for all, a replica one of them received) under its own, so their saves
+    failed at every step, or a lost node's replicas, intact, were never found."""
+    first: dict[str, tuple[int, str]] = {}
+    for rank, (node, root) in enumerate(roots):
+        mate, theirs = first.setdefault(node, (rank, root))
+        if theirs != root:
+            raise ValueError(
+                f"ranks {mate} and {rank} run on the same node ({node}) but were given "
+                f"different local directories ({theirs} and {root}); the ranks of a node "
+                "share one (each writes its own rank-<r> directory in it): give them the "
+                "same path"
+            )
+
+
 def _as_json(value: Any) -> Any:
     """A setting as the ranks compare it: itself, or its ``repr`` if JSON cannot hold it."""
     return value if value is None or type(value) in (int, float, str, bool) else repr(value)
@@ -511,6 +571,8 @@ def _local_directory(local: str | os.PathLike[str]) -> str:
     URL refused. Taken as written, ``file:///r`` became ``./file:/r`` and ``s3://b/x``
     ``./s3:/b/x``, directories of the working directory, without a word (and the check
     that the tiers are apart compared ``./file:/r`` with ``/r``)."""
+    if isinstance(local, bool) or not isinstance(local, (str, bytes, os.PathLike)):
+        raise ValueError(f"local={local!r} must be a path (a str or os.PathLike)")
     text = path_text(local)
     if is_url(text):
         raise ValueError(
