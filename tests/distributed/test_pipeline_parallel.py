@@ -304,3 +304,40 @@ def test_a_replica_in_param_groups_at_other_positions_saves_and_loads_by_name(
         ["embed.bias", "embed.weight", "first.bias", "first.weight"],
         ["embed.bias", "embed.weight", "last.bias", "last.weight"],
     ]
+
+
+def _save_locally_named_stage(rank: int, world: int, path: str) -> tuple[str, str]:
+    """Each stage a ModuleList numbered from 0 (stage 1's ``layers.0`` is global layer 2),
+    trained one AdamW step with this rank's own gradients, then saved."""
+    torch.manual_seed(100 + rank)
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for p in stage.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    try:
+        shardsafe.save(path, {"model": stage, "optimizer": opt})
+    except CheckpointError as e:
+        return ("CheckpointError", str(e))
+    return ("saved", "")
+
+
+def test_stages_that_name_different_layers_alike_are_refused_not_mixed(tmp_path: Path) -> None:
+    """Before, the save committed: one stage's layers.0 under the name (the other's lost),
+    and AdamW's exp_avg from one stage beside exp_avg_sq from the other; loading it back
+    into the same two stages gave each other stages' weights, with no error."""
+    path = tmp_path / "ckpt"
+    outcomes = run_ranks(_save_locally_named_stage, 2, str(path))
+    said = (
+        "save failed on rank 0: the copies of 'model/layers.0.weight' differ between ranks: "
+        "rank 0 holds one version, rank 1 another (sampled elements). It is saved as one "
+        "tensor replicated on all of them. If the ranks hold different tensors under one "
+        "name (pipeline stages that number their layers from 0, experts numbered per "
+        "rank), name them by their global index (stage s's layer i as "
+        "layers.{s * layers_per_stage + i}), as a checkpoint loaded at another split "
+        "needs; if they are replicas, they have diverged (e.g. a gradient not all-reduced, "
+        "or a rank-dependent update). Nothing was written"
+    )
+    assert outcomes == [("CheckpointError", said)] * 2
+    assert not path.exists() or not (path / "manifest.json").exists()

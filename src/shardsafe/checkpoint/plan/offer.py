@@ -36,6 +36,9 @@ class ChunkOffer:
     ``Chunk.always_verify``, or ``Chunk.per_rank_if_different``)."""
     copies_allowed: bool = False
     per_rank_if_different: bool = False
+    sample: int | None = None
+    """CRC32 of a few of this rank's elements (``sample_checksums``): a module's or an
+    optimizer's replicated copy, compared across its holders on every save."""
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +61,8 @@ class ChunkOffer:
             raw["copies"] = True
         if self.per_rank_if_different:
             raw["own"] = True
+        if self.sample is not None:
+            raw["sample"] = self.sample
         return raw
 
     @staticmethod
@@ -77,6 +82,7 @@ class ChunkOffer:
             raw.get("crc"),
             bool(raw.get("copies", False)),
             bool(raw.get("own", False)),
+            raw.get("sample"),
         )
 
 
@@ -101,17 +107,26 @@ class Offer:
         """This rank's offer; with ``checksums``, the CRC32 of each chunk's bytes but
         buffers' (``verify_replicas``), which costs one read of those bytes."""
         entries = {name: OfferedEntry(item.kind, item.meta) for name, item in items.items()}
+        ours = chunks_of(items)
+        full = [
+            (checksums and _compared(c)) or c.always_verify or c.per_rank_if_different for c in ours
+        ]
+        sampled = sample_checksums(
+            [
+                c.tensor if wanted and not whole else None
+                for c, whole, wanted in zip(ours, full, _sampled(items), strict=True)
+            ]
+        )
         chunks = [
             ChunkOffer(
                 rank, i, c.key, c.tensor.dtype, c.global_shape, c.offsets, tuple(c.tensor.shape),
                 c.replicated, c.lowest_rank_wins,
-                replica_checksum(c.tensor)
-                if (checksums and _compared(c)) or c.always_verify or c.per_rank_if_different
-                else None,
+                replica_checksum(c.tensor) if whole else None,
                 c.copies_allowed,
                 c.per_rank_if_different,
+                sample,
             )
-            for i, c in enumerate(chunks_of(items))
+            for i, (c, whole, sample) in enumerate(zip(ours, full, sampled, strict=True))
         ]  # fmt: skip
         return Offer(rank, entries, chunks)
 
@@ -132,6 +147,70 @@ def _compared(chunk: Chunk) -> bool:
     """Whether ``verify_replicas`` compares this chunk's copies across ranks: every chunk
     but a buffer's, since other ranks may hold copies of a shard too (``copies_of``)."""
     return not chunk.lowest_rank_wins
+
+
+SAMPLED_KINDS = frozenset({"module", "optimizer"})
+"""Entries whose replicated copies are sampled on every save: a module's parameters and
+an optimizer's state are equal on every holder in any data-parallel training, so a
+difference is a different tensor under one name (a pipeline stage numbering its layers
+from 0), which saving once lost without a word. Buffers (``lowest_rank_wins``) and
+other values may differ by design and are not sampled."""
+
+SAMPLES = 16
+"""Elements read per sampled tensor: different layers differ in nearly every element."""
+
+
+def _sampled(items: dict[str, SaveItem]) -> list[bool]:
+    """Whether ``Offer.of`` samples each chunk of ``items`` (in :func:`chunks_of` order)."""
+    return [
+        item.kind in SAMPLED_KINDS and (c.replicated or c.copies_allowed) and not c.lowest_rank_wins
+        for item in items.values()
+        for c in item.chunks
+    ]
+
+
+def sample_checksums(tensors: list[torch.Tensor | None]) -> list[int | None]:
+    """CRC32 of up to :data:`SAMPLES` elements of each tensor (``None`` where none is
+    given, or where the tensor cannot be sampled: a wrapper subclass).
+
+    Evenly spaced elements of a contiguous tensor; of another, a grid of at most three
+    indices per dimension. The samples of each device are brought to the host in one
+    copy, so a GPU model pays one synchronisation per save, not one per tensor."""
+    picked: list[torch.Tensor | None] = [_sample_bytes(t) for t in tensors]
+    host: dict[torch.device, torch.Tensor] = {}
+    for device in {p.device for p in picked if p is not None and p.device.type != "cpu"}:
+        host[device] = torch.cat([p for p in picked if p is not None and p.device == device]).cpu()
+    offsets = dict.fromkeys(host, 0)
+    found: list[int | None] = []
+    for p in picked:
+        if p is None:
+            found.append(None)
+            continue
+        if p.device.type != "cpu":
+            start = offsets[p.device]
+            offsets[p.device] = start + p.numel()
+            p = host[p.device][start : start + p.numel()]
+        found.append(crc32(memory(p.contiguous()), 0))
+    return found
+
+
+def _sample_bytes(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The sampled elements of ``tensor`` as a 1-D uint8 tensor on its device."""
+    if tensor is None:
+        return None
+    try:
+        t = tensor.detach()
+        if t.numel() == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        if t.is_contiguous():
+            flat = t.view(-1)
+            picked = flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES]
+        else:
+            grid = tuple(slice(None, None, max(1, -(-size // 3))) for size in t.shape)
+            picked = t[grid].reshape(-1)[:SAMPLES]
+        return picked.contiguous().view(torch.uint8).reshape(-1)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 def replica_checksum(tensor: torch.Tensor) -> int:

@@ -208,10 +208,12 @@ def _check_key(key: str, chunks: list[ChunkOffer]) -> tuple[torch.dtype, tuple[i
     if first.replicated:
         if not first.lowest_rank_wins:
             _check_replicas(key, chunks)
+            _check_samples(key, chunks)
         return first.dtype, first.global_shape
     copies = copies_of(chunks)
     for same in copies:
         _check_replicas(key, same)
+        _check_samples(key, same)
     problem = geometry.tiling_problem(
         first.global_shape, [(c[0].offsets, c[0].shape) for c in copies]
     )
@@ -242,31 +244,57 @@ def copies_of(chunks: list[ChunkOffer]) -> list[list[ChunkOffer]]:
 def _check_replicas(key: str, chunks: list[ChunkOffer]) -> None:
     """Every holder of a replicated tensor (or of copies of one shard) that checksummed its
     copy (``verify_replicas``, or ``Chunk.always_verify``) has the same bytes."""
-    by_crc: dict[int, list[int]] = {}
-    for c in chunks:
-        if c.checksum is not None:
-            by_crc.setdefault(c.checksum, []).append(c.rank)
-    if len(by_crc) > 1:
-        groups = sorted(by_crc.values())
-        holders = [("ranks " if len(r) > 1 else "rank ") + ", ".join(map(str, r)) for r in groups]
-        verb = "hold" if len(groups[0]) > 1 else "holds"
-        others = ", ".join(f"{h} another" for h in holders[1:])
-        shown = f"{holders[0]} {verb} one version, {others}"
-        first = chunks[0]
-        what = (
-            "one tensor replicated on all of them"
-            if first.shape == first.global_shape
-            else f"one shard (offsets {list(first.offsets)}, shape {list(first.shape)}) "
-            "that each of them holds"
-        )
+    shown = _versions({c.rank: c.checksum for c in chunks if c.checksum is not None})
+    if shown is not None:
         raise CheckpointError(
             f"the copies of {key!r} differ between ranks: {shown}. It is "
-            f"saved as {what}, so either the replicas have diverged (e.g. a gradient not "
-            "all-reduced, or a rank-dependent update), or it is state each rank keeps "
-            "for itself, which shardsafe keeps per rank only for a stateful object's "
-            "tensors of up to 64 KiB (a sampler's generator): hold larger per-rank state "
-            "as a DTensor sharded over the ranks; nothing was written"
+            f"saved as {_saved_as(chunks[0])}, so either the replicas have diverged (e.g. "
+            "a gradient not all-reduced, or a rank-dependent update), or it is state each "
+            "rank keeps for itself, which shardsafe keeps per rank only for a stateful "
+            "object's tensors of up to 64 KiB (a sampler's generator): hold larger "
+            "per-rank state as a DTensor sharded over the ranks; nothing was written"
         )
+
+
+def _check_samples(key: str, chunks: list[ChunkOffer]) -> None:
+    """Every holder of a module's or an optimizer's replicated tensor has the same sampled
+    elements (``offer.sample_checksums``). Ranks that each name different tensors alike
+    (pipeline stages numbering their layers from 0) saved one rank's under the name, and
+    the load gave every stage that rank's layer, and mixed optimizer state, with no error."""
+    shown = _versions({c.rank: c.sample for c in chunks if c.sample is not None})
+    if shown is not None:
+        raise CheckpointError(
+            f"the copies of {key!r} differ between ranks: {shown} (sampled elements). It "
+            f"is saved as {_saved_as(chunks[0])}. If the ranks hold different tensors "
+            "under one name (pipeline stages that number their layers from 0, experts "
+            "numbered per rank), name them by their global index (stage s's layer i as "
+            "layers.{s * layers_per_stage + i}), as a checkpoint loaded at another split "
+            "needs; if they are replicas, they have diverged (e.g. a gradient not "
+            "all-reduced, or a rank-dependent update). Nothing was written"
+        )
+
+
+def _versions(by_rank: dict[int, int]) -> str | None:
+    """Which ranks hold which version of a copy (``None`` if they all hold one)."""
+    by_crc: dict[int, list[int]] = {}
+    for rank, crc in by_rank.items():
+        by_crc.setdefault(crc, []).append(rank)
+    if len(by_crc) < 2:
+        return None
+    groups = sorted(by_crc.values())
+    holders = [("ranks " if len(r) > 1 else "rank ") + ", ".join(map(str, r)) for r in groups]
+    verb = "hold" if len(groups[0]) > 1 else "holds"
+    others = ", ".join(f"{h} another" for h in holders[1:])
+    return f"{holders[0]} {verb} one version, {others}"
+
+
+def _saved_as(first: ChunkOffer) -> str:
+    return (
+        "one tensor replicated on all of them"
+        if first.shape == first.global_shape
+        else f"one shard (offsets {list(first.offsets)}, shape {list(first.shape)}) "
+        "that each of them holds"
+    )
 
 
 def _plan_sharded(by_key: dict[str, list[ChunkOffer]], world_size: int) -> list[FilePlan]:
