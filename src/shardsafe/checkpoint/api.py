@@ -6,10 +6,12 @@ defaults taken from there (written once).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 from . import background, loading, saving
 from .background import SaveHandle
@@ -35,8 +37,37 @@ else:  # a dependency of torch's
 
 _S = SaveOptions()
 _L = LoadOptions()
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
+def _told_if_misspelled(
+    operation: str, refuse: Callable[..., object], name_of: Callable[[str], str]
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """An entry point whose unknown keyword (``read_thread=4``, on one rank) is told to the
+    other ranks before it is raised, as ``async_save``'s and the managers' are.
+
+    Python refused the name before the body ran, on that rank alone, and the others
+    waited out ``entry_timeout``, then said it never arrived. The signature stays the
+    function's own (``functools.wraps``), defaults and all."""
+
+    def decorate(entry: Callable[_P, _R]) -> Callable[_P, _R]:
+        known = {"path", "state", *list(inspect.signature(entry).parameters)}
+
+        @functools.wraps(entry)
+        def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            unknown = {k: v for k, v in kwargs.items() if k not in known}
+            path = args[0] if args else kwargs.get("path")
+            if unknown and isinstance(path, (str, os.PathLike)):
+                told_if_refused(operation, name_of(path_text(path)), lambda: refuse(**unknown))
+            return entry(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+@_told_if_misspelled("save", SaveOptions.of, str)
 def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
@@ -123,6 +154,7 @@ def async_save(
     return background.async_save(text, state, made)
 
 
+@_told_if_misspelled("load", LoadOptions.of, directory_name)
 def load(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
