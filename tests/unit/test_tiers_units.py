@@ -2029,3 +2029,32 @@ def test_a_step_deleted_ahead_of_the_counts_can_never_be_counted_complete(
         assert (tally.everywhere(1, 1), tally.written_everywhere(1, 1)) == (True, True)
     finally:
         replicator.close()
+
+
+def test_a_local_directory_another_run_filled_is_refused_not_resumed_from(
+    tmp_path: Path,
+) -> None:
+    """Run B, given run A's local directory (another run_dir, the same local one), resumed
+    from A's newest local step by its number alone: A's weights, optimizer and losses."""
+    local = tmp_path / "l"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = TieredCheckpointManager(tmp_path / "a", local, replicas=0, persist_every=None)
+        for step in (1, 2, 3):
+            a.save(step, {"w": torch.full((4,), float(step))})
+        a.close()
+        shardsafe.CheckpointManager(tmp_path / "b").save(2, {"w": torch.zeros(4)})
+        for _ in range(2):  # refused, and refused again: nothing was deleted
+            with pytest.raises(shardsafe.CheckpointError) as e:
+                TieredCheckpointManager(tmp_path / "b", local, replicas=0, persist_every=None)
+            assert str(e.value) == (
+                f"the local directory {local} holds step 3 of another run, whose persistent "
+                f"tier is {tmp_path}/a (this run's is {tmp_path}/b): give this run a local "
+                "directory of its own, or delete that run's steps there if it is over; "
+                "shardsafe will not delete them for you"
+            )
+        a = TieredCheckpointManager(f"{tmp_path}/x/../a", local, replicas=0, persist_every=None)
+        live = {"w": torch.zeros(4)}
+        a.load_latest(live)  # its own run, spelled otherwise
+        a.close()
+    assert torch.equal(live["w"], torch.full((4,), 3.0))

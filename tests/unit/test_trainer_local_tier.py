@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +121,21 @@ def test_an_async_run_resumes_from_the_local_tier_exactly(
 def test_a_run_behind_the_local_tier_is_refused(tmp_path: Path) -> None:
     local: dict[str, Any] = {"local_checkpoint_dir": str(tmp_path / "local")}
     fit_example(tmp_path / "a", 7, **local)  # persistent 5, 7; local 6, 7
-    with pytest.raises(CheckpointError, match="holds step 7, but this is a new run"):
+    # Another run_dir: another run, whose steps these are not (a resume took them by their
+    # number alone), said before anything trains.
+    another = (
+        f"the local directory {tmp_path / 'local'} holds step 7 of another run, whose "
+        f"persistent tier is {tmp_path / 'a' / 'checkpoints'} (this run's is "
+        f"{tmp_path / 'b' / 'checkpoints'})"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(another)):
         fit_example(tmp_path / "b", 7, **local)
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
     step5 = str(tmp_path / "a" / "checkpoints" / "step-000000005")
-    with pytest.raises(CheckpointError, match="holds step 7, but this run resumes from step 5"):
+    with pytest.raises(CheckpointError, match="holds step 7 of another run"):
         fit_example(tmp_path / "c", 7, step5, **local)
+    with pytest.raises(CheckpointError, match="already holds step 7, newer than step 5"):
+        fit_example(tmp_path / "a", 7, step5, **local)  # its own run: behind its steps
     fit_example(tmp_path / "d", 6, step5)  # without the local tier: a fork, as before
 
 
@@ -192,3 +203,20 @@ def test_a_failed_fit_leaves_no_save_running_and_a_retry_resumes_the_newest_step
         "local": "resuming from step 7, from the local tier",
     }[tier]
     assert said in out, out
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_local_steps_are_all_beyond_max_steps_says_it_saved_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "only in the local tier", which held nothing: a resume then started at 0."""
+    local = tmp_path / "local"
+    torch.manual_seed(0)
+    run = {"run_dir": str(tmp_path / "run"), "local_checkpoint_dir": str(local)}
+    Trainer(max_steps=5, local_every=10, **run).fit(ExampleModule())
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert (
+        "no checkpoint saved: checkpoint_every is not set, and no step from 1 to 5 is a "
+        "multiple of local_every=10, losses"
+    ) in last, last
+    assert not local.exists() or not list(local.glob("step-*"))

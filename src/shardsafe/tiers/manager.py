@@ -38,7 +38,7 @@ from ..checkpoint.storage.locations import is_url, local_path, path_text
 from ..distributed import Phase, clients
 from ..distributed.group import default_store
 from ..errors import CheckpointError
-from . import budget, node_share
+from . import budget, node_share, rank_checkpoint
 from .local_lock import LocalLock
 from .node_dir import NodeDir
 from .node_share import NodeShare
@@ -128,6 +128,8 @@ class TieredCheckpointManager:
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
             if problem is None:
                 _check_apart(self.node.root, root)
+                self.node.persistent = rank_checkpoint.persistent_identity(root)
+                _refuse_foreign(self.node)
             mine = os.path.realpath(self.node.root)
             return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns(), mine]
 
@@ -171,6 +173,7 @@ class TieredCheckpointManager:
             self._tally(names),
             NodeShare(self.node, self.rank, mates) if len(mates) > 1 else None,
             _run(names[0]),
+            self.node.persistent,
         )
         self._stager = Stager()
         self._budget_checked = False
@@ -534,6 +537,21 @@ def _spelled(path: object) -> str:
     if isinstance(path, os.PathLike):
         return str(os.fspath(path))
     return repr(path)
+
+
+def _refuse_foreign(node: NodeDir) -> None:
+    """Refuse a local directory holding another run's steps (another ``run_dir`` or
+    persistent root, the same local directory): a resume took them by their step number
+    alone, another model's weights and optimizer, and a fresh run was told to resume."""
+    found = node.foreign()
+    if found is not None:
+        step, theirs = found
+        raise CheckpointError(
+            f"the local directory {node.root} holds step {step} of another run, whose "
+            f"persistent tier is {theirs} (this run's is {node.persistent}): give this run "
+            "a local directory of its own, or delete that run's steps there if it is over; "
+            "shardsafe will not delete them for you"
+        )
 
 
 def _check_node_mates_share(roots: list[tuple[str, str]]) -> None:

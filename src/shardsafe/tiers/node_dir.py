@@ -109,8 +109,11 @@ def _prune(root: LocalStorage, step_dir: LocalStorage, step: int) -> None:
 class NodeDir:
     """The node-local directory at ``root`` (created on first use)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, persistent: str = "") -> None:
         self.root = os.path.abspath(os.fspath(root))
+        self.persistent = persistent
+        """The persistent tier of the run using it (``rank_checkpoint.root_of``): a copy
+        another run wrote (another ``run_dir``, the same local directory) is refused."""
 
     def _root(self) -> LocalStorage:
         storage = LocalStorage(self.root)
@@ -198,6 +201,25 @@ class NodeDir:
                 elif found is not None and refused is not None:
                     refused.append(Refused(step, rank, found))
 
+    def foreign(self) -> tuple[int, str] | None:
+        """The newest step here holding a copy another run saved (its persistent tier is
+        not :attr:`persistent`), and that run's tier; ``None`` if there is none. A copy
+        that cannot be read is left to :meth:`held` to refuse."""
+        if not self.persistent or not os.path.isdir(self.root):
+            return None
+        for step in reversed(self.steps()):
+            for rank in self.ranks_in(step):
+                try:
+                    with self.rank_storage(step, rank, create=False) as storage:
+                        if storage.kind(MANIFEST_NAME) != "file":
+                            continue
+                        theirs = rank_checkpoint.root_of(loadable_manifest(storage))
+                except (CheckpointError, OSError):
+                    continue
+                if theirs and theirs != self.persistent:
+                    return step, theirs
+        return None
+
     def _check(self, step: int, rank: int) -> Held | str | None:
         """The copy, if it would load; else why not, or ``None`` if it is no copy (no
         manifest: an interrupted write or receipt; gone since it was listed)."""
@@ -210,6 +232,12 @@ class NodeDir:
                 saved_rank, world_size, saved_step = rank_checkpoint.saved_by(manifest)
                 if (saved_rank, saved_step) != (rank, step):
                     return f"it holds rank {saved_rank}'s checkpoint of step {saved_step}"
+                theirs = rank_checkpoint.root_of(manifest)
+                if theirs and self.persistent and theirs != self.persistent:
+                    return (
+                        f"another run saved it, whose persistent tier is {theirs}, not this "
+                        f"run's {self.persistent}; give each run a local directory of its own"
+                    )
                 rank_checkpoint.placed_tensors(manifest)  # what its load would refuse
                 return Held(step, rank, world_size, rank_checkpoint.run_of(manifest))
         except (FileNotFoundError, CheckpointNotFoundError):

@@ -20,6 +20,7 @@ tensor.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -29,6 +30,7 @@ from ..checkpoint import streaming
 from ..checkpoint.format.manifest import ChunkRecord, Manifest, TensorRecord
 from ..checkpoint.format.manifest_format import shape_problem
 from ..checkpoint.plan.collecting import Collected
+from ..checkpoint.storage.locations import is_url
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, Uncommitted
 from ..dtypes import dtype_name
@@ -66,11 +68,12 @@ def write_uncommitted(
     parts: int = 1,
     own_part: int = 0,
     run: str = "",
+    root: str = "",
 ) -> Uncommitted:
     """The rank checkpoint of ``items`` written but for its commit; with ``shared`` (which
     part of the node each shared chunk is in, ``node_share.py``), the chunks of the other
     parts are left to their writers (their staged tensors hold no data). ``run``: the
-    writing manager's :func:`run_of` token."""
+    writing manager's :func:`run_of` token; ``root``: its persistent tier (:func:`root_of`)."""
     values: dict[str, SavedValue] = {}
     chunks: list[StreamedChunk] = []
     placements: dict[str, list[list[int]]] = {}
@@ -108,6 +111,8 @@ def write_uncommitted(
         "run": run,
         "placements": placements,
     }
+    if root:
+        info["root"] = root
     return streaming.write_uncommitted(
         storage,
         values,
@@ -182,6 +187,32 @@ def run_of(manifest: Manifest) -> str:
             "lower-case hex digits"
         )
     return run
+
+
+MAX_ROOT_CHARS = 4096
+
+
+def root_of(manifest: Manifest) -> str:
+    """The persistent tier of the run that wrote a rank checkpoint, as that run's manager
+    named it (:func:`persistent_identity`; ``""`` for one written before it was recorded).
+
+    A local directory given to a second run (another ``run_dir``, the same
+    ``local_checkpoint_dir``) held the first run's steps, and that run resumed from them,
+    by step number alone: another model's weights, optimizer and losses."""
+    info = manifest.info.get(INFO_KEY)
+    root = info.get("root", "") if isinstance(info, dict) else ""
+    if not isinstance(root, str) or len(root) > MAX_ROOT_CHARS:
+        raise CheckpointCorruptError(
+            f"the manifest's 'rank_checkpoint' root is not a text of at most {MAX_ROOT_CHARS} "
+            "characters"
+        )
+    return root
+
+
+def persistent_identity(root: str) -> str:
+    """What a rank checkpoint records of its run's persistent root: the URL, or the local
+    directory with its links resolved (a run given it spelled otherwise is the same run)."""
+    return root if is_url(root) else os.path.realpath(root)
 
 
 def view(state: Mapping[str, Any], *, rank: int, world_size: int) -> Callable[[Manifest], Manifest]:

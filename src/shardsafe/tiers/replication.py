@@ -122,10 +122,13 @@ class Replicator:
         tally: Tally | None = None,
         share: NodeShare | None = None,
         run: str = "",
+        root: str = "",
     ) -> None:
         self.node, self.rank, self.world_size = node, rank, world_size
         self.run = run
         """The token every rank's local checkpoints record (``rank_checkpoint.run_of``)."""
+        self.root = root
+        """The persistent tier they record (``rank_checkpoint.root_of``)."""
         self.share = share
         """How this rank shares its node's data-parallel tensors (``node_share.py``)."""
         self.peers, self.group, self.keep_local = peers, group, keep_local
@@ -256,6 +259,7 @@ class Replicator:
                     parts=split.parts if split is not None else 1,
                     own_part=share.position if share is not None else 0,
                     run=save_token(self.run, save),
+                    root=self.root,
                 )
                 own = _identities(storage, written.written)
         except Exception as e:  # recorded; replication sends "none" for this step

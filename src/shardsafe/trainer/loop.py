@@ -182,10 +182,16 @@ def summary(result: FitResult, start: int, config: TrainerConfig) -> str:
     if config.checkpoint_every is None:
         # The checkpoint the run resumed from (maybe another run's) is none of this run's.
         saved = "no checkpoint saved (checkpoint_every is not set)"
-        if config.local_checkpoint_dir is not None:
+        every = config.local_every
+        if config.local_checkpoint_dir is not None and result.step // every > start // every:
             saved = (
                 f"no checkpoint saved in {config.checkpoint_dir} (checkpoint_every is not "
                 f"set), only in the local tier {config.local_checkpoint_dir}"
+            )
+        elif config.local_checkpoint_dir is not None:  # it said "only in the local tier"
+            saved = (
+                f"no checkpoint saved: checkpoint_every is not set, and no step from "
+                f"{start + 1} to {result.step} is a multiple of local_every={every}"
             )
     else:
         saved = f"checkpoint {result.checkpoint or 'none'} (all in {config.checkpoint_dir})"
