@@ -1,11 +1,13 @@
 """A Hugging Face Accelerate training script that checkpoints with shardsafe.
 
     pip install "shardsafe[accelerate]"
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py  # CPU: gloo
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py  # resumes
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --steps 40
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --steps 80
 
 (``--multi_gpu`` only picks Accelerate's torchrun launcher; the script asks for the CPU
-unless CUDA is there.) A small MLP with dropout, AdamW and a step scheduler over a
+unless CUDA is there, and the processes talk over gloo.) The second command resumes at
+step 40 and trains to 80; run with the same ``--steps`` again, it resumes and has nothing
+left to train. A small MLP with dropout, AdamW and a step scheduler over a
 shuffled dataloader with a generator of its own (see the comment there) trains for
 ``--steps`` steps, saving every ``--every`` steps with ``shardsafe.accelerate.save_state``
 in the background into ``--run-dir/checkpoints`` (automatic naming, the newest 2 kept).

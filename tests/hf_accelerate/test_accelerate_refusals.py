@@ -89,7 +89,7 @@ def test_no_directory_and_no_automatic_naming_is_refused(accelerator: Any) -> No
     prepared(accelerator)
     with pytest.raises(ValueError, match="no output_dir given and automatic checkpoint naming"):
         save_state(accelerator)
-    with pytest.raises(ValueError, match="no output_dir given and automatic checkpoint naming"):
+    with pytest.raises(ValueError, match="no input_dir given and automatic checkpoint naming"):
         load_state(accelerator)
 
 

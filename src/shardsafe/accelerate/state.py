@@ -123,7 +123,7 @@ def save_state(
     state = state_of(accelerator)
     if output_dir is None:
         first = accelerator not in _MANAGERS
-        manager = _manager(accelerator, options.pop("storage_options", None))
+        manager = _manager(accelerator, options.pop("storage_options", None), "output_dir")
         config = accelerator.project_configuration
         step = int(config.iteration)
         if first:
@@ -174,7 +174,7 @@ def load_state(
     state = state_of(accelerator)
     choose = _nothing_left_behind(state, options.get("strict", True))
     if input_dir is None:
-        manager = _manager(accelerator, options.pop("storage_options", None))
+        manager = _manager(accelerator, options.pop("storage_options", None), "input_dir")
         values = manager._load_latest_chosen(choose, **options)
         if values is None:
             raise CheckpointNotFoundError(_nothing_to_load(manager.root))
@@ -382,15 +382,18 @@ _LOADED_FROM: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 for :func:`_refuse_behind` to tell a rollback from a script that did not resume."""
 
 
-def _manager(accelerator: Any, storage_options: dict[str, Any] | None) -> CheckpointManager:
+def _manager(
+    accelerator: Any, storage_options: dict[str, Any] | None, argument: str
+) -> CheckpointManager:
     """The accelerator's manager of ``project_dir/checkpoints``, one per accelerator (it
     holds the root's lock, and the save in flight, for the run), made with the
     ``storage_options`` of the first call that names a project directory on a store;
-    a later call must not give others."""
+    a later call must not give others. ``argument``: the directory argument the caller
+    left out (``output_dir`` of ``save_state``, ``input_dir`` of ``load_state``)."""
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         raise ValueError(
-            "no output_dir given and automatic checkpoint naming is off: pass a directory, "
+            f"no {argument} given and automatic checkpoint naming is off: pass a directory, "
             "or build the Accelerator with ProjectConfiguration(project_dir=..., "
             "automatic_checkpoint_naming=True)"
         )
