@@ -47,6 +47,16 @@ class S3Server:
     def put(self, bucket: str, key: str, data: bytes) -> None:
         self.client().put_object(Bucket=bucket, Key=key, Body=data)
 
+    def restore_bucket(self, bucket: str, pristine: str) -> None:
+        """Make ``bucket`` hold exactly a copy of ``pristine``'s objects again (a test that
+        needs a run's own URL, as a local tier's copies record it, and its objects as a
+        fixture left them)."""
+        client = self.client()
+        for key in self.keys(bucket):
+            client.delete_object(Bucket=bucket, Key=key)
+        for key in self.keys(pristine):
+            client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": pristine, "Key": key})
+
     def copy_bucket(self, bucket: str) -> str:
         """A new bucket holding a copy of every object of ``bucket`` (server-side copies)."""
         copied, client = self.new_bucket(), self.client()

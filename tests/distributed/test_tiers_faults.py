@@ -1352,8 +1352,8 @@ def _many_damaged_replicas_then_restore(rank: int, world: int, base: str) -> dic
     model = torch.nn.Linear(4, 4)
     with contextlib.closing(manager()) as saving:
         for step in range(MANY):
-            with torch.no_grad():
-                model.weight.fill_(100 * step + rank)
+            with torch.no_grad():  # each rank's own from step 1 on; step 0 is persisted,
+                model.weight.fill_(100 * step + rank if step else 0)  # where copies agree
             saving.save(step, {"model": model})
             saving.wait()
     torch.distributed.barrier()

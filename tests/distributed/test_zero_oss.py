@@ -229,6 +229,15 @@ class ShardedSGD(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:  # what makes it look sharded
         raise NotImplementedError
 
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Step this rank's part, then share it, as ZeRO does: else the model's copies
+        differ between ranks, which a save refuses (one copy would be written)."""
+        self.optim.step()
+        world = torch.distributed.get_world_size()
+        flat = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(flat):
+            torch.distributed.broadcast(p.data, src=i % world)
+
 
 def custom_adapter_run(rank: int, world: int, path: str, register: bool) -> Any:
     from shardsafe.adapters import PartitionedOptimizerAdapter
@@ -243,7 +252,7 @@ def custom_adapter_run(rank: int, world: int, path: str, register: bool) -> Any:
     model = torch.nn.Linear(4, 3)
     opt = ShardedSGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
-    opt.optim.step()
+    opt.step()
     shardsafe.save(path, {"model": model, "optimizer": opt})
     fresh = ShardedSGD(model.parameters(), lr=0.5)
     shardsafe.load(path, {"model": model, "optimizer": fresh})

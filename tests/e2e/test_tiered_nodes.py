@@ -51,27 +51,29 @@ def reference(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> 
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> tuple[Path, str]:
+def killed(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> tuple[Path, str, str]:
     """A run whose workers were all SIGKILLed once step 4 was saved locally and
-    replicated: its local directories and its bucket, which no test changes
-    (``killed_run`` copies them)."""
+    replicated: its local directories, its bucket and a pristine copy of the bucket
+    (``killed_run`` copies the directories and puts the bucket back)."""
     tmp = tmp_path_factory.mktemp("killed")
     bucket = s3_server.new_bucket()
     args = (f"s3://{bucket}/run", str(tmp / "local"), "--kill-at", "4")
     for code, out in run_nodes(tmp, node_env(s3_server.env), *args):
         assert code != 0, out
         assert "loss 4 " in out and "loss 5 " not in out, out
-    return tmp / "local", bucket
+    return tmp / "local", bucket, s3_server.copy_bucket(bucket)
 
 
 def killed_run(
-    tmp_path: Path, s3_server: S3Server, killed: tuple[Path, str]
+    tmp_path: Path, s3_server: S3Server, killed: tuple[Path, str, str]
 ) -> tuple[str, dict[str, str]]:
-    """A copy of the killed run for one test: its local directories (hard links kept,
-    as the node's shared tensors have them) and its bucket."""
-    local, bucket = killed
+    """The killed run, for one test: a copy of its local directories (hard links kept, as
+    the node's shared tensors have them), and its own bucket put back as the kill left it
+    (the local copies record the run's URL: a copy under another name is another run's)."""
+    local, bucket, pristine = killed
     subprocess.run(["cp", "-a", str(local), str(tmp_path / "local")], check=True)
-    return f"s3://{s3_server.copy_bucket(bucket)}/run", node_env(s3_server.env)
+    s3_server.restore_bucket(bucket, pristine)
+    return f"s3://{bucket}/run", node_env(s3_server.env)
 
 
 def resume(tmp_path: Path, url: str, env: dict[str, str], reference: list[dict]) -> list[str]:
@@ -87,14 +89,14 @@ def resume(tmp_path: Path, url: str, env: dict[str, str], reference: list[dict])
 
 
 def test_whole_job_killed_restores_from_the_local_tiers(
-    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str]
+    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str, str]
 ) -> None:
     url, env = killed_run(tmp_path, s3_server, killed)
     assert resume(tmp_path, url, env, reference) == ["restored 4 local"] * 2
 
 
 def test_a_lost_node_restores_from_its_replica_on_the_other(
-    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str]
+    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str, str]
 ) -> None:
     url, env = killed_run(tmp_path, s3_server, killed)
     shutil.rmtree(tmp_path / "local" / "node1")  # the node was replaced
@@ -102,7 +104,7 @@ def test_a_lost_node_restores_from_its_replica_on_the_other(
 
 
 def test_both_nodes_lost_restore_from_the_persistent_tier_on_s3(
-    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str]
+    tmp_path: Path, s3_server: S3Server, reference: list[dict], killed: tuple[Path, str, str]
 ) -> None:
     url, env = killed_run(tmp_path, s3_server, killed)
     shutil.rmtree(tmp_path / "local")
