@@ -936,3 +936,21 @@ def test_a_store_failing_after_the_listing_is_a_checkpoint_error(
             call()
         assert str(raised.value) == said
     assert reader.newest_committed_step() is None  # not known committed, as for an OSError
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["verify", "inspect", "read_manifest"])
+def test_a_store_that_cannot_be_reached_is_a_checkpoint_error_naming_it(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """verify, inspect and read_manifest raised botocore's own EndpointConnectionError
+    (load and the manager said "the object store failed at ...")."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    dead = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    url = "s3://bucket/run/step-000000001"
+    with pytest.raises(shardsafe.CheckpointError) as e:
+        getattr(shardsafe, call)(url, storage_options=dead)
+    assert str(e.value).startswith(
+        f"the object store failed at {url}: EndpointConnectionError: Could not connect to "
+        "the endpoint URL"
+    ), str(e.value)

@@ -55,6 +55,7 @@ from .plan.rank_copies import on_a_rank_copy, rank_copy_as_one_rank
 from .storage.locations import open_storage
 from .storage.protocol import Storage
 from .storage.spool import Spool, spool_for
+from .storage.store_failures import store_errors
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",
@@ -69,7 +70,8 @@ def read_manifest(
 ) -> Manifest:
     """Parse and validate ``path/manifest.json`` (a directory or a URL); no data file is
     opened."""
-    with open_storage(os.fspath(path), storage_options=storage_options) as storage:
+    text = os.fspath(path)
+    with store_errors(text), open_storage(text, storage_options=storage_options) as storage:
         return read_manifest_from(storage)
 
 

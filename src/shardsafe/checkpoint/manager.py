@@ -53,10 +53,9 @@ from .saving import save as _save
 from .storage.files import describe_mode
 from .storage.locations import check_options, is_url, local_path, open_storage, path_text
 from .storage.lock import RootLock
-from .storage.object_placement import store_errors
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
-from .storage.store_failures import StoreFailedError
+from .storage.store_failures import StoreFailedError, store_errors
 from .storage.target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):

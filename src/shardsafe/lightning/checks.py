@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import _names, _tree
 from ..checkpoint.storage.locations import is_url, open_storage
-from ..checkpoint.storage.object_placement import store_errors
+from ..checkpoint.storage.store_failures import store_errors
 from ..errors import CheckpointError
 from . import hparams
 

@@ -49,6 +49,7 @@ from .leftovers import INCOMPLETE_MARKER, record
 from .object_storage import FsspecStorage, check_object_name, check_url_segments
 from .placement import _delete_replaced, _staging_names, _taken, refuse_foreign
 from .removal import delete_checkpoint, warn
+from .store_failures import store_errors
 
 COPY_THREADS = 16
 """Server-side copies in flight at once while publishing."""
@@ -166,19 +167,6 @@ def split(url: str) -> tuple[str, str]:
     check_url_segments(url)
     check_object_name(segments[-1])
     return f"{scheme}://{'/'.join(segments[:-1])}", segments[-1]
-
-
-@contextlib.contextmanager
-def store_errors(url: str) -> Iterator[None]:
-    """Turn an error of the store's client that is neither an ``OSError`` nor a
-    ``CheckpointError`` (botocore's ``EndpointConnectionError``, ``NoCredentialsError``,
-    ...) into a ``CheckpointError`` naming ``url``."""
-    try:
-        yield
-    except (OSError, CheckpointError):
-        raise
-    except Exception as e:
-        raise CheckpointError(f"the object store failed at {url}: {_described(e)}") from e
 
 
 def _described(e: BaseException) -> str:

@@ -11,7 +11,11 @@ only. So each is a :class:`StoreFailedError`, which they raise instead:
   (:func:`cut_short`);
 * an error code the store answered with after its client's retries (``InternalError``,
   ``ServiceUnavailable``, ``SlowDown``: the ``OSError`` s3fs makes of it,
-  :data:`FAILED_ANSWERS`) (:func:`failed_answer`).
+  :data:`FAILED_ANSWERS`) (:func:`failed_answer`);
+* a connection that failed or was reset after the client's retries (aiohttp's
+  ``ClientConnectionError``, an ``OSError`` as gcsfs raises it: ``[Errno 104] Connection
+  reset by peer``), which rolled a ``gs://`` run back to the step before
+  (:func:`lost_connection`).
 
 A missing object (``FileNotFoundError``) and access refused (``PermissionError``) are
 answers about the checkpoint, and stay what they are.
@@ -53,12 +57,25 @@ def _is_failed_answer(error: BaseException) -> bool:
     return failed or isinstance(error, TimeoutError)
 
 
+def is_lost_connection(error: BaseException) -> bool:
+    """Whether ``error`` is a connection to the store that failed or was reset."""
+    if isinstance(error, ConnectionError):
+        return True
+    try:
+        from aiohttp import ClientConnectionError
+    except ImportError:
+        return False
+    return isinstance(error, ClientConnectionError)
+
+
 def failed_read(name: str, error: BaseException) -> BaseException:
     """``error`` as :class:`StoreFailedError` if it is a store's failure, else as it is."""
     if is_cut_short(error):
         return cut_short(name, error)
     if _is_failed_answer(error):
         return failed_answer(name, error)
+    if is_lost_connection(error):
+        return lost_connection(name, error)
     return error
 
 
@@ -93,3 +110,25 @@ def failed_answer(name: str, error: BaseException) -> StoreFailedError:
         f"client's retries ({error}): nothing is known to be wrong with the checkpoint; "
         "check the store (its status, rate limits and quotas) and load again"
     )
+
+
+def lost_connection(name: str, error: BaseException) -> StoreFailedError:
+    """The error for a read of ``name`` whose connection to the store failed."""
+    return StoreFailedError(
+        f"reading {name} failed: the connection to the object store failed after its "
+        f"client's retries ({type(error).__name__}: {error}): nothing is known to be wrong "
+        "with the checkpoint; check the network and the store's endpoint, and load again"
+    )
+
+
+@contextlib.contextmanager
+def store_errors(url: str) -> Iterator[None]:
+    """Turn an error of the store's client that is neither an ``OSError`` nor a
+    ``CheckpointError`` (botocore's ``EndpointConnectionError``, ``NoCredentialsError``,
+    ...) into a ``CheckpointError`` naming ``url``."""
+    try:
+        yield
+    except (OSError, CheckpointError):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"the object store failed at {url}: {type(e).__name__}: {e}") from e
