@@ -1386,3 +1386,39 @@ def test_every_damaged_copy_is_passed_over_however_many_before_an_older_complete
         {"step": 1, "tiers": ["peer", "local"], "weight": [100.0]},
         {"step": 1, "tiers": ["peer", "local"], "weight": [101.0]},
     ]
+
+
+def _spelled_per_node(rank: int, world: int, base: str, phase: str) -> str:
+    """The Lightning local tier's manager (its persistent root under the local directory,
+    agreed under a name of its own), on 2 nodes whose local directories differ."""
+    from shardsafe.lightning.local_tier import NO_PERSISTENT
+
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    warnings.simplefilter("ignore")
+    local = os.path.join(base, f"node{rank}-disk", "run")
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(4, 4)}
+    manager = TieredCheckpointManager(
+        os.path.join(local, NO_PERSISTENT), local, persist_every=None,
+        name="lightning-local-tier", timeout=20,
+    )  # fmt: skip
+    try:
+        if phase == "save":
+            manager.save(1, state)
+            manager.save(2, state)
+            manager.wait()
+            return "saved"
+        manager.load_latest(state)
+        return repr(
+            None if manager.restored is None else (manager.restored.step, manager.restored.tiers)
+        )
+    finally:
+        manager.close()
+
+
+def test_nodes_that_spell_the_run_differently_resume_as_one_run(tmp_path: Path) -> None:
+    """Each copy recorded its writer's persistent root: a replica from the other node
+    carried that node's spelling, and the resume was refused as another run's."""
+    assert run_ranks(_spelled_per_node, 2, str(tmp_path), "save", timeout=100) == ["saved"] * 2
+    restored = run_ranks(_spelled_per_node, 2, str(tmp_path), "load", timeout=100)
+    assert restored == ["(2, ['local', 'local'])"] * 2

@@ -26,3 +26,21 @@ def test_a_ranks_part_is_its_share_of_the_plan_after_a_json_round_trip(layout: s
         assert (part.layout, part.world_size, part.tensors) == (layout, 3, {})
         expected = plan.files_of(rank) if layout == "sharded" else plan.files
         assert part.files == expected  # entries, names, dtypes and every source chunk
+
+
+def test_replicas_are_sampled_alike_whatever_their_memory_layout() -> None:
+    """A copy held channels_last (or transposed) sampled other elements than a contiguous
+    one, and equal replicas were refused as differing."""
+    from shardsafe.checkpoint.plan.offer import sample_checksums
+
+    conv = torch.randn(8, 3, 5, 5)
+    table = torch.randn(40, 30)
+    alike = [
+        (conv, conv.to(memory_format=torch.channels_last)),
+        (table, table.t().contiguous().t()),
+        (torch.arange(100.0)[::3].clone(), torch.arange(100.0)[::3]),
+    ]
+    for one, other in alike:
+        assert sample_checksums([one]) == sample_checksums([other]), (one.stride(), other.stride())
+    assert sample_checksums([table])[0] != sample_checksums([table + 1])[0]
+    assert sample_checksums([torch.tensor(2.0), torch.zeros(0), None])[2] is None

@@ -561,9 +561,9 @@ class CheckpointManager:
             if considered is not None:
                 considered.add(name)
             if problem is None:
-                yield storage.directory
+                yield self.path_for_name(name)  # as spelled: what the ranks agree under
                 continue
-            _warn(f"passing over {storage.directory}: {problem}")
+            _warn(f"passing over {self.path_for_name(name)}: {problem}")
             if considered is not None:
                 self._passed_over[step] = problem
 
@@ -643,9 +643,10 @@ class CheckpointManager:
         )
 
     def _open(self, name: str) -> Storage:
-        return open_storage(
-            self.path_for_name(name), follow=False, storage_options=self.storage_options
-        )
+        where = self.path_for_name(name)
+        if self._made_in is not None:  # where the manager was made (see _root_storage)
+            where = os.path.join(self._made_in, where)
+        return open_storage(where, follow=False, storage_options=self.storage_options)
 
     def path_for_name(self, name: str) -> str:
         return f"{self.root}/{name}" if is_url(self.root) else os.path.join(self.root, name)

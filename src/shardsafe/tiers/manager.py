@@ -128,15 +128,18 @@ class TieredCheckpointManager:
         def identity() -> list[Any]:  # inside the exchange: a rank's refusal is everyone's
             if problem is None:
                 _check_apart(self.node.root, root)
-                self.node.persistent = rank_checkpoint.persistent_identity(root)
-                _refuse_foreign(self.node)
             mine = os.path.realpath(self.node.root)
-            return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns(), mine]
+            ours = rank_checkpoint.persistent_identity(root) if problem is None else ""
+            return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns(), mine, ours]
 
         def lock() -> None:
             # Under this run's token, agreed above: the ranks of this job share their
             # byte, and a second job on the same roots (launched twice) holds another.
             if problem is None:
+                # Rank 0's: every rank's checkpoints, replicas included, record one, however
+                # each node spells or mounts the root (Lightning's is under the local one).
+                self.node.persistent = str(names[0][6])
+                _refuse_foreign(self.node)
                 run = _run(names[0])
                 self._lock, self._made_local = self.node.lock(f"{self._ranks.tag}/{run}")
 
@@ -530,13 +533,18 @@ def _refusal(check: Callable[[], object]) -> str | None:
 
 
 def _spelled(path: object) -> str:
-    """A root that ``CheckpointManager`` refused, as the others may spell it (the name the
-    ranks meet under, to be told why): its text, or its ``repr``."""
-    if isinstance(path, str):
-        return path
+    """A root that ``CheckpointManager`` refused on this rank (its ``storage_options``, say),
+    as the ranks that made it name it (the name they meet under, to be told why): as the
+    manager reads it where it can (``file://`` read, a URL's trailing ``/`` dropped), else
+    its text, or its ``repr``."""
     if isinstance(path, os.PathLike):
-        return str(os.fspath(path))
-    return repr(path)
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        return repr(path)
+    try:
+        return path.rstrip("/") if is_url(path) else local_path(path)
+    except CheckpointError:
+        return path
 
 
 def _refuse_foreign(node: NodeDir) -> None:

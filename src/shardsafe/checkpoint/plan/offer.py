@@ -170,46 +170,67 @@ def _sampled(items: dict[str, SaveItem]) -> list[bool]:
 
 
 def sample_checksums(tensors: list[torch.Tensor | None]) -> list[int | None]:
-    """CRC32 of up to :data:`SAMPLES` elements of each tensor (``None`` where none is
-    given, or where the tensor cannot be sampled: a wrapper subclass).
+    """CRC32 of :data:`SAMPLES` evenly spaced elements of each tensor, in row-major order
+    whatever its layout (a ``channels_last`` copy samples as a contiguous one), or of all
+    of them for a tensor that small; ``None`` where none is given, or where the tensor
+    cannot be sampled (a wrapper subclass).
 
-    Evenly spaced elements of a contiguous tensor; of another, a grid of at most three
-    indices per dimension. The samples of each device are brought to the host in one
-    copy, so a GPU model pays one synchronisation per save, not one per tensor."""
-    picked: list[torch.Tensor | None] = [_sample_bytes(t) for t in tensors]
-    host: dict[torch.device, torch.Tensor] = {}
-    for device in {p.device for p in picked if p is not None and p.device.type != "cpu"}:
-        host[device] = torch.cat([p for p in picked if p is not None and p.device == device]).cpu()
-    offsets = dict.fromkeys(host, 0)
-    found: list[int | None] = []
-    for p in picked:
-        if p is None:
-            found.append(None)
+    A contiguous CPU tensor is read through its memory, with no tensor operation: a save
+    of tens of thousands of small tensors paid several per tensor. Others gather the
+    elements on their device, brought to the host in one copy per device, so a GPU model
+    pays one synchronisation per save, not one per tensor."""
+    found: list[int | None] = [None] * len(tensors)
+    gathered: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor is None:
             continue
-        if p.device.type != "cpu":
-            start = offsets[p.device]
-            offsets[p.device] = start + p.numel()
-            p = host[p.device][start : start + p.numel()]
-        found.append(crc32(memory(p.contiguous()), 0))
+        direct = _sampled_memory(tensor)
+        if direct is not None:
+            found[i] = crc32(memoryview(direct), 0)
+            continue
+        picked = _gathered(tensor)
+        if picked is not None:
+            gathered.setdefault(picked.device, []).append((i, picked))
+    for pieces in gathered.values():
+        host = torch.cat([p for _, p in pieces]).cpu()
+        start = 0
+        for i, p in pieces:
+            found[i] = crc32(memory(host[start : start + p.numel()]), 0)
+            start += p.numel()
     return found
 
 
-def _sample_bytes(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """The sampled elements of ``tensor`` as a 1-D uint8 tensor on its device."""
-    if tensor is None:
+def _indices(count: int) -> list[int]:
+    """The row-major positions sampled of a tensor of ``count`` elements."""
+    if count <= SAMPLES:
+        return list(range(count))
+    return [k * count // SAMPLES for k in range(SAMPLES)]
+
+
+def _sampled_memory(tensor: torch.Tensor) -> bytes | None:
+    """The sampled elements' bytes of a contiguous CPU tensor, read from its memory; else
+    ``None`` (sampled by :func:`_gathered`)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return None
+    try:
+        whole = memory(tensor.detach())
+    except (ValueError, RuntimeError, TypeError):
+        return None
+    size = tensor.element_size()
+    return b"".join(whole[k * size : (k + 1) * size] for k in _indices(tensor.numel()))
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The sampled elements of ``tensor`` as a 1-D uint8 tensor on its device (the same
+    row-major positions as :func:`_sampled_memory`), or ``None`` if it cannot be read."""
     try:
         t = tensor.detach()
         if t.numel() == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        if t.is_contiguous():
-            flat = t.view(-1)
-            picked = flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES]
-        else:
-            grid = tuple(slice(None, None, max(1, -(-size // 3))) for size in t.shape)
-            picked = t[grid].reshape(-1)[:SAMPLES]
+            return torch.empty(0, dtype=torch.uint8, device=t.device)
+        where = torch.tensor(_indices(t.numel()), device=t.device)
+        picked = t[torch.unravel_index(where, t.shape)] if t.dim() else t.reshape(1)
         return picked.contiguous().view(torch.uint8).reshape(-1)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, NotImplementedError, ValueError):
         return None
 
 
