@@ -1000,8 +1000,9 @@ def test_a_second_live_manager_on_one_local_directory_is_refused_whatever_its_ro
     (same roots): before, each replaced the other's step directories in silence (a
     replica arrived "damaged"), and a restore found the other's state there; a second job
     of the same roots was not even noticed (the review's two-jobs case). Now the second is
-    refused while the first lives; once it is closed, another may resume from the
-    directory."""
+    refused while the first lives; once it is closed, a manager of the same run may resume
+    from the directory (one of another persistent root is refused: the steps are not its
+    run's)."""
     local = tmp_path / "l"
     first = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
     first.save(1, valued_state(1))
@@ -1016,7 +1017,9 @@ def test_a_second_live_manager_on_one_local_directory_is_refused_whatever_its_ro
             "own"
         )
     first.close()
-    later = TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None)
+    with pytest.raises(CheckpointError, match="holds step 1 of another run"):
+        TieredCheckpointManager(tmp_path / "ema", local, replicas=0, persist_every=None)
+    later = TieredCheckpointManager(tmp_path / "model", local, replicas=0, persist_every=None)
     live = valued_state(0)
     assert later.load_latest(live) is not None and torch.equal(live["t"], valued_state(1)["t"])
     later.close()
@@ -1320,17 +1323,18 @@ def test_a_local_copy_holding_rng_state_verifies_and_converts(tmp_path: Path) ->
 
 
 def test_a_new_run_saving_behind_an_earlier_runs_local_steps_is_refused(tmp_path: Path) -> None:
-    """A second run given the first run's local directory, that did not call
-    load_latest, saved steps 1-2 beside the first run's 1-3 without a word, and its
-    restart restored the first run's step 3 over its own work. Its first save is refused;
-    after load_latest it resumes from them, as documented."""
+    """A second run of the same roots, that did not call load_latest, saved steps 1-2
+    beside the first run's 1-3 without a word, and its restart restored the first run's
+    step 3 over its own work. Its first save is refused; after load_latest it resumes from
+    them, as documented. (A run of another persistent root is refused when it is made:
+    test_a_local_directory_another_run_filled_is_refused_not_resumed_from.)"""
     local = tmp_path / "l"
     first = TieredCheckpointManager(tmp_path / "a", local, replicas=0, persist_every=None)
     for step in (1, 2, 3):
         first.save(step, trained(0))
     first.close()
     kept = sorted(os.listdir(local))
-    second = TieredCheckpointManager(tmp_path / "b", local, replicas=0, persist_every=None)
+    second = TieredCheckpointManager(tmp_path / "a", local, replicas=0, persist_every=None)
     with pytest.raises(CheckpointError) as refused:
         second.save(1, trained(1))
     assert str(refused.value) == (
@@ -1347,7 +1351,7 @@ def test_a_new_run_saving_behind_an_earlier_runs_local_steps_is_refused(tmp_path
     second.save(4, state)  # resumed: it goes on
     second.close()
     # a save after the earlier run's steps is not behind them: saved
-    third = TieredCheckpointManager(tmp_path / "c", local, replicas=0, persist_every=None)
+    third = TieredCheckpointManager(tmp_path / "a", local, replicas=0, persist_every=None)
     third.save(5, trained(2))
     third.close()
 

@@ -138,10 +138,10 @@ class TieredCheckpointManager:
             if problem is None:
                 # Rank 0's: every rank's checkpoints, replicas included, record one, however
                 # each node spells or mounts the root (Lightning's is under the local one).
-                self.node.persistent = str(names[0][6])
-                _refuse_foreign(self.node)
                 run = _run(names[0])
                 self._lock, self._made_local = self.node.lock(f"{self._ranks.tag}/{run}")
+                self.node.persistent = str(names[0][6])
+                _refuse_foreign(self.node)  # after the lock: a live one is said as such
 
         try:
             names = self._ranks.exchange(Phase.SURVEY, identity)
