@@ -95,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         silence_stdout()
         return 1
     except (CheckpointError, OSError, ImportError) as e:
+        cause = e.__cause__
+        if isinstance(e, CheckpointError) and cause is not None and from_object_store_client(cause):
+            print(_unreachable(cause), file=sys.stderr)  # the library names it; we say how
+            return 1
         # Line by line: a mismatch lists its problems one per line (escaped whole, they
         # came out as one line full of \x0a); every other character is escaped.
         text = "\n".join(terminal_safe(line) for line in str(e).split("\n"))
@@ -105,12 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as e:
         if from_object_store_client(e):
-            print(
-                f"shardsafe: error: the object store refused or could not be reached: "
-                f"{type(e).__name__}: {terminal_safe(str(e))} (check the URL, the credentials "
-                "and the endpoint: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)",
-                file=sys.stderr,
-            )
+            print(_unreachable(e), file=sys.stderr)
             return 1
         if args.command not in READS_CHECKPOINTS:
             raise  # fit: the traceback may be the user's own code's
@@ -128,6 +127,15 @@ OBJECT_STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "a
 denied, no such bucket, endpoint unreachable, a connection dropped: aiohttp is the HTTP
 client under s3fs and gcsfs), not a bug in shardsafe: fsspec's clients raise them as
 they are, and not all of them are ``OSError``."""
+
+
+def _unreachable(error: BaseException) -> str:
+    """The line for a store that refused or could not be reached, with what to check."""
+    return (
+        f"shardsafe: error: the object store refused or could not be reached: "
+        f"{type(error).__name__}: {terminal_safe(str(error))} (check the URL, the credentials "
+        "and the endpoint: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)"
+    )
 
 
 def from_object_store_client(error: BaseException) -> bool:

@@ -31,7 +31,7 @@ from .format.manifest import Manifest, TensorRecord
 from .format.manifest_format import Layout
 from .format.manifest_table import chunk_files
 from .storage.locations import is_url, local_path, open_storage, path_text
-from .storage.store_failures import store_errors
+from .storage.store_failures import store_errors_of
 
 _SHARD_NAME = re.compile(r"(?:shard|small)-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 
@@ -185,7 +185,7 @@ def inspect(
     :class:`~shardsafe.CheckpointCorruptError` for a manifest that cannot be trusted.
     """
     text = path_text(path)
-    with store_errors(text), open_storage(text, storage_options=storage_options) as storage:
+    with store_errors_of(text), open_storage(text, storage_options=storage_options) as storage:
         manifest = manifest_at(text, storage)  # read once; everything below comes from it
     return report(text if is_url(text) else os.path.abspath(local_path(text)), manifest)
 

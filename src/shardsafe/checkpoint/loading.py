@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 import zlib
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -55,7 +57,7 @@ from .plan.rank_copies import on_a_rank_copy, rank_copy_as_one_rank
 from .storage.locations import open_storage
 from .storage.protocol import Storage
 from .storage.spool import Spool, spool_for
-from .storage.store_failures import store_errors
+from .storage.store_failures import store_errors_of
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",
@@ -65,13 +67,27 @@ AFTERMATH: dict[Phase | None, str] = {
 }
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_shardsafe() -> int:
+    """The ``stacklevel`` of the first caller outside shardsafe (the user's ``load``),
+    however many of shardsafe's frames are between (a counted level pointed into
+    ``api.py`` once ``load`` was wrapped)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def read_manifest(
     path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
 ) -> Manifest:
     """Parse and validate ``path/manifest.json`` (a directory or a URL); no data file is
     opened."""
     text = os.fspath(path)
-    with store_errors(text), open_storage(text, storage_options=storage_options) as storage:
+    with store_errors_of(text), open_storage(text, storage_options=storage_options) as storage:
         return read_manifest_from(storage)
 
 
@@ -253,7 +269,7 @@ def _load(
                 if warn is not None:
                     warn(left)
                 else:  # the caller of shardsafe.load (or of a manager's load_latest)
-                    warnings.warn(left, stacklevel=5)
+                    warnings.warn(left, stacklevel=_outside_shardsafe())
         spool = _spool(storage, options, routes, manifest)
         threads = _threads(
             storage, options, spool, coord.world_size, lambda: _files(routes, manifest)

@@ -35,7 +35,7 @@ from .finding import manifest_at
 from .plan.rank_copies import rank_copy_as_one_rank
 from .references import KEYS_SHOWN, missing_tensors, some
 from .storage.locations import open_storage, path_text
-from .storage.store_failures import store_errors
+from .storage.store_failures import store_errors_of
 
 if TYPE_CHECKING:
     from ..protocol import SavedValue
@@ -94,7 +94,7 @@ def verify(
     """
     text = path_text(path)
     notes: list[str] = []
-    with store_errors(text), open_storage(text, storage_options=storage_options) as storage:
+    with store_errors_of(text), open_storage(text, storage_options=storage_options) as storage:
         manifest = manifest_at(text, storage)
         problems = find_problems(storage, manifest, notes)
     unchecked = tuple(part for part in UNCHECKED if part not in manifest.covers)

@@ -132,3 +132,11 @@ def store_errors(url: str) -> Iterator[None]:
         raise
     except Exception as e:
         raise CheckpointError(f"the object store failed at {url}: {type(e).__name__}: {e}") from e
+
+
+def store_errors_of(path: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`store_errors` for an object-store URL; nothing for a local path, whose usage
+    errors (``storage_options`` given for it) are the ``ValueError`` they are."""
+    from .locations import is_url
+
+    return store_errors(path) if is_url(path) else contextlib.nullcontext()
