@@ -24,6 +24,7 @@ from typing import Protocol, cast
 
 from ._text import silence_stdout, terminal_safe
 from ._version import __version__
+from .checkpoint.storage.store_failures import STORE_FAILED_AT
 from .errors import CheckpointError
 
 COMMANDS: tuple[str, ...] = ("fit", "inspect", "verify", "convert")
@@ -96,7 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except (CheckpointError, OSError, ImportError) as e:
         cause = e.__cause__
-        if isinstance(e, CheckpointError) and cause is not None and from_object_store_client(cause):
+        if (
+            str(e).startswith(STORE_FAILED_AT)
+            and cause is not None
+            and from_object_store_client(cause)
+        ):
             print(_unreachable(cause), file=sys.stderr)  # the library names it; we say how
             return 1
         # Line by line: a mismatch lists its problems one per line (escaped whole, they

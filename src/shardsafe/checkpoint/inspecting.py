@@ -30,8 +30,7 @@ from .finding import manifest_at
 from .format.manifest import Manifest, TensorRecord
 from .format.manifest_format import Layout
 from .format.manifest_table import chunk_files
-from .storage.locations import is_url, local_path, open_storage, path_text
-from .storage.store_failures import store_errors_of
+from .storage.locations import is_url, local_path, open_storage, path_text, store_errors_of
 
 _SHARD_NAME = re.compile(r"(?:shard|small)-([0-9]{5,12})-of-([0-9]{5,12})\.safetensors")
 

@@ -54,10 +54,9 @@ from .plan.load_plan import (
     unexpected_everywhere,
 )
 from .plan.rank_copies import on_a_rank_copy, rank_copy_as_one_rank
-from .storage.locations import open_storage
+from .storage.locations import open_storage, store_errors_of
 from .storage.protocol import Storage
 from .storage.spool import Spool, spool_for
-from .storage.store_failures import store_errors_of
 
 AFTERMATH: dict[Phase | None, str] = {
     None: "Nothing was restored on this rank.",

@@ -34,8 +34,7 @@ from ..errors import CheckpointError
 from .finding import manifest_at
 from .plan.rank_copies import rank_copy_as_one_rank
 from .references import KEYS_SHOWN, missing_tensors, some
-from .storage.locations import open_storage, path_text
-from .storage.store_failures import store_errors_of
+from .storage.locations import open_storage, path_text, store_errors_of
 
 if TYPE_CHECKING:
     from ..protocol import SavedValue

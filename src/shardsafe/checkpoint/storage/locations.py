@@ -9,6 +9,7 @@ local paths and keep every guarantee of :class:`~.storage.LocalStorage`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import urllib.parse
@@ -18,6 +19,7 @@ from typing import Any
 from ...errors import CheckpointError
 from .local import LocalStorage
 from .protocol import Storage
+from .store_failures import store_errors
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(::[A-Za-z][A-Za-z0-9+.\-]*)*://")
 """A URL, also fsspec's chained form (``simplecache::s3://...``), which is refused
@@ -106,6 +108,13 @@ def anchored(path: str) -> str:
         return os.path.join(os.getcwd(), path)
     except OSError:  # the working directory was deleted: as the kernel would, relative
         return path
+
+
+def store_errors_of(path: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`~.store_failures.store_errors` for an object-store URL; nothing for a local
+    path, whose usage errors (``storage_options`` given for it) are the ``ValueError``
+    they are."""
+    return store_errors(path) if is_url(path) else contextlib.nullcontext()
 
 
 def directory_name(path: str | os.PathLike[str]) -> str:

@@ -121,6 +121,10 @@ def lost_connection(name: str, error: BaseException) -> StoreFailedError:
     )
 
 
+STORE_FAILED_AT = "the object store failed at "
+"""How :func:`store_errors` begins (the CLI adds what to check to such an error)."""
+
+
 @contextlib.contextmanager
 def store_errors(url: str) -> Iterator[None]:
     """Turn an error of the store's client that is neither an ``OSError`` nor a
@@ -131,12 +135,4 @@ def store_errors(url: str) -> Iterator[None]:
     except (OSError, CheckpointError):
         raise
     except Exception as e:
-        raise CheckpointError(f"the object store failed at {url}: {type(e).__name__}: {e}") from e
-
-
-def store_errors_of(path: str) -> contextlib.AbstractContextManager[None]:
-    """:func:`store_errors` for an object-store URL; nothing for a local path, whose usage
-    errors (``storage_options`` given for it) are the ``ValueError`` they are."""
-    from .locations import is_url
-
-    return store_errors(path) if is_url(path) else contextlib.nullcontext()
+        raise CheckpointError(f"{STORE_FAILED_AT}{url}: {type(e).__name__}: {e}") from e
