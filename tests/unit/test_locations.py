@@ -134,13 +134,19 @@ def test_the_local_tier_reads_a_file_url_and_refuses_an_object_store(
     assert (tmp_path / "l").is_dir() and not (tmp_path / "file:").exists()
 
 
-def test_an_async_save_writes_where_the_call_named_after_a_chdir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def two_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """``first`` (made the working directory) and ``second``, both empty."""
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
     monkeypatch.chdir(first)
+    return first, second
+
+
+def test_an_async_save_writes_where_the_call_named_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = two_directories(tmp_path, monkeypatch)
     handle = shardsafe.async_save("ck", state(7.0))
     os.chdir(second)
     handle.wait()
@@ -152,10 +158,7 @@ def test_a_manager_with_a_relative_root_refuses_to_go_on_after_a_chdir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its async save's ``latest`` moved in the new directory, its steps in the first."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    monkeypatch.chdir(first)
+    first, second = two_directories(tmp_path, monkeypatch)
     manager = CheckpointManager("ckpts")
     manager.save(1, state(1.0))
     handle = manager.async_save(2, state(2.0))
