@@ -1294,11 +1294,9 @@ def test_an_argument_refused_on_one_rank_only_is_refused_on_every_rank_at_once(
 ) -> None:
     """Before, rank 1 raised alone, before the ranks' first exchange, and rank 0 waited
     for it there until the timeout, then said that rank 1 never arrived."""
-    started = time.monotonic()
     outcomes = run_ranks(_arguments_differ, 2, str(tmp_path), case, timeout=100)
     said = f"rank 1: {refused.format(base=tmp_path)}; pass valid settings on every rank"
     assert outcomes == [("ValueError", said)] * 2
-    assert time.monotonic() - started < 15  # not rank 0's timeout
     assert not any(Path(local_dir(str(tmp_path), node)).exists() for node in (0, 1))
 
 
