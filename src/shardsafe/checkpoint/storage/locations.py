@@ -43,6 +43,11 @@ _COLLAPSED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+:/(?!/)")
 (``str(Path("s3://bucket/run"))``). Taken for a local path, it silently became a
 directory ``s3:`` in the working directory; one-letter schemes are left alone."""
 
+_MINIMAL_FILE_URL = re.compile(r"^file:/(?!/)", re.IGNORECASE)
+"""``file:/tmp/run``: RFC 8089's form without an authority, also what ``pathlib.Path``
+makes of ``file:///tmp/run``; the same path as ``file:///tmp/run`` (it was refused as a
+collapsed URL)."""
+
 
 def local_path(path: str | os.PathLike[str]) -> str:
     """``path`` as a local path; refuses an object-store URL.
@@ -54,6 +59,8 @@ def local_path(path: str | os.PathLike[str]) -> str:
     ``with%20space`` a directory of that name, which a load of the path itself missed.
     """
     text = os.fspath(path)
+    if _MINIMAL_FILE_URL.match(text):
+        text = "file://" + text[len("file:") :]
     if scheme(text) == "file":
         return _file_url_path(text)
     if is_url(text):
