@@ -705,8 +705,9 @@ def test_a_budget_no_node_meets_is_the_same_error_on_every_rank_and_writes_nothi
         )
         + r"[0-9.]+ [GM]iB"
         + re.escape(
-            " is free there. Lower keep_local or replicas, save locally less state, or give the "
-            "local path more room (a larger /dev/shm: docker --shm-size, or an NVMe path)"
+            " is free there. Lower keep_local (or replicas, where you set them), save locally "
+            "less state, or give the local path more room (a larger /dev/shm: docker "
+            "--shm-size, or an NVMe path)"
         ),
         errors[0],
     ), errors[0]

@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--local-dir", required=True)
     p.add_argument("--local-every", type=int, default=5)
+    p.add_argument("--keep-local", type=int, default=2)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=15)
@@ -51,7 +52,11 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     module = Regression("plain", fsdp=args.fsdp)
     module.step_delay = args.step_delay
-    local = {"local_checkpoint_dir": args.local_dir, "local_every": args.local_every}
+    local = {
+        "local_checkpoint_dir": args.local_dir,
+        "local_every": args.local_every,
+        "keep_local": args.keep_local,
+    }
     strategy: ShardsafeDDPStrategy | ShardsafeModelParallelStrategy = (
         ShardsafeModelParallelStrategy(
             **local, data_parallel_size=args.devices, tensor_parallel_size=1

@@ -176,6 +176,12 @@ def test_with_accumulated_gradients_only_steps_taken_are_saved(tmp_path: Path) -
     assert [m.read_bytes() for m in manifests] == before  # step 1 not saved again
 
 
+@pytest.mark.timeout(120)
+def test_keep_local_is_how_many_steps_the_local_tier_keeps(tmp_path: Path) -> None:
+    run(tmp_path, "--local-every", "1", "--keep-local", "3", "--max-steps", "5")
+    assert local_steps(tmp_path) == [f"step-00000000{s}" for s in (3, 4, 5)]
+
+
 @pytest.mark.timeout(200)
 def test_a_callback_that_edits_the_state_dict_resumes_from_the_local_tier(tmp_path: Path) -> None:
     """Lightning's EMAWeightAveraging puts the average in the checkpoint's state_dict and the

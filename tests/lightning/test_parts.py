@@ -317,3 +317,13 @@ def test_options_are_checked_when_the_strategy_is_made() -> None:
         ShardsafeDDPStrategy(layout="bogus")
     with pytest.raises(ValueError, match="a checkpoint_io plugin would never be called"):
         ShardsafeDDPStrategy(checkpoint_io=object())
+    for option in ({"local_every": 3}, {"keep_local": 1}):
+        ((field, value),) = option.items()
+        with pytest.raises(ValueError) as e:
+            ShardsafeDDPStrategy(**option)
+        assert str(e.value) == (
+            f"{field}={value} applies to the local tier, which is off; pass "
+            "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too"
+        )
+    with pytest.raises(ValueError, match=r"^keep_local=0 must be a positive int \(steps\)$"):
+        ShardsafeDDPStrategy(local_checkpoint_dir="/dev/shm/x", keep_local=0)

@@ -28,6 +28,8 @@ from tests.e2e.trainer_helpers import losses
     [
         ({"local_checkpoint_dir": "l", "local_every": 0}, "local_every=0"),
         ({"local_every": 3}, "local_every=3 applies to the local tier"),
+        ({"local_checkpoint_dir": "l", "keep_local": 0}, "keep_local=0 must be a positive int"),
+        ({"keep_local": 1}, "keep_local=1 applies to the local tier, which is off"),
         ({"local_checkpoint_dir": ""}, "local_checkpoint_dir='' is empty"),
         ({"local_checkpoint_dir": "s3://b/l"}, "local_checkpoint_dir='s3://b/l' is a URL"),
         ({"local_checkpoint_dir": "r/checkpoints"}, "overlaps the persistent checkpoints"),
@@ -67,11 +69,13 @@ def test_fit_flags_reach_the_workers_and_need_each_other(
     parser = argparse.ArgumentParser()
     fit.add_arguments(parser)
     argv = ["--max-steps", "5", "--run-dir", "r", "--local-checkpoint-dir", "/dev/shm/r"]
-    args = parser.parse_args([*argv, "--local-every", "2"])
+    args = parser.parse_args([*argv, "--local-every", "2", "--keep-local", "1"])
     assert parser.parse_args(fit.worker_arguments(args)) == args
-    alone = parser.parse_args(["--max-steps", "5", "--run-dir", "r", "--local-every", "2"])
-    assert fit.run(alone) == 2
-    assert "--local-every applies to the local tier" in capsys.readouterr().err
+    assert "--keep-local=1" in fit.worker_arguments(args)
+    for flag in ("--local-every", "--keep-local"):
+        alone = parser.parse_args(["--max-steps", "5", "--run-dir", "r", flag, "2"])
+        assert fit.run(alone) == 2
+        assert f"{flag} applies to the local tier" in capsys.readouterr().err
     # A value starting with '-' (written --run-dir=-r) reached the workers as an option.
     dashed = ["--max-steps", "5", "--run-dir=-r", "--resume=-r/checkpoints/step-000000002"]
     args = parser.parse_args([*dashed, "--local-checkpoint-dir=-l"])
@@ -115,6 +119,15 @@ def test_an_async_run_resumes_from_the_local_tier_exactly(
     out = capsys.readouterr().out
     assert "resuming from step 10, from the local tier (every rank" in out, out
     assert "nothing to train" in out
+
+
+@pytest.mark.timeout(60)
+def test_keep_local_is_how_many_steps_the_local_tier_keeps(tmp_path: Path) -> None:
+    for keep in (1, 3):
+        local = tmp_path / f"local{keep}"
+        fit_example(tmp_path / f"run{keep}", 7, local_checkpoint_dir=str(local), keep_local=keep)
+        kept = sorted(p.name for p in local.iterdir())
+        assert kept == [f"step-{s:09d}" for s in range(8 - keep, 8)], kept
 
 
 @pytest.mark.timeout(60)

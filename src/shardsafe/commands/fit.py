@@ -43,6 +43,7 @@ _OPTIONS: tuple[tuple[str, str], ...] = (
     ("--async-save", "async_save"),
     ("--local-checkpoint-dir", "local_checkpoint_dir"),
     ("--local-every", "local_every"),
+    ("--keep-local", "keep_local"),
 )
 """Every option, so a launcher can hand its workers exactly the options it was given."""
 
@@ -87,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --local-checkpoint-dir: save there every N steps (default: 1)",
     )
     parser.add_argument(
+        "--keep-local",
+        type=int,
+        metavar="K",
+        help="with --local-checkpoint-dir: keep the newest K steps there (default: 2)",
+    )
+    parser.add_argument(
         "--example-optimizer",
         choices=EXAMPLE_OPTIMIZERS,
         default="adamw",
@@ -103,10 +110,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         module_class = _module_class(args)
-        if args.local_every is not None and args.local_checkpoint_dir is None:
-            raise ValueError(
-                "--local-every applies to the local tier: pass --local-checkpoint-dir DIR too"
-            )
+        for flag, value in (("--local-every", args.local_every), ("--keep-local", args.keep_local)):
+            if value is not None and args.local_checkpoint_dir is None:
+                raise ValueError(
+                    f"{flag} applies to the local tier: pass --local-checkpoint-dir DIR too"
+                )
         trainer = Trainer(
             strategy=args.strategy,
             devices=args.devices,
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             async_save=args.async_save,
             local_checkpoint_dir=args.local_checkpoint_dir,
             local_every=1 if args.local_every is None else args.local_every,
+            keep_local=2 if args.keep_local is None else args.keep_local,
         )
         env = current_environment(args.devices)
     except ValueError as e:

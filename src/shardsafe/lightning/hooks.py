@@ -81,7 +81,8 @@ class ShardsafeCheckpointing(Strategy):
     tier: every ``local_every`` optimizer steps each rank saves its own state there in
     the background, and a fit resumes from it when it holds a newer step than the
     checkpoint Lightning would resume from (``None`` or ``"last"``; never instead of an
-    explicit path). See :mod:`.local_tier` for the exact rules.
+    explicit path); each node keeps its ``keep_local`` newest steps there. See
+    :mod:`.local_tier` for the exact rules.
 
     ``async_save=True`` writes the checkpoints a fit saves in the background (see the
     module docstring): training waits only for the copy of the state to host memory.
@@ -99,6 +100,7 @@ class ShardsafeCheckpointing(Strategy):
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         local_checkpoint_dir: str | os.PathLike[str] | None = None,
         local_every: int = 1,
+        keep_local: int = 2,
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -114,13 +116,17 @@ class ShardsafeCheckpointing(Strategy):
             buffer_bytes=buffer_bytes,
         )
         self.load_options = LoadOptions(entry_timeout=entry_timeout, timeout=checkpoint_timeout)
-        if local_checkpoint_dir is None and local_every != 1:
-            raise ValueError(
-                f"local_every={local_every!r} applies to the local tier, which is off; pass "
-                "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too"
-            )
+        tier_options = (("local_every", local_every, 1), ("keep_local", keep_local, 2))
+        for field, value, default in tier_options:
+            if local_checkpoint_dir is None and value != default:
+                raise ValueError(
+                    f"{field}={value!r} applies to the local tier, which is off; pass "
+                    "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too"
+                )
         self._local = (
-            None if local_checkpoint_dir is None else LocalTier(local_checkpoint_dir, local_every)
+            None
+            if local_checkpoint_dir is None
+            else LocalTier(local_checkpoint_dir, local_every, keep_local)
         )
         super().__init__(**kwargs)
         self._state_dict_record = state.StateDictRecord()

@@ -78,16 +78,18 @@ _RESOLVING = "_shardsafe_local_tier"
 class LocalTier:
     """One strategy's local tier: the options, and the manager while a fit runs."""
 
-    def __init__(self, directory: str | os.PathLike[str], every: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], every: int, keep: int = 2) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"local_every={every!r} must be a positive int (steps)")
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep_local={keep!r} must be a positive int (steps)")
         self.directory = os.fspath(directory)
         if not self.directory or "://" in self.directory:
             raise ValueError(
                 f"local_checkpoint_dir={self.directory!r} must be a directory on each node's "
                 "own disk, e.g. '/dev/shm/run1' (ModelCheckpoint's dirpath is the persistent tier)"
             )
-        self.every = every
+        self.every, self.keep = every, keep
         self.manager: TieredCheckpointManager | None = None
         self.chosen: str | None = None
         """The path Lightning was given for a resume from this tier."""
@@ -105,6 +107,7 @@ class LocalTier:
             os.path.join(self.directory, NO_PERSISTENT),
             self.directory,
             local_every=self.every,
+            keep_local=self.keep,
             persist_every=None,
             # Not the path: a node-local directory may be spelt differently on each node.
             name="lightning-local-tier",

@@ -98,9 +98,9 @@ def check(
                 f"(its ranks' checkpoints and the replicas it keeps) x (keep_local={keep_local} "
                 "+ 1 being written + the newest step every rank has replicated), plus "
                 f"{_gib(own_bytes[node])} (its ranks' previous step, until it is replicated), "
-                f"but only {_gib(available)} is free there. Lower keep_local or replicas, save "
-                "locally less state, or give the local path more room (a larger /dev/shm: "
-                "docker --shm-size, or an NVMe path)"
+                f"but only {_gib(available)} is free there. Lower keep_local (or replicas, "
+                "where you set them), save locally less state, or give the local path more "
+                "room (a larger /dev/shm: docker --shm-size, or an NVMe path)"
             )
     return result
 

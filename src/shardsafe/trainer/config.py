@@ -12,6 +12,9 @@ from ..checkpoint.storage.locations import is_url, local_path, scheme
 from ..errors import CheckpointError
 from ..strategies import STRATEGIES
 
+_LOCAL_DEFAULTS = {"local_every": 1, "keep_local": 2}
+"""The local tier's settings as left out: another value without the tier is refused."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -47,6 +50,9 @@ class TrainerConfig:
     the newest step of either tier. ``None``: no local tier."""
     local_every: int = 1
     """With :attr:`local_checkpoint_dir`: save to it every this many steps."""
+    keep_local: int = 2
+    """With :attr:`local_checkpoint_dir`: the newest local steps each node keeps (its
+    room is checked before the first save: ``keep_local + 2`` steps at most)."""
 
     def __post_init__(self) -> None:
         _path("run_dir", self.run_dir)
@@ -119,20 +125,23 @@ class TrainerConfig:
             if field != "async_save":  # the local tier's saves are asynchronous too
                 raise ValueError(
                     f"{field}={value!r} applies to the checkpoints of checkpoint_every, but "
-                    "this run writes only the local tier (which keeps its newest 2 steps, "
-                    "each rank's own); pass checkpoint_every=N (--checkpoint-every N) too, "
-                    f"or leave {field} out"
+                    f"this run writes only the local tier (which keeps its newest "
+                    f"{self.keep_local} steps, each rank's own); pass checkpoint_every=N "
+                    f"(--checkpoint-every N) too, or leave {field} out"
                 )
 
     def _check_local_tier(self) -> None:
         _positive("local_every", self.local_every)
+        _positive("keep_local", self.keep_local)
         if self.local_checkpoint_dir is None:
-            if self.local_every != 1:
-                raise ValueError(
-                    f"local_every={self.local_every} applies to the local tier, which is off; "
-                    "pass local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too, "
-                    "or leave local_every out"
-                )
+            for field, default in _LOCAL_DEFAULTS.items():
+                value = getattr(self, field)
+                if value != default:
+                    raise ValueError(
+                        f"{field}={value} applies to the local tier, which is off; pass "
+                        "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too, "
+                        f"or leave {field} out"
+                    )
             return
         _path("local_checkpoint_dir", self.local_checkpoint_dir, ", or None for no local tier")
         local = _local_if_file_url(self.local_checkpoint_dir)

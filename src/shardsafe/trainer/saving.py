@@ -148,6 +148,7 @@ def open_tiers(config: TrainerConfig, leader: bool) -> TieredCheckpointManager:
             config.checkpoint_dir,
             config.local_checkpoint_dir,
             local_every=config.local_every,
+            keep_local=config.keep_local,
             persist_every=None,  # the Trainer saves the persistent tier itself (see above)
             keep_last=config.keep_last,
         )

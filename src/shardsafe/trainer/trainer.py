@@ -51,6 +51,7 @@ class Trainer:
         async_save: bool = False,
         local_checkpoint_dir: str | None = None,
         local_every: int = 1,
+        keep_local: int = 2,
     ) -> None:
         self.config = TrainerConfig(
             max_steps=max_steps,
@@ -65,6 +66,7 @@ class Trainer:
             async_save=async_save,
             local_checkpoint_dir=local_checkpoint_dir,
             local_every=local_every,
+            keep_local=keep_local,
         )
 
     def fit(
