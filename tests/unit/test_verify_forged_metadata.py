@@ -228,5 +228,42 @@ def test_a_tensor_reference_in_extra_state_is_refused_before_anything_is_restore
     for to in ("torch", "dcp"):  # nor is it written out as a tensor of the extra state
         with pytest.raises(CheckpointCorruptError) as converted:
             shardsafe.convert(forged, tmp_path / f"out-{to}", to=to, progress=False)
-        assert str(converted.value).endswith(message), str(converted.value)
+        assert message in str(converted.value), str(converted.value)
         assert not (tmp_path / f"out-{to}").exists()
+
+
+def _missing_reference(doc: dict[str, Any]) -> None:
+    state = _meta(doc, "optimizer")["state"]
+    state[next(iter(state))]["exp_avg"] = {"__tensor__": "nope"}
+
+
+CONVERT_CASES: dict[str, tuple[Edit, str]] = {
+    **{case: (edit, message) for case, (_, edit, message) in CASES.items()},
+    "optimizer refers to a tensor not held": (
+        _missing_reference,
+        "state entry 'optimizer' refers to 1 tensor: 'nope' that the checkpoint does not hold",
+    ),
+    "module meta a number": (_set("model", 1.5), "is not valid module metadata"),
+    "optimizer meta a number": (_set("optimizer", 1.5), "is not valid optimizer metadata"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVERT_CASES))
+def test_convert_refuses_what_load_refuses_before_writing_anything(
+    saved: Path, tmp_path: Path, case: str
+) -> None:
+    """Found in review: ``convert`` read the entries' metadata as written, and a forged one
+    failed in the writers of DCP and HF with ``KeyError``/``TypeError`` (the CLI said "a
+    bug in shardsafe"). It is refused first, whatever the target, with the load's words."""
+    edit, message = CONVERT_CASES[case]
+    forged = _forged(saved, tmp_path, edit)
+    for to in ("torch", "dcp", "hf", "shardsafe"):
+        out = tmp_path / f"out-{to}"
+        with pytest.raises(CheckpointCorruptError) as refused:
+            shardsafe.convert(forged, out, to=to, progress=False)
+        assert str(refused.value).startswith(
+            f"refusing to convert {forged}: a load would refuse it: "
+        ), str(refused.value)
+        assert message in str(refused.value)
+        assert str(refused.value).endswith(f"(shardsafe verify {forged} lists every problem)")
+        assert not out.exists()

@@ -140,7 +140,7 @@ def find_problems(
         problems += _unique(
             reader.verify_all(skip_files=set(unreadable), threads=_threads(storage, manifest))
         )
-    return problems + _dangling(manifest)
+    return problems + metadata_problems(manifest)
 
 
 def _threads(storage: Storage, manifest: Manifest) -> int:
@@ -150,7 +150,7 @@ def _threads(storage: Storage, manifest: Manifest) -> int:
     return threads_for(storage.cheap_rereads, lambda: len(manifest.files), None, 1)
 
 
-def _dangling(manifest: Manifest) -> list[str]:
+def metadata_problems(manifest: Manifest) -> list[str]:
     """One line per state entry whose metadata a load refuses (:func:`_check_metadata`)
     or that refers to tensors the checkpoint does not hold (``references.py``): every
     byte can be intact and the checkpoint still unloadable, if its metadata was written
