@@ -76,6 +76,7 @@ def test_torch_output_carries_the_pickle_note_and_errors_exit_1(tmp_path: Path) 
     done = run(str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), "--to", "torch")
     assert done.returncode == 0
     assert "note: the result is a pickle" in done.stdout and "weights_only=True" in done.stdout
+    assert done.stderr == ""  # the note once, with the result, not as a warning too
     assert torch.load(tmp_path / "model.pt", weights_only=True)["step"] == 1
 
     again = run(str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), "--to", "torch")
@@ -83,3 +84,26 @@ def test_torch_output_carries_the_pickle_note_and_errors_exit_1(tmp_path: Path) 
     assert again.stderr.startswith("shardsafe: error: ")
     usage = run(str(tmp_path / "ckpt"), str(tmp_path / "x"), "--to", "onnx")
     assert usage.returncode == 2
+
+
+def test_a_warning_of_the_conversion_is_said_on_the_command_line(tmp_path: Path) -> None:
+    """Found in review: the command silenced every warning with the pickle note's, so a
+    conversion to DCP that turns an optimizer's numbered state into text keys (which a
+    later ``load_state_dict`` no longer matches to its parameters: momentum lost) said
+    nothing on the command line, where the API warns."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 1)).sum().backward()
+    opt.step()
+    torch.save(
+        {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]},
+        tmp_path / "last.ckpt",
+    )
+    done = run(str(tmp_path / "last.ckpt"), str(tmp_path / "dcp"), "--to", "dcp")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith(
+        "shardsafe convert: warning: DCP stores every key as text, so the key 0 of "
+        "['optimizer_states'][0]['state'][0] (and any other key that is no string) reads back "
+        "as '0'"
+    ), done.stderr
+    assert len(done.stderr.splitlines()) == 1

@@ -9,7 +9,9 @@ prints the files that would be written and their sizes, and writes nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
 HELP = (
     "convert a checkpoint between shardsafe, DCP, Hugging Face safetensors and torch.save "
@@ -114,16 +116,18 @@ def _byte_count(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import warnings
-
     from .._text import terminal_safe
     from ..checkpoint.options import DEFAULT_UNTRUSTED_BYTES
     from ..converters import convert, describe
+    from ..converters.torch_file import PICKLE_WARNING
 
     limit = args.untrusted_bytes_limit  # None: convert's default, as load's
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # the pickle note is printed below
+        # Every other warning is said, one line each: all were silenced with the pickle
+        # note's, and a conversion to DCP that turns an optimizer's numbered state into
+        # text keys (its momentum lost at the next load_state_dict) said nothing.
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
             result = convert(
                 args.src,
                 args.dst,
@@ -143,6 +147,22 @@ def run(args: argparse.Namespace) -> int:
         # exit status 2 as argparse's own and ``fit``'s (it was 1, a failure's)
         print(f"shardsafe convert: error: {terminal_safe(str(e))}", file=sys.stderr)
         return 2
+    for text in _our_warnings(said):
+        if PICKLE_WARNING not in text:  # the pickle note is printed with the result
+            text = text.removeprefix("shardsafe: ")
+            print(f"shardsafe convert: warning: {terminal_safe(text)}", file=sys.stderr)
     for line in describe(result).splitlines():
         print(terminal_safe(line))
     return 0
+
+
+def _our_warnings(said: list[warnings.WarningMessage]) -> list[str]:
+    """The texts of the warnings shardsafe itself gave (the libraries' own, torch's
+    deprecations among them, stay out of a command's output)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [
+        str(w.message)
+        for w in said
+        if issubclass(w.category, UserWarning)
+        and os.path.abspath(w.filename).startswith(package + os.sep)
+    ]
