@@ -149,16 +149,21 @@ class Claims:
     __slots__ = ("_paths",)
 
     def __init__(self) -> None:
-        self._paths: dict[str, tuple[str, ...]] = {}
+        self._paths: dict[str, tuple[tuple[str, ...], str]] = {}
 
     def claim(self, key: str, path: tuple[str, ...], where: str) -> None:
-        """Record that ``key`` stores ``path``; raise if it already stores another path."""
-        first = self._paths.setdefault(key, path)
+        """Record that ``key`` stores ``path`` under ``where`` (how the entry it is in is
+        shown); raise if it already stores another path. Each path is shown under its own
+        entry: the first was shown under the second's (``['a']`` for ``['a/b']``)."""
+        first, first_where = self._paths.setdefault(key, (path, where))
         if first is not path and not same_path(first, path):
-            raise CheckpointError(collision(key, f"{where}{show(first)}", f"{where}{show(path)}"))
+            raise CheckpointError(
+                collision(key, f"{first_where}{show(first)}", f"{where}{show(path)}")
+            )
 
     def path_of(self, key: str) -> tuple[str, ...] | None:
-        return self._paths.get(key)
+        claimed = self._paths.get(key)
+        return None if claimed is None else claimed[0]
 
 
 def collision(key: str, first: str, second: str) -> str:

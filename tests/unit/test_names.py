@@ -381,6 +381,19 @@ def test_dcp_refuses_a_dotted_key_beside_its_nested_twin_and_writes_nothing(
     assert nothing_at(tmp_path / "dcp")
 
 
+def test_a_torch_file_with_a_slashed_entry_beside_its_nested_twin_names_both_paths(
+    tmp_path: Path,
+) -> None:
+    """Found in review: the first path was shown under the second's entry (``['a']``)."""
+    torch.save({"a/b": T1, "a": {"b": T2}}, tmp_path / "m.pt")
+    with pytest.raises(CheckpointError) as e:
+        convert(tmp_path / "m.pt", tmp_path / "out", "shardsafe")
+    assert str(e.value).startswith(
+        "['a/b'] and ['a']['b'] would both be stored as 'a/b', so one would be lost"
+    ), str(e.value)
+    assert nothing_at(tmp_path / "out")
+
+
 def test_dcp_refuses_an_int_key_beside_its_string(tmp_path: Path) -> None:
     shardsafe.save(tmp_path / "c", {"extra": {1: T1, "1": T2}})
     with pytest.raises(CheckpointError, match=r"\['extra'\]\[1\] and \['extra'\]\['1'\]"):
