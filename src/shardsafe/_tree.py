@@ -145,19 +145,42 @@ def _encode_mapping(
 def _encode_pairs(
     value: Mapping[Any, Any], where: str, sink: TensorSink, path: tuple[str, ...], levels: int
 ) -> list[list[JSON]]:
-    """``value``'s items as encoded ``[key, value]`` pairs (keys of any plain type)."""
+    """``value``'s items as encoded ``[key, value]`` pairs (keys of any plain type).
+
+    What a load refuses in a ``__dict__`` is refused here first (a save commits only what
+    loads back): more than :data:`MAX_SAME_HASH` keys of one hash value."""
     pairs = []
+    per_hash: dict[int, int] = {}
     for k, v in value.items():
         if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
             raise CheckpointError(
                 f"cannot save {where}{_format_path(path)}: dict key {k!r} of type "
                 f"{type(k).__qualname__} is not a string, number or tuple."
             )
-        part = k if isinstance(k, str) else _names.DictKey(k)  # 1 and "1": two paths
-        where_key = f"{where}{_format_path(path)}: dict key {k!r}"
+        # Encoded first: its checks (an int of more than 4300 digits) say what is wrong
+        # in shardsafe's words, where making the path's text raised Python's own advice.
+        where_key = f"{where}{_format_path(path)}: dict key {_shown(k)}"
         key = encode(k, where, _no_tensor_in_key(where_key), path, levels=levels + 3)
+        seen = per_hash[hash(k)] = per_hash.get(hash(k), 0) + 1
+        if seen > MAX_SAME_HASH:
+            raise CheckpointError(
+                f"cannot save {where}{_format_path(path)}: more than {MAX_SAME_HASH} of its "
+                f"dict keys share one hash value (such as {_shown(k)}), which a load refuses "
+                "(building that dict takes time quadratic in their number); key it by "
+                "strings or by smaller ints"
+            )
+        part = k if isinstance(k, str) else _names.DictKey(k)  # 1 and "1": two paths
         pairs.append([key, encode(v, where, sink, (*path, part), levels=levels + 3)])
     return pairs
+
+
+def _shown(key: Any) -> str:
+    """``key``'s repr, cut short; an int too long for ``repr`` (Python refuses more than
+    4300 digits) is named so, and encoding it then says what is wrong."""
+    try:
+        return f"{key!r:.80}"
+    except ValueError:
+        return "(an integer too long to show)"
 
 
 def _no_tensor_in_key(where: str) -> TensorSink:

@@ -141,6 +141,39 @@ def test_an_integer_longer_than_a_manifest_holds_is_refused_naming_its_path(
     assert not (tmp_path / "long").exists()
 
 
+def test_an_integer_dict_key_longer_than_a_manifest_holds_is_refused_in_shardsafes_words(
+    tmp_path: Path,
+) -> None:
+    """Found in review: as a dict key, the path's text was made first, and Python's own
+    "Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()" came out."""
+    for key, path in ((10**5000, "['cfg']"), ((1, 10**5000), "['cfg']['1']")):
+        with pytest.raises(CheckpointError) as caught:
+            shardsafe.save(tmp_path / "long", {"cfg": {key: torch.ones(1)}})
+        assert str(caught.value).startswith(
+            f"cannot save state{path}: an integer of more than 4300 digits"
+        ), str(caught.value)
+        assert not (tmp_path / "long").exists()
+
+
+def test_dict_keys_a_load_would_refuse_for_sharing_one_hash_are_refused_at_save(
+    tmp_path: Path,
+) -> None:
+    """Found in review: the save committed 20 int keys of one hash (``k * (2**61 - 1)``),
+    and every load of it then refused the checkpoint as damaged."""
+    modulus = 2**61 - 1
+    with pytest.raises(CheckpointError) as caught:
+        shardsafe.save(tmp_path / "c", {"cfg": {k * modulus: k for k in range(17)}})
+    assert str(caught.value) == (
+        "cannot save state['cfg']: more than 16 of its dict keys share one hash value (such "
+        f"as {16 * modulus}), which a load refuses (building that dict takes time quadratic "
+        "in their number); key it by strings or by smaller ints"
+    )
+    assert not (tmp_path / "c").exists()
+    sixteen = {k * modulus: k for k in range(16)}  # as many as a load takes
+    shardsafe.save(tmp_path / "ok", {"cfg": sixteen})
+    assert shardsafe.load(tmp_path / "ok", {})["cfg"] == sixteen
+
+
 def test_a_tensor_inside_a_tuple_dict_key_is_refused_as_a_tensor_key_is(tmp_path: Path) -> None:
     """A tensor in a tuple key was stored under the dict's path and the tuple's index,
     the path of the string key "0" beside it: refused as "gives two different tensors
