@@ -217,6 +217,9 @@ def main() -> None:
             end_process(0, wait_for_others=False)  # see tests/clean_exit.py
         else:
             trainer.fit(module, ckpt_path=args.resume)
+            if args.validate_best:  # where Lightning knows a best checkpoint: after a fit
+                args.evaluate, args.resume = "validate", "best"
+                evaluate(trainer, module, args, root)
         if args.save_at_end:
             for _ in range(2):
                 trainer.save_checkpoint(beside(root, args.save_at_end))
@@ -332,6 +335,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow-commit", type=float, default=0.0)  # seconds before each publish
     p.add_argument("--slow-write", type=float, default=0.0)  # seconds before each write
     p.add_argument("--evaluate", choices=["validate", "test", "predict"])
+    p.add_argument("--validate-best", action="store_true", help="after the fit, in its Trainer")
     return p.parse_args()
 
 

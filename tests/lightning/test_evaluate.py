@@ -45,6 +45,23 @@ def test_validate_and_test_run_on_the_checkpoints_weights(
         assert metrics[name] == pytest.approx(expected, rel=1e-6)
 
 
+def test_validate_best_after_a_fit_runs_on_the_best_checkpoints_weights(
+    tmp_path: Path, uninterrupted: Callable[[str], Path]
+) -> None:
+    """``ckpt_path="best"`` is the best checkpoint of the fit the Trainer ran (a new
+    Trainer knows none: Lightning refuses it, whatever the strategy, as docs/lightning.md
+    says). Monitoring ``step``, the best is step 15; the fit went on to step 17, so the
+    metrics show which weights were validated."""
+    trained = uninterrupted("zero")
+    run(tmp_path, "--optimizer", "zero", "--max-steps", "17", "--validate-best")
+    x, y = evaluation_data()
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(saved_net(trained).net(x), y).item()
+    for rank in (0, 1):
+        (metrics,) = json.loads((tmp_path / f"validate-{rank}.json").read_text())
+        assert metrics["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_predict_gives_the_checkpoints_outputs_bitwise(
     tmp_path: Path, uninterrupted: Callable[[str], Path]
 ) -> None:

@@ -297,7 +297,7 @@ def test_the_folder_of_checkpoints_passed_as_ckpt_path_is_named_as_such(tmp_path
     assert str(refused.value) == (
         f"{ckpts} is a folder of checkpoints (it holds epoch=0-step=20.ckpt, "
         "epoch=0-step=5.ckpt, last.ckpt ...), not one checkpoint: pass one of them, or "
-        "ckpt_path='last' (or 'best') for the one ModelCheckpoint keeps track of"
+        "ckpt_path='last' for the newest one ModelCheckpoint saved"
     )
 
 

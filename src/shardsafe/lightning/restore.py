@@ -192,7 +192,7 @@ def uncommitted_directory(path: str) -> str:
         return (
             f"{path} is a folder of checkpoints (it holds {', '.join(held[-3:])}"
             f"{' ...' if len(held) > 3 else ''}), not one checkpoint: pass one of them, or "
-            "ckpt_path='last' (or 'best') for the one ModelCheckpoint keeps track of"
+            "ckpt_path='last' for the newest one ModelCheckpoint saved"
         )
     if os.path.lexists(os.path.join(path, DCP_METADATA)):
         return (
