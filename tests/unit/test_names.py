@@ -366,6 +366,24 @@ def test_a_key_made_twice_through_ctx_key_names_both_paths() -> None:
         ctx.key("x", nan_b)
 
 
+def test_an_empty_key_below_an_entry_saves_sharded_and_is_refused_consolidated_by_name(
+    tmp_path: Path,
+) -> None:
+    """Found in review: consolidated, the check of the written manifest refused it ("'chunks.
+    names' is not a list of valid stored tensor names"), naming neither entry nor key."""
+    state = {"x": {"": torch.arange(3.0)}}
+    shardsafe.save(tmp_path / "sharded", state)
+    assert torch.equal(shardsafe.load(tmp_path / "sharded", {})["x"][""], torch.arange(3.0))
+    with pytest.raises(CheckpointError) as e:
+        shardsafe.save(tmp_path / "consolidated", state, layout="consolidated")
+    assert str(e.value) == (
+        "cannot save state['x'] with layout='consolidated': it holds a tensor under the empty "
+        "key '', which a consolidated file cannot name (each tensor in x's file is named by "
+        "its key); rename that key, or save with layout='sharded' (nothing was written)"
+    )
+    assert not (tmp_path / "consolidated").exists()
+
+
 # -- converters
 
 

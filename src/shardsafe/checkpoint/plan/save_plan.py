@@ -383,6 +383,8 @@ def _plan_consolidated(
         fname = file_of[value]
         plan = files.setdefault(fname, FilePlan(fname, CONSOLIDATING_RANK))
         name = key[len(value) + 1 :] if key != value else key
+        if not name:
+            raise CheckpointError(_unnamed_in_consolidated(value))
         first = chunks[0]
         plan.entries.append(
             FileEntry(
@@ -393,6 +395,18 @@ def _plan_consolidated(
         # Bytes from one rank back to back: fewer, larger messages.
         plan.entries.sort(key=lambda e: (min(s.rank for s in e.sources), e.name))
     return [files[name] for name in sorted(files)]
+
+
+def _unnamed_in_consolidated(value: str) -> str:
+    """A tensor under the empty key ``""`` right below its entry: a consolidated file names
+    each tensor by its key inside the entry (what safetensors' readers see), and ``""``
+    is no name. The check of the manifest refused it after writing, naming neither."""
+    return (
+        f"cannot save state[{value!r}] with layout='consolidated': it holds a tensor under the "
+        f"empty key '', which a consolidated file cannot name (each tensor in "
+        f"{value}'s file is named by its key); rename that key, or save with layout='sharded' "
+        "(nothing was written)"
+    )
 
 
 def _unused_file_name(value: str, value_order: list[str], taken: set[str]) -> str:
