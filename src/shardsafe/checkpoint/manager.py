@@ -55,7 +55,7 @@ from .storage.locations import check_options, is_url, local_path, open_storage, 
 from .storage.lock import RootLock
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
-from .storage.store_failures import StoreFailedError, store_errors
+from .storage.store_failures import StoreFailedError, listing_errors, store_errors
 from .storage.target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):
@@ -470,7 +470,7 @@ class CheckpointManager:
             # A store's client's own exception (botocore's EndpointConnectionError: not an
             # OSError) as a CheckpointError: the listing runs outside any agreed operation,
             # which would have made it one, and escaped a loop's ``except CheckpointError``.
-            with store_errors(self.root):
+            with self._store_errors():
                 root = self._root_storage()
                 names = root.names()
         except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
@@ -554,7 +554,7 @@ class CheckpointManager:
         for step, name in self._step_dirs():
             if considered is not None and name in considered:
                 continue
-            with store_errors(self.root), self._open(name) as storage:
+            with self._store_errors(), self._open(name) as storage:
                 if storage.kind(MANIFEST_NAME) is None:
                     continue  # an interrupted save (or one in flight), not a checkpoint
                 problem = problem_with(storage)
@@ -641,6 +641,11 @@ class CheckpointManager:
             timeout=opts.timeout,
             entry_timeout=opts.entry_timeout,
         )
+
+    def _store_errors(self) -> contextlib.AbstractContextManager[None]:
+        """How a look at the root's steps reports its store's errors: on an object store,
+        a refused request (gcsfs's 403, an ``OSError``) as a ``CheckpointError`` too."""
+        return listing_errors(self.root) if is_url(self.root) else store_errors(self.root)
 
     def _open(self, name: str) -> Storage:
         where = self.path_for_name(name)

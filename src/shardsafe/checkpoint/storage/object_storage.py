@@ -28,7 +28,7 @@ from .files import check_name
 from .lock_backends import ObjectLockBackend
 from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
 from .protocol import EntryKind
-from .store_failures import store_failures
+from .store_failures import STORE_FAILED_AT, store_failures
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -187,22 +187,30 @@ class FsspecStorage:
 
     def require_directory(self) -> None:
         """Refuse a prefix with nothing under it; name an object there as one (it "did not
-        exist": ``s3://b/run/latest``, the manager's pointer, is an object)."""
+        exist": ``s3://b/run/latest``, the manager's pointer, is an object).
+
+        ``isdir`` answers ``False`` for any error (fsspec's, gcsfs's), so the path is asked
+        about once more, letting errors through: only "not found" is absence. A request
+        the store refused (gcsfs's 403 "Forbidden") or a connection that failed was told
+        "does not exist", which sends a user looking for a checkpoint that may be there."""
         if self.is_directory():
             return
-        if self._is_object():
+        self._fresh()
+        try:
+            kind = self.fs.info(self.path).get("type")
+        except FileNotFoundError:
+            kind = None
+        except Exception as e:
+            said = " ".join(f"{type(e).__name__}: {e}".split())
+            raise CheckpointError(f"{STORE_FAILED_AT}{self.directory}: {said}") from e
+        if kind == "directory":  # made since isdir looked
+            return
+        if kind is not None:
             raise CheckpointNotFoundError(
                 f"{self.directory} is an object, not a prefix; pass the checkpoint's prefix "
                 "(the one holding manifest.json)"
             )
         raise CheckpointNotFoundError(f"{self.directory} does not exist")
-
-    def _is_object(self) -> bool:
-        """Whether this storage's own path is an object."""
-        try:
-            return bool(self.fs.isfile(self.path))
-        except FileNotFoundError:
-            return False
 
     def make_directory(self) -> None:
         """Object stores need none; filesystems with directories (``memory://``) do.

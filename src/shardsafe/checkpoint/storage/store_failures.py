@@ -126,6 +126,22 @@ STORE_FAILED_AT = "the object store failed at "
 
 
 @contextlib.contextmanager
+def listing_errors(url: str) -> Iterator[None]:
+    """:func:`store_errors`, and an ``OSError`` but a missing path's (access refused:
+    gcsfs's 403 "Forbidden") as a ``CheckpointError`` naming ``url``: a manager's listing
+    runs outside any agreed operation, and raw it escaped a loop's ``except
+    CheckpointError`` (a local root's ``OSError`` stays what it is)."""
+    try:
+        with store_errors(url):
+            yield
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as e:
+        said = " ".join(f"{type(e).__name__}: {e}".split())
+        raise CheckpointError(f"{STORE_FAILED_AT}{url}: {said}") from e
+
+
+@contextlib.contextmanager
 def store_errors(url: str) -> Iterator[None]:
     """Turn an error of the store's client that is neither an ``OSError`` nor a
     ``CheckpointError`` (botocore's ``EndpointConnectionError``, ``NoCredentialsError``,
