@@ -126,7 +126,7 @@ def test_saved_groups_with_differing_tensor_hyperparameters_are_refused_before_r
     with pytest.raises(CheckpointMismatchError) as info:
         shardsafe.load(tmp_path / "c", {"model": m, "optimizer": o})
     assert str(info.value) == (
-        "the checkpoint does not match the objects being loaded:\n  shape/dtype mismatch "
+        "the checkpoint does not match the objects being loaded:\n  mismatched "
         "(1): optimizer: live param group 0 holds parameters that were saved in param "
         "groups 0 and 1, which have different hyperparameters; group the parameters as "
         "they were grouped when saving"

@@ -544,7 +544,7 @@ def test_a_valid_placement_in_a_larger_tensor_does_not_fit_a_whole_object(
         load_view(path, state)
     assert str(caught.value) == (
         "the checkpoint does not match the objects being loaded:\n"
-        "  shape/dtype mismatch (1): model/weight: checkpoint float32[6, 4], live float32[3, 4]"
+        "  mismatched (1): model/weight: checkpoint float32[6, 4], live float32[3, 4]"
     )
     assert same(snapshot(state), before)
 
@@ -799,7 +799,7 @@ def test_local_checkpoints_that_do_not_fit_with_no_persistent_one_are_a_mismatch
     manager.close()
     assert str(caught.value) == (
         "the checkpoint does not match the objects being loaded:\n"
-        "  shape/dtype mismatch (1): model/weight: checkpoint float32[3, 4], live float32[3, 5]"
+        "  mismatched (1): model/weight: checkpoint float32[3, 4], live float32[3, 5]"
     )
     assert torch.equal(other.weight, before)
     assert manager.restored is None
@@ -850,7 +850,8 @@ def test_a_node_without_room_is_named_with_the_bytes_and_the_fixes() -> None:
         "per step (its ranks' checkpoints and the replicas it keeps) x (keep_local=2 + 1 being "
         "written + the newest step every rank has replicated), plus 200.0 MiB (its ranks' "
         "previous step, until it is replicated), but only 0.49 GiB is free there. Lower "
-        "keep_local or replicas, save locally less state, or give the local path more room "
+        "keep_local (or replicas, where you set them), save locally less state, or give the "
+        "local path more room "
         "(a larger /dev/shm: docker --shm-size, or an NVMe path)"
     )
 

@@ -277,8 +277,8 @@ def _check_tensor_hyper(
         for j in found[1:]:
             if not _same(without_names(hyper[found[0]]), without_names(hyper[j])):
                 raise CheckpointMismatchError(
-                    "the checkpoint does not match the objects being loaded:\n  shape/dtype "
-                    f"mismatch (1): {_differing(ctx, i, found[0], j)}"
+                    "the checkpoint does not match the objects being loaded:\n  "
+                    f"mismatched (1): {_differing(ctx, i, found[0], j)}"
                 )
 
 

@@ -261,7 +261,7 @@ class _Problems:
         for title, keys in (
             ("missing from the checkpoint", self.missing),
             (self.unexpected_title, self.unexpected),
-            ("shape/dtype mismatch", self.mismatched),
+            ("mismatched", self.mismatched),  # shapes, dtypes, classes, names
         ):
             if keys:
                 shown = "; ".join(keys[:_SHOWN])
