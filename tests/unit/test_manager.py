@@ -276,3 +276,33 @@ def test_a_failed_async_save_is_not_swallowed_by_a_load_errors_hint(tmp_path: Pa
     with pytest.raises(shardsafe.CheckpointError, match="No space left on device"):
         manager.save(3, {"w": torch.ones(2)})
     manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_the_manager_leaves_the_users_save_handle_answering(tmp_path: Path) -> None:
+    """Found in review: ``close()`` closed the handle ``async_save`` had returned, and the
+    user's ``wait()`` after it raised "this SaveHandle ... was closed", a
+    ``CheckpointError`` as a failed save raises, for a save that had committed. A failed
+    save's handle still raises its own error, once ``close()`` has raised it too."""
+    import errno
+
+    from shardsafe.checkpoint.options import SaveHooks
+
+    manager = CheckpointManager(tmp_path / "ok")
+    handle = manager.async_save(1, {"w": torch.ones(2)})
+    manager.close()
+    assert manager.complete_steps() == [1]
+    assert handle.done()
+    assert handle.wait() == str(tmp_path / "ok" / "step-000000001")
+
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    manager = CheckpointManager(tmp_path / "failed")
+    handle = manager.async_save(1, {"w": torch.ones(2)}, hooks=SaveHooks(before_write=full))
+    with pytest.raises(shardsafe.CheckpointError, match="No space left on device") as closed:
+        manager.close()
+    assert handle.done()
+    with pytest.raises(shardsafe.CheckpointError) as waited:
+        handle.wait()
+    assert waited.value is closed.value

@@ -99,6 +99,16 @@ class SaveHandle:
         self._hurry.set()
         self._finished.wait()
         self._closed = True
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the save, and raise its error if nobody has seen it, leaving the handle
+        open: ``CheckpointManager.close`` settles the save it started, whose handle the
+        user may still hold. It closed it, and the user's ``wait()`` on a save that had
+        committed raised "this SaveHandle was closed", a ``CheckpointError`` as a failed
+        save raises (found in review)."""
+        self._hurry.set()
+        self._finished.wait()
         if self._error is not None and not self._seen:
             self._seen = True
             raise self._error

@@ -141,7 +141,7 @@ class CheckpointManager:
         handle = self._handle
         if handle is not None:
             try:
-                handle.close()
+                handle._settle()
             except BaseException:
                 if not handle._finished.is_set():  # interrupted while it still writes:
                     raise  # keep the claim on the root, and the save to wait for again
