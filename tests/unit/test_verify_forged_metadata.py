@@ -267,3 +267,18 @@ def test_convert_refuses_what_load_refuses_before_writing_anything(
         assert message in str(refused.value)
         assert str(refused.value).endswith(f"(shardsafe verify {forged} lists every problem)")
         assert not out.exists()
+
+
+def test_convert_only_leaves_out_an_entry_a_load_refuses(saved: Path, tmp_path: Path) -> None:
+    """Found in review of the refusal above: ``only=["model"]`` was refused for the forged
+    optimizer it leaves out, which a load of the model alone takes."""
+    forged = _forged(saved, tmp_path, _set("optimizer", 1.5))
+    converted = shardsafe.convert(
+        forged, tmp_path / "model.pt", to="torch", only=["model"], progress=False
+    )
+    assert converted.tensors == len(_state()["model"].state_dict())
+    with pytest.raises(CheckpointCorruptError, match="is not valid optimizer metadata"):
+        shardsafe.convert(
+            forged, tmp_path / "both.pt", to="torch", only=["model", "optimizer"], progress=False
+        )
+    assert not (tmp_path / "both.pt").exists()

@@ -159,14 +159,22 @@ def metadata_problems(manifest: Manifest) -> list[str]:
         manifest = rank_copy_as_one_rank(manifest)
     except CheckpointError as e:  # its record is not one: no load takes it
         return [str(e)]
-    problems = []
+    return [line for lines in entry_problems(manifest).values() for line in lines]
+
+
+def entry_problems(manifest: Manifest) -> dict[str, list[str]]:
+    """:func:`metadata_problems` by state entry, in name order, for a manifest already
+    read as one rank's (``rank_copy_as_one_rank``): only the entries with a problem."""
+    problems: dict[str, list[str]] = {}
     for name in sorted(manifest.values, key=natural_key):
         try:
             _check_metadata(manifest.values[name], manifest)
         except CheckpointError as e:
-            problems.append(f"state entry {name!r}: {e}")
+            problems[name] = [f"state entry {name!r}: {e}"]
             continue
-        problems += missing_tensors(manifest, [name])
+        missing = missing_tensors(manifest, [name])
+        if missing:
+            problems[name] = missing
     return problems
 
 

@@ -22,15 +22,13 @@ from ..checkpoint.plan.rank_copies import rank_copy_as_one_rank
 from ..checkpoint.plan.save_plan import plan_save
 from ..checkpoint.storage.protocol import Storage
 from ..checkpoint.streaming import StreamedChunk, write_checkpoint
-from ..checkpoint.verifying import metadata_problems
-from ..errors import CheckpointCorruptError
+from ..checkpoint.verifying import entry_problems
 from .source import Source, SourceChunk, SourceTensor, single_value
 
 
 def read(storage: Storage) -> Source:
     """The checkpoint in ``storage`` as a :class:`Source` (the manifest read and checked)."""
     manifest = read_manifest_from(storage)
-    _refuse_bad_metadata(storage, manifest)
     reader = CheckpointReader(storage, manifest)
     tensors = {}
     for key, rec in manifest.tensors.items():
@@ -40,26 +38,9 @@ def read(storage: Storage) -> Source:
         )
         whole = _reading(reader, key, None, None)
         tensors[key] = SourceTensor(key, rec.dtype, rec.shape, chunks, whole)
-    values = rank_copy_as_one_rank(manifest).values  # a tiered manager's copy: one rank
-    return Source("shardsafe", storage.directory, values, tensors, [reader.close])
-
-
-def _refuse_bad_metadata(storage: Storage, manifest: Manifest) -> None:
-    """Refuse what a load refuses before restoring anything: entries whose metadata is
-    not what shardsafe writes, or that name tensors the checkpoint does not hold.
-
-    The manifest's checksum covers accidents, not a manifest rewritten with its checksum
-    recomputed: such an entry reached the writers of other formats, which indexed it as
-    written and failed with ``KeyError``/``TypeError`` (found in review)."""
-    problems = metadata_problems(manifest)
-    if problems:
-        shown = "; ".join(problems[:3]) + (
-            f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        )
-        raise CheckpointCorruptError(
-            f"refusing to convert {storage.directory}: a load would refuse it: {shown} "
-            f"(shardsafe verify {storage.directory} lists every problem)"
-        )
+    one_rank = rank_copy_as_one_rank(manifest)  # a tiered manager's copy: one rank
+    refused = entry_problems(one_rank)
+    return Source("shardsafe", storage.directory, one_rank.values, tensors, [reader.close], refused)
 
 
 def _reading(

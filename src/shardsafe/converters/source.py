@@ -20,7 +20,7 @@ import torch
 
 from .. import _tree, dtypes
 from ..adapters.values import module_tensor_keys, representative
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 from ..protocol import SavedValue
 
 Format = Literal["shardsafe", "dcp", "hf", "torch"]
@@ -125,6 +125,10 @@ class Source:
     values: dict[str, SavedValue]
     tensors: dict[str, SourceTensor]
     closers: list[Callable[[], None]] = field(default_factory=list)
+    refused: dict[str, list[str]] = field(default_factory=dict)
+    """Entries a load refuses, with why (a shardsafe source whose entries' metadata was
+    forged): a conversion that takes one is refused before reading it (:func:`select`),
+    one that leaves it out (``only``) goes on, as a load of the other entries does."""
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -206,8 +210,10 @@ def single_values(source: Source) -> Source:
 
 
 def select(source: Source, only: list[str] | None) -> Source:
-    """``source`` with only the entries named in ``only`` (all if ``None``)."""
+    """``source`` with only the entries named in ``only`` (all if ``None``); refused if
+    one of them is an entry a load refuses (:attr:`Source.refused`)."""
     if not only:
+        _refuse_refused(source, list(source.values))
         return source
     unknown = [name for name in only if name not in source.values]
     if unknown:
@@ -215,10 +221,26 @@ def select(source: Source, only: list[str] | None) -> Source:
             f"--only {', '.join(unknown)}: {source.where} holds no such entry; it holds "
             f"{', '.join(sorted(source.values)) or 'nothing'}"
         )
+    _refuse_refused(source, only)
     values = {name: source.values[name] for name in only}
     keys = {ref for v in values.values() for ref in referenced(v, source.tensors)}
     tensors = {k: t for k, t in source.tensors.items() if k in keys}
     return replace(source, values=values, tensors=tensors)
+
+
+def _refuse_refused(source: Source, names: list[str]) -> None:
+    """Refuse to convert ``names`` if a load would refuse one of them: such an entry
+    reached the writers of other formats, which indexed its metadata as written and
+    failed with ``KeyError``/``TypeError`` (found in review)."""
+    problems = [line for name in names for line in source.refused.get(name, [])]
+    if not problems:
+        return
+    shown = "; ".join(problems[:3])
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    raise CheckpointCorruptError(
+        f"refusing to convert {source.where}: a load would refuse it: {shown}{more} "
+        f"(shardsafe verify {source.where} lists every problem)"
+    )
 
 
 def referenced(value: SavedValue, stored: Container[str]) -> list[str]:
