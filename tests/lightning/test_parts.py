@@ -327,3 +327,15 @@ def test_options_are_checked_when_the_strategy_is_made() -> None:
         )
     with pytest.raises(ValueError, match=r"^keep_local=0 must be a positive int \(steps\)$"):
         ShardsafeDDPStrategy(local_checkpoint_dir="/dev/shm/x", keep_local=0)
+
+
+def test_the_local_tier_directory_is_read_as_every_load_reads_it() -> None:
+    """Found in review: ``file:/p`` was kept as written, so a resume's chosen path never
+    matched the loaded one (``/p/step-...``), and the fit failed "without manifest.json"."""
+    from shardsafe.lightning.local_tier import LocalTier
+
+    for written in ("file:/dev/shm/x", "file:///dev/shm/x", "file://localhost/dev/shm/x"):
+        assert LocalTier(written, 1).directory == "/dev/shm/x"
+    for refused in ("s3://b/x", "file://otherhost/x", "s3:/b/x"):
+        with pytest.raises(ValueError, match=r"must be a directory on each node's own disk"):
+            LocalTier(refused, 1)

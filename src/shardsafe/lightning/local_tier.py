@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
-from ..checkpoint.storage.locations import is_url, open_storage
+from ..checkpoint.storage.locations import is_url, local_path, open_storage
 from ..checkpoint.storage.object_placement import committed_copy
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..tiers import Restored, TieredCheckpointManager
@@ -83,12 +83,20 @@ class LocalTier:
             raise ValueError(f"local_every={every!r} must be a positive int (steps)")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep_local={keep!r} must be a positive int (steps)")
-        self.directory = os.fspath(directory)
-        if not self.directory or "://" in self.directory:
-            raise ValueError(
-                f"local_checkpoint_dir={self.directory!r} must be a directory on each node's "
-                "own disk, e.g. '/dev/shm/run1' (ModelCheckpoint's dirpath is the persistent tier)"
-            )
+        written = os.fspath(directory)
+        refusal = (
+            f"local_checkpoint_dir={written!r} must be a directory on each node's own disk, "
+            "e.g. '/dev/shm/run1' (ModelCheckpoint's dirpath is the persistent tier)"
+        )
+        if not written or is_url(written):
+            raise ValueError(refusal)
+        try:
+            # As every load reads it (``file:/p``, ``file:///p`` are ``/p``): kept as
+            # written, a resume's chosen path never matched the one loaded, and the local
+            # step was loaded as an ordinary checkpoint, "without manifest.json" (review).
+            self.directory = local_path(written)
+        except CheckpointError as e:
+            raise ValueError(f"{refusal}: {e}") from None
         self.every, self.keep = every, keep
         self.manager: TieredCheckpointManager | None = None
         self.chosen: str | None = None
