@@ -339,3 +339,24 @@ def test_the_local_tier_directory_is_read_as_every_load_reads_it() -> None:
     for refused in ("s3://b/x", "file://otherhost/x", "s3:/b/x"):
         with pytest.raises(ValueError, match=r"must be a directory on each node's own disk"):
             LocalTier(refused, 1)
+
+
+def test_the_model_parallel_strategy_says_what_a_path_is_before_refusing_a_file(
+    tmp_path: os.PathLike[str],
+) -> None:
+    """Found in review: ``ShardsafeModelParallelStrategy`` (which reads no ``.ckpt``
+    files) said "is not a shardsafe checkpoint" of a missing path, a folder of
+    checkpoints and a background save's held name alike; ``ShardsafeDDPStrategy`` says
+    which. A file is still refused as before."""
+    from shardsafe.lightning import ShardsafeModelParallelStrategy
+
+    strategy = ShardsafeModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    root = str(tmp_path)
+    with pytest.raises(shardsafe.CheckpointNotFoundError, match=r"^no checkpoint at "):
+        strategy._load_path(os.path.join(root, "nope.ckpt"), None, None, True)  # type: ignore[arg-type]
+    shardsafe.save(os.path.join(root, "epoch=0-step=5.ckpt"), {"w": torch.ones(1)})
+    with pytest.raises(shardsafe.CheckpointNotFoundError, match="is a folder of checkpoints"):
+        strategy._load_path(root, None, None, True)  # type: ignore[arg-type]
+    torch.save({"w": torch.ones(1)}, os.path.join(root, "plain.ckpt"))
+    with pytest.raises(shardsafe.CheckpointError, match="is not a shardsafe checkpoint"):
+        strategy._load_path(os.path.join(root, "plain.ckpt"), None, None, True)  # type: ignore[arg-type]

@@ -303,6 +303,7 @@ class ShardsafeCheckpointing(Strategy):
         elif not restore.is_shardsafe_checkpoint(path):
             self._restored = restore.Restored()
             if not self.reads_ckpt_files:
+                restore.refuse_other_than_a_file(path)
                 raise CheckpointError(
                     f"{path} is not a shardsafe checkpoint; {type(self).__name__} resumes from "
                     "the checkpoint directories it writes only"

@@ -167,6 +167,15 @@ def _check_count(path: str, saved: int, live: int) -> None:
 
 def load_file(path: str) -> dict[str, Any]:
     """An ordinary Lightning ``.ckpt`` file, read without running any pickled code."""
+    refuse_other_than_a_file(path)
+    return interop.read_torch_file(path)
+
+
+def refuse_other_than_a_file(path: str) -> None:
+    """Refuse, saying which, a path that is neither a shardsafe checkpoint nor a file: a
+    missing one, a folder of checkpoints, a DCP directory, a background save's held name.
+    A strategy that reads no ``.ckpt`` files says this too before refusing a file: it
+    said "not a shardsafe checkpoint" for all of them alike (found in review)."""
     if not os.path.lexists(path):
         raise CheckpointNotFoundError(
             f"no checkpoint at {path}: neither a shardsafe checkpoint directory nor a "
@@ -174,7 +183,6 @@ def load_file(path: str) -> dict[str, Any]:
         )
     if os.path.isdir(path):
         raise CheckpointNotFoundError(uncommitted_directory(path))
-    return interop.read_torch_file(path)
 
 
 DCP_METADATA = ".metadata"
