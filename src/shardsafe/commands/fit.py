@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-local",
         type=int,
         metavar="K",
-        help="with --local-checkpoint-dir: keep the newest K steps there (default: 2)",
+        help="with --local-checkpoint-dir: keep the newest K steps there, and one more until "
+        "every rank has written the newest (default: 2)",
     )
     parser.add_argument(
         "--example-optimizer",

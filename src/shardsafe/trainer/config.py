@@ -51,8 +51,9 @@ class TrainerConfig:
     local_every: int = 1
     """With :attr:`local_checkpoint_dir`: save to it every this many steps."""
     keep_local: int = 2
-    """With :attr:`local_checkpoint_dir`: the newest local steps each node keeps (its
-    room is checked before the first save: ``keep_local + 2`` steps at most)."""
+    """With :attr:`local_checkpoint_dir`: the newest local steps each node keeps, and one
+    more until every rank has written the newest (its room is checked before the first
+    save: ``keep_local + 2`` steps at most)."""
 
     def __post_init__(self) -> None:
         _path("run_dir", self.run_dir)
