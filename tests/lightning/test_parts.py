@@ -323,7 +323,8 @@ def test_options_are_checked_when_the_strategy_is_made() -> None:
             ShardsafeDDPStrategy(**option)
         assert str(e.value) == (
             f"{field}={value} applies to the local tier, which is off; pass "
-            "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too"
+            f"local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too, or leave "
+            f"{field} out"
         )
     with pytest.raises(ValueError, match=r"^keep_local=0 must be a positive int \(steps\)$"):
         ShardsafeDDPStrategy(local_checkpoint_dir="/dev/shm/x", keep_local=0)
@@ -335,10 +336,10 @@ def test_the_local_tier_directory_is_read_as_every_load_reads_it() -> None:
     from shardsafe.lightning.local_tier import LocalTier
 
     for written in ("file:/dev/shm/x", "file:///dev/shm/x", "file://localhost/dev/shm/x"):
-        assert LocalTier(written, 1).directory == "/dev/shm/x"
+        assert LocalTier(written, 1, 2).directory == "/dev/shm/x"
     for refused in ("s3://b/x", "file://otherhost/x", "s3:/b/x"):
         with pytest.raises(ValueError, match=r"must be a directory on each node's own disk"):
-            LocalTier(refused, 1)
+            LocalTier(refused, 1, 2)
 
 
 def test_the_model_parallel_strategy_says_what_a_path_is_before_refusing_a_file(

@@ -104,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..tiers.manager import LOCAL_DEFAULTS
     from ..trainer import Trainer
     from ..trainer.failures import say_interrupted
     from ..trainer.launcher import INTERRUPTED, current_environment, launch
@@ -127,8 +128,10 @@ def run(args: argparse.Namespace) -> int:
             keep_last=args.keep_last,
             async_save=args.async_save,
             local_checkpoint_dir=args.local_checkpoint_dir,
-            local_every=1 if args.local_every is None else args.local_every,
-            keep_local=2 if args.keep_local is None else args.keep_local,
+            local_every=LOCAL_DEFAULTS["local_every"]
+            if args.local_every is None
+            else args.local_every,
+            keep_local=LOCAL_DEFAULTS["keep_local"] if args.keep_local is None else args.keep_local,
         )
         env = current_environment(args.devices)
     except ValueError as e:

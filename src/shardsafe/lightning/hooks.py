@@ -52,6 +52,7 @@ from ..checkpoint.storage import locations
 from ..checkpoint.storage.locations import is_url
 from ..errors import CheckpointError
 from ..tiers import Restored as TierRestored
+from ..tiers.manager import LOCAL_DEFAULTS, refuse_without_local_tier
 from . import checks, cleanup, restore, state
 from ._namespace import lightning
 from .local_tier import LocalTier, describe_tiers
@@ -99,8 +100,8 @@ class ShardsafeCheckpointing(Strategy):
         checkpoint_timeout: float = DEFAULT_TIMEOUT_S,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         local_checkpoint_dir: str | os.PathLike[str] | None = None,
-        local_every: int = 1,
-        keep_local: int = 2,
+        local_every: int = LOCAL_DEFAULTS["local_every"],
+        keep_local: int = LOCAL_DEFAULTS["keep_local"],
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -116,13 +117,8 @@ class ShardsafeCheckpointing(Strategy):
             buffer_bytes=buffer_bytes,
         )
         self.load_options = LoadOptions(entry_timeout=entry_timeout, timeout=checkpoint_timeout)
-        tier_options = (("local_every", local_every, 1), ("keep_local", keep_local, 2))
-        for field, value, default in tier_options:
-            if local_checkpoint_dir is None and value != default:
-                raise ValueError(
-                    f"{field}={value!r} applies to the local tier, which is off; pass "
-                    "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too"
-                )
+        if local_checkpoint_dir is None:
+            refuse_without_local_tier({"local_every": local_every, "keep_local": keep_local})
         self._local = (
             None
             if local_checkpoint_dir is None

@@ -78,7 +78,7 @@ _RESOLVING = "_shardsafe_local_tier"
 class LocalTier:
     """One strategy's local tier: the options, and the manager while a fit runs."""
 
-    def __init__(self, directory: str | os.PathLike[str], every: int, keep: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], every: int, keep: int) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"local_every={every!r} must be a positive int (steps)")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:

@@ -59,6 +59,23 @@ DEFAULT_TIMEOUT_S = 300.0
 """How long a rank waits for the others by default (and a rank whose own timeout was
 refused waits, to hear the others' verdict on its settings)."""
 
+LOCAL_DEFAULTS: dict[str, int] = {"local_every": 1, "keep_local": 2}
+"""The local tier's settings as the manager takes them when left out; the Trainer and
+the Lightning strategies pass them on, and refuse another value without a local tier
+(:func:`refuse_without_local_tier`)."""
+
+
+def refuse_without_local_tier(settings: dict[str, object]) -> None:
+    """Refuse a local tier's setting other than its default where no tier is asked for
+    (no local directory): accepted, it would silently do nothing."""
+    for field, value in settings.items():
+        if value != LOCAL_DEFAULTS[field]:
+            raise ValueError(
+                f"{field}={value!r} applies to the local tier, which is off; pass "
+                "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too, or leave "
+                f"{field} out"
+            )
+
 
 class TieredCheckpointManager:
     """Node-local checkpoints replicated to peers, over a persistent tier (see the module
@@ -79,10 +96,10 @@ class TieredCheckpointManager:
         persistent: str | os.PathLike[str],
         local: str | os.PathLike[str],
         *,
-        local_every: int | None = 1,
+        local_every: int | None = LOCAL_DEFAULTS["local_every"],
         persist_every: int | None = 100,
         replicas: int = 1,
-        keep_local: int = 2,
+        keep_local: int = LOCAL_DEFAULTS["keep_local"],
         keep_last: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         storage_options: dict[str, Any] | None = None,

@@ -11,9 +11,7 @@ from ..checkpoint.storage.files import describe_mode, first_non_directory
 from ..checkpoint.storage.locations import is_url, local_path, scheme
 from ..errors import CheckpointError
 from ..strategies import STRATEGIES
-
-_LOCAL_DEFAULTS = {"local_every": 1, "keep_local": 2}
-"""The local tier's settings as left out: another value without the tier is refused."""
+from ..tiers.manager import LOCAL_DEFAULTS, refuse_without_local_tier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +46,9 @@ class TrainerConfig:
     when the run spans several: the local tier of a :class:`shardsafe.TieredCheckpointManager`
     whose persistent tier is :attr:`checkpoint_dir`. ``resume="latest"`` then restores
     the newest step of either tier. ``None``: no local tier."""
-    local_every: int = 1
+    local_every: int = LOCAL_DEFAULTS["local_every"]
     """With :attr:`local_checkpoint_dir`: save to it every this many steps."""
-    keep_local: int = 2
+    keep_local: int = LOCAL_DEFAULTS["keep_local"]
     """With :attr:`local_checkpoint_dir`: the newest local steps each node keeps, and one
     more until every rank has written the newest (its room is checked before the first
     save: ``keep_local + 2`` steps at most)."""
@@ -135,14 +133,7 @@ class TrainerConfig:
         _positive("local_every", self.local_every)
         _positive("keep_local", self.keep_local)
         if self.local_checkpoint_dir is None:
-            for field, default in _LOCAL_DEFAULTS.items():
-                value = getattr(self, field)
-                if value != default:
-                    raise ValueError(
-                        f"{field}={value} applies to the local tier, which is off; pass "
-                        "local_checkpoint_dir='/dev/shm/run1' (a node-local directory) too, "
-                        f"or leave {field} out"
-                    )
+            refuse_without_local_tier({f: getattr(self, f) for f in LOCAL_DEFAULTS})
             return
         _path("local_checkpoint_dir", self.local_checkpoint_dir, ", or None for no local tier")
         local = _local_if_file_url(self.local_checkpoint_dir)
