@@ -28,7 +28,7 @@ from .files import check_name
 from .lock_backends import ObjectLockBackend
 from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
 from .protocol import EntryKind
-from .store_failures import STORE_FAILED_AT, store_failures
+from .store_failures import failed_at, store_failures
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -201,8 +201,7 @@ class FsspecStorage:
         except FileNotFoundError:
             kind = None
         except Exception as e:
-            said = " ".join(f"{type(e).__name__}: {e}".split())
-            raise CheckpointError(f"{STORE_FAILED_AT}{self.directory}: {said}") from e
+            raise failed_at(self.directory, e) from e
         if kind == "directory":  # made since isdir looked
             return
         if kind is not None:

@@ -125,6 +125,13 @@ STORE_FAILED_AT = "the object store failed at "
 """How :func:`store_errors` begins (the CLI adds what to check to such an error)."""
 
 
+def failed_at(url: str, error: BaseException) -> CheckpointError:
+    """The error for ``url`` whose store's client raised ``error``, on one line (gcsfs
+    puts the store's answer on a line of its own)."""
+    said = " ".join(f"{type(error).__name__}: {error}".split())
+    return CheckpointError(f"{STORE_FAILED_AT}{url}: {said}")
+
+
 @contextlib.contextmanager
 def listing_errors(url: str) -> Iterator[None]:
     """:func:`store_errors`, and an ``OSError`` but a missing path's (access refused:
@@ -137,8 +144,7 @@ def listing_errors(url: str) -> Iterator[None]:
     except (FileNotFoundError, NotADirectoryError):
         raise
     except OSError as e:
-        said = " ".join(f"{type(e).__name__}: {e}".split())
-        raise CheckpointError(f"{STORE_FAILED_AT}{url}: {said}") from e
+        raise failed_at(url, e) from e
 
 
 @contextlib.contextmanager
@@ -151,4 +157,4 @@ def store_errors(url: str) -> Iterator[None]:
     except (OSError, CheckpointError):
         raise
     except Exception as e:
-        raise CheckpointError(f"{STORE_FAILED_AT}{url}: {type(e).__name__}: {e}") from e
+        raise failed_at(url, e) from e
