@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..checkpoint.format.manifest_format import Layout
 from ..strategies import STRATEGIES
+from ..tiers.manager import LOCAL_DEFAULTS
 from .config import TrainerConfig
 from .data import loader_spec
 from .failures import reported_and_fatal, say_interrupted
@@ -50,8 +51,8 @@ class Trainer:
         batch_size: int | None = None,
         async_save: bool = False,
         local_checkpoint_dir: str | None = None,
-        local_every: int = 1,
-        keep_local: int = 2,
+        local_every: int = LOCAL_DEFAULTS["local_every"],
+        keep_local: int = LOCAL_DEFAULTS["keep_local"],
     ) -> None:
         self.config = TrainerConfig(
             max_steps=max_steps,
