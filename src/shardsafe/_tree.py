@@ -159,8 +159,10 @@ def _encode_pairs(
             )
         # Encoded first: its checks (an int of more than 4300 digits) say what is wrong
         # in shardsafe's words, where making the path's text raised Python's own advice.
+        # The key's own text names what is refused in it (a tuple's item: an int too
+        # long, a set), not the dict's path with the tuple's index appended.
         where_key = f"{where}{_format_path(path)}: dict key {_shown(k)}"
-        key = encode(k, where, _no_tensor_in_key(where_key), path, levels=levels + 3)
+        key = encode(k, where_key, _no_tensor_in_key(where_key), levels=levels + 3)
         seen = per_hash[hash(k)] = per_hash.get(hash(k), 0) + 1
         if seen > MAX_SAME_HASH:
             raise CheckpointError(
@@ -178,7 +180,8 @@ def _shown(key: Any) -> str:
     """``key``'s repr, cut short; an int too long for ``repr`` (Python refuses more than
     4300 digits) is named so, and encoding it then says what is wrong."""
     try:
-        return f"{key!r:.80}"
+        text = repr(key)
+        return text if len(text) <= 80 else text[:77] + "..."
     except ValueError:
         return "(an integer too long to show)"
 

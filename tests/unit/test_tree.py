@@ -145,8 +145,11 @@ def test_an_integer_dict_key_longer_than_a_manifest_holds_is_refused_in_shardsaf
     tmp_path: Path,
 ) -> None:
     """Found in review: as a dict key, the path's text was made first, and Python's own
-    "Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()" came out."""
-    for key, path in ((10**5000, "['cfg']"), ((1, 10**5000), "['cfg']['1']")):
+    "Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()" came out; and
+    one inside a tuple key was named by the dict's path and the tuple's index, as if it
+    were a value (``state['cfg']['1']``), with no word of a key."""
+    shown = "['cfg']: dict key (an integer too long to show)"
+    for key, path in ((10**5000, shown), ((1, 10**5000), f"{shown}['1']")):
         with pytest.raises(CheckpointError) as caught:
             shardsafe.save(tmp_path / "long", {"cfg": {key: torch.ones(1)}})
         assert str(caught.value).startswith(
