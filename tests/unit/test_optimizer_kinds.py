@@ -318,6 +318,23 @@ def test_a_state_entry_that_would_not_come_back_as_it_was_is_refused_and_nothing
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_value_no_checkpoint_holds_in_a_parameters_state_is_refused_by_its_key(
+    tmp_path: Path,
+) -> None:
+    """Found in review: it was refused as ``cannot save state['optim']: a value of type
+    object ...``, naming neither the parameter nor its state entry."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model[1].bias]["junk"] = {"deep": [1, object()]}
+    with pytest.raises(shardsafe.CheckpointError) as caught:
+        shardsafe.save(tmp_path / "ckpt", {"model": model, "optim": opt})
+    assert str(caught.value).startswith(
+        "cannot save state['optim'].state['1.bias']['junk']['deep']['1']: a value of type "
+        "object is neither a tensor nor JSON-able data"
+    ), str(caught.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_state_entry_names_that_are_only_unusual_strings_round_trip(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -93,7 +93,9 @@ def export_state(
         fqn = ctx.param_fqn(local_params[index])
         _check_state_names(param_state, fqn, where)
         state[fqn] = {
-            name: _tree.encode(value, where, sink_under(fqn, name))
+            # Named down to the parameter and the entry: "state['optimizer']" alone left a
+            # model of thousands of parameters to guess whose state held the bad value.
+            name: _tree.encode(value, f"{where}.state[{fqn!r}][{name!r}]", sink_under(fqn, name))
             for name, value in param_state.items()
         }
     groups_meta = []
