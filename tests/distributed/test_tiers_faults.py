@@ -247,6 +247,43 @@ def test_local_checkpoints_of_another_world_size_and_no_persistent_one_are_never
     assert run_ranks(_local_only, saved, base, 0, timeout=100) == [("returned", {})] * saved
 
 
+def _fresh_start(rank: int, world: int, base: str) -> tuple[Any, list[str]]:
+    """``load_latest`` in a new manager (each rank a node of its own, no persistent
+    tier): what it returned, and shardsafe's warnings."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    options: dict[str, Any] = {"persist_every": None, "timeout": 20}
+    with (
+        contextlib.closing(
+            TieredCheckpointManager(
+                os.path.join(base, "persistent"), local_dir(base, rank), **options
+            )
+        ) as manager,
+        warnings.catch_warnings(record=True) as said,
+    ):
+        warnings.simplefilter("always")
+        got = manager.load_latest({"model": torch.nn.Linear(4, 4)})
+    return got, [str(w.message) for w in said if str(w.message).startswith("shardsafe")]
+
+
+def test_copies_that_complete_no_step_start_the_run_afresh_saying_so(tmp_path: Path) -> None:
+    """Found in review: every copy of rank 1 lost (its node's directory and its replicas),
+    rank 0's committed copies of steps 1-3 there, no persistent tier: ``load_latest``
+    returned ``None`` on every rank in silence, and the run started afresh."""
+    base = str(tmp_path)
+    run_ranks(_local_only, 2, base, 3, timeout=100)
+    shutil.rmtree(local_dir(base, 1))
+    for replica in Path(local_dir(base, 0)).glob("step-*/rank-00001"):
+        shutil.rmtree(replica)
+    said = (
+        "shardsafe: nothing was restored, and the run starts afresh: the newest local "
+        "checkpoints, of step 3, are complete for some ranks only (no node holds a copy of "
+        "rank(s) 1: a job stopped in its first local save, or a node lost with every replica "
+        "of its ranks), and the persistent tier holds no checkpoint. To go on from earlier "
+        "work instead, stop this run and load a checkpoint you kept elsewhere"
+    )
+    assert run_ranks(_fresh_start, 2, base, timeout=100) == [(None, [said])] * 2
+
+
 def _relayout(rank: int, world: int, base: str, run: str) -> Any:
     """Run ``A``: 2 nodes of 2 save steps 1-3 (every tensor ``1000 + 10 x step + rank``).
     Runs ``B`` and ``C``: 4 nodes of 1 (nodes 0 and 1 keep their directories) restore;

@@ -263,6 +263,14 @@ def test_nothing_anywhere_restores_nothing() -> None:
     assert choose([[]] * 4, two_by_two(), None) == Choice(None, [])
 
 
+def test_with_nothing_to_restore_the_newest_step_some_ranks_hold_is_named() -> None:
+    node_a = [c for c in everywhere(2, 3) if c[1] in (0, 1)]
+    assert choose([node_a, node_a, [], []], two_by_two(), None) == Choice(
+        None, [], incomplete=(3, (2, 3))
+    )
+    assert choose([node_a, node_a, [], []], two_by_two(), 1) == Choice(1, [PERSISTENT] * 4)
+
+
 # -------------------------------------------------------- rank_checkpoint.view
 
 

@@ -19,7 +19,8 @@ newer local step and replaced the later run's copy of it). If the persistent tie
 newer step than any complete local one, or no local step is complete, the persistent
 tier is used (``persistent``); if nothing exists anywhere, nothing is restored (but the
 newest step saved at another world size is named, ``Choice.stranded``: ``load_latest``
-refuses to start afresh over it).
+refuses to start afresh over it; and the newest step only some ranks hold,
+``Choice.incomplete``: ``load_latest`` warns that the fresh start leaves it unused).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class Choice:
     """With nothing to restore (``step`` None): the newest step of a rank checkpoint saved
     at another world size, ``(step, world size)``, if any: what a silent fresh start would
     abandon."""
+    incomplete: tuple[int, tuple[int, ...]] | None = None
+    """With nothing to restore (``step`` None): the newest step of this world size that
+    some ranks hold a copy of, and the ranks with no copy of it on any node:
+    ``load_latest`` warns that a fresh start leaves those copies unused."""
 
 
 Held = tuple[int, int, int] | tuple[int, int, int, str]
@@ -84,7 +89,27 @@ def choose(
             return _plan(step, {r: nodes_holding[(step, run, r)] for r in range(world)}, topology)
     if persistent_step is not None:
         return Choice(persistent_step, [PERSISTENT] * world)
-    return Choice(None, [], stranded=max(elsewhere, default=None))
+    return Choice(
+        None,
+        [],
+        stranded=max(elsewhere, default=None),
+        incomplete=_newest_incomplete(nodes_holding, world, resumed_elsewhere),
+    )
+
+
+def _newest_incomplete(
+    nodes_holding: dict[tuple[int, str, int], set[int]], world: int, resumed_elsewhere: str
+) -> tuple[int, tuple[int, ...]] | None:
+    """The newest step (of a run not abandoned) that some ranks hold, and the ranks
+    without a copy of it anywhere; ``None`` if no rank holds one."""
+    held: dict[tuple[int, str], set[int]] = {}
+    for step, run, rank in nodes_holding:
+        if _run_part(run) >= resumed_elsewhere:
+            held.setdefault((step, run), set()).add(rank)
+    if not held:
+        return None
+    step, run = max(held)
+    return step, tuple(r for r in range(world) if r not in held[(step, run)])
 
 
 def _run_part(token: str) -> str:

@@ -150,7 +150,9 @@ class Restorer:
             if choice.step is None:
                 _refuse_stranded(choice, self.world_size)
                 _refuse_unloadable(self._refused, damaged)
-                return _or_damaged(None, damaged, unfetched)
+                _or_damaged(None, damaged, unfetched)
+                self._say_incomplete(choice)
+                return None
             if recovery.PERSISTENT in choice.tiers:
                 try:
                     values = self._from_persistent(state, options, started)
@@ -400,6 +402,26 @@ class Restorer:
         with self._said:
             self._say_passed_over(step)
             self._drop_newer(step)
+
+    def _say_incomplete(self, choice: recovery.Choice) -> None:
+        """Nothing to restore, but some ranks hold copies of a step (of this world size)
+        that others hold nowhere: a job killed in its first local save leaves that, and
+        so does a node lost together with every replica of its ranks. The run starts
+        afresh (raising would make a job killed in its first save unable to restart);
+        in silence, the user could not tell the second case from a new run. The same
+        words on every rank (one survey)."""
+        if choice.incomplete is None:
+            return
+        step, missing = choice.incomplete
+        ranks = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        self._said.warn(
+            f"shardsafe: nothing was restored, and the run starts afresh: the newest local "
+            f"checkpoints, of step {step}, are complete for some ranks only (no node holds "
+            f"a copy of rank(s) {ranks}: a job stopped in its first local save, or a node "
+            "lost with every replica of its ranks), and the persistent tier holds no "
+            "checkpoint. To go on from earlier work instead, stop this run and load a "
+            "checkpoint you kept elsewhere"
+        )
 
     def _say_passed_over(self, step: int) -> None:
         """Say which copies of later steps the survey refused (a data file cut short, a
