@@ -65,12 +65,7 @@ def encode(
     ``levels``: how many JSON containers its encoding sits in. Nesting is measured as
     stored too, not only by ``path``: else 40 dicts with int keys passed here, and the
     save failed reading its own manifest back ("nested too deeply; the file is damaged")."""
-    if len(path) > MAX_DEPTH or levels > MAX_LEVELS:
-        raise CheckpointError(
-            f"cannot save {where}: it is nested more than {MAX_DEPTH} levels deep (or more "
-            f"than {MAX_LEVELS} as stored: a tuple takes two levels, a dict with keys that are "
-            "not strings three), more than a checkpoint holds (it may contain itself)"
-        )
+    _refuse_too_deep(where, len(path), levels)
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -121,6 +116,15 @@ def encode(
     )
 
 
+def _refuse_too_deep(where: str, depth: int, levels: int) -> None:
+    if depth > MAX_DEPTH or levels > MAX_LEVELS:
+        raise CheckpointError(
+            f"cannot save {where}: it is nested more than {MAX_DEPTH} levels deep (or more "
+            f"than {MAX_LEVELS} as stored: a tuple takes two levels, a dict with keys that are "
+            "not strings three), more than a checkpoint holds (it may contain itself)"
+        )
+
+
 def is_tag(name: str) -> bool:
     """Whether ``name`` is spelled like one of the encoding's tags (``__tensor__``)."""
     return name in TAGS
@@ -162,6 +166,7 @@ def _encode_pairs(
         # The key's own text names what is refused in it (a tuple's item: an int too
         # long, a set), not the dict's path with the tuple's index appended.
         where_key = f"{where}{_format_path(path)}: dict key {_shown(k)}"
+        _refuse_too_deep(where, len(path) + 1, levels + 3)  # the value's, said as the value's
         key = encode(k, where_key, _no_tensor_in_key(where_key), levels=levels + 3)
         seen = per_hash[hash(k)] = per_hash.get(hash(k), 0) + 1
         if seen > MAX_SAME_HASH:
