@@ -336,16 +336,32 @@ def have_torch_checkpointing() -> bool:
     return True
 
 
-def run(setup: str, layers: int, world: int, repeat: int, root: str) -> dict[str, Any]:
-    """Every tool of ``setup`` (those installed), each in fresh processes."""
+FEWEST = ("copy", "async")
+"""The tools a setup's table and targets need: ``--quick`` runs only these for every setup
+but the first (a smoke run checks that each setup runs, not each peer again)."""
+
+
+def run(
+    setup: str, layers: int, world: int, repeat: int, root: str, every_tool: bool = True
+) -> dict[str, Any]:
+    """Every tool of ``setup`` (those installed; :data:`FEWEST` unless ``every_tool``),
+    each in fresh processes."""
     tools = [t for t in TOOLS[setup] if t != "tc" or have_torch_checkpointing()]
+    tools = tools if every_tool else [t for t in tools if t in FEWEST]
     return {tool: launch(bench, world, tool, setup, layers, repeat, root)[0] for tool in tools}
 
 
-def section(setups: tuple[str, ...], layers: int, world: int, repeat: int, root: str) -> Section:
+def section(
+    setups: tuple[str, ...],
+    layers: int,
+    world: int,
+    repeat: int,
+    root: str,
+    quick: bool = False,
+) -> Section:
     blocks, targets = [], []
     for setup in setups:
-        got = run(setup, layers, world, repeat, root)
+        got = run(setup, layers, world, repeat, root, every_tool=not quick or setup == setups[0])
         rows = [["tool", "stall s", "x copy floor", "time to durable s", "x blocking save",
                  "training while writing"]]  # fmt: skip
         for tool, m in got.items():

@@ -68,6 +68,7 @@ class Config:
     manifest_sizes: tuple[tuple[int, int], ...] = ((100, 1000),)  # 100,000 chunk records
     manifest_versions: tuple[int, ...] = (1, 2)
     async_layers: int = 16
+    async_quick: bool = False  # every tool for the first setup only (async_checkpoint.FEWEST)
     coordination_worlds: tuple[int, ...] = (2, 8, 16, 32, 64)  # tiny state: the agreement
     coordination_repeat: int = 3
     parallel_mib: float = 192  # model + AdamW per rank: PP x DP and EP, 4 ranks
@@ -81,9 +82,9 @@ class Config:
 
 QUICK = Config(
     2, 2, 2, (1, 2), (2,), 1, 1, 1, ((10, 100),), manifest_versions=(2,),
-    async_layers=2, coordination_worlds=(2, 4), coordination_repeat=1, parallel_mib=1,
-    tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1, integration_layers=2,
-    integration_repeat=1,
+    async_layers=2, async_quick=True, coordination_worlds=(2, 4), coordination_repeat=1,
+    parallel_mib=1, tiers_mib=1, tiers_repeat=1, tiers_steps=3, validation_repeat=1,
+    integration_layers=2, integration_repeat=1,
 )  # fmt: skip
 
 
@@ -172,7 +173,7 @@ def run_all(cfg: Config, root: str, report: Report) -> list[scaling.Point]:
     report.section(
         "Asynchronous save: stall, training while writing, time to durable, 2 ranks",
         lambda: async_checkpoint.section(
-            async_checkpoint.SETUPS, cfg.async_layers, 2, cfg.repeat, root
+            async_checkpoint.SETUPS, cfg.async_layers, 2, cfg.repeat, root, cfg.async_quick
         ),
     )
     if lightning:
