@@ -48,6 +48,7 @@ def main() -> None:
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
+    warnings.filterwarnings("always", message="shardsafe: ")  # shardsafe's own are shown
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     module = Regression("plain", fsdp=args.fsdp)

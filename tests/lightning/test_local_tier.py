@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -157,6 +158,36 @@ def test_a_fresh_start_at_another_world_size_over_the_local_tier_is_refused(
     ) in " ".join(output.split()), output
     assert not (tmp_path / "one.jsonl").exists()
     assert "step-000000005" in local_steps(tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_a_fresh_start_over_copies_that_complete_no_step_warns_and_saves(
+    tmp_path: Path,
+) -> None:
+    """Found in review: rank 1's copy of the first local step gone (a job killed in its
+    first local save), no ModelCheckpoint checkpoint: the fit started afresh in silence,
+    and its own first local save was then refused ("hold step 5 of an earlier run ...
+    Call load_latest(state) first"), restart after restart."""
+    assert run(tmp_path, "--max-steps", "5", "--local-every", "5") == [None, None]
+    for copy in (tmp_path / "local").glob("step-*/rank-00001"):
+        shutil.rmtree(copy)
+    started = LocalRun(tmp_path, "--max-steps", "10", "--local-every", "5", "--log", "b.jsonl")
+    codes, output = started.wait(), started.output()
+    assert codes == [0, 0], output
+    said = (
+        "shardsafe: nothing was restored, and the run starts afresh: the newest local "
+        "checkpoints, of step 5, are complete for some ranks only (no node holds a copy of "
+        "rank(s) 1"
+    )
+    assert " ".join(output.split()).count(said) == 2, output  # on each rank
+    fresh, first = losses(tmp_path, "b.jsonl"), losses(tmp_path)
+    assert sorted(fresh) == list(range(1, 11))
+    assert {s: fresh[s] for s in first} == first  # afresh: the first run's steps again
+    assert local_steps(tmp_path) == ["step-000000005", "step-000000010"]
+    assert sorted(p.name for p in (tmp_path / "local").glob("step-000000010/rank-*")) == [
+        "rank-00000",
+        "rank-00001",
+    ]
 
 
 @pytest.mark.timeout(120)

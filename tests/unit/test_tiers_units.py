@@ -611,7 +611,7 @@ def test_a_forged_placement_alone_is_refused_not_a_silent_fresh_start(tmp_path: 
         manager.load_latest(live)
     # So does the Lightning strategy's fresh start (ckpt_path=None and nothing local).
     with pytest.raises(CheckpointCorruptError) as fresh:
-        manager._refuse_stranded("Lightning found no checkpoint", "")
+        manager._start_afresh("Lightning found no checkpoint", "")
     assert str(fresh.value) == str(caught.value)
     manager.close()
     assert str(caught.value) == (

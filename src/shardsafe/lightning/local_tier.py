@@ -185,7 +185,7 @@ class LocalTier:
         elif path is not None:
             use_local = False
         elif newest is None:  # a fresh start, unless that abandons another world's steps
-            self.manager._refuse_stranded(
+            self.manager._start_afresh(
                 "Lightning found no checkpoint to resume from (ckpt_path=None, or 'last' "
                 "with no last checkpoint)",
                 "resume from a ModelCheckpoint checkpoint with fit(ckpt_path=...), which "

@@ -460,11 +460,17 @@ class TieredCheckpointManager:
             self._newest_local = self.restored.step
         return loaded
 
-    def _refuse_stranded(self, why: str, instead: str) -> None:
-        """Raise where the only local checkpoints were saved at another world size
-        (collective): for a caller that has its own persistent checkpoints (Lightning's
-        ``ModelCheckpoint``), in its words (``Restorer.refuse_stranded``)."""
-        self._restorer.refuse_stranded(why, instead)
+    def _start_afresh(self, why: str, instead: str) -> None:
+        """What :meth:`load_latest` does with nothing to restore, for a caller that has its
+        own persistent checkpoints (Lightning's ``ModelCheckpoint``) and found none
+        (collective): raise where the only local checkpoints were saved at another world
+        size or would not load, in its words, and warn of copies that complete no step
+        (``Restorer.start_afresh``). Then this run's first local save may replace such
+        copies, as after :meth:`load_latest`: Lightning's fresh start after a job killed in
+        its first local save was refused at that save, restart after restart ("hold step 5
+        of an earlier run ... Call load_latest(state) first")."""
+        self._restorer.start_afresh(why, instead)
+        self._resumed = True
 
     def _drop_newer(self, step: int) -> None:
         """What :meth:`load_latest` does after any restore (``Restorer.drop_newer``)."""

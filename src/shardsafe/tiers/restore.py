@@ -109,14 +109,18 @@ class Restorer:
         self._replicator.drain()
         return self._survey(set()).step
 
-    def refuse_stranded(self, why: str, instead: str) -> None:
-        """Raise as :meth:`load_latest` does where the only local checkpoints were saved at
-        another world size or would not load (collective; see :func:`_refuse_stranded`
-        and :func:`_refuse_unloadable`)."""
-        choice = self._survey(set())
-        if choice.step is None:
-            _refuse_stranded(choice, self.world_size, why, instead)
-            _refuse_unloadable(self._refused, [])
+    def start_afresh(self, why: str, instead: str) -> None:
+        """For a caller starting afresh with nothing here to restore (Lightning with no
+        checkpoint to resume from): raise as :meth:`load_latest` does where the only local
+        checkpoints were saved at another world size or would not load, and warn as it
+        does of copies that complete no step (collective; see :func:`_refuse_stranded`,
+        :func:`_refuse_unloadable` and :meth:`_say_incomplete`)."""
+        with self._said:
+            choice = self._survey(set())
+            if choice.step is None:
+                _refuse_stranded(choice, self.world_size, why, instead)
+                _refuse_unloadable(self._refused, [])
+                self._say_incomplete(choice)
 
     def load_latest(self, state: Any, options: LoadKeywords) -> dict[str, Any] | None:
         """Restore the newest step that every rank can get; ``None`` if there is none in
