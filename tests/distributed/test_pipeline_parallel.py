@@ -129,6 +129,43 @@ def test_a_key_no_stage_holds_is_still_unexpected(tmp_path: Path) -> None:
     assert "model/layers.0" not in text.split("unexpected")[1].split("\n")[0]
 
 
+def _load_leaving_out_on_stage_1(rank: int, world: int, path: str, left_out: str) -> None:
+    stage = L.stage_of(L.Net(seed=1), rank, world)
+    opt = L.adamw(stage)
+    state = {"model": stage, "optimizer": opt, "scheduler": L.scheduler(opt)}
+    if rank == 1:
+        state = {} if left_out == "everything" else {k: state[k] for k in state if k != left_out}
+    shardsafe.load(path, state)
+
+
+@pytest.mark.parametrize("left_out", ["optimizer", "everything"])
+def test_a_stage_that_leaves_an_entry_out_of_a_strict_load_is_refused_on_every_rank(
+    pp2: tuple[Path, list[dict[str, Any]]], left_out: str
+) -> None:
+    """Found in review: stage 1 passing no optimizer (or ``{}``) made the strict load
+    succeed on every rank, stage 1's saved Adam state (or its weights too) held by no rank
+    and skipped in silence: stage 1's empty list of unexpected keys emptied the
+    intersection of the ranks' lists. An entry no rank passes still loads nothing."""
+    path, _ = pp2
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_load_leaving_out_on_stage_1, 2, str(path), left_out)
+    text = info.value.text
+    held, said = {
+        "optimizer": ("(6): optimizer/layers.2.lin.bias;", "rank(s) 1 passed no 'optimizer'"),
+        "everything": (
+            "(14): model/layers.2.lin.bias;",
+            "rank(s) 1 passed no 'model'; rank(s) 1 passed no 'optimizer'",
+        ),
+    }[left_out]
+    assert (
+        "load failed on rank 0: the checkpoint does not match the objects being loaded:\n"
+        f"  unexpected in the checkpoint (held by no rank) {held}"
+    ) in text, text
+    assert (
+        f"  ({said} to this load: pass each entry on every rank whose objects hold part of it)"
+    ) in text
+
+
 def _save_conflicting_shapes(rank: int, world: int, path: str) -> None:
     model = L.Net(layers=2)
     if rank == 1:  # the same name, another tensor: no single checkpoint describes both

@@ -57,10 +57,11 @@ class LoadPlan:
     """Every entry this rank restores, in order, with the regions each needs."""
 
     entries: list[PlannedEntry]
-    unexpected: list[str] = field(default_factory=list)
-    """Keys in the checkpoint this rank holds no object for (strict loads, more than one
-    rank). Another rank may hold them (pipeline stages, per-rank experts): the load
-    refuses only those no rank holds (``loading.agree_unexpected``)."""
+    unexpected: dict[str, list[str]] = field(default_factory=dict)
+    """By entry of ``state`` this rank passed (every one the checkpoint has), the keys of
+    it in the checkpoint this rank holds no object for (strict loads, more than one rank).
+    Another rank passing that entry may hold them (pipeline stages, per-rank experts): the
+    load refuses only those no such rank holds (:func:`unexpected_everywhere`)."""
     absent: list[str] = field(default_factory=list)
     """Entries of ``state`` the checkpoint does not have, left as they are (``strict=False``
     only, and only when some other entry loads): the load warns about each."""
@@ -109,13 +110,15 @@ def plan_load(
 
     entries = _unasked(manifest, state, context)
     problems = _Problems([], [], [], known=list(manifest.values))
+    unexpected: dict[str, list[str]] = {}
     for name, obj in state.items():
+        before = len(problems.unexpected)
         entry = _asked(name, obj, manifest, context, problems)
         if entry is not None:
             entries.append(entry)
-    unexpected: list[str] = []
+            unexpected[name] = problems.unexpected[before:]
     if world_size > 1:  # refused only if no rank holds them (see LoadPlan.unexpected)
-        unexpected, problems.unexpected = problems.unexpected, []
+        problems.unexpected = []
     absent: list[str] = []
     if not strict and len(problems.absent) < len(state):  # something else loads
         absent, problems.absent = problems.absent, []
@@ -229,15 +232,31 @@ def _live_failure(item: PlannedEntry) -> str | None:
     return None
 
 
-def unexpected_everywhere(per_rank: list[list[str]], strict: bool) -> None:
+def unexpected_everywhere(per_rank: list[dict[str, list[str]]], strict: bool) -> None:
     """Refuse a load whose checkpoint holds keys that no rank holds an object for:
-    ``per_rank[r]`` lists rank ``r``'s unexpected keys, so those are the keys every rank
-    lists."""
-    common = set(per_rank[0]).intersection(*per_rank[1:])
-    if common:
-        keys = [key for key in per_rank[0] if key in common]
+    ``per_rank[r]`` maps each entry rank ``r`` passed to its unexpected keys there, so those
+    are the keys every rank passing that entry lists. A rank that left the entry out holds
+    none of it: counting its empty list made a stage that left out its optimizer (or
+    passed ``{}``) skip that stage's saved state in silence under ``strict=True`` (found
+    in review). An entry no rank passes is not loaded, as on one rank."""
+    keys: list[str] = []
+    left_out: list[str] = []  # what ranks that left an entry out would have held of it
+    for name in dict.fromkeys(name for entries in per_rank for name in entries):
+        lists = [entries[name] for entries in per_rank if name in entries]
+        common = set(lists[0]).intersection(*lists[1:])
+        keys += [key for key in lists[0] if key in common]
+        without = [str(r) for r, entries in enumerate(per_rank) if name not in entries]
+        if common and without:
+            left_out.append(f"rank(s) {', '.join(without[:8])} passed no {name!r}")
+    if keys:
         problems = _Problems([], keys, [], unexpected_title=_HELD_BY_NO_RANK)
-        raise CheckpointMismatchError(problems.message(strict))
+        text = problems.message(strict)
+        if left_out:
+            text += (
+                f"\n  ({'; '.join(left_out)} to this load: pass each entry on every rank "
+                "whose objects hold part of it)"
+            )
+        raise CheckpointMismatchError(text)
 
 
 _HELD_BY_NO_RANK = "unexpected in the checkpoint (held by no rank)"
