@@ -7,7 +7,9 @@ nowhere: the manifest held rank 0's module keys and optimizer groups only.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +166,56 @@ def test_a_stage_that_leaves_an_entry_out_of_a_strict_load_is_refused_on_every_r
     assert (
         f"  ({said} to this load: pass each entry on every rank whose objects hold part of it)"
     ) in text
+
+
+def _tiered(base: str) -> shardsafe.TieredCheckpointManager:
+    local = os.path.join(base, "local")
+    return shardsafe.TieredCheckpointManager(base, local, local_every=1, persist_every=None)
+
+
+def _save_stage_to_the_local_tier(rank: int, world: int, base: str) -> None:
+    stage = L.stage_of(L.Net(), rank, world)
+    opt = L.adamw(stage)
+    with contextlib.closing(_tiered(base)) as manager:
+        manager.save(1, {"model": stage, "optimizer": opt})
+        manager.wait()
+
+
+def _restore_stage_from_the_local_tier(rank: int, world: int, base: str, case: str) -> None:
+    stage = L.stage_of(L.Net(seed=1), rank, world)
+    if case == "a layer gone" and rank == 0:
+        del stage.layers["0"]
+    opt = L.adamw(stage)
+    state = {"model": stage, "optimizer": opt}
+    if case == "optimizer left out" and rank == 1:
+        state = {"model": stage}
+    with contextlib.closing(_tiered(base)) as manager:
+        manager.load_latest(state)
+
+
+@pytest.mark.parametrize("case", ["optimizer left out", "a layer gone"])
+def test_a_stage_restoring_less_than_its_own_local_copy_holds_is_refused(
+    tmp_path: Path, case: str
+) -> None:
+    """Found in review: each rank restores its own local copy, so a key of rank 0's copy
+    is never listed by rank 1, and intersecting the ranks' unexpected keys skipped it in
+    silence: a stage's saved Adam state (or a layer's weights) dropped by a strict
+    ``load_latest`` that ``shardsafe.load`` refuses."""
+    base = str(tmp_path)
+    run_ranks(_save_stage_to_the_local_tier, 2, base)
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_restore_stage_from_the_local_tier, 2, base, case)
+    said = {
+        "optimizer left out": (
+            "(rank 1 passed no 'optimizer': each rank restores its own copy, which holds "
+            "that entry; pass it on every rank, or on none)"
+        ),
+        "a layer gone": (
+            "unexpected in the checkpoint (held by no rank) (5): model/layers.0.lin.bias "
+            "(rank 0); model/layers.0.lin.weight (rank 0);"
+        ),
+    }[case]
+    assert said in info.value.text, info.value.text
 
 
 def _save_conflicting_shapes(rank: int, world: int, path: str) -> None:

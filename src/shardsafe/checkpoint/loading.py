@@ -51,6 +51,7 @@ from .plan.load_plan import (
     no_entry,
     plan_load,
     request_bytes,
+    unexpected_anywhere,
     unexpected_everywhere,
 )
 from .plan.rank_copies import on_a_rank_copy, rank_copy_as_one_rank
@@ -239,7 +240,8 @@ def _load(
     )
     coord.enter(options.entry_timeout)
     try:
-        with coord.phase(Phase.PLAN, decide=_agree_plan(options.strict, where)) as planned:
+        decide = _agree_plan(options.strict, where, own_copies=view is not None)
+        with coord.phase(Phase.PLAN, decide=decide) as planned:
             storage = opener()
             manifest, read = _manifest_to_load(storage, hint)
             manifest = view(manifest) if view is not None else rank_copy_as_one_rank(manifest)
@@ -259,7 +261,11 @@ def _load(
             # A view (a tiered manager's) loads each rank's own rank checkpoint, whose
             # manifests differ by design: only the loads of one checkpoint compare them.
             same = read if view is None else ""
-            planned.payload = {"unexpected": plan.unexpected, "manifest": same}
+            planned.payload = {
+                "unexpected": plan.unexpected,
+                "left_out": plan.left_out,
+                "manifest": same,
+            }
             for name in plan.absent:  # strict=False: others load, this one stays as it is
                 left = (
                     f"shardsafe: strict=False leaves state[{name!r}] as it is: "
@@ -302,12 +308,14 @@ def _load(
         coord.close()
 
 
-def _agree_plan(strict: bool, where: str) -> Callable[[list[Any]], list[Any]]:
+def _agree_plan(strict: bool, where: str, own_copies: bool) -> Callable[[list[Any]], list[Any]]:
     """Rank 0's checks over every rank's plan: that every rank read the same manifest
     (each reads its own copy: a checkpoint copied over the directory between two ranks'
     reads made them restore different checkpoints, each reporting success; found in
     review), and that each unexpected key is held by some rank (a pipeline stage loads
-    its own keys; the other stages' are not unexpected)."""
+    its own keys; the other stages' are not unexpected). With ``own_copies`` (a view:
+    each rank restores its own rank checkpoint, which no other rank reads) each rank's
+    unexpected keys, and the entries its copy holds that it left out, are its own."""
 
     def decide(payloads: list[Any]) -> list[Any]:
         read = [p["manifest"] for p in payloads]
@@ -318,7 +326,11 @@ def _agree_plan(strict: bool, where: str) -> Callable[[list[Any]], list[Any]]:
                 "read different ones (another save or a copy replaced the checkpoint while "
                 "it was read); load again once nothing writes to it (nothing was restored)"
             )
-        unexpected_everywhere([p["unexpected"] for p in payloads], strict)
+        unexpected = [p["unexpected"] for p in payloads]
+        if own_copies:  # each rank restores its own copy (a view): no other rank holds them
+            unexpected_anywhere(unexpected, [p["left_out"] for p in payloads], strict)
+        else:
+            unexpected_everywhere(unexpected, strict)
         return [None] * len(payloads)
 
     return decide

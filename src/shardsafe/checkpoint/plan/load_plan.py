@@ -65,6 +65,9 @@ class LoadPlan:
     absent: list[str] = field(default_factory=list)
     """Entries of ``state`` the checkpoint does not have, left as they are (``strict=False``
     only, and only when some other entry loads): the load warns about each."""
+    left_out: list[str] = field(default_factory=list)
+    """Entries of the checkpoint (not plain values, which load returns anyway) that
+    ``state`` does not pass (strict loads): :func:`unexpected_anywhere` checks them."""
 
     @property
     def requests(self) -> list[ReadRequest]:
@@ -124,7 +127,12 @@ def plan_load(
         absent, problems.absent = problems.absent, []
     if problems.missing or problems.unexpected or problems.mismatched or problems.absent:
         raise CheckpointMismatchError(problems.message(strict))
-    plan = LoadPlan(entries, unexpected, absent)
+    left_out = [
+        name
+        for name, saved in manifest.values.items()
+        if strict and name not in state and returning_adapter(saved.kind) is None
+    ]
+    plan = LoadPlan(entries, unexpected, absent, left_out)
     _check_allocation(manifest, plan, rank, untrusted_bytes_limit)
     return plan
 
@@ -232,6 +240,35 @@ def _live_failure(item: PlannedEntry) -> str | None:
     return None
 
 
+def unexpected_anywhere(
+    per_rank: list[dict[str, list[str]]], left_out: list[list[str]], strict: bool
+) -> None:
+    """Refuse a load of each rank's own copy (a tiered manager's rank checkpoints) that
+    holds keys its rank holds no object for: no other rank loads that copy, so none holds
+    them (intersected, as for one checkpoint, they were skipped in silence: another rank's
+    copy never lists them). ``per_rank`` as for :func:`unexpected_everywhere`;
+    ``left_out[r]``: the entries rank ``r``'s copy holds that it did not pass, refused
+    where another rank passes that entry (where none does, it is not loaded anywhere)."""
+    passed = {name for entries in per_rank for name in entries}
+    keys = [
+        f"{key} (rank {rank})"
+        for rank, entries in enumerate(per_rank)
+        for name in entries
+        for key in entries[name]
+    ]
+    lines = [
+        f"rank {rank} passed no {name!r}"
+        for rank, names in enumerate(left_out)
+        for name in names
+        if name in passed
+    ]
+    note = (
+        f"{'; '.join(lines[:8])}: each rank restores its own copy, which holds that entry; "
+        "pass it on every rank, or on none"
+    )
+    _refuse_held_by_no_rank(keys, strict, note if lines else "")
+
+
 def unexpected_everywhere(per_rank: list[dict[str, list[str]]], strict: bool) -> None:
     """Refuse a load whose checkpoint holds keys that no rank holds an object for:
     ``per_rank[r]`` maps each entry rank ``r`` passed to its unexpected keys there, so those
@@ -248,15 +285,19 @@ def unexpected_everywhere(per_rank: list[dict[str, list[str]]], strict: bool) ->
         without = [str(r) for r, entries in enumerate(per_rank) if name not in entries]
         if common and without:
             left_out.append(f"rank(s) {', '.join(without[:8])} passed no {name!r}")
-    if keys:
-        problems = _Problems([], keys, [], unexpected_title=_HELD_BY_NO_RANK)
-        text = problems.message(strict)
-        if left_out:
-            text += (
-                f"\n  ({'; '.join(left_out)} to this load: pass each entry on every rank "
-                "whose objects hold part of it)"
-            )
-        raise CheckpointMismatchError(text)
+    note = (
+        f"{'; '.join(left_out)} to this load: pass each entry on every rank whose objects "
+        "hold part of it"
+    )
+    _refuse_held_by_no_rank(keys, strict, note if left_out else "")
+
+
+def _refuse_held_by_no_rank(keys: list[str], strict: bool, note: str) -> None:
+    """Raise the mismatch of ``keys`` no rank holds an object for, with ``note`` (which
+    ranks left an entry out) after it; nothing if there is neither."""
+    if keys or note:
+        text = _Problems([], keys, [], unexpected_title=_HELD_BY_NO_RANK).message(strict)
+        raise CheckpointMismatchError(text + (f"\n  ({note})" if note else ""))
 
 
 _HELD_BY_NO_RANK = "unexpected in the checkpoint (held by no rank)"
