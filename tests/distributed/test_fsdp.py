@@ -290,6 +290,47 @@ def tied_fsdp_strategy_run(rank: int, world: int, path: str) -> list[float]:
     return losses
 
 
+def untied_into_tied_fsdp_run(rank: int, world: int, path: str) -> tuple[str, bool]:
+    """Save an FSDP2 model whose head is untied from its embedding, then load it into
+    the tied model: the refusal's text, and whether the live weights stayed as they were."""
+    from shardsafe.strategies.base import Environment
+    from shardsafe.strategies.fsdp import FSDPStrategy
+    from tests.unit.test_optimizer_kinds import Tied
+
+    strategy = FSDPStrategy(Environment(rank=rank, world_size=world))
+    torch.manual_seed(0)
+    untied = Tied(True)
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach() + 1)
+    shardsafe.save(path, {"model": strategy.wrap_model(untied)})
+    tied = strategy.wrap_model(Tied(True))
+    before = {k: v.full_tensor() for k, v in tied.state_dict().items()}
+    try:
+        shardsafe.load(path, {"model": tied})
+    except shardsafe.CheckpointMismatchError as e:
+        said = str(e)
+    else:
+        said = "loaded"
+    after = tied.state_dict()
+    return said, all(torch.equal(after[k].full_tensor(), v) for k, v in before.items())
+
+
+def test_an_untied_fsdp2_checkpoint_is_refused_by_the_tied_model_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Each rank holds a shard of the tied weight; the keys' chunks are the same boxes
+    with other checksums, so every rank refuses the same way and restores nothing."""
+    results = run_ranks(untied_into_tied_fsdp_run, 2, str(tmp_path / "ckpt"))
+    said = (
+        "load failed on rank 0 (rank(s) 1 failed too): the checkpoint holds different "
+        "values for 'model/emb.weight' and 'model/head.weight', which the objects being "
+        "loaded tie"
+    )
+    assert [(text.split(" (one tensor")[0], kept) for text, kept in results] == [
+        (said, True),
+        (said, True),
+    ]
+
+
 def test_the_fsdp_strategy_shards_a_model_with_tied_weights(tmp_path: Path) -> None:
     # Embedding and output layer share one weight: wrapping each module that owns
     # parameters put it in two FSDP units, and fully_shard refused it ("shared with a

@@ -104,6 +104,56 @@ def test_inference_tensors_load_inside_inference_mode_and_are_refused_outside(
     assert all(torch.equal(target.state_dict()[k], v) for k, v in saved.state_dict().items())
 
 
+TIED_REFUSAL = (
+    "the checkpoint holds different values for 'model/0.weight' and 'model/1.weight', which "
+    "the objects being loaded tie (one tensor under both names, as a tied embedding and "
+    "output layer): the load would keep the values of one and drop the other's. The "
+    "checkpoint was saved untied: load it into the model untied as it was saved, or pass "
+    "strict=False to load it anyway, the tied tensor holding one of the two"
+)
+
+
+def tied_pair(tied: bool) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False), nn.Linear(4, 2))
+    if tied:
+        model[1].weight = model[0].weight
+    return model
+
+
+def test_an_untied_checkpoint_is_refused_by_a_tied_model_and_a_tied_one_loads_either_way(
+    tmp_path: Path,
+) -> None:
+    """Two keys a load writes into one tied tensor: saved untied (different values), the
+    load kept one and dropped the other in silence, as load_state_dict does. Now refused
+    before anything is restored, found from the chunks' checksums; saved tied, it loads
+    into a tied model and into an untied one."""
+    torch.manual_seed(0)
+    untied = tied_pair(tied=False)
+    shardsafe.save(tmp_path / "untied", {"model": untied})
+    target = tied_pair(tied=True)
+    before = values(target)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "untied", {"model": target})
+    assert str(info.value) == TIED_REFUSAL
+    assert all(torch.equal(values(target)[k], v) for k, v in before.items())
+
+    with pytest.warns(UserWarning) as said:
+        shardsafe.load(tmp_path / "untied", {"model": target}, strict=False)
+    assert [str(w.message) for w in said] == [
+        "shardsafe: strict=False loads 'model/0.weight' and 'model/1.weight' into one tied "
+        "tensor although the checkpoint holds different values for them (it was saved "
+        "untied): that tensor holds the values of one of them, and the other's are dropped"
+    ]
+    assert any(torch.equal(target[0].weight, untied[i].weight) for i in (0, 1))
+    assert torch.equal(target[2].weight, untied[2].weight)
+
+    shardsafe.save(tmp_path / "tied", {"model": target})
+    for tie in (True, False):
+        again = tied_pair(tied=tie)
+        shardsafe.load(tmp_path / "tied", {"model": again})
+        assert all(torch.equal(values(again)[k], v) for k, v in values(target).items())
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_tied_target_overwritten_by_its_later_twin_is_said_to_hold_the_twins_values(
     tmp_path: Path, threads: int
@@ -121,8 +171,13 @@ def test_a_tied_target_overwritten_by_its_later_twin_is_said_to_hold_the_twins_v
     tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     tied.append(nn.Linear(256, 256, bias=False))
     tied[1].weight = tied[0].weight
-    with pytest.raises(CheckpointCorruptError) as info:
-        shardsafe.load(tmp_path / "c", {"model": tied}, verify="inline", read_threads=threads)
+    with (
+        pytest.raises(CheckpointCorruptError) as info,
+        pytest.warns(UserWarning, match="saved untied"),
+    ):
+        shardsafe.load(
+            tmp_path / "c", {"model": tied}, verify="inline", read_threads=threads, strict=False
+        )
     assert bool((tied[0].weight == 2.0).all())
     assert (
         "1 of the 3 tensors loaded in place hold the checkpoint's values ('model/1.weight'), "

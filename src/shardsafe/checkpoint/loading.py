@@ -41,7 +41,7 @@ from ..errors import (
 from ..protocol import ReadRequest
 from .format import geometry
 from .format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse
-from .io import in_place, pinned_ring, threaded_reads
+from .io import in_place, pinned_ring, threaded_reads, tied_keys
 from .io.memory_sharing import sharing
 from .io.reader import CACHE_PIECE_BYTES, CheckpointReader, box_of, threads_for
 from .options import LoadOptions
@@ -258,6 +258,9 @@ def _load(
             except CheckpointMismatchError as e:
                 raise on_a_rank_copy(e, manifest if view is None else None) from None
             routes = _in_file_order(in_place.route(plan, manifest), manifest)
+            tied = tied_keys.differing_pairs(routes.shared, manifest)
+            if tied and options.strict:
+                raise CheckpointMismatchError(tied_keys.refusal(tied))
             # A view (a tiered manager's) loads each rank's own rank checkpoint, whose
             # manifests differ by design: only the loads of one checkpoint compare them.
             same = read if view is None else ""
@@ -266,11 +269,12 @@ def _load(
                 "left_out": plan.left_out,
                 "manifest": same,
             }
-            for name in plan.absent:  # strict=False: others load, this one stays as it is
-                left = (
-                    f"shardsafe: strict=False leaves state[{name!r}] as it is: "
-                    f"{no_entry(name, list(manifest.values))}"
-                )
+            said = [
+                f"shardsafe: strict=False leaves state[{name!r}] as it is: "
+                f"{no_entry(name, list(manifest.values))}"
+                for name in plan.absent  # strict=False: others load, this one stays as is
+            ]
+            for left in said + ([tied_keys.warning(tied)] if tied else []):
                 if warn is not None:
                     warn(left)
                 else:  # the caller of shardsafe.load (or of a manager's load_latest)
@@ -424,7 +428,7 @@ def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Rout
 
     fresh = sorted(routes.fresh, key=where)
     placed = sorted(routes.in_place, key=lambda pair: where(pair[0]))
-    return in_place.Routes(fresh, placed)
+    return in_place.Routes(fresh, placed, routes.shared)
 
 
 def _restore(

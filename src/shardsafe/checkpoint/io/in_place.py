@@ -28,7 +28,7 @@ from ...errors import CheckpointCorruptError, CheckpointError, with_message
 from ...protocol import ReadRequest
 from ..format.manifest import Manifest
 from ..plan.load_plan import LoadPlan, guarded
-from . import memory_sharing, threaded_reads
+from . import memory_sharing, threaded_reads, tied_keys
 from .reader import CheckpointReader
 
 _NAMED = 3
@@ -41,6 +41,8 @@ class Routes:
 
     fresh: list[ReadRequest] = field(default_factory=list)
     in_place: list[tuple[ReadRequest, torch.Tensor]] = field(default_factory=list)
+    shared: list[list[str]] = field(default_factory=list)
+    """Keys offered one live tensor (tied weights: ``tied_keys.shared_targets``)."""
 
 
 def route(plan: LoadPlan, manifest: Manifest) -> Routes:
@@ -53,6 +55,7 @@ def route(plan: LoadPlan, manifest: Manifest) -> Routes:
         for key, target in found.items():
             # Two entries offering different tensors for one key: read it fresh.
             offered[key] = target if offered.get(key, target) is target else None
+    routes = Routes(shared=tied_keys.shared_targets(offered))
     requests = plan.requests
     asked = Counter(req.key for req in requests)
     fitting: dict[int, torch.Tensor] = {}
@@ -73,7 +76,6 @@ def route(plan: LoadPlan, manifest: Manifest) -> Routes:
                 for i in group:
                     if i < len(order):
                         del fitting[order[i]]
-    routes = Routes()
     for n, req in enumerate(requests):
         if n in fitting:
             routes.in_place.append((req, fitting[n]))
