@@ -705,6 +705,68 @@ def test_zero_state_restores_bitwise_from_the_local_tier(tmp_path: Path) -> None
     zero_setup.assert_same_optimizer_state(resumed[0][1], saved[0][1])
 
 
+def zero_save_run(rank: int, world: int, base: str) -> list[float]:
+    """Train ZeRO 3 steps, save step 3 to both tiers, then the next two losses."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    _, wrapped, opt = zero_setup.build("zero", seed=0)
+    zero_setup.train(wrapped, opt, 0, 3, rank)
+    manager = TieredCheckpointManager(
+        os.path.join(base, "persistent"), local_dir(base, rank), persist_every=3
+    )
+    try:
+        manager.save(3, {"model": wrapped, "optimizer": opt})
+    finally:
+        manager.close()
+    return zero_setup.train(wrapped, opt, 3, 2, rank)
+
+
+def zero_resumed_as_run(rank: int, world: int, base: str, kind: str) -> Any:
+    """Resume the ZeRO save with ``kind``'s optimizer: the tiers and the next two
+    losses, or the refusal."""
+    os.environ["SHARDSAFE_NODE"] = str(rank)
+    _, wrapped, opt = zero_setup.build(kind, seed=1)
+    manager = TieredCheckpointManager(os.path.join(base, "persistent"), local_dir(base, rank))
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            manager.load_latest({"model": wrapped, "optimizer": opt})
+    except shardsafe.CheckpointMismatchError as e:
+        return str(e)
+    finally:
+        manager.close()
+    assert manager.restored is not None
+    warned = [str(w.message) for w in said if "do not fit this run" in str(w.message)]
+    return manager.restored.tiers, warned, zero_setup.train(wrapped, opt, 3, 2, rank)
+
+
+def test_a_zero_ranks_local_copy_is_never_restored_into_another_sharding(
+    tmp_path: Path,
+) -> None:
+    """A ZeRO rank's copy holds its own partition's optimizer state only. Resumed as
+    plain DDP + AdamW, each rank took the parameters its copy names without state for
+    stateless ones and trained on with fresh moments for the other rank's half (review:
+    losses off from the second step, no word). Now refused, and restored from the
+    persistent tier: the losses go on bitwise; without one, refused on every rank."""
+    base = str(tmp_path)
+    losses = run_ranks(zero_save_run, 2, base)
+    resumed = run_ranks(zero_resumed_as_run, 2, base, "plain")
+    said = (
+        "rank {r}'s local copy holds state['optimizer'] as its ZeroAdapter partition: the "
+        "optimizer state of the parameters this rank owned, the others' being in the other "
+        "ranks' copies; this load restores it into a AdamW (OptimizerAdapter), which needs "
+        "every parameter's state. A local copy restores only into the optimizer sharding "
+        "that saved it; the persistent tier restores into any other"
+    )
+    assert [r[0] for r in resumed] == [["persistent", "persistent"]] * 2, resumed
+    warned = resumed[0][1]  # rank 0 warns, with the first rank's refusal
+    assert len(warned) == 1 and any(said.format(r=r) in warned[0] for r in range(2)), warned
+    assert [r[2] for r in resumed] == losses
+    shutil.rmtree(os.path.join(base, "persistent"))
+    refused = run_ranks(zero_resumed_as_run, 2, base, "plain")
+    assert all(isinstance(text, str) and "ZeroAdapter partition" in text for text in refused)
+    assert any(said.format(r=r) in refused[0] for r in range(2)), refused[0]
+
+
 # ------------------------------------------------------------------ budget
 
 

@@ -391,6 +391,21 @@ FORGED: dict[str, tuple[Callable[[dict[str, Any]], None], type[Exception], str]]
     "rank a bool": (lambda info: info.update(rank=False), *NOT_RANK),
     "negative step": (lambda info: info.update(step=-3), *NOT_RANK),
     "no world size": (lambda info: info.pop("world_size"), *NOT_RANK),
+    "partitioned entries not a map": (
+        lambda info: info.update(partitioned=["optimizer"]),
+        CheckpointCorruptError,
+        "the manifest's 'rank_checkpoint' 'partitioned' is not a map of entry names to "
+        "adapter names of at most 4096 characters",
+    ),
+    "a plain optimizer's copy said to be a ZeRO partition": (
+        lambda info: info.update(partitioned={"optimizer": "ZeroAdapter"}),
+        CheckpointMismatchError,
+        "rank 0's local copy holds state['optimizer'] as its ZeroAdapter partition: the "
+        "optimizer state of the parameters this rank owned, the others' being in the other "
+        "ranks' copies; this load restores it into a AdamW (OptimizerAdapter), which needs "
+        "every parameter's state. A local copy restores only into the optimizer sharding "
+        "that saved it; the persistent tier restores into any other",
+    ),
 }
 
 

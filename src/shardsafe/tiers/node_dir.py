@@ -27,7 +27,7 @@ from ..checkpoint.storage.files import check_name, open_directory
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.storage.removal import delete_checkpoint, foreign_entries
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from . import local_lock, rank_checkpoint
+from . import local_lock, partitions, rank_checkpoint
 from .local_lock import LocalLock
 
 _RANK_DIR = re.compile(r"rank-([0-9]{5,})", re.ASCII)
@@ -239,6 +239,7 @@ class NodeDir:
                         f"run's {self.persistent}; give each run a local directory of its own"
                     )
                 rank_checkpoint.placed_tensors(manifest)  # what its load would refuse
+                partitions.recorded_in(manifest.info[rank_checkpoint.INFO_KEY])
                 return Held(step, rank, world_size, rank_checkpoint.run_of(manifest))
         except (FileNotFoundError, CheckpointNotFoundError):
             return None

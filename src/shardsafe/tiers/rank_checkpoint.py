@@ -36,6 +36,7 @@ from ..checkpoint.streaming import StreamedChunk, Uncommitted
 from ..dtypes import dtype_name
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import Chunk, SavedValue
+from . import partitions
 
 INFO_KEY = "rank_checkpoint"
 SMALL_APART_BYTES = 1 << 20
@@ -113,6 +114,9 @@ def write_uncommitted(
     }
     if root:
         info["root"] = root
+    partitioned = partitions.recorded(items)
+    if partitioned:
+        info[partitions.KEY] = partitioned
     return streaming.write_uncommitted(
         storage,
         values,
@@ -226,6 +230,7 @@ def view(state: Mapping[str, Any], *, rank: int, world_size: int) -> Callable[[M
                 f"this rank checkpoint was saved by rank {saved_rank} of {saved_world}, not "
                 f"rank {rank} of {world_size}"
             )
+        partitions.refuse_another_partition(manifest, manifest.info[INFO_KEY], state, rank)
         tensors = placed_tensors(manifest)
         values = {name: _as_merged(saved, state, rank) for name, saved in manifest.values.items()}
         return replace(manifest, world_size=world_size, tensors=tensors, values=values)
