@@ -153,7 +153,7 @@ def _writers_table(r: InspectReport) -> list[str]:
 
 def _size(t: Totals) -> str:
     return (
-        f"{human_bytes(t.bytes)} on disk: {plural(t.data_files, 'data file')} "
+        f"{human_bytes(t.bytes)} as saved: {plural(t.data_files, 'data file')} "
         f"({human_bytes(t.data_bytes)}) + manifest.json ({human_bytes(t.manifest_bytes)})"
     )
 
