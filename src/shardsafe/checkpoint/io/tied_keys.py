@@ -32,15 +32,17 @@ def shared_targets(offered: Mapping[str, torch.Tensor | None]) -> list[list[str]
     """The groups (two or more keys, in ``offered``'s order) whose live tensors are one
     tensor: the same memory seen with the same dtype, shape and strides (and neither a
     conjugate nor a negative view of the other's). A tensor whose
-    memory is unknown groups only with itself (the same object)."""
+    memory is unknown, or that has no strides (sparse), groups only with itself (the
+    same object)."""
     by_view: dict[object, list[str]] = {}
     for key, target in offered.items():
         if not isinstance(target, torch.Tensor) or not target.numel():
             continue
-        found = spans(target)
-        where: object = tuple(found) if found is not None else ("object", id(target))
-        seen_as = (target.dtype, target.is_conj(), target.is_neg())  # a conj view differs
-        view = (where, seen_as, tuple(target.shape), tuple(target.stride()))
+        view: object = ("object", id(target))
+        found = spans(target) if target.layout == torch.strided else None  # sparse: no strides
+        if found is not None:
+            seen_as = (target.dtype, target.is_conj(), target.is_neg())  # a conj view differs
+            view = (tuple(found), seen_as, tuple(target.shape), tuple(target.stride()))
         by_view.setdefault(view, []).append(key)
     return [keys for keys in by_view.values() if len(keys) > 1]
 
