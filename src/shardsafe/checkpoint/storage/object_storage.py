@@ -28,7 +28,7 @@ from .files import check_name
 from .lock_backends import ObjectLockBackend
 from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
 from .protocol import EntryKind
-from .store_failures import failed_at, store_failures
+from .store_failures import answers, store_failed_at, store_failures
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -74,20 +74,84 @@ def check_url_segments(url: str) -> None:
         )
 
 
+S3_CONNECT_TIMEOUT = 10
+"""Seconds botocore waits for a TCP connection to the endpoint (s3fs's own default: 5)."""
+S3_READ_TIMEOUT = 10
+"""Seconds botocore waits for the store's next byte once a request is sent in full.
+
+aiohttp (s3fs's HTTP client; 3.8.4 and later, and s3fs needs 3.9) starts this timer only
+after the request's body has been written, and restarts it on every byte received: the
+upload of a part, however large and however slow the link, is not under it, nor is the
+download of a large range that keeps arriving. It is the store's silence only: between
+a request sent and its answer's first byte (S3 answers a stored part in well under a
+second; ``CompleteMultipartUpload`` sends its headers at once and then whitespace while
+it works), or a stall in the middle of an answer. A single slower answer is not fatal:
+a read timeout is tried again (:data:`S3_ATTEMPTS` times by botocore, within s3fs's 5
+tries), so this needs to beat a store's usual latency, not its worst."""
+S3_ATTEMPTS = 2
+"""botocore's attempts per request, the first included (``total_max_attempts``; its
+default is 5). s3fs tries each call 5 times around them (its ``retries``, a class
+attribute that ``storage_options`` cannot set, and which also counts the tries of a
+response cut short), so a timeout is ``5 * S3_ATTEMPTS`` attempts. With botocore's 5
+and the 60 s timeout that was assumed, an endpoint that accepts connections and never
+answers held a save for about 25 minutes (s3fs's 15 s made it about 7); now a request
+to one fails after ``5 * 2 * 10`` s, about 105 s with the backoff. A ``500`` or ``503``
+is retried by botocore only (once, with this default).
+
+Only set where the user set no attempts of their own: ``config_kwargs["retries"]`` in
+``storage_options``, ``AWS_MAX_ATTEMPTS``, or ``max_attempts`` in the AWS config file's
+profile."""
+
+
+def s3_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` for s3fs, with bounded timeouts and retries wherever they set none
+    (see :data:`S3_READ_TIMEOUT` and :data:`S3_ATTEMPTS` for why these values).
+
+    botocore's own defaults (5 attempts, each waiting up to s3fs's 15 s read timeout,
+    inside s3fs's 5 tries) kept a dead endpoint from failing for minutes, and a save's
+    ``timeout`` bounds ranks waiting for each other, not a request. A user's
+    ``config_kwargs`` keys win one by one."""
+    options = dict(options)
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT)
+    config.setdefault("read_timeout", S3_READ_TIMEOUT)
+    if "retries" not in config and not _attempts_configured(options.get("profile")):
+        config["retries"] = {"total_max_attempts": S3_ATTEMPTS}
+    options["config_kwargs"] = config
+    return options
+
+
+def _attempts_configured(profile: str | None) -> bool:
+    """Whether the environment or the AWS config file's profile sets botocore's attempts
+    (``AWS_MAX_ATTEMPTS``, ``max_attempts``): a ``retries`` of ours would override it."""
+    if os.environ.get("AWS_MAX_ATTEMPTS"):
+        return True
+    try:
+        import botocore.session  # type: ignore[import-untyped]
+
+        found = botocore.session.Session(profile=profile).get_config_variable("max_attempts")
+    except Exception:  # no botocore, or a profile it cannot read: s3fs reports that
+        return False
+    return found is not None
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path inside it.
 
     For ``s3://`` the standard environment applies (botocore reads the keys and region);
-    ``AWS_ENDPOINT_URL`` is passed to s3fs explicitly, since older botocore ignores it.
+    ``AWS_ENDPOINT_URL`` is passed to s3fs explicitly, since older botocore ignores it;
+    timeouts and retries are bounded unless the options set them (:func:`s3_defaults`).
     """
     import fsspec.core
 
     options = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")) and os.environ.get(_ENV_ENDPOINT):
-        client = dict(options.get("client_kwargs") or {})
-        if "endpoint_url" not in options and "endpoint_url" not in client:
-            client["endpoint_url"] = os.environ[_ENV_ENDPOINT]
-            options["client_kwargs"] = client
+    if url.startswith(("s3://", "s3a://")):
+        options = s3_defaults(options)
+        if os.environ.get(_ENV_ENDPOINT):
+            client = dict(options.get("client_kwargs") or {})
+            if "endpoint_url" not in options and "endpoint_url" not in client:
+                client["endpoint_url"] = os.environ[_ENV_ENDPOINT]
+                options["client_kwargs"] = client
     fs, path = fsspec.core.url_to_fs(url, **options)
     return fs, path
 
@@ -104,7 +168,8 @@ class FsspecFileSink:
     def __init__(self, fs: Any, path: str, where: str, part_bytes: int) -> None:
         self.path = where
         self._fs, self._key = fs, path
-        self._file: Any = fs.open(path, "wb", block_size=part_bytes)
+        with answers(where):
+            self._file: Any = fs.open(path, "wb", block_size=part_bytes)
         self._part = part_bytes
         self.written = 0
 
@@ -112,13 +177,15 @@ class FsspecFileSink:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         # In part-sized slices, so that the file's buffer never holds more than about two
         # parts whatever the size of one write.
-        for start in range(0, view.nbytes, self._part):
-            self._file.write(view[start : start + self._part])
+        with answers(self.path):
+            for start in range(0, view.nbytes, self._part):
+                self._file.write(view[start : start + self._part])
         self.written += view.nbytes
 
     def finish(self) -> int:
         try:
-            self._file.close()  # completes the multipart upload (or the single PUT)
+            with answers(self.path):
+                self._file.close()  # completes the multipart upload (or the single PUT)
         except BaseException:
             self.abort()
             raise
@@ -179,11 +246,20 @@ class FsspecStorage:
     # -- the directory itself
 
     def is_directory(self) -> bool:
+        """Whether the prefix has objects under it.
+
+        s3fs's ``isdir`` raises what the store answered where gcsfs's answers ``False``:
+        wrong credentials were a raw ``PermissionError`` naming no URL from ``verify``,
+        ``inspect`` and ``read_manifest`` (and "PermissionError: ... (at s3fs/core.py)"
+        from ``load``). Any error but "not found" is the ``CheckpointError`` that
+        :meth:`require_directory` raises for gcsfs, naming the URL."""
         self._fresh()
         try:
             return bool(self.fs.isdir(self.path))
         except FileNotFoundError:
             return False
+        except Exception as e:
+            raise store_failed_at(self.directory, e) from e
 
     def require_directory(self) -> None:
         """Refuse a prefix with nothing under it; name an object there as one (it "did not
@@ -201,7 +277,7 @@ class FsspecStorage:
         except FileNotFoundError:
             kind = None
         except Exception as e:
-            raise failed_at(self.directory, e) from e
+            raise store_failed_at(self.directory, e) from e
         if kind == "directory":  # made since isdir looked
             return
         if kind is not None:
@@ -224,11 +300,8 @@ class FsspecStorage:
             return
         bucket = self.path.split("/", 1)[0]
         try:
-            if bucket == self.path:  # mkdir of a bucket alone creates it
-                if not self.fs.exists(bucket):
-                    raise FileNotFoundError(bucket)
-            else:
-                self.fs.mkdir(self.path, create_parents=False)
+            with answers(self.directory):
+                self._make_prefix(bucket)
         except FileExistsError:
             pass
         except FileNotFoundError:
@@ -237,6 +310,15 @@ class FsspecStorage:
                 "credentials cannot see it); shardsafe never creates a bucket: check the "
                 "URL and the endpoint, or create the bucket first"
             ) from None
+
+    def _make_prefix(self, bucket: str) -> None:
+        """``mkdir`` of the prefix without parents; ``FileNotFoundError`` if ``bucket``,
+        the prefix's first segment, is missing."""
+        if bucket == self.path:  # mkdir of a bucket alone creates it
+            if not self.fs.exists(bucket):
+                raise FileNotFoundError(bucket)
+        else:
+            self.fs.mkdir(self.path, create_parents=False)
 
     def remove_directory(self) -> None:
         """Remove the (empty) prefix where directories exist; never a bucket."""
@@ -288,7 +370,8 @@ class FsspecStorage:
                 return
             except NotImplementedError:
                 pass
-        self.fs.pipe_file(self._key(name), bytes(data))
+        with answers(self.where(name)):
+            self.fs.pipe_file(self._key(name), bytes(data))
         self._fresh()
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
@@ -298,7 +381,8 @@ class FsspecStorage:
         has no conditional create.
         """
         try:
-            self.fs.pipe_file(self._key(name), bytes(data), mode="create")
+            with answers(self.where(name)):
+                self.fs.pipe_file(self._key(name), bytes(data), mode="create")
         except FileExistsError:
             return False
         except TypeError as e:
@@ -318,15 +402,10 @@ class FsspecStorage:
         call = getattr(self.fs, "call_s3", None)
         if call is None:
             raise NotImplementedError(f"{type(self.fs).__name__} has no conditional replace")
-        from fsspec.asyn import sync
-
         bucket, key, _ = self.fs.split_path(self._key(name))
         try:
-            got = call("get_object", Bucket=bucket, Key=key)
-            with contextlib.closing(got["Body"]) as body:
-                if got.get("ContentLength") != len(old) or sync(self.fs.loop, body.read) != old:
-                    return False
-            call("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfMatch=got["ETag"])
+            with answers(self.where(name)):
+                return self._replace_holding(call, bucket, key, old, data)
         except FileNotFoundError:
             return False
         except OSError as e:
@@ -338,6 +417,16 @@ class FsspecStorage:
             raise
         finally:
             self._fresh()
+
+    def _replace_holding(self, call: Any, bucket: str, key: str, old: bytes, data: bytes) -> bool:
+        """:meth:`replace_if_holds`'s GET and conditional PUT, errors raised as they are."""
+        from fsspec.asyn import sync
+
+        got = call("get_object", Bucket=bucket, Key=key)
+        with contextlib.closing(got["Body"]) as body:
+            if got.get("ContentLength") != len(old) or sync(self.fs.loop, body.read) != old:
+                return False
+        call("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfMatch=got["ETag"])
         return True
 
     def abort_pending_uploads(self) -> int:
@@ -382,14 +471,15 @@ class FsspecStorage:
                 f"{self.where(name)} is a directory (a prefix with objects under it), which "
                 "shardsafe did not create; it is left in place"
             )
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), answers(self.where(name)):
             self.fs.rm_file(self._key(name))
         self._fresh()
 
     def touch(self, name: str) -> None:
         kind = self.kind(name)
         if kind is None:
-            self.fs.pipe_file(self._key(name), b"")
+            with answers(self.where(name)):
+                self.fs.pipe_file(self._key(name), b"")
             self._fresh()
         elif kind != "file":
             raise CheckpointCorruptError(f"{self.where(name)} exists and is not an object")
@@ -397,7 +487,8 @@ class FsspecStorage:
     def names(self) -> list[str]:
         self._fresh()
         try:
-            entries = self.fs.ls(self.path, detail=True)
+            with answers(self.directory):
+                entries = self.fs.ls(self.path, detail=True)
         except FileNotFoundError:
             return []
         found = set()
@@ -414,7 +505,8 @@ class FsspecStorage:
         key = self._key(name)
         self._fresh(key)
         try:
-            info: dict[str, Any] = self.fs.info(key)
+            with answers(self.where(name)):
+                info: dict[str, Any] = self.fs.info(key)
             return info
         except FileNotFoundError:
             return None
@@ -476,7 +568,9 @@ class FsspecStorage:
             size, data = get_whole_s3(self.fs, key, limit, self.where(name))
         except FileNotFoundError:
             self._fresh(key)
-            if self.fs.isdir(key):
+            with answers(self.where(name)):
+                found_prefix = self.fs.isdir(key)
+            if found_prefix:
                 raise CheckpointCorruptError(
                     f"{self.where(name)} is a prefix, not an object"
                 ) from None

@@ -15,7 +15,10 @@ only. So each is a :class:`StoreFailedError`, which they raise instead:
 * a connection that failed or was reset after the client's retries (aiohttp's
   ``ClientConnectionError``, an ``OSError`` as gcsfs raises it: ``[Errno 104] Connection
   reset by peer``), which rolled a ``gs://`` run back to the step before
-  (:func:`lost_connection`).
+  (:func:`lost_connection`);
+* a request the store never answered within its client's timeouts, on every retry
+  (botocore's ``ReadTimeoutError``/``ConnectTimeoutError``: an endpoint that accepts
+  connections and then says nothing) (:func:`unanswered`).
 
 A missing object (``FileNotFoundError``) and access refused (``PermissionError``) are
 answers about the checkpoint, and stay what they are.
@@ -68,8 +71,42 @@ def is_lost_connection(error: BaseException) -> bool:
     return isinstance(error, ClientConnectionError)
 
 
+def is_unanswered(error: BaseException) -> bool:
+    """Whether ``error`` is a request the store did not answer within botocore's
+    ``connect_timeout`` or ``read_timeout`` (after its client's retries)."""
+    try:
+        from botocore.exceptions import (  # type: ignore[import-untyped]
+            ConnectTimeoutError,
+            ReadTimeoutError,
+        )
+    except ImportError:  # no S3 client installed: nothing raises them
+        return False
+    return isinstance(error, (ConnectTimeoutError, ReadTimeoutError))
+
+
+RAISE_TIMEOUTS = (
+    'storage_options={"config_kwargs": {"read_timeout": 120, "connect_timeout": 30, '
+    '"retries": {"total_max_attempts": 3}}}'
+)
+"""The ``storage_options`` that :func:`unanswered` suggests for a store that is only slow."""
+
+
+def unanswered(url: str, error: BaseException) -> StoreFailedError:
+    """The error for a request about ``url`` the store never answered: the endpoint is
+    dead, unreachable or stuck, or it is slower than the client's timeouts (say how to
+    raise them). Nothing is known to be wrong with the checkpoint."""
+    said = " ".join(f"{type(error).__name__}: {error}".split())
+    return StoreFailedError(
+        f"the object store did not answer at {url} within its client's timeouts, on any "
+        f"of its retries ({said}): check the endpoint and the network; if the store is "
+        f"only slow, raise the timeouts with {RAISE_TIMEOUTS}"
+    )
+
+
 def failed_read(name: str, error: BaseException) -> BaseException:
     """``error`` as :class:`StoreFailedError` if it is a store's failure, else as it is."""
+    if is_unanswered(error):
+        return unanswered(name, error)
     if is_cut_short(error):
         return cut_short(name, error)
     if _is_failed_answer(error):
@@ -130,6 +167,23 @@ def failed_at(url: str, error: BaseException) -> CheckpointError:
     puts the store's answer on a line of its own)."""
     said = " ".join(f"{type(error).__name__}: {error}".split())
     return CheckpointError(f"{STORE_FAILED_AT}{url}: {said}")
+
+
+def store_failed_at(url: str, error: BaseException) -> CheckpointError:
+    """:func:`unanswered` for a request the store never answered, else :func:`failed_at`."""
+    return unanswered(url, error) if is_unanswered(error) else failed_at(url, error)
+
+
+@contextlib.contextmanager
+def answers(url: str) -> Iterator[None]:
+    """Turn a request about ``url`` that the store never answered into :func:`unanswered`;
+    let every other error through as it is."""
+    try:
+        yield
+    except Exception as e:
+        if not is_unanswered(e):
+            raise
+        raise unanswered(url, e) from e
 
 
 @contextlib.contextmanager
