@@ -400,3 +400,60 @@ def test_optimizers_whose_load_is_their_own_still_load(tmp_path: Path, make: Any
     shardsafe.load(tmp_path / "ckpt", {"model": fresh, "optim": fresh_opt})
     assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
     assert torch.equal(fresh_opt.state[fresh.weight]["step"], opt.state[model.weight]["step"])
+
+
+class Preconditioned(torch.optim.Optimizer):
+    """Keeps Shampoo-style preconditioners, ``[rows, rows]`` and ``[cols, cols]``: state
+    shaped unlike its parameter."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["L"], state["R"] = torch.eye(p.shape[0]), torch.eye(p.shape[1])
+                state["L"] += p.grad @ p.grad.T
+                state["R"] += p.grad.T @ p.grad
+                p -= group["lr"] * torch.linalg.solve(state["L"], p.grad)
+
+
+def preconditioned(seed: int, steps: int) -> tuple[nn.Module, Preconditioned, list[float]]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3, bias=False)
+    opt = Preconditioned(model.parameters())
+    losses = []
+    for step in range(steps):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+def test_state_shaped_unlike_its_parameter_resumes_into_a_fresh_optimizer(tmp_path: Path) -> None:
+    """An optimizer outside torch.optim keeps state of any shape: its save was accepted,
+    and its resume into a fresh optimizer refused ("it must be a scalar or shaped like
+    it") unless the optimizer had stepped first. Now it loads as saved."""
+    model, opt, _ = preconditioned(0, 2)
+    shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    model2, opt2, _ = preconditioned(1, 0)
+    shardsafe.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2})
+    saved, got = opt.state[model.weight], opt2.state[model2.weight]
+    assert [t.shape for t in got.values()] == [torch.Size([3, 3]), torch.Size([4, 4])]
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    _, _, want = preconditioned(0, 4)
+    x = [torch.randn(5, 4, generator=torch.Generator().manual_seed(s)) for s in (2, 3)]
+    losses = []
+    for batch in x:
+        loss = model2(batch).pow(2).mean()
+        loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        losses.append(loss.item())
+    assert losses == want[2:]

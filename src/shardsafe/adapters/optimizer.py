@@ -202,6 +202,7 @@ def plan_import(
     plan.unexpected += [f"{ctx.name}/{n}" for n in sorted(saved_names - live_names)]
     factored = _keeps_factored_state(local)
     flat = _flat_history_shape(local)
+    shaped = _keeps_param_shaped_state(local)
     for p in (p for g in local.param_groups for p in g["params"]):
         live_state = local.state.get(p, {})
         for name, raw in meta["state"].get(ctx.param_fqn(p), {}).items():
@@ -209,6 +210,9 @@ def plan_import(
             for ref in _tree.tensor_refs(raw):
                 if flat is not None and not isinstance(live, torch.Tensor):
                     plan.requests.append(ReadRequest(ref, within=flat))
+                    continue
+                if not (shaped or isinstance(live, torch.Tensor) or dtensor.is_dtensor(p)):
+                    plan.requests.append(ReadRequest(ref))  # as saved, within the budget
                     continue
                 plan.requests.append(
                     _request_for(ref, p, live, factored, ctx, shapes.get(ctx.param_fqn(p)))
@@ -335,6 +339,21 @@ def _keeps_factored_state(optimizer: torch.optim.Optimizer) -> bool:
     """Adafactor keeps row and column factors of its state: ``[rows, 1]`` and
     ``[1, cols]`` (torch's), ``[rows]`` and ``[cols]`` (transformers', timm's)."""
     return type(optimizer).__name__ == "Adafactor"
+
+
+def _keeps_param_shaped_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether each state tensor of ``optimizer`` is a scalar or shaped like its
+    parameter (Adafactor's factors, LBFGS's flat history: see the two above): torch's own
+    optimizers, whose state of another shape in a checkpoint (forged, or another model's)
+    failed inside torch at the first step after the model was restored.
+
+    Another class may keep state of any shape (Shampoo's ``[rows, rows]`` and
+    ``[cols, cols]`` preconditioners, a quantizing optimizer's per-block scales): a fresh
+    one loads it as saved, its size bounded like every size only the checkpoint gives
+    (``untrusted_bytes_limit``). Its save was accepted and its resume refused ("it must be
+    a scalar or shaped like it"), unless the optimizer had stepped first (found in review).
+    """
+    return type(optimizer).__module__.startswith("torch.optim") or _keeps_factored_state(optimizer)
 
 
 def _flat_history_shape(optimizer: torch.optim.Optimizer) -> tuple[int, ...] | None:
