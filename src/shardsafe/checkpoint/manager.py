@@ -24,10 +24,12 @@ warning when it stops a deletion.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import re
 import sys
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -70,6 +72,11 @@ _POINTER_TEMP = re.compile(r"\.latest\.tmp-[0-9]+", re.ASCII)
 ones of the root's other entries the manager removes, never a directory (a link is
 unlinked itself): any name starting ``.latest.tmp-`` was removed, a file of yours with
 it, and a directory so named failed every save after its commit (retention never ran)."""
+_PROBE = re.compile(r"\.shardsafe\.probe-[0-9a-f]{32}", re.ASCII)
+"""The names of :meth:`CheckpointManager.require_writable_root`'s probes (a uuid), removed
+with the pointer's temporary files: one is left only by a process killed between
+creating and removing it."""
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 _S = SaveOptions()
 
 
@@ -159,10 +166,12 @@ class CheckpointManager:
         )
 
     def _root_storage(self) -> Storage:
-        # Anchored where the manager was made: latest and retention run on the writer
-        # thread after an async save's commit, while the caller may have moved on.
-        where = self.root if self._made_in is None else os.path.join(self._made_in, self.root)
-        return open_storage(where, storage_options=self.storage_options)
+        return open_storage(self._anchored_root(), storage_options=self.storage_options)
+
+    def _anchored_root(self) -> str:
+        """The root, anchored where the manager was made: latest and retention run on the
+        writer thread after an async save's commit, while the caller may have moved on."""
+        return self.root if self._made_in is None else os.path.join(self._made_in, self.root)
 
     def _check_made_in(self) -> None:
         """Refuse to go on with a relative root after an ``os.chdir``: the steps would go
@@ -311,28 +320,73 @@ class CheckpointManager:
         """Runs on rank 0 before any data is written: own the root, and never go back in time."""
         if not self._lock.held:
             self.require_writable_root()
-        self._lock.acquire()
+        try:
+            self._lock.acquire()
+        except OSError as e:  # the probe passed, then the permissions changed
+            if is_url(self.root) or e.errno not in _NOT_WRITABLE:
+                raise
+            # Raw, it named only the lock's temporary file: '.shardsafe.lock.4a55...'.
+            raise CheckpointError(_not_writable(self.root, e)) from e
         self.check_not_behind(step)
         self._check_pointer_replaceable()
         if then is not None:
             then()
 
     def require_writable_root(self) -> None:
-        """On an object store, refuse a root whose bucket does not exist (shardsafe never
-        creates one), naming it, before anything is written: the lock's PUT failed with the
-        client's bare 'The specified bucket does not exist'. Once per manager: the Trainer
-        asks before its first step, and the first save asked again, a round trip to the
-        store for nothing. On a filesystem the root is made as needed; something else in
-        its place is refused (:func:`_require_directory_or_absent`), and so is a directory
-        where ``latest`` belongs (:meth:`_check_pointer_replaceable`)."""
-        if not is_url(self.root):
-            _require_directory_or_absent(self.root)
-            if os.path.isdir(self.root):
-                self._check_pointer_replaceable()
-        elif not self._root_checked:
-            with self._root_storage() as root:
-                root.make_directory()
-            self._root_checked = True
+        """Refuse, before anything is written (the Trainer: before its first step), a root
+        no checkpoint could be saved in, naming it and saying what to do.
+
+        On an object store, a root whose bucket does not exist (:meth:`_require_bucket`).
+        On a filesystem the root is made as needed; something else in its place is
+        refused (:func:`_require_directory_or_absent`), and so is a directory where
+        ``latest`` belongs (:meth:`_check_pointer_replaceable`), or a root this process
+        cannot create files in (:meth:`_require_creatable_files`), or, where the root is
+        absent, cannot be made (:func:`_require_makeable`): a read-only
+        ``run_dir/checkpoints`` was found by the first save, after all the training, as a
+        bare 'Permission denied' naming the lock's temporary file and no directory."""
+        if is_url(self.root):
+            self._require_bucket()
+            return
+        _require_directory_or_absent(self.root)
+        if os.path.isdir(self.root):
+            self._check_pointer_replaceable()
+            self._require_creatable_files()
+        else:
+            _require_makeable(self._anchored_root())
+
+    def _require_bucket(self) -> None:
+        """On an object store, raise the save's error for a root whose bucket does not
+        exist (shardsafe never creates one: ``make_directory``), naming it.
+
+        Asked before a save's first write (the lock's PUT failed with the client's bare
+        'The specified bucket does not exist'), and by a listing that found nothing (see
+        :meth:`_step_dirs`): s3fs lists a missing bucket as empty, or as not found, and a
+        resume with a mistyped bucket or endpoint started the run afresh, to fail at its
+        first save. Once per manager: the Trainer asks before its first step, and the
+        first save asked again, a round trip to the store for nothing."""
+        if not is_url(self.root) or self._root_checked:
+            return
+        with self._store_errors(), self._root_storage() as root:
+            root.make_directory()
+        self._root_checked = True
+
+    def _require_creatable_files(self) -> None:
+        """Refuse an existing local root this process cannot create files in.
+
+        A real probe (a file of a unique name created with ``O_EXCL|O_NOFOLLOW``, so no
+        link is followed and nothing is overwritten, then removed), not ``os.access``:
+        this asks the filesystem the very question the save will (a read-only mount, an
+        ACL, a root-squashing NFS server or an immutable directory answer ``access``
+        differently, or not at all), and it writes only inside the manager's own root."""
+        name = f".shardsafe.probe-{uuid.uuid4().hex}"
+        with self._root_storage() as root:
+            try:
+                root.touch(name)
+            except OSError as e:
+                if e.errno not in _NOT_WRITABLE:
+                    raise
+                raise CheckpointError(_not_writable(self.root, e)) from None
+            root.remove(name)
 
     def _check_pointer_replaceable(self) -> None:
         """Refuse, before any data is written, a directory where ``latest`` belongs.
@@ -421,7 +475,9 @@ class CheckpointManager:
             committed, unknown = self._classified_steps()
             keep = self._kept(committed)
             for name in root.names():
-                if _POINTER_TEMP.fullmatch(name) and root.kind(name) != "directory":
+                if (_POINTER_TEMP.fullmatch(name) or _PROBE.fullmatch(name)) and root.kind(
+                    name
+                ) != "directory":
                     root.remove(name)  # a pointer update killed half-way (a link: itself)
                 if self._lock.is_stale_claim(root, name):
                     root.remove(name)  # a lock claim killed before its link
@@ -476,8 +532,13 @@ class CheckpointManager:
         except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
             # No root yet. Any other error is raised: a store's client that cannot be made
             # (a broken credentials file) read as "no checkpoint", and load_latest started
-            # the run afresh without ever asking the store.
+            # the run afresh without ever asking the store. Nor is a missing bucket a
+            # fresh start (s3fs says NoSuchBucket as FileNotFoundError); a missing prefix
+            # in an existing bucket is.
+            self._require_bucket()
             return
+        if not names:
+            self._require_bucket()  # ... or as an empty listing
         with root:
             found = sorted(((s, n) for n in names if (s := step_of(n)) is not None), reverse=True)
             for step, name in found:
@@ -745,6 +806,41 @@ def _require_directory_or_absent(root: str) -> None:
     raise CheckpointError(
         f"{root} is {what}, not a directory, where the checkpoints belong; shardsafe will "
         "not follow or delete it: move it away, or save into another root (run_dir)"
+    )
+
+
+def _require_makeable(root: str) -> None:
+    """Refuse an absent local root whose nearest existing parent this process cannot
+    create a directory in (the save makes the root with its parents).
+
+    ``os.access``, not a probe as in an existing root: that parent is outside the root,
+    where the manager writes nothing. Asked with the effective ids (what ``mkdir`` uses),
+    where the platform can. A parent that is not a directory is left to the save, whose
+    error says what is in the way."""
+    parent = os.path.dirname(os.path.abspath(root))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    effective = os.access in os.supports_effective_ids
+    if os.path.isdir(parent) and not os.access(parent, os.W_OK | os.X_OK, effective_ids=effective):
+        raise CheckpointError(
+            f"{root} does not exist, and this process cannot create it in {parent} "
+            f"(not writable by it), where the checkpoints belong: {_make_writable(parent)}"
+        )
+
+
+def _not_writable(root: str, error: OSError) -> str:
+    """The message for a local root that files cannot be created in (``error``: why)."""
+    why = error.strerror or type(error).__name__
+    return (
+        f"cannot create files in {root} ({why}), where the checkpoints belong: "
+        f"{_make_writable(root)}"
+    )
+
+
+def _make_writable(directory: str) -> str:
+    return (
+        f"make {directory} writable (chmod u+w {directory}, or run as its owner), or save "
+        "into another root (run_dir); nothing was written"
     )
 
 

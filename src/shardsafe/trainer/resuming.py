@@ -47,7 +47,7 @@ def find_checkpoint(
     checked once, here, not again at the first save)."""
     if manager is None:
         manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
-    manager.require_writable_root()  # a missing bucket: now, not at the first save
+    manager.require_writable_root()  # a missing bucket, a read-only root: before any training
     if resume is None:
         steps = manager.complete_steps()
         if steps:
