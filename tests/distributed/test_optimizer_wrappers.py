@@ -166,3 +166,34 @@ def test_a_wrapper_keeping_the_stepping_optimizer_elsewhere_is_refused(tmp_path:
         "(shardsafe.register_adapter)."
     )
     assert not (tmp_path / "ckpt").exists()
+
+
+def post_local_sgd(rank: int, world: int, path: str, save: bool) -> tuple[int, int]:
+    """torch's ``PostLocalSGDOptimizer`` (its averager's step in its own ``state_dict()``)
+    after 7 steps, saved; or a fresh one, loaded. Its step and the inner SGD's step count."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    averager = PeriodicModelAverager(period=4, warmup_steps=2)
+    opt = PostLocalSGDOptimizer(optim=inner, averager=averager)
+    if save:
+        for _ in range(7):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        shardsafe.save(path, {"model": model, "optimizer": opt})
+    else:
+        shardsafe.load(path, {"model": model, "optimizer": opt})
+    return averager.step, len(inner.state)
+
+
+def test_a_post_local_sgd_optimizer_resumes_its_averaging_schedule(tmp_path: Path) -> None:
+    """Taken for a pure delegate, it was saved as the SGD inside: its averager's step was
+    dropped in silence (torch's own load_state_dict restores it), and model averaging
+    restarted its warm-up at every resume."""
+    path = str(tmp_path / "ckpt")
+    assert run_ranks(post_local_sgd, 2, path, True) == [(7, 2), (7, 2)]
+    assert run_ranks(post_local_sgd, 2, path, False) == [(7, 2), (7, 2)]

@@ -457,3 +457,71 @@ def test_state_shaped_unlike_its_parameter_resumes_into_a_fresh_optimizer(tmp_pa
         opt2.zero_grad()
         losses.append(loss.item())
     assert losses == want[2:]
+
+
+class CountingSGD(torch.optim.SGD):
+    """An SGD whose ``state_dict()`` carries a counter of its own, which its
+    ``load_state_dict`` reads back."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.updates = 0
+
+    def step(self, closure: Any = None) -> None:
+        super().step(closure)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.updates = state_dict.pop("updates")
+        super().load_state_dict(state_dict)
+
+
+def test_an_optimizers_own_state_dict_entries_come_back_to_its_load_state_dict(
+    tmp_path: Path,
+) -> None:
+    """Entries of ``state_dict()`` beside ``state`` and ``param_groups`` (a subclass's
+    counter, a value a state_dict post-hook adds) were dropped: the subclass's load failed
+    with KeyError after the model was restored, the hook's value came back as None."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = CountingSGD(model.parameters())
+    head = nn.Linear(2, 2)
+    adam = torch.optim.Adam(head.parameters())
+    adam.register_state_dict_post_hook(lambda o, sd: {**sd, "ema_count": 42})
+    seen: list[Any] = []
+    for _ in range(5):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    state = {"model": model, "optimizer": opt, "head": head, "adam": adam}
+    shardsafe.save(tmp_path / "ckpt", state)
+    model2 = nn.Linear(3, 2)
+    opt2 = CountingSGD(model2.parameters())
+    head2 = nn.Linear(2, 2)
+    adam2 = torch.optim.Adam(head2.parameters())
+    adam2.register_load_state_dict_pre_hook(lambda o, sd: seen.append(sd.get("ema_count")))
+    state2 = {"model": model2, "optimizer": opt2, "head": head2, "adam": adam2}
+    shardsafe.load(tmp_path / "ckpt", state2)
+    assert opt2.updates == 5 and seen == [42]
+    assert all(
+        torch.equal(opt2.state[p2]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+        for p, p2 in zip(model.parameters(), model2.parameters())
+    )
+
+
+def test_a_tensor_beside_an_optimizers_state_is_refused_at_save(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "scale": torch.ones(2)})
+    with pytest.raises(shardsafe.CheckpointError) as info:
+        shardsafe.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    assert str(info.value) == (
+        "state['optimizer'].state_dict() holds a tensor at scale beside its 'state' and "
+        "'param_groups', which shardsafe cannot save there; keep tensors in the optimizer's "
+        "per-parameter state, or register an adapter for this optimizer "
+        "(shardsafe.register_adapter)"
+    )
+    assert not (tmp_path / "ckpt").exists()

@@ -50,6 +50,14 @@ QUALIFIED = "qualified"
 """Optimizer metadata: each parameter name the save qualified by its state key -> the
 module's own name (``protocol.load_names``), so that a load maps it to the live name."""
 
+EXTRA = "extra"
+"""Optimizer metadata: what the optimizer's own ``state_dict()`` holds beside ``state`` and
+``param_groups`` (``PostLocalSGDOptimizer``'s averager ``step``, a subclass's counter, a
+value a ``register_state_dict_post_hook`` adds), as JSON, handed back to its
+``load_state_dict``. Absent when there is none (every torch optimizer): they were dropped
+in silence, and a subclass whose ``load_state_dict`` reads its own key failed after the
+model was restored (found in review)."""
+
 GROUPS = _names.Reserved("@groups")
 """Key segment for tensors inside param-group hyperparameters: reserved, so stored as it
 is, while an FQN spelled the same is encoded (``%40groups``) and never meets it."""
@@ -89,7 +97,8 @@ def export_state(
 
     local_params = [p for g in local.param_groups for p in g["params"]]
     state: dict[str, Any] = {}
-    for index, param_state in local.state_dict()["state"].items():
+    full = local.state_dict()
+    for index, param_state in full["state"].items():
         fqn = ctx.param_fqn(local_params[index])
         _check_state_names(param_state, fqn, where)
         state[fqn] = {
@@ -124,7 +133,25 @@ def export_state(
     qualified = {n: ctx.param_unqualified[n] for n in shapes if n in ctx.param_unqualified}
     if qualified:  # a model beside its EMA copy: each name the state key qualified
         meta[QUALIFIED] = qualified
+    extra = {k: v for k, v in full.items() if k not in ("state", "param_groups")}
+    if extra:
+        meta[EXTRA] = _encoded_extra(extra, where)
     return SaveItem("optimizer", meta, chunks)
+
+
+def _encoded_extra(extra: dict[Any, Any], where: str) -> JSON:
+    """The optimizer's other ``state_dict()`` entries (:data:`EXTRA`) as JSON; a tensor
+    among them is refused, naming it (only ``state`` and ``param_groups`` hold tensors)."""
+
+    def refuse(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        raise CheckpointError(
+            f"{where}.state_dict() holds a tensor at {'/'.join(map(str, path))} beside its "
+            "'state' and 'param_groups', which shardsafe cannot save there; keep tensors in "
+            "the optimizer's per-parameter state, or register an adapter for "
+            "this optimizer (shardsafe.register_adapter)"
+        )
+
+    return _tree.encode(extra, f"{where}.state_dict()", refuse)
 
 
 def _refuse_fsdp1(groups: list[dict[str, Any]], ctx: SaveContext, action: fsdp1.Action) -> None:
@@ -448,7 +475,8 @@ def state_dict_for(
         # ZeRO group saved right after add_param_group, or of an older torch's optimizer).
         kept = {k: v for k, v in g.items() if k != "params" and (k == NAMES or k not in taken)}
         local_groups.append({**taken, **kept, "params": [position[id(p)] for p in g["params"]]})
-    return {"state": state, "param_groups": local_groups}
+    extra = _tree.decode(meta[EXTRA], {}) if EXTRA in meta else {}
+    return {**extra, "state": state, "param_groups": local_groups}
 
 
 def check_adoptable(
@@ -630,6 +658,11 @@ def _meta_problem(meta: Any) -> str | None:
         return "'param_groups', 'state' or 'param_shapes' is missing"
     if CLASS in meta and not (isinstance(meta[CLASS], str) and 0 < len(meta[CLASS]) <= 256):
         return "its optimizer class is not a name"
+    if EXTRA in meta:
+        _tree.check_structure(meta[EXTRA], "its other state_dict() entries")
+        decoded = _tree.decode(meta[EXTRA], {}) if not _tree.tensor_refs(meta[EXTRA]) else None
+        if not isinstance(decoded, dict) or {"state", "param_groups"} & set(decoded):
+            return "its other state_dict() entries are not an object of plain values"
     recorded = meta.get(QUALIFIED, {})
     if not (
         isinstance(recorded, dict)

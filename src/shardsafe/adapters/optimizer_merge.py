@@ -21,6 +21,7 @@ or with different state, on two ranks.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .. import _tree
@@ -70,7 +71,22 @@ def merge_optimizer_metas(metas: list[JSON]) -> JSON:
     qualified = {n: own for meta in metas for n, own in meta.get("qualified", {}).items()}
     if qualified:  # every rank's (a ZeRO rank records the names of its own shard)
         merged["qualified"] = qualified
+    extras = [meta.get("extra") for meta in metas]  # optimizer.EXTRA
+    other = next((r for r, extra in enumerate(extras) if extra != extras[0]), None)
+    if other is not None:
+        raise CheckpointError(
+            f"ranks 0 and {other} hold different values in their optimizer's state_dict() "
+            f"beside 'state' and 'param_groups' ({_shown(extras[0])} and "
+            f"{_shown(extras[other])}), which is saved once for every rank; nothing was written"
+        )
+    if extras[0] is not None:
+        merged["extra"] = extras[0]
     return merged
+
+
+def _shown(extra: JSON) -> str:
+    text = "none" if extra is None else json.dumps(extra, sort_keys=True)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class _Groups:

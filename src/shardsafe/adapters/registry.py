@@ -51,8 +51,9 @@ def adapter_for(obj: object, name: str) -> tuple[Adapter, object]:
     wrapped ZeRO or OSS optimizer raises on every rank, so the optimizer inside is saved
     and loaded as if it had been passed bare. A wrapper with state of its own beside the
     inner optimizer's (a Lookahead's slow weights) is refused: saved as one optimizer it
-    would lose one of the two. A user's adapter registered for a wrapper's class gets the
-    wrapper.
+    would lose one of the two. A delegating wrapper whose ``state_dict()`` adds entries of
+    its own is saved itself (:func:`_adds_entries`). A user's adapter registered for a
+    wrapper's class gets the wrapper.
     """
     seen: set[int] = set()
     while True:
@@ -69,6 +70,8 @@ def adapter_for(obj: object, name: str) -> tuple[Adapter, object]:
                 f"{type(inner).__qualname__}'s would be lost. Register an adapter for "
                 f"{type(obj).__qualname__} that saves both (shardsafe.register_adapter)."
             )
+        if _adds_entries(obj, inner):
+            return adapter, obj
         seen.add(id(obj))
         obj = inner
 
@@ -102,6 +105,20 @@ def _steps_groups_of(value: object, obj: object, groups: object) -> bool:
     try:
         is_other = isinstance(value, torch.optim.Optimizer) and value is not obj
         return is_other and getattr(value, "param_groups", None) is groups
+    except Exception:
+        return False
+
+
+def _adds_entries(obj: object, inner: torch.optim.Optimizer) -> bool:
+    """Whether the wrapper's ``state_dict()`` holds entries beside its optimizer's
+    (``PostLocalSGDOptimizer``'s averager ``step``): saved as the optimizer inside, they
+    were dropped in silence and the averaging schedule restarted at every resume (found
+    in review). Such a wrapper is saved and loaded itself, through its own
+    ``state_dict``/``load_state_dict``. ``False`` where either raises (a wrapped ZeRO's
+    cannot be asked)."""
+    try:
+        own, inner_keys = obj.state_dict(), inner.state_dict()  # type: ignore[attr-defined]
+        return isinstance(own, dict) and bool(set(own) - set(inner_keys))
     except Exception:
         return False
 
