@@ -140,6 +140,13 @@ class CheckpointManager:
         self._handle: SaveHandle | None = None
         self._stager = Stager()
         self._root_checked = False
+        # What this manager's saves found already (rank 0): a step directory stays one, and
+        # a committed step stays committed, so each save asks the store about new names
+        # only. Asking about every kept step, twice, cost a save 11 requests per step kept
+        # (1,704 at 150 steps on S3, 25 s: found in review).
+        self._seen_dirs: set[str] = set()
+        self._seen_committed: set[str] = set()
+        self._seen_unmarked: set[str] = set()
         """Whether :meth:`require_writable_root` found the bucket (it asks once)."""
 
     def close(self) -> None:
@@ -303,7 +310,7 @@ class CheckpointManager:
         if not fresh or world()[0] != 0:
             return
         try:
-            steps = self._classified_steps()[0]
+            steps = self._classified_steps(cached=True)[0]
         except Exception:  # only a warning: the save itself then fails, agreed
             # This runs on rank 0 alone, before the save's entry barrier: raising here (a
             # store rank 0 cannot reach) left the other ranks waiting at that barrier.
@@ -428,9 +435,16 @@ class CheckpointManager:
         newer ones of the other run, and ``latest()`` would name those. Deleting the
         newer ones silently could destroy the run the user wanted, so the user decides.
         """
-        newer = [s for s in self._classified_steps()[0] if s > step]
+        newer = []
+        for found, name in self._step_dirs(known=self._seen_dirs):  # newest first
+            if found <= step:
+                break
+            with contextlib.suppress(CheckpointError, OSError):
+                if self._committed(name, cached=True):
+                    newer.append(found)
         if not newer:
             return
+        newer.sort()
         names = dict(self._step_dirs())  # listed once, not once per newer step
         problems = {
             s: self._passed_over.get(s) or self._problem_of(names.get(s, step_dir_name(s)))
@@ -472,7 +486,7 @@ class CheckpointManager:
         """Runs on rank 0 right after the commit: move ``latest``, then apply retention."""
         with self._root_storage() as root:
             root.commit(LATEST, (step_dir_name(step) + "\n").encode())
-            committed, unknown = self._classified_steps()
+            committed, unknown = self._classified_steps(cached=True)
             keep = self._kept(committed)
             for name in root.names():
                 if (_POINTER_TEMP.fullmatch(name) or _PROBE.fullmatch(name)) and root.kind(
@@ -481,7 +495,7 @@ class CheckpointManager:
                     root.remove(name)  # a pointer update killed half-way (a link: itself)
                 if self._lock.is_stale_claim(root, name):
                     root.remove(name)  # a lock claim killed before its link
-            for found, name in self._step_dirs():
+            for found, name in self._step_dirs(known=self._seen_dirs):
                 if found in unknown and found != step:
                     # Counted as incomplete, it was deleted: one throttled request (S3's
                     # 503 SlowDown after its retries) cost a checkpoint keep_last kept,
@@ -491,6 +505,8 @@ class CheckpointManager:
                         f"complete checkpoint could not be read ({unknown[found]})"
                     )
                 elif found not in keep and found != step and not self._damaged_among(found, keep):
+                    for seen in (self._seen_dirs, self._seen_committed, self._seen_unmarked):
+                        seen.discard(name)
                     delete_checkpoint(root, name, uncommitted=found not in committed)
                 elif found != step:
                     self._drop_stale_marker(name)
@@ -516,12 +532,20 @@ class CheckpointManager:
         """A save killed between its manifest's commit and the marker's removal leaves a
         committed checkpoint that still carries the marker; remove it (harmless to loads,
         but not what a committed checkpoint holds)."""
+        if name in self._seen_unmarked:  # looked at by an earlier save of this manager
+            return
         with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
-            if storage.kind(MANIFEST_NAME) == "file" and storage.kind(INCOMPLETE_MARKER) == "file":
+            if storage.kind(MANIFEST_NAME) != "file":
+                return
+            if storage.kind(INCOMPLETE_MARKER) == "file":
                 storage.remove(INCOMPLETE_MARKER)
+            self._seen_unmarked.add(name)
 
-    def _step_dirs(self) -> Iterator[tuple[int, str]]:
-        """``(step, name)`` of every real step directory under ``root``, newest first."""
+    def _step_dirs(self, known: set[str] | None = None) -> Iterator[tuple[int, str]]:
+        """``(step, name)`` of every real step directory under ``root``, newest first.
+
+        ``known``: names already found to be directories, not asked again; each one found
+        is added to it (a save's own bookkeeping: every load path asks afresh)."""
         try:
             # A store's client's own exception (botocore's EndpointConnectionError: not an
             # OSError) as a CheckpointError: the listing runs outside any agreed operation,
@@ -542,9 +566,14 @@ class CheckpointManager:
         with root:
             found = sorted(((s, n) for n in names if (s := step_of(n)) is not None), reverse=True)
             for step, name in found:
+                if known is not None and name in known:
+                    yield step, name
+                    continue
                 with store_errors(root.where(name)):
                     kind = root.kind(name)
                 if kind == "directory":
+                    if known is not None:
+                        known.add(name)
                     yield step, name
                 elif kind is not None:
                     _warn(f"{root.where(name)} is {root.describe(name)}, not a directory")
@@ -571,19 +600,30 @@ class CheckpointManager:
         self._check_made_in()
         return self._classified_steps()[0]
 
-    def _classified_steps(self) -> tuple[list[int], dict[int, str]]:
+    def _classified_steps(self, cached: bool = False) -> tuple[list[int], dict[int, str]]:
         """:meth:`complete_steps`, and the steps that could not be classified, with why
         (the check of their manifest raised: a request the store refused, a directory
-        that could not be opened)."""
+        that could not be opened). ``cached``: for a save's own checks, what this
+        manager's saves found already is not asked again."""
         steps, unknown = [], {}
-        for step, name in self._step_dirs():
+        for step, name in self._step_dirs(known=self._seen_dirs if cached else None):
             try:
-                with store_errors(self.root), self._open(name) as storage:
-                    if storage.kind(MANIFEST_NAME) == "file":
-                        steps.append(step)
+                if self._committed(name, cached):
+                    steps.append(step)
             except (CheckpointError, OSError) as e:
                 unknown[step] = f"{type(e).__name__}: {e}"
         return sorted(steps), unknown
+
+    def _committed(self, name: str, cached: bool) -> bool:
+        """Whether step directory ``name`` holds a manifest (raises what asking raised);
+        ``cached``: one this manager found committed is not asked again."""
+        if cached and name in self._seen_committed:
+            return True
+        with store_errors(self.root), self._open(name) as storage:
+            found = storage.kind(MANIFEST_NAME) == "file"
+        if found and cached:
+            self._seen_committed.add(name)
+        return found
 
     def latest(self) -> str | None:
         """Path of the newest checkpoint that would load, or ``None`` if there is none.
