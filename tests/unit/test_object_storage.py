@@ -739,6 +739,19 @@ def test_a_trainer_run_on_s3_looks_for_its_bucket_once(
     assert looked == [root, f"{root}/step-000000002"]  # the bucket; the step's directory
 
 
+def resumed_after(bucket: str, steps: int) -> shardsafe.CheckpointManager:
+    """A run that saved steps 1..``steps`` (``keep_last=2``), restarted: a new manager
+    that looked for the latest step. Its first save asks the store about every step (a
+    manager's later saves ask only about the names its saves have not seen)."""
+    manager = shardsafe.CheckpointManager(f"s3://{bucket}/run", keep_last=2)
+    for step in range(1, steps + 1):
+        manager.save(step, {"w": torch.full((4,), float(step))})
+    manager.close()
+    manager = shardsafe.CheckpointManager(f"s3://{bucket}/run", keep_last=2)
+    manager.latest()
+    return manager
+
+
 def test_retention_never_deletes_a_step_it_could_not_read(
     s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -749,9 +762,7 @@ def test_retention_never_deletes_a_step_it_could_not_read(
     from botocore.exceptions import ClientError
     from s3fs.errors import translate_boto_error
 
-    manager = shardsafe.CheckpointManager(f"s3://{s3_bucket}/run", keep_last=2)
-    for step in (1, 2, 3):
-        manager.save(step, {"w": torch.full((4,), float(step))})
+    manager = resumed_after(s3_bucket, 3)
     call = s3fs.core.S3FileSystem._call_s3
     refused = {"armed": False, "left": 1}
     throttled = ClientError(
@@ -797,9 +808,7 @@ def test_retention_never_deletes_a_step_a_store_said_once_has_no_manifest(
     keep_last=2 kept step 1 in its place. Now it is left in place, with a warning."""
     import s3fs.core
 
-    manager = shardsafe.CheckpointManager(f"s3://{s3_bucket}/run", keep_last=2)
-    for step in (1, 2):
-        manager.save(step, {"w": torch.full((4,), float(step))})
+    manager = resumed_after(s3_bucket, 2)
     call = s3fs.core.S3FileSystem._call_s3
     missing = {"armed": False, "left": 1}
 
