@@ -319,8 +319,8 @@ def test_a_store_one_rank_cannot_reach_is_every_ranks_error_at_once(
     errors = run_ranks(with_env, 2, s3_server.env, save_with_rank_1_cut_off, url, free_port())
     assert errors[0] == errors[1], errors
     assert errors[0].startswith(
-        "CheckpointError: save failed on rank 1: EndpointConnectionError: Could not connect "
-        "to the endpoint URL"
+        f"CheckpointError: save failed on rank 1: the object store failed at {url}: "
+        "EndpointConnectionError: Could not connect to the endpoint URL"
     ), errors
     assert s3_server.keys(s3_bucket) == []
 
@@ -353,7 +353,8 @@ def test_load_latest_with_a_store_one_rank_cannot_reach_is_every_ranks_error_at_
     )
     assert errors[0] == errors[1], errors
     # Rank 0 looks for the newest step for every rank: cut off, its listing fails.
-    doing = f"the object store failed at {root}: " if cut == 0 else ""
+    where = root if cut == 0 else f"{root}/step-000000001"
+    doing = f"the object store failed at {where}: "
     assert errors[0].startswith(
         f"CheckpointError: load failed on rank {cut}: {doing}EndpointConnectionError: Could "
         "not connect to the endpoint URL"
@@ -385,8 +386,8 @@ def test_a_managers_save_with_a_store_rank_0_cannot_reach_is_every_ranks_error(
     )
     assert errors[0] == errors[1], errors
     assert errors[0].startswith(
-        "CheckpointError: save failed on rank 0: EndpointConnectionError: Could not connect "
-        "to the endpoint URL"
+        f"CheckpointError: save failed on rank 0: the object store failed at {root}/"
+        "step-000000002: EndpointConnectionError: Could not connect to the endpoint URL"
     ), errors
     assert [k for k in s3_server.keys(s3_bucket) if "step-000000002" in k] == []
 
@@ -416,6 +417,7 @@ def test_a_trainer_resuming_from_a_store_one_rank_cannot_reach_fails_alike_on_ev
     )
     assert errors[0] == errors[1], errors
     assert errors[0].startswith(
-        "CheckpointError: load failed on rank 1: EndpointConnectionError: Could not connect "
-        "to the endpoint URL"
+        f"CheckpointError: load failed on rank 1: the object store failed at {url}/"
+        "checkpoints/step-000000004: EndpointConnectionError: Could not connect to the "
+        "endpoint URL"
     ), errors
