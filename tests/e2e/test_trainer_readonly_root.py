@@ -1,6 +1,7 @@
 """``shardsafe fit --resume latest`` into a read-only ``run_dir/checkpoints`` is refused
 before the first step, naming the directory: it trained to the end, then died at the
-first save with a bare 'Permission denied' naming the lock's temporary file.
+first save with a bare 'Permission denied' naming the lock's temporary file. A run that
+never saves there resumes from it as before.
 
 The test runs as root, which ignores file permissions: the refused run drops the DAC
 capabilities with ``setpriv`` first (skipped where it is missing).
@@ -56,8 +57,16 @@ def test_resume_into_a_read_only_checkpoint_directory_is_refused_before_training
             timeout=45,
             cwd=tmp_path,
         )
+        # A run that never saves (no --checkpoint-every) may resume from it: a read-only
+        # directory of checkpoints to fine-tune from (refused by the first fix: review).
+        tuned = [*command, "fit", "--run-dir", "run", "--max-steps", "3", "--resume", "latest"]
+        resumed = subprocess.run(
+            [*prefix, *tuned], capture_output=True, text=True, timeout=45, cwd=tmp_path
+        )
     finally:
         read_only(checkpoints, writable=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "no checkpoint saved (checkpoint_every is not set)" in resumed.stdout
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert (
         "shardsafe: error: cannot create files in run/checkpoints (Permission denied), "
@@ -66,5 +75,6 @@ def test_resume_into_a_read_only_checkpoint_directory_is_refused_before_training
         "nothing was written\n"
     ) in proc.stderr, proc.stderr
     assert "step 3/4" not in proc.stdout + proc.stderr
-    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics  # nothing trained
+    lines = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    assert lines.startswith(metrics) and lines.count(b"\n") == metrics.count(b"\n") + 1
     assert sorted(os.listdir(checkpoints)) == ["latest", "step-000000002"]

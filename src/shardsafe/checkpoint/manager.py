@@ -339,9 +339,12 @@ class CheckpointManager:
         if then is not None:
             then()
 
-    def require_writable_root(self) -> None:
+    def require_writable_root(self, saves: bool = True) -> None:
         """Refuse, before anything is written (the Trainer: before its first step), a root
-        no checkpoint could be saved in, naming it and saying what to do.
+        no checkpoint could be saved in, naming it and saying what to do. ``saves=False``
+        (a run that only resumes from the root and never saves there) leaves out the
+        checks of permissions: a read-only directory of checkpoints to fine-tune from is
+        fine then (review).
 
         On an object store, a root whose bucket does not exist (:meth:`_require_bucket`).
         On a filesystem the root is made as needed; something else in its place is
@@ -357,8 +360,9 @@ class CheckpointManager:
         _require_directory_or_absent(self.root)
         if os.path.isdir(self.root):
             self._check_pointer_replaceable()
-            self._require_creatable_files()
-        else:
+            if saves:
+                self._require_creatable_files()
+        elif saves:
             _require_makeable(self._anchored_root())
 
     def _require_bucket(self) -> None:

@@ -47,7 +47,8 @@ def find_checkpoint(
     checked once, here, not again at the first save)."""
     if manager is None:
         manager = CheckpointManager(config.checkpoint_dir, warn_if_not_empty=False)
-    manager.require_writable_root()  # a missing bucket, a read-only root: before any training
+    # A missing bucket, a read-only root (for a run that saves): before any training.
+    manager.require_writable_root(saves=config.checkpoint_every is not None)
     if resume is None:
         steps = manager.complete_steps()
         if steps:
