@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -123,9 +124,26 @@ def s3_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
 
 def _attempts_configured(profile: str | None) -> bool:
     """Whether the environment or the AWS config file's profile sets botocore's attempts
-    (``AWS_MAX_ATTEMPTS``, ``max_attempts``): a ``retries`` of ours would override it."""
+    (``AWS_MAX_ATTEMPTS``, ``max_attempts``): a ``retries`` of ours would override it.
+
+    Asked once per profile, environment and config file version: a botocore session
+    takes about 15 ms to make, and every storage a save opens on S3 (one per step
+    directory it looks into) asked again."""
     if os.environ.get("AWS_MAX_ATTEMPTS"):
         return True
+    config = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"))
+    try:
+        version: tuple[int, int] | None = (os.stat(config).st_mtime_ns, os.stat(config).st_size)
+    except OSError:
+        version = None
+    return _profile_sets_attempts(profile, os.environ.get("AWS_PROFILE"), config, version)
+
+
+@functools.lru_cache(maxsize=64)
+def _profile_sets_attempts(
+    profile: str | None, env_profile: str | None, config: str, version: tuple[int, int] | None
+) -> bool:
+    """:func:`_attempts_configured`'s look into the AWS config, once per key."""
     try:
         import botocore.session  # type: ignore[import-untyped]
 
