@@ -133,7 +133,8 @@ def _attempts_configured(profile: str | None) -> bool:
         return True
     config = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"))
     try:
-        version: tuple[int, int] | None = (os.stat(config).st_mtime_ns, os.stat(config).st_size)
+        found = os.stat(config)
+        version: tuple[int, int] | None = (found.st_mtime_ns, found.st_size)
     except OSError:
         version = None
     return _profile_sets_attempts(profile, os.environ.get("AWS_PROFILE"), config, version)
