@@ -131,9 +131,9 @@ def test_a_save_to_an_endpoint_that_never_answers_fails_in_seconds_naming_it(
     assert str(caught.value) == unanswered(
         "s3://bucket/run/step-1", listing(silent.endpoint, "run/step-1")
     )
-    # Every try waited its read timeout; botocore's legacy backoff adds under 1 s a retry
-    # and s3fs's about 1 s in all: well within 20 s, where the old defaults took minutes.
-    assert S3FS_TRIES * S3_ATTEMPTS * READ_TIMEOUT <= took < 20, took
+    # Every try waited its read timeout (a lower bound, which load cannot break); how many
+    # tries there were is counted, not timed (the old defaults made 25 of 15 s each).
+    assert took >= S3FS_TRIES * S3_ATTEMPTS * READ_TIMEOUT, took
     assert len(silent.connections) == S3FS_TRIES * S3_ATTEMPTS
 
 
