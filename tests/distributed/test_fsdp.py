@@ -350,3 +350,33 @@ def test_the_fsdp_strategy_shards_a_model_with_tied_weights(tmp_path: Path) -> N
     for name, value in model.state_dict().items():
         assert torch.allclose(loaded.state_dict()[name], value, atol=1e-6), name
     assert sorted(loaded_opt.state[loaded.emb.weight]) == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def dcp_style_run(rank: int, world: int, path: str, save: bool) -> Any:
+    """DCP's own idiom: the model's sharded state dict in a plain dict, filled in place,
+    then handed to ``set_model_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model = fsdp(0 if save else 1)
+    opt = adamw(model)
+    if save:
+        train(model, opt, 0, 3, rank)
+        shardsafe.save(path, {"model": get_model_state_dict(model)})
+        return full_state(model, opt)[0]
+    live = get_model_state_dict(model)
+    values = shardsafe.load(path, {"model": live})
+    assert all(values["model"][k] is live[k] for k in live)  # the live DTensors, handed back
+    assert all(isinstance(v, DTensor) for v in values["model"].values())
+    set_model_state_dict(model, live)
+    return full_state(model, opt)[0]
+
+
+def test_a_sharded_state_dict_in_a_plain_dict_is_filled_shard_by_shard(tmp_path: Path) -> None:
+    """``shardsafe.load(path, {"model": get_model_state_dict(model)})`` returned the
+    values and left the live DTensors as they were: the model restored nothing, in
+    silence. Each rank's shards are now read into them, at any world size."""
+    path = str(tmp_path / "ckpt")
+    want = run_ranks(dcp_style_run, 2, path, True)[0]
+    for world in (2, 3):
+        assert_same_model(run_ranks(dcp_style_run, world, path, False)[0], want)

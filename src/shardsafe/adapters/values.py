@@ -271,7 +271,8 @@ def full_requests(saved: SavedValue) -> LoadRequests:
 
 class PlainDataAdapter(Adapter):
     """Tensors and JSON-able values (kind ``"value"``). Load returns them, even unasked; a
-    live tensor is also filled in place."""
+    live tensor is also filled in place, the entry itself or one inside a live dict, list
+    or tuple (:func:`nested_live`)."""
 
     kind = "value"
     returns_value = True
@@ -285,7 +286,7 @@ class PlainDataAdapter(Adapter):
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         plan = full_requests(saved)
         if not isinstance(obj, torch.Tensor):
-            return plan
+            return _nested_plan(plan, nested_live(obj, ctx), ctx)
         fsdp1.refuse_sharded_tensor(ctx.name, obj, "load")
         meta = saved.meta
         ref = meta.get("__tensor__") if isinstance(meta, dict) and len(meta) == 1 else None
@@ -303,16 +304,38 @@ class PlainDataAdapter(Adapter):
         plan.requests = [shard_request(whole, obj if dtensor.is_dtensor(obj) else None, ctx)]
         return plan
 
+    def targets(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
+        """The live tensors inside a live dict, list or tuple (a DTensor's local shard),
+        read straight into: ``{"model": model.state_dict()}`` needs no second copy."""
+        refs = set(_tree.tensor_refs(saved.meta))
+        return {
+            key: dtensor.local_of(live)
+            for key, live in nested_live(obj, ctx).items()
+            if key in refs
+        }
+
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         _tree.decode(saved.meta, tensors)
         if isinstance(obj, torch.Tensor):  # refused now, not after other entries restored
             check_writable(f"state[{ctx.name!r}]", dtensor.local_of(obj))
+        for key, live in nested_live(obj, ctx).items():
+            if key in tensors:
+                check_writable(f"state[{ctx.name!r}] at {key!r}", dtensor.local_of(live))
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> Any:
+        nested = {key: live for key, live in nested_live(obj, ctx).items() if key in tensors}
+        if nested:
+            with torch.no_grad():
+                for key, live in nested.items():
+                    local = dtensor.local_of(live)
+                    if tensors[key] is not local:  # not read in place (``targets``)
+                        local.copy_(tensors[key])
+            # Handed back as the live tensors themselves, as a live DTensor entry is.
+            return _tree.decode(saved.meta, {**tensors, **nested})
         value = _tree.decode(saved.meta, tensors)
         if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
             with torch.no_grad():
@@ -321,6 +344,55 @@ class PlainDataAdapter(Adapter):
                     return obj
                 obj.copy_(value)
         return value
+
+
+def nested_live(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
+    """The tensors inside a live dict, list or tuple passed as a plain value, by the key
+    their saved copy has (the same path: ``_tree.encode``'s keys).
+
+    Why: ``shardsafe.load(path, {"model": model.state_dict()})`` is how DCP's users load
+    (``dcp.load`` fills such tensors in place); returning the values without filling
+    them left the model as it was, in silence. A live tree that cannot be encoded (it
+    holds something no save accepts) offers none: its values are returned, as before."""
+    if not isinstance(obj, (dict, list, tuple)):
+        return {}
+    found: dict[str, torch.Tensor] = {}
+
+    def sink(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        key = _names.join(ctx.name, *path)
+        found[key] = tensor
+        return key
+
+    try:
+        _tree.encode(obj, f"state[{ctx.name!r}]", sink)
+    except CheckpointError:
+        return {}
+    return found
+
+
+def _nested_plan(
+    plan: LoadRequests, live: Mapping[str, torch.Tensor], ctx: LoadContext
+) -> LoadRequests:
+    """``plan`` with each request for a key a live tensor takes checked against it (its
+    dtype and shape; a live DTensor's own box), and every live tensor the checkpoint
+    has no tensor for named as missing: a strict load refuses it, as it does a model's
+    missing weight, rather than leave it as it was in silence."""
+    if not live:
+        return plan
+    requested: set[str] = set()
+    requests: list[ReadRequest] = []
+    for req in plan.requests:
+        target = live.get(req.key)
+        if target is not None:
+            fsdp1.refuse_sharded_tensor(req.key, target, "load")
+            whole = ReadRequest(req.key, dtype=target.dtype, global_shape=tuple(target.shape))
+            req = shard_request(whole, target if dtensor.is_dtensor(target) else None, ctx)
+            requested.add(req.key)
+        requests.append(req)
+    plan.requests = requests
+    if ctx.strict:  # else left as it is, as a module's missing weight is
+        plan.missing.extend(key for key in live if key not in requested)
+    return plan
 
 
 class StatefulAdapter(Adapter):
