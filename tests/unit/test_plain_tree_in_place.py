@@ -87,3 +87,53 @@ def test_a_live_tensor_the_checkpoint_lacks_is_missing_unless_strict_is_off(
     assert torch.equal(w, saved["w"]) and torch.equal(extra, torch.full((2,), 5.0))
     assert values["sd"].keys() == {"w", "n"}
     assert values["sd"]["w"] is w and values["sd"]["n"] == 1
+
+
+def test_one_tensor_passed_as_an_entry_and_inside_a_dict_is_checked_as_tied(
+    tmp_path: Path,
+) -> None:
+    """The entry itself was no read-in-place target: the tied check never saw it, the
+    nested copy was filled, then overwritten by the entry's, and the returned dict held
+    the entry's values under the other name (found in review)."""
+    shardsafe.save(tmp_path / "c", {"w": torch.zeros(3), "sd": {"w": torch.ones(3)}})
+    t = torch.full((3,), 7.0)
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"w": t, "sd": {"w": t}})
+    assert str(info.value) == (
+        "the checkpoint holds different values for 'w' and 'sd/w', which the objects being "
+        "loaded tie (one tensor under both names, as a tied embedding and output layer): the "
+        "load would keep the values of one and drop the other's. The checkpoint was saved "
+        "untied: load it into the model untied as it was saved, or pass strict=False to load "
+        "it anyway, the tied tensor holding one of the two"
+    )
+    assert torch.equal(t, torch.full((3,), 7.0))  # nothing restored
+
+
+def test_a_view_whose_elements_overlap_is_refused(tmp_path: Path) -> None:
+    """torch's copy_ wrote into it without a word: [[0, 1, 2], [1, 2, 5]] came back for
+    [[0, 1, 2], [3, 4, 5]] (found in review)."""
+    shardsafe.save(tmp_path / "c", {"sd": {"w": torch.arange(6.0).reshape(2, 3)}})
+    overlapping = torch.zeros(4).as_strided((2, 3), (1, 1))
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"sd": {"w": overlapping}})
+    assert str(info.value) == (
+        "state['sd'] at 'sd/w' is a view whose elements overlap in memory (shape [2, 3], "
+        "strides [1, 1]), so it cannot hold the checkpoint's values. Give it memory of its "
+        "own (.clone()) before loading. Nothing was restored."
+    )
+    # Interleaved strides that share no element are filled: counted element by element.
+    base = torch.zeros(8)
+    interleaved = base.as_strided((3, 2), (2, 3))
+    shardsafe.save(tmp_path / "d", {"sd": {"w": torch.arange(6.0).reshape(3, 2)}})
+    shardsafe.load(tmp_path / "d", {"sd": {"w": interleaved}})
+    assert torch.equal(interleaved, torch.arange(6.0).reshape(3, 2))
+
+
+def test_a_parameter_is_filled_and_handed_back_needing_no_grad(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"p": torch.arange(3.0), "sd": {"q": torch.ones(2)}})
+    p, q = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    values = shardsafe.load(tmp_path / "c", {"p": p, "sd": {"q": q}})
+    assert torch.equal(p.detach(), torch.arange(3.0)) and torch.equal(q.detach(), torch.ones(2))
+    assert p.requires_grad and p.grad_fn is None
+    assert not values["p"].requires_grad and values["p"].data_ptr() == p.data_ptr()
+    assert not values["sd"]["q"].requires_grad and values["sd"]["q"].data_ptr() == q.data_ptr()

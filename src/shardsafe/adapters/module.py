@@ -274,6 +274,19 @@ def _loaded_by_torch(module: nn.Module) -> bool:
     )
 
 
+def elements_distinct(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory, by a sufficient test: with its
+    dimensions taken by increasing stride, each stride passes the furthest element the
+    smaller ones reach (true of every dense or permuted tensor and its slices). A view
+    that fails it (``as_strided`` over itself) is left to its object's own copy."""
+    reach = 0
+    for stride, n in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return False
+        reach += (n - 1) * stride
+    return True
+
+
 def check_writable(name: str, value: torch.Tensor) -> None:
     """Refuse a live tensor (``name``, as the message shows it) that torch would refuse to
     copy a checkpoint's values into."""

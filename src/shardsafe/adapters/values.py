@@ -40,7 +40,7 @@ from ..protocol import (
     SaveItem,
 )
 from . import dtensor, fsdp1
-from .module import check_writable
+from .module import check_writable, elements_distinct
 
 _PLAIN = (type(None), bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, torch.dtype)
 """What :class:`PlainDataAdapter` takes as a state entry: whatever ``_tree.encode`` saves
@@ -288,9 +288,8 @@ class PlainDataAdapter(Adapter):
         if not isinstance(obj, torch.Tensor):
             return _nested_plan(plan, nested_live(obj, ctx), ctx)
         fsdp1.refuse_sharded_tensor(ctx.name, obj, "load")
-        meta = saved.meta
-        ref = meta.get("__tensor__") if isinstance(meta, dict) and len(meta) == 1 else None
-        if not isinstance(ref, str):
+        ref = _tensor_ref(saved.meta)
+        if ref is None:
             plan.requests = []
             plan.mismatched.append(
                 f"state[{ctx.name!r}] is a live tensor {dtypes.dtype_name(obj.dtype)}"
@@ -305,45 +304,70 @@ class PlainDataAdapter(Adapter):
         return plan
 
     def targets(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
-        """The live tensors inside a live dict, list or tuple (a DTensor's local shard),
-        read straight into: ``{"model": model.state_dict()}`` needs no second copy."""
-        refs = set(_tree.tensor_refs(saved.meta))
-        return {
-            key: dtensor.local_of(live)
-            for key, live in nested_live(obj, ctx).items()
-            if key in refs
-        }
+        """The live tensors (a DTensor's local shard), read straight into: ``{"model":
+        model.state_dict()}`` needs no second copy, and the engine sees every live tensor
+        of the load, so that one tensor passed under two names is checked as tied
+        weights are (``io/tied_keys.py``), however each is passed."""
+        return {key: dtensor.local_of(live) for key, live in _live(obj, saved, ctx).items()}
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         _tree.decode(saved.meta, tensors)
-        if isinstance(obj, torch.Tensor):  # refused now, not after other entries restored
-            check_writable(f"state[{ctx.name!r}]", dtensor.local_of(obj))
-        for key, live in nested_live(obj, ctx).items():
-            if key in tensors:
-                check_writable(f"state[{ctx.name!r}] at {key!r}", dtensor.local_of(live))
+        # Refused now, not after other entries restored.
+        for key, live in _live(obj, saved, ctx).items():
+            name = f"state[{ctx.name!r}]" if live is obj else f"state[{ctx.name!r}] at {key!r}"
+            check_writable(name, dtensor.local_of(live))
+            _refuse_overlapping(name, dtensor.local_of(live))
 
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> Any:
-        nested = {key: live for key, live in nested_live(obj, ctx).items() if key in tensors}
-        if nested:
-            with torch.no_grad():
-                for key, live in nested.items():
-                    local = dtensor.local_of(live)
-                    if tensors[key] is not local:  # not read in place (``targets``)
-                        local.copy_(tensors[key])
-            # Handed back as the live tensors themselves, as a live DTensor entry is.
-            return _tree.decode(saved.meta, {**tensors, **nested})
-        value = _tree.decode(saved.meta, tensors)
-        if isinstance(obj, torch.Tensor) and isinstance(value, torch.Tensor):
-            with torch.no_grad():
-                if dtensor.is_dtensor(obj):  # ``value`` is this rank's box of it
-                    dtensor.local_of(obj).copy_(value)
-                    return obj
-                obj.copy_(value)
-        return value
+        live = _live(obj, saved, ctx)
+        with torch.no_grad():
+            for key, tensor in live.items():
+                local = dtensor.local_of(tensor)
+                if tensors[key] is not local:  # not read in place (``targets``)
+                    local.copy_(tensors[key])  # a DTensor's: this rank's box of it
+        # Handed back as the live tensors themselves (a DTensor as one), never needing grad.
+        returned = {key: t.detach() if t.requires_grad else t for key, t in live.items()}
+        return _tree.decode(saved.meta, {**tensors, **returned})
+
+
+def _live(obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
+    """The live tensors a plain value's load fills, by the key of their saved copy: the
+    entry itself, or those inside it (:func:`nested_live`) that the checkpoint holds a
+    tensor for."""
+    if isinstance(obj, torch.Tensor):
+        ref = _tensor_ref(saved.meta)
+        return {ref: obj} if ref is not None else {}
+    refs = set(_tree.tensor_refs(saved.meta))
+    return {key: live for key, live in nested_live(obj, ctx).items() if key in refs}
+
+
+def _tensor_ref(meta: JSON) -> str | None:
+    """The key of a value saved as one tensor, else ``None``."""
+    ref = meta.get("__tensor__") if isinstance(meta, dict) and len(meta) == 1 else None
+    return ref if isinstance(ref, str) else None
+
+
+def _refuse_overlapping(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a live tensor two of whose elements share memory (``as_strided`` over
+    itself), which no copy can give the checkpoint's values: torch's ``copy_`` writes
+    into it without a word when it cannot prove the overlap, and the tensor (which
+    ``load`` returns) came back wrong. Exact: a view that only fails the quick test
+    (interleaved strides) is counted element by element."""
+    if tensor.numel() < 2 or elements_distinct(tensor):
+        return
+    span = 1 + sum((n - 1) * abs(st) for st, n in zip(tensor.stride(), tensor.shape))
+    offsets = torch.arange(span).as_strided(tensor.shape, tensor.stride())
+    if torch.unique(offsets).numel() == tensor.numel():
+        return
+    raise CheckpointMismatchError(
+        f"{name} is a view whose elements overlap in memory (shape {list(tensor.shape)}, "
+        f"strides {list(tensor.stride())}), so it cannot hold the checkpoint's values. "
+        "Give it memory of its own (.clone()) before loading. Nothing was restored."
+    )
 
 
 def nested_live(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:

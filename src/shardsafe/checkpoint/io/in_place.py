@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...adapters import dtensor
+from ...adapters.module import elements_distinct
 from ...errors import CheckpointCorruptError, CheckpointError, with_message
 from ...protocol import ReadRequest
 from ..format.manifest import Manifest
@@ -101,21 +102,8 @@ def _fits(target: object, req: ReadRequest, manifest: Manifest) -> bool:
         and target.device.type in ("cpu", "cuda")
         and not (target.is_conj() or target.is_neg())
         and not (target.is_inference() and not torch.is_inference_mode_enabled())
-        and _distinct(target)
+        and elements_distinct(target)
     )
-
-
-def _distinct(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` share memory, by a sufficient test: with its
-    dimensions taken by increasing stride, each stride passes the furthest element the
-    smaller ones reach (true of every dense or permuted tensor and its slices). A view
-    that fails it (``as_strided`` over itself) is left to its object's own copy."""
-    reach = 0
-    for stride, n in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
-        if stride <= reach:
-            return False
-        reach += (n - 1) * stride
-    return True
 
 
 def fill(
