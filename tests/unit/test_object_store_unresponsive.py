@@ -37,6 +37,7 @@ from shardsafe.checkpoint.storage.object_storage import (
     FsspecStorage,
 )
 from shardsafe.errors import CheckpointError
+from tests.harness import run_ranks
 
 pytest.importorskip("s3fs")
 pytestmark = pytest.mark.timeout(180)
@@ -158,6 +159,32 @@ def test_every_entry_point_names_an_endpoint_that_never_answers(
     with pytest.raises(CheckpointError) as caught:
         calls[call]()
     assert str(caught.value) == unanswered(url, listing(silent.endpoint, prefix))
+
+
+def manager_save(rank: int, world: int, endpoint: str) -> str:
+    opts = options(endpoint, read_timeout=READ_TIMEOUT, retries={"total_max_attempts": 1})
+    manager = shardsafe.CheckpointManager("s3://bucket/run", storage_options=opts)
+    said = "saved"
+    try:
+        manager.save(1, {"w": torch.ones(2)}, timeout=30)
+    except CheckpointError as e:
+        said = str(e)
+    torch.distributed.barrier()  # rank 0 hosts the process group's store: both have raised
+    return said
+
+
+def test_a_managers_first_save_waits_out_a_silent_endpoint_once_on_every_rank(
+    silent: SilentEndpoint,
+) -> None:
+    """Rank 0's look for older checkpoints before a fresh run's first save waited out
+    every timeout, passed over the failure (it is only for a warning), and the save then
+    waited them all out again: twice the connections and the time. Now it is the save's
+    error, told to the other ranks at the save's entry."""
+    said = run_ranks(manager_save, 2, silent.endpoint)
+    url = "s3://bucket/run"
+    assert said[0] == unanswered(url, listing(silent.endpoint, "run"))
+    assert said[1].startswith("save failed on rank 0") and said[1].endswith(said[0]), said[1]
+    assert len(silent.connections) == S3FS_TRIES  # one listing's tries, not two
 
 
 def live_config(storage_options: dict[str, Any]) -> tuple[Any, Any, Any, int]:

@@ -50,14 +50,19 @@ from .options import (
     SaveOptions,
     storage_factory,
 )
-from .refusals import told_if_refused
+from .refusals import tell_others, told_if_refused
 from .saving import save as _save
 from .storage.files import describe_mode
 from .storage.locations import check_options, is_url, local_path, open_storage, path_text
 from .storage.lock import RootLock
 from .storage.protocol import Storage
 from .storage.removal import delete_checkpoint
-from .storage.store_failures import StoreFailedError, listing_errors, store_errors
+from .storage.store_failures import (
+    StoreFailedError,
+    UnansweredError,
+    listing_errors,
+    store_errors,
+)
 from .storage.target_directory import INCOMPLETE_MARKER
 
 if sys.version_info >= (3, 11):
@@ -311,9 +316,13 @@ class CheckpointManager:
             return
         try:
             steps = self._classified_steps(cached=True)[0]
+        except UnansweredError as e:
+            # A store that never answered: the save would wait out every timeout again
+            # (210 s, not 108, at the defaults). This runs on rank 0 alone, before the
+            # save's entry barrier: the others are told there, not left waiting at it.
+            tell_others("save", self.path_for(step), e)
+            raise
         except Exception:  # only a warning: the save itself then fails, agreed
-            # This runs on rank 0 alone, before the save's entry barrier: raising here (a
-            # store rank 0 cannot reach) left the other ranks waiting at that barrier.
             return
         if steps and steps[-1] < step:
             _warn(

@@ -28,6 +28,13 @@ def told_if_refused(operation: str, name: str, make: Callable[[], _Made]) -> _Ma
     try:
         return make()
     except (ValueError, TypeError) as e:
-        coord = Coordinator(operation, name, timeout=_DEFAULTS.timeout)
-        coord.refuse(e, _DEFAULTS.entry_timeout)
+        tell_others(operation, name, e)
         raise
+
+
+def tell_others(operation: str, name: str, error: Exception) -> None:
+    """Meet the other ranks at the entry of ``operation`` under ``name`` and tell them this
+    rank refuses it with ``error`` (which the caller then raises), with the default
+    timeouts: they raise it at once instead of waiting for this rank."""
+    coord = Coordinator(operation, name, timeout=_DEFAULTS.timeout)
+    coord.refuse(error, _DEFAULTS.entry_timeout)

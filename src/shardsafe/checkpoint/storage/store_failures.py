@@ -38,6 +38,12 @@ class StoreFailedError(CheckpointError):
     other ranks re-raise it as a ``CheckpointError``."""
 
 
+class UnansweredError(StoreFailedError):
+    """A request the store never answered within its client's timeouts (:func:`unanswered`):
+    a manager that met it only looking around the root before a save refuses that save at
+    once rather than wait it out again."""
+
+
 def is_cut_short(error: BaseException) -> bool:
     """Whether ``error`` is a response body that ended before its length (aiohttp's
     ``ClientPayloadError``, raised by s3fs and gcsfs alike)."""
@@ -91,12 +97,12 @@ RAISE_TIMEOUTS = (
 """The ``storage_options`` that :func:`unanswered` suggests for a store that is only slow."""
 
 
-def unanswered(url: str, error: BaseException) -> StoreFailedError:
+def unanswered(url: str, error: BaseException) -> UnansweredError:
     """The error for a request about ``url`` the store never answered: the endpoint is
     dead, unreachable or stuck, or it is slower than the client's timeouts (say how to
     raise them). Nothing is known to be wrong with the checkpoint."""
     said = " ".join(f"{type(error).__name__}: {error}".split())
-    return StoreFailedError(
+    return UnansweredError(
         f"the object store did not answer at {url} within its client's timeouts, on any "
         f"of its retries ({said}): check the endpoint and the network; if the store is "
         f"only slow, raise the timeouts with {RAISE_TIMEOUTS}"
