@@ -394,6 +394,16 @@ def _saved_names(saved: SavedValue) -> list[str]:
         raise CheckpointCorruptError(
             f"{saved.entry} is not valid module metadata: 'tensors' is not a list of names"
         )
+    seen: set[str] = set()
+    for name in names:
+        if name not in seen:
+            seen.add(name)
+            continue
+        # Else a load called the names it pushed out missing, and verify passed it.
+        raise CheckpointCorruptError(
+            f"{saved.entry} is not valid module metadata: 'tensors' names {name!r:.80} "
+            "twice (a save lists each tensor once)"
+        )
     return names
 
 

@@ -53,6 +53,11 @@ HOSTILE_META: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         _set(("model", "meta", "tensors"), "0.weight"),
         "'tensors' is not a list of names",
     ),
+    "module tensors named twice": (
+        _set(("model", "meta", "tensors"), ["0.weight", "0.weight", "0.bias"]),
+        "is not valid module metadata: 'tensors' names '0.weight' twice (a save lists each "
+        "tensor once)",
+    ),
     "module extra is a list": (_set(("model", "meta", "extra"), []), "'extra' is not an object"),
     "param_shapes are ints": (
         _set((*OPT, "param_shapes"), {"0.weight": 8, "0.bias": 8, "2.weight": 4, "2.bias": 4}),
@@ -241,3 +246,18 @@ def test_an_out_of_range_numpy_position_is_refused(copy_of: Any) -> None:
         proc.stderr[-500:],
     )
     assert "numpy" in proc.stdout or "pos" in proc.stdout
+
+
+def test_verify_reports_a_module_tensor_named_twice(copy_of: Any) -> None:
+    """A load said the name pushed out was missing, with a hint to pass strict=False, and
+    ``verify`` and ``inspect`` called the checkpoint fine (found in review)."""
+    ckpt = copy_of("sharded")
+    doc = manifest_doc(ckpt)
+    doc["values"]["model"]["meta"]["tensors"] = ["0.weight", "0.weight", "0.bias"]
+    forge.write_manifest(ckpt, doc)
+    report = shardsafe.verify(ckpt)
+    assert not report.ok
+    assert report.problems[0].endswith(
+        "is not valid module metadata: 'tensors' names '0.weight' twice (a save lists each "
+        "tensor once)"
+    ), report.problems
