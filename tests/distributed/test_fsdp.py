@@ -353,30 +353,39 @@ def test_the_fsdp_strategy_shards_a_model_with_tied_weights(tmp_path: Path) -> N
 
 
 def dcp_style_run(rank: int, world: int, path: str, save: bool) -> Any:
-    """DCP's own idiom: the model's sharded state dict in a plain dict, filled in place,
-    then handed to ``set_model_state_dict``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    """DCP's own idiom: ``get_state_dict``'s dicts in a plain dict, filled in place (the
+    DTensor shards, and the learning rate and step beside them), then handed to
+    ``set_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
     model = fsdp(0 if save else 1)
     opt = adamw(model)
     if save:
         train(model, opt, 0, 3, rank)
-        shardsafe.save(path, {"model": get_model_state_dict(model)})
-        return full_state(model, opt)[0]
-    live = get_model_state_dict(model)
-    values = shardsafe.load(path, {"model": live})
-    assert all(values["model"][k] is live[k] for k in live)  # the live DTensors, handed back
+        opt.param_groups[0]["lr"] = 0.00125  # as a scheduler leaves it
+        msd, osd = get_state_dict(model, opt)
+        shardsafe.save(path, {"model": msd, "optim": osd, "step": 3})
+        return full_state(model, opt), 3
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    values = shardsafe.load(path, state)
+    assert all(values["model"][k] is msd[k] for k in msd)  # the live DTensors, handed back
     assert all(isinstance(v, DTensor) for v in values["model"].values())
-    set_model_state_dict(model, live)
-    return full_state(model, opt)[0]
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return full_state(model, opt), state["step"]
 
 
 def test_a_sharded_state_dict_in_a_plain_dict_is_filled_shard_by_shard(tmp_path: Path) -> None:
-    """``shardsafe.load(path, {"model": get_model_state_dict(model)})`` returned the
-    values and left the live DTensors as they were: the model restored nothing, in
-    silence. Each rank's shards are now read into them, at any world size."""
+    """``shardsafe.load(path, {"model": msd, "optim": osd})`` of ``get_state_dict``'s
+    dicts returned the values and left the live DTensors as they were: the model and
+    optimizer restored nothing, in silence. Each rank's shards are now read into them,
+    at any world size, and the dicts' other values (the learning rate, a step) set from
+    the checkpoint, as ``dcp.load`` sets them."""
     path = str(tmp_path / "ckpt")
-    want = run_ranks(dcp_style_run, 2, path, True)[0]
+    (msd, osd), _ = run_ranks(dcp_style_run, 2, path, True)[0]
     for world in (2, 3):
-        assert_same_model(run_ranks(dcp_style_run, world, path, False)[0], want)
+        (got_msd, got_osd), step = run_ranks(dcp_style_run, world, path, False)[0]
+        assert_same_model(got_msd, msd)
+        assert_same_optimizer_state(fqn_optimizer_state(got_osd), fqn_optimizer_state(osd))
+        assert got_osd["param_groups"][0]["lr"] == 0.00125 and step == 3

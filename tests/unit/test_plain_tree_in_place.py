@@ -137,3 +137,40 @@ def test_a_parameter_is_filled_and_handed_back_needing_no_grad(tmp_path: Path) -
     assert p.requires_grad and p.grad_fn is None
     assert not values["p"].requires_grad and values["p"].data_ptr() == p.data_ptr()
     assert not values["sd"]["q"].requires_grad and values["sd"]["q"].data_ptr() == q.data_ptr()
+
+
+def test_an_optimizers_state_dict_comes_back_whole_as_dcp_load_gives_it(tmp_path: Path) -> None:
+    """Its tensors were filled and its learning rate and step left as they were: the
+    resumed run trained with the fresh optimizer's lr, in silence (found in review)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.02
+    saved = opt.state_dict()
+    shardsafe.save(tmp_path / "c", {"optim": saved, "step": 7, "extra": {"epoch": 2}})
+    fresh = torch.optim.AdamW(nn.Linear(3, 2).parameters(), lr=0.1)
+    extra = {"epoch": 0, "note": "kept"}
+    state = {"optim": fresh.state_dict(), "step": 0, "extra": extra}
+    live_groups = state["optim"]["param_groups"]
+    shardsafe.load(tmp_path / "c", state)
+    assert state["step"] == 7  # the top-level number, put back into the dict passed
+    assert state["extra"] is extra and extra == {"epoch": 2, "note": "kept"}
+    assert state["optim"]["param_groups"] is live_groups  # the live containers, updated
+    fresh.load_state_dict(state["optim"])
+    assert fresh.param_groups[0]["lr"] == 0.02
+    got, want = fresh.state_dict()["state"], saved["state"]
+    assert got.keys() == want.keys() == {0, 1}  # added: the fresh optimizer had none
+    for p in want:
+        assert all(torch.equal(got[p][k], want[p][k]) for k in want[p])
+
+
+def test_a_live_tensor_is_never_replaced_by_a_value_that_is_not_one(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"sd": {"w": 3, "t": (torch.ones(2), 5)}})
+    w, t0 = torch.zeros(2), torch.zeros(2)
+    state = {"sd": {"w": w, "t": (t0, 0)}}
+    values = shardsafe.load(tmp_path / "c", state, strict=False)
+    assert state["sd"]["w"] is w and torch.equal(w, torch.zeros(2))  # left as it is
+    assert state["sd"]["t"][0] is t0 and state["sd"]["t"][1] == 5  # rebuilt around it
+    assert torch.equal(t0, torch.ones(2)) and values["sd"]["w"] == 3

@@ -331,7 +331,46 @@ class PlainDataAdapter(Adapter):
                     local.copy_(tensors[key])  # a DTensor's: this rank's box of it
         # Handed back as the live tensors themselves (a DTensor as one), never needing grad.
         returned = {key: t.detach() if t.requires_grad else t for key, t in live.items()}
-        return _tree.decode(saved.meta, {**tensors, **returned})
+        value = _tree.decode(saved.meta, {**tensors, **returned})
+        update_in_place(obj, value)
+        return value
+
+
+def update_in_place(live: Any, saved: Any) -> None:
+    """Make the live dicts and lists of a plain value hold what was saved, as ``dcp.load``
+    does: each value the checkpoint has replaces the live one (a number, a string, a
+    key the live dict lacks; :func:`_merged`), so that the user's containers are the
+    ones that hold it. Nothing the checkpoint lacks is removed. Why: a DCP user's
+    ``{"optim": optimizer.state_dict()}`` came back with its tensors filled and its
+    learning rates, steps and counters as they were, in silence (found in review)."""
+    if isinstance(live, dict) and isinstance(saved, dict):
+        for key, value in saved.items():
+            current = live.get(key, _ABSENT)
+            live[key] = value if current is _ABSENT else _merged(current, value)
+    elif isinstance(live, list) and isinstance(saved, list):
+        for i, value in enumerate(saved[: len(live)]):
+            live[i] = _merged(live[i], value)
+        live.extend(saved[len(live) :])
+
+
+def _merged(current: Any, value: Any) -> Any:
+    """What a live container holds where the checkpoint holds ``value``: a live tensor
+    stays (it was filled in place, or the checkpoint has no tensor for it, which
+    ``strict=False`` leaves as it is), a live dict or list is updated in place, a tuple
+    rebuilt around its updated items; anything else is the saved value."""
+    if current is value or isinstance(current, torch.Tensor):
+        return current
+    if (isinstance(current, dict) and isinstance(value, dict)) or (
+        isinstance(current, list) and isinstance(value, list)
+    ):
+        update_in_place(current, value)
+        return current
+    if isinstance(current, tuple) and isinstance(value, tuple) and len(current) == len(value):
+        return tuple(_merged(c, v) for c, v in zip(current, value, strict=True))
+    return value
+
+
+_ABSENT = object()
 
 
 def _live(obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:

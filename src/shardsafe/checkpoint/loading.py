@@ -24,7 +24,7 @@ import os
 import sys
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -304,7 +304,7 @@ def _load(
                     threads=threads,
                     sizes=in_place_sizes,
                 )
-                return _restore(plan, tensors, [t for _, t in routes.in_place], coord.rank)
+                return _restore(plan, state, tensors, [t for _, t in routes.in_place], coord.rank)
     except BaseException as e:
         coord.abandon(e)  # unless agreed (Ctrl-C, a failure between phases): tell the others
         raise
@@ -433,6 +433,7 @@ def _in_file_order(routes: in_place.Routes, manifest: Manifest) -> in_place.Rout
 
 def _restore(
     plan: LoadPlan,
+    state: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
     in_place: list[torch.Tensor],
     rank: int,
@@ -463,7 +464,20 @@ def _restore(
             ) from e
         if item.adapter.returns_value:
             returned[item.saved.name] = value
+            _into_state(state, item.saved.name, value)
     return returned
+
+
+def _into_state(state: Mapping[str, Any], name: str, value: Any) -> None:
+    """Put a returned value back into ``state`` where the caller passed one that cannot
+    be filled in place (a number, a string, ``None``, a tuple), as ``dcp.load`` does:
+    ``{"step": 0}`` holds the saved step after the load, not only in what ``load``
+    returns. A dict or list passed was updated in place (``adapters/values.py``) and a
+    tensor filled: they stay."""
+    if not isinstance(state, MutableMapping) or name not in state:
+        return
+    if not isinstance(state[name], (dict, list, torch.Tensor)):
+        state[name] = value
 
 
 def _entries(names: list[str], what: str) -> str:
