@@ -492,7 +492,8 @@ def test_a_state_refused_on_one_rank_only_fails_every_rank_at_once(
     cls, msg = results[0]["error"]
     assert cls == "CheckpointError", results
     said = f"save failed on rank 1: ValueError: {refusal}"
-    # async_save too raises it at the call, at the entry: it came from wait() before.
+    if how.endswith("async_save"):  # raised by wait(), which says which save it was
+        said = f"the background save to {tmp_path / 'ckpt'} failed: {said}"
     assert msg.startswith(said), msg
     assert list(tmp_path.iterdir()) == [], sorted(p.name for p in tmp_path.iterdir())
 
@@ -607,6 +608,11 @@ def test_an_option_refused_on_one_rank_only_fails_every_rank_at_once(
     cls, msg = results[0]["error"]
     operation = "load" if "load" in how else "save"
     said = f"{operation} failed on rank 1: {kind}: {refusal}"
+    if how.endswith("async_save"):
+        to = f"to {tmp_path / 'ckpt'}"
+        if how.startswith("manager"):
+            to = f"of step 4 to {tmp_path / 'ckpt' / 'step-000000004'}"
+        said = f"the background save {to} failed: {said}"
     assert (cls, msg.startswith(said)) == ("CheckpointError", True), msg
     assert [r["w"] for r in results] == [[0.0] * 4] * 2
     if how in ("save", "save misspelled", "async_save"):

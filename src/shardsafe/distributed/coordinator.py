@@ -175,13 +175,8 @@ class Coordinator:
         rank, instead of waiting ``entry_timeout`` for a rank that never comes and then
         saying it did not call. Never raises: the caller raises ``error``."""
         with contextlib.suppress(Exception):  # the others gone too: ``error`` is the news
-            # Posted as this rank's outcome of the entry itself: the others raise it as
-            # they get through, before any work of theirs (an abandon after the entry
-            # came after each had started: opening the target on an object store that
-            # never answered, it waited out every timeout first).
-            if self._link.store is not None:
-                self._life.first_beat()
-            self.exchange(Phase.ENTRY, None, error, timeout=entry_timeout)
+            self.enter(entry_timeout)
+            self.abandon(error)
         self.close()
 
     def close(self) -> None:
