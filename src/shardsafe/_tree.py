@@ -292,6 +292,10 @@ class _AnyTensor(Mapping[str, Any]):
         return 0
 
 
+ANY_TENSOR: Mapping[str, Any] = _AnyTensor()
+"""Tensors for :func:`decode` when only a tree's structure is wanted (each one ``None``)."""
+
+
 def check_structure(obj: JSON, where: str) -> None:
     """Raise :class:`CheckpointCorruptError` unless ``obj`` decodes (tensors aside)."""
     try:

@@ -151,12 +151,12 @@ def test_an_optimizers_state_dict_comes_back_whole_as_dcp_load_gives_it(tmp_path
     saved = opt.state_dict()
     shardsafe.save(tmp_path / "c", {"optim": saved, "step": 7, "extra": {"epoch": 2}})
     fresh = torch.optim.AdamW(nn.Linear(3, 2).parameters(), lr=0.1)
-    extra = {"epoch": 0, "note": "kept"}
+    extra = {"epoch": 0}
     state = {"optim": fresh.state_dict(), "step": 0, "extra": extra}
     live_groups = state["optim"]["param_groups"]
     shardsafe.load(tmp_path / "c", state)
     assert state["step"] == 7  # the top-level number, put back into the dict passed
-    assert state["extra"] is extra and extra == {"epoch": 2, "note": "kept"}
+    assert state["extra"] is extra and extra == {"epoch": 2}
     assert state["optim"]["param_groups"] is live_groups  # the live containers, updated
     fresh.load_state_dict(state["optim"])
     assert fresh.param_groups[0]["lr"] == 0.02
@@ -174,3 +174,51 @@ def test_a_live_tensor_is_never_replaced_by_a_value_that_is_not_one(tmp_path: Pa
     assert state["sd"]["w"] is w and torch.equal(w, torch.zeros(2))  # left as it is
     assert state["sd"]["t"][0] is t0 and state["sd"]["t"][1] == 5  # rebuilt around it
     assert torch.equal(t0, torch.ones(2)) and values["sd"]["w"] == 3
+
+
+def test_what_a_live_dict_or_list_holds_and_the_checkpoint_lacks_is_refused_when_strict(
+    tmp_path: Path,
+) -> None:
+    """Refused, as dcp.load refuses it: the live list [9, 9, 9, 9] came back [1, 2, 9, 9]
+    where load returned [1, 2], and a key of a number the checkpoint lacks was kept
+    beside the updated ones, in silence (diff review)."""
+    shardsafe.save(tmp_path / "c", {"sd": {"h": [1, 2], "n": 3}})
+    h, sd = [9, 9, 9, 9], {"h": [9, 9, 9, 9], "n": 0, "note": "mine"}
+    sd["h"] = h
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"sd": sd})
+    assert str(info.value) == (
+        "the checkpoint does not match the objects being loaded:\n"
+        "  missing from the checkpoint (3): sd/h/2; sd/h/3; sd/note\n"
+        "  Pass strict=False to load only the keys both sides have."
+    )
+    assert sd == {"h": [9, 9, 9, 9], "n": 0, "note": "mine"}  # nothing changed
+    shardsafe.load(tmp_path / "c", {"sd": sd}, strict=False)
+    assert sd == {"h": [1, 2, 9, 9], "n": 3, "note": "mine"} and sd["h"] is h
+
+
+def test_a_live_tree_that_no_checkpoint_can_hold_is_left_whole_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    """Its numbers were updated and its tensors left as they were: half restored, in
+    silence (diff review)."""
+    shardsafe.save(tmp_path / "c", {"ema": {"w": torch.ones(3), "updates": 500}})
+    w = torch.zeros(3)
+    ema = {"w": w, "updates": 0, "device": torch.device("cpu")}
+    with pytest.warns(UserWarning) as seen:
+        values = shardsafe.load(tmp_path / "c", {"ema": ema})
+    assert [str(m.message) for m in seen] == [
+        "shardsafe: state['ema'] holds a value that no checkpoint can hold, so nothing in it "
+        "is filled or updated in place; take the saved values from what load returns"
+    ]
+    assert ema["updates"] == 0 and torch.equal(w, torch.zeros(3))
+    assert values["ema"]["updates"] == 500 and torch.equal(values["ema"]["w"], torch.ones(3))
+
+
+def test_a_tuple_at_the_top_of_state_is_rebuilt_around_its_live_tensors(tmp_path: Path) -> None:
+    shardsafe.save(tmp_path / "c", {"pair": (torch.ones(2), 5)})
+    param = nn.Parameter(torch.zeros(2))
+    state = {"pair": (param, 0)}
+    shardsafe.load(tmp_path / "c", state)
+    assert state["pair"][0] is param and state["pair"][1] == 5
+    assert torch.equal(param.detach(), torch.ones(2))

@@ -20,7 +20,7 @@ checkpoint unloadable elsewhere.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -286,7 +286,7 @@ class PlainDataAdapter(Adapter):
     def plan_load(self, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
         plan = full_requests(saved)
         if not isinstance(obj, torch.Tensor):
-            return _nested_plan(plan, nested_live(obj, ctx), ctx)
+            return _nested_plan(plan, obj, saved, ctx)
         fsdp1.refuse_sharded_tensor(ctx.name, obj, "load")
         ref = _tensor_ref(saved.meta)
         if ref is None:
@@ -332,28 +332,29 @@ class PlainDataAdapter(Adapter):
         # Handed back as the live tensors themselves (a DTensor as one), never needing grad.
         returned = {key: t.detach() if t.requires_grad else t for key, t in live.items()}
         value = _tree.decode(saved.meta, {**tensors, **returned})
-        update_in_place(obj, value)
+        if nested_live(obj, ctx) is not None:  # else nothing in it is updated (plan_load)
+            update_in_place(obj, value)
         return value
 
 
 def update_in_place(live: Any, saved: Any) -> None:
     """Make the live dicts and lists of a plain value hold what was saved, as ``dcp.load``
     does: each value the checkpoint has replaces the live one (a number, a string, a
-    key the live dict lacks; :func:`_merged`), so that the user's containers are the
+    key the live dict lacks; :func:`merged`), so that the user's containers are the
     ones that hold it. Nothing the checkpoint lacks is removed. Why: a DCP user's
     ``{"optim": optimizer.state_dict()}`` came back with its tensors filled and its
     learning rates, steps and counters as they were, in silence (found in review)."""
     if isinstance(live, dict) and isinstance(saved, dict):
         for key, value in saved.items():
             current = live.get(key, _ABSENT)
-            live[key] = value if current is _ABSENT else _merged(current, value)
+            live[key] = value if current is _ABSENT else merged(current, value)
     elif isinstance(live, list) and isinstance(saved, list):
         for i, value in enumerate(saved[: len(live)]):
-            live[i] = _merged(live[i], value)
+            live[i] = merged(live[i], value)
         live.extend(saved[len(live) :])
 
 
-def _merged(current: Any, value: Any) -> Any:
+def merged(current: Any, value: Any) -> Any:
     """What a live container holds where the checkpoint holds ``value``: a live tensor
     stays (it was filled in place, or the checkpoint has no tensor for it, which
     ``strict=False`` leaves as it is), a live dict or list is updated in place, a tuple
@@ -366,7 +367,7 @@ def _merged(current: Any, value: Any) -> Any:
         update_in_place(current, value)
         return current
     if isinstance(current, tuple) and isinstance(value, tuple) and len(current) == len(value):
-        return tuple(_merged(c, v) for c, v in zip(current, value, strict=True))
+        return tuple(merged(c, v) for c, v in zip(current, value, strict=True))
     return value
 
 
@@ -381,7 +382,8 @@ def _live(obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tens
         ref = _tensor_ref(saved.meta)
         return {ref: obj} if ref is not None else {}
     refs = set(_tree.tensor_refs(saved.meta))
-    return {key: live for key, live in nested_live(obj, ctx).items() if key in refs}
+    found = nested_live(obj, ctx) or {}
+    return {key: live for key, live in found.items() if key in refs}
 
 
 def _tensor_ref(meta: JSON) -> str | None:
@@ -409,14 +411,15 @@ def _refuse_overlapping(name: str, tensor: torch.Tensor) -> None:
     )
 
 
-def nested_live(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
+def nested_live(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor] | None:
     """The tensors inside a live dict, list or tuple passed as a plain value, by the key
     their saved copy has (the same path: ``_tree.encode``'s keys).
 
     Why: ``shardsafe.load(path, {"model": model.state_dict()})`` is how DCP's users load
     (``dcp.load`` fills such tensors in place); returning the values without filling
-    them left the model as it was, in silence. A live tree that cannot be encoded (it
-    holds something no save accepts) offers none: its values are returned, as before."""
+    them left the model as it was, in silence. ``None`` for a live tree that cannot be
+    encoded (it holds something no save accepts): nothing in it is filled or updated,
+    with a warning (:meth:`PlainDataAdapter.plan_load`), and its values are returned."""
     if not isinstance(obj, (dict, list, tuple)):
         return {}
     found: dict[str, torch.Tensor] = {}
@@ -429,17 +432,30 @@ def nested_live(obj: Any, ctx: LoadContext) -> dict[str, torch.Tensor]:
     try:
         _tree.encode(obj, f"state[{ctx.name!r}]", sink)
     except CheckpointError:
-        return {}
+        return None
     return found
 
 
-def _nested_plan(
-    plan: LoadRequests, live: Mapping[str, torch.Tensor], ctx: LoadContext
-) -> LoadRequests:
+def _nested_plan(plan: LoadRequests, obj: Any, saved: SavedValue, ctx: LoadContext) -> LoadRequests:
     """``plan`` with each request for a key a live tensor takes checked against it (its
-    dtype and shape; a live DTensor's own box), and every live tensor the checkpoint
-    has no tensor for named as missing: a strict load refuses it, as it does a model's
-    missing weight, rather than leave it as it was in silence."""
+    dtype and shape; a live DTensor's own box), and, on a strict load, every live tensor
+    the checkpoint has no tensor for named as missing, and every key or item of a live
+    dict or list it has nothing for: refused, as a model's missing weight is (and as
+    ``dcp.load`` refuses them), rather than left as it was in silence, beside what the
+    load updated."""
+    live = nested_live(obj, ctx)
+    if live is None:
+        warnings.warn(
+            f"shardsafe: state[{ctx.name!r}] holds a value that no checkpoint can hold, so "
+            "nothing in it is filled or updated in place; take the saved values from what "
+            "load returns",
+            stacklevel=2,
+        )
+        return plan
+    if ctx.strict:
+        structure = _tree.decode(saved.meta, _tree.ANY_TENSOR)
+        absent = {_names.join(ctx.name, *path) for path in _absent_from(obj, structure, ())}
+        plan.missing.extend(sorted(absent - set(live)))
     if not live:
         return plan
     requested: set[str] = set()
@@ -456,6 +472,23 @@ def _nested_plan(
     if ctx.strict:  # else left as it is, as a module's missing weight is
         plan.missing.extend(key for key in live if key not in requested)
     return plan
+
+
+def _absent_from(live: Any, saved: Any, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """The paths of the keys and items of ``live``'s dicts and lists that ``saved`` (a
+    saved tree, tensors aside) has nothing at."""
+    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+        for key, value in live.items():
+            if key in saved:
+                yield from _absent_from(value, saved[key], (*path, str(key)))
+            else:
+                yield (*path, str(key))
+    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        for i, value in enumerate(live):
+            if i < len(saved):
+                yield from _absent_from(value, saved[i], (*path, str(i)))
+            else:
+                yield (*path, str(i))
 
 
 class StatefulAdapter(Adapter):

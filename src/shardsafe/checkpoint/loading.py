@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..adapters import values
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
 from ..errors import (
@@ -477,7 +478,7 @@ def _into_state(state: Mapping[str, Any], name: str, value: Any) -> None:
     if not isinstance(state, MutableMapping) or name not in state:
         return
     if not isinstance(state[name], (dict, list, torch.Tensor)):
-        state[name] = value
+        state[name] = values.merged(state[name], value)  # a tuple around its live tensors
 
 
 def _entries(names: list[str], what: str) -> str:
