@@ -79,8 +79,8 @@ def test_a_live_tensor_the_checkpoint_lacks_is_missing_unless_strict_is_off(
         shardsafe.load(tmp_path / "c", {"sd": {"w": w, "extra": extra, "n": n}})
     assert str(info.value) == (
         "the checkpoint does not match the objects being loaded:\n"
-        "  missing from the checkpoint (2): sd/extra; sd/n\n"
-        "  Pass strict=False to load only the keys both sides have."
+        "  missing from the checkpoint (1): sd/extra\n"
+        "  mismatched (1): sd/n: the checkpoint holds an int where the live value is a tensor"
     )
     assert torch.equal(w, torch.zeros(3))
     values = shardsafe.load(tmp_path / "c", {"sd": {"w": w, "extra": extra}}, strict=False)
@@ -222,3 +222,19 @@ def test_a_tuple_at_the_top_of_state_is_rebuilt_around_its_live_tensors(tmp_path
     shardsafe.load(tmp_path / "c", state)
     assert state["pair"][0] is param and state["pair"][1] == 5
     assert torch.equal(param.detach(), torch.ones(2))
+
+
+def test_a_live_container_where_the_checkpoint_holds_a_number_is_mismatched(
+    tmp_path: Path,
+) -> None:
+    shardsafe.save(tmp_path / "c", {"x": 5, "sd": {"d": {"a": 1}}})
+    x = {"a": 1}
+    with pytest.raises(CheckpointMismatchError) as info:
+        shardsafe.load(tmp_path / "c", {"x": x})
+    assert str(info.value) == (
+        "the checkpoint does not match the objects being loaded:\n"
+        "  mismatched (1): x: the checkpoint holds an int where the live value is a dict"
+    )
+    state = {"x": x, "sd": {"d": 7}}  # a number where a dict was saved: replaced by it
+    shardsafe.load(tmp_path / "c", state, strict=False)
+    assert state == {"x": 5, "sd": {"d": {"a": 1}}}

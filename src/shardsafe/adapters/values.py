@@ -452,9 +452,17 @@ def _nested_plan(plan: LoadRequests, obj: Any, saved: SavedValue, ctx: LoadConte
             stacklevel=2,
         )
         return plan
+    reported: set[str] = set()  # mismatched: not missing too
     if ctx.strict:
         structure = _tree.decode(saved.meta, _tree.ANY_TENSOR)
-        absent = {_names.join(ctx.name, *path) for path in _absent_from(obj, structure, ())}
+        absent: set[str] = set()
+        for path, saved_as in _differences(obj, structure, ()):
+            key = _names.join(ctx.name, *path)
+            if saved_as is None:
+                absent.add(key)
+            else:
+                plan.mismatched.append(f"{key}: the checkpoint holds {saved_as}")
+                reported.add(key)
         plan.missing.extend(sorted(absent - set(live)))
     if not live:
         return plan
@@ -470,25 +478,44 @@ def _nested_plan(plan: LoadRequests, obj: Any, saved: SavedValue, ctx: LoadConte
         requests.append(req)
     plan.requests = requests
     if ctx.strict:  # else left as it is, as a module's missing weight is
-        plan.missing.extend(key for key in live if key not in requested)
+        plan.missing.extend(key for key in live if key not in requested | reported)
     return plan
 
 
-def _absent_from(live: Any, saved: Any, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    """The paths of the keys and items of ``live``'s dicts and lists that ``saved`` (a
-    saved tree, tensors aside) has nothing at."""
-    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+def _differences(
+    live: Any, saved: Any, path: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], str | None]]:
+    """Where a live dict or list and a saved tree (tensors aside: ``None``) differ: the
+    path of each key or item the checkpoint has nothing at (``None``), and of each live
+    container or tensor where it holds something else (what it holds: a live dict
+    where it holds a number). Values of one kind and another (an ``int`` saved, a
+    ``float`` live) are not compared: the saved one replaces the live one."""
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            yield path, f"{_kind(saved)} where the live value is a dict"
+            return
         for key, value in live.items():
             if key in saved:
-                yield from _absent_from(value, saved[key], (*path, str(key)))
+                yield from _differences(value, saved[key], (*path, str(key)))
             else:
-                yield (*path, str(key))
-    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+                yield (*path, str(key)), None
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            yield path, f"{_kind(saved)} where the live value is a {type(live).__name__}"
+            return
         for i, value in enumerate(live):
             if i < len(saved):
-                yield from _absent_from(value, saved[i], (*path, str(i)))
+                yield from _differences(value, saved[i], (*path, str(i)))
             else:
-                yield (*path, str(i))
+                yield (*path, str(i)), None
+    elif isinstance(live, torch.Tensor) and saved is not None:
+        yield path, f"{_kind(saved)} where the live value is a tensor"
+
+
+def _kind(saved: Any) -> str:
+    """What a saved value (tensors as ``None``) is, as a refusal names it."""
+    name = "tensor" if saved is None else type(saved).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 class StatefulAdapter(Adapter):

@@ -477,8 +477,12 @@ def _into_state(state: Mapping[str, Any], name: str, value: Any) -> None:
     tensor filled: they stay."""
     if not isinstance(state, MutableMapping) or name not in state:
         return
-    if not isinstance(state[name], (dict, list, torch.Tensor)):
-        state[name] = values.merged(state[name], value)  # a tuple around its live tensors
+    current = state[name]
+    updated = (isinstance(current, dict) and isinstance(value, dict)) or (
+        isinstance(current, list) and isinstance(value, list)
+    )
+    if not (updated or isinstance(current, torch.Tensor)):
+        state[name] = values.merged(current, value)  # a tuple around its live tensors
 
 
 def _entries(names: list[str], what: str) -> str:
