@@ -238,3 +238,46 @@ def test_a_live_container_where_the_checkpoint_holds_a_number_is_mismatched(
     state = {"x": x, "sd": {"d": 7}}  # a number where a dict was saved: replaced by it
     shardsafe.load(tmp_path / "c", state, strict=False)
     assert state == {"x": 5, "sd": {"d": {"a": 1}}}
+
+
+def test_a_list_at_two_paths_gets_each_paths_saved_values(tmp_path: Path) -> None:
+    """A fresh SequentialLR's state_dict() holds one list as its _last_lr and its first
+    scheduler's: written into at both paths, the later path's values won at both, and the
+    scheduler resumed with its first child's learning rates, in silence (review)."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+    decay = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, decay], milestones=[2])
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    shardsafe.save(tmp_path / "c", {"s": sched.state_dict()})
+    saved = sched.state_dict()
+    fresh_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    fresh = torch.optim.lr_scheduler.SequentialLR(
+        fresh_opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(fresh_opt, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(fresh_opt, gamma=0.9),
+        ],
+        milestones=[2],
+    )
+    live = fresh.state_dict()
+    assert live["_last_lr"] is live["_schedulers"][0]["_last_lr"]  # the aliasing
+    shardsafe.load(tmp_path / "c", {"s": live})
+    assert live["_last_lr"] == saved["_last_lr"] != saved["_schedulers"][0]["_last_lr"]
+    assert live["_schedulers"] == saved["_schedulers"]
+    fresh.load_state_dict(live)
+    assert fresh.get_last_lr() == sched.get_last_lr()
+
+
+def test_a_live_namedtuple_stays_one(tmp_path: Path) -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    shardsafe.save(tmp_path / "c", {"sd": {"p": (1, torch.ones(2))}})
+    t = torch.zeros(2)
+    state = {"sd": {"p": Pair(0, t)}}
+    shardsafe.load(tmp_path / "c", state)
+    assert isinstance(state["sd"]["p"], Pair) and state["sd"]["p"].a == 1
+    assert state["sd"]["p"].b is t and torch.equal(t, torch.ones(2))

@@ -337,37 +337,47 @@ class PlainDataAdapter(Adapter):
         return value
 
 
-def update_in_place(live: Any, saved: Any) -> None:
+def update_in_place(live: Any, saved: Any, seen: set[int] | None = None) -> None:
     """Make the live dicts and lists of a plain value hold what was saved, as ``dcp.load``
     does: each value the checkpoint has replaces the live one (a number, a string, a
     key the live dict lacks; :func:`merged`), so that the user's containers are the
     ones that hold it. Nothing the checkpoint lacks is removed. Why: a DCP user's
     ``{"optim": optimizer.state_dict()}`` came back with its tensors filled and its
-    learning rates, steps and counters as they were, in silence (found in review)."""
+    learning rates, steps and counters as they were, in silence (found in review).
+    ``seen``: the ids of the live containers updated so far (see :func:`merged`)."""
+    seen = set() if seen is None else seen
+    seen.add(id(live))
     if isinstance(live, dict) and isinstance(saved, dict):
         for key, value in saved.items():
             current = live.get(key, _ABSENT)
-            live[key] = value if current is _ABSENT else merged(current, value)
+            live[key] = value if current is _ABSENT else merged(current, value, seen)
     elif isinstance(live, list) and isinstance(saved, list):
         for i, value in enumerate(saved[: len(live)]):
-            live[i] = merged(live[i], value)
+            live[i] = merged(live[i], value, seen)
         live.extend(saved[len(live) :])
 
 
-def merged(current: Any, value: Any) -> Any:
+def merged(current: Any, value: Any, seen: set[int] | None = None) -> Any:
     """What a live container holds where the checkpoint holds ``value``: a live tensor
     stays (it was filled in place, or the checkpoint has no tensor for it, which
     ``strict=False`` leaves as it is), a live dict or list is updated in place, a tuple
-    rebuilt around its updated items; anything else is the saved value."""
+    (a namedtuple as one) rebuilt around its updated items; anything else is the saved
+    value. A live dict or list met again (one object at two paths: a fresh
+    ``SequentialLR``'s ``_last_lr`` is its first scheduler's) is not written twice, the
+    last path's values winning at both: this path gets the saved value itself."""
+    seen = set() if seen is None else seen
     if current is value or isinstance(current, torch.Tensor):
         return current
     if (isinstance(current, dict) and isinstance(value, dict)) or (
         isinstance(current, list) and isinstance(value, list)
     ):
-        update_in_place(current, value)
+        if id(current) in seen:
+            return value
+        update_in_place(current, value, seen)
         return current
     if isinstance(current, tuple) and isinstance(value, tuple) and len(current) == len(value):
-        return tuple(merged(c, v) for c, v in zip(current, value, strict=True))
+        items = [merged(c, v, seen) for c, v in zip(current, value, strict=True)]
+        return type(current)(*items) if hasattr(current, "_fields") else tuple(items)
     return value
 
 
