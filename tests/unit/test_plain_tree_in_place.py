@@ -12,14 +12,7 @@ from torch import nn
 
 import shardsafe
 from shardsafe.errors import CheckpointMismatchError
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(5, 3)
-        self.head = nn.Linear(3, 5, bias=False)
-        self.head.weight = self.emb.weight
+from tests.unit.test_unusual_targets import Tied
 
 
 def test_a_models_state_dict_in_a_plain_dict_is_filled_in_place(tmp_path: Path) -> None:
@@ -52,8 +45,8 @@ def test_a_tied_models_state_dict_loads_both_names_into_one_tensor(tmp_path: Pat
     shardsafe.save(tmp_path / "c", {"model": saved.state_dict()})
     fresh = Tied()
     shardsafe.load(tmp_path / "c", {"model": fresh.state_dict()})
-    assert torch.equal(fresh.emb.weight.detach(), saved.emb.weight.detach())
-    assert fresh.head.weight is fresh.emb.weight
+    assert torch.equal(fresh.embed.weight.detach(), saved.embed.weight.detach())
+    assert fresh.head.weight is fresh.embed.weight
 
 
 def test_a_shape_mismatch_is_refused_before_anything_is_restored(tmp_path: Path) -> None:

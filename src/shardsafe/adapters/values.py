@@ -308,14 +308,17 @@ class PlainDataAdapter(Adapter):
         model.state_dict()}`` needs no second copy, and the engine sees every live tensor
         of the load, so that one tensor passed under two names is checked as tied
         weights are (``io/tied_keys.py``), however each is passed."""
-        return {key: dtensor.local_of(live) for key, live in _live(obj, saved, ctx).items()}
+        return {
+            key: dtensor.local_of(live)
+            for key, live in _live(obj, saved, nested_live(obj, ctx)).items()
+        }
 
     def validate(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> None:
         _tree.decode(saved.meta, tensors)
         # Refused now, not after other entries restored.
-        for key, live in _live(obj, saved, ctx).items():
+        for key, live in _live(obj, saved, nested_live(obj, ctx)).items():
             name = f"state[{ctx.name!r}]" if live is obj else f"state[{ctx.name!r}] at {key!r}"
             check_writable(name, dtensor.local_of(live))
             _refuse_overlapping(name, dtensor.local_of(live))
@@ -323,7 +326,8 @@ class PlainDataAdapter(Adapter):
     def restore(
         self, obj: Any, saved: SavedValue, tensors: Mapping[str, torch.Tensor], ctx: LoadContext
     ) -> Any:
-        live = _live(obj, saved, ctx)
+        found = nested_live(obj, ctx)  # walked once here, for the fill and the update
+        live = _live(obj, saved, found)
         with torch.no_grad():
             for key, tensor in live.items():
                 local = dtensor.local_of(tensor)
@@ -332,7 +336,7 @@ class PlainDataAdapter(Adapter):
         # Handed back as the live tensors themselves (a DTensor as one), never needing grad.
         returned = {key: t.detach() if t.requires_grad else t for key, t in live.items()}
         value = _tree.decode(saved.meta, {**tensors, **returned})
-        if nested_live(obj, ctx) is not None:  # else nothing in it is updated (plan_load)
+        if found is not None:  # else nothing in it is updated (plan_load)
             update_in_place(obj, value)
         return value
 
@@ -384,16 +388,17 @@ def merged(current: Any, value: Any, seen: set[int] | None = None) -> Any:
 _ABSENT = object()
 
 
-def _live(obj: Any, saved: SavedValue, ctx: LoadContext) -> dict[str, torch.Tensor]:
+def _live(
+    obj: Any, saved: SavedValue, found: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
     """The live tensors a plain value's load fills, by the key of their saved copy: the
-    entry itself, or those inside it (:func:`nested_live`) that the checkpoint holds a
-    tensor for."""
+    entry itself, or those inside it (``found``: :func:`nested_live`'s) that the
+    checkpoint holds a tensor for."""
     if isinstance(obj, torch.Tensor):
         ref = _tensor_ref(saved.meta)
         return {ref: obj} if ref is not None else {}
     refs = set(_tree.tensor_refs(saved.meta))
-    found = nested_live(obj, ctx) or {}
-    return {key: live for key, live in found.items() if key in refs}
+    return {key: live for key, live in (found or {}).items() if key in refs}
 
 
 def _tensor_ref(meta: JSON) -> str | None:
