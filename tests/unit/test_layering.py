@@ -27,10 +27,10 @@ SRC = Path(shardsafe.__file__).parent
 CHECKPOINT = "shardsafe.checkpoint"
 LAYERS = ("format", "storage", "plan", "io")
 PHASES = len(LAYERS)
-BASE = {"shardsafe.dtypes", "shardsafe.errors", "shardsafe.protocol"}
+BASE = {"shardsafe.dtypes", "shardsafe.errors", "shardsafe.protocol", "shardsafe._warnings"}
 ALLOWED_OUTSIDE = {
     "format": BASE,
-    "storage": {"shardsafe.errors"},
+    "storage": {"shardsafe.errors", "shardsafe._warnings"},
     "plan": BASE | {"shardsafe._names", "shardsafe.adapters"},
     "io": BASE | {"shardsafe.distributed", "shardsafe.adapters"},
 }

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
-from .. import _tree
+from .. import _tree, _warnings
 from ..adapters import RNGState
 from ..adapters.fsdp1 import fsdp1_path
 from ..checkpoint import api, background, loading
@@ -282,10 +281,9 @@ def _without_positions_of_another_world(
             f"else and start {them} from {its} first epoch; nothing was restored"
         )
     if world()[0] == 0:
-        warnings.warn(
+        _warnings.warn(
             f"shardsafe: {said}; loading everything else, and {them} {starts} from {its} "
             "first epoch (strict=False)",
-            stacklevel=5,
         )
     return {name: value for name, value in state.items() if name not in others}
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import random
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .. import _names, _tree
+from .. import _names, _tree, _warnings
 from ..errors import CheckpointCorruptError
 from ..protocol import (
     JSON,
@@ -176,10 +175,9 @@ def _restore_cuda(saved: list[torch.Tensor]) -> None:
     after the other state was restored, or, before CUDA is initialized, at its first use."""
     count = torch.cuda.device_count()
     if len(saved) > count:
-        warnings.warn(
+        _warnings.warn(
             f"shardsafe: the checkpoint holds the CUDA generator states of {len(saved)} "
             f"devices, but this process sees {count}: restored those of the first {count}",
-            stacklevel=2,
         )
     for device, state in enumerate(saved[:count]):
         torch.cuda.set_rng_state(state, device)
@@ -245,10 +243,9 @@ class RNGAdapter(Adapter):
     ) -> None:
         mine = self._mine(saved, ctx)
         if mine is None:
-            warnings.warn(
+            _warnings.warn(
                 f"state[{ctx.name!r}]: the checkpoint holds RNG state for "
                 f"{ctx.saved_world_size} rank(s); rank {ctx.rank} keeps its current RNG state",
-                stacklevel=2,
             )
             return
         restore_state(_tree.decode(mine, tensors))

@@ -19,14 +19,13 @@ checkpoint unloadable elsewhere.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Container, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 
-from .. import _names, _tree, dtypes
+from .. import _names, _tree, _warnings, dtypes
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..protocol import (
     JSON,
@@ -161,12 +160,11 @@ def own_record(saved: SavedValue, ctx: LoadContext, *, warn: bool = False) -> Sa
         if ctx.world_size == ctx.saved_world_size:
             return _one_record(saved, record_of(form, ctx.rank))
         if warn and ctx.rank == 0:
-            warnings.warn(
+            _warnings.warn(
                 f"shardsafe: state[{saved.name!r}] held tensors that differed between "
                 f"the {ctx.saved_world_size} saving ranks (a per-rank generator or "
                 f"counter); loading at world size {ctx.world_size}, every rank restores "
                 "saving rank 0's",
-                stacklevel=2,
             )
         return _one_record(saved, record_of(form, 0))
     _check_records(saved, records, ctx.saved_world_size)
@@ -460,11 +458,10 @@ def _nested_plan(plan: LoadRequests, obj: Any, saved: SavedValue, ctx: LoadConte
     load updated."""
     live = nested_live(obj, ctx)
     if live is None:
-        warnings.warn(
+        _warnings.warn(
             f"shardsafe: state[{ctx.name!r}] holds a value that no checkpoint can hold, so "
             "nothing in it is filled or updated in place; take the saved values from what "
             "load returns",
-            stacklevel=2,
         )
         return plan
     reported: set[str] = set()  # mismatched: not missing too

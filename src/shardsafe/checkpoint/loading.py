@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import warnings
 import zlib
 from collections.abc import Callable, Mapping, MutableMapping
-from types import FrameType
 from typing import Any, NoReturn
 
 import torch
 
+from .. import _warnings
 from ..adapters import values
 from ..distributed import Coordinator, Phase
 from ..distributed.reports import error_message
@@ -66,20 +64,6 @@ AFTERMATH: dict[Phase | None, str] = {
         "This rank may already have restored some of its objects; load again before using them."
     ),
 }
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _outside_shardsafe() -> int:
-    """The ``stacklevel`` of the first caller outside shardsafe (the user's ``load``),
-    however many of shardsafe's frames are between (a counted level pointed into
-    ``api.py`` once ``load`` was wrapped)."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def read_manifest(
@@ -279,7 +263,7 @@ def _load(
                 if warn is not None:
                     warn(left)
                 else:  # the caller of shardsafe.load (or of a manager's load_latest)
-                    warnings.warn(left, stacklevel=_outside_shardsafe())
+                    _warnings.warn(left)
         spool = _spool(storage, options, routes, manifest)
         threads = _threads(
             storage, options, spool, coord.world_size, lambda: _files(routes, manifest)

@@ -30,10 +30,10 @@ import os
 import re
 import sys
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from .. import _warnings
 from ..distributed import world
 from ..distributed.coordinator import rank_zero_answer
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -329,7 +329,6 @@ class CheckpointManager:
                 f"{self.root} already holds checkpoints up to step {steps[-1]} that this run "
                 f"did not resume from; saving step {step} beside them. To continue that run, "
                 "call load_latest(state) before training; to start afresh, use another root",
-                stacklevel=5,  # the caller of save or async_save
             )
 
     def _before_write(self, step: int, then: Callable[[], None] | None) -> None:
@@ -897,5 +896,5 @@ def _make_writable(directory: str) -> str:
     )
 
 
-def _warn(message: str, stacklevel: int = 3) -> None:
-    warnings.warn(f"shardsafe: {message}", stacklevel=stacklevel)
+def _warn(message: str) -> None:
+    _warnings.warn(f"shardsafe: {message}")

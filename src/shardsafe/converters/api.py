@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import dtypes
+from .. import _warnings, dtypes
 from .._text import human_bytes
 from ..checkpoint.storage import target_directory
 from ..checkpoint.storage.locations import is_url, local_path, open_storage, path_text
@@ -163,8 +162,7 @@ def _convert(src: str | os.PathLike[str], dst: str, options: ConvertOptions) -> 
         with _progress(options.progress, chosen.total_bytes, what) as on_bytes:
             written = _write(chosen, dst, on_bytes, options)
     if options.to == "torch":
-        # stacklevel 3: the caller of convert
-        warnings.warn(f"{dst}: {torch_file.PICKLE_WARNING}", UserWarning, stacklevel=3)
+        _warnings.warn(f"{dst}: {torch_file.PICKLE_WARNING}", UserWarning)
     return dataclasses.replace(planned, files=written)
 
 

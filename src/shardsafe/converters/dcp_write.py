@@ -21,14 +21,13 @@ import contextlib
 import io
 import math
 import pickle
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
 
-from .. import dtypes
+from .. import _warnings, dtypes
 from ..checkpoint.format.crc import crc32
 from ..checkpoint.format.tensor_bytes import byte_view, memory
 from ..checkpoint.storage.protocol import FileSink, Storage
@@ -99,14 +98,13 @@ def _warn_retyped(keys: tuple[Any, ...]) -> None:
     ``{0: ...}``) reads back as its text without a template, and ``load_state_dict`` of
     such an optimizer state drops the state in silence (found in review)."""
     where = "".join(f"[{k!r}]" for k in keys)
-    warnings.warn(
+    _warnings.warn(
         f"shardsafe: DCP stores every key as text, so the key {keys[-1]!r} of {where} (and "
         f"any other key that is no string) reads back as {str(keys[-1])!r} unless loaded "
         "into a state dict of your own (dcp.load uses its keys); an optimizer's numbered "
         "state read back so no longer matches its param_groups. Convert --to torch or "
         "--to shardsafe to keep the keys' types",
         UserWarning,
-        stacklevel=2,
     )
 
 

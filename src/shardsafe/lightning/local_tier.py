@@ -43,13 +43,13 @@ from __future__ import annotations
 import functools
 import os
 import re
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.optim import Optimizer
 
+from .. import _warnings
 from ..checkpoint.loading import read_manifest_from
 from ..checkpoint.manager import step_dir_name
 from ..checkpoint.options import LoadOptions
@@ -134,7 +134,7 @@ class LocalTier:
         try:
             manager.wait()
         except CheckpointError as e:
-            warnings.warn(f"shardsafe: the local tier missed a step: {e}", stacklevel=2)
+            _warnings.warn(f"shardsafe: the local tier missed a step: {e}")
         finally:
             manager.close()
 
@@ -253,10 +253,9 @@ class LocalTier:
         self.restored = None
         path, step = self.instead
         if self.manager.rank == 0:
-            warnings.warn(
+            _warnings.warn(
                 f"shardsafe: the local tier in {self.directory} {what}, older than step {step} "
                 f"in {path}: resuming from {path}",
-                stacklevel=3,
             )
 
     def forget_after(self, step: object) -> None:
@@ -266,11 +265,10 @@ class LocalTier:
         if not isinstance(step, int) or newest is None or newest <= step:
             return
         if self.manager.rank == 0:
-            warnings.warn(
+            _warnings.warn(
                 f"shardsafe: deleting the local checkpoints in {self.directory} newer than "
                 f"step {step} (up to step {newest}): this fit resumed from an older checkpoint, "
                 "so they belong to a history it abandons",
-                stacklevel=2,
             )
         self.manager._drop_newer(step)  # what load_latest does after any restore
 
@@ -358,10 +356,9 @@ def _step_of(path: str) -> int | None:
     except CheckpointNotFoundError:
         return None
     except Exception as e:  # a store's client raises more than OSError: the step is unknown
-        warnings.warn(
+        _warnings.warn(
             f"shardsafe: could not read which step {path} holds ({type(e).__name__}: {e}); "
             "resuming from the local tier's newest step",
-            stacklevel=2,
         )
         return None
     meta = saved.meta if saved is not None else None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from .. import interop
+from .. import _warnings, interop
 from ..checkpoint import loading
 from ..checkpoint.finding import hint_for
 from ..checkpoint.format.manifest import MANIFEST_NAME, Manifest
@@ -75,10 +74,9 @@ def committed_url(url: str) -> str:
                 "only: download it, then pass its local path"
             )
         return url  # committed, or missing: the load says which
-    warnings.warn(
+    _warnings.warn(
         f"shardsafe: {url} has no manifest (the save that replaced it was interrupted while "
         f"being published); loading its committed copy {copy}",
-        stacklevel=2,
     )
     return copy
 

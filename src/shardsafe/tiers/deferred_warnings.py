@@ -13,9 +13,10 @@ the restore's collective work, so the others are not kept waiting.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from types import TracebackType
+
+from .. import _warnings
 
 
 class DeferredWarnings:
@@ -60,7 +61,7 @@ class DeferredWarnings:
         kept, self._kept = self._kept, []
         for message in kept:
             try:
-                warnings.warn(message, stacklevel=4)
+                _warnings.warn(message)
             except Warning:
                 if error is None:
                     raise

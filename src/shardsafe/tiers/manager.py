@@ -26,10 +26,10 @@ import os
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .. import _warnings
 from ..checkpoint.io.staging import Stager
 from ..checkpoint.manager import CheckpointManager, check_step, step_of
 from ..checkpoint.options import LoadKeywords, check_seconds
@@ -237,7 +237,7 @@ class TieredCheckpointManager:
                 if self.rank == 0:
                     # At the caller of TieredCheckpointManager(...): this, the exchange,
                     # this method, the constructor, the caller.
-                    warnings.warn(said, stacklevel=5)
+                    _warnings.warn(said)
 
             self._ranks.exchange(Phase.SURVEY, warn)
         return possible

@@ -17,10 +17,10 @@ import contextlib
 import os
 import re
 import stat
-import warnings
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 
+from .. import _warnings
 from ..checkpoint.format.manifest import MANIFEST_NAME
 from ..checkpoint.manager import loadable_manifest, step_dir_name, step_of
 from ..checkpoint.storage.files import check_name, open_directory
@@ -313,11 +313,10 @@ class NodeDir:
         directory = self._uncommitted(step_dir, rank)
         if directory is None:
             return
-        warnings.warn(
+        _warnings.warn(
             f"shardsafe: removed the manifest of {directory} so that it is never "
             f"restored, but left the directory in place: it holds {foreign[:3]}, which "
             "shardsafe did not write; delete it yourself",
-            stacklevel=3,
         )
 
     def _uncommitted(self, step_dir: LocalStorage, rank: int) -> str | None:

@@ -42,12 +42,12 @@ import contextlib
 import os
 import re
 import threading
-import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _warnings
 from ..checkpoint.plan.collecting import Collected
 from ..checkpoint.storage.local import LocalStorage
 from ..checkpoint.streaming import Uncommitted
@@ -338,7 +338,7 @@ class Replicator:
         if times > 1:
             message += f" (the same at {times} steps so far; said again at {10 * times})"
         try:
-            warnings.warn(f"shardsafe: {message}", stacklevel=2)
+            _warnings.warn(f"shardsafe: {message}")
         except Warning as raised:
             self._record(raised)
 

@@ -21,6 +21,7 @@ import contextlib
 import warnings
 from typing import Any
 
+from .. import _warnings
 from ..checkpoint.background import SaveHandle
 from ..checkpoint.manager import CheckpointManager
 from ..errors import CheckpointError
@@ -116,10 +117,9 @@ class TieredSaving(Saving):
         try:
             self.tiered.wait()
         except CheckpointError as e:
-            warnings.warn(
+            _warnings.warn(
                 f"shardsafe: the local tier missed a step during this run ({e}); the "
                 f"checkpoints in {self.config.checkpoint_dir} are unaffected",
-                stacklevel=2,
             )
         return path
 

@@ -10,8 +10,8 @@ half-way leaves a directory that is plainly not a checkpoint, never a broken one
 from __future__ import annotations
 
 import errno
-import warnings
 
+from ... import _warnings
 from ...errors import CheckpointError, CheckpointNotFoundError
 from ..format.manifest import MANIFEST_NAME
 from .leftovers import INCOMPLETE_MARKER, OURS, record
@@ -109,4 +109,4 @@ def delete_checkpoint(
 
 def warn(message: str) -> None:
     """A warning attributed to the caller of the public function that led here."""
-    warnings.warn(f"shardsafe: {message}", stacklevel=3)
+    _warnings.warn(f"shardsafe: {message}")

@@ -25,10 +25,10 @@ import bisect
 import contextlib
 import os
 import tempfile
-import warnings
 from collections.abc import Iterator
 from typing import IO
 
+from ... import _warnings
 from .protocol import FileReader
 
 SPARE_BYTES = 1 << 30
@@ -78,7 +78,7 @@ def _filesystem_type(path: str) -> str | None:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    _warnings.warn(message, RuntimeWarning)
 
 
 class Spool:
