@@ -1427,6 +1427,39 @@ def test_ranks_of_one_node_given_different_local_directories_are_refused(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def _nodes_together(rank: int, world: int, base: str, spelling: str) -> tuple[str, str]:
+    """2 ranks as 2 nodes given one local directory: node 1 spells it as node 0 does, or
+    through a symlink to ``base``."""
+    os.environ["SHARDSAFE_NODE"] = f"node{rank}"
+    warnings.simplefilter("ignore")
+    through = base if rank == 0 or spelling == "same path" else os.path.join(base, "link")
+    try:
+        TieredCheckpointManager(
+            os.path.join(base, "persistent"), os.path.join(through, "local"), timeout=15
+        ).close()
+        return ("ok", "")
+    except Exception as e:
+        return (type(e).__name__, str(e))
+
+
+@pytest.mark.parametrize("spelling", ["same path", "through a symlink"])
+def test_two_nodes_given_one_local_directory_are_refused(tmp_path: Path, spelling: str) -> None:
+    """Two torchrun agents on one host given the same ``local=``: each node's ranks took
+    the other's checkpoints for replicas they had received and deleted them, and the
+    tier was empty after every save, with nothing said but that a replica "arrived
+    damaged" (found in review). Refused when the manager is made, on every rank."""
+    (tmp_path / "link").symlink_to(tmp_path)
+    outcomes = run_ranks(_nodes_together, 2, str(tmp_path), spelling, timeout=100)
+    said = (
+        f"ranks 0 and 1 run on different nodes (node:node0 and node:node1) but were given "
+        f"the same local directory ({tmp_path}/local): each node's local tier must be its "
+        "own (node-local storage: a tmpfs or a local disk), or the nodes delete each "
+        "other's checkpoints; give each node another path"
+    )
+    assert outcomes == [("ValueError", said)] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
 MANY = 12
 """Steps saved by :func:`_many_damaged_replicas_then_restore`: more damaged copies (10)
 than the 3 x world size + 3 passes that ``load_latest`` used to try before giving up."""

@@ -47,7 +47,7 @@ from .ranks import Ranks, steps_differ
 from .replication import Peers, Replicator
 from .restore import Restored, Restorer
 from .retention import Tally
-from .topology import Topology, node_name
+from .topology import Topology, directory_identity, node_name
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -147,7 +147,9 @@ class TieredCheckpointManager:
                 _check_apart(self.node.root, root)
             mine = os.path.realpath(self.node.root)
             ours = rank_checkpoint.persistent_identity(root) if problem is None else ""
-            return [node_name(), uuid.uuid4().hex, settings, problem, time.time_ns(), mine, ours]
+            place = directory_identity(mine) if problem is None else ""
+            stamp = time.time_ns()
+            return [node_name(), uuid.uuid4().hex, settings, problem, stamp, mine, ours, place]
 
         def lock() -> None:
             # Under this run's token, agreed above: the ranks of this job share their
@@ -166,6 +168,7 @@ class TieredCheckpointManager:
             _refuse([n[3] for n in names])
             self.persistent = made[0]  # made: no rank had a problem
             _check_node_mates_share([(str(n[0]), str(n[5])) for n in names])
+            _check_nodes_apart([(str(n[0]), str(n[5]), str(n[7])) for n in names])
             self._ranks.exchange(Phase.SURVEY, lock)
             self.topology = Topology.of([str(n[0]) for n in names])
             self.replicas = self._possible_replicas(replicas)
@@ -599,6 +602,25 @@ def _check_node_mates_share(roots: list[tuple[str, str]]) -> None:
                 f"different local directories ({theirs} and {root}); the ranks of a node "
                 "share one (each writes its own rank-<r> directory in it): give them the "
                 "same path"
+            )
+
+
+def _check_nodes_apart(roots: list[tuple[str, str, str]]) -> None:
+    """Refuse two nodes given one local directory (two torchrun agents on one host with
+    the same ``local=`` path): each node's ranks took the other's checkpoints for replicas
+    they had received, and deleting those, emptied the tier at every step, in silence but
+    for a warning that a replica "arrived damaged". ``roots``: each rank's node, local
+    directory and :func:`directory_identity`. A directory shared between hosts (a network
+    filesystem) is not seen here."""
+    first: dict[str, tuple[int, str]] = {}
+    for rank, (node, root, place) in enumerate(roots):
+        mate, theirs = first.setdefault(place, (rank, node))
+        if theirs != node:
+            raise ValueError(
+                f"ranks {mate} and {rank} run on different nodes ({theirs} and {node}) but "
+                f"were given the same local directory ({root}): each node's local tier must "
+                "be its own (node-local storage: a tmpfs or a local disk), or the nodes "
+                "delete each other's checkpoints; give each node another path"
             )
 
 

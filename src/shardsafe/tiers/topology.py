@@ -27,6 +27,31 @@ def node_name() -> str:
     return f"host:{socket.gethostname()}"
 
 
+def directory_identity(path: str) -> str:
+    """What tells ``path``'s directory apart from every other on this host, also before it
+    exists: the host's boot (``/proc/sys/kernel/random/boot_id``, else its name), and the
+    device and inode of the nearest existing directory on the way to it, with the rest of
+    the way. Two nodes given the same local directory on one host (two torchrun agents,
+    one ``--local`` path) then say the same; two containers on one host, each with its
+    own ``/dev/shm`` at the same path, do not (their mounts are different devices)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            host = f.read().strip()
+    except OSError:
+        host = socket.gethostname()
+    here, rest = os.path.realpath(path), ""
+    while True:
+        try:
+            found = os.stat(here)
+            return f"{host}:{found.st_dev}:{found.st_ino}:{rest}"
+        except OSError:
+            parent = os.path.dirname(here)
+            if parent == here:
+                return f"{host}:{path}"
+            rest = os.path.join(os.path.basename(here), rest) if rest else os.path.basename(here)
+            here = parent
+
+
 @dataclass(frozen=True)
 class Topology:
     """The ranks of each node (``nodes``, ordered by lowest rank) and each rank's node."""
