@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from . import stalled_uploads
 from .files import check_name
 from .lock_backends import ObjectLockBackend
 from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
@@ -118,8 +119,19 @@ def s3_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     config.setdefault("read_timeout", S3_READ_TIMEOUT)
     if "retries" not in config and not _attempts_configured(options.get("profile")):
         config["retries"] = {"total_max_attempts": S3_ATTEMPTS}
+    if "connector_args" not in config:  # an upload the store stops reading times out too
+        sockets = stalled_uploads.connector_args(_seconds(config["read_timeout"], S3_READ_TIMEOUT))
+        if sockets is not None:
+            config["connector_args"] = sockets
     options["config_kwargs"] = config
     return options
+
+
+def _seconds(value: Any, default: float) -> float:
+    """A timeout as botocore takes it (a number, or ``(connect, read)``), in seconds."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        value = value[1]
+    return float(value) if isinstance(value, (int, float)) and value > 0 else default
 
 
 def _attempts_configured(profile: str | None) -> bool:

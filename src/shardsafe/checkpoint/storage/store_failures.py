@@ -18,7 +18,8 @@ only. So each is a :class:`StoreFailedError`, which they raise instead:
   (:func:`lost_connection`);
 * a request the store never answered within its client's timeouts, on every retry
   (botocore's ``ReadTimeoutError``/``ConnectTimeoutError``: an endpoint that accepts
-  connections and then says nothing) (:func:`unanswered`).
+  connections and then says nothing), or whose bytes it stopped taking (an upload it
+  stopped reading: ``stalled_uploads``) (:func:`unanswered`).
 
 A missing object (``FileNotFoundError``) and access refused (``PermissionError``) are
 answers about the checkpoint, and stay what they are.
@@ -87,7 +88,27 @@ def is_unanswered(error: BaseException) -> bool:
         )
     except ImportError:  # no S3 client installed: nothing raises them
         return False
-    return isinstance(error, (ConnectTimeoutError, ReadTimeoutError))
+    return isinstance(error, (ConnectTimeoutError, ReadTimeoutError)) or is_stalled(error)
+
+
+def is_stalled(error: BaseException) -> bool:
+    """Whether ``error`` is botocore's ``EndpointConnectionError`` for a connection that
+    timed out after it was made (``ETIMEDOUT``: bytes sent that the store never took, the
+    ``TCP_USER_TIMEOUT`` of ``stalled_uploads``), not one that could not be made."""
+    try:
+        from botocore.exceptions import EndpointConnectionError
+    except ImportError:
+        return False
+    if not isinstance(error, EndpointConnectionError):
+        return False
+    cause: BaseException | None = getattr(error, "kwargs", {}).get("error")
+    for _ in range(8):  # aiohttp's error, then the OSError under it
+        if cause is None:
+            return False
+        if isinstance(cause, OSError) and cause.errno == errno.ETIMEDOUT:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 RAISE_TIMEOUTS = (
@@ -102,6 +123,8 @@ def unanswered(url: str, error: BaseException) -> UnansweredError:
     dead, unreachable or stuck, or it is slower than the client's timeouts (say how to
     raise them). Nothing is known to be wrong with the checkpoint."""
     said = " ".join(f"{type(error).__name__}: {error}".split())
+    if is_stalled(error):
+        said += " (the store stopped taking the bytes sent to it: [Errno 110] Connection timed out)"
     return UnansweredError(
         f"the object store did not answer at {url} within its client's timeouts, on any "
         f"of its retries ({said}): check the endpoint and the network; if the store is "
