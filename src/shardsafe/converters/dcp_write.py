@@ -62,7 +62,9 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     its tensors; two paths that DCP would store under one name are refused."""
     leaves: list[Leaf] = []
     retyped: list[tuple[Any, ...]] = []  # paths to a key that is no string
+    once = _Once()  # each question asked once per container: linear, however deep
 
+    @once
     def terminal(value: Any) -> bool:
         if isinstance(value, Mapping):
             return False
@@ -73,13 +75,44 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
             for v in value
         )
 
-    def visit(path: tuple[str | int, ...], keys: tuple[Any, ...], value: Any) -> None:
+    @once
+    def holds_no_leaf(value: Any) -> bool:
+        """Whether DCP's flattening finds no leaf in ``value``: it holds only empty dicts."""
         if isinstance(value, Mapping):
+            return all(holds_no_leaf(v) for v in value.values())
+        return isinstance(value, list) and not terminal(value) and all(map(holds_no_leaf, value))
+
+    @once
+    def rebuilt_terminal(value: list[Any]) -> bool:
+        """Whether DCP, rebuilding the list from its leaves (``None`` for what held none),
+        finds it terminal: ``dcp.load`` rebuilds the state it is given so before looking
+        its keys up (``_flatten_sharded_tensors``), as ``dcp_to_torch_save`` does."""
+        return not any(
+            isinstance(v, TensorRef)
+            or (isinstance(v, Mapping) and not holds_no_leaf(v))
+            or (
+                isinstance(v, list)
+                and not terminal(v)
+                and not holds_no_leaf(v)
+                and not rebuilt_terminal(v)
+            )
+            for v in value
+        )
+
+    def visit(path: tuple[str | int, ...], keys: tuple[Any, ...], value: Any) -> None:
+        if isinstance(value, (Mapping, list)) and holds_no_leaf(value):
+            # Empty dicts have no leaf to store: ``{}`` vanished (a Lightning loop's
+            # ``state_dict: {}``), and in a list shifted what follows out of the list
+            # (found in review). Stored whole as a bytes item, as an empty list is.
+            leaves.append(Leaf(path, value, keys))
+        elif isinstance(value, Mapping):
             for k, v in value.items():
                 if not isinstance(k, str) and not retyped:
                     retyped.append((*keys, k))
                 visit((*path, str(k)), (*keys, k), v)
-        elif terminal(value):
+        elif terminal(value) or rebuilt_terminal(value):
+            # ``[{}, 1]`` whole: DCP itself stores its ``1`` alone, then looks the list up
+            # whole (its own save and load disagree on it); each reader finds it so.
             leaves.append(Leaf(path, value, keys))
         else:
             for i, v in enumerate(value):
@@ -90,7 +123,46 @@ def flatten(tree: Mapping[str, Any]) -> list[Leaf]:
     check_distinct(leaves)
     if retyped:
         _warn_retyped(retyped[0])
+    subclassed = _first_dict_subclass((), tree)
+    if subclassed is not None:
+        _warn_dict_type(*subclassed)
     return leaves
+
+
+class _Once:
+    """Answers of :func:`flatten`'s questions about a container, by question and by the
+    container's id (the tree is alive and unchanged while it is flattened): asked at
+    every level of a nested list, each had walked the whole list below it again."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int], bool] = {}
+
+    def __call__(self, question: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        def asked(value: Any) -> bool:
+            key = (question.__name__, id(value))
+            found = self._known.get(key)
+            if found is None:
+                found = self._known[key] = question(value)
+            return found
+
+        return asked
+
+
+def _first_dict_subclass(keys: tuple[Any, ...], value: Any) -> tuple[tuple[Any, ...], type] | None:
+    """The path and type of the first mapping in ``value`` that is no plain dict."""
+    if isinstance(value, Mapping):
+        if keys and type(value) is not dict:
+            return keys, type(value)
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _first_dict_subclass((*keys, k), v)
+        if found is not None:
+            return found
+    return None
 
 
 def _warn_retyped(keys: tuple[Any, ...]) -> None:
@@ -104,6 +176,21 @@ def _warn_retyped(keys: tuple[Any, ...]) -> None:
         "into a state dict of your own (dcp.load uses its keys); an optimizer's numbered "
         "state read back so no longer matches its param_groups. Convert --to torch or "
         "--to shardsafe to keep the keys' types",
+        UserWarning,
+    )
+
+
+def _warn_dict_type(keys: tuple[Any, ...], kind: type) -> None:
+    """DCP flattens every mapping into its leaves and rebuilds plain dicts: a
+    ``Counter`` (MultiStepLR's ``milestones``) read back without a template is a dict,
+    with no ``elements()`` (found in review). Stored whole instead, it would no longer
+    be found by ``dcp.load`` of a state dict holding one, which looks up its leaves."""
+    where = "".join(f"[{k!r}]" for k in keys)
+    _warnings.warn(
+        f"shardsafe: DCP stores every dict as a plain dict, so the {kind.__qualname__} at "
+        f"{where} (and any other dict of another type) reads back as a dict unless loaded "
+        "into a state dict of your own (dcp.load keeps its containers). Convert --to torch "
+        "or --to shardsafe to keep its type",
         UserWarning,
     )
 

@@ -6,8 +6,13 @@ flattened, as ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)
 returns it: ``{"state.<fqn>.<name>": ..., "param_groups.<fqn>.<hyper>": ...}``.
 
 Reading: top-level tensors become the module ``model`` when they look like a model's
-(their names are dotted FQNs, or a flattened optimizer is beside them) and no entry has
-that name already; a lone top-level tensor ``w`` stays a plain value. An entry made only
+(one of their names at least is a dotted FQN, or a flattened optimizer is beside them)
+and no entry has that name already; with them go a submodule's non-tensor extra state
+(``<fqn>._extra_state``, what ``get_extra_state`` returned) and a dotless weight beside
+the dotted ones (ViT's ``cls_token``). A lone top-level tensor ``w`` stays a plain value,
+and so do dotless tensors alone; a tensor value written beside the model (``{"model":
+m, "rng": tensor}`` in this layout) cannot be told from a dotless weight and reads back
+inside ``model``. An entry made only
 of ``state.*``/``param_groups.*`` keys becomes an FQN-keyed optimizer state dict. State
 and hyperparameter names hold no dots, so each key splits at its last one. Param groups
 are rebuilt from equal hyperparameters in order of appearance
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from .entries import is_extra_state
 
 _STATE, _GROUPS = "state.", "param_groups."
 
@@ -44,11 +50,14 @@ def unflatten(tree: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tops = {k: v for k, v in tree.items() if isinstance(v, torch.Tensor)}
     flat_optimizer = any(is_flat_optimizer(v) for v in tree.values())
-    moved = bool(tops) and "model" not in tree and (flat_optimizer or all("." in k for k in tops))
+    moved = bool(tops) and "model" not in tree and (flat_optimizer or any("." in k for k in tops))
+    # Not when "model" is the tree's own: "rng" beside it stays. Extra state goes with
+    # the weights of its module: left at the top level, strict load missed it.
+    model = {k: v for k, v in tree.items() if k in tops or is_extra_state(k, v)} if moved else {}
     if moved:
-        out["model"] = tops
+        out["model"] = model
     for name, sub in tree.items():
-        if name in tops and moved:  # not when "model" is the tree's own: "rng" beside it
+        if name in model:
             continue
         out[name] = _nested_optimizer(sub) if is_flat_optimizer(sub) else sub
     return out

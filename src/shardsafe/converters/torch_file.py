@@ -2,10 +2,12 @@
 
 Reading is ``torch.load(weights_only=True)``, so the file cannot run code as it is read,
 with ``mmap=True`` for a local file in torch's zip format: tensors stay in the file until
-they are written out, one at a time. A Lightning checkpoint's ``state_dict`` becomes the
-module entry ``model``; its other keys (``epoch``, ``global_step``, the index-keyed
-``optimizer_states``, ...) are kept as plain values, losslessly (to load index-keyed
-optimizer state into a live optimizer, see ``shardsafe.interop.import_torch_checkpoint``).
+they are written out, one at a time. A Lightning checkpoint's ``state_dict`` (a file with
+``pytorch-lightning_version``) becomes the module entry ``model``; any other file's
+``state_dict`` keeps its name. A Lightning checkpoint's other keys (``epoch``,
+``global_step``, the index-keyed ``optimizer_states``, ...) are kept as plain values,
+losslessly (to load index-keyed optimizer state into a live optimizer, see
+``shardsafe.interop.import_torch_checkpoint``).
 A file holding only tensors (a model's ``state_dict()``) becomes the module ``model``.
 
 Writing produces one file that ``torch.load(weights_only=True)`` reads: modules as
@@ -42,7 +44,7 @@ from ..pickles import load_torch, load_torch_mapped
 from .bounds import aliased, loaded, view_span
 from .dcp_read import RangeFile
 from .entries import is_module, nested, to_entries
-from .lightning_layout import lightning_layout
+from .lightning_layout import VERSION_KEY, lightning_layout
 from .sink_stream import SinkStream
 from .source import Source, SourceTensor, TensorRef
 
@@ -68,10 +70,8 @@ def read(storage: Storage, name: str) -> Source:
             f"{where} does not hold a dict with string keys, so it has no named entries to convert"
         )
     tree: dict[str, Any]
-    if "state_dict" in raw and isinstance(raw["state_dict"], dict) and "model" not in raw:
-        # Only where "model" is free: {"state_dict": ..., "model": "resnet50"} would lose
-        # one of them; then both keep their names.
-        tree = {"model": raw["state_dict"], **{k: v for k, v in raw.items() if k != "state_dict"}}
+    if _lightning_state_dict(raw):
+        tree = {("model" if k == "state_dict" else k): v for k, v in raw.items()}  # in order
     elif is_module(raw):
         tree = {"model": raw}
     else:
@@ -88,6 +88,17 @@ def read(storage: Storage, name: str) -> Source:
     values, tensors = to_entries(tree, make)
     aliased(where, tensors, viewed)  # many views of one storage: each written whole
     return Source("torch", where, values, tensors)
+
+
+def _lightning_state_dict(raw: dict[str, Any]) -> bool:
+    """Whether ``raw`` is a Lightning checkpoint whose ``state_dict`` becomes the module
+    ``model`` (``lightning_layout`` gives it its name back, knowing it by
+    ``pytorch-lightning_version``). Only then: a plain file's ``{"state_dict": ...,
+    "epoch": 3}`` (timm's, torchvision's) came back from ``--to torch`` as ``model``, and
+    its user's code failed on ``KeyError: 'state_dict'`` (found in review). And only where
+    ``model`` is free: ``{"state_dict": ..., "model": "resnet50"}`` would lose one of them;
+    then both keep their names."""
+    return VERSION_KEY in raw and isinstance(raw.get("state_dict"), dict) and "model" not in raw
 
 
 _MADV_DONTNEED = 4
