@@ -6,8 +6,9 @@ time, and after the commit, for retention) and looked for a stale marker in each
 11 requests per kept step, 1,704 requests and 25 s per save at 150 steps on the S3
 server (found in review). A manager now remembers what its own saves found (a step
 directory stays one, a committed step stays committed): the first save of a manager
-looks at each step once, the next ones at the new names only. Counted here as the
-server counts them: the requests moto's server logs.
+looks at each step once (3 requests: the root's listing says which names are step
+directories), the next ones at the new names only. Counted here as the server counts
+them: the requests moto's server logs.
 """
 
 from __future__ import annotations
@@ -88,3 +89,16 @@ def test_a_saves_requests_do_not_grow_with_the_steps_the_root_keeps(
     assert with_many[0] < 40  # not one per kept step
     kept = [*range(1, 41), 1000, 1001, 1002, 1003]
     assert CheckpointManager(many, warn_if_not_empty=False).complete_steps() == kept
+
+    # A fresh manager's first save looks at every kept step: 3 requests each (is its
+    # manifest there, is a stale marker), not 6 (each step directory's kind asked again
+    # after the listing that named it, its manifest asked twice).
+    firsts = []
+    for root in (few, many):
+        manager = CheckpointManager(root)
+        before = requests.count
+        with pytest.warns(UserWarning, match="already holds checkpoints up to step 1003"):
+            manager.save(2000, STATE)
+        firsts.append(requests.count - before)
+        manager.close()
+    assert firsts[1] - firsts[0] <= 3 * 40, firsts

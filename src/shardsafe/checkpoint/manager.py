@@ -547,8 +547,8 @@ class CheckpointManager:
         if name in self._seen_unmarked:  # looked at by an earlier save of this manager
             return
         with contextlib.suppress(CheckpointError, OSError), self._open(name) as storage:
-            if storage.kind(MANIFEST_NAME) != "file":
-                return
+            if name not in self._seen_committed and storage.kind(MANIFEST_NAME) != "file":
+                return  # (one this manager found committed was asked already)
             if storage.kind(INCOMPLETE_MARKER) == "file":
                 storage.remove(INCOMPLETE_MARKER)
             self._seen_unmarked.add(name)
@@ -564,7 +564,7 @@ class CheckpointManager:
             # which would have made it one, and escaped a loop's ``except CheckpointError``.
             with self._store_errors():
                 root = self._root_storage()
-                names = root.names()
+                listed = root.names_and_kinds()  # one listing, not a request per name
         except (FileNotFoundError, NotADirectoryError, CheckpointNotFoundError):
             # No root yet. Any other error is raised: a store's client that cannot be made
             # (a broken credentials file) read as "no checkpoint", and load_latest started
@@ -573,16 +573,15 @@ class CheckpointManager:
             # in an existing bucket is.
             self._require_bucket()
             return
-        if not names:
+        if not listed:
             self._require_bucket()  # ... or as an empty listing
         with root:
-            found = sorted(((s, n) for n in names if (s := step_of(n)) is not None), reverse=True)
+            found = sorted(((s, n) for n in listed if (s := step_of(n)) is not None), reverse=True)
             for step, name in found:
                 if known is not None and name in known:
                     yield step, name
                     continue
-                with store_errors(root.where(name)):
-                    kind = root.kind(name)
+                kind = listed[name]
                 if kind == "directory":
                     if known is not None:
                         known.add(name)

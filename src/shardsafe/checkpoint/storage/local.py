@@ -284,6 +284,12 @@ class LocalStorage:
             return "directory"
         return "symlink" if stat.S_ISLNK(mode) else "other"
 
+    def names_and_kinds(self) -> dict[str, EntryKind]:
+        """``names`` with each one's ``kind`` (a stat each, no link followed); a name gone
+        between the listing and its stat is left out."""
+        found = {name: self.kind(name) for name in self.names()}
+        return {name: kind for name, kind in found.items() if kind is not None}
+
     def describe(self, name: str) -> str:
         """What ``name`` is, for messages (``a symbolic link``, ``a named pipe (FIFO)``)."""
         try:

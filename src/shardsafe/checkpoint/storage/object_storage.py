@@ -516,19 +516,27 @@ class FsspecStorage:
             raise CheckpointCorruptError(f"{self.where(name)} exists and is not an object")
 
     def names(self) -> list[str]:
+        return sorted(self.names_and_kinds())
+
+    def names_and_kinds(self) -> dict[str, EntryKind]:
+        """One listing (a page per 1,000 names). A name that is both an object and a
+        prefix (``step-5`` and ``step-5/...``) is a file, as :meth:`kind` says, which
+        asks for the object first."""
         self._fresh()
         try:
             with answers(self.directory):
                 entries = self.fs.ls(self.path, detail=True)
         except FileNotFoundError:
-            return []
-        found = set()
+            return {}
+        found: dict[str, EntryKind] = {}
         for entry in entries:
             full = str(entry["name"]).rstrip("/")
             base = full.rsplit("/", 1)[-1]
             if full.strip("/") != self.path.strip("/") and base:
-                found.add(base)
-        return sorted(found)
+                listed: EntryKind = "directory" if entry.get("type") == "directory" else "file"
+                if found.get(base) != "file":
+                    found[base] = listed
+        return found
 
     # -- reading
 
