@@ -20,9 +20,22 @@ from types import FrameType
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+_MARK = "_said_by_shardsafe"
+
+
 def warn(message: str | Warning, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)``, attributed to the caller of shardsafe."""
-    warnings.warn(message, category, stacklevel=callers_level())
+    """``warnings.warn(message, category)``, attributed to the caller of shardsafe, and
+    marked as shardsafe's (:func:`is_ours`)."""
+    said = message if isinstance(message, Warning) else category(message)
+    setattr(said, _MARK, True)
+    warnings.warn(said, stacklevel=callers_level())
+
+
+def is_ours(said: warnings.WarningMessage) -> bool:
+    """Whether a recorded warning is one shardsafe gave (through :func:`warn`): the
+    command line prints those and no library's. Its file cannot tell: it names the
+    caller of shardsafe, which for the command line is ``runpy`` or the entry point."""
+    return bool(getattr(said.message, _MARK, False))
 
 
 def callers_level() -> int:

@@ -124,19 +124,66 @@ def test_an_upload_the_store_stops_reading_fails_with_the_stores_error(
     assert torch.equal(shardsafe.load(url, {"w": torch.zeros(8 << 20)})["w"], torch.ones(8 << 20))
 
 
-def test_stalled_uploads_bound_unacknowledged_bytes_by_the_read_timeout() -> None:
-    """Every S3 connection is made with ``TCP_USER_TIMEOUT`` set to the read timeout (a
-    user's own ``connector_args`` are left as given)."""
+def test_s3_connections_bound_unacknowledged_bytes_by_the_longer_timeout() -> None:
+    """Every S3 connection is made with ``TCP_USER_TIMEOUT`` set to the longer of the read
+    and connect timeouts, and a second (a user's own ``connector_args`` are left as
+    given)."""
     if not stalled_uploads.supported():
         assert "connector_args" not in s3_defaults({})["config_kwargs"]
         return
-    config = s3_defaults({"config_kwargs": {"read_timeout": 7}})["config_kwargs"]
-    factory = config["connector_args"]["socket_factory"]
     info = socket.getaddrinfo("127.0.0.1", 80, type=socket.SOCK_STREAM)[0]
-    with factory(info) as made:
-        assert made.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 7000
+    for timeouts, expected in (({"read_timeout": 7}, 11000), ({"read_timeout": 12}, 13000)):
+        config = s3_defaults({"config_kwargs": timeouts})["config_kwargs"]
+        with config["connector_args"]["socket_factory"](info) as made:
+            assert made.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == expected
     mine = {"limit": 4}
-    assert (
-        s3_defaults({"config_kwargs": {"connector_args": mine}})["config_kwargs"]["connector_args"]
-        is mine
-    )
+    config = s3_defaults({"config_kwargs": {"connector_args": mine}})["config_kwargs"]
+    assert config["connector_args"] is mine
+
+
+@pytest.mark.skipif(not stalled_uploads.supported(), reason="aiohttp/aiobotocore too old")
+def test_a_connection_never_made_waits_the_connect_timeout_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An endpoint whose SYNs go unanswered (a listener with a full accept queue: Linux
+    drops the SYN). With the option set to the read timeout alone, the connection failed
+    after the read timeout, not the user's longer connect timeout, and was said to be a
+    store that "stopped taking the bytes" (found in review)."""
+    import s3fs
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        with socket.socket() as probe:
+            probe.settimeout(1)
+            with contextlib.suppress(OSError):
+                probe.connect(("127.0.0.1", port))
+                pytest.skip("this kernel accepted a connection past a full accept queue")
+        monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+        endpoint = f"http://127.0.0.1:{port}"
+        options = {
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            "config_kwargs": {
+                "connect_timeout": 3,
+                "read_timeout": 0.5,
+                "retries": {"total_max_attempts": 1},
+            },
+        }
+        with pytest.raises(CheckpointError) as raised:
+            shardsafe.save("s3://bucket/ckpt", {"w": torch.ones(2)}, storage_options=options)
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+    said = str(raised.value)
+    assert "(ConnectTimeoutError: Connect timeout on endpoint URL: " in said, said
+    assert "stopped taking the bytes" not in said

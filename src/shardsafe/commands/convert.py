@@ -9,7 +9,6 @@ prints the files that would be written and their sizes, and writes nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
@@ -159,10 +158,6 @@ def run(args: argparse.Namespace) -> int:
 def _our_warnings(said: list[warnings.WarningMessage]) -> list[str]:
     """The texts of the warnings shardsafe itself gave (the libraries' own, torch's
     deprecations among them, stay out of a command's output)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [
-        str(w.message)
-        for w in said
-        if issubclass(w.category, UserWarning)
-        and os.path.abspath(w.filename).startswith(package + os.sep)
-    ]
+    from .. import _warnings
+
+    return [str(w.message) for w in said if _warnings.is_ours(w)]

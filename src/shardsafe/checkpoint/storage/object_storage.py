@@ -120,7 +120,9 @@ def s3_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     if "retries" not in config and not _attempts_configured(options.get("profile")):
         config["retries"] = {"total_max_attempts": S3_ATTEMPTS}
     if "connector_args" not in config:  # an upload the store stops reading times out too
-        sockets = stalled_uploads.connector_args(_seconds(config["read_timeout"], S3_READ_TIMEOUT))
+        read = _seconds(config["read_timeout"], S3_READ_TIMEOUT)
+        connect = _seconds(config["connect_timeout"], S3_CONNECT_TIMEOUT)
+        sockets = stalled_uploads.connector_args(read, connect)
         if sockets is not None:
             config["connector_args"] = sockets
     options["config_kwargs"] = config

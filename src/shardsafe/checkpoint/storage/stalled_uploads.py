@@ -9,7 +9,8 @@ reading its sockets) waited forever; with several ranks, every other rank then f
 the commit after ``timeout`` while this one hung.
 
 Linux's ``TCP_USER_TIMEOUT`` bounds how long sent bytes may stay unacknowledged, a zero
-window included (Linux 5.10 and later): set to the read timeout, the connection fails
+window included (Linux 5.10 and later): set to the read timeout (or the connect timeout
+if longer, and a second: :func:`connector_args`), the connection fails
 like any dropped connection, botocore and s3fs retry it, and the save fails with the
 store's error after the same number of tries as a silent store's. Bytes that move, however
 slowly, are acknowledged and never trip it. Elsewhere (no such option) sockets are plain.
@@ -55,15 +56,22 @@ def supported() -> bool:
     return True
 
 
-def connector_args(read_timeout: float) -> dict[str, Any] | None:
+def connector_args(read_timeout: float, connect_timeout: float) -> dict[str, Any] | None:
     """aiobotocore's ``connector_args`` with stall-bounded sockets, or ``None`` where they
     cannot be had. Keeps aiobotocore's own default keep-alive, which giving
-    ``connector_args`` at all would drop."""
+    ``connector_args`` at all would drop.
+
+    The option is set before the socket connects, and Linux applies it to the connection's
+    SYNs too: set to the read timeout alone, it cut a longer ``connect_timeout`` short and
+    failed a connection never made as a stalled one (found in review). It is the longer of
+    the two, plus a second, so that botocore's own connect timeout always comes first."""
     if not supported():
         return None
     from aiobotocore.httpsession import DEFAULT_KEEPALIVE_TIMEOUT  # type: ignore[import-untyped]
 
     return {
         "keepalive_timeout": DEFAULT_KEEPALIVE_TIMEOUT,
-        "socket_factory": functools.partial(stall_bounded, read_timeout),
+        "socket_factory": functools.partial(
+            stall_bounded, max(read_timeout, connect_timeout) + 1.0
+        ),
     }

@@ -102,6 +102,12 @@ def is_stalled(error: BaseException) -> bool:
     if not isinstance(error, EndpointConnectionError):
         return False
     cause: BaseException | None = getattr(error, "kwargs", {}).get("error")
+    try:
+        from aiohttp import ClientConnectorError
+    except ImportError:
+        return False
+    if isinstance(cause, ClientConnectorError):  # the connection was never made
+        return False
     for _ in range(8):  # aiohttp's error, then the OSError under it
         if cause is None:
             return False
