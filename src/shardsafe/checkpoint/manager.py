@@ -139,6 +139,7 @@ class CheckpointManager:
         self._resumed_from: int | None = None
         self._passed_over: dict[int, str] = {}
         """Steps the last ``load_latest`` could not load and passed over, and why."""
+        self._failed_loading = False  # a load_latest's candidate failed while loading
         self._fresh = warn_if_not_empty
         """Whether the next save is this run's first and the run has not looked for a
         checkpoint to continue from (``latest``, ``load_latest``): see ``_warn_if_fresh``."""
@@ -507,7 +508,18 @@ class CheckpointManager:
                     root.remove(name)  # a pointer update killed half-way (a link: itself)
                 if self._lock.is_stale_claim(root, name):
                     root.remove(name)  # a lock claim killed before its link
+            broken: list[str | None] = []  # why the new step is not whole, once asked
             for found, name in self._step_dirs(known=self._seen_dirs):
+                if found in committed and found not in keep and found != step and not broken:
+                    broken.append(self._not_whole(step))
+                    if broken[0] is not None:
+                        _warn(
+                            f"retention deleted no checkpoint: the new one, {self.path_for(step)}, "
+                            f"is not whole in the store ({broken[0]}), which said it had stored "
+                            "it; the older ones are what a restart can load"
+                        )
+                if found in committed and broken and broken[0] is not None:
+                    continue
                 if found in unknown and found != step:
                     # Counted as incomplete, it was deleted: one throttled request (S3's
                     # 503 SlowDown after its retries) cost a checkpoint keep_last kept,
@@ -522,6 +534,26 @@ class CheckpointManager:
                     delete_checkpoint(root, name, uncommitted=found not in committed)
                 elif found != step:
                     self._drop_stale_marker(name)
+
+    def _not_whole(self, step: int) -> str | None:
+        """Why the committed ``step`` is not whole in the store, or ``None``: each data file
+        its manifest names must be listed at its recorded size. Asked before retention
+        deletes an older checkpoint: a store that answered a data object's upload with
+        ``200`` and kept nothing made the new step unloadable, and ``keep_last`` then
+        deleted the last one that loaded (found in review). One listing and the manifest:
+        the data files' bytes are the load's to check."""
+        try:
+            with store_errors(self.root), self._open(step_dir_name(step)) as storage:
+                recorded = loading.read_manifest_from(storage).files
+                listed = storage.sizes()
+        except (CheckpointError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+        for name, size in recorded.items():
+            if name not in listed:
+                return f"data file {name} is missing"
+            if listed[name] != size:
+                return f"data file {name} is {listed[name]} bytes, the manifest recorded {size}"
+        return None
 
     def _kept(self, committed: list[int]) -> list[int]:
         """The committed steps retention keeps: the newest ``keep_last`` of those that
@@ -711,6 +743,7 @@ class CheckpointManager:
         self._fresh = False
         first: CheckpointCorruptError | None = None
         self._passed_over = {}
+        self._failed_loading = False
         considered: set[str] = set()
         candidates = self._loadable(considered)
         while (path := self._agreed_next(candidates, opts)) is not None:
@@ -725,6 +758,7 @@ class CheckpointManager:
                 if passed is not None:  # always: the candidates are step directories
                     self._passed_over[passed] = str(e)
                 first = first or e
+                self._failed_loading = True
                 # Listed again, from the newest: a writer's retention may have deleted
                 # this step while it was read, after committing a newer one, which the
                 # first listing did not hold. The steps already looked at are skipped.
@@ -745,14 +779,31 @@ class CheckpointManager:
         ``entry_timeout`` to blame it for not calling ``load``. Rank 0 looks; its error
         is every rank's."""
         if world()[1] == 1:
-            return next(candidates, None)
+            return self._next_loadable(candidates)
         return rank_zero_answer(
             "load",
             f"{self.root}#latest",
-            lambda: next(candidates, None),
+            lambda: self._next_loadable(candidates),
             timeout=opts.timeout,
             entry_timeout=opts.entry_timeout,
         )
+
+    def _next_loadable(self, candidates: Iterator[str]) -> str | None:
+        """The next of ``candidates``; at their end, if every committed step was passed
+        over as damaged (and none failed while loading, whose error is raised then), the
+        newest one's problem, raised: ``None`` said "no checkpoint yet", and the run
+        started afresh beside a checkpoint that one missing object made unloadable
+        (found in review)."""
+        found = next(candidates, None)
+        if found is None and self._passed_over and not self._failed_loading:
+            step = max(self._passed_over)
+            raise CheckpointCorruptError(
+                f"no checkpoint under {self.root} would load, and so none was restored: the "
+                f"newest, {self.path_for(step)}: {self._passed_over[step]}. Repair it (or load "
+                "an older step by its path); to start afresh, delete the damaged steps or use "
+                "another root"
+            )
+        return found
 
     def _store_errors(self) -> contextlib.AbstractContextManager[None]:
         """How a look at the root's steps reports its store's errors: on an object store,

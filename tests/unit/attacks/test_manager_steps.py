@@ -360,3 +360,51 @@ def test_a_folder_reached_through_a_link_keeps_its_error_with_the_hint(tmp_path:
         said = str(raised.value)
         assert said.startswith(f"{link} has no manifest.json, so it is not a committed"), said
         assert hint in said and said.endswith("interrupted)" if not hint else "one of them")
+
+
+def _only_damaged(rank: int, world: int, root: str) -> list[str]:
+    """``load_latest`` of a fresh manager whose every committed step lost a data file,
+    on each rank: what it raised, and whether the model was left as it was."""
+    model = make_model(7)
+    before = weights(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            CheckpointManager(root).load_latest({"model": model})
+            raised = ["nothing"]
+        except CheckpointCorruptError as e:
+            raised = [type(e).__name__, str(e)]
+    after = weights(model)
+    unchanged = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
+    return [*raised, str(unchanged)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_latest_raises_when_every_checkpoint_is_damaged(tmp_path: Path, world: int) -> None:
+    """Steps whose data file is missing were passed over with a warning, and with none
+    left ``load_latest`` returned ``None``, "no checkpoint yet": a training loop started
+    afresh beside them (found in review). Its docstring promised the newest one's error;
+    raised now, on every rank, with nothing restored."""
+    from tests.harness import run_ranks
+
+    root = tmp_path / "root"
+    manager = CheckpointManager(root)
+    manager.save(1, _small_state(1))
+    p2 = Path(manager.save(2, _small_state(2)))
+    manager.close()
+    for step in (root / "step-000000001", p2):
+        (step / SHARD).unlink()
+    said = (
+        f"no checkpoint under {root} would load, and so none was restored: the newest, "
+        f"{p2}: data file {SHARD} is missing. Repair it (or load an older step by its "
+        "path); to start afresh, delete the damaged steps or use another root"
+    )
+    if world == 1:
+        got = [_only_damaged(0, 1, str(root))]
+    else:  # rank 0 looks, and its error is every rank's
+        got = run_ranks(_only_damaged, 2, str(root), timeout=60)
+        said = f"load failed on rank 0: {said}"
+    assert got == [["CheckpointCorruptError", said, "True"]] * world
+    assert CheckpointManager(tmp_path / "empty").load_latest({"x": 1}) is None  # no step: None

@@ -284,6 +284,16 @@ class LocalStorage:
             return "directory"
         return "symlink" if stat.S_ISLNK(mode) else "other"
 
+    def sizes(self) -> dict[str, int]:
+        """Each regular file's size (a stat each, no link followed)."""
+        found = {}
+        for name in self.names():
+            with contextlib.suppress(FileNotFoundError):
+                info = os.stat(check_name(name), dir_fd=self.fd, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode):
+                    found[name] = info.st_size
+        return found
+
     def names_and_kinds(self) -> dict[str, EntryKind]:
         """``names`` with each one's ``kind`` (a stat each, no link followed); a name gone
         between the listing and its stat is left out."""

@@ -520,24 +520,34 @@ class FsspecStorage:
     def names(self) -> list[str]:
         return sorted(self.names_and_kinds())
 
+    def sizes(self) -> dict[str, int]:
+        """Each object's size, from one listing (a page per 1,000 names)."""
+        return {name: size for name, (_, size) in self._listing().items() if size is not None}
+
     def names_and_kinds(self) -> dict[str, EntryKind]:
         """One listing (a page per 1,000 names). A name that is both an object and a
         prefix (``step-5`` and ``step-5/...``) is a file, as :meth:`kind` says, which
         asks for the object first."""
+        return {name: kind for name, (kind, _) in self._listing().items()}
+
+    def _listing(self) -> dict[str, tuple[EntryKind, int | None]]:
+        """Every name here, with its kind and, for an object, its size."""
         self._fresh()
         try:
             with answers(self.directory):
                 entries = self.fs.ls(self.path, detail=True)
         except FileNotFoundError:
             return {}
-        found: dict[str, EntryKind] = {}
+        found: dict[str, tuple[EntryKind, int | None]] = {}
         for entry in entries:
             full = str(entry["name"]).rstrip("/")
             base = full.rsplit("/", 1)[-1]
-            if full.strip("/") != self.path.strip("/") and base:
-                listed: EntryKind = "directory" if entry.get("type") == "directory" else "file"
-                if found.get(base) != "file":
-                    found[base] = listed
+            if full.strip("/") == self.path.strip("/") or not base:
+                continue
+            if entry.get("type") == "directory":
+                found.setdefault(base, ("directory", None))
+            else:
+                found[base] = ("file", int(entry.get("size") or 0))
         return found
 
     # -- reading

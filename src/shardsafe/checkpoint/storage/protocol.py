@@ -89,7 +89,7 @@ class Storage(Protocol):
       ``commit`` (one object written atomically: the manifest, ``latest``), ``touch``,
       ``remove``, ``sync_directory`` (make earlier creations durable before a commit);
     * reading: ``open_reader`` (ranged reads), ``read_small``, ``names``, ``kind``,
-      ``names_and_kinds``, ``exists``, ``describe``;
+      ``names_and_kinds``, ``sizes``, ``exists``, ``describe``;
     * the directory: ``is_directory``, ``require_directory``, ``make_directory``,
       ``remove_directory`` (once empty), ``child``, ``remove_child`` (a child directory,
       once empty, never through a link), ``where`` (for messages), ``close``;
@@ -144,6 +144,10 @@ class Storage(Protocol):
     def touch(self, name: str) -> None: ...
     def names(self) -> list[str]: ...
     def kind(self, name: str) -> EntryKind | None: ...
+    def sizes(self) -> dict[str, int]:
+        """The size of every regular file (object) in the directory, from one listing."""
+        ...
+
     def names_and_kinds(self) -> dict[str, EntryKind]:
         """Every name in the directory with its ``kind``, from one listing where the
         medium's listing says what each is (an object store: one request, where ``names``
