@@ -51,4 +51,5 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 
 from tests.gcsserver import gcs_bucket, gcs_server  # noqa: E402, F401 - fixtures
+from tests.s3proxy import s3_proxy  # noqa: E402, F401 - fixture
 from tests.s3server import s3_bucket, s3_server  # noqa: E402, F401 - fixtures

@@ -29,7 +29,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CheckpointCorruptError
-from .store_failures import cut_short, failed_read, is_cut_short, store_failures
+from .store_failures import (
+    cut_short,
+    failed_read,
+    garbled,
+    is_cut_short,
+    is_garbled,
+    store_failures,
+)
 
 READ_AHEAD_BYTES = 24 << 20
 """The cached block (and the one fetched ahead): a 96 MiB shard file is 4 GETs."""
@@ -77,8 +84,9 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
         return size, data
 
     async def get_whole() -> tuple[int | None, bytes | None]:
-        # Only a body cut short is fetched again here: ``_call_s3`` retries the request
-        # as s3fs does (a second layer of retries around it multiplied them: 250
+        # Only a body cut short, or one that did not match the store's checksum of it
+        # (botocore checks it as the body is read), is fetched again here: ``_call_s3``
+        # retries the request as s3fs does (a second layer of retries around it multiplied them: 250
         # requests and 226 s before a dead endpoint's error, not 50).
         tries = max(1, int(getattr(fs, "retries", 5)))
         attempt = 0
@@ -87,10 +95,14 @@ def get_whole_s3(fs: Any, path: str, limit: int, name: str) -> tuple[int | None,
                 return await get()
             except Exception as e:
                 attempt += 1
-                if not is_cut_short(e):
-                    raise
+                if not (is_cut_short(e) or is_garbled(e)):
+                    failed = failed_read(name, e)  # the body's read is outside ``get``'s
+                    if failed is e:
+                        raise
+                    raise failed from e
                 if attempt == tries:
-                    raise cut_short(name, e, tries) from e
+                    told = cut_short if is_cut_short(e) else garbled
+                    raise told(name, e, tries) from e
                 await asyncio.sleep(min(0.1 * 1.7 ** (attempt - 1), 2.0))
 
     result: tuple[int | None, bytes | None] = sync(fs.loop, get_whole)

@@ -67,6 +67,28 @@ def _is_failed_answer(error: BaseException) -> bool:
     return failed or isinstance(error, TimeoutError)
 
 
+def is_garbled(error: BaseException) -> bool:
+    """Whether ``error`` is botocore's check of a response's body against the checksum the
+    store sent with it failing (``FlexibleChecksumError``): the bytes were damaged on the
+    way, not in the store."""
+    try:
+        from botocore.exceptions import FlexibleChecksumError  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    return isinstance(error, FlexibleChecksumError)
+
+
+def garbled(name: str, error: BaseException, tries: int | None = None) -> StoreFailedError:
+    """The error for ``name``'s bytes that arrived other than the store sent them."""
+    times = f", {tries} times" if tries else ""
+    return StoreFailedError(
+        f"reading {name} failed: the object store's response did not match the checksum it "
+        f"sent with it{times} ({type(error).__name__}: {error}). The bytes were damaged on "
+        "the way (a proxy, or the network): nothing is known to be wrong with the "
+        "checkpoint; check the connection to the store and load again"
+    )
+
+
 def is_lost_connection(error: BaseException) -> bool:
     """Whether ``error`` is a connection to the store that failed or was reset."""
     if isinstance(error, ConnectionError):
@@ -82,7 +104,7 @@ def is_unanswered(error: BaseException) -> bool:
     """Whether ``error`` is a request the store did not answer within botocore's
     ``connect_timeout`` or ``read_timeout`` (after its client's retries)."""
     try:
-        from botocore.exceptions import (  # type: ignore[import-untyped]
+        from botocore.exceptions import (
             ConnectTimeoutError,
             ReadTimeoutError,
         )
@@ -144,6 +166,8 @@ def failed_read(name: str, error: BaseException) -> BaseException:
         return unanswered(name, error)
     if is_cut_short(error):
         return cut_short(name, error)
+    if is_garbled(error):
+        return garbled(name, error)
     if _is_failed_answer(error):
         return failed_answer(name, error)
     if is_lost_connection(error):
