@@ -1503,15 +1503,16 @@ def test_a_fifo_in_place_of_a_file_is_never_opened(tmp_path: Path, name: str) ->
         assert node.committed(7, 0) == (name != "manifest.json")
         node.used_bytes({0})  # a stat, never an open
         manager = TieredCheckpointManager(tmp_path / "p", local, replicas=0, persist_every=None)
-        if name == "manifest.json":  # no manifest: an interrupted write, not a step
-            assert manager.load_latest(trained(1)) is None
-        else:  # a step that would not load: never abandoned for a silent fresh start
-            with pytest.raises(CheckpointCorruptError) as refused:
-                manager.load_latest(trained(1))
-            assert (
-                f"would not load (step 7 of rank 0: CheckpointCorruptError: {name} is not a "
-                "regular file (a named pipe (FIFO))), and no other step"
-            ) in str(refused.value)
+        # a step that would not load: never abandoned for a silent fresh start (a FIFO
+        # manifest was taken for an interrupted write, and the run started afresh)
+        with pytest.raises(CheckpointCorruptError) as refused:
+            manager.load_latest(trained(1))
+        why = (
+            "its manifest.json is a named pipe (FIFO), not a regular file"
+            if name == "manifest.json"
+            else f"CheckpointCorruptError: {name} is not a regular file (a named pipe (FIFO))"
+        )
+        assert f"would not load (step 7 of rank 0: {why}), and no other step" in str(refused.value)
         manager.close()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -2086,3 +2087,44 @@ def test_a_local_directory_another_run_filled_is_refused_not_resumed_from(
         a.load_latest(live)  # its own run, spelled otherwise
         a.close()
     assert torch.equal(live["w"], torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("swapped", ["fifo", "symlink"])
+def test_a_newest_copy_whose_manifest_is_no_file_is_named_when_the_step_before_is_restored(
+    tmp_path: Path, swapped: str
+) -> None:
+    """A copy whose ``manifest.json`` is a FIFO or a link (no write of shardsafe's leaves
+    one) was taken for an interrupted write: the restore went back a step in silence
+    (found in review). It is refused by the survey and named, as a damaged copy is."""
+    states = {step: trained(step) for step in (1, 2)}
+    manager = TieredCheckpointManager(
+        tmp_path / "p", tmp_path / "l", persist_every=None, keep_local=2
+    )
+    for step, state in states.items():
+        manager.save(step, state)
+    manager.close()
+    copy = tmp_path / "l" / "step-000000002" / "rank-00000"
+    (copy / "manifest.json").unlink()
+    if swapped == "fifo":
+        os.mkfifo(copy / "manifest.json")
+    else:
+        (copy / "manifest.json").symlink_to(
+            tmp_path / "l" / "step-000000001" / "rank-00000" / "manifest.json"
+        )
+    what = "a named pipe (FIFO)" if swapped == "fifo" else "a symbolic link"
+    state = trained(9)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resumed = TieredCheckpointManager(
+            tmp_path / "p", tmp_path / "l", persist_every=None, keep_local=2
+        )
+        resumed.load_latest(state)
+        resumed.close()
+    assert resumed.restored is not None and resumed.restored.step == 1
+    assert same(snapshot(state), snapshot(states[1]))
+    passed = [str(w.message) for w in said if "passing over local checkpoints" in str(w.message)]
+    assert passed == [
+        "shardsafe: restored step 1, passing over local checkpoints of later steps that would "
+        f"not load (step 2 of rank 0: its manifest.json is {what}, not a regular file); they "
+        "are deleted with the other copies of later steps"
+    ]

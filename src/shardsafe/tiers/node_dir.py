@@ -225,8 +225,12 @@ class NodeDir:
         manifest: an interrupted write or receipt; gone since it was listed)."""
         try:
             with self.rank_storage(step, rank, create=False) as storage:
-                if storage.kind(MANIFEST_NAME) != "file":
+                kind = storage.kind(MANIFEST_NAME)
+                if kind is None:
                     return None
+                if kind != "file":  # no write of ours leaves one: said, not passed over
+                    described = storage.describe(MANIFEST_NAME)  # in silence (found in review)
+                    return f"its {MANIFEST_NAME} is {described}, not a regular file"
                 # Checked and parsed once (a survey reads them all).
                 manifest = loadable_manifest(storage)
                 saved_rank, world_size, saved_step = rank_checkpoint.saved_by(manifest)
