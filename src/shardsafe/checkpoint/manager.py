@@ -140,6 +140,7 @@ class CheckpointManager:
         self._passed_over: dict[int, str] = {}
         """Steps the last ``load_latest`` could not load and passed over, and why."""
         self._failed_loading = False  # a load_latest's candidate failed while loading
+        self._considered: set[str] = set()  # the step directories it has looked at
         self._fresh = warn_if_not_empty
         """Whether the next save is this run's first and the run has not looked for a
         checkpoint to continue from (``latest``, ``load_latest``): see ``_warn_if_fresh``."""
@@ -745,6 +746,7 @@ class CheckpointManager:
         self._passed_over = {}
         self._failed_loading = False
         considered: set[str] = set()
+        self._considered = considered
         candidates = self._loadable(considered)
         while (path := self._agreed_next(candidates, opts)) is not None:
             name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -795,6 +797,10 @@ class CheckpointManager:
         started afresh beside a checkpoint that one missing object made unloadable
         (found in review)."""
         found = next(candidates, None)
+        if found is None and self._passed_over and not self._failed_loading:
+            # Listed once more first: a step committed since (whose retention deleted the
+            # one passed over while it was looked at) is the one to load.
+            found = next(self._loadable(self._considered), None)
         if found is None and self._passed_over and not self._failed_loading:
             step = max(self._passed_over)
             raise CheckpointCorruptError(

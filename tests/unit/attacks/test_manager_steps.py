@@ -408,3 +408,30 @@ def test_load_latest_raises_when_every_checkpoint_is_damaged(tmp_path: Path, wor
         said = f"load failed on rank 0: {said}"
     assert got == [["CheckpointCorruptError", said, "True"]] * world
     assert CheckpointManager(tmp_path / "empty").load_latest({"x": 1}) is None  # no step: None
+
+
+def test_load_latest_looks_again_before_raising_that_every_step_is_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another run commits step 2 while this load looks at step 1, which it finds
+    damaged (that run's retention deleting it): the load lists the steps once more and
+    loads step 2, rather than raise that none would load."""
+    from shardsafe.checkpoint import manager as manager_module
+
+    root = tmp_path / "root"
+    writer = CheckpointManager(root)
+    writer.save(1, _small_state(1))
+    (root / "step-000000001" / SHARD).unlink()
+    real = manager_module.problem_with
+
+    def meanwhile(storage: Any) -> str | None:
+        if not (root / "step-000000002").exists():
+            writer.save(2, _small_state(2))  # committed while step 1 is looked at
+        return real(storage)
+
+    monkeypatch.setattr(manager_module, "problem_with", meanwhile)
+    state = {"model": make_model(0)}
+    with pytest.warns(UserWarning, match="passing over .*step-000000001"):
+        assert CheckpointManager(root).load_latest(state) == {"step": 2}
+    writer.close()
+    assert_bitwise(weights(state["model"]), weights(make_model(2)))
