@@ -16,8 +16,11 @@ import pytest
 
 from tests.s3server import S3Server
 
+HANG_UP = (0, {}, b"")
+"""An :data:`Answer` that closes the connection without a word (a store gone mid-upload)."""
 Answer = Callable[[str, str, bytes], "tuple[int, dict[str, str], bytes] | None"]
-"""``(method, path, body)`` -> ``(status, headers, body)`` to answer instead, or None."""
+"""``(method, path, body)`` -> ``(status, headers, body)`` to answer instead
+(:data:`HANG_UP` to answer nothing), or None to forward the request."""
 Alter = Callable[[str, str, bytes], bytes]
 """``(method, path, body of the store's answer)`` -> the body sent on."""
 
@@ -64,6 +67,9 @@ class _Forward(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         instead = self.server.answer(self.command, self.path, body)
+        if instead is HANG_UP:
+            self.close_connection = True
+            return
         if instead is not None:
             status, headers, data = instead
             self._reply(status, list(headers.items()), data)

@@ -6,6 +6,9 @@ of moto's server: an upload acknowledged and dropped, bytes damaged on the way b
   deleted step 1, and a restart found nothing to load (found in review). Retention now
   checks that the new step's data objects are listed at their recorded sizes before it
   deletes an older checkpoint.
+* A store that closes the connection on an upload: botocore's ``ConnectionClosedError``
+  escaped raw, naming the endpoint's HTTP address and a line inside aiobotocore (found
+  in review); now a ``CheckpointError`` naming the object's URL.
 * A response whose body does not match the checksum the store sent with it raised
   botocore's ``FlexibleChecksumError`` raw, naming no object, and was not fetched again
   (found in review): now it is, and then it is the store's failure, naming the object.
@@ -21,7 +24,7 @@ import torch
 import shardsafe
 from shardsafe import CheckpointManager
 from shardsafe.checkpoint.storage.store_failures import StoreFailedError
-from tests.s3proxy import S3Proxy
+from tests.s3proxy import HANG_UP, S3Proxy
 from tests.s3server import S3Server
 
 pytest.importorskip("s3fs")
@@ -87,3 +90,26 @@ def test_a_manifest_damaged_on_the_way_is_fetched_again_then_named(
         "checksum it sent with it, 5 times (FlexibleChecksumError: "
     ), str(raised.value)
     assert torch.equal(state["w"], torch.zeros(4))
+
+
+def test_an_upload_the_store_hangs_up_on_is_an_error_naming_the_object(
+    s3_server: S3Server, s3_bucket: str, s3_proxy: S3Proxy
+) -> None:
+    s3_proxy.answer = lambda method, path, body: (
+        HANG_UP if method == "PUT" and "/step-000000002/shard-" in path else None
+    )
+    root = f"s3://{s3_bucket}/run"
+    manager = CheckpointManager(root, storage_options=s3_proxy.options())
+    manager.save(1, {"w": torch.full((4,), 1.0)})
+    with pytest.raises(shardsafe.CheckpointError) as raised:
+        manager.save(2, {"w": torch.full((4,), 2.0)})
+    manager.close()
+    assert str(raised.value).startswith(
+        f"the object store failed at {root}/step-000000002/shard-00000-of-00001.safetensors: "
+        "ConnectionClosedError: Connection was closed before we received a valid response "
+        "from endpoint URL: "
+    ), str(raised.value)
+    assert [k for k in s3_server.keys(s3_bucket, "run/step-000000002/") if "manifest" in k] == []
+    state = {"w": torch.zeros(4)}
+    CheckpointManager(root).load_latest(state)
+    assert torch.equal(state["w"], torch.full((4,), 1.0))

@@ -30,7 +30,7 @@ from .files import check_name
 from .lock_backends import ObjectLockBackend
 from .object_reader import FsspecFileReader, ReadBudget, get_whole_s3
 from .protocol import EntryKind
-from .store_failures import answers, store_failed_at, store_failures
+from .store_failures import answers, store_failed_at, store_failures, writes
 
 DEFAULT_PART_BYTES = 8 << 20
 """Multipart part size (S3's minimum is 5 MiB); ``storage_options={"default_block_size":
@@ -201,7 +201,7 @@ class FsspecFileSink:
     def __init__(self, fs: Any, path: str, where: str, part_bytes: int) -> None:
         self.path = where
         self._fs, self._key = fs, path
-        with answers(where):
+        with writes(where):
             self._file: Any = fs.open(path, "wb", block_size=part_bytes)
         self._part = part_bytes
         self.written = 0
@@ -210,14 +210,14 @@ class FsspecFileSink:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         # In part-sized slices, so that the file's buffer never holds more than about two
         # parts whatever the size of one write.
-        with answers(self.path):
+        with writes(self.path):
             for start in range(0, view.nbytes, self._part):
                 self._file.write(view[start : start + self._part])
         self.written += view.nbytes
 
     def finish(self) -> int:
         try:
-            with answers(self.path):
+            with writes(self.path):
                 self._file.close()  # completes the multipart upload (or the single PUT)
         except BaseException:
             self.abort()

@@ -234,6 +234,20 @@ def store_failed_at(url: str, error: BaseException) -> CheckpointError:
 
 
 @contextlib.contextmanager
+def writes(url: str) -> Iterator[None]:
+    """:func:`answers`, and any other error of the store's client (botocore's
+    ``ConnectionClosedError`` for a connection the store closed mid-upload) as a
+    ``CheckpointError`` naming ``url``: raw, it named the endpoint's HTTP address and a
+    line inside aiobotocore. ``OSError``s and ``CheckpointError``s pass as they are."""
+    try:
+        yield
+    except (OSError, CheckpointError):
+        raise
+    except Exception as e:
+        raise store_failed_at(url, e) from e
+
+
+@contextlib.contextmanager
 def answers(url: str) -> Iterator[None]:
     """Turn a request about ``url`` that the store never answered into :func:`unanswered`;
     let every other error through as it is."""
